@@ -1,0 +1,232 @@
+#!/usr/bin/env bash
+# One-shot check for a lent GPU machine: build the extension, record the machine, measure the
+# pinned-copy bandwidth (the reference) and our copy path against it, run the cuda-marked
+# tests, a short end-to-end smoke step, and the GPU benchmark.
+#
+#   OUT=/some/dir bash benchmarks/gpu_check.sh        # everything lands in $OUT
+#
+# Built for one device call: the whole script stays inside GPU_CHECK_BUDGET_S (default 480 s)
+# by giving each step min(its own limit, what is left). A failing or timed-out step is
+# recorded and the script goes on; $OUT/summary.txt has one line per step with its rc
+# (124 = timed out, "skip" = no time left). The script itself exits 0 unless it could not
+# start; read summary.txt for the verdict. Files in $OUT (the device tool brings back 8):
+# summary.txt, build.log (machine + versions + build), bandwidth.log, pytest.log, smoke.log,
+# trace.json (the smoke step's OFFLOAD_TRACE), bench.log, bench.json.
+#
+# Knobs: PYTHON (default python3), GPU_CHECK_BUDGET_S, GPU_CHECK_BENCH_ARGS (extra arguments
+# for offload.bench), GPU_CHECK_NVME_DIR (default /var/tmp), GPU_CHECK_SKIP (comma-separated
+# step names not to run, e.g. "build" to try the script on a machine whose build you keep).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-check-out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"
+NVME_DIR="${GPU_CHECK_NVME_DIR:-/var/tmp}"
+SUMMARY="$OUT/summary.txt"
+START_S=$(date +%s)
+export PYTHONUNBUFFERED=1
+# torch's caching allocator without expandable segments: the race tests count on blocks
+# being reused at once, as in the default configuration.
+unset PYTORCH_CUDA_ALLOC_CONF || true
+
+printf 'gpu_check %s  budget %ss  %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$BUDGET_S" "$PWD" >"$SUMMARY"
+
+# step NAME LIMIT_S CMD...  Run CMD (a command or a function of this script) with a time
+# limit, output to $OUT/NAME.log; never aborts the script.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  if [[ ",${GPU_CHECK_SKIP:-}," == *",$name,"* ]]; then
+    printf '%-10s rc=skip   (GPU_CHECK_SKIP)\n' "$name" | tee -a "$SUMMARY"
+    return 0
+  fi
+  local left=$((BUDGET_S - ($(date +%s) - START_S) - 5))
+  if ((left < 15)); then
+    printf '%-10s rc=skip   (no time left in the %ss budget)\n' "$name" "$BUDGET_S" | tee -a "$SUMMARY"
+    return 0
+  fi
+  ((limit > left)) && limit=$left
+  echo "=== $name (limit ${limit}s)"
+  local t0 rc=0
+  t0=$(date +%s)
+  # bash -c: timeout runs programs, and the steps below are exported shell functions
+  timeout --kill-after=10 "$limit" bash -c '"$@"' "$name" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
+  local note=""
+  ((rc == 124 || rc == 137)) && note=" (timed out after ${limit}s)"
+  printf '%-10s rc=%-4s %4ss%s\n' "$name" "$rc" "$(($(date +%s) - t0))" "$note" | tee -a "$SUMMARY"
+  tail -n 25 "$OUT/$name.log" || true
+  return 0
+}
+
+# ---------------------------------------------------------------- 1. machine, versions, build
+build() {
+  env_info
+  echo "--- build"
+  "$PY" -m pip install --no-build-isolation --no-deps -e . || return
+  "$PY" -c "from offload._ext import load_core; c = load_core(); print('offload._C: cuda_compiled', c.cuda_compiled, '| cuda_usable', c.cuda_usable())"
+}
+
+env_info() {
+  nvidia-smi || echo "nvidia-smi failed"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
+    --format=csv || true
+  command -v nvcc && nvcc --version | tail -n 2 || echo "nvcc: not on PATH"
+  "$PY" - <<'EOF'
+import platform, torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| torch cuda", torch.version.cuda)
+print("cuda available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(), "| capability", torch.cuda.get_device_capability())
+EOF
+}
+
+# ---------------------------------------------------------------- 2. bandwidth: reference vs our path
+bandwidth() {
+  "$PY" - <<'EOF'
+import json, statistics, time
+import torch
+from offload.cuda_streams import CopyStreams
+
+MiB = 1 << 20
+N = 256 * MiB
+CHUNK, CHUNKS = 4 * MiB, 64          # many copies back to back, as in a training step
+dev = torch.randint(0, 256, (N,), dtype=torch.uint8, device="cuda")
+ref_host = torch.empty(N, dtype=torch.uint8, pin_memory=True)
+
+def block_factory():
+    try:
+        from offload._ext import load_core
+        core = load_core()
+        if core.cuda_compiled and core.cuda_usable():
+            arena = core.HostArena(2 * N + 16 * MiB, pinned=True)
+            return "offload._C HostArena (cudaHostAlloc)", arena.allocate
+    except Exception as exc:
+        print("arena unavailable:", exc)
+    return "torch pinned tensors", lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
+
+def wall_gbps(fn, nbytes, reps=5):
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[1:]) / 1e9   # first run is warm-up
+
+side = torch.cuda.Stream()
+def ref_d2h():
+    with torch.cuda.stream(side):
+        ref_host.copy_(dev, non_blocking=True)
+def ref_h2d():
+    with torch.cuda.stream(side):
+        dev.copy_(ref_host, non_blocking=True)
+def ref_d2h_chunks():
+    with torch.cuda.stream(side):
+        for i in range(CHUNKS):
+            ref_host[i * CHUNK:(i + 1) * CHUNK].copy_(dev[i * CHUNK:(i + 1) * CHUNK], non_blocking=True)
+def ref_h2d_chunks():
+    with torch.cuda.stream(side):
+        for i in range(CHUNKS):
+            dev[i * CHUNK:(i + 1) * CHUNK].copy_(ref_host[i * CHUNK:(i + 1) * CHUNK], non_blocking=True)
+
+kind, make_block = block_factory()
+copies = CopyStreams(torch.device("cuda"))
+big = make_block(N)
+chunks = [make_block(CHUNK) for _ in range(CHUNKS)]
+def ours_d2h():
+    copies.offload(dev, big).wait()
+def ours_h2d():
+    copies.reload(big, N).wait()
+def ours_d2h_chunks():
+    tickets = [copies.offload(dev[i * CHUNK:(i + 1) * CHUNK], chunks[i]) for i in range(CHUNKS)]
+    tickets[-1].wait()
+def ours_h2d_chunks():
+    tickets = [copies.reload(chunks[i], CHUNK) for i in range(CHUNKS)]
+    tickets[-1].wait()
+
+rows = {}
+for name, ref, ours, nbytes in [("d2h 256MiB", ref_d2h, ours_d2h, N), ("h2d 256MiB", ref_h2d, ours_h2d, N),
+                                ("d2h 64x4MiB", ref_d2h_chunks, ours_d2h_chunks, CHUNK * CHUNKS),
+                                ("h2d 64x4MiB", ref_h2d_chunks, ours_h2d_chunks, CHUNK * CHUNKS)]:
+    r, o = wall_gbps(ref, nbytes), wall_gbps(ours, nbytes)
+    rows[name] = {"reference_gbps": round(r, 2), "offload_path_gbps": round(o, 2), "ratio": round(o / r, 3)}
+    print(f"{name:12s} reference {r:7.2f} GB/s   offload path {o:7.2f} GB/s   ratio {o / r:.3f}"
+          f"   {'OK' if o >= 0.9 * r else 'BELOW 90%'}")
+# bit-exact round trip through our path
+copies.offload(dev, big).wait()
+back = copies.reload(big, N).tensor_for_use()
+exact = bool(torch.equal(back, dev))
+copies.close()
+print("host blocks:", kind, "| round trip exact:", exact)
+print("CopyStreams stats (GPU-timed):", json.dumps(copies.stats.as_dict()))
+print("BANDWIDTH_JSON", json.dumps({"blocks": kind, "exact": exact, "rows": rows}))
+assert exact, "round trip through CopyStreams changed bytes"
+assert all(v["ratio"] >= 0.9 for v in rows.values()), "offload path below 90% of pinned bandwidth"
+EOF
+}
+
+# ---------------------------------------------------------------- 3. end-to-end smoke step
+smoke() {
+  OFFLOAD_TRACE="$OUT/trace.json" "$PY" - <<'EOF'
+import json, os, time
+import torch
+import offload
+from offload.models import GPT, GPTConfig
+
+torch.backends.cuda.matmul.allow_tf32 = False
+cfg = GPTConfig(hidden=256, layers=4, heads=4, seq_len=256, dropout=0.0)
+
+def step(settings):
+    torch.manual_seed(0)
+    model = GPT(cfg).cuda()
+    x = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if settings is None:
+        model(x).float().pow(2).mean().backward()
+        stats = None
+    else:
+        with offload.activations(model=model, **settings) as ctx:
+            model(x).float().pow(2).mean().backward()
+        stats = ctx.stats.as_dict()
+    torch.cuda.synchronize()
+    return [p.grad for p in model.parameters()], time.perf_counter() - t0, stats
+
+# The math attention kernel: flash / memory-efficient backward use atomics (not bit-exact).
+from torch.nn.attention import SDPBackend, sdpa_kernel
+with sdpa_kernel(SDPBackend.MATH):
+    ref, ref_s, _ = step(None)
+    again, _, _ = step(None)
+    deterministic = all(torch.equal(a, b) for a, b in zip(ref, again))
+    print("no-offload step deterministic:", deterministic)
+    ok = True
+    for tiers in ("host", "nvme"):
+        settings = {"tiers": tiers, "policy": "offload", "min_bytes": 0,
+                    "nvme_dir": os.environ.get("NVME_DIR", "/var/tmp")}
+        grads, s, stats = step(settings)
+        exact = all(torch.equal(a, b) for a, b in zip(ref, grads))
+        ok &= exact or not deterministic
+        print(f"tiers={tiers}: exact={exact} step {s:.3f}s (no offload {ref_s:.3f}s)")
+        print(json.dumps(stats, default=str)[:2000])
+assert ok, "gradients differ from the no-offload step"
+EOF
+}
+
+export OUT PY NVME_DIR
+export -f build env_info bandwidth smoke
+
+step build 180 build   # the machine and versions are at the top of build.log
+step bandwidth 60 bandwidth
+step pytest 150 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts= tests
+step smoke 60 smoke
+# shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of words on purpose
+step bench 170 "$PY" -m offload.bench --device cuda --strategies none,recompute,offload-host,offload-nvme \
+  --steps 3 --warmup 1 --timeout-s 150 --nvme-dir "$NVME_DIR" --json "$OUT/bench.json" \
+  ${GPU_CHECK_BENCH_ARGS:-}
+
+printf 'total %ss\n' "$(($(date +%s) - START_S))" | tee -a "$SUMMARY"
+echo "=== summary"
+cat "$SUMMARY"

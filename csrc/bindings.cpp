@@ -1,0 +1,110 @@
+// Module `offload._C`: error translation, CUDA entry points, and the arena/store classes
+// (bind_arena.cpp, bind_store.cpp). Loaded from Python only through offload/_ext.py.
+#include "bindings.hpp"
+
+#include <pybind11/stl.h>
+
+#include "crc32c.hpp"
+#include "cuda_copy.hpp"
+#include "error.hpp"
+#include "host_arena.hpp"
+
+namespace py = pybind11;
+
+namespace offload::bind {
+
+uint64_t non_negative(int64_t value, const char* name) {
+  if (value < 0)
+    throw InvalidArgument(std::string(name) + " must be >= 0, got " + std::to_string(value));
+  return static_cast<uint64_t>(value);
+}
+
+void emit_log_notes(const std::vector<LogNote>& notes) {
+  if (notes.empty()) return;
+  py::object logger = py::module_::import("logging").attr("getLogger")("offload");
+  for (const auto& note : notes) logger.attr("log")(note.level, note.message);
+}
+
+namespace {
+
+py::object optional_int(int64_t v) { return v >= 0 ? py::object(py::int_(v)) : py::object(py::none()); }
+
+// IoError -> offload.errors.StorageError(errno, message, filename, offset, nbytes), so
+// Python code can catch OSError and branch on errno (ENOSPC stays ENOSPC).
+void raise_storage_error(const IoError& e) {
+  try {
+    py::object cls = py::module_::import("offload.errors").attr("StorageError");
+    py::object path = e.path().empty() ? py::object(py::none()) : py::object(py::str(e.path()));
+    py::object exc = cls(e.err(), e.message(), path, optional_int(e.offset()), optional_int(e.nbytes()));
+    PyErr_SetObject(cls.ptr(), exc.ptr());
+  } catch (py::error_already_set&) {
+    // offload.errors itself is broken: still keep errno through a plain OSError.
+    py::object exc = py::reinterpret_steal<py::object>(
+        PyObject_CallFunction(PyExc_OSError, "is", e.err(), e.what()));
+    PyErr_SetObject(PyExc_OSError, exc.ptr());
+  }
+}
+
+void translate(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const IoError& e) {
+    raise_storage_error(e);
+  } catch (const InvalidArgument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const UseAfterClose& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  }
+}
+
+void copy(bool d2h, uintptr_t dst, uintptr_t src, int64_t nbytes, uintptr_t stream, uintptr_t event) {
+  const uint64_t n = non_negative(nbytes, "nbytes");
+  py::gil_scoped_release nogil;  // cudaMemcpyAsync may block on pageable memory
+  if (d2h)
+    cuda::copy_d2h(dst, src, n, stream, event);
+  else
+    cuda::copy_h2d(dst, src, n, stream, event);
+}
+
+uint32_t crc_of(const py::buffer& data, uint32_t crc, bool portable) {
+  py::buffer_info info = data.request();
+  const size_t n = static_cast<size_t>(info.size * info.itemsize);
+  py::gil_scoped_release nogil;
+  return portable ? crc32c_portable(info.ptr, n, crc) : crc32c(info.ptr, n, crc);
+}
+
+}  // namespace
+}  // namespace offload::bind
+
+PYBIND11_MODULE(_C, m) {
+  using namespace offload;
+  m.doc() = "offload's compiled core: host arena, NVMe store, CUDA copy engine";
+  py::register_exception_translator(&bind::translate);
+
+  m.attr("cuda_compiled") = cuda::compiled();
+  m.attr("DEFAULT_ALIGNMENT") = kDefaultAlignment;
+  m.def("cuda_usable", &cuda::usable, "True when a CUDA driver and device are present; never raises.");
+  m.def("cuda_unusable_reason", &cuda::unusable_reason,
+        "Why cuda_usable() is False ('' when it is True).");
+
+  m.def("copy_d2h", [](uintptr_t dst, uintptr_t src, int64_t nbytes, uintptr_t stream,
+                       uintptr_t event) { bind::copy(true, dst, src, nbytes, stream, event); },
+        py::arg("dst_ptr"), py::arg("src_ptr"), py::arg("nbytes"), py::arg("stream"),
+        py::arg("event"),
+        "cudaMemcpyAsync device->host on `stream`, then record `event` on it (0: none).");
+  m.def("copy_h2d", [](uintptr_t dst, uintptr_t src, int64_t nbytes, uintptr_t stream,
+                       uintptr_t event) { bind::copy(false, dst, src, nbytes, stream, event); },
+        py::arg("dst_ptr"), py::arg("src_ptr"), py::arg("nbytes"), py::arg("stream"),
+        py::arg("event"),
+        "cudaMemcpyAsync host->device on `stream`, then record `event` on it (0: none).");
+
+  m.def("crc32c", [](const py::buffer& data, uint32_t crc) { return bind::crc_of(data, crc, false); },
+        py::arg("data"), py::arg("crc") = 0, "CRC-32C of a bytes-like object (extends `crc`).");
+  m.def("_crc32c_portable",
+        [](const py::buffer& data, uint32_t crc) { return bind::crc_of(data, crc, true); },
+        py::arg("data"), py::arg("crc") = 0, "Table-driven CRC-32C (test cross-check).");
+  m.attr("crc32c_backend") = crc32c_backend();
+
+  bind::bind_arena(m);
+  bind::bind_store(m);
+}

@@ -1,0 +1,24 @@
+// Shared helpers of the pybind11 binding files.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "direct_io.hpp"
+
+namespace offload::bind {
+
+// Sizes arrive as Python ints; a negative one gets a ValueError naming the argument
+// instead of pybind11's generic "incompatible function arguments".
+uint64_t non_negative(int64_t value, const char* name);
+
+// Sends notes gathered without the GIL to logging.getLogger("offload").
+void emit_log_notes(const std::vector<LogNote>& notes);
+
+void bind_arena(pybind11::module_& m);
+void bind_store(pybind11::module_& m);
+
+}  // namespace offload::bind

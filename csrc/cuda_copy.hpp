@@ -1,0 +1,41 @@
+// The CUDA runtime, seen through integers (pointers, stream and event handles) so that
+// no libtorch header is needed and one build serves any torch version. In builds
+// without the CUDA toolkit every function except compiled()/usable() throws
+// std::runtime_error naming the reason.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace offload::cuda {
+
+bool compiled() noexcept;
+// Driver and at least one device present. Never throws; the answer is cached (the
+// first call initializes the runtime, which costs milliseconds).
+bool usable() noexcept;
+// Why usable() is false ("" when it is true).
+std::string unusable_reason();
+
+// Page-locked host memory for the arena (one call per arena, never per tensor).
+void* host_alloc_pinned(size_t nbytes);
+void host_free_pinned(void* ptr) noexcept;
+
+// Device of the calling thread (the runtime follows a context made current by torch).
+int current_device();
+// Device a stream belongs to.
+int stream_device(uintptr_t stream);
+void set_device(int device);
+
+// cudaMemcpyAsync on `stream`, then cudaEventRecord(event, stream) when event != 0.
+void copy_d2h(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, uintptr_t event);
+void copy_h2d(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, uintptr_t event);
+
+void event_synchronize(uintptr_t event);
+
+// A private event marking "everything queued on `stream` so far"; lets the store keep
+// a pinned block alive until an H2D copy from it has finished on the device.
+uintptr_t record_private_event(uintptr_t stream);
+void destroy_event(uintptr_t event) noexcept;
+
+}  // namespace offload::cuda

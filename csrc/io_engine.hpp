@@ -1,0 +1,94 @@
+// The worker pool that moves chunks between memory and slab files. Workers issue
+// blocking pread/pwrite, so `workers` is the queue depth the device sees (workers = 16
+// matches fio's iodepth=16). A cap on bytes in flight bounds it further, and an optional
+// pacing limit caps throughput for shared disks.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "direct_io.hpp"
+#include "io_request.hpp"
+
+namespace offload {
+
+// CRC of one chunk as written, so a read of the same chunk can be verified.
+struct ChunkSum {
+  uint32_t crc = 0;
+  uint64_t nbytes = 0;
+  bool valid = false;
+};
+
+struct Chunk {
+  const SlabFile* slab = nullptr;
+  uint64_t file_offset = 0;  // aligned to slab->alignment()
+  char* mem = nullptr;
+  uint64_t nbytes = 0;
+  // Bytes addressable at `mem` (>= nbytes). Arena blocks are padded to 4096, so direct
+  // I/O may run past `nbytes` into the padding instead of going through a bounce buffer.
+  uint64_t mem_capacity = 0;
+  bool write = false;
+  ChunkSum* sum = nullptr;  // nullptr: no checksums
+  std::shared_ptr<IoRequest> request;
+};
+
+// Spaces out chunk starts so the long-run rate stays at or below `bytes_per_s`.
+class Throttle {
+ public:
+  explicit Throttle(uint64_t bytes_per_s) : bytes_per_s_(bytes_per_s) {}
+  void acquire(uint64_t nbytes);
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  const uint64_t bytes_per_s_;
+  std::mutex mu_;
+  Clock::time_point next_ = Clock::now();
+};
+
+struct EngineCounters {
+  std::atomic<uint64_t> bytes_written{0};
+  std::atomic<uint64_t> bytes_read{0};
+};
+
+class IoEngine {
+ public:
+  IoEngine(size_t workers, uint64_t bounce_bytes, uint64_t bounce_alignment,
+           uint64_t max_inflight_bytes, uint64_t throttle_bytes_per_s);
+  ~IoEngine();  // stop()
+  IoEngine(const IoEngine&) = delete;
+  IoEngine& operator=(const IoEngine&) = delete;
+
+  // Throws UseAfterClose after stop().
+  void submit(std::vector<Chunk> chunks);
+  // Finishes queued chunks, then joins the workers. Idempotent.
+  void stop();
+
+  const EngineCounters& counters() const noexcept { return counters_; }
+
+ private:
+  void worker_loop();
+  void run_chunk(const Chunk& chunk, AlignedBuffer& bounce);
+  bool admissible() const;  // caller holds mu_
+
+  const uint64_t bounce_bytes_;
+  const uint64_t bounce_alignment_;
+  const uint64_t max_inflight_bytes_;
+  Throttle throttle_;
+  EngineCounters counters_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Chunk> queue_;
+  uint64_t inflight_bytes_ = 0;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace offload

@@ -1,0 +1,139 @@
+// Completion state of one asynchronous request (what Python sees as IoFuture), and the
+// counter a store uses to wait for all of its requests on close().
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+namespace offload {
+
+// Counts requests that have not finished. Shared (not owned by the store) so a request
+// finishing on a worker thread never touches a destroyed store.
+class InflightTracker {
+ public:
+  void add() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++count_;
+  }
+  void remove() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--count_ == 0) cv_.notify_all();
+  }
+  void wait_zero() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return count_ == 0; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t count_ = 0;
+};
+
+// A request is split into chunks that run on several workers; the last chunk to finish
+// completes the request. The first error wins and later chunks of a failed request are
+// skipped. Keep-alives (host memory, the extent) are dropped *before* the request reports
+// done, so after wait() returns the I/O holds no memory any more.
+class IoRequest {
+ public:
+  IoRequest(uint64_t nbytes, std::shared_ptr<InflightTracker> tracker)
+      : nbytes_(nbytes), tracker_(std::move(tracker)) {
+    tracker_->add();
+  }
+  IoRequest(const IoRequest&) = delete;
+  IoRequest& operator=(const IoRequest&) = delete;
+  ~IoRequest() {
+    if (done_) return;
+    // Never started (its submission failed): release the tracker count, run nothing.
+    on_success_ = nullptr;
+    finish(std::make_exception_ptr(std::runtime_error("I/O request abandoned before it ran")));
+  }
+
+  void keep_alive(std::shared_ptr<const void> owner) { keepalive_.push_back(std::move(owner)); }
+  // Runs on the completing thread after every chunk succeeded; an exception it throws
+  // becomes the request's error.
+  void on_success(std::function<void()> fn) { on_success_ = std::move(fn); }
+  void expect_chunks(size_t count) { pending_.store(count); }
+
+  bool failed() const noexcept { return failed_.load(std::memory_order_relaxed); }
+
+  void chunk_done(std::exception_ptr err) {
+    if (err) record_error(err);
+    if (pending_.fetch_sub(1) == 1) finish(take_error());
+  }
+  // Completes a request that will run no chunk (zero bytes, or its staging failed).
+  void complete(std::exception_ptr err) { finish(err); }
+
+  bool done() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+  // True when done; false when `timeout_s` passed first (nullopt waits forever).
+  bool wait(std::optional<double> timeout_s) const {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!timeout_s) {
+      cv_.wait(lock, [&] { return done_; });
+      return true;
+    }
+    return cv_.wait_for(lock, std::chrono::duration<double>(*timeout_s), [&] { return done_; });
+  }
+  // Bytes moved; rethrows the request's error. Only valid once done().
+  uint64_t result() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_) std::rethrow_exception(error_);
+    return nbytes_;
+  }
+  uint64_t nbytes() const noexcept { return nbytes_; }
+
+ private:
+  void record_error(std::exception_ptr err) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_) error_ = err;
+    failed_ = true;
+  }
+  std::exception_ptr take_error() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+  void finish(std::exception_ptr err) {
+    if (!err && on_success_) {
+      try {
+        on_success_();
+      } catch (...) {
+        err = std::current_exception();
+      }
+    }
+    on_success_ = nullptr;
+    keepalive_.clear();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (err && !error_) error_ = err;
+      done_ = true;
+      cv_.notify_all();
+    }
+    tracker_->remove();
+  }
+
+  const uint64_t nbytes_;
+  std::shared_ptr<InflightTracker> tracker_;
+  std::vector<std::shared_ptr<const void>> keepalive_;
+  std::function<void()> on_success_;
+  std::atomic<size_t> pending_{0};
+  std::atomic<bool> failed_{false};
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  std::exception_ptr error_;
+  bool done_ = false;
+};
+
+}  // namespace offload

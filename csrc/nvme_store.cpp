@@ -1,0 +1,321 @@
+#include "nvme_store.hpp"
+
+#include <algorithm>
+#include <set>
+#include <stdexcept>
+
+#include "cuda_copy.hpp"
+#include "error.hpp"
+
+namespace offload {
+
+namespace {
+
+uint64_t round_up(uint64_t n, uint64_t unit) { return (n + unit - 1) / unit * unit; }
+
+void validate_options(const std::vector<std::string>& dirs, uint64_t capacity_bytes,
+                      const StoreOptions& o) {
+  if (dirs.empty()) throw InvalidArgument("NvmeStore: dirs must name at least one directory, got []");
+  std::set<std::string> seen;
+  for (const auto& d : dirs)
+    if (!seen.insert(d).second)
+      throw InvalidArgument("NvmeStore: dirs lists '" + d +
+                            "' twice (give each directory once; list directories on different "
+                            "disks to stripe across them)");
+  if (capacity_bytes == 0) throw InvalidArgument("NvmeStore: capacity_bytes must be positive, got 0");
+  if (o.workers == 0 || o.workers > 1024)
+    throw InvalidArgument("NvmeStore: workers must be between 1 and 1024, got " +
+                          std::to_string(o.workers));
+  if (o.chunk_bytes < 4096 || o.chunk_bytes % 4096 != 0)
+    throw InvalidArgument("NvmeStore: chunk_bytes must be a positive multiple of 4096, got " +
+                          std::to_string(o.chunk_bytes));
+  if (o.max_inflight_bytes < o.chunk_bytes)
+    throw InvalidArgument("NvmeStore: max_inflight_bytes (" + std::to_string(o.max_inflight_bytes) +
+                          ") must be at least chunk_bytes (" + std::to_string(o.chunk_bytes) + ")");
+}
+
+}  // namespace
+
+ExtentRange::~ExtentRange() {
+  try {
+    allocator_->free(offset_, nbytes_);
+  } catch (...) {
+    // Each range frees exactly once by construction; a destructor must not throw.
+  }
+}
+
+const std::shared_ptr<ExtentRange>& Extent::range() const {
+  if (!range_) throw UseAfterClose("Extent was released; allocate a new one");
+  return range_;
+}
+
+NvmeStore::NvmeStore(const std::vector<std::string>& dirs, uint64_t capacity_bytes,
+                     const StoreOptions& options, std::vector<LogNote>* notes)
+    : options_(options) {
+  validate_options(dirs, capacity_bytes, options);
+  // Check every directory before creating anything, so a typo in the second directory
+  // does not cost a slab reservation in the first.
+  for (const auto& d : dirs) validate_directory(d);
+
+  std::vector<LogNote> slab_notes;
+  for (const auto& d : dirs) {
+    slabs_.push_back(std::make_unique<SlabFile>(d, options.direct, &slab_notes));
+    alignment_ = std::max(alignment_, slabs_.back()->alignment());
+  }
+  // Stripe unit = chunk size, so every chunk lands in exactly one slab.
+  stripe_bytes_ = round_up(options.chunk_bytes, alignment_);
+  const uint64_t per_slab = (capacity_bytes + dirs.size() - 1) / dirs.size();
+  slab_bytes_ = round_up(per_slab, stripe_bytes_);
+  for (auto& slab : slabs_) slab->reserve(slab_bytes_, &slab_notes);
+
+  // One warning for the whole store, however many directories fell back.
+  std::string fallback;
+  for (auto& n : slab_notes) {
+    if (n.level >= 30)
+      fallback += (fallback.empty() ? "" : "; ") + n.message;
+    else
+      notes->push_back(std::move(n));
+  }
+  if (!fallback.empty())
+    notes->push_back({30, fallback + " (buffered I/O goes through the page cache: slower and it "
+                                     "uses host RAM; point the NVMe directory at a local disk "
+                                     "filesystem such as ext4 or xfs for direct I/O)"});
+
+  allocator_ = std::make_shared<RangeAllocator>(slab_bytes_ * slabs_.size(), alignment_);
+  engine_ = std::make_unique<IoEngine>(options.workers, stripe_bytes_, alignment_,
+                                       options.max_inflight_bytes, options.throttle_bytes_per_s);
+}
+
+NvmeStore::~NvmeStore() { close(); }
+
+void NvmeStore::close() {
+  std::lock_guard<std::mutex> lock(close_mu_);
+  if (closed_.exchange(true)) return;
+  tracker_->wait_zero();  // every submitted request, including ones staged behind CUDA events
+  engine_->stop();
+  {
+    std::lock_guard<std::mutex> stager_lock(stager_mu_);
+    stager_.reset();  // runs what is queued (releases of pinned blocks after H2D), then joins
+  }
+  for (auto& slab : slabs_) slab->close();
+}
+
+void NvmeStore::check_open() const {
+  if (closed_.load()) throw UseAfterClose("NvmeStore is closed");
+}
+
+bool NvmeStore::direct() const noexcept {
+  return std::all_of(slabs_.begin(), slabs_.end(), [](const auto& s) { return s->direct(); });
+}
+
+std::vector<std::string> NvmeStore::paths() const {
+  std::vector<std::string> out;
+  for (const auto& s : slabs_) out.push_back(s->dir());
+  return out;
+}
+
+NvmeStore::Location NvmeStore::locate(uint64_t logical_offset) const {
+  const uint64_t stripe = logical_offset / stripe_bytes_;
+  const uint64_t within = logical_offset % stripe_bytes_;
+  const uint64_t n = slabs_.size();
+  return Location{slabs_[stripe % n].get(), (stripe / n) * stripe_bytes_ + within,
+                  stripe_bytes_ - within};
+}
+
+std::shared_ptr<ExtentRange> NvmeStore::allocate(uint64_t nbytes) {
+  check_open();
+  std::optional<uint64_t> offset = allocator_->allocate(nbytes);
+  if (!offset) return nullptr;
+  size_t slots = 0;
+  if (options_.checksum) {
+    for (uint64_t pos = 0; pos < nbytes; ++slots) pos += locate(*offset + pos).contiguous_bytes;
+  }
+  try {
+    return std::make_shared<ExtentRange>(allocator_, *offset, nbytes, slots);
+  } catch (...) {
+    allocator_->free(*offset, nbytes);
+    throw;
+  }
+}
+
+const std::shared_ptr<ExtentRange>& NvmeStore::checked_range(const Extent& extent) const {
+  const auto& range = extent.range();
+  if (range->allocator() != allocator_.get())
+    throw InvalidArgument("Extent belongs to a different NvmeStore");
+  return range;
+}
+
+std::vector<Chunk> NvmeStore::make_chunks(ExtentRange& range, char* mem, uint64_t nbytes,
+                                          uint64_t mem_capacity, bool write,
+                                          const std::shared_ptr<IoRequest>& request) {
+  std::vector<Chunk> chunks;
+  chunks.reserve(nbytes / stripe_bytes_ + 2);
+  uint64_t pos = 0;
+  for (size_t index = 0; pos < nbytes; ++index) {
+    const Location loc = locate(range.offset() + pos);
+    const uint64_t len = std::min(nbytes - pos, loc.contiguous_bytes);
+    Chunk c;
+    c.slab = loc.slab;
+    c.file_offset = loc.file_offset;
+    c.mem = mem + pos;
+    c.nbytes = len;
+    c.mem_capacity = mem_capacity - pos;
+    c.write = write;
+    c.sum = range.sum(index);
+    c.request = request;
+    chunks.push_back(std::move(c));
+    pos += len;
+  }
+  return chunks;
+}
+
+std::shared_ptr<IoRequest> NvmeStore::submit(const Extent& extent, char* mem, uint64_t nbytes,
+                                             uint64_t mem_capacity, bool write,
+                                             std::shared_ptr<const void> memory_owner) {
+  check_open();
+  std::shared_ptr<ExtentRange> range = checked_range(extent);
+  if (nbytes > range->nbytes())
+    throw InvalidArgument(std::string(write ? "write" : "read") + " of " + std::to_string(nbytes) +
+                          " bytes does not fit the extent of " + std::to_string(range->nbytes()) +
+                          " bytes");
+  if (mem == nullptr && nbytes > 0) throw InvalidArgument("ptr is 0 (null) for a non-empty transfer");
+  auto request = std::make_shared<IoRequest>(nbytes, tracker_);
+  request->keep_alive(range);
+  if (memory_owner) request->keep_alive(std::move(memory_owner));
+  std::vector<Chunk> chunks = make_chunks(*range, mem, nbytes, mem_capacity, write, request);
+  request->expect_chunks(chunks.size());
+  if (chunks.empty()) {
+    request->complete(nullptr);
+    return request;
+  }
+  engine_->submit(std::move(chunks));
+  return request;
+}
+
+std::shared_ptr<IoRequest> NvmeStore::write(const Extent& extent, const HostBlock& block) {
+  const auto& region = block.region();
+  return submit(extent, region->data(), block.nbytes(), region->capacity_bytes(), true, region);
+}
+
+std::shared_ptr<IoRequest> NvmeStore::read(const Extent& extent, const HostBlock& block) {
+  const auto& region = block.region();
+  return submit(extent, region->data(), block.nbytes(), region->capacity_bytes(), false, region);
+}
+
+std::shared_ptr<IoRequest> NvmeStore::write_ptr(const Extent& extent, uintptr_t ptr,
+                                                uint64_t nbytes) {
+  return submit(extent, reinterpret_cast<char*>(ptr), nbytes, nbytes, true, nullptr);
+}
+
+std::shared_ptr<IoRequest> NvmeStore::read_ptr(const Extent& extent, uintptr_t ptr,
+                                               uint64_t nbytes) {
+  return submit(extent, reinterpret_cast<char*>(ptr), nbytes, nbytes, false, nullptr);
+}
+
+ThreadPool& NvmeStore::stager() {
+  std::lock_guard<std::mutex> lock(stager_mu_);
+  if (!stager_) stager_ = std::make_shared<ThreadPool>(1);
+  return *stager_;
+}
+
+std::shared_ptr<IoRequest> NvmeStore::write_after_event(const Extent& extent,
+                                                        const HostBlock& block, uintptr_t event) {
+  if (!cuda::compiled()) cuda::event_synchronize(event);  // throws the "built without CUDA" error
+  check_open();
+  if (event == 0) throw InvalidArgument("write_after_event: event handle is 0");
+  const int device = cuda::current_device();
+  const auto& region = block.region();
+  std::shared_ptr<ExtentRange> range = checked_range(extent);
+  if (block.nbytes() > range->nbytes())
+    throw InvalidArgument("write of " + std::to_string(block.nbytes()) +
+                          " bytes does not fit the extent of " + std::to_string(range->nbytes()) +
+                          " bytes");
+  auto request = std::make_shared<IoRequest>(block.nbytes(), tracker_);
+  request->keep_alive(range);
+  request->keep_alive(region);
+  auto chunks = std::make_shared<std::vector<Chunk>>(
+      make_chunks(*range, region->data(), block.nbytes(), region->capacity_bytes(), true, request));
+  request->expect_chunks(chunks->size());
+  IoEngine* engine = engine_.get();  // outlives the request: close() waits for it
+  // The wait runs on the stager thread so that no I/O worker sits idle behind a GPU event.
+  stager().submit([engine, request, chunks, event, device] {
+    try {
+      cuda::set_device(device);
+      cuda::event_synchronize(event);  // the D2H copy into the block has landed
+      if (chunks->empty())
+        request->complete(nullptr);
+      else
+        engine->submit(std::move(*chunks));
+    } catch (...) {
+      chunks->clear();
+      request->complete(std::current_exception());
+    }
+  });
+  return request;
+}
+
+std::shared_ptr<IoRequest> NvmeStore::read_then_h2d(const Extent& extent, const HostBlock& block,
+                                                    uintptr_t dst_ptr, uint64_t nbytes,
+                                                    uintptr_t stream, uintptr_t event) {
+  if (!cuda::compiled()) cuda::event_synchronize(event);  // throws the "built without CUDA" error
+  check_open();
+  if (nbytes > block.nbytes())
+    throw InvalidArgument("read_then_h2d: nbytes=" + std::to_string(nbytes) +
+                          " exceeds the block's " + std::to_string(block.nbytes()) + " bytes");
+  if (dst_ptr == 0 && nbytes > 0) throw InvalidArgument("read_then_h2d: dst_ptr is 0 (null)");
+  const int device = cuda::stream_device(stream);
+  std::shared_ptr<HostRegion> region = block.region();
+  std::shared_ptr<ExtentRange> range = checked_range(extent);
+  if (nbytes > range->nbytes())
+    throw InvalidArgument("read of " + std::to_string(nbytes) + " bytes does not fit the extent of " +
+                          std::to_string(range->nbytes()) + " bytes");
+  {
+    std::lock_guard<std::mutex> lock(stager_mu_);
+    if (!stager_) stager_ = std::make_shared<ThreadPool>(1);
+  }
+  std::shared_ptr<ThreadPool> stager_ref = stager_;
+  auto request = std::make_shared<IoRequest>(nbytes, tracker_);
+  request->keep_alive(range);
+  request->keep_alive(region);
+  request->on_success([region, dst_ptr, nbytes, stream, event, device, stager_ref] {
+    cuda::set_device(device);
+    cuda::copy_h2d(dst_ptr, reinterpret_cast<uintptr_t>(region->data()), nbytes, stream, event);
+    // The copy is only queued: keep the pinned block alive until the device has read it,
+    // or the arena could hand the memory to the next D2H while the H2D still reads it.
+    const uintptr_t done = cuda::record_private_event(stream);
+    stager_ref->submit([region, done] {
+      try {
+        cuda::event_synchronize(done);
+      } catch (...) {
+        // A failed stream surfaces to the caller through its own event; nothing to add.
+      }
+      cuda::destroy_event(done);
+    });
+  });
+  std::vector<Chunk> chunks =
+      make_chunks(*range, region->data(), nbytes, region->capacity_bytes(), false, request);
+  request->expect_chunks(chunks.size());
+  if (chunks.empty()) {
+    request->complete(nullptr);
+    return request;
+  }
+  engine_->submit(std::move(chunks));
+  return request;
+}
+
+void NvmeStore::corrupt_for_test(const Extent& extent, uint64_t offset) {
+  check_open();
+  const auto& range = checked_range(extent);
+  if (offset >= range->nbytes())
+    throw InvalidArgument("corrupt_for_test: offset " + std::to_string(offset) +
+                          " is outside the extent of " + std::to_string(range->nbytes()) + " bytes");
+  const Location loc = locate(range->offset() + offset);
+  const uint64_t align = loc.slab->alignment();
+  const uint64_t base = loc.file_offset / align * align;
+  AlignedBuffer buf(align, align);
+  loc.slab->pread_full(buf.data(), align, base);
+  buf.data()[loc.file_offset - base] ^= 0xFF;
+  loc.slab->pwrite_full(buf.data(), align, base);
+}
+
+}  // namespace offload

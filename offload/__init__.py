@@ -1,0 +1,22 @@
+"""offload: move the activations autograd saves to host RAM and NVMe, and bring them back.
+
+    import offload
+    with offload.activations():            # settings from OFFLOAD_* environment variables
+        loss = model(batch)
+        loss.backward()
+
+Public names: `activations`, `no_offload`, `ActivationOffload`, `Config`, `Stats`, the error
+classes, and `env_table_markdown` (the README's table of environment variables). The
+compiled core `offload._C` is optional at import time (see offload/_ext.py).
+"""
+from __future__ import annotations
+
+from .config import Config, env_table_markdown
+from .context import ActivationOffload, activations, no_offload
+from .errors import (ConfigError, ExtensionUnavailable, OffloadError, StorageError,
+                     TierFullError)
+from .stats import Stats
+
+__all__ = ["activations", "no_offload", "ActivationOffload", "Config", "Stats",
+           "env_table_markdown", "OffloadError", "ConfigError", "StorageError",
+           "ExtensionUnavailable", "TierFullError"]

@@ -1,0 +1,390 @@
+"""`offload-bench` command line: parse, validate, run every strategy, report.
+
+Run ``offload-bench --help`` for the options. Every strategy runs in its own fresh process
+(see :mod:`offload.bench.worker`), in alternating order across ``--rounds``, warm-up steps
+excluded from the timings; ``none`` always runs (it is the reference for overhead, memory
+saved and the gradient check).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import signal
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from offload.bench import maxbatch, report, rows as rows_mod
+from offload.bench.runner import GradChecker, WorkerRunner, Workspace, schedule
+from offload.bench.spec import RunSpec
+from offload.bench.strategies import PUBLIC_STRATEGIES, STRATEGIES
+from offload.models import GPTConfig
+
+if TYPE_CHECKING:  # rich is imported when main() runs: a missing one gets a clear message
+    from rich.console import Console
+    from rich.progress import Progress
+
+__all__ = ["main", "build_parser"]
+
+# The CPU default must finish every strategy in about 3 minutes on 2 cores, so the bench
+# uses a smaller batch than gpt_for_machine's reference size (which is for the runtime's
+# memory acceptance test, ~2.8 GiB of activations at batch 8).
+CPU_DEFAULT_BATCH = 2
+_GPT_KEYS = {f.name for f in dataclasses.fields(GPTConfig)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="offload-bench",
+        description="Measure activation strategies side by side: step time, peak activation "
+                    "memory, bytes per tier, bandwidth, stall time and a bit-exact gradient "
+                    "check against plain autograd ('none'). Each strategy runs in its own "
+                    "process.",
+        epilog="Strategies: " + "; ".join(f"{n}: {STRATEGIES[n].description}"
+                                          for n in PUBLIC_STRATEGIES)
+               + ". OFFLOAD_* environment variables apply to the offload rows except the "
+                 "tiers/policy/nvme_dir each row sets.")
+    a = p.add_argument
+    a("--strategies", default=",".join(PUBLIC_STRATEGIES),
+      help="comma-separated subset to run (default: all); 'none' always runs")
+    a("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
+    a("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+      help="fp32, or bf16 autocast (default: bf16 on CUDA, fp32 on CPU)")
+    a("--batch", type=int, help=f"batch size (default: {CPU_DEFAULT_BATCH} on CPU, "
+                                "gpt_for_machine's on CUDA)")
+    a("--seq", type=int, help="sequence length of the built-in GPT (default: its config's)")
+    a("--gpt", metavar="K=V,...", default="",
+      help="override GPTConfig fields, e.g. hidden=1024,layers=12,heads=16")
+    a("--model", metavar="MODULE:FACTORY",
+      help="benchmark your model: FACTORY() returns an nn.Module; input torch.randn(batch, "
+           "*input_shape); loss output.float().pow(2).mean(); accepts FILE.py:FACTORY")
+    a("--input-shape", metavar="D1,D2,...", help="per-sample input shape for --model, e.g. 3,224,224")
+    a("--steps", type=int, default=3, help="timed steps per run (default 3)")
+    a("--warmup", type=int, default=1, help="untimed warm-up steps per run (default 1)")
+    a("--rounds", type=int, default=1,
+      help="run every strategy this many times, order reversed each round (default 1)")
+    a("--seed", type=int, default=0)
+    a("--nvme-dir", help="where the NVMe rows write (a fresh subdirectory is made and "
+                         "removed); default $OFFLOAD_NVME_DIR, else /var/tmp")
+    a("--budget", help="OFFLOAD_BUDGET for the auto row, e.g. 4GiB or 30%%")
+    a("--json", metavar="PATH", help="write the rows as a JSON list")
+    a("--plot", metavar="PATH.png", help="scatter of memory against step time (matplotlib)")
+    a("--explain", action="store_true", help="print the auto policy's plan")
+    a("--max-batch", action="store_true",
+      help="also find each strategy's largest batch that fits (slow: runs more workers)")
+    a("--memory-limit", metavar="SIZE",
+      help="--max-batch limit, e.g. 2GiB: required on CPU (checked against resident "
+           "activation bytes), optional on CUDA (allocator peak)")
+    a("--max-batch-cap", type=int, help="largest batch --max-batch tries (default 8x --batch)")
+    a("--max-batch-time-s", type=float, default=180.0,
+      help="time budget per strategy for --max-batch probes (default 180)")
+    a("--timeout-s", type=float, default=1800.0, help="kill a worker after this long")
+    return p
+
+
+@dataclass
+class Settings:
+    strategies: list[str]
+    spec: RunSpec              # strategy field is a placeholder
+    rounds: int
+    nvme_bases: list[str]
+    model_label: str
+    seq_len: int | None
+    json_path: str | None
+    plot_path: str | None
+    explain: bool
+    max_batch: bool
+    memory_limit_bytes: int | None
+    max_batch_cap: int
+    max_batch_time_s: float
+    timeout_s: float
+
+
+def _parse_strategies(text: str, parser) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        parser.error("--strategies: empty list (choose from: " + ", ".join(PUBLIC_STRATEGIES) + ")")
+    for n in names:
+        if n not in STRATEGIES:
+            parser.error(f"--strategies: unknown strategy {n!r} "
+                         f"(choose from: {', '.join(PUBLIC_STRATEGIES)})")
+    return ["none"] + [n for n in dict.fromkeys(names) if n != "none"]
+
+
+def _parse_gpt(text: str, parser) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in _GPT_KEYS:
+            parser.error(f"--gpt {item!r}: expected KEY=VALUE with KEY one of "
+                         f"{', '.join(sorted(_GPT_KEYS))}")
+        try:
+            out[key] = float(value) if key == "dropout" else int(value)
+        except ValueError:
+            parser.error(f"--gpt {item!r}: {value!r} is not a number")
+    return out
+
+
+def _nvme_bases(arg: str | None, parser) -> list[str]:
+    source = "--nvme-dir" if arg else "OFFLOAD_NVME_DIR"
+    text = arg or os.environ.get("OFFLOAD_NVME_DIR") or "/var/tmp"
+    rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
+    bases = []
+    for d in filter(None, (s.strip() for s in text.split(","))):
+        d = d.replace("{rank}", rank).replace("{local_rank}", local)
+        if not os.path.isdir(d):
+            parser.error(f"{source} {d!r}: not a directory (point it at a writable directory "
+                         "on a local SSD)")
+        if not os.access(d, os.W_OK | os.X_OK):
+            parser.error(f"{source} {d!r}: not writable (choose a directory you can write)")
+        bases.append(d)
+    return bases
+
+
+def _resolve(args, parser) -> Settings:
+    import torch
+
+    from offload.models import gpt_for_machine
+    from offload.sizes import parse_size
+
+    strategies = _parse_strategies(args.strategies, parser)
+    if args.explain and "auto" not in strategies:
+        strategies.append("auto")
+    for name, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+                             ("--rounds", args.rounds, 1), ("--batch", args.batch, 1),
+                             ("--seq", args.seq, 1), ("--max-batch-cap", args.max_batch_cap, 1)):
+        if value is not None and value < low:
+            parser.error(f"{name} {value}: must be at least {low}")
+    device_text = args.device
+    if device_text == "auto":
+        device_text = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device_text)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r}: not a device (use cpu, cuda or cuda:N)")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device!r}: only cpu and cuda are supported")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device!r}: torch sees no CUDA device "
+                     "(torch.cuda.is_available() is False); use --device cpu")
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+
+    memory_limit = None
+    if args.memory_limit is not None:
+        try:
+            memory_limit = parse_size(args.memory_limit).nbytes
+        except ValueError as exc:
+            parser.error(f"--memory-limit {args.memory_limit!r}: {exc}")
+        if not memory_limit:
+            parser.error(f"--memory-limit {args.memory_limit!r}: must be more than 0 bytes")
+    if args.max_batch and device.type == "cpu" and memory_limit is None:
+        parser.error("--max-batch on CPU needs --memory-limit (e.g. --memory-limit 2GiB): RAM "
+                     "is the device there, so the limit is checked against resident "
+                     "activation bytes")
+
+    if args.model:
+        if not args.input_shape:
+            parser.error(f"--model {args.model!r} needs --input-shape (per-sample shape, "
+                         "e.g. --input-shape 3,224,224)")
+        if args.seq or args.gpt:
+            parser.error("--seq and --gpt apply to the built-in GPT, not to --model")
+        try:
+            shape = tuple(int(x) for x in args.input_shape.split(","))
+        except ValueError:
+            shape = ()
+        if not shape or min(shape) < 1:
+            parser.error(f"--input-shape {args.input_shape!r}: expected positive integers "
+                         "separated by commas, e.g. 3,224,224")
+        from offload.bench.workload import load_factory
+
+        try:
+            load_factory(args.model)  # fail now, not in every worker
+        except ValueError as exc:
+            parser.error(str(exc))
+        gpt, batch = None, args.batch or 8
+        model_label, seq_len = args.model, None
+    else:
+        if args.input_shape:
+            parser.error("--input-shape applies to --model only")
+        base_cfg, machine_batch = gpt_for_machine(device)
+        gpt = dataclasses.asdict(base_cfg)
+        gpt.update(_parse_gpt(args.gpt, parser))
+        if args.seq:
+            gpt["seq_len"] = args.seq
+        try:
+            type(base_cfg)(**gpt)
+        except ValueError as exc:
+            parser.error(f"--gpt: {exc}")
+        batch = args.batch or (machine_batch if device.type == "cuda" else CPU_DEFAULT_BATCH)
+        seq_len = gpt["seq_len"]
+        model_label = (f"GPT h{gpt['hidden']} L{gpt['layers']} heads{gpt['heads']} "
+                       f"vocab{gpt['vocab_size']}")
+
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{opt} {path!r}: the directory {os.path.dirname(os.path.abspath(path))!r}"
+                         " does not exist")
+    if args.plot and report.plot_unavailable_reason():
+        parser.error(report.plot_unavailable_reason())
+
+    spec = RunSpec(strategy="none", device=str(device), dtype=dtype, batch=batch,
+                   warmup=args.warmup, steps=args.steps, seed=args.seed, gpt=gpt,
+                   model=args.model, input_shape=shape if args.model else None,
+                   budget=args.budget, explain=args.explain)
+    return Settings(
+        strategies=strategies, spec=spec, rounds=args.rounds,
+        nvme_bases=_nvme_bases(args.nvme_dir, parser), model_label=model_label,
+        seq_len=seq_len, json_path=args.json, plot_path=args.plot, explain=args.explain,
+        max_batch=args.max_batch, memory_limit_bytes=memory_limit,
+        max_batch_cap=args.max_batch_cap or 8 * batch, max_batch_time_s=args.max_batch_time_s,
+        timeout_s=args.timeout_s)
+
+
+def _meta(s: Settings) -> dict[str, Any]:
+    return {"device": s.spec.device, "dtype": s.spec.dtype, "model": s.model_label,
+            "batch": s.spec.batch, "seq_len": s.seq_len, "warmup": s.spec.warmup,
+            "steps": s.spec.steps, "rounds": s.rounds,
+            "memory_limit_bytes": s.memory_limit_bytes}
+
+
+def benchmark(s: Settings, progress: Progress) -> list[dict[str, Any]]:
+    """Run every strategy (and --max-batch), return the rows in --strategies order."""
+    import torch
+
+    device = torch.device(s.spec.device)
+    results: dict[str, list[dict[str, Any]]] = {n: [] for n in s.strategies}
+    with Workspace(s.nvme_bases) as ws:
+        skip = {}
+        for name in s.strategies:
+            reason = STRATEGIES[name].unavailable_reason(device, ws.nvme_dir)
+            if reason:
+                skip[name] = reason
+        runner = WorkerRunner(ws, s.timeout_s)
+        checker = GradChecker()
+        runs = [(r, n) for r, n in schedule(s.strategies, s.rounds) if n not in skip]
+        task = progress.add_task("starting", total=len(runs))
+        try:
+            for r, name in runs:
+                progress.update(task, description=f"{name} (round {r + 1}/{s.rounds})")
+                result = runner.run(s.spec.replace(strategy=name), save_grads=True)
+                checker.add(name, result.get("grads_path"))
+                results[name].append(result)
+                progress.console.print(_run_line(name, r, s.rounds, result), highlight=False,
+                                       markup=False)
+                progress.advance(task)
+            rows = []
+            for name in s.strategies:
+                res = results[name] or [{"available": False, "reason": skip.get(name),
+                                         "error": False}]
+                rows.append(rows_mod.make_row(name, STRATEGIES[name].description, _meta(s),
+                                              res, checker.summary(name)))
+            if s.max_batch:
+                _max_batch(s, rows, results, runner, progress, device.type)
+        finally:
+            checker.close()
+    rows_mod.add_relative(rows)
+    return rows
+
+
+def _run_line(name: str, r: int, rounds: int, result: dict[str, Any]) -> str:
+    head = f"  {name:<13} round {r + 1}/{rounds}: "
+    if not result.get("available"):
+        return head + ("" if result.get("error") else "not available: ") + \
+            str(result.get("reason"))
+    times = sorted(result["step_times_s"])
+    return head + f"{times[len(times) // 2]:.2f} s/step ({result['wall_s']:.0f} s in the worker)"
+
+
+def _max_batch(s, rows, results, runner, progress, device_type) -> None:
+    for row in rows:
+        name = row["strategy"]
+        if not row["available"]:
+            continue
+        base = dict(results[name][0])
+        task = progress.add_task(f"max batch {name}", total=None)
+
+        def probe(batch: int, name=name) -> dict[str, Any]:
+            spec = s.spec.replace(strategy=name, batch=batch, warmup=min(1, s.spec.warmup),
+                                  steps=1, explain=False)
+            return runner.run(spec)
+
+        def on_probe(batch: int, ok, name=name, task=task) -> None:
+            if ok is None:
+                progress.update(task, description=f"max batch {name}: trying batch {batch}")
+            else:
+                progress.console.print(f"  max batch {name}: batch {batch} "
+                                       f"{'fits' if ok else 'does not fit'}", highlight=False)
+
+        found = maxbatch.search(base, probe, device_type=device_type,
+                                limit_bytes=s.memory_limit_bytes, cap=s.max_batch_cap,
+                                time_budget_s=s.max_batch_time_s, on_probe=on_probe)
+        progress.remove_task(task)
+        row.update(found)
+
+
+def _progress(console: Console) -> Progress:
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn)
+
+    # Without a terminal a live bar cannot redraw (and rich holds back prints meanwhile):
+    # then only the one-line-per-run messages go to stderr, as they happen.
+    return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                    MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                    disable=not console.is_terminal)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns the exit code (0 ok, 1 a strategy failed, 2 usage, 130 ^C)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        from rich.console import Console
+    except ImportError:
+        print("offload-bench: the table needs the 'rich' package, which is not installed: "
+              "pip install 'offload[bench]' (or pip install rich)", file=sys.stderr)
+        return 2
+    settings = _resolve(args, parser)
+    err = Console(stderr=True)
+    out = Console() if sys.stdout.isatty() else Console(width=200)
+    previous = signal.getsignal(signal.SIGTERM)
+    in_main_thread = _is_main_thread()
+    if in_main_thread:
+        # SIGTERM unwinds like Ctrl-C, so the workspace is removed (runner Rule 1).
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+    started = datetime.datetime.now()
+    try:
+        with _progress(err) as progress:
+            rows = benchmark(settings, progress)
+    except KeyboardInterrupt:
+        err.print("offload-bench: interrupted; temporary files removed")
+        return 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    elapsed_s = (datetime.datetime.now() - started).total_seconds()
+    report.print_table(rows, out)
+    out.print(f"  {started:%Y-%m-%d %H:%M}, {platform.node() or 'this machine'}, "
+              f"torch {__import__('torch').__version__}, {elapsed_s:.0f} s in all",
+              highlight=False)
+    if settings.explain:
+        out.print(report.explain_text(rows), highlight=False, markup=False)
+    if settings.json_path:
+        report.write_json(rows, settings.json_path)
+        err.print(f"wrote {settings.json_path}")
+    if settings.plot_path:
+        report.write_plot(rows, settings.plot_path)
+        err.print(f"wrote {settings.plot_path}")
+    return 1 if any(r["error"] for r in rows) else 0
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -1,0 +1,140 @@
+"""``--max-batch``: the largest batch each strategy fits, and its throughput there.
+
+What "fits" means:
+
+* CUDA: the worker ran without running out of device memory (and, with ``--memory-limit``,
+  its allocator peak above the model at rest stayed under the limit).
+* CPU: RAM is the device, and running out of it would take the machine down, so the limit is
+  a number (``--memory-limit``) checked against the strategy's *resident activation bytes* --
+  what our accounting says stays in RAM: for ``none``/``save_on_cpu`` every storage autograd
+  saves; for ``recompute`` the block inputs kept between forward and backward plus the
+  largest block's recomputed set; for the offload rows the runtime's ``peak_resident_bytes``.
+  Strategies without such accounting (torchtune) get no CPU result.
+
+Search: every probe is a fresh worker (one warm-up + one timed step, so the timing of the
+best probe is the throughput reported). The first probe is the batch predicted from the main
+run by assuming activation bytes grow linearly with the batch; then its neighbour confirms
+the edge, and bisection takes over if the prediction was off. A batch cap and a per-strategy
+time budget keep it bounded; ``max_batch_limited_by`` says which edge stopped the search
+("memory" is the real answer; "cap"/"time" mean "at least this").
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+__all__ = ["fits", "search"]
+
+# Room left for the allocator's fragmentation when predicting the GPU batch.
+_CUDA_USABLE_FRACTION = 0.92
+
+
+def fits(result: dict[str, Any], device_type: str, limit_bytes: int | None) -> bool | None:
+    """Whether a probe fits; None when it cannot be told (no accounting, crash)."""
+    if result.get("oom"):
+        return False
+    if not result.get("available"):
+        return None
+    if device_type == "cuda":
+        return limit_bytes is None or result["cuda_peak_bytes"] <= limit_bytes
+    if result.get("resident_bytes") is None:
+        return None
+    return result["resident_bytes"] <= limit_bytes
+
+
+def _predict(base: dict[str, Any], device_type: str, limit_bytes: int | None) -> int | None:
+    batch = base["batch"]
+    if device_type == "cuda":
+        per_sample = (base.get("cuda_peak_bytes") or 0) / batch
+        room = limit_bytes
+        if room is None and base.get("cuda_total_bytes"):
+            room = _CUDA_USABLE_FRACTION * base["cuda_total_bytes"] - base["cuda_base_bytes"]
+    else:
+        per_sample, room = (base.get("resident_bytes") or 0) / batch, limit_bytes
+    if not per_sample or room is None:
+        return None
+    return max(1, math.floor(room / per_sample))
+
+
+def search(base: dict[str, Any], probe: Callable[[int], dict[str, Any]], *, device_type: str,
+           limit_bytes: int | None, cap: int, time_budget_s: float,
+           on_probe: Callable[[int, bool | None], None] = lambda b, f: None) -> dict[str, Any]:
+    """Find the largest fitting batch for one strategy.
+
+    Args:
+        base: the worker result of the main run (its batch, memory and step time).
+        probe: runs the strategy at a batch, returns the worker result.
+        cap: largest batch to try.
+        time_budget_s: stop when the next probe is predicted to exceed what is left.
+
+    Returns:
+        dict with max_batch, max_batch_limited_by, max_batch_step_s, max_batch_probes.
+    """
+    base_batch = base["batch"]
+    probes: list[dict[str, Any]] = []
+    lo, hi, best = 0, None, None
+    base_fit = fits(base, device_type, limit_bytes)
+    if base_fit is None:
+        return {"max_batch": None, "max_batch_probes": [],
+                "max_batch_limited_by": "no memory accounting for this strategy here"}
+    if base_fit:
+        lo, best = base_batch, base
+    else:
+        hi = base_batch
+    # A cold first step costs more than a warm one: budget probes with a margin.
+    per_sample_s = 1.5 * 2 * min(base["step_times_s"]) / base_batch
+    startup_s = max(0.0, base.get("wall_s", 0.0) - sum(base["step_times_s"]))
+    spent_s, limited_by = 0.0, "memory"
+    predicted = _predict(base, device_type, limit_bytes)
+    last = None
+    while True:
+        if hi is not None and hi - lo <= 1:
+            break
+        if lo >= cap:
+            limited_by = "cap"
+            break
+        if last is None and predicted is not None:
+            b = predicted                 # first guess: linear extrapolation
+        elif last is not None and last == predicted and hi is None:
+            b = lo + 1                    # the prediction fit: confirm the edge above it
+        elif last is not None and last == predicted and lo < predicted - 1:
+            b = predicted - 1             # it did not: the edge is most likely just below
+        elif hi is None:
+            b = lo * 2 if lo else 1
+        else:
+            b = (lo + hi) // 2
+        b = min(max(b, lo + 1), cap if hi is None else hi - 1)
+        estimate_s = startup_s + per_sample_s * b
+        if spent_s + estimate_s > time_budget_s:
+            limited_by = "time"
+            break
+        on_probe(b, None)
+        result = probe(b)
+        spent_s += result.get("wall_s", estimate_s)
+        ok = fits(result, device_type, limit_bytes)
+        probes.append({"batch": b, "fits": ok, "resident_bytes": result.get("resident_bytes"),
+                       "cuda_peak_bytes": result.get("cuda_peak_bytes"),
+                       "step_s": min(result["step_times_s"]) if result["step_times_s"] else None,
+                       "reason": result.get("reason")})
+        on_probe(b, ok)
+        last = b
+        if ok is None:
+            limited_by = f"probe at batch {b} failed: {result.get('reason')}"
+            break
+        if ok:
+            lo, best = b, result
+        else:
+            hi = b
+    out = {"max_batch": lo or None, "max_batch_limited_by": limited_by,
+           "max_batch_probes": probes, "max_batch_step_s": None,
+           "max_batch_tokens_per_s": None, "max_batch_samples_per_s": None}
+    if best is not None and best["step_times_s"]:
+        step_s = min(best["step_times_s"]) if best is not base else \
+            sorted(best["step_times_s"])[len(best["step_times_s"]) // 2]
+        out["max_batch_step_s"] = step_s
+        out["max_batch_samples_per_s"] = lo / step_s
+        if best.get("tokens_per_step"):
+            out["max_batch_tokens_per_s"] = best["tokens_per_step"] / step_s
+    if lo == 0:
+        out["max_batch_limited_by"] = "memory: not even batch 1 fits" if hi == 1 else limited_by
+    return out

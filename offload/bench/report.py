@@ -1,0 +1,184 @@
+"""Presenting rows: the rich table, ``--json``, ``--plot``, ``--explain``."""
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from offload.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = ["print_table", "write_json", "write_plot", "plot_unavailable_reason", "explain_text"]
+
+
+def _bytes(v: int | None) -> str:
+    return "—" if v is None else format_bytes(v)
+
+
+def _time(row: dict[str, Any]) -> str:
+    if row["step_s_median"] is None:
+        return "—"
+    return f"{row['step_s_median']:.2f} ({row['step_s_min']:.2f}–{row['step_s_max']:.2f})"
+
+
+def _overhead(row: dict[str, Any]) -> str:
+    v = row["overhead_vs_none"]
+    return "—" if v is None else f"{v:.2f}x"
+
+
+def _saved(row: dict[str, Any]) -> str:
+    if row["strategy"] == "none" or row["memory_saved_pct"] is None:
+        return "—"
+    return f"{row['memory_saved_pct']:+.0f}%"
+
+
+def _tiers(row: dict[str, Any]) -> str:
+    if row["kept_bytes"] is None and row["host_bytes"] is None and row["nvme_bytes"] is None:
+        return "—"
+    return " / ".join(_bytes(row[k]) for k in ("kept_bytes", "host_bytes", "nvme_bytes"))
+
+
+def _rates(row: dict[str, Any]) -> str:
+    parts = []
+    for label, w, r in (("pcie", "d2h_gbps", "h2d_gbps"),
+                        ("nvme", "nvme_write_gbps", "nvme_read_gbps")):
+        if row[w] or row[r]:
+            parts.append(f"{label} {row[w] or 0:.1f}/{row[r] or 0:.1f}")
+    return ", ".join(parts) or "—"
+
+
+def _stall(row: dict[str, Any]) -> str:
+    return "—" if row["stall_s"] is None else f"{row['stall_s']:.2f}"
+
+
+def _grads(row: dict[str, Any]) -> str:
+    if row["bit_exact"] is None:
+        return "ref" if row["strategy"] == "none" and row["available"] else "—"
+    if row["bit_exact"]:
+        return "bit-exact"
+    return f"[bold red]DIFF[/] {row['max_abs_diff']:.2g}"
+
+
+def _max_batch(row: dict[str, Any]) -> str:
+    if row["max_batch"] is None:
+        return "—"
+    text = str(row["max_batch"])
+    if row["max_batch_limited_by"] in ("cap", "time"):
+        text = "≥" + text
+    if row["max_batch_vs_none"] and row["strategy"] != "none":
+        text += f" ({row['max_batch_vs_none']:.1f}x)"
+    rate = row["max_batch_tokens_per_s"] or row["max_batch_samples_per_s"]
+    if rate:
+        unit = "tok/s" if row["max_batch_tokens_per_s"] else "samples/s"
+        text += f", {rate:,.0f} {unit}"
+    return text
+
+
+def title(rows: list[dict[str, Any]]) -> str:
+    r = rows[0]
+    seq = f", seq {r['seq_len']}" if r["seq_len"] else ""
+    return (f"offload-bench: {r['model']}, batch {r['batch']}{seq}, {r['dtype']}, "
+            f"{r['device']} ({r['device_name'] or '?'}); {r['steps']} timed step(s) after "
+            f"{r['warmup']} warm-up, {r['rounds']} round(s)")
+
+
+def print_table(rows: list[dict[str, Any]], console: Console) -> None:
+    """The human table, plus one line per strategy that could not run."""
+    from rich.table import Table
+
+    gpu = any(r["peak_activation_source"] == "cuda allocator" for r in rows)
+    table = Table(title=title(rows), title_justify="left")
+    table.add_column("strategy", no_wrap=True)
+    table.add_column("step s\nmedian (min–max)", justify="right")
+    table.add_column("vs none", justify="right")
+    table.add_column("peak act. mem\n" + ("(GPU allocator)" if gpu else "(RSS growth)"),
+                     justify="right")
+    table.add_column("saved\nvs none", justify="right")
+    table.add_column("resident\nactivations", justify="right")
+    table.add_column("kept / host / nvme", justify="right")
+    table.add_column("GB/s\nwrite/read", justify="right")
+    table.add_column("stall s", justify="right")
+    table.add_column("grads\nvs none", justify="right")
+    show_max = any(r["max_batch"] is not None or r["max_batch_limited_by"] for r in rows)
+    if show_max:
+        table.add_column("max batch", justify="right")
+    for row in rows:
+        if not row["available"]:
+            continue
+        cells = [row["strategy"], _time(row), _overhead(row), _bytes(row["peak_activation_bytes"]),
+                 _saved(row), _bytes(row["resident_bytes"]), _tiers(row), _rates(row),
+                 _stall(row), _grads(row)]
+        if show_max:
+            cells.append(_max_batch(row))
+        table.add_row(*cells)
+    console.print(table)
+    for row in rows:
+        if not row["available"]:
+            label = "failed" if row["error"] else "not available"
+            reason = row["reason"] or ""
+            if reason.startswith("failed: "):
+                reason = reason[len("failed: "):]
+            console.print(f"  {row['strategy']}: {label}: {reason}", highlight=False,
+                          markup=False)
+    limited = [r for r in rows if r["max_batch_limited_by"]
+               and r["max_batch_limited_by"] not in ("memory", "cap", "time")]
+    for row in limited:
+        console.print(f"  {row['strategy']}: max batch: {row['max_batch_limited_by']}",
+                      highlight=False, markup=False)
+
+
+def write_json(rows: list[dict[str, Any]], path: str) -> None:
+    tmp = path + ".part"
+    with open(tmp, "w") as f:
+        json.dump(rows, f, indent=2, allow_nan=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def plot_unavailable_reason() -> str | None:
+    """Why --plot cannot work here (matplotlib missing), or None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "--plot needs matplotlib, an optional extra: pip install 'offload[bench]' " \
+               "(or pip install matplotlib), or drop --plot"
+    return None
+
+
+def write_plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Scatter of peak activation memory against median step time, one point per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    points = [r for r in rows if r["available"] and r["peak_activation_bytes"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in points:
+        x, y = r["step_s_median"], r["peak_activation_bytes"] / 2**20
+        ax.scatter([x], [y], s=40)
+        ax.annotate(r["strategy"], (x, y), textcoords="offset points", xytext=(6, 4))
+    source = points[0]["peak_activation_source"] if points else ""
+    ax.set_xlabel("median step time (s)")
+    ax.set_ylabel(f"peak activation memory, MiB ({source})")
+    ax.set_title(title(rows), fontsize=8)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def explain_text(rows: list[dict[str, Any]]) -> str:
+    """What --explain prints: the auto plan, or why there is none."""
+    row = next((r for r in rows if r["strategy"] == "auto"), None)
+    if row is None:
+        return "--explain: the auto strategy did not run"
+    if not row["available"]:
+        return f"--explain: the auto policy is not available: {row['reason']}"
+    if not row["plan"]:
+        return "--explain: auto ran, but the runtime exposed no plan (ctx.plan is missing)"
+    return "auto plan:\n" + row["plan"]

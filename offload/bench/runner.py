@@ -1,0 +1,266 @@
+"""The parent side: workspace, one worker process per run, gradient checks, rows.
+
+Rules this module keeps (tests check them):
+
+1. Nothing is left behind. Every file the benchmark makes (specs, results, logs, gradient
+   files, the NVMe directories) lives in directories :class:`Workspace` creates and removes on
+   exit -- normal end, exception, Ctrl-C or SIGTERM alike. A worker that crashes or is killed
+   leaves its debris there too.
+2. Workers run in their own session (forked from a forkserver that ignores SIGINT), so Ctrl-C
+   reaches only the parent, which stops the worker with SIGTERM (the worker unwinds its
+   ``with`` blocks), then SIGKILL after a grace period.
+3. A worker that dies or times out becomes a row with ``available=False`` and the reason.
+4. ``none`` always runs first in round 1: its gradients are the reference every other run
+   (and later ``none`` rounds) is compared against, each as soon as it arrives, so at most
+   two gradient files exist at a time.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from offload.bench import measure
+from offload.bench.spec import RunSpec
+
+__all__ = ["Workspace", "WorkerRunner", "GradChecker", "schedule"]
+
+_log = logging.getLogger("offload")
+
+_TERM_GRACE_S = 10.0
+
+
+class Workspace:
+    """Temporary directories for one benchmark (see Rule 1).
+
+    Args:
+        nvme_bases: directories to create the NVMe scratch directories in (one each).
+        tmp_base: where specs, results, logs and gradient files go (None: the system default).
+    """
+
+    def __init__(self, nvme_bases: list[str], tmp_base: str | None = None):
+        self._nvme_bases = nvme_bases
+        self._tmp_base = tmp_base
+        self.root = ""
+        self.nvme_dirs: list[str] = []
+        self._counter = itertools.count()
+
+    def __enter__(self) -> "Workspace":
+        try:
+            self.root = tempfile.mkdtemp(prefix="offload-bench-", dir=self._tmp_base)
+            for base in self._nvme_bases:
+                self.nvme_dirs.append(tempfile.mkdtemp(prefix="offload-bench-nvme-", dir=base))
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        for path in [self.root, *self.nvme_dirs]:
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+
+    @property
+    def nvme_dir(self) -> str:
+        return ",".join(self.nvme_dirs)
+
+    def new_paths(self, stem: str) -> tuple[str, str, str, str]:
+        """Fresh (spec, result, log, grads) paths for one worker run."""
+        n = next(self._counter)
+        base = os.path.join(self.root, f"{n:03d}-{stem}")
+        return base + ".spec.json", base + ".out.json", base + ".log", base + ".grads.pt"
+
+    def clear_nvme(self) -> list[str]:
+        """Empty the NVMe directories; returns what was left there (a runtime bug)."""
+        left = []
+        for d in self.nvme_dirs:
+            for name in os.listdir(d):
+                left.append(os.path.join(d, name))
+                path = os.path.join(d, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+        return left
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Deterministic cuBLAS (needed by torch.use_deterministic_algorithms on CUDA).
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    return env
+
+
+@functools.lru_cache(maxsize=None)
+def _forkserver() -> multiprocessing.context.BaseContext:
+    """Workers fork from a server that has imported torch and this package once.
+
+    Importing torch takes 2-5 s on a small machine, per worker; the fork takes milliseconds.
+    The server ran no computation, so each worker still starts with no allocator cache,
+    no thread pool, no CUDA context and no runtime state: as fresh as a new interpreter.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["offload.bench.worker"])
+    return ctx
+
+
+def _log_tail(path: str, lines: int = 6) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()[-4000:]
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+
+class WorkerRunner:
+    """Runs :func:`offload.bench.worker.child_entry` for one spec, returns its result dict."""
+
+    def __init__(self, ws: Workspace, timeout_s: float):
+        self.ws = ws
+        self.timeout_s = timeout_s
+
+    def run(self, spec: RunSpec, save_grads: bool = False) -> dict[str, Any]:
+        from offload.bench.worker import child_entry
+
+        spec_path, out_path, log_path, grads_path = self.ws.new_paths(spec.strategy)
+        spec = spec.replace(nvme_dir=self.ws.nvme_dir,
+                            grads_path=grads_path if save_grads else None)
+        with open(spec_path, "w") as f:
+            f.write(spec.to_json())
+        t0 = time.perf_counter()
+        proc = _forkserver().Process(target=child_entry, name=f"offload-bench-{spec.strategy}",
+                                     args=(spec_path, out_path, log_path, _child_env()))
+        proc.start()
+        try:
+            timed_out = self._wait(proc)
+        except BaseException:
+            _stop(proc)
+            raise
+        wall_s = time.perf_counter() - t0
+        left = self.ws.clear_nvme()
+        result = self._read(spec, proc.exitcode, timed_out, out_path, log_path)
+        result["wall_s"] = wall_s
+        if left:
+            _log.warning("%s left %d file(s) in the NVMe directory: %s", spec.strategy,
+                         len(left), left[:3])
+            result["nvme_leftover_files"] = len(left)
+        for path in (spec_path, out_path, log_path):
+            _unlink(path)
+        return result
+
+    def _wait(self, proc) -> bool:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            proc.join(timeout=0.2)  # short waits keep Ctrl-C responsive
+            if proc.exitcode is not None:
+                return False
+            if time.monotonic() > deadline:
+                _stop(proc)
+                return True
+
+    def _read(self, spec, returncode, timed_out, out_path, log_path) -> dict[str, Any]:
+        if not timed_out and os.path.exists(out_path):
+            with open(out_path) as f:
+                return json.load(f)
+        from offload.bench.worker import _empty_result
+
+        result = _empty_result(spec)
+        result["error"] = True
+        if timed_out:
+            result["reason"] = f"failed: worker timed out after {self.timeout_s:g} s " \
+                               "(raise --timeout-s)"
+        else:
+            how = (f"killed by signal {-returncode}" if returncode < 0
+                   else f"exit code {returncode}")
+            tail = _log_tail(log_path)
+            result["reason"] = f"failed: worker {how}" + (f": {tail}" if tail else "")
+        return result
+
+
+def _stop(proc) -> None:
+    if proc.exitcode is not None:
+        return
+    proc.terminate()  # SIGTERM: the worker unwinds its `with` blocks
+    proc.join(timeout=_TERM_GRACE_S)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@dataclass
+class GradCheck:
+    bit_exact: bool
+    max_abs_diff: float
+    differ: list[str]
+
+
+@dataclass
+class GradChecker:
+    """Compares gradient files against the first `none` run's and deletes them (Rule 4)."""
+
+    reference: str = "none"
+    ref_path: str | None = None
+    pending: list[tuple[str, str]] = field(default_factory=list)
+    results: dict[str, list[GradCheck]] = field(default_factory=dict)
+
+    def add(self, strategy: str, path: str | None) -> None:
+        if not path or not os.path.exists(path):
+            return
+        if strategy == self.reference and self.ref_path is None:
+            self.ref_path = path
+            pending, self.pending = self.pending, []
+            for name, p in pending:
+                self.add(name, p)
+            return
+        if self.ref_path is None:
+            self.pending.append((strategy, path))
+            return
+        try:
+            check = GradCheck(*measure.compare_grads(self.ref_path, path))
+        finally:
+            _unlink(path)
+        self.results.setdefault(strategy, []).append(check)
+
+    def close(self) -> None:
+        for _, path in self.pending:
+            _unlink(path)
+        self.pending = []
+        if self.ref_path:
+            _unlink(self.ref_path)
+
+    def summary(self, strategy: str) -> tuple[bool | None, float | None, list[str]]:
+        checks = self.results.get(strategy)
+        if not checks:
+            return None, None, []
+        differ = sorted({n for c in checks for n in c.differ})
+        return (all(c.bit_exact for c in checks), max(c.max_abs_diff for c in checks), differ)
+
+
+def schedule(strategies: list[str], rounds: int) -> Iterator[tuple[int, str]]:
+    """(round, strategy) in run order: forward in odd rounds, reversed in even ones, so slow
+    drift of the machine (thermal, page cache, other tenants) does not favour one position;
+    `none` leads round 1 (Rule 4)."""
+    order = sorted(strategies, key=lambda s: s != "none")
+    for r in range(rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            yield r, name
+

@@ -1,0 +1,261 @@
+"""Run ONE strategy in this (fresh) process and write one JSON result.
+
+Usage (the parent does this; handy for debugging one row by hand)::
+
+    python -m offload.bench.worker SPEC.json OUT.json
+
+A fresh process per strategy keeps them honest: no allocator cache, pinned arena, compiled
+kernel or page-cache state leaks from one strategy into the next, and peak RSS is this
+strategy's own.
+
+The step: all gradient buffers exist before the first step (zeroed, not freed, between
+steps), so "peak activation memory" is what the step adds on top of parameters + gradients
+(and, on CPU, on top of what the warm-up left allocated: see :mod:`offload.bench.measure`).
+Every step re-seeds the RNG and uses the same batch and weights (no optimizer update), so
+every step -- and every strategy -- computes the same gradients; the last measured step's are
+saved for the parent's comparison against ``none``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from offload.bench import measure
+from offload.bench.spec import RunSpec
+from offload.bench.strategies import Unavailable, get
+from offload.bench.workload import Workload, build_workload
+
+__all__ = ["run", "main"]
+
+_log = logging.getLogger("offload")
+
+
+def _empty_result(spec: RunSpec) -> dict[str, Any]:
+    return {
+        "strategy": spec.strategy, "batch": spec.batch, "available": False, "reason": None,
+        "error": False, "oom": False, "step_times_s": [], "cuda_peak_bytes": None,
+        "peak_rss_delta_bytes": None, "resident_bytes": None, "saved_bytes": None,
+        "stats": None, "stats_steps": [], "tokens_per_step": None, "samples_per_step": None,
+        "plan": None, "device_name": None, "grads_path": None,
+        "cuda_total_bytes": None, "cuda_base_bytes": None, "warmup_rss_delta_bytes": None,
+    }
+
+
+def _is_oom(exc: BaseException) -> bool:
+    oom_type = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    return isinstance(exc, oom_type) or "can't allocate memory" in str(exc)
+
+
+def _setup_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise Unavailable(f"--device {device}: no CUDA device visible to torch")
+        if device.index is not None:
+            torch.cuda.set_device(device)
+        # The gradient check compares bit for bit: ask for deterministic kernels (warn where
+        # an op has none, e.g. some attention backwards; `none` across rounds shows the floor).
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs, " \
+           f"{torch.get_num_threads()} torch threads)"
+
+
+def _plan_text(ctx: Any) -> str | None:
+    """The auto plan as text, from whichever attribute the runtime exposes."""
+    if ctx is None:
+        return None
+    for attr in ("plan", "explain"):
+        value = getattr(ctx, attr, None)
+        if value is None:
+            continue
+        value = value() if callable(value) else value
+        if value is not None:
+            return str(value)
+    stats = getattr(ctx, "stats", None)
+    plan = getattr(stats, "plan", None)
+    return None if plan is None else str(plan)
+
+
+def _account(spec: RunSpec, wl: Workload, kind: str | None, exclude: set[int]) -> tuple:
+    """(resident_bytes, saved_bytes) by counting saved storages in an untimed forward."""
+    if kind == "counted":
+        counter = measure.SavedBytesCounter(exclude)  # (its __enter__ returns None)
+        with counter:
+            loss = wl.loss()
+        del loss
+        return counter.saved_bytes, counter.saved_bytes
+    if kind == "recompute":
+        # Between forward and backward, checkpoint keeps only what the outer hook sees (block
+        # inputs, head, loss). In backward one block at a time is recomputed on top of that:
+        # add the largest block's saved set, counted by running each block plainly on the
+        # input it got.
+        inputs: list[tuple[torch.nn.Module, tuple, dict]] = []
+
+        def capture(module, args, kwargs):
+            detach = lambda v: v.detach() if isinstance(v, torch.Tensor) else v  # noqa: E731
+            inputs.append((module, tuple(map(detach, args)),
+                           {k: detach(v) for k, v in kwargs.items()}))
+
+        handles = [b.register_forward_pre_hook(capture, with_kwargs=True) for b in wl.blocks]
+        try:
+            counter = measure.SavedBytesCounter(exclude)
+            with counter:
+                loss = wl.loss(recompute=True)
+            del loss
+        finally:
+            for h in handles:
+                h.remove()
+        block_max = 0
+        for module, args, kwargs in inputs:
+            block_counter = measure.SavedBytesCounter(exclude)
+            with block_counter, wl.autocast():
+                out = module(*args, **kwargs)
+            del out
+            block_max = max(block_max, block_counter.saved_bytes)
+        return counter.saved_bytes + block_max, counter.saved_bytes
+    return None, None
+
+
+def _measure(spec: RunSpec, result: dict[str, Any]) -> None:
+    strategy = get(spec.strategy)
+    device = torch.device(spec.device)
+    result["device_name"] = _setup_device(device)
+    wl = build_workload(spec)
+    result["tokens_per_step"], result["samples_per_step"] = wl.tokens_per_step, wl.samples_per_step
+    params = [p for p in wl.model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)  # allocated before the baseline: not activation memory
+    exclude = measure.param_storage_ptrs(wl.model)
+    cuda_peaks: list[int] = []
+    outcome = None
+    rss = measure.RssPeak().start()
+    try:
+        for i in range(spec.warmup + spec.steps):
+            if i == spec.warmup and i > 0:
+                rss.rebase()
+            for p in params:
+                p.grad.zero_()
+            torch.manual_seed(spec.seed + 2)  # identical dropout masks in every step/strategy
+            measure.synchronize(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                base_bytes = torch.cuda.memory_allocated(device)
+            t0 = time.perf_counter()
+            outcome = strategy.step(wl, spec.nvme_dir, spec.budget)
+            measure.synchronize(device)
+            elapsed_s = time.perf_counter() - t0
+            if i < spec.warmup:
+                continue
+            result["step_times_s"].append(elapsed_s)
+            result["stats_steps"].append(outcome.stats)
+            if device.type == "cuda":
+                cuda_peaks.append(torch.cuda.max_memory_allocated(device) - base_bytes)
+    finally:
+        rss.stop()
+    result["warmup_rss_delta_bytes"] = rss.warmup_delta_bytes
+    result["available"] = True
+    result["peak_rss_delta_bytes"] = rss.peak_delta_bytes
+    result["cuda_peak_bytes"] = max(cuda_peaks) if cuda_peaks else None
+    if device.type == "cuda":
+        result["cuda_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        result["cuda_base_bytes"] = base_bytes
+    result["stats"] = outcome.stats if outcome else None
+    if spec.explain:
+        result["plan"] = _plan_text(outcome.ctx if outcome else None)
+    if spec.grads_path:
+        measure.save_grads(wl.model, spec.grads_path)
+        result["grads_path"] = spec.grads_path
+    kind = strategy.resident(device)
+    if kind == "stats":
+        stats = result["stats"] or {}
+        resident = stats.get("peak_resident_bytes")
+        if resident is not None and device.type == "cpu":
+            # On CPU the NVMe tier's staging arena is RAM too, i.e. device memory: count it
+            # (the runtime's peak_resident_bytes counts only the tensors themselves).
+            resident += stats.get("staging_peak_bytes") or 0
+        result["resident_bytes"] = resident
+        result["saved_bytes"] = stats.get("saved_bytes")
+    elif spec.account:
+        result["resident_bytes"], result["saved_bytes"] = _account(spec, wl, kind, exclude)
+
+
+def run(spec: RunSpec) -> dict[str, Any]:
+    """Measure `spec.strategy`; never raises for a failing strategy (the row says why)."""
+    from offload.errors import ConfigError, ExtensionUnavailable
+
+    result = _empty_result(spec)
+    strategy = get(spec.strategy)
+    try:
+        reason = strategy.unavailable_reason(torch.device(spec.device), spec.nvme_dir)
+        if reason:
+            raise Unavailable(reason)
+        _measure(spec, result)
+    except (Unavailable, ConfigError, ExtensionUnavailable, ImportError) as exc:
+        result["available"], result["reason"] = False, str(exc) or type(exc).__name__
+    except Exception as exc:  # any failure of the strategy becomes its row, not a crash
+        result["available"] = False
+        if _is_oom(exc):
+            result["oom"] = True
+            result["reason"] = f"out of memory at batch {spec.batch}"
+        else:
+            result["error"] = True
+            result["reason"] = f"failed: {type(exc).__name__}: {exc}"
+            traceback.print_exc()
+    return result
+
+
+def _interrupt(signum, frame):
+    # The parent stops a worker with SIGTERM; unwind like Ctrl-C so every `with` block
+    # (NVMe files, hooks, arena) cleans up on the way out.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def child_entry(spec_path: str, out_path: str, log_path: str, environ: dict[str, str]) -> None:
+    """Entry of a worker started by the parent's forkserver (see runner Rule 2)."""
+    os.setsid()  # Ctrl-C in the terminal reaches only the parent, which stops us in order
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # The forkserver started with the environment of the parent's first worker; settings
+    # (OFFLOAD_*, CUBLAS_WORKSPACE_CONFIG) are read later, so take the parent's current one.
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.exit(main([spec_path, out_path]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m offload.bench.worker SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec_path, out_path = argv
+    signal.signal(signal.SIGTERM, _interrupt)
+    level = os.environ.get("OFFLOAD_LOG", "WARNING").upper()
+    logging.basicConfig(level=level if level in logging.getLevelNamesMapping() else "WARNING",
+                        stream=sys.stderr, format="%(name)s %(levelname)s: %(message)s")
+    with open(spec_path) as f:
+        spec = RunSpec.from_json(f.read())
+    try:
+        result = run(spec)
+    except KeyboardInterrupt:
+        return 130
+    tmp = out_path + ".part"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, out_path)
+    return 1 if result["error"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""Every knob of the runtime in one frozen dataclass: env var, type, default, example, doc.
+
+`Config.from_env(**overrides)` reads `OFFLOAD_*` variables; keyword arguments (same names,
+lower case, no prefix) win over the environment. Parsing errors and cross-checks raise
+`ConfigError` naming the variable (or argument), the value and what to do. Validation only
+*reads* the file system (stat, access, statvfs): nothing is created before it passes.
+
+`env_table_markdown()` renders the README table from the same metadata, so docs and code
+cannot drift (tests/test_config.py compares them).
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Mapping
+
+from .errors import ConfigError
+from .sizes import SizeSpec, format_bytes, parse_size
+
+__all__ = ["Config", "TIERS", "POLICIES", "env_table_markdown"]
+
+TIERS = ("host", "nvme")
+POLICIES = ("keep", "offload", "recompute", "auto")
+# Policies that need the scheduler (not written yet).
+_PENDING_POLICIES = ("recompute", "auto")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+# Defaults measured on the 2-core CPU box with a ~1.9/1.0 GB/s (write/read) SSD; see the
+# report of issue 3 and benchmarks/: below ~64 KiB a tensor costs more in per-tensor overhead
+# (hook + 4 KiB-aligned I/O) than the RAM it frees is worth.
+_DEFAULT_MIN_BYTES = 64 << 10
+_DEFAULT_PREFETCH_BYTES = 256 << 20
+_DEFAULT_STAGING_BYTES = 256 << 20
+_DEFAULT_IO_WORKERS = 4
+
+
+def _knob(default: Any, *, env: str, kind: str, example: str, doc: str,
+          default_doc: str | None = None) -> Any:
+    meta = {"env": env, "type": kind, "example": example, "doc": doc,
+            "default_doc": default_doc}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings of `offload.activations()`; build with `Config.from_env(**overrides)`."""
+
+    tiers: tuple[str, ...] = _knob(
+        ("host",), env="OFFLOAD_TIERS", kind="list of tiers", example="host,nvme",
+        doc="Where offloaded activations go, fastest first; a full tier spills to the next. "
+            "On a CPU-only run `host` means keep in RAM.")
+    nvme_dir: tuple[str, ...] = _knob(
+        (), env="OFFLOAD_NVME_DIR", kind="path[,path...]", example="/mnt/nvme0/{rank},/mnt/nvme1",
+        default_doc="unset",
+        doc="Directory on a local SSD for the `nvme` tier; several are striped. `{rank}` and "
+            "`{local_rank}` expand from RANK / LOCAL_RANK. Files are private and unlinked at once.")
+    host_bytes: SizeSpec = _knob(
+        SizeSpec(fraction=0.5), env="OFFLOAD_HOST_BYTES", kind="size or %", example="8GiB",
+        doc="Capacity of the `host` tier; a percentage is of the RAM available at entry.")
+    nvme_bytes: SizeSpec = _knob(
+        SizeSpec(fraction=0.5), env="OFFLOAD_NVME_BYTES", kind="size or %", example="64GiB",
+        doc="Capacity of the `nvme` tier (reserved with fallocate at entry); a percentage is "
+            "of the free space of the NVMe directories' file systems.")
+    min_bytes: int = _knob(
+        _DEFAULT_MIN_BYTES, env="OFFLOAD_MIN_BYTES", kind="size", example="1MiB",
+        doc="Saved tensors whose storage is smaller stay where they are; `0` moves everything.")
+    policy: str = _knob(
+        "offload", env="OFFLOAD_POLICY", kind="keep, offload, recompute or auto", example="keep",
+        doc="`offload` moves every eligible tensor to the tiers; `keep` leaves all in place "
+            "(stats only). `recompute` and `auto` need the scheduler (not yet available).")
+    budget: SizeSpec | None = _knob(
+        None, env="OFFLOAD_BUDGET", kind="size or %", example="30%", default_doc="unset",
+        doc="Device-resident activation bytes allowed (`%` of the no-offload peak); "
+            "used by `auto`.")
+    strict: bool = _knob(
+        False, env="OFFLOAD_STRICT", kind="bool", example="1",
+        doc="When every tier is full, raise TierFullError instead of keeping the tensor on the "
+            "device with a one-time warning.")
+    log: str | None = _knob(
+        None, env="OFFLOAD_LOG", kind="log level", example="INFO", default_doc="unset",
+        doc="Level of the `offload` logger; per-step stats are logged at INFO. Unset leaves "
+            "logging as the application configured it.")
+    prefetch_bytes: int = _knob(
+        _DEFAULT_PREFETCH_BYTES, env="OFFLOAD_PREFETCH_BYTES", kind="size", example="512MiB",
+        doc="Bytes of reads kept in flight ahead of backward (reverse pack order).")
+    io_workers: int = _knob(
+        _DEFAULT_IO_WORKERS, env="OFFLOAD_IO_WORKERS", kind="int", example="8",
+        doc="I/O threads of the NVMe engine.")
+    staging_bytes: int = _knob(
+        _DEFAULT_STAGING_BYTES, env="OFFLOAD_STAGING_BYTES", kind="size", example="1GiB",
+        doc="Host staging arena of the `nvme` tier (write-behind and read-ahead buffers); "
+            "the forward only waits when it is full.")
+    # Where each value came from ("OFFLOAD_TIERS='a'" or "tiers='a'"), for error messages.
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
+        """Read `OFFLOAD_*` from `env` (default `os.environ`); keyword arguments win.
+
+        Raises:
+            ConfigError: an unknown keyword, or a value that does not parse.
+        """
+        env = os.environ if env is None else env
+        names = {f.name: f for f in fields(cls) if f.name != "sources"}
+        for key in overrides:
+            if key not in names:
+                close = difflib.get_close_matches(key, list(names), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"offload.activations(): unknown argument {key!r}{hint}; "
+                                  f"valid arguments: {', '.join(names)}, model")
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for name, f in names.items():
+            envname = f.metadata["env"]
+            if overrides.get(name) is not None:
+                raw, where = overrides[name], f"{name}={overrides[name]!r}"
+            elif env.get(envname, "").strip() != "":
+                raw, where = env[envname], f"{envname}={env[envname]!r}"
+            else:
+                continue
+            values[name] = _PARSERS[name](raw, where, env)
+            sources[name] = where
+        return cls(**values, sources=sources)
+
+    def with_overrides(self, **overrides: Any) -> "Config":
+        """A copy with some knobs replaced (parsed like keyword arguments)."""
+        extra = Config.from_env(env={}, **overrides)
+        picked = {k: getattr(extra, k) for k in overrides}
+        return replace(self, **picked, sources={**self.sources, **extra.sources})
+
+    # ---------------------------------------------------------------- validation
+    def where(self, name: str) -> str:
+        """How to name a knob's value in a message: its source, or the env var's default."""
+        env = _FIELDS[name].metadata["env"]
+        return self.sources.get(name, f"{env} (default {_default_text(_FIELDS[name])!r})")
+
+    def validate(self) -> None:
+        """Cross-checks that need more than one knob or a look at the file system.
+
+        Read-only: stats the NVMe directories but creates nothing.
+
+        Raises:
+            ConfigError: naming the variable, the value and what to do.
+        """
+        if self.policy in _PENDING_POLICIES:
+            raise ConfigError(
+                f"{self.where('policy')}: the {self.policy!r} policy needs the scheduler, which "
+                "is not yet available; use OFFLOAD_POLICY=offload (move saved tensors to "
+                "OFFLOAD_TIERS) or OFFLOAD_POLICY=keep")
+        if "nvme" in self.tiers and self.policy != "keep":
+            self._validate_nvme_dirs()
+
+    def _validate_nvme_dirs(self) -> None:
+        if not self.nvme_dir:
+            raise ConfigError(
+                f"OFFLOAD_NVME_DIR is not set but {self.where('tiers')} includes 'nvme' (set "
+                "OFFLOAD_NVME_DIR to a writable directory on a local SSD, or drop 'nvme' from "
+                "OFFLOAD_TIERS)")
+        where = self.where("nvme_dir")
+        for path in self.nvme_dir:
+            fix = ("point it at a writable directory on a local SSD, or drop 'nvme' "
+                   "from OFFLOAD_TIERS")
+            if not os.path.exists(path):
+                raise ConfigError(f"{where}: {path!r} does not exist ({fix})")
+            if not os.path.isdir(path):
+                raise ConfigError(f"{where}: {path!r} is not a directory ({fix})")
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise ConfigError(f"{where}: {path!r} is not writable by this process ({fix})")
+
+    # ---------------------------------------------------------------- capacities
+    def host_capacity_bytes(self) -> int:
+        """Capacity of the host tier in bytes (percentages of RAM available now)."""
+        import psutil
+
+        return self.host_bytes.resolve(psutil.virtual_memory().available)
+
+    def nvme_capacity_bytes(self) -> int:
+        """Capacity of the nvme tier in bytes, checked against the free space.
+
+        Raises:
+            ConfigError: an absolute size larger than the free space.
+        """
+        free = _free_disk_bytes(self.nvme_dir)
+        capacity = self.nvme_bytes.resolve(free)
+        if capacity > free:
+            raise ConfigError(
+                f"{self.where('nvme_bytes')}: only {format_bytes(free)} free in "
+                f"{', '.join(self.nvme_dir)} (lower it, or give a percentage such as '50%')")
+        return capacity
+
+    def apply_log_level(self) -> None:
+        """Set the `offload` logger's level from OFFLOAD_LOG (no-op when unset)."""
+        if self.log is None:
+            return
+        logger = logging.getLogger("offload")
+        logger.setLevel(self.log)
+        # Without any handler Python only shows WARNING and up; OFFLOAD_LOG=INFO must show
+        # the per-step stats, so attach one stderr handler when the app configured none.
+        if not logger.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+            logger.addHandler(handler)
+
+
+_FIELDS = {f.name: f for f in fields(Config)}
+
+
+def _free_disk_bytes(dirs: tuple[str, ...]) -> int:
+    """Free bytes summed over the distinct file systems holding `dirs`."""
+    seen: dict[int, int] = {}
+    for path in dirs:
+        seen.setdefault(os.stat(path).st_dev, shutil.disk_usage(path).free)
+    return sum(seen.values())
+
+
+# -------------------------------------------------------------------- per-knob parsers
+def _fail(where: str, reason: str, fix: str) -> ConfigError:
+    return ConfigError(f"{where}: {reason} ({fix})")
+
+
+def _parse_tiers(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]:
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    tiers = tuple(str(t).strip().lower() for t in items if str(t).strip())
+    if not tiers:
+        raise _fail(where, "names no tier", "use 'host', 'nvme' or 'host,nvme'; "
+                    "OFFLOAD_POLICY=keep turns offloading off")
+    for tier in tiers:
+        if tier not in TIERS:
+            close = difflib.get_close_matches(tier, TIERS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise _fail(where, f"unknown tier {tier!r}",
+                        f"{hint}valid tiers, fastest first: {', '.join(TIERS)}")
+    if len(set(tiers)) != len(tiers):
+        raise _fail(where, "names a tier twice", "list each tier once, e.g. 'host,nvme'")
+    return tiers
+
+
+def _parse_dirs(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]:
+    items = raw.split(",") if isinstance(raw, str) else [os.fspath(p) for p in raw]
+    subst = {"rank": env.get("RANK", "0"), "local_rank": env.get("LOCAL_RANK", "0")}
+    dirs = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            dirs.append(os.path.expanduser(item.format_map(subst)))
+        except (KeyError, ValueError, IndexError) as exc:
+            raise _fail(where, f"bad placeholder in {item!r}: {exc}",
+                        "only {rank} and {local_rank} are expanded") from None
+    if not dirs:
+        raise _fail(where, "names no directory", "give a directory on a local SSD")
+    return tuple(dirs)
+
+
+def _size_parser(allow_percent: bool, max_fraction: float | None = None,
+                 what: str = "") -> Callable[[Any, str, Mapping[str, str]], Any]:
+    def parse(raw: Any, where: str, env: Mapping[str, str]) -> Any:
+        try:
+            spec = parse_size(raw, allow_percent=allow_percent)
+        except ValueError as exc:
+            example = '"8GiB", "512MiB"' + (', "50%"' if allow_percent else "")
+            raise _fail(where, str(exc), f"give a size such as {example}") from None
+        if max_fraction is not None and spec.fraction is not None and spec.fraction > max_fraction:
+            raise _fail(where, f"{spec} is over {max_fraction * 100:g}%",
+                        f"give at most 100%{what}, or an absolute size such as \"4GiB\"")
+        return spec if allow_percent else spec.nbytes
+    return parse
+
+
+def _parse_choice(raw: Any, where: str, env: Mapping[str, str]) -> str:
+    value = str(raw).strip().lower()
+    if value not in POLICIES:
+        close = difflib.get_close_matches(value, POLICIES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise _fail(where, f"unknown policy {value!r}",
+                    f"{hint}valid policies: {', '.join(POLICIES)}")
+    return value
+
+
+def _parse_bool(raw: Any, where: str, env: Mapping[str, str]) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    value = str(raw).strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise _fail(where, "not a boolean", "use 1/0, true/false, yes/no or on/off")
+
+
+def _parse_log(raw: Any, where: str, env: Mapping[str, str]) -> str:
+    value = str(raw).strip().upper()
+    if value not in _LOG_LEVELS:
+        close = difflib.get_close_matches(value, _LOG_LEVELS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise _fail(where, f"unknown log level {raw!r}",
+                    f"{hint}use one of {', '.join(_LOG_LEVELS)}")
+    return value
+
+
+def _parse_positive_int(raw: Any, where: str, env: Mapping[str, str]) -> int:
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        value = int(str(raw).strip()) if not isinstance(raw, int) else raw
+    except ValueError:
+        raise _fail(where, "not a whole number", "give a count such as 4") from None
+    if value < 1:
+        raise _fail(where, "must be at least 1", "give a count such as 4")
+    return value
+
+
+_PARSERS: dict[str, Callable[[Any, str, Mapping[str, str]], Any]] = {
+    "tiers": _parse_tiers,
+    "nvme_dir": _parse_dirs,
+    "host_bytes": _size_parser(True),
+    "nvme_bytes": _size_parser(True),
+    "min_bytes": _size_parser(False),
+    "policy": _parse_choice,
+    "budget": _size_parser(True, max_fraction=1.0, what=" of the no-offload peak"),
+    "strict": _parse_bool,
+    "log": _parse_log,
+    "prefetch_bytes": _size_parser(False),
+    "io_workers": _parse_positive_int,
+    "staging_bytes": _size_parser(False),
+}
+
+
+# -------------------------------------------------------------------- docs
+def _default_text(f) -> str:
+    if f.metadata.get("default_doc"):
+        return f.metadata["default_doc"]
+    value = f.default
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int) and f.metadata["type"] == "size":
+        return format_bytes(value).replace(" ", "")
+    return str(value)
+
+
+def env_table_markdown() -> str:
+    """The README table of environment variables, rendered from `Config`'s metadata."""
+    rows = ["| Variable | Type | Default | Example | Meaning |",
+            "|---|---|---|---|---|"]
+    for f in fields(Config):
+        if f.name == "sources":
+            continue
+        m = f.metadata
+        rows.append(f"| `{m['env']}` | {m['type']} | `{_default_text(f)}` | "
+                     f"`{m['example']}` | {m['doc']} |")
+    return "\n".join(rows) + "\n"

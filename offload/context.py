@@ -1,0 +1,198 @@
+"""`offload.activations()`: the context manager around one training step.
+
+    with offload.activations() as ctx:          # settings from OFFLOAD_* env vars
+        loss = model(batch).loss
+        loss.backward()
+    print(ctx.stats.as_dict())
+
+Construction parses and validates every setting (ConfigError before the first forward;
+nothing touches the disk). `__enter__` resolves capacities, opens the tiers and installs the
+hooks. `__exit__` removes the hooks; the tiers close as soon as no saved tensor needs them
+(at once when backward ran inside the block). When the block raises, everything is freed
+(slab files, arena space, hooks) and the original exception propagates unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from typing import Any
+
+import torch
+
+from .config import Config
+from .hooks import OffloadHooks, _set_no_offload_depth, no_offload_depth
+from .placement import Placement
+from .prefetch import Prefetcher
+from .stats import Stats
+from .tensor_meta import ParamStorages
+from .tiers.base import Tier
+from .tiers.host import HostTier
+
+__all__ = ["activations", "ActivationOffload", "no_offload"]
+
+log = logging.getLogger("offload")
+
+
+def activations(*, model: torch.nn.Module | None = None, **settings: Any) -> "ActivationOffload":
+    """Offload the activations autograd saves inside the block to host RAM / NVMe.
+
+    Args:
+        model: The model being trained (optional). Its parameters and buffers are recognised
+            exactly; the scheduler will use it to find repeated blocks.
+        **settings: Override the OFFLOAD_* environment variables; same names in lower case
+            without the prefix: tiers, nvme_dir, host_bytes, nvme_bytes, min_bytes, policy,
+            budget, strict, log, prefetch_bytes, io_workers, staging_bytes.
+
+    Returns:
+        The context manager; `__enter__` returns it, and `.stats` is readable after the block.
+
+    Raises:
+        ConfigError: a setting is invalid (names the variable, the value and what to do).
+
+    Example:
+        >>> with offload.activations(tiers="nvme", nvme_dir="/mnt/nvme") as ctx:
+        ...     model(x).sum().backward()
+        >>> ctx.stats.nvme_bytes
+    """
+    return ActivationOffload(Config.from_env(**settings), model=model)
+
+
+class ActivationOffload:
+    """One offload context; reusable for several steps (`with ctx:` each step)."""
+
+    def __init__(self, config: Config, model: torch.nn.Module | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.model = model
+        self.stats = Stats()
+        self.tiers: dict[str, Tier] = {}
+        self._hooks: OffloadHooks | None = None
+        self._saved_hooks_cm = None
+        self._module_hook = None
+        self._active = False
+        self._start_s = 0.0
+
+    # ---------------------------------------------------------------- enter / exit
+    def __enter__(self) -> "ActivationOffload":
+        if self._active:
+            raise RuntimeError("offload.activations(): this context is already active; "
+                               "create one context per step or nest different ones")
+        config = self.config
+        config.apply_log_level()
+        self.stats = stats = Stats()
+        tiers = self._open_tiers(stats) if config.policy == "offload" else {}
+        params = ParamStorages()
+        if self.model is not None:
+            params.add_module(self.model)
+        hooks = OffloadHooks(Placement(config), tiers, stats,
+                             Prefetcher(config.prefetch_bytes, stats), params, config.strict)
+        self.tiers, self._hooks = tiers, hooks
+        # Every module that runs reports its own parameters and buffers (BatchNorm stats are
+        # buffers: never moved), so `model=` is not required for correctness.
+        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            params.module_pre_hook)
+        self._saved_hooks_cm = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
+        self._saved_hooks_cm.__enter__()
+        self._active = True
+        self._start_s = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._active = False
+        self.stats.step_s = time.perf_counter() - self._start_s
+        try:
+            self._saved_hooks_cm.__exit__(None, None, None)
+        finally:
+            self._module_hook.remove()
+        if exc_type is not None:
+            self._abort()
+            return False  # re-raise the original exception unchanged
+        self._finish()
+        return False
+
+    def _open_tiers(self, stats: Stats) -> dict[str, Tier]:
+        config, tiers = self.config, {}
+        try:
+            for name in config.tiers:
+                if name == "host":
+                    tiers[name] = HostTier(config.host_capacity_bytes(), stats)
+                elif name == "nvme":
+                    from ._ext import load_core
+                    from .tiers.nvme import NvmeTier
+
+                    tiers[name] = NvmeTier(
+                        config.nvme_dir, config.nvme_capacity_bytes(),
+                        workers=config.io_workers, staging_bytes=config.staging_bytes,
+                        stats=stats, core=load_core())
+        except BaseException:
+            for tier in tiers.values():
+                tier.close()
+            raise
+        return tiers
+
+    def _finish(self) -> None:
+        hooks = self._hooks
+        for tier in self.tiers.values():
+            tier.poll()
+        close = functools.partial(_close_tiers, self.tiers, self.stats, hooks)
+        if hooks.live_records == 0:
+            close()
+        else:
+            # Backward runs after the block: tiers stay open until the last saved tensor
+            # is freed (NOTE [Record lifetime] in hooks.py).
+            log.debug("offload: %d stored storages outlive the block; tiers close when "
+                      "backward frees them", hooks.live_records)
+            hooks.on_idle = close
+        log.info("offload: %s", self.stats.summary())
+
+    def _abort(self) -> None:
+        try:
+            self._hooks.release_all()
+        except Exception:  # never mask the user's exception
+            log.exception("offload: error while releasing saved tensors after an exception")
+        _close_tiers(self.tiers, self.stats, self._hooks)
+
+    def close(self) -> None:
+        """Free the tiers now, even if saved tensors still refer to them."""
+        if self._hooks is not None:
+            self._hooks.release_all()
+        _close_tiers(self.tiers, self.stats, self._hooks)
+
+
+def _close_tiers(tiers: dict[str, Tier], stats: Stats, hooks: OffloadHooks | None) -> None:
+    """Drain and close `tiers`, noting what they still held (0 after a clean step)."""
+    if hooks is not None:
+        hooks.on_idle = None
+    for name, tier in list(tiers.items()):
+        try:
+            tier.drain()
+            if name == "nvme":
+                stats.staging_peak_bytes = tier.arena_peak_bytes
+                stats.exit_staging_used_bytes = tier.arena_used_bytes
+            setattr(stats, f"exit_{name}_used_bytes", tier.used_bytes)
+        except Exception:
+            log.exception("offload: error while draining the %s tier", name)
+        finally:
+            tier.close()
+
+
+@contextlib.contextmanager
+def no_offload():
+    """A region whose saved tensors stay where they are (counted as kept).
+
+    Nests, and works as a decorator. Outside `offload.activations()` it does nothing.
+
+    Example:
+        >>> with offload.activations():
+        ...     with offload.no_offload():
+        ...         y = small_head(x)       # saved tensors of this region stay on the device
+    """
+    depth = no_offload_depth()
+    _set_no_offload_depth(depth + 1)
+    try:
+        yield
+    finally:
+        _set_no_offload_depth(depth)
+

@@ -1,0 +1,345 @@
+"""The saved-tensor hooks: what autograd holds instead of each saved tensor, and back.
+
+`OffloadHooks.pack` runs when autograd saves a tensor (forward); `unpack` when backward needs
+it. One `_Record` per stored storage (views share it: see tensor_meta NOTE [Storage identity]);
+one `_Packed` per saved tensor, pointing at its record plus the view layout to rebuild.
+
+NOTE [Version check] Once saved-tensor hooks are installed autograd no longer checks the
+version counter of saved tensors (verified on torch 2.13: the in-place "modified by an
+inplace operation" error silently disappears). We redo the check: every `_Packed` records
+`t._version` and keeps the tensor (kept ones) or a weak reference to its version-counter
+owner (the view's base, else the tensor itself); unpack raises autograd's own message when
+the counter moved. A dead owner means nobody could have modified it.
+
+NOTE [Record lifetime] A record lives exactly as long as some `_Packed` of it lives, i.e. as
+long as autograd holds a saved tensor of that storage. Its `__del__` releases the payload:
+with backward freeing saved tensors as it goes, tier space returns during backward and usage
+is back to zero when backward ends. With retain_graph the records survive and a second
+backward loads again. When the context exits with an exception, `release_all` frees every
+payload at once; a later unpack of such a record raises a clear error.
+
+NOTE [Unpack cache] Several saved tensors of one storage are unpacked at different times.
+The loaded bytes stay referenced by the record while some of its `_Packed` have not been
+unpacked yet (so the storage is read once), then only weakly.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import weakref
+
+import torch
+
+from .errors import TierFullError
+from .placement import Placement, TensorInfo
+from .prefetch import Prefetcher
+from .sizes import format_bytes
+from .stats import Stats
+from .tensor_meta import ParamStorages, StorageIndex, ViewMeta, movable, rebuild, view_meta
+from .tiers.base import Tier
+
+__all__ = ["OffloadHooks", "no_offload_active", "no_offload_depth"]
+
+log = logging.getLogger("offload")
+
+class _NoOffloadDepth(threading.local):
+    depth = 0  # class default: no AttributeError path on threads that never set it
+
+
+_local = _NoOffloadDepth()
+
+
+def no_offload_depth() -> int:
+    return _local.depth
+
+
+def no_offload_active() -> bool:
+    return _local.depth > 0
+
+
+def _set_no_offload_depth(depth: int) -> None:
+    _local.depth = depth
+
+
+class _Record:
+    """One stored storage (see NOTE [Record lifetime])."""
+
+    __slots__ = ("hooks", "payload", "nbytes", "kind", "resident", "handles_left", "cache",
+                 "cache_ref", "cache_offset", "released", "__weakref__")
+
+    def __init__(self, hooks: "OffloadHooks", payload, nbytes: int, kind: str,
+                 resident: bool) -> None:
+        self.hooks = hooks
+        self.payload = payload        # None when kept
+        self.nbytes = nbytes
+        self.kind = kind              # "keep" or a tier name
+        self.resident = resident
+        self.handles_left = 0         # _Packed of this record not yet unpacked
+        self.cache = None             # strong reference to the loaded storage (NOTE [Unpack cache])
+        self.cache_ref = None         # weak reference to it
+        self.cache_offset = 0
+        self.released = False
+
+    def load(self) -> tuple[torch.UntypedStorage, int]:
+        storage = self.cache if self.cache is not None else \
+            (self.cache_ref() if self.cache_ref is not None else None)
+        if storage is None:
+            if self.released:
+                raise RuntimeError(
+                    "offload: a saved tensor was used after its offload.activations() context "
+                    "released it (the block exited with an exception); run backward inside "
+                    "the block")
+            flat = self.hooks.fetch(self.payload)
+            storage, self.cache_offset = flat.untyped_storage(), flat.storage_offset()
+            self.cache_ref = weakref.ref(storage)
+        if self.handles_left > 1:
+            self.cache = storage
+        return storage, self.cache_offset
+
+    def handle_done(self) -> None:
+        self.handles_left -= 1
+        if self.handles_left <= 0:
+            self.cache = None
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.cache = None
+            if self.payload is not None:
+                self.payload.release()
+
+    def __del__(self) -> None:
+        try:
+            self.hooks._record_freed(self)
+        except Exception:  # interpreter shutdown or a closed tier: nothing left to free
+            pass
+
+
+class _Packed:
+    """What autograd holds for one saved tensor."""
+
+    __slots__ = ("record", "meta", "tensor", "version", "owner", "output_nr", "unpacked")
+
+    def __init__(self, record: _Record | None, meta: ViewMeta | None,
+                 tensor: torch.Tensor | None, version: int, owner: weakref.ref | None,
+                 output_nr: int) -> None:
+        self.record = record
+        self.meta = meta
+        self.tensor = tensor          # set when the tensor stays where it is
+        self.version = version
+        self.owner = owner            # NOTE [Version check]
+        self.output_nr = output_nr
+        self.unpacked = False
+
+    def check_version(self) -> None:
+        t = self.tensor if self.tensor is not None else \
+            (self.owner() if self.owner is not None else None)
+        if t is not None and t._version != self.version:
+            raise RuntimeError(_version_message(t, self, self.meta))
+
+    def mark_unpacked(self) -> None:
+        if not self.unpacked:
+            self.unpacked = True
+            if self.record is not None:
+                self.record.handle_done()
+
+    def __del__(self) -> None:
+        if not self.unpacked and self.record is not None:
+            self.unpacked = True
+            self.record.handle_done()
+
+
+def _version_message(t: torch.Tensor, packed: _Packed, meta: ViewMeta | None) -> str:
+    # Same words as autograd's own check (torch/csrc/autograd/saved_variable.cpp), so code
+    # and tests that match on it keep working with offload on.
+    if meta is not None:
+        probe = torch.empty(0, dtype=meta.dtype, device=t.device)
+        type_name, sizes = probe.type(), list(meta.size)
+    else:
+        type_name, sizes = t.type(), list(t.shape)
+    text = (f"one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{type_name} {sizes}]")
+    if t.grad_fn is not None:
+        name = re.sub(r"Backward\d*$", "", type(t.grad_fn).__name__)
+        text += f", which is output {packed.output_nr} of {name},"
+    return text + (f" is at version {t._version}; expected version {packed.version} instead."
+                   + _autograd_hint())
+
+
+_hint_cache: list[str] = []
+
+
+def _autograd_hint() -> str:
+    """The hint autograd appends to its version error (its wording changes across releases).
+
+    Provoked once on a one-element graph in a fresh thread: saved-tensor hooks are
+    thread-local, so ours cannot interfere there.
+    """
+    if not _hint_cache:
+        found: list[str] = []
+
+        def provoke() -> None:
+            a = torch.ones(1, requires_grad=True)
+            b = a * 1
+            c = b.sin()
+            b.add_(1)
+            try:
+                c.backward()
+            except RuntimeError as exc:
+                msg = str(exc)
+                found.append(msg[msg.index(" Hint:"):] if " Hint:" in msg else "")
+
+        worker = threading.Thread(target=provoke, name="offload-hint")
+        worker.start()
+        worker.join()
+        _hint_cache.append(found[0] if found else "")
+    return _hint_cache[0]
+
+
+def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The storage's bytes as a 1-D uint8 tensor (zero-copy, keeps the storage alive)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class OffloadHooks:
+    """pack / unpack for `torch.autograd.graph.saved_tensors_hooks`, plus bookkeeping."""
+
+    def __init__(self, placement: Placement, tiers: dict[str, Tier], stats: Stats,
+                 prefetcher: Prefetcher, params: ParamStorages, strict: bool) -> None:
+        self.placement = placement
+        self.tiers = tiers
+        self.stats = stats
+        self.prefetcher = prefetcher
+        self.params = params
+        self.strict = strict
+        self.index = StorageIndex()
+        # Records holding tier space (kept ones hold none), for release_all and on_idle.
+        self._live: weakref.WeakSet[_Record] = weakref.WeakSet()
+        self._param_ids: set[int] = set()
+        self._warned_full = False
+        self._lock = threading.RLock()
+        self.on_idle = None  # called when the last record dies (the context closes tiers)
+
+    # ---------------------------------------------------------------- pack
+    def pack(self, t: torch.Tensor) -> _Packed:
+        stats = self.stats
+        stats.packed_tensors += 1
+        version = t._version
+        if not movable(t):
+            return _Packed(None, None, t, version, None, 0)
+        storage = t.untyped_storage()
+        if self.params.is_param(t, storage):
+            stats.param_tensors += 1
+            if id(storage) not in self._param_ids:
+                self._param_ids.add(id(storage))
+                stats.param_bytes += storage.nbytes()
+            return _Packed(None, None, t, version, None, 0)
+        with self._lock:
+            record = self.index.lookup(storage, version)
+            if record is None:
+                record = self._store(t, storage)
+                self.index.add(storage, version, record)
+            record.handles_left += 1
+        if record.payload is None:
+            return _Packed(record, None, t, version, None, 0)
+        stats.offloaded_tensors += 1
+        owner = t._base if t._base is not None else t
+        return _Packed(record, view_meta(t), None, version, weakref.ref(owner), t.output_nr)
+
+    def _store(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Record:
+        nbytes = storage.nbytes()
+        info = TensorInfo(nbytes, t.device, t.dtype, no_offload=no_offload_active())
+        decision = self.placement.decide(info)
+        payload, kind = None, "keep"
+        if not decision.keep:
+            flat = _flat_bytes(storage)
+            for i, name in enumerate(decision.targets):
+                payload = self.tiers[name].store(flat)
+                if payload is not None:
+                    kind = name
+                    if i:
+                        self.stats.spilled_bytes += nbytes
+                    break
+            if payload is None:
+                self._all_full(nbytes, decision.targets)
+        resident = payload is None or payload.resident
+        record = _Record(self, payload, nbytes, kind, resident)
+        self._account(record)
+        if payload is not None:
+            if payload.prefetchable:
+                self.prefetcher.register(payload)
+            self._live.add(record)
+        return record
+
+    def _account(self, record: _Record) -> None:
+        stats = self.stats
+        stats.unique_storages += 1
+        stats.saved_bytes += record.nbytes
+        if record.kind == "keep":
+            stats.kept_bytes += record.nbytes
+        elif record.kind == "host":
+            stats.host_bytes += record.nbytes
+        else:
+            stats.nvme_bytes += record.nbytes
+        if record.resident:
+            stats.add_resident(record.nbytes)
+
+    def _all_full(self, nbytes: int, targets: tuple[str, ...]) -> None:
+        usage = ", ".join(f"{name} {format_bytes(self.tiers[name].used_bytes)} of "
+                          f"{format_bytes(self.tiers[name].capacity_bytes)} used"
+                          for name in targets)
+        if self.strict:
+            raise TierFullError(
+                f"offload: every tier is full ({usage}) and OFFLOAD_STRICT=1, so a "
+                f"{format_bytes(nbytes)} activation cannot be placed (raise OFFLOAD_HOST_BYTES / "
+                "OFFLOAD_NVME_BYTES, add a tier to OFFLOAD_TIERS, or unset OFFLOAD_STRICT to "
+                "keep such tensors on the device)")
+        self.stats.full_kept_bytes += nbytes
+        if not self._warned_full:
+            self._warned_full = True
+            log.warning("offload: every tier is full (%s); keeping activations on the device "
+                        "from now on (raise OFFLOAD_HOST_BYTES / OFFLOAD_NVME_BYTES or add a "
+                        "tier; OFFLOAD_STRICT=1 makes this an error)", usage)
+
+    # ---------------------------------------------------------------- unpack
+    def unpack(self, packed: _Packed) -> torch.Tensor:
+        packed.check_version()  # NOTE [Version check]
+        if packed.tensor is not None:
+            packed.mark_unpacked()
+            return packed.tensor
+        with self._lock:
+            storage, offset = packed.record.load()
+        out = rebuild(storage, offset, packed.meta)
+        packed.mark_unpacked()
+        return out
+
+    def fetch(self, payload) -> torch.Tensor:
+        for tier in self.tiers.values():
+            tier.poll()
+        if payload.prefetchable:
+            return self.prefetcher.fetch(payload)
+        return payload.fetch()
+
+    # ---------------------------------------------------------------- lifetime
+    @property
+    def live_records(self) -> int:
+        return len(self._live)
+
+    def _record_freed(self, record: _Record) -> None:
+        if record.resident:
+            self.stats.resident_bytes -= record.nbytes
+        if record.payload is None:
+            return
+        with self._lock:
+            record.release()
+            self._live.discard(record)
+            if self.on_idle is not None and not self._live:
+                self.on_idle()
+
+    def release_all(self) -> None:
+        """Free every payload now (the context exits with an exception)."""
+        with self._lock:
+            for record in list(self._live):
+                record.release()
+            self.index.clear()

@@ -1,0 +1,140 @@
+"""Per-step counters of the runtime: where the saved bytes went, how long the step waited,
+and the throughput each path achieved. `Stats.as_dict()` is plain JSON.
+
+The field names are read by the benchmark (keep them): saved_bytes, kept_bytes, host_bytes,
+nvme_bytes, peak_resident_bytes, nvme_written_bytes, nvme_read_bytes, stall_s, d2h_gbps,
+h2d_gbps, nvme_write_gbps, nvme_read_gbps, packed_tensors.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+
+__all__ = ["Stats", "BusyClock"]
+
+
+class BusyClock:
+    """Wall time during which at least one transfer of a path was in flight.
+
+    Bytes / busy time is the throughput the path achieved while it had work; unlike bytes /
+    step time it does not drop when the path simply had nothing to do. Completions are
+    observed when the runtime polls or waits, so the busy time is an upper bound and the
+    reported GB/s a lower bound.
+    """
+
+    __slots__ = ("_active", "_since", "busy_s")
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._since = 0.0
+        self.busy_s = 0.0
+
+    def begin(self) -> None:
+        if self._active == 0:
+            self._since = time.perf_counter()
+        self._active += 1
+
+    def end(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self.busy_s += time.perf_counter() - self._since
+
+    def add(self, seconds: float) -> None:
+        """Account a transfer that ran synchronously for `seconds`."""
+        self.busy_s += seconds
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+@dataclass
+class Stats:
+    """Counters for one `with offload.activations()` block (one training step).
+
+    Bytes are counted once per storage (views of one storage are stored once). "Resident"
+    means on the compute device: tensors kept there, plus the host tier on a CPU-only run
+    (where the device *is* host RAM).
+    """
+
+    saved_bytes: int = 0          # activation bytes autograd saved (unique storages, no params)
+    kept_bytes: int = 0           # ... of which stayed where they were
+    host_bytes: int = 0           # ... of which went to the host tier
+    nvme_bytes: int = 0           # ... of which went to the nvme tier
+    param_bytes: int = 0          # parameter/buffer storages autograd saved (never moved)
+    peak_resident_bytes: int = 0  # peak of saved activation bytes resident on the device
+    nvme_written_bytes: int = 0
+    nvme_read_bytes: int = 0
+    stall_s: float = 0.0          # stall_forward_s + stall_backward_s
+    stall_forward_s: float = 0.0  # pack waited for staging space (backpressure)
+    stall_backward_s: float = 0.0  # unpack waited for its data
+    packed_tensors: int = 0       # tensors autograd handed to the pack hook
+    offloaded_tensors: int = 0    # ... whose storage went to a tier (host or nvme)
+    param_tensors: int = 0        # ... that were parameters/buffers or views of them
+    unique_storages: int = 0      # storages stored (after dedup), kept ones included
+    spilled_bytes: int = 0        # bytes that went to a later tier because an earlier was full
+    full_kept_bytes: int = 0      # bytes kept because every tier was full
+    prefetch_hits: int = 0        # unpacks whose read was already issued by the prefetcher
+    prefetch_misses: int = 0      # unpacks that had to issue their own read
+    step_s: float = 0.0           # wall time of the block
+    staging_peak_bytes: int = 0   # peak use of the nvme tier's staging arena
+    exit_host_used_bytes: int = 0     # tier space still used when the tiers closed:
+    exit_nvme_used_bytes: int = 0     # 0 after a step whose backward ran (no growth)
+    exit_staging_used_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    resident_bytes: int = field(default=0, repr=False)  # current value behind the peak
+    d2h_clock: BusyClock = field(default_factory=BusyClock, repr=False)
+    h2d_clock: BusyClock = field(default_factory=BusyClock, repr=False)
+    write_clock: BusyClock = field(default_factory=BusyClock, repr=False)
+    read_clock: BusyClock = field(default_factory=BusyClock, repr=False)
+
+    # ------------------------------------------------------------ updates
+    def add_resident(self, nbytes: int) -> None:
+        self.resident_bytes += nbytes
+        if self.resident_bytes > self.peak_resident_bytes:
+            self.peak_resident_bytes = self.resident_bytes
+
+    def add_stall(self, seconds: float, backward: bool) -> None:
+        self.stall_s += seconds
+        if backward:
+            self.stall_backward_s += seconds
+        else:
+            self.stall_forward_s += seconds
+
+    # ------------------------------------------------------------ derived
+    @property
+    def d2h_gbps(self) -> float:
+        return _gbps(self.d2h_bytes, self.d2h_clock.busy_s)
+
+    @property
+    def h2d_gbps(self) -> float:
+        return _gbps(self.h2d_bytes, self.h2d_clock.busy_s)
+
+    @property
+    def nvme_write_gbps(self) -> float:
+        return _gbps(self.nvme_written_bytes, self.write_clock.busy_s)
+
+    @property
+    def nvme_read_gbps(self) -> float:
+        return _gbps(self.nvme_read_bytes, self.read_clock.busy_s)
+
+    def as_dict(self) -> dict:
+        """Plain JSON-able dict: every counter plus the derived GB/s figures."""
+        # repr=False marks the internal fields (clocks, the running resident count).
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        for name in ("d2h_gbps", "h2d_gbps", "nvme_write_gbps", "nvme_read_gbps"):
+            out[name] = round(getattr(self, name), 4)
+        for name in ("stall_s", "stall_forward_s", "stall_backward_s", "step_s"):
+            out[name] = round(out[name], 6)
+        return out
+
+    def summary(self) -> str:
+        """One log line for OFFLOAD_LOG=INFO."""
+        gib = 1 << 30
+        return (f"saved {self.saved_bytes / gib:.3f} GiB (kept {self.kept_bytes / gib:.3f}, "
+                f"host {self.host_bytes / gib:.3f}, nvme {self.nvme_bytes / gib:.3f}); "
+                f"peak resident {self.peak_resident_bytes / gib:.3f} GiB; "
+                f"nvme w/r {self.nvme_write_gbps:.2f}/{self.nvme_read_gbps:.2f} GB/s; "
+                f"stall {self.stall_s:.3f} s of {self.step_s:.3f} s; "
+                f"{self.packed_tensors} tensors")

@@ -1,0 +1,153 @@
+"""What a saved tensor *is*, apart from its bytes: storage identity, view layout, parameters.
+
+NOTE [Storage identity] Autograd often saves several views of one storage (q, k, v split
+from one qkv output; `weight.t()`). We key by the storage's Python object: torch keeps that
+object alive exactly as long as the storage itself, so a weak reference to it dies with the
+storage, and its id cannot be reused while it is alive. A plain `data_ptr()` key is unsafe:
+once an offloaded storage is freed, the allocator hands the same address to the next tensor.
+
+NOTE [Versions] Views share their base's version counter. Two saves of one storage at
+different versions hold different data (an in-place op ran in between), so the dedup key is
+(storage, version).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["ViewMeta", "view_meta", "rebuild", "movable", "StorageIndex", "ParamStorages"]
+
+
+class ViewMeta(NamedTuple):
+    """Enough to rebuild a tensor over its storage's bytes."""
+
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements of `dtype`, as torch reports it
+    conj: bool
+    neg: bool
+
+
+def view_meta(t: torch.Tensor) -> ViewMeta:
+    return ViewMeta(t.dtype, tuple(t.shape), t.stride(), t.storage_offset(),
+                    t.is_conj(), t.is_neg())
+
+
+def rebuild(storage: torch.UntypedStorage, byte_offset: int, meta: ViewMeta) -> torch.Tensor:
+    """A tensor with `meta`'s layout over `storage`, whose bytes start at `byte_offset`.
+
+    Zero-copy: the result shares `storage` and keeps it alive.
+    """
+    itemsize = meta.dtype.itemsize
+    if byte_offset % itemsize:
+        raise ValueError(f"byte offset {byte_offset} is not a multiple of {meta.dtype}'s size")
+    out = torch.empty(0, dtype=meta.dtype, device=storage.device)
+    out.set_(storage, byte_offset // itemsize + meta.storage_offset, meta.size, meta.stride)
+    # The conjugate / negative bits are lazy flags on top of the same bytes.
+    if meta.conj:
+        out = out.conj()
+    if meta.neg:
+        out = torch._neg_view(out)
+    return out
+
+
+def movable(t: torch.Tensor) -> bool:
+    """Whether our byte-level storage round trip can represent `t` exactly.
+
+    Subclasses (FakeTensor, DTensor, ...), sparse, quantized and nested tensors, and devices
+    other than CPU/CUDA stay where they are.
+    """
+    return (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) \
+        and t.layout is torch.strided and not t.is_quantized and not t.is_nested \
+        and t.device.type in ("cpu", "cuda") and t.numel() > 0
+
+
+class StorageIndex:
+    """Live storages already stored during this step → their record, per version.
+
+    Entries vanish when the storage dies (see NOTE [Storage identity]); records are held
+    weakly, so a record whose saved tensors are all gone is not kept alive by the index.
+    """
+
+    def __init__(self) -> None:
+        self._map: dict[tuple[int, int], tuple[weakref.ref, weakref.ref]] = {}
+
+    def lookup(self, storage: torch.UntypedStorage, version: int) -> Any | None:
+        entry = self._map.get((id(storage), version))
+        if entry is None or entry[0]() is not storage:
+            return None
+        return entry[1]()
+
+    def add(self, storage: torch.UntypedStorage, version: int, record: Any) -> None:
+        key = (id(storage), version)
+        self._map[key] = (weakref.ref(storage, self._forget_callback(key)), weakref.ref(record))
+
+    def _forget_callback(self, key: tuple[int, int]):
+        index = weakref.ref(self)
+
+        def forget(dead: weakref.ref) -> None:
+            me = index()
+            if me is not None:
+                entry = me._map.get(key)
+                if entry is not None and entry[0] is dead:
+                    del me._map[key]
+        return forget
+
+    def clear(self) -> None:
+        self._map.clear()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+
+class ParamStorages:
+    """Storages of parameters and buffers: never moved (they live for the whole run).
+
+    Filled from `model=` and, when the runtime is active, from a global module forward
+    pre-hook (every module that runs reports its own parameters and buffers), so BatchNorm's
+    running stats are recognised without `model=`. Independently of both, any tensor that is
+    a leaf requiring grad, or a view of one (`weight.t()`), counts as a parameter.
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[int, weakref.ref] = {}
+        self._seen_modules: weakref.WeakSet = weakref.WeakSet()
+
+    def add_tensor(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        self._ids[id(storage)] = weakref.ref(storage)
+
+    def add_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
+        for p in module.parameters(recurse=recurse):
+            self.add_tensor(p)
+        for b in module.buffers(recurse=recurse):
+            if b is not None:
+                self.add_tensor(b)
+
+    def module_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        """Global forward pre-hook: remember each module's own parameters once per step."""
+        if module in self._seen_modules:
+            return
+        self._seen_modules.add(module)
+        for p in module._parameters.values():
+            if p is not None:
+                self.add_tensor(p)
+        for b in module._buffers.values():
+            if b is not None:
+                self.add_tensor(b)
+
+    def is_param(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+        ref = self._ids.get(id(storage))
+        if ref is not None and ref() is storage:
+            return True
+        if t.requires_grad and t.is_leaf:
+            return True
+        base = t._base
+        return base is not None and base.requires_grad and base.is_leaf
+
+    def clear(self) -> None:
+        self._ids.clear()
+        self._seen_modules = weakref.WeakSet()

@@ -1,0 +1,144 @@
+"""The host tier: host RAM.
+
+CPU tensors: the compute device *is* host RAM, so the payload just holds a reference to the
+storage's bytes (no copy; counted as resident). The capacity still applies, so
+`OFFLOAD_TIERS=host,nvme OFFLOAD_HOST_BYTES=1GiB` keeps 1 GiB in RAM and spills the rest.
+
+CUDA tensors: bytes are copied into a block of the pinned host arena (allocated once; never
+one pinned allocation per tensor) and copied back on fetch.
+TODO(issue 4): the copies are synchronous `copy_` calls for now (correct, not overlapped).
+The async version records an event on the compute stream, runs D2H on the offload stream
+into the pinned block, keeps the source alive until that event completes, and runs H2D on
+the prefetch stream in `prefetch`; `_d2h` / `_h2d` are the two places to change.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..stats import Stats
+from .base import Payload, Tier
+
+__all__ = ["HostTier"]
+
+log = logging.getLogger("offload")
+
+
+class _RefPayload(Payload):
+    """A CPU storage's bytes, held by reference (device == host)."""
+
+    __slots__ = ("_tier", "_flat")
+
+    resident = True  # host RAM is the device's memory on a CPU-only run
+
+    def __init__(self, tier: "HostTier", flat: torch.Tensor) -> None:
+        super().__init__(flat.numel(), flat.device)
+        self._tier = tier
+        self._flat = flat
+
+    @property
+    def prefetched(self) -> bool:
+        return True
+
+    def fetch(self) -> torch.Tensor:
+        if self._flat is None:
+            raise RuntimeError("offload: host payload used after release")
+        return self._flat
+
+    def release(self) -> None:
+        if self._flat is not None:
+            self._flat = None
+            self._tier._used_bytes -= self.nbytes
+
+
+class _PinnedPayload(Payload):
+    """A CUDA storage's bytes copied into pinned host memory."""
+
+    __slots__ = ("_tier", "_host")
+
+    def __init__(self, tier: "HostTier", host: torch.Tensor, device: torch.device) -> None:
+        super().__init__(host.numel(), device)
+        self._tier = tier
+        self._host = host  # uint8 view of a pinned arena block (keeps the block alive)
+
+    def fetch(self) -> torch.Tensor:
+        if self._host is None:
+            raise RuntimeError("offload: host payload used after release")
+        return self._tier._h2d(self._host, self.device)
+
+    def release(self) -> None:
+        if self._host is not None:
+            self._host = None  # the block returns to the arena with its last view
+            self._tier._used_bytes -= self.nbytes
+
+
+class HostTier(Tier):
+    """Host RAM with a byte capacity; pinned arena for CUDA sources."""
+
+    name = "host"
+
+    def __init__(self, capacity_bytes: int, stats: Stats) -> None:
+        self._capacity_bytes = capacity_bytes
+        self._used_bytes = 0
+        self._stats = stats
+        self._arena = None  # pinned HostArena, created on the first CUDA tensor
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    def store(self, flat: torch.Tensor) -> Payload | None:
+        nbytes = flat.numel()
+        if self._used_bytes + nbytes > self._capacity_bytes:
+            return None
+        if flat.device.type == "cpu":
+            payload: Payload = _RefPayload(self, flat)
+        else:
+            host = self._allocate_pinned(nbytes)
+            if host is None:
+                return None
+            self._d2h(flat, host)
+            payload = _PinnedPayload(self, host, flat.device)
+        self._used_bytes += nbytes
+        return payload
+
+    # ---------------------------------------------------------------- CUDA paths
+    def _allocate_pinned(self, nbytes: int) -> torch.Tensor | None:
+        if self._arena is None:
+            from .._ext import load_core
+
+            # One pinned allocation for the whole tier (cudaHostAlloc costs ms per call).
+            self._arena = load_core().HostArena(self._capacity_bytes, pinned=True)
+        block = self._arena.allocate(nbytes)
+        if block is None:
+            return None
+        return torch.frombuffer(block, dtype=torch.uint8)
+
+    def _d2h(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        # TODO(issue 4): async on the offload stream (see module docstring). Blocking copy_
+        # returns only when the bytes are on the host, so the source may be freed after it.
+        start = time.perf_counter()
+        dst.copy_(src)
+        self._stats.d2h_clock.add(time.perf_counter() - start)
+        self._stats.d2h_bytes += src.numel()
+
+    def _h2d(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
+        # TODO(issue 4): issued from `prefetch` on the prefetch stream; the consumer waits on
+        # the copy's event. Blocking copy_ is complete when it returns.
+        start = time.perf_counter()
+        out = torch.empty(src.numel(), dtype=torch.uint8, device=device)
+        out.copy_(src)
+        self._stats.h2d_clock.add(time.perf_counter() - start)
+        self._stats.h2d_bytes += src.numel()
+        return out
+
+    def close(self) -> None:
+        # Blocks still viewed by live tensors keep their memory; the arena object goes
+        # away with the last of them.
+        self._arena = None

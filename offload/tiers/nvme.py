@@ -1,0 +1,319 @@
+"""The nvme tier: payloads written to private slab files on local SSDs by the C++ engine.
+
+Write path (forward). `store` copies the bytes into a block of the staging arena, submits
+`NvmeStore.write(extent, block)` and drops its reference to the block: the engine holds the
+block until the write lands, so staging memory returns by itself. `store` waits only when
+the arena is full (it then retires the oldest write: counted as forward stall). A payload
+larger than the whole arena is written straight from the tensor's memory (`write_ptr`),
+with the tensor kept alive until that write lands.
+
+Read path (backward). `prefetch` allocates an arena block (or, when the arena is full, an
+aligned plain buffer), waits for the payload's own write if it is still in flight (NOTE
+[Read after write]) and submits the read. `fetch` waits on that read only and returns a
+zero-copy uint8 view of the block, so the memory returns when autograd drops the tensor.
+
+NOTE [Read after write] The engine does not order a read after a write of the same extent;
+reading before the write landed returns stale bytes. Every read first retires its payload's
+write.
+
+NOTE [Deferred free] An extent (and any memory the engine reads from or into) must outlive
+the I/O that uses it: if a payload is released while its write or read is in flight (a
+tensor freed during the forward, a prefetched tensor never used), the extent goes to a
+deferred list and is freed when `poll` sees the I/O done. `release` never blocks.
+
+TODO(issue 4, CUDA): `_copy_in` / `_copy_out` are synchronous D2H / H2D `copy_` calls. The
+async version uses `write_after_event` (D2H into the pinned block on the offload stream,
+the engine writes after the event) and `read_then_h2d` (the engine copies to the device on
+the prefetch stream and records an event the consumer stream waits on).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import torch
+
+from ..errors import OffloadError
+from ..stats import Stats
+from .base import Payload, Tier
+from .heap import HeapTrimmer
+
+__all__ = ["NvmeTier"]
+
+log = logging.getLogger("offload")
+
+
+class _NvmePayload(Payload):
+    __slots__ = ("_tier", "_extent", "_write", "_source", "_read", "_buf", "_observed",
+                 "_released")
+
+    prefetchable = True
+
+    def __init__(self, tier: "NvmeTier", extent, nbytes: int, device: torch.device) -> None:
+        super().__init__(nbytes, device)
+        self._tier = tier
+        self._extent = extent
+        self._write = None    # IoFuture until the write is retired
+        self._source = None   # memory a direct write reads from, kept alive until it lands
+        self._read = None     # IoFuture of the read in flight
+        self._buf = None      # uint8 tensor the read lands in
+        self._observed = False  # read completion already counted by poll
+        self._released = False
+
+    @property
+    def prefetched(self) -> bool:
+        return self._read is not None
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def prefetch(self) -> bool:
+        if self._read is not None:
+            return False
+        self._tier._start_read(self)
+        return True
+
+    def fetch(self) -> torch.Tensor:
+        if self._released:
+            raise OffloadError("offload: a saved tensor was used after its offload.activations() "
+                               "context released it (the block exited with an exception, or "
+                               "backward ran after the context was closed)")
+        if self._read is None:
+            self._tier._start_read(self)
+        return self._tier._finish_read(self)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._tier._release(self)
+
+
+class NvmeTier(Tier):
+    """Slab files in `dirs` (striped), written and read through a staging arena."""
+
+    name = "nvme"
+
+    def __init__(self, dirs: tuple[str, ...], capacity_bytes: int, *, workers: int,
+                 staging_bytes: int, stats: Stats, core) -> None:
+        self._stats = stats
+        self._store = core.NvmeStore(list(dirs), capacity_bytes, workers=workers)
+        # Not pinned on a CPU-only run (nothing to DMA from); pinned iff CUDA works.
+        self._arena = core.HostArena(max(staging_bytes, core.DEFAULT_ALIGNMENT), pinned=None)
+        self._alignment = max(self._store.alignment, core.DEFAULT_ALIGNMENT)
+        self._writes: collections.deque[_NvmePayload] = collections.deque()
+        self._reads: set[_NvmePayload] = set()      # reads whose completion is not yet seen
+        self._deferred: list[tuple] = []             # see NOTE [Deferred free]
+        self._closed = False
+        self.in_backward = False  # stall attribution, set by the prefetcher
+        # CPU sources: RAM freed by moving activations out must leave the process (heap.py).
+        self._trimmer = HeapTrimmer(max(staging_bytes // 2, 16 << 20))
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def capacity_bytes(self) -> int:
+        return self._store.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._store.used_bytes
+
+    @property
+    def arena_used_bytes(self) -> int:
+        return self._arena.used_bytes
+
+    @property
+    def arena_peak_bytes(self) -> int:
+        return self._arena.peak_bytes
+
+    @property
+    def paths(self) -> list[str]:
+        return list(self._store.paths)
+
+    # ---------------------------------------------------------------- write path
+    def store(self, flat: torch.Tensor) -> Payload | None:
+        if self._closed:
+            raise OffloadError("offload: nvme tier used after close")
+        nbytes = flat.numel()
+        self.poll()
+        extent = self._store.allocate(nbytes)
+        if extent is None:
+            self._reap_deferred(wait=True)  # space held by released payloads' late I/O
+            extent = self._store.allocate(nbytes)
+            if extent is None:
+                return None
+        payload = _NvmePayload(self, extent, nbytes, flat.device)
+        block = self._staging_block(nbytes)
+        if block is not None:
+            self._copy_out(flat, torch.frombuffer(block, dtype=torch.uint8))
+            payload._write = self._store.write(extent, block)
+            del block  # the engine holds it until the write lands; then it returns to the arena
+        else:
+            source = flat if flat.device.type == "cpu" else flat.cpu()
+            payload._source = source  # NOTE [Deferred free]: must outlive the write
+            payload._write = self._store.write_ptr(extent, source.data_ptr(), nbytes)
+        self._stats.write_clock.begin()
+        self._writes.append(payload)
+        if flat.device.type == "cpu":
+            self._trimmer.freed(nbytes)
+        return payload
+
+    def _staging_block(self, nbytes: int):
+        block = self._arena.allocate(nbytes)
+        if block is not None or nbytes > self._arena.capacity_bytes:
+            return block
+        # Backpressure: the arena is full of writes in flight; wait for the oldest.
+        start = time.perf_counter()
+        while block is None and self._writes:
+            self._retire_write(self._writes.popleft())
+            block = self._arena.allocate(nbytes)
+        self._stats.add_stall(time.perf_counter() - start, backward=self.in_backward)
+        return block  # None: arena fragmented or held by reads; caller writes directly
+
+    def _retire_write(self, payload: _NvmePayload) -> None:
+        """Wait for (or collect) a payload's write; raises StorageError if it failed."""
+        future = payload._write
+        if future is None:
+            return
+        try:
+            moved = future.wait()
+        finally:
+            payload._write = None
+            payload._source = None
+            self._stats.write_clock.end()
+        self._stats.nvme_written_bytes += moved
+
+    # ---------------------------------------------------------------- read path
+    def _start_read(self, payload: _NvmePayload) -> None:
+        if self._closed:
+            raise OffloadError("offload: nvme tier used after close")
+        if payload._write is not None:  # NOTE [Read after write]
+            start = time.perf_counter()
+            try:
+                self._writes.remove(payload)
+            except ValueError:
+                pass
+            self._retire_write(payload)
+            self._stats.add_stall(time.perf_counter() - start, backward=True)
+        nbytes = payload.nbytes
+        block = self._arena.allocate(nbytes)
+        if block is not None:
+            payload._buf = torch.frombuffer(block, dtype=torch.uint8)
+            payload._read = self._store.read(payload._extent, block)
+        else:
+            payload._buf = self._aligned_buffer(nbytes)
+            payload._read = self._store.read_ptr(payload._extent, payload._buf.data_ptr(),
+                                                 nbytes)
+        payload._observed = False
+        self._stats.read_clock.begin()
+        self._reads.add(payload)
+
+    def _finish_read(self, payload: _NvmePayload) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            moved = payload._read.wait()
+        finally:
+            self._stats.add_stall(time.perf_counter() - start, backward=True)
+            self._observe_read(payload)
+            payload._read = None
+        self._stats.nvme_read_bytes += moved
+        # Backward frees activation gradients as fast as reads arrive: trim here too.
+        self._trimmer.freed(moved)
+        buf, payload._buf = payload._buf, None
+        return self._copy_in(buf, payload.device)
+
+    def _observe_read(self, payload: _NvmePayload) -> None:
+        if not payload._observed:
+            payload._observed = True
+            self._reads.discard(payload)
+            self._stats.read_clock.end()
+
+    def _aligned_buffer(self, nbytes: int) -> torch.Tensor:
+        # O_DIRECT wants an aligned address; a slice of a slightly larger buffer gives one
+        # and keeps the whole buffer alive.
+        raw = torch.empty(nbytes + self._alignment, dtype=torch.uint8)
+        skip = -raw.data_ptr() % self._alignment
+        return raw[skip:skip + nbytes]
+
+    # ---------------------------------------------------------------- device copies
+    def _copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.device.type == "cpu":
+            dst.copy_(src)
+            return
+        # TODO(issue 4): write_after_event on the offload stream. Blocking copy_: done on return.
+        start = time.perf_counter()
+        dst.copy_(src)
+        self._stats.d2h_clock.add(time.perf_counter() - start)
+        self._stats.d2h_bytes += src.numel()
+
+    def _copy_in(self, buf: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return buf
+        # TODO(issue 4): read_then_h2d on the prefetch stream + event. Blocking copy_.
+        start = time.perf_counter()
+        out = torch.empty(buf.numel(), dtype=torch.uint8, device=device)
+        out.copy_(buf)
+        self._stats.h2d_clock.add(time.perf_counter() - start)
+        self._stats.h2d_bytes += buf.numel()
+        return out
+
+    # ---------------------------------------------------------------- housekeeping
+    def poll(self) -> None:
+        """Retire landed writes (oldest first), note finished reads, free deferred extents."""
+        while self._writes and self._writes[0]._write is not None \
+                and self._writes[0]._write.done():
+            self._retire_write(self._writes.popleft())
+        while self._writes and self._writes[0]._write is None:
+            self._writes.popleft()
+        for payload in [p for p in self._reads if p._read is not None and p._read.done()]:
+            self._observe_read(payload)
+        if self._deferred:
+            self._reap_deferred(wait=False)
+
+    def _release(self, payload: _NvmePayload) -> None:
+        if self._closed:
+            return
+        if payload._read is not None:
+            self._observe_read(payload)
+        busy = [f for f in (payload._write, payload._read) if f is not None]
+        if busy:
+            self._deferred.append((payload._extent, busy, payload._source, payload._buf))
+        else:
+            payload._extent.release()
+        payload._read = payload._buf = payload._source = None
+
+    def _reap_deferred(self, wait: bool) -> None:
+        keep = []
+        for entry in self._deferred:
+            extent, futures = entry[0], entry[1]
+            if wait or all(f.done() for f in futures):
+                for f in futures:
+                    try:
+                        f.wait()
+                    except OSError as exc:  # nobody needs these bytes any more
+                        log.debug("offload: I/O of a released payload failed: %s", exc)
+                extent.release()
+            else:
+                keep.append(entry)
+        self._deferred = keep
+
+    def drain(self) -> None:
+        """Wait for every write in flight and free deferred extents."""
+        while self._writes:
+            self._retire_write(self._writes.popleft())
+        self._reap_deferred(wait=True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._store.close()  # waits for in-flight I/O
+        finally:
+            for payload in self._writes:
+                payload._write = payload._source = None
+            self._writes.clear()
+            self._reads.clear()
+            self._deferred.clear()
+            self._arena = None

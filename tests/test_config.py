@@ -1,0 +1,244 @@
+"""Config: parsing, env vs keyword precedence, every error message, the README table."""
+from __future__ import annotations
+
+import os
+import re
+import stat
+
+import pytest
+
+import offload
+from offload.config import Config, env_table_markdown
+from offload.errors import ConfigError
+from offload.sizes import SizeSpec, format_bytes, parse_size
+
+README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+
+
+# ---------------------------------------------------------------- sizes
+@pytest.mark.parametrize("text, nbytes", [
+    ("0", 0), ("4096", 4096), ("8GiB", 8 << 30), ("8 gib", 8 << 30), ("512MiB", 512 << 20),
+    ("1.5GiB", 3 << 29), ("2G", 2 << 30), ("1GB", 10**9), ("10kb", 10_000), ("7B", 7),
+    (123, 123),
+])
+def test_parse_size_bytes(text, nbytes):
+    assert parse_size(text) == SizeSpec(nbytes=nbytes)
+
+
+def test_parse_size_percent():
+    assert parse_size("30%", allow_percent=True) == SizeSpec(fraction=0.3)
+    assert parse_size("30%", allow_percent=True).resolve(1000) == 300
+    with pytest.raises(ValueError, match="percentage is not accepted"):
+        parse_size("30%")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("-1", "negative"), ("-4GiB", "negative"), (-5, "negative"), ("lots", "not a size"),
+    ("4 parsecs", "unknown unit 'parsecs'"), ("1.5", "whole number"), ("", "not a size"),
+])
+def test_parse_size_errors(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_size(text)
+
+
+def test_format_bytes():
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(3 << 30) == "3 GiB"
+    assert format_bytes(1023 * 1024 + 1000) == "1024 KiB"
+
+
+# ---------------------------------------------------------------- from_env
+def test_defaults_without_env():
+    cfg = Config.from_env(env={})
+    assert cfg.tiers == ("host",) and cfg.policy == "offload" and cfg.strict is False
+    assert cfg.nvme_dir == () and cfg.budget is None and cfg.log is None
+    assert cfg.min_bytes > 0 and cfg.prefetch_bytes > 0 and cfg.staging_bytes > 0
+
+
+def test_env_is_read_and_keywords_win(tmp_path):
+    env = {"OFFLOAD_TIERS": "host,nvme", "OFFLOAD_NVME_DIR": str(tmp_path),
+           "OFFLOAD_HOST_BYTES": "1GiB", "OFFLOAD_MIN_BYTES": "0", "OFFLOAD_POLICY": "keep",
+           "OFFLOAD_BUDGET": "30%", "OFFLOAD_STRICT": "yes", "OFFLOAD_LOG": "info",
+           "OFFLOAD_PREFETCH_BYTES": "64MiB", "OFFLOAD_IO_WORKERS": "2",
+           "OFFLOAD_STAGING_BYTES": "32MiB", "OFFLOAD_NVME_BYTES": "2GiB"}
+    cfg = Config.from_env(env=env)
+    assert cfg.tiers == ("host", "nvme") and cfg.nvme_dir == (str(tmp_path),)
+    assert cfg.host_bytes == SizeSpec(nbytes=1 << 30) and cfg.min_bytes == 0
+    assert cfg.policy == "keep" and cfg.budget == SizeSpec(fraction=0.3) and cfg.strict
+    assert cfg.log == "INFO" and cfg.prefetch_bytes == 64 << 20 and cfg.io_workers == 2
+    assert cfg.staging_bytes == 32 << 20 and cfg.nvme_bytes == SizeSpec(nbytes=2 << 30)
+    over = Config.from_env(env=env, tiers=["nvme"], min_bytes=4096, strict=False,
+                           policy="offload")
+    assert over.tiers == ("nvme",) and over.min_bytes == 4096 and over.strict is False
+    assert over.policy == "offload" and over.io_workers == 2  # untouched knobs from env
+    assert over.sources["tiers"] == "tiers=['nvme']"
+    assert over.sources["io_workers"] == "OFFLOAD_IO_WORKERS='2'"
+
+
+def test_empty_env_value_means_default():
+    assert Config.from_env(env={"OFFLOAD_TIERS": " "}).tiers == ("host",)
+
+
+def test_activations_reads_os_environ(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_POLICY", "keep")
+    monkeypatch.setenv("OFFLOAD_MIN_BYTES", "1MiB")
+    ctx = offload.activations()
+    assert ctx.config.policy == "keep" and ctx.config.min_bytes == 1 << 20
+    assert offload.activations(policy="offload").config.policy == "offload"
+
+
+def test_rank_placeholders(tmp_path):
+    env = {"OFFLOAD_NVME_DIR": f"{tmp_path}/r{{rank}},{tmp_path}/l{{local_rank}}",
+           "RANK": "3", "LOCAL_RANK": "1"}
+    assert Config.from_env(env=env).nvme_dir == (f"{tmp_path}/r3", f"{tmp_path}/l1")
+    assert Config.from_env(env={"OFFLOAD_NVME_DIR": "/x/{rank}"}).nvme_dir == ("/x/0",)
+
+
+def test_with_overrides():
+    cfg = Config.from_env(env={"OFFLOAD_MIN_BYTES": "1KiB"}).with_overrides(tiers="nvme")
+    assert cfg.tiers == ("nvme",) and cfg.min_bytes == 1024
+
+
+# ---------------------------------------------------------------- errors (each message)
+@pytest.mark.parametrize("env, message", [
+    ({"OFFLOAD_TIERS": "host,ssd"},
+     r"OFFLOAD_TIERS='host,ssd': unknown tier 'ssd' \(valid tiers, fastest first: host, nvme\)"),
+    ({"OFFLOAD_TIERS": "hots"}, r"unknown tier 'hots' \(did you mean 'host'\?"),
+    ({"OFFLOAD_TIERS": "host,host"}, r"OFFLOAD_TIERS='host,host': names a tier twice"),
+    ({"OFFLOAD_TIERS": ","}, r"OFFLOAD_TIERS=',': names no tier"),
+    ({"OFFLOAD_HOST_BYTES": "lots"}, r"OFFLOAD_HOST_BYTES='lots': not a size .*give a size"),
+    ({"OFFLOAD_HOST_BYTES": "-1GiB"}, r"OFFLOAD_HOST_BYTES='-1GiB': size must not be negative"),
+    ({"OFFLOAD_NVME_BYTES": "12 bananas"}, r"OFFLOAD_NVME_BYTES='12 bananas': unknown unit"),
+    ({"OFFLOAD_MIN_BYTES": "-5"}, r"OFFLOAD_MIN_BYTES='-5': size must not be negative"),
+    ({"OFFLOAD_MIN_BYTES": "5%"}, r"OFFLOAD_MIN_BYTES='5%': a percentage is not accepted"),
+    ({"OFFLOAD_BUDGET": "150%"},
+     r"OFFLOAD_BUDGET='150%': 150% is over 100% \(give at most 100% of the no-offload peak"),
+    ({"OFFLOAD_BUDGET": "-3GiB"}, r"OFFLOAD_BUDGET='-3GiB': size must not be negative"),
+    ({"OFFLOAD_POLICY": "ofload"},
+     r"OFFLOAD_POLICY='ofload': unknown policy 'ofload' \(did you mean 'offload'\? valid "
+     r"policies: keep, offload, recompute, auto\)"),
+    ({"OFFLOAD_POLICY": "kep"}, r"did you mean 'keep'\?"),
+    ({"OFFLOAD_STRICT": "maybe"}, r"OFFLOAD_STRICT='maybe': not a boolean \(use 1/0"),
+    ({"OFFLOAD_LOG": "LOUD"}, r"OFFLOAD_LOG='LOUD': unknown log level 'LOUD'"),
+    ({"OFFLOAD_IO_WORKERS": "0"}, r"OFFLOAD_IO_WORKERS='0': must be at least 1"),
+    ({"OFFLOAD_IO_WORKERS": "four"}, r"OFFLOAD_IO_WORKERS='four': not a whole number"),
+    ({"OFFLOAD_PREFETCH_BYTES": "x"}, r"OFFLOAD_PREFETCH_BYTES='x': not a size"),
+    ({"OFFLOAD_STAGING_BYTES": "-1"}, r"OFFLOAD_STAGING_BYTES='-1': size must not be negative"),
+    ({"OFFLOAD_NVME_DIR": "/tmp/{node}"}, r"OFFLOAD_NVME_DIR='/tmp/\{node\}': bad placeholder"),
+])
+def test_env_errors_name_variable_value_and_fix(env, message):
+    with pytest.raises(ConfigError, match=message):
+        Config.from_env(env=env)
+
+
+def test_keyword_errors_name_the_argument():
+    with pytest.raises(ConfigError, match=r"tiers='gpu': unknown tier 'gpu'"):
+        Config.from_env(env={}, tiers="gpu")
+    with pytest.raises(ConfigError, match=r"unknown argument 'tier' \(did you mean 'tiers'\?\)"):
+        offload.activations(tier="host")
+    with pytest.raises(ConfigError, match=r"min_bytes=-1: size must not be negative"):
+        Config.from_env(env={}, min_bytes=-1)
+    with pytest.raises(ConfigError, match=r"strict='sure': not a boolean"):
+        Config.from_env(env={}, strict="sure")
+
+
+def test_budget_over_100_percent_keyword():
+    with pytest.raises(ConfigError, match=r"budget='200%': 200% is over 100%"):
+        offload.activations(budget="200%")
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_pending_policies_say_not_yet_and_what_works(policy):
+    with pytest.raises(ConfigError, match=rf"policy='{policy}': the '{policy}' policy needs the "
+                       r"scheduler, which is not yet available; use OFFLOAD_POLICY=offload"):
+        offload.activations(policy=policy)
+
+
+def test_nvme_dir_missing(tmp_path, monkeypatch):
+    monkeypatch.delenv("OFFLOAD_NVME_DIR", raising=False)
+    with pytest.raises(ConfigError, match=r"OFFLOAD_NVME_DIR is not set but tiers='nvme' "
+                       r"includes 'nvme' \(set OFFLOAD_NVME_DIR"):
+        offload.activations(tiers="nvme")
+    gone = tmp_path / "gone"
+    with pytest.raises(ConfigError, match=rf"nvme_dir='{gone}': '{gone}' does not exist "
+                       r"\(point it at a writable directory on a local SSD"):
+        offload.activations(tiers="nvme", nvme_dir=str(gone))
+    assert not gone.exists()  # validation created nothing
+
+
+def test_nvme_dir_not_a_directory(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=rf"OFFLOAD_NVME_DIR='{f}': '{f}' is not a directory"):
+        Config.from_env(env={"OFFLOAD_TIERS": "nvme", "OFFLOAD_NVME_DIR": str(f)}).validate()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write to a read-only directory")
+def test_nvme_dir_not_writable_as_user(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    with pytest.raises(ConfigError, match="is not writable by this process"):
+        offload.activations(tiers="nvme", nvme_dir=str(ro))
+
+
+def test_nvme_dir_not_writable(tmp_path, monkeypatch):
+    # Root may write anywhere, so simulate the permission check's answer.
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(ro)
+                        else real_access(p, mode))
+    with pytest.raises(ConfigError, match=rf"nvme_dir='{ro}': '{ro}' is not writable by this "
+                       r"process \(point it at a writable directory"):
+        offload.activations(tiers="host,nvme", nvme_dir=str(ro))
+
+
+def test_nvme_dirs_are_not_checked_when_unused(tmp_path):
+    # A dir that does not exist is fine while no tier needs it.
+    offload.activations(tiers="host", nvme_dir=str(tmp_path / "nope"))
+    offload.activations(tiers="nvme", policy="keep", nvme_dir=str(tmp_path / "nope"))
+
+
+def test_nvme_bytes_over_free_space(tmp_path):
+    cfg = Config.from_env(env={}, tiers="nvme", nvme_dir=str(tmp_path), nvme_bytes="1000TiB")
+    with pytest.raises(ConfigError, match=r"nvme_bytes='1000TiB': only .* free in .*"
+                       r"\(lower it, or give a percentage"):
+        cfg.nvme_capacity_bytes()
+    assert Config.from_env(env={}, nvme_dir=str(tmp_path), nvme_bytes="1%").nvme_capacity_bytes() > 0
+
+
+def test_log_level_applies(monkeypatch):
+    import logging
+
+    logger = logging.getLogger("offload")
+    old = logger.level
+    try:
+        Config.from_env(env={}, log="debug").apply_log_level()
+        assert logger.level == logging.DEBUG
+    finally:
+        logger.setLevel(old)
+
+
+# ---------------------------------------------------------------- README table
+def test_env_table_lists_every_knob():
+    table = env_table_markdown()
+    from dataclasses import fields
+
+    for f in fields(Config):
+        if f.name != "sources":
+            assert f"`{f.metadata['env']}`" in table
+            assert f.metadata["doc"] and f.metadata["example"]
+    assert table.count("\n") == len(fields(Config)) - 1 + 2
+
+
+def test_readme_env_table_matches_config():
+    if not os.path.exists(README):
+        pytest.skip("README.md not written yet")
+    text = open(README, encoding="utf-8").read()
+    m = re.search(r"<!-- env-table:start -->\n(.*?)<!-- env-table:end -->", text, re.S)
+    if m is None:
+        pytest.skip("README.md has no <!-- env-table:start --> / <!-- env-table:end --> markers")
+    assert m.group(1).strip() == env_table_markdown().strip(), (
+        "README env table is stale; paste offload.env_table_markdown() between the markers")

@@ -1,0 +1,501 @@
+"""CopyStreams' stream protocol, on the simulated GPU of tests/sim_gpu.py (CPU only).
+
+Each numbered Note of offload/cuda_streams.py has a test that removes its sync and shows the
+scenario then yields wrong bytes for some seed, while the intact code is exact for all
+seeds. The simulator's random interleavings are seeded: every run is the same.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import random
+import weakref
+from collections import deque
+
+import pytest
+import torch
+
+from offload import cuda_streams
+from offload.cuda_streams import CopyStreams
+from offload.trace import TraceRecorder
+from sim_gpu import SimArena, SimGpu, SimStore
+
+SEEDS = range(40)
+
+
+# --------------------------------------------------------------------------- scenario
+def _pattern(i):
+    return 1 + (i * 37) % 250
+
+
+def run_step(seed, n_tensors=24, sizes=(16, 32, 48), prefetch_depth=3, copies_kwargs=None):
+    """A forward that offloads many small tensors and a backward that reloads them.
+
+    Every hazard the Notes guard against is provoked: the producer kernel is still queued
+    when the copy is issued (1), the source is dropped and its block reused by compute (2),
+    reloads start before their D2H may have run (5), the reloaded tensor is dropped while a
+    compute read is queued and the next reload reuses its block (6), the compute read is
+    queued right away (7). (For Note 8 see `run_block_reuse`: here the stream order
+    around a reused block makes that race too rare to show.)
+
+    Returns:
+        list of (expected bytes, bytes the compute stream read) per tensor.
+    """
+    sim = SimGpu(seed)
+    arena = SimArena(sim)
+    copies = CopyStreams(_backend=sim, **(copies_kwargs or {}))
+    rng = random.Random(seed + 1000)
+    saved = []
+    for i in range(n_tensors):
+        n = rng.choice(sizes)
+        x = sim.empty(n, None, sim.compute)
+        sim.fill(x, _pattern(i))                # the producing kernel, still queued
+        block = arena.allocate(n)
+        ticket = copies.offload(x, block)
+        del x                                   # autograd keeps only our handle
+        scratch = sim.empty(n, None, sim.compute)
+        sim.fill(scratch, 0xEE)                 # later compute reuses freed blocks
+        del scratch
+        saved.append((ticket, block, n, i))
+        sim.run_some()
+    results = []
+    prefetched = deque()
+
+    def prefetch():                             # the prefetcher runs ahead of backward
+        ticket, block, n, i = saved.pop()
+        prefetched.append((copies.reload(block, n, after=ticket), n, i))
+        # ... and the runtime lets go of the block (and ticket) at once: Note 8's business.
+        del ticket, block
+        z = sim.empty(n, None, sim.compute)
+        sim.fill(z, 0xDD)
+        copies.offload(z, arena.allocate(n))    # another D2H wants pinned memory now
+
+    while saved or prefetched:
+        while saved and len(prefetched) < prefetch_depth:
+            prefetch()
+        reload, n, i = prefetched.popleft()
+        out: list = []
+        t = reload.tensor_for_use()
+        sim.read(t, out)                        # backward kernel reading the tensor
+        del t, reload
+        results.append((bytes([_pattern(i)]) * n, out))
+        sim.run_some()
+    copies.close()
+    sim.finish()
+    return [(want, got[0]) for want, got in results]
+
+
+def _exact(seed, **kwargs):
+    return all(want == got for want, got in run_step(seed, **kwargs))
+
+
+def run_block_reuse(seed, n=64):
+    """Note 8: a block whose H2D is queued is dropped by the runtime; a new D2H gets it."""
+    sim = SimGpu(seed)
+    arena = SimArena(sim)
+    copies = CopyStreams(_backend=sim)
+    results = []
+    for i in range(4):
+        x = sim.empty(n, None, sim.compute)
+        sim.fill(x, _pattern(i))
+        block = arena.allocate(n)
+        copies.offload(x, block).wait()
+        del x
+        reload = copies.reload(block, n)
+        del block                               # the runtime is done with the block
+        z = sim.empty(n, None, sim.compute)
+        sim.fill(z, 0xDD)
+        copies.offload(z, arena.allocate(n))    # same size: the arena's first choice
+        del z
+        out: list = []
+        sim.read(reload.tensor_for_use(), out)
+        del reload
+        sim.run_some()
+        results.append((bytes([_pattern(i)]) * n, out))
+    copies.close()
+    sim.finish()
+    return all(want == got[0] for want, got in results)
+
+
+# --------------------------------------------------------------------------- protocol tests
+@pytest.mark.parametrize("seed", SEEDS)
+def test_round_trip_is_exact_in_every_interleaving(seed):
+    for want, got in run_step(seed):
+        assert got == want
+    assert run_block_reuse(seed)
+
+
+def test_simulated_gpu_catches_a_plain_race():
+    """Sanity check of the simulator itself: an unordered copy+read is caught."""
+    caught = 0
+    for seed in SEEDS:
+        sim = SimGpu(seed)
+        a, b = sim.empty(8, None, sim.compute), sim.empty(8, None, sim.compute)
+        sim.fill(a, 7)
+        other = sim.new_stream(None)
+        sim.copy(b, a, other)       # no wait on the fill
+        out: list = []
+        sim.read(b, out, other)
+        sim.finish()
+        caught += out[0] != bytes([7]) * 8
+    assert caught > 0
+
+
+class _DropWaits:
+    """Wrap SimGpu, ignoring `wait_event` on the stream that `which(copies, sim)` names."""
+
+    def __init__(self, which):
+        self.which = which
+
+    def install(self, monkeypatch):
+        real_init = CopyStreams.__init__
+        which = self.which
+
+        def init(copies, *a, **kw):
+            real_init(copies, *a, **kw)
+            sim = copies._backend
+            target = which(copies, sim)
+            real_wait = sim.wait_event
+            sim.wait_event = lambda s, ev: None if s is target else real_wait(s, ev)
+
+        monkeypatch.setattr(CopyStreams, "__init__", init)
+
+
+def _detected(monkeypatch_mutation, monkeypatch):
+    """Number of seeds (stopping at the first) whose step is no longer exact."""
+    monkeypatch_mutation(monkeypatch)
+    return int(any(not _exact(seed) for seed in SEEDS))
+
+
+def test_note1_without_producer_wait_the_d2h_reads_stale_bytes(monkeypatch):
+    drop = _DropWaits(lambda copies, sim: copies.offload_stream)
+    assert _detected(drop.install, monkeypatch) > 0
+
+
+def test_note2_without_holding_the_source_compute_overwrites_it(monkeypatch):
+    real = cuda_streams._Pending.__init__
+
+    def no_src(self, *a, **kw):
+        real(self, *a, **kw)
+        self.src = None
+
+    assert _detected(lambda mp: mp.setattr(cuda_streams._Pending, "__init__", no_src),
+                     monkeypatch) > 0
+
+
+def test_note5_without_waiting_for_the_d2h_the_h2d_reads_too_early(monkeypatch):
+    drop = _DropWaits(lambda copies, sim: copies.prefetch_stream)
+    assert _detected(drop.install, monkeypatch) > 0
+
+
+def test_note6_without_record_stream_the_next_reload_reuses_a_block_in_use(monkeypatch):
+    assert _detected(lambda mp: mp.setattr(SimGpu, "record_stream", lambda *a: None),
+                     monkeypatch) > 0
+
+
+def test_note7_without_the_consumer_wait_backward_reads_before_the_h2d(monkeypatch):
+    drop = _DropWaits(lambda copies, sim: sim.compute)
+    assert _detected(drop.install, monkeypatch) > 0
+
+
+def test_note8_without_holding_the_h2d_source_a_new_d2h_overwrites_it(monkeypatch):
+    real = cuda_streams._Pending.__init__
+
+    def no_block(self, *a, **kw):
+        real(self, *a, **kw)
+        if self.kind == "h2d":
+            self.block = self.host = None
+
+    monkeypatch.setattr(cuda_streams._Pending, "__init__", no_block)
+    assert any(not run_block_reuse(seed) for seed in SEEDS)
+
+
+# --------------------------------------------------------------------------- chained NVMe path
+def run_chained(seed, n_tensors=12, n=32):
+    sim = SimGpu(seed)
+    arena = SimArena(sim)
+    store = SimStore(sim)
+    copies = CopyStreams(_backend=sim)
+    rng = random.Random(seed)
+    results = []
+    for i in range(n_tensors):
+        store.data[i] = bytes([_pattern(i)]) * n
+        store.data[("stale", i)] = b"\x77" * n
+        abandoned = copies.reload_from_store(store, ("stale", i), arena.allocate(n), n)
+        del abandoned                            # a prefetch nobody uses (Note 9)
+        other = arena.allocate(n)
+        other[:] = 0x55
+        plain = copies.reload(other, n)          # allocates on the prefetch stream at once
+        ticket = copies.reload_from_store(store, i, arena.allocate(n), n)
+        if rng.random() < 0.5:
+            store.progress()
+        out, out2 = [], []
+        while store.jobs and rng.random() < 0.5:
+            store.progress()
+        sim.run_some()
+        if not store.jobs or rng.random() < 0.5:
+            t = ticket.tensor_for_use() if not store.jobs else None
+        else:
+            t = None
+        while t is None:
+            store.progress()
+            t = ticket.tensor_for_use() if not store.jobs else None
+        sim.read(t, out)
+        t2 = plain.tensor_for_use()
+        sim.read(t2, out2)
+        del t, t2, ticket, plain
+        results.append((store.data[i], out))
+        results.append((bytes([0x55]) * n, out2))
+        sim.run_some()
+    while store.jobs:
+        store.progress()
+    copies.close()
+    sim.finish()
+    return [(want, got[0]) for want, got in results]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_chained_reload_is_exact(seed):
+    for want, got in run_chained(seed):
+        assert got == want
+
+
+def test_note7_chained_without_waiting_for_the_engine_record_reads_early(monkeypatch):
+    """Only the *tensor_for_use* wait on the I/O future is removed (store still progresses)."""
+    sim_store_progress = SimStore.progress
+    monkeypatch.setattr(cuda_streams.H2DTicket, "_wait_io", lambda self: None)
+    caught = 0
+    for seed in SEEDS:
+        sim = SimGpu(seed)
+        arena = SimArena(sim)
+        store = SimStore(sim)
+        copies = CopyStreams(_backend=sim)
+        store.data["e"] = b"\x2a" * 32
+        ticket = copies.reload_from_store(store, "e", arena.allocate(32), 32)
+        out: list = []
+        t = ticket.tensor_for_use()     # wait enqueued before the engine's record
+        sim.read(t, out)
+        sim.run_some()
+        sim_store_progress(store)
+        sim.finish()
+        copies.close()
+        caught += out[0] != b"\x2a" * 32
+    assert caught > 0
+
+
+def test_note9_without_holding_the_chained_destination_a_reload_gets_corrupted(monkeypatch):
+    real = cuda_streams._Pending.__init__
+
+    def no_dst(self, *a, **kw):
+        real(self, *a, **kw)
+        self.dst = None
+
+    monkeypatch.setattr(cuda_streams._Pending, "__init__", no_dst)
+    assert any(any(w != g for w, g in run_chained(seed)) for seed in SEEDS)
+
+
+def test_chained_read_error_surfaces_in_tensor_for_use_and_is_swept():
+    from offload.errors import StorageError
+    sim = SimGpu(0)
+    arena = SimArena(sim)
+    store = SimStore(sim)
+    copies = CopyStreams(_backend=sim)
+    store.data["e"] = b"\0" * 16
+    ticket = copies.reload_from_store(store, "e", arena.allocate(16), 16)
+    store.progress(fail=True)
+    with pytest.raises(StorageError, match="read failed"):
+        ticket.tensor_for_use()
+    sim.finish()
+    copies.poll()
+    assert copies.inflight["h2d"] == 0
+    copies.close()
+
+
+# --------------------------------------------------------------------------- write-behind, back-pressure
+def test_write_behind_keeps_the_event_until_the_write_is_done():
+    sim = SimGpu(0)
+    arena = SimArena(sim)
+    store = SimStore(sim)
+    copies = CopyStreams(_backend=sim)
+    x = sim.empty(64, None, sim.compute)
+    sim.fill(x, 9)
+    ticket = copies.offload(x, arena.allocate(64))
+    del x
+    wb = ticket.write_behind(store, "ext")
+    event = weakref.ref(ticket.event)
+    del ticket
+    copies.poll()
+    gc.collect()
+    assert event() is not None and not wb.done()   # Note 4: engine may still wait on it
+    store.progress()                               # the engine waits for the D2H, then writes
+    assert wb.wait() == 64 and wb.done()
+    copies.poll()                                  # the finished D2H lets go of it too
+    gc.collect()
+    assert event() is None
+    assert store.data["ext"] == b"\x09" * 64
+    copies.close()
+    sim.finish()
+
+
+def test_back_pressure_bounds_the_source_bytes_held():
+    sim = SimGpu(0)
+    arena = SimArena(sim)
+    copies = CopyStreams(_backend=sim, max_inflight_bytes=100)
+    for i in range(20):                 # the device makes no progress unless we wait
+        x = sim.empty(32, None, sim.compute)
+        sim.fill(x, 1)
+        copies.offload(x, arena.allocate(32))
+        del x
+        assert copies.inflight["held_source_bytes"] <= 100
+    assert copies.stats.max_held_source_bytes <= 100 + 32
+    assert copies.stats.d2h_copies >= 16
+    copies.close()
+    assert copies.inflight == {"d2h": 0, "h2d": 0, "held_source_bytes": 0}
+    sim.finish()
+
+
+def test_done_drops_the_source_and_device_tensor_if_held():
+    sim = SimGpu(0)
+    arena = SimArena(sim)
+    copies = CopyStreams(_backend=sim)
+    x = sim.empty(16, None, sim.compute)
+    ticket = copies.offload(x, arena.allocate(16))
+    assert ticket.device_tensor_if_held() is x and not ticket.done()
+    sim.finish()
+    assert ticket.done() and ticket.device_tensor_if_held() is None
+    assert ticket.wait() == 0.0
+    copies.close()
+
+
+def test_stats_and_trace_from_timed_copies():
+    sim = SimGpu(0)
+    arena = SimArena(sim)
+    rec = TraceRecorder()
+    copies = CopyStreams(_backend=sim, trace=rec)
+    blocks = []
+    for _ in range(4):
+        x = sim.empty(4096, None, sim.compute)
+        blocks.append(arena.allocate(4096))
+        copies.offload(x, blocks[-1])
+    tickets = [copies.reload(b, 4096) for b in blocks]
+    for t in tickets:
+        t.wait()
+    copies.close()
+    s = copies.stats.as_dict()
+    assert s["d2h_bytes"] == s["h2d_bytes"] == 4 * 4096
+    assert s["d2h_copies"] == s["h2d_copies"] == 4
+    assert s["d2h_gbps"] == pytest.approx(1.0) and s["h2d_gbps"] == pytest.approx(1.0)
+    tracks = {}
+    doc = rec.to_dict()
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X":
+            tracks.setdefault(names[e["tid"]].split(" #")[0], []).append(e)
+    assert len(tracks["d2h"]) == 4 and len(tracks["h2d"]) == 4
+    assert all(e["args"]["bytes"] == 4096 for e in tracks["d2h"])
+
+
+# --------------------------------------------------------------------------- argument errors
+def _copies():
+    sim = SimGpu(0)
+    return sim, SimArena(sim), CopyStreams(_backend=sim)
+
+
+def test_offload_rejects_non_contiguous_source():
+    sim, arena, copies = _copies()
+    x = torch.zeros(4, 4, dtype=torch.uint8).t()
+    with pytest.raises(ValueError, match=r"src must be contiguous \(size \(4, 4\), stride \(1, 4\)\)"):
+        copies.offload(x, arena.allocate(16))
+
+
+def test_offload_rejects_empty_source():
+    sim, arena, copies = _copies()
+    with pytest.raises(ValueError, match="src is empty"):
+        copies.offload(sim.empty(0, None, sim.compute), arena.allocate(16))
+
+
+def test_offload_rejects_source_on_another_device():
+    sim, arena, copies = _copies()
+    with pytest.raises(ValueError, match="src is on meta, these streams belong to cpu"):
+        copies.offload(torch.empty(4, device="meta"), arena.allocate(16))
+
+
+def test_offload_rejects_block_too_small():
+    sim, arena, copies = _copies()
+    x = sim.empty(64, None, sim.compute).view(torch.float32)
+    with pytest.raises(ValueError, match=r"offload\(\): nbytes=64 does not fit the block of 32 bytes"):
+        copies.offload(x, arena.allocate(32))
+
+
+def test_reload_rejects_bad_nbytes():
+    sim, arena, copies = _copies()
+    with pytest.raises(ValueError, match=r"reload\(\): nbytes=0 does not fit"):
+        copies.reload(arena.allocate(32), 0)
+
+
+def test_closed_streams_refuse_copies():
+    sim, arena, copies = _copies()
+    copies.close()
+    copies.close()   # idempotent
+    with pytest.raises(RuntimeError, match="CopyStreams is closed"):
+        copies.reload(arena.allocate(32), 32)
+
+
+def test_max_inflight_bytes_must_be_positive():
+    with pytest.raises(ValueError, match=r"max_inflight_bytes=0\): must be > 0"):
+        CopyStreams(_backend=SimGpu(0), max_inflight_bytes=0)
+
+
+def test_cpu_device_is_rejected_by_the_torch_backend():
+    with pytest.raises(ValueError, match="CopyStreams\\(device='cpu'\\): needs a CUDA device"):
+        CopyStreams("cpu")
+
+
+def test_unpinned_blocks_warn_once(caplog):
+    sim, arena, copies = _copies()
+    sim.pinned = False
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        for _ in range(3):
+            copies.reload(arena.allocate(16), 16)
+    assert sum("not page-locked" in r.message for r in caplog.records) == 1
+    copies.close()
+    sim.finish()
+
+
+def test_a_uint8_view_of_a_block_works_as_a_block():
+    sim, arena, copies = _copies()
+    x = sim.empty(32, None, sim.compute)
+    sim.fill(x, 5)
+    view = torch.frombuffer(arena.allocate(32), dtype=torch.uint8)
+    ticket = copies.offload(x, view)
+    out: list = []
+    sim.read(copies.reload(view, 32, after=ticket).tensor_for_use(), out)
+    copies.close()
+    sim.finish()
+    assert out == [b"\x05" * 32]
+
+
+def test_write_behind_needs_the_host_block_itself():
+    sim, arena, copies = _copies()
+    view = torch.frombuffer(arena.allocate(16), dtype=torch.uint8)
+    ticket = copies.offload(sim.empty(16, None, sim.compute), view)
+    with pytest.raises(TypeError, match=r"write_behind\(\): offload\(\) got a tensor view"):
+        ticket.write_behind(SimStore(sim), "ext")
+    copies.close()
+
+
+def test_a_tensor_block_must_be_uint8_on_the_cpu():
+    sim, arena, copies = _copies()
+    with pytest.raises(ValueError, match=r"reload\(block\): a tensor block must be a contiguous "
+                                         r"uint8 CPU tensor, got torch.float32 on cpu"):
+        copies.reload(torch.zeros(8), 8)
+
+
+def test_non_uint8_source_moves_its_bytes():
+    sim, arena, copies = _copies()
+    x = sim.empty(16, None, sim.compute)
+    sim.fill(x, 3)
+    block = arena.allocate(16)
+    copies.offload(x.view(torch.float32), block).wait()
+    assert bytes(block) == b"\x03" * 16
+    copies.close()

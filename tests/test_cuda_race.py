@@ -1,0 +1,138 @@
+"""Race tests on a real GPU: built so that a missing stream sync changes the gradients.
+
+The model is all low-arithmetic-density work: tiny Linear layers over a large batch and
+chains of elementwise ops, so each kernel takes microseconds while autograd saves many
+small tensors (4 KiB .. 256 KiB). The GPU then races ahead of the copies all the time, and
+a tensor read before its H2D landed, or a source freed before its D2H read it, shows up as
+a changed bit in some gradient. Every check is bit-exact (`torch.equal`) against the same
+steps without offload, over several optimizer steps (state carries over, so an error in
+step 1 changes every later step).
+
+To widen the race windows further, one variant holds every copy back on its stream with a
+GPU spin (`torch.cuda._sleep`) before it starts: correct code must still be exact, and the
+test that removes the stream waits shows the model does detect the missing sync (it is
+deterministic there: with copies held back ~1 ms and the waits gone, compute reads the
+reloaded buffers before any byte arrives). Without the held-back copies a removed wait
+would be caught only by luck of timing, so no such test is written.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from offload import cuda_streams
+
+pytestmark = pytest.mark.cuda
+
+STEPS = 4
+SPIN_CYCLES = 2_000_000   # ~1 ms at H100/H200 clocks
+
+
+class ThinLayer(nn.Module):
+    """Linear(16, 16) + elementwise chain: ~4 saved tensors, almost no FLOPs per byte."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        y = self.lin(x)
+        z = torch.tanh(y) * torch.sigmoid(y)       # saves y, tanh(y), sigmoid(y)
+        return x + z * 0.5 + torch.exp(-y * y) * 0.1
+
+
+class RaceModel(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 24):
+        super().__init__()
+        self.layers = nn.ModuleList(ThinLayer(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, big, small):
+        # two batches: 4096 rows (256 KiB per tensor) and 64 rows (4 KiB per tensor)
+        for layer in self.layers:
+            big, small = layer(big), layer(small)
+        return self.head(big).pow(2).mean() + self.head(small).abs().mean()
+
+
+def _run(settings: dict | None, steps: int = STEPS):
+    """Train `steps` steps from a fixed seed; return (grads per step, final weights)."""
+    torch.manual_seed(0)
+    model = RaceModel().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    grads, mem = [], []
+    for _ in range(steps):
+        big = torch.randn(4096, 16, device="cuda", generator=g)
+        small = torch.randn(64, 16, device="cuda", generator=g)
+        opt.zero_grad(set_to_none=True)
+        if settings is None:
+            model(big, small).backward()
+        else:
+            with offload.activations(model=model, **settings):
+                model(big, small).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        torch.cuda.synchronize()
+        mem.append(torch.cuda.memory_allocated())
+    weights = [p.detach().clone() for p in model.parameters()]
+    return grads, weights, mem
+
+
+def _same(a, b) -> bool:
+    (ga, wa, _), (gb, wb, _) = a, b
+    return all(torch.equal(x, y) for gs, hs in zip(ga, gb) for x, y in zip(gs, hs)) \
+        and all(torch.equal(x, y) for x, y in zip(wa, wb))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return _run(None)
+
+
+def _settings(tiers, nvme_dir):
+    s = {"tiers": tiers, "policy": "offload", "min_bytes": 0}
+    if "nvme" in tiers:
+        s["nvme_dir"] = nvme_dir
+    if tiers == "host,nvme":
+        s["host_bytes"] = "2MiB"   # most tensors spill to NVMe
+    return s
+
+
+def _hold_back_copies(monkeypatch):
+    """Every copy CopyStreams issues starts only after a ~1 ms GPU spin on its stream."""
+    real_copy = cuda_streams._TorchCuda.copy
+
+    def late_copy(self, dst, src, stream):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SPIN_CYCLES)
+        real_copy(self, dst, src, stream)
+
+    monkeypatch.setattr(cuda_streams._TorchCuda, "copy", late_copy)
+
+
+@pytest.mark.parametrize("tiers", ["host", "nvme", "host,nvme"])
+def test_offload_is_bit_exact_over_steps(reference, tiers, nvme_dir):
+    result = _run(_settings(tiers, nvme_dir))
+    assert _same(result, reference)
+    assert result[2] == reference[2], "device memory after each step differs from no offload"
+
+
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_offload_is_bit_exact_with_copies_held_back(reference, tiers, nvme_dir, monkeypatch):
+    _hold_back_copies(monkeypatch)
+    assert _same(_run(_settings(tiers, nvme_dir)), reference)
+
+
+def test_removing_the_stream_waits_is_detected(reference, monkeypatch):
+    """The model catches a missing sync: with CopyStreams' stream waits removed (and copies
+    held back), gradients differ. If this fails, either the runtime does not route its copies
+    through CopyStreams (so the race tests above test less than they claim), or something
+    else synchronizes in a way that hides the copy streams' ordering."""
+    _hold_back_copies(monkeypatch)
+    monkeypatch.setattr(cuda_streams._TorchCuda, "wait_event", lambda self, stream, event: None)
+    result = _run(_settings("host", None))
+    assert not _same(result, reference)

@@ -1,0 +1,537 @@
+"""NvmeStore: byte-exact round trips, concurrency, striping, checksums, throttling, error
+paths with errno, O_DIRECT fallback, and nothing left on disk after exit, exception or
+SIGKILL. Tests that mount filesystems (root only) skip with the reason when not allowed."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+import torch
+
+from offload._ext import load_core
+from offload.errors import StorageError
+
+C = load_core()
+MiB = 1 << 20
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROUND_TRIP_SIZES = [1, 511, 4095, 4097, 716928, 64 * MiB + 3]
+
+
+def _random_bytes(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def _unaligned(n: int, shift: int) -> torch.Tensor:
+    """A uint8 tensor of n bytes whose address is `shift` bytes past a page boundary."""
+    base = torch.empty(n + 8192, dtype=torch.uint8)
+    start = (-base.data_ptr()) % 4096 + shift
+    return base[start:start + n]
+
+
+# ---------------------------------------------------------------------------- mounts
+
+@contextlib.contextmanager
+def _mounted(fstype: str, options: str = "", size_bytes: int = 16 * MiB):
+    """Mount a fresh filesystem on a temporary directory; skip when mounting is refused.
+
+    tmpfs / ramfs mount directly; "ext4" / "ext2" are built in an image file and mounted
+    through a loop device. Always unmounts and removes what it created.
+    """
+    if os.geteuid() != 0:
+        pytest.skip(f"mounting {fstype} needs root")
+    work = tempfile.mkdtemp(prefix="offload-mnt-", dir="/var/tmp")
+    point = os.path.join(work, "mnt")
+    os.mkdir(point)
+    mounted = False
+    try:
+        if fstype in ("tmpfs", "ramfs"):
+            opts = ",".join(o for o in (options, f"size={size_bytes}" if fstype == "tmpfs" else "") if o)
+            cmd = ["mount", "-t", fstype] + (["-o", opts] if opts else []) + [fstype, point]
+        else:
+            image = os.path.join(work, "fs.img")
+            with open(image, "wb") as f:
+                f.truncate(size_bytes)
+            mkfs = shutil.which(f"mkfs.{fstype}")
+            if mkfs is None:
+                pytest.skip(f"mkfs.{fstype} is not installed")
+            subprocess.run([mkfs, "-q", "-F", image], check=True, capture_output=True)
+            opts = ",".join(o for o in ("loop", options) if o)
+            cmd = ["mount", "-t", fstype, "-o", opts, image, point]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount {fstype} here: {result.stderr.strip() or result.returncode}")
+        mounted = True
+        yield point
+    finally:
+        if mounted:
+            subprocess.run(["umount", point], check=False, capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _supports_o_direct(directory: str) -> bool:
+    path = os.path.join(directory, ".probe")
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600))
+        return True
+    except OSError:
+        return False
+    finally:   # the file can exist even when the open failed on O_DIRECT
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+# ---------------------------------------------------------------------- round trips
+
+@pytest.mark.parametrize("nbytes", ROUND_TRIP_SIZES)
+@pytest.mark.parametrize("shift", [1, 4096 - 3])
+def test_round_trip_through_unaligned_pointers(nvme_dir, nbytes, shift):
+    if nbytes > MiB and shift != 1:
+        pytest.skip("one unaligned shift is enough for the 64 MiB case")
+    store = C.NvmeStore([nvme_dir], nbytes + MiB)
+    src = _unaligned(nbytes, shift)
+    src.copy_(_random_bytes(nbytes, seed=nbytes))
+    dst = _unaligned(nbytes, shift + 1)
+    dst.zero_()
+    ext = store.allocate(nbytes)
+    assert store.write_ptr(ext, src.data_ptr(), nbytes).wait() == nbytes
+    assert store.read_ptr(ext, dst.data_ptr(), nbytes).wait() == nbytes
+    assert torch.equal(src, dst)
+    assert store.direct and store.alignment >= 4096
+    store.close()
+
+
+@pytest.mark.parametrize("nbytes", ROUND_TRIP_SIZES)
+@pytest.mark.parametrize("checksum", [False, True])
+def test_round_trip_through_host_blocks(nvme_dir, nbytes, checksum):
+    arena = C.HostArena(2 * nbytes + 2 * MiB)
+    store = C.NvmeStore([nvme_dir], nbytes + MiB, checksum=checksum)
+    out, back = arena.allocate(nbytes), arena.allocate(nbytes)
+    torch.frombuffer(out, dtype=torch.uint8).copy_(_random_bytes(nbytes, seed=3))
+    ext = store.allocate(nbytes)
+    assert store.write(ext, out).wait() == nbytes
+    assert store.read(ext, back).wait() == nbytes
+    assert torch.equal(torch.frombuffer(out, dtype=torch.uint8),
+                       torch.frombuffer(back, dtype=torch.uint8))
+    assert store.bytes_written == nbytes and store.bytes_read == nbytes
+    store.close()
+
+
+def test_hundreds_of_concurrent_requests(nvme_dir):
+    rng = random.Random(7)
+    sizes = [rng.randint(1, 300_000) for _ in range(400)]
+    store = C.NvmeStore([nvme_dir], sum(sizes) + 400 * 8192, workers=8, chunk_bytes=64 * 1024)
+    srcs = [_unaligned(n, rng.randint(0, 4095)).copy_(_random_bytes(n, seed=i))
+            for i, n in enumerate(sizes)]
+    exts = [store.allocate(n) for n in sizes]
+    writes = [store.write_ptr(e, s.data_ptr(), s.numel()) for e, s in zip(exts, srcs)]
+    assert [f.wait() for f in writes] == sizes
+    dsts = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    order = list(range(len(sizes)))
+    rng.shuffle(order)
+    reads = {i: store.read_ptr(exts[i], dsts[i].data_ptr(), sizes[i]) for i in order}
+    for i in order:
+        assert reads[i].wait() == sizes[i]
+        assert torch.equal(srcs[i], dsts[i]), f"request {i} ({sizes[i]} bytes) differs"
+    store.close()
+
+
+def test_striping_across_directories(nvme_dir):
+    second = tempfile.mkdtemp(prefix="offload-test-b-", dir="/var/tmp")
+    try:
+        store = C.NvmeStore([nvme_dir, second], 16 * MiB, chunk_bytes=256 * 1024)
+        assert store.paths == [nvme_dir, second]
+        assert store.capacity_bytes >= 16 * MiB
+        n = 5 * MiB + 123
+        src = _random_bytes(n, seed=11)
+        ext = store.allocate(n)
+        store.write_ptr(ext, src.data_ptr(), n).wait()
+        dst = torch.empty(n, dtype=torch.uint8)
+        store.read_ptr(ext, dst.data_ptr(), n).wait()
+        assert torch.equal(src, dst)
+        # Both slabs hold data: blocks allocated on each device (st_blocks of the fd).
+        store.close()
+        assert os.listdir(second) == []
+    finally:
+        shutil.rmtree(second, ignore_errors=True)
+
+
+def test_partial_reads_and_writes_of_an_extent(nvme_dir):
+    store = C.NvmeStore([nvme_dir], 4 * MiB, checksum=True)
+    ext = store.allocate(3 * MiB)
+    src = _random_bytes(2 * MiB + 5, seed=5)
+    store.write_ptr(ext, src.data_ptr(), src.numel()).wait()
+    head = torch.empty(1000, dtype=torch.uint8)
+    store.read_ptr(ext, head.data_ptr(), 1000).wait()
+    assert torch.equal(head, src[:1000])
+    store.close()
+
+
+def test_allocate_none_when_full_and_release_gives_space_back(nvme_dir):
+    store = C.NvmeStore([nvme_dir], 4 * MiB)
+    cap = store.capacity_bytes
+    a = store.allocate(cap // 2)
+    b = store.allocate(cap // 2)
+    assert store.used_bytes == cap and store.free_bytes == 0
+    assert store.allocate(1) is None
+    a.release()
+    a.release()
+    assert a.released and store.used_bytes == cap // 2
+    with pytest.raises(ValueError, match="Extent was released"):
+        store.write_ptr(a, 0, 0)
+    del b
+    gc.collect()
+    assert store.used_bytes == 0 and store.peak_bytes == cap
+    store.close()
+
+
+def test_in_flight_write_keeps_block_and_extent_alive(nvme_dir):
+    arena = C.HostArena(8 * MiB)
+    store = C.NvmeStore([nvme_dir], 8 * MiB, throttle_bytes_per_s=5 * MiB, chunk_bytes=256 * 1024)
+    block = arena.allocate(4 * MiB)
+    torch.frombuffer(block, dtype=torch.uint8).copy_(_random_bytes(4 * MiB, seed=9))
+    expected = bytes(memoryview(block))
+    ext = store.allocate(4 * MiB)
+    fut = store.write(ext, block)
+    block.release()                      # caller drops its claims at once (the block was
+    del block                            # exported to torch: release completes at GC)
+    gc.collect()
+    ext_offset = ext.offset
+    ext.release()
+    assert not fut.done()
+    assert arena.used_bytes == 4 * MiB    # the write still holds the block ...
+    assert store.used_bytes == 4 * MiB    # ... and the extent
+    with pytest.raises(TimeoutError, match="not finished after"):
+        fut.wait(timeout_s=0.01)
+    assert fut.wait() == 4 * MiB
+    assert arena.used_bytes == 0 and store.used_bytes == 0
+    again = store.allocate(4 * MiB)       # the same range comes back; data is what was written
+    assert again.offset == ext_offset
+    out = torch.empty(4 * MiB, dtype=torch.uint8)
+    store.read_ptr(again, out.data_ptr(), out.numel()).wait()
+    assert out.numpy().tobytes() == expected
+    store.close()
+
+
+def test_throttle_caps_throughput(nvme_dir):
+    rate = 40 * MiB
+    store = C.NvmeStore([nvme_dir], 16 * MiB, throttle_bytes_per_s=rate, chunk_bytes=256 * 1024)
+    src = _random_bytes(8 * MiB, seed=1)
+    ext = store.allocate(src.numel())
+    start = time.perf_counter()
+    store.write_ptr(ext, src.data_ptr(), src.numel()).wait()
+    elapsed = time.perf_counter() - start
+    # 8 MiB at 40 MiB/s: 0.2 s; the first chunk starts at once, so at least 31/32 of that.
+    assert elapsed >= 0.2 * 31 / 32 * 0.95
+    store.close()
+
+
+def test_close_waits_for_in_flight_io_and_is_idempotent(nvme_dir):
+    store = C.NvmeStore([nvme_dir], 8 * MiB, throttle_bytes_per_s=40 * MiB, chunk_bytes=256 * 1024)
+    src = _random_bytes(4 * MiB, seed=2)
+    fut = store.write_ptr(store.allocate(src.numel()), src.data_ptr(), src.numel())
+    store.close()
+    assert fut.done() and fut.wait() == src.numel()
+    store.close()
+    assert store.closed
+    with pytest.raises(ValueError, match="NvmeStore is closed"):
+        store.allocate(10)
+
+
+def test_context_manager_closes(nvme_dir):
+    with C.NvmeStore([nvme_dir], MiB) as store:
+        ext = store.allocate(10)
+    assert store.closed
+    with pytest.raises(ValueError, match="NvmeStore is closed"):
+        store.read_ptr(ext, 0, 0)
+
+
+def test_zero_byte_transfer_completes_at_once(nvme_dir):
+    store = C.NvmeStore([nvme_dir], MiB)
+    ext = store.allocate(0)
+    assert store.write_ptr(ext, 0, 0).wait() == 0
+    store.close()
+
+
+# --------------------------------------------------------------------------- checksums
+
+def test_crc32c_matches_the_standard_check_value_on_both_backends():
+    assert C.crc32c(b"123456789") == 0xE3069283
+    assert C._crc32c_portable(b"123456789") == 0xE3069283
+    rng = random.Random(3)
+    for n in (0, 1, 7, 8, 9, 63, 4096, 100_003):
+        data = bytes(rng.getrandbits(8) for _ in range(n))
+        assert C.crc32c(data) == C._crc32c_portable(data)
+        half = n // 2
+        assert C.crc32c(data[half:], C.crc32c(data[:half])) == C.crc32c(data)
+
+
+def test_corruption_is_detected_with_checksums(nvme_dir):
+    n = 3 * MiB + 17
+    store = C.NvmeStore([nvme_dir], 8 * MiB, checksum=True)
+    src = _random_bytes(n, seed=4)
+    ext = store.allocate(n)
+    store.write_ptr(ext, src.data_ptr(), n).wait()
+    store._corrupt_for_test(ext, 2 * MiB + 5)
+    dst = torch.empty(n, dtype=torch.uint8)
+    with pytest.raises(StorageError, match="checksum mismatch") as info:
+        store.read_ptr(ext, dst.data_ptr(), n).wait()
+    assert info.value.errno == errno.EBADMSG
+    assert info.value.filename == nvme_dir
+    assert "offset=" in str(info.value) and "size=" in str(info.value)
+    store.close()
+
+
+def test_without_checksums_the_same_corruption_goes_unnoticed(nvme_dir):
+    """Control for the test above: the error comes from the checksum, nothing else."""
+    n = 3 * MiB + 17
+    store = C.NvmeStore([nvme_dir], 8 * MiB, checksum=False)
+    src = _random_bytes(n, seed=4)
+    ext = store.allocate(n)
+    store.write_ptr(ext, src.data_ptr(), n).wait()
+    store._corrupt_for_test(ext, 2 * MiB + 5)
+    dst = torch.empty(n, dtype=torch.uint8)
+    store.read_ptr(ext, dst.data_ptr(), n).wait()
+    assert int((dst != src).sum()) == 1 and dst[2 * MiB + 5] == src[2 * MiB + 5] ^ 0xFF
+    store.close()
+
+
+# ------------------------------------------------------------------------ error paths
+
+def test_missing_directory(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(StorageError, match="NVMe directory does not exist") as info:
+        C.NvmeStore([missing], MiB)
+    assert info.value.errno == errno.ENOENT and info.value.filename == missing
+
+
+def test_not_a_directory(tmp_path):
+    path = tmp_path / "file"
+    path.write_bytes(b"x")
+    with pytest.raises(StorageError, match="NVMe path is not a directory") as info:
+        C.NvmeStore([str(path)], MiB)
+    assert info.value.errno == errno.ENOTDIR and info.value.filename == str(path)
+
+
+def test_bad_second_directory_creates_nothing_in_the_first(nvme_dir, tmp_path):
+    with pytest.raises(StorageError, match="does not exist"):
+        C.NvmeStore([nvme_dir, str(tmp_path / "nope")], MiB)
+    assert os.listdir(nvme_dir) == []
+
+
+def test_read_only_directory():
+    with _mounted("tmpfs", "ro", size_bytes=MiB) as ro_dir:
+        with pytest.raises(StorageError, match="NVMe directory is not writable") as info:
+            C.NvmeStore([ro_dir], 64 * 1024)
+        assert info.value.errno == errno.EROFS and info.value.filename == ro_dir
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits")
+def test_directory_without_write_permission(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(StorageError, match="not writable") as info:
+        C.NvmeStore([str(locked)], MiB)
+    assert info.value.errno == errno.EACCES
+
+
+def test_enospc_when_the_slab_does_not_fit():
+    with _mounted("ext4", size_bytes=16 * MiB) as small:
+        with pytest.raises(StorageError, match="cannot reserve .* bytes for the NVMe slab") as info:
+            C.NvmeStore([small], 64 * MiB)
+        assert info.value.errno == errno.ENOSPC and info.value.filename == small
+        assert "bytes free there" in str(info.value)
+        assert [f for f in os.listdir(small) if f != "lost+found"] == []
+
+
+def test_enospc_during_a_write_reaches_the_future():
+    """ext2 has no fallocate: the slab is not reserved and a full disk fails the write."""
+    with _mounted("ext2", size_bytes=8 * MiB) as small:
+        store = C.NvmeStore([small], 32 * MiB, chunk_bytes=256 * 1024)
+        src = _random_bytes(16 * MiB, seed=6)
+        ext = store.allocate(src.numel())
+        with pytest.raises(StorageError, match="write to the NVMe slab file failed") as info:
+            store.write_ptr(ext, src.data_ptr(), src.numel()).wait()
+        assert info.value.errno == errno.ENOSPC and info.value.filename == small
+        assert info.value.offset is not None and info.value.nbytes is not None
+        store.close()
+        assert [f for f in os.listdir(small) if f != "lost+found"] == []
+
+
+def test_fallocate_fallback_is_logged_at_debug(caplog):
+    with _mounted("ext2", size_bytes=8 * MiB) as small:
+        with caplog.at_level(logging.DEBUG, logger="offload"):
+            store = C.NvmeStore([small], MiB)
+        store.close()
+    assert any("fallocate is not supported" in r.message and r.levelno == logging.DEBUG
+               for r in caplog.records)
+
+
+def test_bad_arguments_name_the_argument(nvme_dir):
+    with pytest.raises(ValueError, match="dirs must name at least one directory"):
+        C.NvmeStore([], MiB)
+    with pytest.raises(ValueError, match="lists .* twice"):
+        C.NvmeStore([nvme_dir, nvme_dir], MiB)
+    with pytest.raises(ValueError, match="capacity_bytes must be positive, got 0"):
+        C.NvmeStore([nvme_dir], 0)
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive multiple of 4096, got 1000"):
+        C.NvmeStore([nvme_dir], MiB, chunk_bytes=1000)
+    with pytest.raises(ValueError, match="workers must be between 1 and 1024, got 0"):
+        C.NvmeStore([nvme_dir], MiB, workers=0)
+    with pytest.raises(ValueError, match=r"max_inflight_bytes \(4096\) must be at least chunk_bytes"):
+        C.NvmeStore([nvme_dir], MiB, max_inflight_bytes=4096)
+    with pytest.raises(ValueError, match="workers must be >= 0, got -1"):
+        C.NvmeStore([nvme_dir], MiB, workers=-1)
+    store = C.NvmeStore([nvme_dir], MiB)
+    other = C.NvmeStore([nvme_dir], MiB)
+    ext = store.allocate(100)
+    buf = torch.empty(200, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="write of 200 bytes does not fit the extent of 100 bytes"):
+        store.write_ptr(ext, buf.data_ptr(), 200)
+    with pytest.raises(ValueError, match="ptr is 0"):
+        store.read_ptr(ext, 0, 10)
+    with pytest.raises(ValueError, match="Extent belongs to a different NvmeStore"):
+        other.read_ptr(ext, buf.data_ptr(), 10)
+    arena = C.HostArena(MiB)
+    with pytest.raises(ValueError, match="does not fit the extent"):
+        store.write(ext, arena.allocate(101))
+    released = arena.allocate(10)
+    released.release()
+    with pytest.raises(ValueError, match="HostBlock was released"):
+        store.write(ext, released)
+    store.close()
+    other.close()
+
+
+@pytest.mark.skipif(C.cuda_compiled and C.cuda_usable(), reason="CUDA present")
+def test_cuda_paths_without_a_gpu_raise_runtime_error(nvme_dir):
+    store = C.NvmeStore([nvme_dir], MiB)
+    arena = C.HostArena(MiB)
+    block = arena.allocate(4096)
+    ext = store.allocate(4096)
+    with pytest.raises(RuntimeError, match="CUDA|cuda"):
+        store.write_after_event(ext, block, 1)
+    with pytest.raises(RuntimeError, match="CUDA|cuda"):
+        store.read_then_h2d(ext, block, 1, 4096, 0, 1)
+    with pytest.raises(RuntimeError, match="CUDA|cuda"):
+        C.copy_d2h(1, 1, 1, 0, 0)
+    store.close()
+
+
+# ------------------------------------------------------------------ O_DIRECT fallback
+
+@pytest.mark.parametrize("fstype", ["tmpfs", "ramfs"])
+def test_filesystems_without_o_direct_fall_back_with_one_warning(fstype, caplog):
+    with _mounted(fstype) as first, _mounted(fstype) as second:
+        expect_direct = _supports_o_direct(first)
+        if fstype == "ramfs":
+            assert not expect_direct      # the case that must fall back on any kernel
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            store = C.NvmeStore([first, second], 4 * MiB)
+        warnings = [r for r in caplog.records if r.name == "offload" and r.levelno == logging.WARNING]
+        assert store.direct == expect_direct
+        if expect_direct:                 # tmpfs on Linux >= 6.6 supports O_DIRECT
+            assert warnings == []
+        else:
+            assert len(warnings) == 1, [r.message for r in warnings]
+            assert "O_DIRECT is not supported" in warnings[0].message
+            assert first in warnings[0].message and second in warnings[0].message
+        n = MiB + 3
+        src = _random_bytes(n, seed=8)
+        ext = store.allocate(n)
+        store.write_ptr(ext, src.data_ptr(), n).wait()
+        dst = torch.empty(n, dtype=torch.uint8)
+        store.read_ptr(ext, dst.data_ptr(), n).wait()
+        assert torch.equal(src, dst)
+        store.close()
+        assert os.listdir(first) == [] and os.listdir(second) == []
+
+
+def test_direct_false_uses_buffered_io_without_a_warning(nvme_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        store = C.NvmeStore([nvme_dir], MiB, direct=False)
+    assert not store.direct and caplog.records == []
+    src = _random_bytes(5000, seed=1)
+    ext = store.allocate(5000)
+    store.write_ptr(ext, src.data_ptr(), 5000).wait()
+    dst = torch.empty(5000, dtype=torch.uint8)
+    store.read_ptr(ext, dst.data_ptr(), 5000).wait()
+    assert torch.equal(src, dst)
+    store.close()
+
+
+# ------------------------------------------------------- nothing is left on disk, ever
+
+_CHILD = textwrap.dedent("""
+    import sys, time, torch
+    from offload._ext import load_core
+    C = load_core()
+    mode, directory = sys.argv[1], sys.argv[2]
+    store = C.NvmeStore([directory], 64 << 20, chunk_bytes=1 << 20)
+    src = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
+    ext = store.allocate(src.numel())
+    store.write_ptr(ext, src.data_ptr(), src.numel()).wait()
+    import os
+    print("listing", os.listdir(directory), flush=True)
+    if mode == "exception":
+        raise RuntimeError("boom")
+    if mode == "kill":
+        print("ready", flush=True)
+        while True:   # keep writes in flight until SIGKILL lands
+            store.write_ptr(ext, src.data_ptr(), src.numel()).wait()
+    # mode == "exit": leave without close(); interpreter teardown must not leave files
+""")
+
+
+@pytest.mark.parametrize("mode", ["exit", "exception"])
+def test_nothing_left_after_exit_or_exception(nvme_dir, mode):
+    proc = subprocess.run([sys.executable, "-c", _CHILD, mode, nvme_dir], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert "listing []" in proc.stdout, proc.stdout + proc.stderr   # nameless while open, too
+    if mode == "exception":
+        assert proc.returncode != 0 and "boom" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+    assert os.listdir(nvme_dir) == []
+
+
+def test_nothing_left_after_sigkill_mid_write(nvme_dir):
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, "kill", nvme_dir], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        line = ""
+        while "ready" not in line and time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                pytest.fail(f"child exited early: {proc.stderr.read()}")
+        time.sleep(0.2)                    # let writes be in flight
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert os.listdir(nvme_dir) == []
+
+
+def test_garbage_collecting_a_store_waits_for_its_io(nvme_dir):
+    store = C.NvmeStore([nvme_dir], 8 * MiB, throttle_bytes_per_s=40 * MiB, chunk_bytes=256 * 1024)
+    src = _random_bytes(2 * MiB, seed=12)
+    fut = store.write_ptr(store.allocate(src.numel()), src.data_ptr(), src.numel())
+    del store
+    gc.collect()
+    assert fut.done() and fut.wait() == src.numel()

@@ -1,0 +1,92 @@
+"""Peak RSS with OFFLOAD_TIERS=nvme on CPU: must fall by >= 70% of the activation bytes.
+
+Each variant runs in a fresh subprocess (peak RSS is per process: `ru_maxrss`), one
+training step of the built-in GPT at the CPU size of `gpt_for_machine` (batch 4 saves about
+1.5 GB of activations). Also runnable by hand for the report:
+
+    python tests/test_rss.py --batch 8 --nvme-dir /var/tmp
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+WORKER = r"""
+import json, resource, sys, time, torch
+import offload
+from offload.models import GPT, gpt_for_machine
+
+variant, batch, nvme_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+cfg, _ = gpt_for_machine("cpu")
+model = GPT(cfg)
+idx, tgt = model.example_batch(batch)
+rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+start = time.perf_counter()
+stats = None
+if variant == "plain":
+    model.loss(idx, tgt).backward()
+else:
+    kw = {"policy": "keep"} if variant == "keep" else {"tiers": "nvme", "nvme_dir": nvme_dir,
+                                                      "nvme_bytes": "8GiB"}
+    with offload.activations(**kw) as ctx:
+        model.loss(idx, tgt).backward()
+    stats = ctx.stats.as_dict()
+step_s = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"variant": variant, "peak_rss_bytes": peak, "rss_before_bytes": rss_before,
+                  "step_s": step_s, "stats": stats}))
+"""
+
+
+def run_variant(variant: str, batch: int, nvme_dir: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+    out = subprocess.run([sys.executable, "-c", WORKER, variant, str(batch), nvme_dir],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"{variant} worker failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(batch: int, nvme_dir: str) -> dict:
+    keep = run_variant("keep", batch, nvme_dir)       # saved_bytes of this model and batch
+    plain = run_variant("plain", batch, nvme_dir)
+    nvme = run_variant("nvme", batch, nvme_dir)
+    saved = keep["stats"]["saved_bytes"]
+    drop = plain["peak_rss_bytes"] - nvme["peak_rss_bytes"]
+    return {"batch": batch, "saved_bytes": saved, "plain": plain, "keep": keep, "nvme": nvme,
+            "rss_drop_bytes": drop, "drop_fraction_of_saved": drop / saved}
+
+
+@pytest.mark.slow
+def test_nvme_tier_cuts_peak_rss(nvme_dir):
+    result = measure(4, nvme_dir)
+    gib = 1 << 30
+    msg = (f"saved {result['saved_bytes'] / gib:.2f} GiB, peak RSS plain "
+           f"{result['plain']['peak_rss_bytes'] / gib:.2f} GiB, nvme "
+           f"{result['nvme']['peak_rss_bytes'] / gib:.2f} GiB, drop "
+           f"{result['drop_fraction_of_saved']:.0%} of saved")
+    print(msg)
+    assert result["saved_bytes"] >= 1.5e9, msg
+    assert result["nvme"]["stats"]["nvme_bytes"] >= 0.9 * result["saved_bytes"], msg
+    assert result["drop_fraction_of_saved"] >= 0.70, msg
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--nvme-dir", default=os.environ.get("OFFLOAD_TEST_DIR", "/var/tmp"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="offload-rss-", dir=args.nvme_dir) as d:
+        print(json.dumps(measure(args.batch, d), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,431 @@
+"""Behaviour of offload.activations(): what moves, what stays, views, dtypes, in-place ops,
+spill order, errors inside the block, lifetimes, stats."""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+import offload
+from offload.errors import ConfigError, TierFullError
+from offload.models import GPT, ConvNet, GPTConfig
+
+try:
+    from offload._ext import load_core
+
+    load_core()
+    HAVE_CORE, CORE_REASON = True, ""
+except Exception as exc:
+    HAVE_CORE, CORE_REASON = False, str(exc)
+
+needs_core = pytest.mark.skipif(not HAVE_CORE, reason="offload._C unavailable")
+
+TIERS = ["host", pytest.param("nvme", marks=needs_core)]
+
+
+def _kw(tiers: str, nvme_dir: str, **extra):
+    kw = {"tiers": tiers, "min_bytes": 0, "policy": "offload"}
+    if "nvme" in tiers:
+        kw.update(nvme_dir=nvme_dir, nvme_bytes="64MiB", staging_bytes="2MiB",
+                  prefetch_bytes="256KiB")
+    kw.update(extra)
+    return kw
+
+
+class Probe(torch.autograd.Function):
+    """Saves its inputs as given (any dtype, any layout) and checks them in backward."""
+
+    @staticmethod
+    def forward(ctx, x, *others):
+        ctx.save_for_backward(x, *others)
+        ctx.expect = [(t.clone(), t.shape, t.stride(), t.storage_offset(), t.dtype,
+                       t.is_conj(), t.device) for t in (x, *others)]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        for t, (ref, shape, stride, offset, dtype, conj, device) in zip(ctx.saved_tensors,
+                                                                       ctx.expect):
+            assert t.dtype == dtype and t.shape == shape and t.device == device
+            assert t.stride() == stride and t.storage_offset() == offset
+            assert t.is_conj() == conj
+            assert torch.equal(t, ref)
+        return (grad,) + (None,) * (len(ctx.expect) - 1)
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_every_dtype_and_layout_round_trips(tiers, nvme_dir):
+    x = torch.randn(8, 6, requires_grad=True)
+    base = torch.arange(4 * 7 * 5, dtype=torch.float64).reshape(4, 7, 5)
+    others = [
+        torch.rand(5, 7) > 0.5,                                   # bool
+        torch.randn(9, 3).to(torch.bfloat16),
+        torch.randn(9, 3).to(torch.float16),
+        torch.randn(4, 4, dtype=torch.complex64),
+        torch.randn(4, 4, dtype=torch.complex128).conj(),         # lazy conj bit
+        torch.randint(-5, 5, (3, 11), dtype=torch.int8),
+        torch.randint(0, 1 << 40, (7,), dtype=torch.int64),
+        base.transpose(0, 2),                                      # non-contiguous
+        base[1:, 2:5, ::2],                                        # offset + strides
+        torch.randn(1, 5).expand(6, 5),                            # stride 0
+        torch.randn(6)[3],                                         # 0-dim view with offset
+    ]
+    with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+        y = Probe.apply(x * 1, *others)
+        y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    assert ctx.stats.offloaded_tensors == len(others) + 1
+    assert ctx.stats.exit_nvme_used_bytes == 0
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_views_of_one_storage_are_stored_once(tiers, nvme_dir):
+    x = torch.randn(16, 3 * 64, requires_grad=True)
+    with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+        qkv = x * 2
+        q, k, v = qkv.split(64, dim=1)            # three strided views of one storage
+        y = Probe.apply(q, k, v, qkv.t())
+        y.sum().backward()
+    storage_bytes = 16 * 3 * 64 * 4
+    # Probe saves q, k, v, qkv.t() (one storage); the `x * 2` node saves nothing big.
+    assert ctx.stats.unique_storages == 1
+    assert ctx.stats.saved_bytes == storage_bytes
+    assert ctx.stats.offloaded_tensors == 4
+
+
+def test_parameters_buffers_and_their_views_never_move(nvme_dir):
+    model = ConvNet(channels=4)
+    x = torch.randn(2, 3, 8, 8)
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    param_storages |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    seen = []
+    orig_store = offload.hooks.OffloadHooks._store
+
+    def spy(self, t, storage):
+        seen.append(storage.data_ptr())
+        return orig_store(self, t, storage)
+
+    offload.hooks.OffloadHooks._store = spy
+    try:
+        with offload.activations(tiers="host", min_bytes=0) as ctx:  # no model= given
+            model(x).sum().backward()
+    finally:
+        offload.hooks.OffloadHooks._store = orig_store
+    assert seen and not (set(seen) & param_storages)
+    assert ctx.stats.param_tensors > 0 and ctx.stats.param_bytes > 0
+
+
+def test_weight_t_views_and_tied_weights_are_parameters():
+    cfg = GPTConfig(vocab_size=64, hidden=32, layers=1, heads=2, seq_len=16, dropout=0.0)
+    model = GPT(cfg)
+    idx, tgt = model.example_batch(2)
+    with offload.activations(tiers="host", min_bytes=0) as ctx:
+        model.loss(idx, tgt).backward()
+    # Every Linear saves weight.t(); the head's weight is the tied embedding.
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert ctx.stats.param_tensors >= n_linear
+    # param_bytes counts each parameter storage once, never more than the model holds.
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 0 < ctx.stats.param_bytes <= total
+
+
+@pytest.mark.parametrize("tiers", ["keep", "host", pytest.param("nvme", marks=needs_core)])
+def test_inplace_after_save_raises_autograd_error(tiers, nvme_dir):
+    def step():
+        a = torch.randn(4096, requires_grad=True)
+        b = a * 2
+        c = b.sin()          # saves b
+        b.add_(1)            # version 0 -> 1
+        c.sum().backward()
+
+    with pytest.raises(RuntimeError) as plain:
+        step()
+    kw = {"policy": "keep"} if tiers == "keep" else _kw(tiers, nvme_dir)
+    with pytest.raises(RuntimeError) as got:
+        with offload.activations(**kw):
+            step()
+    assert str(got.value) == str(plain.value)
+    assert "modified by an inplace operation" in str(got.value)
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_inplace_on_view_base_raises(tiers, nvme_dir):
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*expected "
+                       "version 0 instead"):
+        with offload.activations(**_kw(tiers, nvme_dir)):
+            a = torch.randn(64, 64, requires_grad=True)
+            base = a * 1
+            view = base[:, :32]
+            out = view.exp()       # saves its result (exp's output)
+            out2 = view.sin()      # saves view (a view of base)
+            base.mul_(2)           # bumps the shared version counter
+            (out.sum() + out2.sum()).backward()
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_legit_inplace_ops_are_exact(tiers, nvme_dir):
+    def run(ctx):
+        torch.manual_seed(0)
+        a = torch.randn(256, 256, requires_grad=True)
+        with ctx:
+            h = torch.relu(a @ a)          # relu saves its output
+            h2 = h.clone()
+            h2.mul_(3).add_(1)             # in-place on a fresh tensor
+            torch.nn.functional.relu(h2, inplace=True)
+            (h2 * h).sum().backward()
+        return a.grad
+
+    import contextlib
+
+    ref = run(contextlib.nullcontext())
+    assert torch.equal(ref, run(offload.activations(**_kw(tiers, nvme_dir))))
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_double_backward(tiers, nvme_dir):
+    def run(ctx):
+        x = torch.linspace(-2, 2, 5000, requires_grad=True)
+        with ctx:
+            y = (x.sin() * x ** 3).sum()
+            (g,) = torch.autograd.grad(y, x, create_graph=True)
+            g.sum().backward()
+        return x.grad
+
+    import contextlib
+
+    assert torch.equal(run(contextlib.nullcontext()), run(offload.activations(**_kw(tiers, nvme_dir))))
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_retain_graph_second_backward(tiers, nvme_dir):
+    x = torch.randn(128, 128, requires_grad=True)
+    with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+        y = (x @ x).tanh().sum()
+        y.backward(retain_graph=True)
+        first = x.grad.clone()
+        y.backward()
+    assert torch.equal(x.grad, 2 * first)
+    del y
+    gc.collect()
+    assert ctx.stats.exit_nvme_used_bytes == 0
+
+
+def test_no_offload_region_keeps():
+    x = torch.randn(256, 256, requires_grad=True)
+    with offload.activations(tiers="host", min_bytes=0) as ctx:
+        a = x.sin()                       # saves x: a parameter-like leaf, stays
+        with offload.no_offload():
+            b = a.cos()                   # saves a: kept
+        c = b.exp()                       # saves its output: offloaded
+        c.sum().backward()
+    n = 256 * 256 * 4
+    assert ctx.stats.kept_bytes == n and ctx.stats.host_bytes == n
+    with offload.no_offload():            # harmless outside a context, nests
+        with offload.no_offload():
+            pass
+    assert not offload.hooks.no_offload_active()
+
+
+def test_min_bytes_and_keep_policy():
+    x = torch.randn(64, requires_grad=True)
+    with offload.activations(tiers="host", min_bytes="1KiB") as ctx:
+        small = (x * 1).sin()                              # 256 B: stays
+        big = (x.repeat(16) * 1).sin()                     # 4 KiB: moves
+        (small.sum() + big.sum()).backward()
+    assert ctx.stats.kept_bytes == 256 and ctx.stats.host_bytes == 4096
+    with offload.activations(policy="keep", min_bytes=0) as ctx:
+        (x.repeat(16) * 1).sin().sum().backward()
+    assert ctx.stats.kept_bytes == ctx.stats.saved_bytes == 4096
+
+
+def test_backward_after_the_block(nvme_dir):
+    if not HAVE_CORE:
+        pytest.skip(CORE_REASON)
+    x = torch.randn(128, 128, requires_grad=True)
+    with offload.activations(**_kw("nvme", nvme_dir)) as ctx:
+        y = (x @ x).tanh().sum()
+    nvme = ctx.tiers["nvme"]
+    assert nvme.used_bytes > 0                         # still open: backward needs it
+    y.backward()
+    ref = torch.autograd.grad((x @ x).tanh().sum(), x)[0]
+    assert torch.equal(x.grad, ref)
+    assert nvme._closed and ctx.stats.exit_nvme_used_bytes == 0
+
+
+@needs_core
+def test_repeated_steps_do_not_grow(nvme_dir):
+    cfg = GPTConfig(vocab_size=64, hidden=64, layers=2, heads=4, seq_len=32)
+    model = GPT(cfg)
+    idx, tgt = model.example_batch(2)
+    ctx = offload.activations(**_kw("host,nvme", nvme_dir, host_bytes="128KiB"))
+    peaks = []
+    for _ in range(4):
+        with ctx:
+            model.loss(idx, tgt).backward()
+        s = ctx.stats
+        assert s.nvme_bytes > 0 and s.host_bytes > 0
+        assert s.exit_nvme_used_bytes == s.exit_staging_used_bytes == 0
+        assert s.exit_host_used_bytes == 0
+        assert s.nvme_read_bytes >= s.nvme_bytes
+        assert ctx._hooks.live_records == 0
+        assert s.staging_peak_bytes <= 2 << 20   # bounded by OFFLOAD_STAGING_BYTES
+        peaks.append(s.peak_resident_bytes)
+    assert len(set(peaks)) == 1  # identical steps, identical footprints
+
+
+@needs_core
+def test_spill_to_next_tier(nvme_dir):
+    x = torch.randn(64, 1024, requires_grad=True)     # 256 KiB per saved tensor
+    with offload.activations(**_kw("host,nvme", nvme_dir, host_bytes="600KiB")) as ctx:
+        y = x * 1
+        for _ in range(5):
+            y = y.sin()
+        y.sum().backward()
+    s = ctx.stats
+    assert s.host_bytes == 2 * 256 * 1024 and s.nvme_bytes == 3 * 256 * 1024
+    assert s.spilled_bytes == s.nvme_bytes
+
+
+def test_all_tiers_full_warns_once_and_keeps(caplog):
+    x = torch.randn(64, 1024, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        with offload.activations(tiers="host", host_bytes="300KiB", min_bytes=0) as ctx:
+            y = x * 1
+            for _ in range(4):
+                y = y.sin()
+            y.sum().backward()
+    warnings = [r for r in caplog.records if "every tier is full" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "raise OFFLOAD_HOST_BYTES" in warnings[0].getMessage()
+    assert ctx.stats.host_bytes == 256 * 1024 and ctx.stats.full_kept_bytes == 3 * 256 * 1024
+    assert ctx.stats.kept_bytes == 3 * 256 * 1024
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_strict_raises_tier_full(tiers, nvme_dir):
+    x = torch.randn(64, 1024, requires_grad=True)
+    # The engine rounds its capacity up to whole 1 MiB chunks: 4 such tensors fit.
+    kw = _kw(tiers, nvme_dir, strict=True, host_bytes="300KiB", nvme_bytes="1MiB")
+    with pytest.raises(TierFullError, match=r"every tier is full \(" + tiers + r" .* used\) and "
+                       r"OFFLOAD_STRICT=1, so a 256 KiB activation cannot be placed \(raise "
+                       r"OFFLOAD_HOST_BYTES / OFFLOAD_NVME_BYTES"):
+        with offload.activations(**kw):
+            y = x * 1
+            for _ in range(6):
+                y = y.sin()
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_exception_frees_everything_and_propagates(tiers, where, nvme_dir):
+    x = torch.randn(256, 256, requires_grad=True)
+    err = Boom("original")
+    ctx = offload.activations(**_kw(tiers, nvme_dir))
+    with pytest.raises(Boom) as info:
+        with ctx:
+            y = x.sin().cos().exp()
+            if where == "backward":
+                def hook(grad):
+                    raise err
+                y.register_hook(hook)
+                y.sum().backward()
+            raise err
+    assert info.value is err
+    # Hooks are gone: a new graph is not packed by this context any more.
+    packed = ctx.stats.packed_tensors
+    x.sin().sum().backward()
+    assert ctx.stats.packed_tensors == packed
+    if tiers == "nvme":
+        assert ctx.tiers["nvme"]._closed
+        # The graph still alive in `y` now fails loudly instead of reading freed space.
+        if where == "forward":
+            with pytest.raises(RuntimeError, match="released it"):
+                y.sum().backward()
+    assert os.listdir(nvme_dir) == []
+
+
+def test_context_is_reusable_and_not_reentrant():
+    ctx = offload.activations(tiers="host")
+    with ctx:
+        with pytest.raises(RuntimeError, match="already active"):
+            ctx.__enter__()
+    with ctx:
+        pass
+
+
+def test_stats_as_dict_is_json_with_the_documented_names():
+    x = torch.randn(512, 512, requires_grad=True)
+    with offload.activations(tiers="host", min_bytes=0) as ctx:
+        (x * 1).sin().exp().sum().backward()   # saves x * 1 and exp's output
+    d = json.loads(json.dumps(ctx.stats.as_dict()))
+    for name in ("saved_bytes", "kept_bytes", "host_bytes", "nvme_bytes", "peak_resident_bytes",
+                 "nvme_written_bytes", "nvme_read_bytes", "stall_s", "d2h_gbps", "h2d_gbps",
+                 "nvme_write_gbps", "nvme_read_gbps", "packed_tensors"):
+        assert name in d
+    assert d["saved_bytes"] == d["host_bytes"] == 2 * 512 * 512 * 4
+    # On a CPU-only run the host tier is the device's memory: both count as resident.
+    assert d["peak_resident_bytes"] == d["saved_bytes"]
+
+
+@needs_core
+def test_nvme_stats_and_prefetch(nvme_dir):
+    x = torch.randn(64, 1024, requires_grad=True)
+    with offload.activations(**_kw("nvme", nvme_dir)) as ctx:
+        y = x * 1
+        for _ in range(8):
+            y = y.sin()
+        y.sum().backward()
+    s = ctx.stats
+    assert s.nvme_bytes == s.nvme_written_bytes == s.nvme_read_bytes == 8 * 256 * 1024
+    assert s.peak_resident_bytes == 0 and s.kept_bytes == 0
+    assert s.prefetch_hits >= 6 and s.prefetch_hits + s.prefetch_misses == 8
+    assert s.nvme_write_gbps > 0 and s.nvme_read_gbps > 0
+    assert 0 < s.staging_peak_bytes <= 2 << 20
+
+
+def test_log_info_prints_step_stats(caplog):
+    x = torch.randn(64, 64, requires_grad=True)
+    with caplog.at_level(logging.INFO, logger="offload"):
+        with offload.activations(tiers="host"):
+            x.sin().sum().backward()
+    assert any("saved" in r.getMessage() and "peak resident" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_model_argument_is_accepted_and_none_is_fine():
+    model = ConvNet(channels=4)
+    with offload.activations(model=model, tiers="host", min_bytes=0) as ctx:
+        model(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert ctx.stats.param_tensors > 0
+    with offload.activations(model=None):
+        pass
+
+
+@needs_core
+def test_nvme_dir_placeholders_and_striping(tmp_path, monkeypatch):
+    d0, d1 = tmp_path / "r2a", tmp_path / "r2b"
+    d0.mkdir()
+    d1.mkdir()
+    monkeypatch.setenv("RANK", "2")
+    x = torch.randn(256, 1024, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=f"{tmp_path}/r{{rank}}a,{tmp_path}/r{{rank}}b",
+                             nvme_bytes="16MiB", min_bytes=0) as ctx:
+        assert ctx.tiers["nvme"].paths == [str(d0), str(d1)]
+        (x * 1).sin().cos().sum().backward()
+    assert ctx.stats.nvme_bytes == 2 * 256 * 1024 * 4
+    assert os.listdir(d0) == [] and os.listdir(d1) == []
+
+
+def test_unknown_argument_and_bad_env_fail_before_anything(monkeypatch, tmp_path):
+    monkeypatch.setenv("OFFLOAD_TIERS", "host,disk")
+    with pytest.raises(ConfigError, match="OFFLOAD_TIERS='host,disk': unknown tier 'disk'"):
+        with offload.activations():
+            pytest.fail("the block must not run")
