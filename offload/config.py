@@ -30,12 +30,15 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
-# Defaults measured on the 2-core CPU box with a ~1.9/1.0 GB/s (write/read) SSD; see the
-# report of issue 3 and benchmarks/: below ~64 KiB a tensor costs more in per-tensor overhead
-# (hook + 4 KiB-aligned I/O) than the RAM it frees is worth.
-_DEFAULT_MIN_BYTES = 64 << 10
-_DEFAULT_PREFETCH_BYTES = 256 << 20
-_DEFAULT_STAGING_BYTES = 256 << 20
+# Defaults measured on the 2-core CPU box (SSD ~1.9 / 1.0 GB/s write / read); figures in
+# the issue-3 report. MIN: the nvme path costs ~0.1-0.2 ms per tensor beyond the host path
+# (hook, staging, submit), what moving ~256 KiB costs at ~1-2 GB/s: below that the
+# per-tensor cost outweighs the bytes. STAGING / PREFETCH: peak RSS of the CPU GPT step
+# (1.33 GiB saved) was 0.85 GiB with 256/256 MiB, 0.63 GiB with 128/64 MiB; read-ahead is
+# kept under the arena size so that reads land in the arena, not in fresh heap memory.
+_DEFAULT_MIN_BYTES = 256 << 10
+_DEFAULT_PREFETCH_BYTES = 64 << 20
+_DEFAULT_STAGING_BYTES = 128 << 20
 _DEFAULT_IO_WORKERS = 4
 
 

@@ -27,6 +27,7 @@ from .placement import Placement
 from .prefetch import Prefetcher
 from .stats import Stats
 from .tensor_meta import ParamStorages
+from .tiers import pool
 from .tiers.base import Tier
 from .tiers.host import HostTier
 
@@ -117,18 +118,19 @@ class ActivationOffload:
         try:
             for name in config.tiers:
                 if name == "host":
-                    tiers[name] = HostTier(config.host_capacity_bytes(), stats)
+                    tiers[name] = HostTier(config.host_capacity_bytes(), stats,
+                                           capacity_key=config.host_bytes)
                 elif name == "nvme":
                     from ._ext import load_core
                     from .tiers.nvme import NvmeTier
 
                     tiers[name] = NvmeTier(
-                        config.nvme_dir, config.nvme_capacity_bytes(),
+                        config.nvme_dir, config.nvme_capacity_bytes,
                         workers=config.io_workers, staging_bytes=config.staging_bytes,
-                        stats=stats, core=load_core())
+                        stats=stats, core=load_core(), capacity_key=config.nvme_bytes)
         except BaseException:
             for tier in tiers.values():
-                tier.close()
+                tier.close(reuse=False)
             raise
         return tiers
 
@@ -152,17 +154,23 @@ class ActivationOffload:
             self._hooks.release_all()
         except Exception:  # never mask the user's exception
             log.exception("offload: error while releasing saved tensors after an exception")
-        _close_tiers(self.tiers, self.stats, self._hooks)
+        _close_tiers(self.tiers, self.stats, self._hooks, reuse=False)
 
     def close(self) -> None:
-        """Free the tiers now, even if saved tensors still refer to them."""
+        """Free the tiers now, even if saved tensors still refer to them, and drop the
+        stores / arenas kept for the next step (offload/tiers/pool.py)."""
         if self._hooks is not None:
             self._hooks.release_all()
-        _close_tiers(self.tiers, self.stats, self._hooks)
+        _close_tiers(self.tiers, self.stats, self._hooks, reuse=False)
+        pool.clear()
 
 
-def _close_tiers(tiers: dict[str, Tier], stats: Stats, hooks: OffloadHooks | None) -> None:
-    """Drain and close `tiers`, noting what they still held (0 after a clean step)."""
+def _close_tiers(tiers: dict[str, Tier], stats: Stats, hooks: OffloadHooks | None,
+                 reuse: bool = True) -> None:
+    """Drain and close `tiers`, noting what they still held (0 after a clean step).
+
+    With `reuse` clean stores / arenas go back to the pool for the next step.
+    """
     if hooks is not None:
         hooks.on_idle = None
     for name, tier in list(tiers.items()):
@@ -174,8 +182,9 @@ def _close_tiers(tiers: dict[str, Tier], stats: Stats, hooks: OffloadHooks | Non
             setattr(stats, f"exit_{name}_used_bytes", tier.used_bytes)
         except Exception:
             log.exception("offload: error while draining the %s tier", name)
+            reuse = False
         finally:
-            tier.close()
+            tier.close(reuse=reuse)
 
 
 @contextlib.contextmanager

@@ -376,8 +376,9 @@ class CopyStreams:
     def offload(self, src: torch.Tensor, block) -> D2HTicket:
         """Start copying ``src`` (a contiguous device tensor) into the pinned ``block``.
 
-        Returns at once. ``block`` must have room for ``src``'s bytes; it is the runtime's to
-        keep (and to release only after the ticket is done, Note 3).
+        Returns at once. ``block`` (a HostBlock, or a uint8 CPU view of one) must have room
+        for ``src``'s bytes; the caller may drop its references at any time, the copy holds
+        what it needs (Notes 2 and 3).
 
         Raises:
             ValueError: ``src`` is not contiguous, empty, or on another device, or ``block``

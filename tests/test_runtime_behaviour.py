@@ -429,3 +429,59 @@ def test_unknown_argument_and_bad_env_fail_before_anything(monkeypatch, tmp_path
     with pytest.raises(ConfigError, match="OFFLOAD_TIERS='host,disk': unknown tier 'disk'"):
         with offload.activations():
             pytest.fail("the block must not run")
+
+
+@needs_core
+def test_nvme_tensors_larger_than_staging_and_reads_beyond_it(nvme_dir):
+    # 1 MiB staging: 4 MiB tensors are written straight from their memory, and with an
+    # 8 MiB read-ahead most reads land in plain aligned buffers instead of the arena.
+    def run(ctx):
+        torch.manual_seed(0)
+        x = torch.randn(1024, 1024, requires_grad=True)
+        with ctx:
+            y = x * 1
+            for _ in range(5):
+                y = torch.tanh(y) * 1.5
+            y.sum().backward()
+        return x.grad
+
+    import contextlib
+
+    ctx = offload.activations(**_kw("nvme", nvme_dir, staging_bytes="1MiB",
+                                    prefetch_bytes="8MiB"))
+    assert torch.equal(run(contextlib.nullcontext()), run(ctx))
+    s = ctx.stats
+    assert s.nvme_bytes == s.nvme_written_bytes == s.nvme_read_bytes == 5 * (4 << 20)
+    assert s.staging_peak_bytes == 0        # nothing fit the arena: direct writes, plain reads
+    assert s.exit_nvme_used_bytes == 0 and s.exit_staging_used_bytes == 0
+
+
+@needs_core
+def test_unused_saved_tensors_free_their_space(nvme_dir):
+    # Saved tensors that backward never needs (a branch without grad) die with the graph;
+    # their extents (some with reads still in flight) must come back.
+    x = torch.randn(512, 512, requires_grad=True)
+    with offload.activations(**_kw("nvme", nvme_dir, prefetch_bytes="64MiB")) as ctx:
+        a = (x * 1).sin()
+        b = (x * 1).cos().exp()           # saved, then the graph is dropped unused
+        del b
+        a.sum().backward()
+    assert ctx.stats.exit_nvme_used_bytes == 0 and ctx.stats.exit_staging_used_bytes == 0
+
+
+def test_pool_reuses_clean_resources(nvme_dir):
+    if not HAVE_CORE:
+        pytest.skip(CORE_REASON)
+    from offload.tiers import pool
+
+    pool.clear()
+    kw = _kw("nvme", nvme_dir)
+    x = torch.randn(256, 256, requires_grad=True)
+    stores = []
+    for _ in range(2):
+        with offload.activations(**kw) as ctx:
+            stores.append(ctx.tiers["nvme"]._store)
+            (x * 1).sin().sum().backward()
+    assert stores[0] is stores[1]           # the second step took the first one's store
+    ctx.close()                             # drops the pooled store and arena
+    assert stores[0].closed

@@ -29,10 +29,11 @@ if TYPE_CHECKING:  # rich is imported when main() runs: a missing one gets a cle
 
 __all__ = ["main", "build_parser"]
 
-# The CPU default must finish every strategy in about 3 minutes on 2 cores, so the bench
-# uses a smaller batch than gpt_for_machine's reference size (which is for the runtime's
-# memory acceptance test, ~2.8 GiB of activations at batch 8).
-CPU_DEFAULT_BATCH = 2
+# The CPU default must finish every strategy within 3 minutes on 2 cores, so the bench
+# uses a smaller batch than gpt_for_machine's reference size (that one is for the runtime's
+# memory acceptance test: ~2.8 GiB of activations and ~15 s a step at batch 8). Measured
+# here: batch 2 took 246 s in all (9 s a step) on the shared machine; batch 1 halves it.
+CPU_DEFAULT_BATCH = 1
 _GPT_KEYS = {f.name for f in dataclasses.fields(GPTConfig)}
 
 
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", metavar="MODULE:FACTORY",
       help="benchmark your model: FACTORY() returns an nn.Module; input torch.randn(batch, "
            "*input_shape); loss output.float().pow(2).mean(); accepts FILE.py:FACTORY")
-    a("--input-shape", metavar="D1,D2,...", help="per-sample input shape for --model, e.g. 3,224,224")
+    a("--input-shape", metavar="D1,D2,...",
+      help="per-sample input shape for --model, e.g. 3,224,224")
     a("--steps", type=int, default=3, help="timed steps per run (default 3)")
     a("--warmup", type=int, default=1, help="untimed warm-up steps per run (default 1)")
     a("--rounds", type=int, default=1,
@@ -257,11 +259,16 @@ def benchmark(s: Settings, progress: Progress) -> list[dict[str, Any]]:
     device = torch.device(s.spec.device)
     results: dict[str, list[dict[str, Any]]] = {n: [] for n in s.strategies}
     with Workspace(s.nvme_bases) as ws:
-        skip = {}
+        skip: dict[str, dict[str, Any]] = {}
         for name in s.strategies:
-            reason = STRATEGIES[name].unavailable_reason(device, ws.nvme_dir)
+            try:
+                reason = STRATEGIES[name].unavailable_reason(device, ws.nvme_dir)
+            except Exception as exc:  # a broken runtime install must not stop the others
+                reason, failed = f"failed: {type(exc).__name__}: {exc}", True
+            else:
+                failed = False
             if reason:
-                skip[name] = reason
+                skip[name] = {"available": False, "reason": reason, "error": failed}
         runner = WorkerRunner(ws, s.timeout_s)
         checker = GradChecker()
         runs = [(r, n) for r, n in schedule(s.strategies, s.rounds) if n not in skip]
@@ -277,8 +284,7 @@ def benchmark(s: Settings, progress: Progress) -> list[dict[str, Any]]:
                 progress.advance(task)
             rows = []
             for name in s.strategies:
-                res = results[name] or [{"available": False, "reason": skip.get(name),
-                                         "error": False}]
+                res = results[name] or [skip[name]]
                 rows.append(rows_mod.make_row(name, STRATEGIES[name].description, _meta(s),
                                               res, checker.summary(name)))
             if s.max_batch:

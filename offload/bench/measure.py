@@ -21,12 +21,11 @@ from __future__ import annotations
 import os
 import resource
 import threading
-import time
 
 import torch
 
-__all__ = ["current_rss_bytes", "RssPeak", "release_free_memory", "SavedBytesCounter", "param_storage_ptrs",
-           "save_grads", "compare_grads", "synchronize"]
+__all__ = ["current_rss_bytes", "RssPeak", "release_free_memory", "SavedBytesCounter",
+           "param_storage_ptrs", "save_grads", "compare_grads", "synchronize"]
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
@@ -203,6 +202,3 @@ def compare_grads(ref_path: str, path: str) -> tuple[bool, float, list[str]]:
             max_diff = max(max_diff, (a.double() - b.double()).abs().max().item())
     return bit_exact, max_diff, differ
 
-
-def wall_clock() -> float:
-    return time.perf_counter()

@@ -195,7 +195,8 @@ class TorchTune(Strategy):
         try:
             from torchtune.training import OffloadActivations  # noqa: F401
         except Exception as exc:
-            return f"torchtune is not importable ({type(exc).__name__}: {exc}); pip install torchtune"
+            return (f"torchtune is not importable ({type(exc).__name__}: {exc}); "
+                    "pip install torchtune")
         return None
 
     def step(self, wl, nvme_dir, budget):

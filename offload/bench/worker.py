@@ -4,9 +4,10 @@ Usage (the parent does this; handy for debugging one row by hand)::
 
     python -m offload.bench.worker SPEC.json OUT.json
 
-A fresh process per strategy keeps them honest: no allocator cache, pinned arena, compiled
-kernel or page-cache state leaks from one strategy into the next, and peak RSS is this
-strategy's own.
+A fresh process per strategy keeps them honest: no allocator cache, pinned arena, CUDA
+context or runtime state leaks from one strategy into the next, and peak RSS is this
+strategy's own. The parent forks workers from a forkserver that has only imported torch and
+this package (see runner), which saves seconds of import time per worker.
 
 The step: all gradient buffers exist before the first step (zeroed, not freed, between
 steps), so "peak activation memory" is what the step adds on top of parameters + gradients

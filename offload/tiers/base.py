@@ -89,5 +89,9 @@ class Tier(abc.ABC):
     def drain(self) -> None:
         """Wait for every transfer in flight (end of step, before closing)."""
 
-    def close(self) -> None:
-        """Free every resource; payloads still alive afterwards fail on `fetch`."""
+    def close(self, reuse: bool = True) -> None:
+        """Free every resource; payloads still alive afterwards fail on `fetch`.
+
+        With `reuse`, expensive resources (stores, arenas) that are clean may go back to
+        offload/tiers/pool.py for the next step instead of being destroyed.
+        """

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Hashable
 
 import torch
 
 from ..stats import Stats
+from . import pool
 from .base import Payload, Tier
 
 __all__ = ["HostTier"]
@@ -79,11 +81,12 @@ class HostTier(Tier):
 
     name = "host"
 
-    def __init__(self, capacity_bytes: int, stats: Stats) -> None:
+    def __init__(self, capacity_bytes: int, stats: Stats, capacity_key: Hashable = None) -> None:
         self._capacity_bytes = capacity_bytes
+        self._capacity_key = capacity_key if capacity_key is not None else capacity_bytes
         self._used_bytes = 0
         self._stats = stats
-        self._arena = None  # pinned HostArena, created on the first CUDA tensor
+        self._arena = None  # pinned HostArena, created (or pooled) on the first CUDA tensor
 
     @property
     def capacity_bytes(self) -> int:
@@ -113,8 +116,11 @@ class HostTier(Tier):
         if self._arena is None:
             from .._ext import load_core
 
-            # One pinned allocation for the whole tier (cudaHostAlloc costs ms per call).
-            self._arena = load_core().HostArena(self._capacity_bytes, pinned=True)
+            # One pinned allocation for the whole tier (cudaHostAlloc costs ms per call),
+            # kept across steps by the pool.
+            capacity = self._capacity_bytes
+            self._arena = pool.take("host-pinned", self._capacity_key,
+                                    lambda: load_core().HostArena(capacity, pinned=True))
         block = self._arena.allocate(nbytes)
         if block is None:
             return None
@@ -138,7 +144,9 @@ class HostTier(Tier):
         self._stats.h2d_bytes += src.numel()
         return out
 
-    def close(self) -> None:
-        # Blocks still viewed by live tensors keep their memory; the arena object goes
-        # away with the last of them.
-        self._arena = None
+    def close(self, reuse: bool = True) -> None:
+        # Blocks still viewed by live tensors keep their memory; such an arena goes away
+        # with the last of them instead of being reused.
+        arena, self._arena = self._arena, None
+        if arena is not None and reuse and arena.used_bytes == 0:
+            pool.give_back("host-pinned", self._capacity_key, arena)

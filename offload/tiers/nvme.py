@@ -16,10 +16,12 @@ NOTE [Read after write] The engine does not order a read after a write of the sa
 reading before the write landed returns stale bytes. Every read first retires its payload's
 write.
 
-NOTE [Deferred free] An extent (and any memory the engine reads from or into) must outlive
-the I/O that uses it: if a payload is released while its write or read is in flight (a
-tensor freed during the forward, a prefetched tensor never used), the extent goes to a
-deferred list and is freed when `poll` sees the I/O done. `release` never blocks.
+NOTE [Deferred free] Memory the engine reads from or into must outlive the I/O. The engine
+itself keeps HostBlocks and the extent's slab range alive until a request is done, so a
+released payload gives its extent back at once; but the raw memory of `write_ptr` (the
+source tensor) and `read_ptr` (a plain buffer) is ours: when a payload is released with
+such I/O in flight (a tensor freed during the forward, a prefetched tensor never used) it
+goes to a deferred list, dropped when `poll` sees the I/O done. `release` never blocks.
 
 TODO(issue 4, CUDA): `_copy_in` / `_copy_out` are synchronous D2H / H2D `copy_` calls. The
 async version uses `write_after_event` (D2H into the pinned block on the offload stream,
@@ -31,12 +33,14 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from typing import Callable, Hashable
 
 import torch
 
 from ..errors import OffloadError
 from ..stats import Stats
 from .base import Payload, Tier
+from . import pool
 from .heap import HeapTrimmer
 
 __all__ = ["NvmeTier"]
@@ -95,18 +99,31 @@ class NvmeTier(Tier):
 
     name = "nvme"
 
-    def __init__(self, dirs: tuple[str, ...], capacity_bytes: int, *, workers: int,
-                 staging_bytes: int, stats: Stats, core) -> None:
+    def __init__(self, dirs: tuple[str, ...], capacity_bytes: Callable[[], int], *,
+                 workers: int, staging_bytes: int, stats: Stats, core,
+                 capacity_key: Hashable = None) -> None:
+        """Open (or take from the pool) the store and the staging arena.
+
+        Args:
+            capacity_bytes: Called only when a new store must be made (it stats the disk).
+            capacity_key: What the capacity was derived from (the OFFLOAD_NVME_BYTES spec);
+                with `dirs` and `workers` it decides whether a pooled store fits.
+        """
         self._stats = stats
-        self._store = core.NvmeStore(list(dirs), capacity_bytes, workers=workers)
+        self._store_key = (tuple(dirs), capacity_key, workers)
+        self._store = pool.take("nvme-store", self._store_key, lambda: core.NvmeStore(
+            list(dirs), capacity_bytes(), workers=workers))
         # Not pinned on a CPU-only run (nothing to DMA from); pinned iff CUDA works.
-        self._arena = core.HostArena(max(staging_bytes, core.DEFAULT_ALIGNMENT), pinned=None)
+        self._arena_key = max(staging_bytes, core.DEFAULT_ALIGNMENT)
+        self._arena = pool.take("nvme-staging", self._arena_key,
+                                lambda: core.HostArena(self._arena_key, pinned=None))
+        self._arena.reset_peak()
         self._alignment = max(self._store.alignment, core.DEFAULT_ALIGNMENT)
         self._writes: collections.deque[_NvmePayload] = collections.deque()
         self._reads: set[_NvmePayload] = set()      # reads whose completion is not yet seen
         self._deferred: list[tuple] = []             # see NOTE [Deferred free]
         self._closed = False
-        self.in_backward = False  # stall attribution, set by the prefetcher
+        self.in_backward = False  # stall attribution: set by the first read
         # CPU sources: RAM freed by moving activations out must leave the process (heap.py).
         self._trimmer = HeapTrimmer(max(staging_bytes // 2, 16 << 20))
 
@@ -121,7 +138,7 @@ class NvmeTier(Tier):
 
     @property
     def arena_used_bytes(self) -> int:
-        return self._arena.used_bytes
+        return self._arena.used_bytes if self._arena is not None else 0
 
     @property
     def arena_peak_bytes(self) -> int:
@@ -139,10 +156,7 @@ class NvmeTier(Tier):
         self.poll()
         extent = self._store.allocate(nbytes)
         if extent is None:
-            self._reap_deferred(wait=True)  # space held by released payloads' late I/O
-            extent = self._store.allocate(nbytes)
-            if extent is None:
-                return None
+            return None  # full (or too fragmented): the caller spills to the next tier
         payload = _NvmePayload(self, extent, nbytes, flat.device)
         block = self._staging_block(nbytes)
         if block is not None:
@@ -188,6 +202,7 @@ class NvmeTier(Tier):
     def _start_read(self, payload: _NvmePayload) -> None:
         if self._closed:
             raise OffloadError("offload: nvme tier used after close")
+        self.in_backward = True
         if payload._write is not None:  # NOTE [Read after write]
             start = time.perf_counter()
             try:
@@ -218,8 +233,10 @@ class NvmeTier(Tier):
             self._observe_read(payload)
             payload._read = None
         self._stats.nvme_read_bytes += moved
-        # Backward frees activation gradients as fast as reads arrive: trim here too.
-        self._trimmer.freed(moved)
+        # Backward frees activation gradients as fast as reads arrive: trim here too
+        # (measured: without it the backward peak stays at the untrimmed level).
+        if payload.device.type == "cpu":
+            self._trimmer.freed(moved)
         buf, payload._buf = payload._buf, None
         return self._copy_in(buf, payload.device)
 
@@ -276,27 +293,29 @@ class NvmeTier(Tier):
             return
         if payload._read is not None:
             self._observe_read(payload)
-        busy = [f for f in (payload._write, payload._read) if f is not None]
+        # The engine keeps the extent's range (and any HostBlock) until its I/O is done, so
+        # the extent goes back at once; raw memory of write_ptr / read_ptr must be kept.
+        busy = [f for f in (payload._write, payload._read) if f is not None and not f.done()]
         if busy:
-            self._deferred.append((payload._extent, busy, payload._source, payload._buf))
-        else:
-            payload._extent.release()
+            self._deferred.append((busy, payload._source, payload._buf))
+        payload._extent.release()
         payload._read = payload._buf = payload._source = None
 
     def _reap_deferred(self, wait: bool) -> None:
-        keep = []
-        for entry in self._deferred:
-            extent, futures = entry[0], entry[1]
+        """Drop the memory kept for released payloads' I/O once that I/O is done."""
+        # Swap first: a release triggered by garbage collection while we iterate appends
+        # to the new list instead of the one being walked.
+        pending, self._deferred = self._deferred, []
+        for entry in pending:
+            futures = entry[0]
             if wait or all(f.done() for f in futures):
                 for f in futures:
                     try:
                         f.wait()
                     except OSError as exc:  # nobody needs these bytes any more
                         log.debug("offload: I/O of a released payload failed: %s", exc)
-                extent.release()
             else:
-                keep.append(entry)
-        self._deferred = keep
+                self._deferred.append(entry)
 
     def drain(self) -> None:
         """Wait for every write in flight and free deferred extents."""
@@ -304,16 +323,26 @@ class NvmeTier(Tier):
             self._retire_write(self._writes.popleft())
         self._reap_deferred(wait=True)
 
-    def close(self) -> None:
+    def close(self, reuse: bool = True) -> None:
+        """Close; with `reuse`, a clean store and arena go back to the pool for the next step."""
         if self._closed:
             return
         self._closed = True
+        store, arena = self._store, self._arena
+        clean = reuse and not self._writes and not self._deferred and not self._reads
         try:
-            self._store.close()  # waits for in-flight I/O
+            if clean and store.used_bytes == 0:
+                pool.give_back("nvme-store", self._store_key, store)
+            else:
+                store.close()  # waits for in-flight I/O
         finally:
             for payload in self._writes:
                 payload._write = payload._source = None
             self._writes.clear()
             self._reads.clear()
             self._deferred.clear()
-            self._arena = None
+            self._store = self._arena = None
+        # Blocks still viewed by live tensors keep their memory; such an arena is dropped
+        # (freed with its last block), not reused.
+        if clean and arena.used_bytes == 0:
+            pool.give_back("nvme-staging", self._arena_key, arena)
