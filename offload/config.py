@@ -67,8 +67,9 @@ class Config:
         doc="Capacity of the `host` tier; a percentage is of the RAM available at entry.")
     nvme_bytes: SizeSpec = _knob(
         SizeSpec(fraction=0.5), env="OFFLOAD_NVME_BYTES", kind="size or %", example="64GiB",
-        doc="Capacity of the `nvme` tier (reserved with fallocate at entry); a percentage is "
-            "of the free space of the NVMe directories' file systems.")
+        doc="Capacity of the `nvme` tier, reserved with fallocate when the store opens (kept "
+            "open between steps); a percentage is of the free space of the NVMe directories' "
+            "file systems.")
     min_bytes: int = _knob(
         _DEFAULT_MIN_BYTES, env="OFFLOAD_MIN_BYTES", kind="size", example="1MiB",
         doc="Saved tensors whose storage is smaller stay where they are; `0` moves everything.")
@@ -90,14 +91,15 @@ class Config:
             "logging as the application configured it.")
     prefetch_bytes: int = _knob(
         _DEFAULT_PREFETCH_BYTES, env="OFFLOAD_PREFETCH_BYTES", kind="size", example="512MiB",
-        doc="Bytes of reads kept in flight ahead of backward (reverse pack order).")
+        doc="Bytes of reads kept in flight ahead of backward (reverse pack order); keep it "
+            "below OFFLOAD_STAGING_BYTES so reads land in the arena.")
     io_workers: int = _knob(
         _DEFAULT_IO_WORKERS, env="OFFLOAD_IO_WORKERS", kind="int", example="8",
         doc="I/O threads of the NVMe engine.")
     staging_bytes: int = _knob(
         _DEFAULT_STAGING_BYTES, env="OFFLOAD_STAGING_BYTES", kind="size", example="1GiB",
         doc="Host staging arena of the `nvme` tier (write-behind and read-ahead buffers); "
-            "the forward only waits when it is full.")
+            "the forward only waits when it is full. Counts in RSS once touched.")
     # Where each value came from ("OFFLOAD_TIERS='a'" or "tiers='a'"), for error messages.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 

@@ -65,6 +65,10 @@ class ActivationOffload:
 
     def __init__(self, config: Config, model: torch.nn.Module | None = None) -> None:
         config.validate()
+        if "nvme" in config.tiers and config.policy == "offload":
+            from ._ext import load_core
+
+            load_core()  # ExtensionUnavailable (with the reason) now, not mid-step
         self.config = config
         self.model = model
         self.stats = Stats()
@@ -83,19 +87,27 @@ class ActivationOffload:
         config = self.config
         config.apply_log_level()
         self.stats = stats = Stats()
+        self._module_hook = None
         tiers = self._open_tiers(stats) if config.policy == "offload" else {}
-        params = ParamStorages()
-        if self.model is not None:
-            params.add_module(self.model)
-        hooks = OffloadHooks(Placement(config), tiers, stats,
-                             Prefetcher(config.prefetch_bytes, stats), params, config.strict)
-        self.tiers, self._hooks = tiers, hooks
-        # Every module that runs reports its own parameters and buffers (BatchNorm stats are
-        # buffers: never moved), so `model=` is not required for correctness.
-        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-            params.module_pre_hook)
-        self._saved_hooks_cm = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
-        self._saved_hooks_cm.__enter__()
+        try:
+            params = ParamStorages()
+            if self.model is not None:
+                params.add_module(self.model)
+            hooks = OffloadHooks(Placement(config), tiers, stats,
+                                 Prefetcher(config.prefetch_bytes, stats), params, config.strict)
+            self.tiers, self._hooks = tiers, hooks
+            # Every module that runs reports its own parameters and buffers (BatchNorm stats
+            # are buffers: never moved), so `model=` is not required for correctness.
+            self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                params.module_pre_hook)
+            self._saved_hooks_cm = torch.autograd.graph.saved_tensors_hooks(hooks.pack,
+                                                                            hooks.unpack)
+            self._saved_hooks_cm.__enter__()
+        except BaseException:
+            if self._module_hook is not None:
+                self._module_hook.remove()
+            _close_tiers(tiers, stats, None, reuse=False)
+            raise
         self._active = True
         self._start_s = time.perf_counter()
         return self
@@ -154,7 +166,11 @@ class ActivationOffload:
             self._hooks.release_all()
         except Exception:  # never mask the user's exception
             log.exception("offload: error while releasing saved tensors after an exception")
-        _close_tiers(self.tiers, self.stats, self._hooks, reuse=False)
+        try:
+            _close_tiers(self.tiers, self.stats, self._hooks, reuse=False)
+            pool.clear()  # an exception may end the run: keep no slab file or arena open
+        except Exception:
+            log.exception("offload: error while closing the tiers after an exception")
 
     def close(self) -> None:
         """Free the tiers now, even if saved tensors still refer to them, and drop the
@@ -174,8 +190,11 @@ def _close_tiers(tiers: dict[str, Tier], stats: Stats, hooks: OffloadHooks | Non
     if hooks is not None:
         hooks.on_idle = None
     for name, tier in list(tiers.items()):
+        if tier.closed:
+            continue
         try:
-            tier.drain()
+            if reuse:  # after an exception nobody needs the writes in flight: no waiting
+                tier.drain()
             if name == "nvme":
                 stats.staging_peak_bytes = tier.arena_peak_bytes
                 stats.exit_staging_used_bytes = tier.arena_used_bytes
@@ -204,4 +223,3 @@ def no_offload():
         yield
     finally:
         _set_no_offload_depth(depth)
-

@@ -69,6 +69,8 @@ class Prefetcher:
             p.prefetch()
             self._inflight[p.order_pos] = p
             self._inflight_bytes += p.nbytes
+        if self._inflight_bytes > self._stats.peak_prefetch_bytes:
+            self._stats.peak_prefetch_bytes = self._inflight_bytes
 
     def _prune(self) -> None:
         # A prefetched payload released before its fetch (its saved tensor was never

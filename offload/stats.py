@@ -17,31 +17,39 @@ class BusyClock:
     """Wall time during which at least one transfer of a path was in flight.
 
     Bytes / busy time is the throughput the path achieved while it had work; unlike bytes /
-    step time it does not drop when the path simply had nothing to do. Completions are
-    observed when the runtime polls or waits, so the busy time is an upper bound and the
-    reported GB/s a lower bound.
+    step time it does not drop when the path simply had nothing to do. Each transfer adds
+    its [start, end] interval; overlapping intervals count once. The end of an NVMe
+    transfer is taken from the engine when it reports one (`IoFuture.end_s`), else it is
+    the moment the runtime saw it done (an upper bound: the reported GB/s is then a lower
+    bound).
     """
 
-    __slots__ = ("_active", "_since", "busy_s")
+    __slots__ = ("_intervals",)
 
     def __init__(self) -> None:
-        self._active = 0
-        self._since = 0.0
-        self.busy_s = 0.0
+        self._intervals: list[tuple[float, float]] = []
 
-    def begin(self) -> None:
-        if self._active == 0:
-            self._since = time.perf_counter()
-        self._active += 1
-
-    def end(self) -> None:
-        self._active -= 1
-        if self._active == 0:
-            self.busy_s += time.perf_counter() - self._since
+    def add_interval(self, start_s: float, end_s: float) -> None:
+        self._intervals.append((start_s, end_s))
 
     def add(self, seconds: float) -> None:
-        """Account a transfer that ran synchronously for `seconds`."""
-        self.busy_s += seconds
+        """Account a transfer that just ran synchronously for `seconds`."""
+        now = time.perf_counter()
+        self._intervals.append((now - seconds, now))
+
+    @property
+    def busy_s(self) -> float:
+        total, cur_start, cur_end = 0.0, None, None
+        for start, end in sorted(self._intervals):
+            if cur_end is None or start > cur_end:
+                if cur_end is not None:
+                    total += cur_end - cur_start
+                cur_start, cur_end = start, end
+            else:
+                cur_end = max(cur_end, end)
+        if cur_end is not None:
+            total += cur_end - cur_start
+        return total
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -76,6 +84,8 @@ class Stats:
     full_kept_bytes: int = 0      # bytes kept because every tier was full
     prefetch_hits: int = 0        # unpacks whose read was already issued by the prefetcher
     prefetch_misses: int = 0      # unpacks that had to issue their own read
+    peak_writes_inflight: int = 0  # deepest queue of NVMe writes not yet landed
+    peak_prefetch_bytes: int = 0  # most bytes of read-ahead in flight at once
     step_s: float = 0.0           # wall time of the block
     staging_peak_bytes: int = 0   # peak use of the nvme tier's staging arena
     exit_host_used_bytes: int = 0     # tier space still used when the tiers closed:

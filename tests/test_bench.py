@@ -277,3 +277,11 @@ def test_nvme_dir_from_env(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["--strategies", "none"])
     assert "OFFLOAD_NVME_DIR '/no/such/env/dir': not a directory" in capsys.readouterr().err
+
+
+def test_explain_says_why_or_prints_plan(nvme_dir, capsys):
+    code = main(TINY + ["--steps", "1", "--warmup", "0", "--strategies", "none", "--explain",
+                        "--nvme-dir", nvme_dir])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "auto plan:" in out or "--explain: the auto policy is not available: " in out

@@ -343,6 +343,9 @@ def test_exception_frees_everything_and_propagates(tiers, where, nvme_dir):
     packed = ctx.stats.packed_tensors
     x.sin().sum().backward()
     assert ctx.stats.packed_tensors == packed
+    from offload.tiers import pool
+
+    assert pool._slots == {}              # nothing kept open for a next step either
     if tiers == "nvme":
         assert ctx.tiers["nvme"]._closed
         # The graph still alive in `y` now fails loudly instead of reading freed space.

@@ -83,6 +83,10 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def used_bytes(self) -> int: ...
 
+    @property
+    def closed(self) -> bool:
+        return False
+
     def poll(self) -> None:
         """Retire finished transfers (called often; must be cheap)."""
 

@@ -4,8 +4,11 @@ CPU tensors: the compute device *is* host RAM, so the payload just holds a refer
 storage's bytes (no copy; counted as resident). The capacity still applies, so
 `OFFLOAD_TIERS=host,nvme OFFLOAD_HOST_BYTES=1GiB` keeps 1 GiB in RAM and spills the rest.
 
-CUDA tensors: bytes are copied into a block of the pinned host arena (allocated once; never
-one pinned allocation per tensor) and copied back on fetch.
+CUDA tensors: bytes are copied into a block of a pinned host arena and copied back on fetch.
+Pinned memory is allocated in chunks of `PINNED_CHUNK_BYTES` as the tier fills (never one
+pinned allocation per tensor, and not the whole capacity up front: the default capacity is
+half the RAM, and pinning 64 GiB at the first tensor would stall the step for seconds); the
+chunks are kept across steps (pool.py).
 TODO(issue 4): the copies are synchronous `copy_` calls for now (correct, not overlapped).
 The async version records an event on the compute stream, runs D2H on the offload stream
 into the pinned block, keeps the source alive until that event completes, and runs H2D on
@@ -26,6 +29,8 @@ from .base import Payload, Tier
 __all__ = ["HostTier"]
 
 log = logging.getLogger("offload")
+
+PINNED_CHUNK_BYTES = 1 << 30
 
 
 class _RefPayload(Payload):
@@ -86,7 +91,12 @@ class HostTier(Tier):
         self._capacity_key = capacity_key if capacity_key is not None else capacity_bytes
         self._used_bytes = 0
         self._stats = stats
-        self._arena = None  # pinned HostArena, created (or pooled) on the first CUDA tensor
+        self._arenas: list | None = None  # pinned HostArena chunks, taken from the pool lazily
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def capacity_bytes(self) -> int:
@@ -113,18 +123,23 @@ class HostTier(Tier):
 
     # ---------------------------------------------------------------- CUDA paths
     def _allocate_pinned(self, nbytes: int) -> torch.Tensor | None:
-        if self._arena is None:
-            from .._ext import load_core
-
-            # One pinned allocation for the whole tier (cudaHostAlloc costs ms per call),
-            # kept across steps by the pool.
-            capacity = self._capacity_bytes
-            self._arena = pool.take("host-pinned", self._capacity_key,
-                                    lambda: load_core().HostArena(capacity, pinned=True))
-        block = self._arena.allocate(nbytes)
-        if block is None:
+        if self._arenas is None:
+            self._arenas = pool.take("host-pinned", self._capacity_key, list)
+        for arena in self._arenas:
+            block = arena.allocate(nbytes)
+            if block is not None:
+                return torch.frombuffer(block, dtype=torch.uint8)
+        pinned_bytes = sum(a.capacity_bytes for a in self._arenas)
+        room = self._capacity_bytes - pinned_bytes
+        if room < nbytes:
             return None
-        return torch.frombuffer(block, dtype=torch.uint8)
+        from .._ext import load_core
+
+        # cudaHostAlloc costs milliseconds: grow by large chunks, never per tensor.
+        arena = load_core().HostArena(min(room, max(PINNED_CHUNK_BYTES, nbytes)), pinned=True)
+        self._arenas.append(arena)
+        block = arena.allocate(nbytes)
+        return torch.frombuffer(block, dtype=torch.uint8) if block is not None else None
 
     def _d2h(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         # TODO(issue 4): async on the offload stream (see module docstring). Blocking copy_
@@ -147,6 +162,7 @@ class HostTier(Tier):
     def close(self, reuse: bool = True) -> None:
         # Blocks still viewed by live tensors keep their memory; such an arena goes away
         # with the last of them instead of being reused.
-        arena, self._arena = self._arena, None
-        if arena is not None and reuse and arena.used_bytes == 0:
-            pool.give_back("host-pinned", self._capacity_key, arena)
+        self._closed = True
+        arenas, self._arenas = self._arenas, None
+        if arenas and reuse and all(a.used_bytes == 0 for a in arenas):
+            pool.give_back("host-pinned", self._capacity_key, arenas)

@@ -48,9 +48,15 @@ __all__ = ["NvmeTier"]
 log = logging.getLogger("offload")
 
 
+def _end_s(future) -> float:
+    """When an I/O finished: the engine's timestamp if it keeps one, else now (seen done)."""
+    end = getattr(future, "end_s", None)
+    return end if end is not None else time.perf_counter()
+
+
 class _NvmePayload(Payload):
     __slots__ = ("_tier", "_extent", "_write", "_source", "_read", "_buf", "_observed",
-                 "_released")
+                 "_released", "_write_start_s", "_read_start_s")
 
     prefetchable = True
 
@@ -129,12 +135,16 @@ class NvmeTier(Tier):
 
     # ---------------------------------------------------------------- properties
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def capacity_bytes(self) -> int:
-        return self._store.capacity_bytes
+        return self._store.capacity_bytes if self._store is not None else 0
 
     @property
     def used_bytes(self) -> int:
-        return self._store.used_bytes
+        return self._store.used_bytes if self._store is not None else 0
 
     @property
     def arena_used_bytes(self) -> int:
@@ -142,7 +152,7 @@ class NvmeTier(Tier):
 
     @property
     def arena_peak_bytes(self) -> int:
-        return self._arena.peak_bytes
+        return self._arena.peak_bytes if self._arena is not None else 0
 
     @property
     def paths(self) -> list[str]:
@@ -167,8 +177,10 @@ class NvmeTier(Tier):
             source = flat if flat.device.type == "cpu" else flat.cpu()
             payload._source = source  # NOTE [Deferred free]: must outlive the write
             payload._write = self._store.write_ptr(extent, source.data_ptr(), nbytes)
-        self._stats.write_clock.begin()
+        payload._write_start_s = time.perf_counter()
         self._writes.append(payload)
+        if len(self._writes) > self._stats.peak_writes_inflight:
+            self._stats.peak_writes_inflight = len(self._writes)
         if flat.device.type == "cpu":
             self._trimmer.freed(nbytes)
         return payload
@@ -195,7 +207,7 @@ class NvmeTier(Tier):
         finally:
             payload._write = None
             payload._source = None
-            self._stats.write_clock.end()
+            self._stats.write_clock.add_interval(payload._write_start_s, _end_s(future))
         self._stats.nvme_written_bytes += moved
 
     # ---------------------------------------------------------------- read path
@@ -221,7 +233,7 @@ class NvmeTier(Tier):
             payload._read = self._store.read_ptr(payload._extent, payload._buf.data_ptr(),
                                                  nbytes)
         payload._observed = False
-        self._stats.read_clock.begin()
+        payload._read_start_s = time.perf_counter()
         self._reads.add(payload)
 
     def _finish_read(self, payload: _NvmePayload) -> torch.Tensor:
@@ -244,7 +256,7 @@ class NvmeTier(Tier):
         if not payload._observed:
             payload._observed = True
             self._reads.discard(payload)
-            self._stats.read_clock.end()
+            self._stats.read_clock.add_interval(payload._read_start_s, _end_s(payload._read))
 
     def _aligned_buffer(self, nbytes: int) -> torch.Tensor:
         # O_DIRECT wants an aligned address; a slice of a slightly larger buffer gives one

@@ -1,0 +1,97 @@
+"""Tier internals that the end-to-end tests cannot reach on a CPU-only machine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.stats import Stats
+from offload.tiers import host as host_mod
+from offload.tiers import pool
+
+try:
+    from offload._ext import load_core
+
+    CORE = load_core()
+except Exception as exc:  # pragma: no cover - depends on the build
+    CORE, REASON = None, str(exc)
+
+
+@pytest.fixture
+def fake_pinned(monkeypatch):
+    """Pinned arenas without a GPU: the real arena, unpinned, behind the same call."""
+    if CORE is None:
+        pytest.skip(REASON)
+
+    class Core:
+        @staticmethod
+        def HostArena(capacity, pinned=None):
+            assert pinned is True
+            return CORE.HostArena(capacity, pinned=False)
+
+    import offload._ext
+
+    monkeypatch.setattr(offload._ext, "load_core", lambda: Core)
+    monkeypatch.setattr(host_mod, "PINNED_CHUNK_BYTES", 1 << 20)
+    pool.clear()
+    yield
+    pool.clear()
+
+
+def test_pinned_memory_grows_in_chunks_up_to_capacity(fake_pinned):
+    mib = 1 << 20
+    tier = host_mod.HostTier(int(2.5 * mib), Stats(), capacity_key="t")
+    views = [tier._allocate_pinned(400 << 10) for _ in range(5)]
+    assert all(v is not None and v.numel() == 400 << 10 for v in views)
+    # Two 400 KiB blocks per 1 MiB chunk; the last chunk is what the capacity leaves.
+    assert [a.capacity_bytes for a in tier._arenas] == [mib, mib, mib // 2]
+    assert tier._allocate_pinned(400 << 10) is None         # over the capacity: spill
+    big_tier = host_mod.HostTier(8 * mib, Stats(), capacity_key="big")
+    big = big_tier._allocate_pinned(3 * mib)                 # larger than a chunk: own chunk
+    assert big is not None and big_tier._arenas[0].capacity_bytes == 3 * mib
+    del views, big
+    arenas = tier._arenas
+    tier.close()
+    assert pool.take("host-pinned", "t", list) is arenas    # clean: kept for the next step
+
+
+def test_pinned_arenas_in_use_are_not_pooled(fake_pinned):
+    tier = host_mod.HostTier(4 << 20, Stats(), capacity_key="u")
+    held = tier._allocate_pinned(4096)
+    tier.close()
+    assert pool.take("host-pinned", "u", list) == []       # not given back: a fresh list
+    del held
+
+
+def test_pool_one_slot_per_kind_evicts_and_closes():
+    closed = []
+
+    class Res:
+        def __init__(self, name):
+            self.name = name
+
+        def close(self):
+            closed.append(self.name)
+
+    pool.clear()
+    a, b = Res("a"), Res("b")
+    pool.give_back("k", 1, a)
+    assert pool.take("k", 2, lambda: Res("new")).name == "new"   # other key: not taken
+    pool.give_back("k", 2, b)                                    # evicts a
+    assert closed == ["a"]
+    assert pool.take("k", 2, lambda: None) is b
+    pool.clear()
+    assert closed == ["a"]                                       # b was checked out
+
+
+def test_host_tier_on_cpu_holds_references_and_counts_capacity():
+    stats = Stats()
+    tier = host_mod.HostTier(1000, stats)
+    flat = torch.arange(600, dtype=torch.uint8)
+    p = tier.store(flat)
+    assert p is not None and p.resident and p.fetch() is flat and tier.used_bytes == 600
+    assert tier.store(torch.zeros(600, dtype=torch.uint8)) is None   # full: spill
+    p.release()
+    p.release()                                                      # idempotent
+    assert tier.used_bytes == 0
+    with pytest.raises(RuntimeError, match="after release"):
+        p.fetch()
