@@ -100,6 +100,11 @@ class Config:
         _DEFAULT_STAGING_BYTES, env="OFFLOAD_STAGING_BYTES", kind="size", example="1GiB",
         doc="Host staging arena of the `nvme` tier (write-behind and read-ahead buffers); "
             "the forward only waits when it is full. Counts in RSS once touched.")
+    trace: str | None = _knob(
+        None, env="OFFLOAD_TRACE", kind="path", example="/tmp/step.json", default_doc="unset",
+        doc="Write a Chrome-trace JSON of each step (forward / backward compute, NVMe writes "
+            "and reads, copies, stalls) to this file at the end of the step; opens in "
+            "ui.perfetto.dev. Its directory must exist.")
     # Where each value came from ("OFFLOAD_TIERS='a'" or "tiers='a'"), for error messages.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -160,6 +165,20 @@ class Config:
                 "OFFLOAD_TIERS) or OFFLOAD_POLICY=keep")
         if "nvme" in self.tiers and self.policy != "keep":
             self._validate_nvme_dirs()
+        if self.trace is not None:
+            self._validate_trace()
+
+    def _validate_trace(self) -> None:
+        where = self.where("trace")
+        directory = os.path.dirname(os.path.abspath(self.trace))
+        fix = "point it at a file in an existing, writable directory, or unset OFFLOAD_TRACE"
+        if os.path.isdir(self.trace):
+            raise ConfigError(f"{where}: {self.trace!r} is a directory ({fix})")
+        if not os.path.isdir(directory):
+            raise ConfigError(f"{where}: directory {directory!r} does not exist ({fix})")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise ConfigError(f"{where}: directory {directory!r} is not writable by this "
+                              f"process ({fix})")
 
     def _validate_nvme_dirs(self) -> None:
         if not self.nvme_dir:
@@ -310,6 +329,13 @@ def _parse_log(raw: Any, where: str, env: Mapping[str, str]) -> str:
     return value
 
 
+def _parse_path(raw: Any, where: str, env: Mapping[str, str]) -> str:
+    value = os.path.expanduser(os.fspath(raw).strip() if not isinstance(raw, str) else raw.strip())
+    if not value:
+        raise _fail(where, "is empty", "give a file path such as /tmp/step.json")
+    return value
+
+
 def _parse_positive_int(raw: Any, where: str, env: Mapping[str, str]) -> int:
     try:
         if isinstance(raw, bool):
@@ -335,6 +361,7 @@ _PARSERS: dict[str, Callable[[Any, str, Mapping[str, str]], Any]] = {
     "prefetch_bytes": _size_parser(False),
     "io_workers": _parse_positive_int,
     "staging_bytes": _size_parser(False),
+    "trace": _parse_path,
 }
 
 

@@ -30,6 +30,7 @@ from .tensor_meta import ParamStorages
 from .tiers import pool
 from .tiers.base import Tier
 from .tiers.host import HostTier
+from .trace import TraceRecorder
 
 __all__ = ["activations", "ActivationOffload", "no_offload"]
 
@@ -44,7 +45,7 @@ def activations(*, model: torch.nn.Module | None = None, **settings: Any) -> "Ac
             exactly; the scheduler will use it to find repeated blocks.
         **settings: Override the OFFLOAD_* environment variables; same names in lower case
             without the prefix: tiers, nvme_dir, host_bytes, nvme_bytes, min_bytes, policy,
-            budget, strict, log, prefetch_bytes, io_workers, staging_bytes.
+            budget, strict, log, prefetch_bytes, io_workers, staging_bytes, trace.
 
     Returns:
         The context manager; `__enter__` returns it, and `.stats` is readable after the block.
@@ -78,6 +79,7 @@ class ActivationOffload:
         self._module_hook = None
         self._active = False
         self._start_s = 0.0
+        self._exit_s = 0.0
 
     # ---------------------------------------------------------------- enter / exit
     def __enter__(self) -> "ActivationOffload":
@@ -87,6 +89,8 @@ class ActivationOffload:
         config = self.config
         config.apply_log_level()
         self.stats = stats = Stats()
+        if config.trace is not None:
+            stats.trace = TraceRecorder()
         self._module_hook = None
         tiers = self._open_tiers(stats) if config.policy == "offload" else {}
         try:
@@ -114,7 +118,8 @@ class ActivationOffload:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._active = False
-        self.stats.step_s = time.perf_counter() - self._start_s
+        self._exit_s = time.perf_counter()
+        self.stats.step_s = self._exit_s - self._start_s
         try:
             self._saved_hooks_cm.__exit__(None, None, None)
         finally:
@@ -153,13 +158,36 @@ class ActivationOffload:
         close = functools.partial(_close_tiers, self.tiers, self.stats, hooks)
         if hooks.live_records == 0:
             close()
+            self._write_trace(self._exit_s)
         else:
             # Backward runs after the block: tiers stay open until the last saved tensor
-            # is freed (NOTE [Record lifetime] in hooks.py).
+            # is freed (NOTE [Record lifetime] in hooks.py); the trace is written then.
             log.debug("offload: %d stored storages outlive the block; tiers close when "
                       "backward frees them", hooks.live_records)
-            hooks.on_idle = close
+
+            def close_later() -> None:
+                close()
+                self._write_trace(time.perf_counter())
+            hooks.on_idle = close_later
         log.info("offload: %s", self.stats.summary())
+
+    def _write_trace(self, end_s: float) -> None:
+        """Add the compute spans and write OFFLOAD_TRACE (never fails the step)."""
+        rec = self.stats.trace
+        if not rec.enabled:
+            return
+        # Forward runs from entry to the first unpack; backward from there to `end_s`.
+        backward_s = self._hooks.first_unpack_s
+        forward_end_s = backward_s if backward_s is not None else self._exit_s
+        rec.add("forward", "forward", self._start_s, forward_end_s, category="compute")
+        if backward_s is not None:
+            rec.add("backward", "backward", backward_s, max(end_s, backward_s),
+                    category="compute")
+        try:
+            rec.write(self.config.trace)
+        except OSError as exc:
+            log.warning("offload: could not write the trace to %s: %s (OFFLOAD_TRACE)",
+                        self.config.trace, exc)
 
     def _abort(self) -> None:
         try:

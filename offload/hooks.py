@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 import weakref
 
 import torch
@@ -220,6 +221,7 @@ class OffloadHooks:
         self._warned_full = False
         self._lock = threading.RLock()
         self.on_idle = None  # called when the last record dies (the context closes tiers)
+        self.first_unpack_s: float | None = None  # where the backward starts (trace, bounce)
 
     # ---------------------------------------------------------------- pack
     def pack(self, t: torch.Tensor) -> _Packed:
@@ -305,6 +307,8 @@ class OffloadHooks:
     # ---------------------------------------------------------------- unpack
     def unpack(self, packed: _Packed) -> torch.Tensor:
         packed.check_version()  # NOTE [Version check]
+        if self.first_unpack_s is None:
+            self.first_unpack_s = time.perf_counter()
         if packed.tensor is not None:
             packed.mark_unpacked()
             return packed.tensor

@@ -4,11 +4,20 @@ and the throughput each path achieved. `Stats.as_dict()` is plain JSON.
 The field names are read by the benchmark (keep them): saved_bytes, kept_bytes, host_bytes,
 nvme_bytes, peak_resident_bytes, nvme_written_bytes, nvme_read_bytes, stall_s, d2h_gbps,
 h2d_gbps, nvme_write_gbps, nvme_read_gbps, packed_tensors.
+
+Pipeline telemetry: `stall_s` (and its forward / backward split) is the time the training
+thread waited for offload work; `io_busy_s` the wall time during which some transfer (NVMe
+write or read, D2H, H2D) was in flight; `overlap_fraction` the share of that time hidden
+behind compute, i.e. 1 - stall_s / io_busy_s (a stall always waits on some transfer, so it
+lies inside the busy time); queue depths are the `peak_*_inflight` fields.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .trace import NULL_RECORDER
 
 __all__ = ["Stats", "BusyClock"]
 
@@ -39,17 +48,22 @@ class BusyClock:
 
     @property
     def busy_s(self) -> float:
-        total, cur_start, cur_end = 0.0, None, None
-        for start, end in sorted(self._intervals):
-            if cur_end is None or start > cur_end:
-                if cur_end is not None:
-                    total += cur_end - cur_start
-                cur_start, cur_end = start, end
-            else:
-                cur_end = max(cur_end, end)
-        if cur_end is not None:
-            total += cur_end - cur_start
-        return total
+        return _union_s(self._intervals)
+
+
+def _union_s(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end] intervals."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -86,6 +100,10 @@ class Stats:
     prefetch_misses: int = 0      # unpacks that had to issue their own read
     peak_writes_inflight: int = 0  # deepest queue of NVMe writes not yet landed
     peak_prefetch_bytes: int = 0  # most bytes of read-ahead in flight at once
+    peak_reads_inflight: int = 0  # deepest queue of NVMe reads issued, not yet seen done
+    peak_d2h_inflight: int = 0    # deepest queue of D2H copies (CUDA)
+    peak_h2d_inflight: int = 0    # deepest queue of H2D copies (CUDA)
+    bounce_kept_bytes: int = 0    # bytes kept because offloading them would bounce (bounce.py)
     step_s: float = 0.0           # wall time of the block
     staging_peak_bytes: int = 0   # peak use of the nvme tier's staging arena
     exit_host_used_bytes: int = 0     # tier space still used when the tiers closed:
@@ -98,6 +116,8 @@ class Stats:
     h2d_clock: BusyClock = field(default_factory=BusyClock, repr=False)
     write_clock: BusyClock = field(default_factory=BusyClock, repr=False)
     read_clock: BusyClock = field(default_factory=BusyClock, repr=False)
+    # Chrome-trace recorder of the step (OFFLOAD_TRACE); the disabled one costs nothing.
+    trace: Any = field(default=NULL_RECORDER, repr=False, compare=False)
 
     # ------------------------------------------------------------ updates
     def add_resident(self, nbytes: int) -> None:
@@ -105,12 +125,17 @@ class Stats:
         if self.resident_bytes > self.peak_resident_bytes:
             self.peak_resident_bytes = self.resident_bytes
 
-    def add_stall(self, seconds: float, backward: bool) -> None:
+    def add_stall(self, seconds: float, backward: bool, start_s: float | None = None,
+                  what: str = "stall") -> None:
+        """Count `seconds` the training thread waited; `start_s` places it in the trace."""
         self.stall_s += seconds
         if backward:
             self.stall_backward_s += seconds
         else:
             self.stall_forward_s += seconds
+        if self.trace.enabled and seconds > 0:
+            start = start_s if start_s is not None else time.perf_counter() - seconds
+            self.trace.add(what, "stall", start, start + seconds, category="stall")
 
     # ------------------------------------------------------------ derived
     @property
@@ -129,11 +154,31 @@ class Stats:
     def nvme_read_gbps(self) -> float:
         return _gbps(self.nvme_read_bytes, self.read_clock.busy_s)
 
+    @property
+    def io_busy_s(self) -> float:
+        """Wall time during which any transfer was in flight (overlaps counted once)."""
+        return _union_s([iv for clock in (self.write_clock, self.read_clock, self.d2h_clock,
+                                          self.h2d_clock) for iv in clock._intervals])
+
+    @property
+    def overlap_fraction(self) -> float:
+        """Share of the transfer time hidden behind compute (1.0 when nothing stalled)."""
+        busy = self.io_busy_s
+        if busy <= 0:
+            return 1.0
+        return max(0.0, 1.0 - self.stall_s / busy)
+
+    @property
+    def stall_fraction(self) -> float:
+        """Stall time as a share of the step's wall time."""
+        return self.stall_s / self.step_s if self.step_s > 0 else 0.0
+
     def as_dict(self) -> dict:
         """Plain JSON-able dict: every counter plus the derived GB/s figures."""
         # repr=False marks the internal fields (clocks, the running resident count).
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
-        for name in ("d2h_gbps", "h2d_gbps", "nvme_write_gbps", "nvme_read_gbps"):
+        for name in ("d2h_gbps", "h2d_gbps", "nvme_write_gbps", "nvme_read_gbps",
+                     "io_busy_s", "overlap_fraction", "stall_fraction"):
             out[name] = round(getattr(self, name), 4)
         for name in ("stall_s", "stall_forward_s", "stall_backward_s", "step_s"):
             out[name] = round(out[name], 6)
@@ -146,5 +191,6 @@ class Stats:
                 f"host {self.host_bytes / gib:.3f}, nvme {self.nvme_bytes / gib:.3f}); "
                 f"peak resident {self.peak_resident_bytes / gib:.3f} GiB; "
                 f"nvme w/r {self.nvme_write_gbps:.2f}/{self.nvme_read_gbps:.2f} GB/s; "
-                f"stall {self.stall_s:.3f} s of {self.step_s:.3f} s; "
+                f"stall {self.stall_s:.3f} s of {self.step_s:.3f} s "
+                f"({self.overlap_fraction:.0%} of I/O hidden); "
                 f"{self.packed_tensors} tensors")

@@ -23,6 +23,8 @@ import torch
 from offload._ext import load_core
 from offload.errors import StorageError
 
+from mounts import mounted as _mounted
+
 C = load_core()
 MiB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,44 +44,6 @@ def _unaligned(n: int, shift: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- mounts
-
-@contextlib.contextmanager
-def _mounted(fstype: str, options: str = "", size_bytes: int = 16 * MiB):
-    """Mount a fresh filesystem on a temporary directory; skip when mounting is refused.
-
-    tmpfs / ramfs mount directly; "ext4" / "ext2" are built in an image file and mounted
-    through a loop device. Always unmounts and removes what it created.
-    """
-    if os.geteuid() != 0:
-        pytest.skip(f"mounting {fstype} needs root")
-    work = tempfile.mkdtemp(prefix="offload-mnt-", dir="/var/tmp")
-    point = os.path.join(work, "mnt")
-    os.mkdir(point)
-    mounted = False
-    try:
-        if fstype in ("tmpfs", "ramfs"):
-            opts = ",".join(o for o in (options, f"size={size_bytes}" if fstype == "tmpfs" else "") if o)
-            cmd = ["mount", "-t", fstype] + (["-o", opts] if opts else []) + [fstype, point]
-        else:
-            image = os.path.join(work, "fs.img")
-            with open(image, "wb") as f:
-                f.truncate(size_bytes)
-            mkfs = shutil.which(f"mkfs.{fstype}")
-            if mkfs is None:
-                pytest.skip(f"mkfs.{fstype} is not installed")
-            subprocess.run([mkfs, "-q", "-F", image], check=True, capture_output=True)
-            opts = ",".join(o for o in ("loop", options) if o)
-            cmd = ["mount", "-t", fstype, "-o", opts, image, point]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount {fstype} here: {result.stderr.strip() or result.returncode}")
-        mounted = True
-        yield point
-    finally:
-        if mounted:
-            subprocess.run(["umount", point], check=False, capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
-
 
 def _supports_o_direct(directory: str) -> bool:
     path = os.path.join(directory, ".probe")

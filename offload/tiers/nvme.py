@@ -194,7 +194,8 @@ class NvmeTier(Tier):
         while block is None and self._writes:
             self._retire_write(self._writes.popleft())
             block = self._arena.allocate(nbytes)
-        self._stats.add_stall(time.perf_counter() - start, backward=self.in_backward)
+        self._stats.add_stall(time.perf_counter() - start, backward=self.in_backward,
+                              start_s=start, what="wait staging space")
         return block  # None: arena fragmented or held by reads; caller writes directly
 
     def _retire_write(self, payload: _NvmePayload) -> None:
@@ -207,7 +208,11 @@ class NvmeTier(Tier):
         finally:
             payload._write = None
             payload._source = None
-            self._stats.write_clock.add_interval(payload._write_start_s, _end_s(future))
+            end_s = _end_s(future)
+            self._stats.write_clock.add_interval(payload._write_start_s, end_s)
+            self._stats.trace.add(f"write {payload.nbytes} B", "nvme write",
+                                  payload._write_start_s, end_s, category="io",
+                                  args={"bytes": payload.nbytes})
         self._stats.nvme_written_bytes += moved
 
     # ---------------------------------------------------------------- read path
@@ -222,7 +227,8 @@ class NvmeTier(Tier):
             except ValueError:
                 pass
             self._retire_write(payload)
-            self._stats.add_stall(time.perf_counter() - start, backward=True)
+            self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
+                                  what="wait own write")
         nbytes = payload.nbytes
         block = self._arena.allocate(nbytes)
         if block is not None:
@@ -235,13 +241,16 @@ class NvmeTier(Tier):
         payload._observed = False
         payload._read_start_s = time.perf_counter()
         self._reads.add(payload)
+        if len(self._reads) > self._stats.peak_reads_inflight:
+            self._stats.peak_reads_inflight = len(self._reads)
 
     def _finish_read(self, payload: _NvmePayload) -> torch.Tensor:
         start = time.perf_counter()
         try:
             moved = payload._read.wait()
         finally:
-            self._stats.add_stall(time.perf_counter() - start, backward=True)
+            self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
+                                  what="wait read")
             self._observe_read(payload)
             payload._read = None
         self._stats.nvme_read_bytes += moved
@@ -256,7 +265,11 @@ class NvmeTier(Tier):
         if not payload._observed:
             payload._observed = True
             self._reads.discard(payload)
-            self._stats.read_clock.add_interval(payload._read_start_s, _end_s(payload._read))
+            end_s = _end_s(payload._read)
+            self._stats.read_clock.add_interval(payload._read_start_s, end_s)
+            self._stats.trace.add(f"read {payload.nbytes} B", "nvme read",
+                                  payload._read_start_s, end_s, category="io",
+                                  args={"bytes": payload.nbytes})
 
     def _aligned_buffer(self, nbytes: int) -> torch.Tensor:
         # O_DIRECT wants an aligned address; a slice of a slightly larger buffer gives one

@@ -1,0 +1,113 @@
+"""Pipeline telemetry: stall / overlap / queue depths in ctx.stats, and OFFLOAD_TRACE."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from offload.config import Config, env_table_markdown
+from offload.errors import ConfigError
+from offload.stats import Stats
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)])
+
+
+def _step(model, **settings):
+    x = torch.randn(512, 256)
+    with offload.activations(model=model, **settings) as ctx:
+        model(x).pow(2).mean().backward()
+    return ctx
+
+
+def _events(doc, track_prefix):
+    names = {ev["tid"]: ev["args"]["name"] for ev in doc["traceEvents"]
+             if ev.get("name") == "thread_name"}
+    return [ev for ev in doc["traceEvents"] if ev.get("ph") == "X"
+            and names[ev["tid"]].startswith(track_prefix)]
+
+
+def test_trace_of_a_cpu_nvme_step_has_compute_io_and_stall_events(tmp_path, nvme_dir,
+                                                                  monkeypatch):
+    path = tmp_path / "step.json"
+    monkeypatch.setenv("OFFLOAD_TRACE", str(path))
+    # A tiny staging arena forces the forward to wait for writes: stall events must appear.
+    ctx = _step(_model(), tiers="nvme", nvme_dir=nvme_dir, min_bytes=0,
+                staging_bytes="1MiB", prefetch_bytes="512KiB")
+    doc = json.loads(path.read_text())
+    writes, reads = _events(doc, "nvme write"), _events(doc, "nvme read")
+    assert len(writes) == len(reads) > 0
+    assert sum(ev["args"]["bytes"] for ev in writes) == ctx.stats.nvme_written_bytes
+    assert sum(ev["args"]["bytes"] for ev in reads) == ctx.stats.nvme_read_bytes
+    stalls = _events(doc, "stall")
+    assert stalls and all(ev["dur"] >= 0 for ev in stalls)
+    assert sum(ev["dur"] for ev in stalls) == pytest.approx(ctx.stats.stall_s * 1e6, rel=1e-3,
+                                                            abs=5)
+    (fwd,), (bwd,) = _events(doc, "forward"), _events(doc, "backward")
+    assert fwd["ts"] + fwd["dur"] <= bwd["ts"] + 1e-3
+    # Every write starts in the forward, every read in the backward.
+    assert all(ev["ts"] < bwd["ts"] for ev in writes)
+    assert all(ev["ts"] >= bwd["ts"] - 1e-3 for ev in reads)
+
+
+def test_trace_is_written_when_backward_runs_after_the_block(tmp_path, nvme_dir):
+    path = tmp_path / "late.json"
+    model = _model()
+    x = torch.randn(512, 256)
+    with offload.activations(model=model, tiers="nvme", nvme_dir=nvme_dir, min_bytes=0,
+                             trace=str(path)):
+        loss = model(x).pow(2).mean()
+    assert not path.exists()  # the step is not over: backward has not run
+    loss.backward()
+    del loss
+    doc = json.loads(path.read_text())
+    assert _events(doc, "backward") and _events(doc, "nvme read")
+
+
+def test_stats_report_overlap_and_queue_depths(nvme_dir):
+    ctx = _step(_model(), tiers="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    s = ctx.stats.as_dict()
+    assert s["peak_writes_inflight"] >= 1 and s["peak_reads_inflight"] >= 1
+    assert s["io_busy_s"] > 0
+    assert 0.0 <= s["overlap_fraction"] <= 1.0
+    assert s["stall_fraction"] == pytest.approx(s["stall_s"] / s["step_s"], rel=1e-3, abs=1e-4)
+
+
+def test_overlap_fraction_is_the_share_of_io_time_not_stalled():
+    stats = Stats()
+    stats.write_clock.add_interval(0.0, 2.0)
+    stats.read_clock.add_interval(1.0, 4.0)   # union: 4 s busy
+    stats.add_stall(1.0, backward=True)
+    assert stats.io_busy_s == pytest.approx(4.0)
+    assert stats.overlap_fraction == pytest.approx(0.75)
+    assert Stats().overlap_fraction == 1.0
+
+
+def test_no_trace_file_without_the_setting(tmp_path, nvme_dir, monkeypatch):
+    monkeypatch.delenv("OFFLOAD_TRACE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    ctx = _step(_model(), tiers="nvme", nvme_dir=nvme_dir)
+    assert not ctx.stats.trace.enabled
+    assert os.listdir(tmp_path) == []
+
+
+def test_trace_setting_is_in_the_env_table():
+    assert "`OFFLOAD_TRACE`" in env_table_markdown()
+
+
+def test_trace_directory_must_exist(tmp_path):
+    missing = tmp_path / "nope" / "t.json"
+    with pytest.raises(ConfigError, match=r"OFFLOAD_TRACE='.*t.json': directory '.*nope' does "
+                                          r"not exist \(point it at a file"):
+        Config.from_env(env={"OFFLOAD_TRACE": str(missing)}).validate()
+
+
+def test_trace_path_may_not_be_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match=r"trace='.*': '.*' is a directory"):
+        offload.activations(trace=str(tmp_path))
