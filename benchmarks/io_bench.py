@@ -4,14 +4,22 @@ DeepSpeed's aio op when importable), in the same run on the same directory.
 
     python benchmarks/io_bench.py --dir /var/tmp --size 1GiB --json io.json
 
-Method: engine and fio runs alternate (--rounds each) and medians are reported; both use
-O_DIRECT, the same block size and the same queue depth (fio: one job with iodepth=N on
-libaio, else io_uring; the engine: --workers threads, N by default, each with one
-block-size pread/pwrite in flight). Both write into freshly reserved space every round (the engine gets a new slab,
-fio's file is deleted before each write round). The trace phase writes tensors of
-1-64 MiB asynchronously as a forward pass would, then reads them back in reverse order,
-checking each tensor's CRC-32C. Progress goes to stderr; every file it creates is
-removed, on errors too.
+Method: the engine and fio run in every round, in alternating order (engine first on odd
+rounds, last on even ones), and medians over --rounds are reported. All use O_DIRECT, the
+same block size and the same queue depth (fio: one job with iodepth=N on libaio, else
+io_uring, plus a psync run with N threads; the engine: --workers threads, N by default,
+each with one block-size pread/pwrite in flight). Every pass writes into freshly
+reserved space (the engine gets a new slab, fio's file is deleted before each write).
+The engine writes a buffer as large as the pass, filled with fresh random bytes before
+each round (untimed) so no piece repeats, and reads back into a zeroed buffer that is
+CRC-checked after the clock stops; fio fills its buffers with its own scrambled data.
+Around every pass the block device's sector counters (/sys/dev/block/MAJ:MIN/stat) are
+read: a pass whose device traffic falls short of its size was (partly) served by a cache
+and is flagged. Other processes' I/O on the same disk only adds to the counters, so the
+check catches caching, not noise. DeepSpeed and the trace run once. The trace phase
+writes tensors of 1-64 MiB asynchronously as a forward pass would, then reads them back
+in reverse order, checking each tensor's CRC-32C. Progress goes to stderr; every file it
+creates is removed, on errors too.
 """
 from __future__ import annotations
 
@@ -33,48 +41,127 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offload._ext import load_core  # noqa: E402
 
+from offload.sizes import parse_size as _parse_size  # noqa: E402
+
 MiB = 1 << 20
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": MiB, "mib": MiB,
-          "mb": 1000**2, "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3, "t": 1 << 40,
-          "tib": 1 << 40, "tb": 1000**4}
 
 
 def parse_size(text: str) -> int:
-    """'1GiB' / '512MiB' / '1048576' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"size {text!r}: expected bytes or a number with a unit such as 512MiB or 1GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    """'1GiB' / '512MiB' / '1048576' -> bytes (offload.sizes' syntax, no percentages)."""
+    try:
+        return _parse_size(text).nbytes
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"size {text!r}: {exc}") from None
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+# ----------------------------------------------------------------- device counters
+
+class DeviceCounters:
+    """Bytes the block device under a directory has read and written (from its sector
+    counters), so a pass can be checked against the disk rather than the page cache.
+
+    /sys/dev/block/MAJ:MIN names whole disks, partitions, virtio, dm and md devices alike,
+    each with its own `stat`; filesystems without a block device of their own (tmpfs,
+    overlay, btrfs' anonymous st_dev) have no entry, and then `available` is False.
+    """
+
+    def __init__(self, directory: str):
+        dev = os.stat(directory).st_dev
+        self.majmin = f"{os.major(dev)}:{os.minor(dev)}"
+        node = f"/sys/dev/block/{self.majmin}"
+        self.stat_path = os.path.join(node, "stat")
+        self.available = os.path.exists(self.stat_path)
+        self.name = os.path.basename(os.path.realpath(node)) if self.available else None
+
+    def read(self) -> tuple[int, int] | None:
+        """(bytes read, bytes written) since boot; None without a block device."""
+        if not self.available:
+            return None
+        fields = open(self.stat_path).read().split()
+        return int(fields[2]) * 512, int(fields[6]) * 512   # sectors are always 512 bytes
+
+    def describe(self) -> dict:
+        return {"majmin": self.majmin, "name": self.name,
+                "stat_path": self.stat_path if self.available else None}
+
+
+def timed_pass(counters: DeviceCounters, kind: str, nbytes: int, fn) -> dict:
+    """Runs fn() (which returns its own seconds, or None to time it here) between two
+    reads of the device counters."""
+    before = counters.read()
+    start = time.perf_counter()
+    seconds = fn()
+    elapsed = time.perf_counter() - start
+    after = counters.read()
+    seconds = elapsed if seconds is None else seconds
+    out = {"seconds": seconds, "gbps": nbytes / seconds / 1e9, "bytes": nbytes}
+    if before is not None:
+        out["device_bytes_read"] = after[0] - before[0]
+        out["device_bytes_written"] = after[1] - before[1]
+        moved = out["device_bytes_written" if kind == "write" else "device_bytes_read"]
+        # Less traffic than the pass size means a cache served part of it.
+        out["device_short"] = moved < nbytes
+    return out
+
+
 # --------------------------------------------------------------------------- engine
 
-def engine_round(core, directory: str, size: int, block: int, depth: int, buf) -> dict:
-    """One sequential write then read of `size` bytes; returns GB/s for each."""
+def engine_buffer_bytes(size: int) -> int:
+    """The engine writes from a buffer as large as the pass where RAM allows (so no byte
+    pattern repeats), else from 256 MiB-multiple groups refilled between groups."""
+    import psutil
+    room = psutil.virtual_memory().available // 4
+    return size if size <= room else max(256 * MiB, room // (256 * MiB) * (256 * MiB))
+
+
+def engine_round(core, counters: DeviceCounters, directory: str, size: int, block: int,
+                 depth: int, buf, seed: int) -> dict:
+    """One sequential write then read of `size` bytes of fresh random data. Filling,
+    zeroing and CRC checks are outside the clock; with a buffer smaller than `size` the
+    pass runs group by group and only the I/O of each group is timed."""
     store = core.NvmeStore([directory], size, workers=depth, chunk_bytes=block,
                            max_inflight_bytes=depth * block)
+    view = torch.frombuffer(buf, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(seed)
     try:
         if not store.direct:
             raise SystemExit(f"--dir {directory}: O_DIRECT is refused there; pick a directory on "
                              "a local disk (ext4, xfs) to compare with fio")
-        piece = buf.nbytes
+        group = buf.nbytes
+        piece = min(group, 256 * MiB)
         extents = [store.allocate(min(piece, size - off)) for off in range(0, size, piece)]
-        start = time.perf_counter()
-        futures = [store.write_ptr(e, buf.ptr, e.nbytes) for e in extents]
-        for f in futures:
-            f.wait()
-        write_s = time.perf_counter() - start
-        start = time.perf_counter()
-        futures = [store.read_ptr(e, buf.ptr, e.nbytes) for e in extents]
-        for f in futures:
-            f.wait()
-        read_s = time.perf_counter() - start
-        return {"write_gbps": size / write_s / 1e9, "read_gbps": size / read_s / 1e9}
+        per_group = group // piece
+
+        def run(write: bool) -> float:
+            io = store.write_ptr if write else store.read_ptr
+            seconds = 0.0
+            for g, first in enumerate(range(0, len(extents), per_group)):
+                batch = extents[first:first + per_group]
+                nbytes = sum(e.nbytes for e in batch)
+                if write:                   # fresh bytes for every group and round
+                    view[:nbytes].random_(0, 256, generator=gen)
+                    expected_crcs.append(core.crc32c(view[:nbytes].numpy()))
+                else:
+                    view[:nbytes].zero_()   # a read that moved nothing fails the check
+                start = time.perf_counter()
+                futures = [io(e, buf.ptr + i * piece, e.nbytes) for i, e in enumerate(batch)]
+                for f in futures:
+                    f.wait()
+                seconds += time.perf_counter() - start
+                if not write and core.crc32c(view[:nbytes].numpy()) != expected_crcs[g]:
+                    raise RuntimeError(f"engine read-back of group {g} differs from what was "
+                                       "written")
+            return seconds
+
+        expected_crcs: list[int] = []
+        write = timed_pass(counters, "write", size, lambda: run(True))
+        read = timed_pass(counters, "read", size, lambda: run(False))
+        return {"write_gbps": write["gbps"], "read_gbps": read["gbps"],
+                "write": write, "read": read, "buffer_bytes": group, "verified": True}
     finally:
         store.close()
 
@@ -92,7 +179,8 @@ def fio_engine() -> str | None:
     return "psync"
 
 
-def fio_round(directory: str, size: int, block: int, depth: int, engine: str) -> dict:
+def fio_round(counters: DeviceCounters, directory: str, size: int, block: int, depth: int,
+              engine: str) -> dict:
     path = os.path.join(directory, f"offload-io-bench-fio-{os.getpid()}.tmp")
     result = {}
     try:
@@ -107,11 +195,18 @@ def fio_round(directory: str, size: int, block: int, depth: int, engine: str) ->
                 cmd[3] = f"--size={per_job}"
                 cmd[-2:-1] = [f"--numjobs={depth}", f"--offset_increment={per_job}",
                               "--group_reporting", "--thread"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"fio failed: {proc.stderr.strip()}")
-            job = json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0]
-            result[f"{rw}_gbps"] = job[rw]["bw_bytes"] / 1e9
+            job = {}
+
+            def run() -> float:
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"fio failed: {proc.stderr.strip()}")
+                job.update(json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0][rw])
+                return job["io_bytes"] / job["bw_bytes"]   # fio's own clock, not process start
+
+            moved = (size // depth) * depth if engine == "psync" else size
+            result[rw] = timed_pass(counters, rw, moved, run)
+            result[f"{rw}_gbps"] = job["bw_bytes"] / 1e9
     finally:
         if os.path.exists(path):
             os.unlink(path)
@@ -120,7 +215,8 @@ def fio_round(directory: str, size: int, block: int, depth: int, engine: str) ->
 
 # ------------------------------------------------------------------------ deepspeed
 
-def deepspeed_round(directory: str, size: int, block: int, depth: int) -> dict | None:
+def deepspeed_round(counters: DeviceCounters, directory: str, size: int, block: int,
+                    depth: int) -> dict | None:
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder
         if not AsyncIOBuilder().is_compatible():
@@ -134,16 +230,12 @@ def deepspeed_round(directory: str, size: int, block: int, depth: int) -> dict |
         else torch.empty(size, dtype=torch.uint8)
     path = os.path.join(directory, f"offload-io-bench-ds-{os.getpid()}.tmp")
     try:
-        start = time.perf_counter()
-        handle.sync_pwrite(tensor, path)
-        write_s = time.perf_counter() - start
-        start = time.perf_counter()
-        handle.sync_pread(tensor, path)
-        read_s = time.perf_counter() - start
+        write = timed_pass(counters, "write", size, lambda: handle.sync_pwrite(tensor, path))
+        read = timed_pass(counters, "read", size, lambda: handle.sync_pread(tensor, path))
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    return {"write_gbps": size / write_s / 1e9, "read_gbps": size / read_s / 1e9}
+    return {"write_gbps": write["gbps"], "read_gbps": read["gbps"], "write": write, "read": read}
 
 
 # ---------------------------------------------------------------------------- trace
@@ -217,6 +309,28 @@ def _median(rounds: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rounds)
 
 
+def _short_passes(name: str, rounds: list[dict]) -> list[str]:
+    """'engine round 2 read: device read 0.31 GB of 1.07 GB' for every cache-served pass."""
+    flags = []
+    for i, r in enumerate(rounds):
+        for rw in ("write", "read"):
+            p = r.get(rw) or {}
+            if p.get("device_short"):
+                moved = p["device_bytes_written" if rw == "write" else "device_bytes_read"]
+                verb = "read" if rw == "read" else "wrote"
+                flags.append(f"{name} round {i + 1} {rw}: the device {verb} {moved / 1e9:.3f} GB "
+                             f"of {p['bytes'] / 1e9:.3f} GB (cache-served)")
+    return flags
+
+
+def _device_line(name: str, rounds: list[dict]) -> str:
+    cells = []
+    for rw, key in (("write", "device_bytes_written"), ("read", "device_bytes_read")):
+        got = [r[rw][key] / r[rw]["bytes"] for r in rounds if key in r.get(rw, {})]
+        cells.append(f"{rw} {min(got):.2f}-{max(got):.2f}x" if got else f"{rw} n/a")
+    return f"  {name:26s} device bytes / pass size: {cells[0]}, {cells[1]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", required=True, help="directory on the disk to test (files are removed)")
@@ -236,45 +350,66 @@ def main(argv: list[str] | None = None) -> int:
 
     if not os.path.isdir(args.dir):
         p.error(f"--dir {args.dir!r} is not a directory")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds} (medians need one round)")
+    if args.iodepth < 1:
+        p.error(f"--iodepth must be at least 1, got {args.iodepth}")
+    if args.workers is not None and args.workers < 1:
+        p.error(f"--workers must be at least 1, got {args.workers}")
+    if args.block_size < 4096 or args.block_size % 4096:
+        p.error(f"--block-size must be a positive multiple of 4096, got {args.block_size}")
+    if args.size < args.block_size or args.size % args.block_size:
+        p.error(f"--size must be a positive multiple of --block-size ({args.block_size}), "
+                f"got {args.size}")
     core = load_core()
+    counters = DeviceCounters(args.dir)
+    if not counters.available:
+        log(f"--dir {args.dir}: no block device behind st_dev {counters.majmin}; device-byte "
+            "checks are off (results may come from a cache)")
     work = tempfile.mkdtemp(prefix="offload-io-bench-", dir=args.dir)
     size, block, depth = args.size, args.block_size, args.iodepth
     workers = args.workers or depth
     try:
-        arena = core.HostArena(min(size, 256 * MiB))
-        buf = arena.allocate(min(size, 256 * MiB))
-        torch.frombuffer(buf, dtype=torch.uint8).copy_(
-            torch.randint(0, 256, (buf.nbytes,), dtype=torch.uint8))
+        buf_bytes = engine_buffer_bytes(size)
+        arena = core.HostArena(buf_bytes)
+        buf = arena.allocate(buf_bytes)
         fio_eng = None if args.no_fio else fio_engine()
         engine_rounds, fio_rounds, psync_rounds = [], [], []
+        tools = [("engine", lambda r: engine_round(core, counters, work, size, block, workers,
+                                                   buf, seed=r), engine_rounds)]
+        if fio_eng:
+            tools.append((f"fio {fio_eng}", lambda r: fio_round(counters, work, size, block,
+                                                              depth, fio_eng), fio_rounds))
+            if fio_eng != "psync":   # same depth through threads, as the engine does it
+                tools.append((f"fio psync x{depth}", lambda r: fio_round(
+                    counters, work, size, block, depth, "psync"), psync_rounds))
         for r in range(args.rounds):
-            log(f"round {r + 1}/{args.rounds}: engine ({size / 1e9:.2f} GB, bs {block}, "
-                f"{workers} workers) vs fio (iodepth {depth})")
-            engine_rounds.append(engine_round(core, work, size, block, workers, buf))
-            log(f"  engine  write {engine_rounds[-1]['write_gbps']:.2f} GB/s  "
-                f"read {engine_rounds[-1]['read_gbps']:.2f} GB/s")
-            if fio_eng:
-                fio_rounds.append(fio_round(work, size, block, depth, fio_eng))
-                log(f"  fio     write {fio_rounds[-1]['write_gbps']:.2f} GB/s  "
-                    f"read {fio_rounds[-1]['read_gbps']:.2f} GB/s")
-                if fio_eng != "psync":   # same depth through threads, as the engine does it
-                    psync_rounds.append(fio_round(work, size, block, depth, "psync"))
-                    log(f"  fio psync x{depth} write {psync_rounds[-1]['write_gbps']:.2f} GB/s  "
-                        f"read {psync_rounds[-1]['read_gbps']:.2f} GB/s")
+            order = tools if r % 2 == 0 else tools[::-1]   # round 1 engine first, round 2 last
+            log(f"round {r + 1}/{args.rounds}: {', '.join(t[0] for t in order)} "
+                f"({size / 1e9:.2f} GB, bs {block}, engine {workers} workers, "
+                f"fio iodepth {depth})")
+            for name, run, into in order:
+                into.append(run(r))
+                log(f"  {name:16s} write {into[-1]['write_gbps']:.2f} GB/s  "
+                    f"read {into[-1]['read_gbps']:.2f} GB/s")
         buf.release()
-        ds = None if args.no_deepspeed else deepspeed_round(work, size, block, depth)
+        ds = None if args.no_deepspeed else deepspeed_round(counters, work, size, block, depth)
         log("trace: tensors of 1-64 MiB, reverse-order read-back")
         trace = trace_run(core, work, args.trace_size or size, block, workers)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
+    flags = (_short_passes("engine", engine_rounds) + _short_passes("fio", fio_rounds)
+             + _short_passes("fio psync", psync_rounds) + _short_passes("deepspeed", [ds] if ds else []))
     result = {
         "config": {"dir": args.dir, "size_bytes": size, "block_bytes": block, "iodepth": depth,
-                   "workers": workers,
-                   "rounds": args.rounds, "direct": True},
+                   "workers": workers, "rounds": args.rounds, "direct": True,
+                   "order": "alternating: engine first on odd rounds, last on even rounds",
+                   "load_avg": os.getloadavg()},
+        "device": counters.describe(),
         "engine": {"write_gbps": _median(engine_rounds, "write_gbps"),
                    "read_gbps": _median(engine_rounds, "read_gbps"),
-                   "workers": workers, "rounds": engine_rounds},
+                   "workers": workers, "buffer_bytes": buf_bytes, "rounds": engine_rounds},
         "fio": None if not fio_rounds else {
             "write_gbps": _median(fio_rounds, "write_gbps"),
             "read_gbps": _median(fio_rounds, "read_gbps"),
@@ -285,27 +420,39 @@ def main(argv: list[str] | None = None) -> int:
             "ioengine": "psync", "numjobs": depth, "rounds": psync_rounds},
         "deepspeed": ds,
         "trace": trace,
+        "cache_served_passes": flags if counters.available else None,
     }
     if result["fio"]:
         result["ratio_vs_fio"] = {
             k: result["engine"][f"{k}_gbps"] / result["fio"][f"{k}_gbps"] for k in ("write", "read")}
 
-    rows = [("offload engine", result["engine"])]
+    n = args.rounds
+    rows = [(f"offload engine ({workers} thr)", result["engine"], f"median of {n}")]
     if result["fio"]:
-        rows.append((f"fio ({fio_eng})", result["fio"]))
+        rows.append((f"fio ({fio_eng}, qd {depth})", result["fio"], f"median of {n}"))
     if result["fio_psync_threads"]:
-        rows.append((f"fio (psync, {depth} jobs)", result["fio_psync_threads"]))
+        rows.append((f"fio (psync, {depth} jobs)", result["fio_psync_threads"], f"median of {n}"))
     if ds:
-        rows.append(("deepspeed aio", ds))
-    rows.append((f"trace ({trace['tensors']} tensors)", trace))
-    print(f"\nO_DIRECT, {size / 2**30:.2f} GiB, bs {block // 1024} KiB, depth {depth}, "
-          f"median of {args.rounds} alternating rounds")
+        rows.append(("deepspeed aio", ds, "1 run"))
+    rows.append((f"trace ({trace['tensors']} tensors)", trace, "1 run"))
+    print(f"\nO_DIRECT, {size / 2**30:.2f} GiB per pass, bs {block // 1024} KiB, engine "
+          f"{workers} workers, fio iodepth {depth}; {n} rounds in alternating order; "
+          f"load avg {os.getloadavg()[0]:.2f}")
     print(f"{'':28s} {'write GB/s':>11s} {'read GB/s':>10s}")
-    for name, r in rows:
-        print(f"{name:28s} {r['write_gbps']:11.2f} {r['read_gbps']:10.2f}")
+    for name, r, how in rows:
+        print(f"{name:28s} {r['write_gbps']:11.2f} {r['read_gbps']:10.2f}   {how}")
     if result["fio"]:
         ratio = result["ratio_vs_fio"]
         print(f"{'engine / fio':28s} {ratio['write']:11.2f} {ratio['read']:10.2f}")
+    if counters.available:
+        print(f"device {counters.name} ({counters.majmin}):")
+        for name, rounds in (("engine", engine_rounds), ("fio", fio_rounds),
+                             ("fio psync", psync_rounds), ("deepspeed", [ds] if ds else [])):
+            if rounds:
+                print(_device_line(name, rounds))
+        print("  cache-served passes: " + ("; ".join(flags) if flags else "none"))
+    else:
+        print("device counters unavailable: results may include cache hits")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

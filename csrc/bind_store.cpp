@@ -171,7 +171,10 @@ void bind_store(py::module_& m) {
       .def_property_readonly("alignment", &Store::alignment)
       .def_property_readonly("paths", &Store::paths)
       .def_property_readonly("closed", &Store::closed)
-      .def_property_readonly("capacity_bytes", &Store::capacity_bytes)
+      .def_property_readonly("capacity_bytes", &Store::capacity_bytes,
+                             "Bytes the slabs hold: the requested capacity rounded up to whole "
+                             "stripes in every directory (slab_bytes * len(dirs)), so it can "
+                             "exceed the capacity_bytes passed in.")
       .def_property_readonly("used_bytes", [](const Store& s) { return s.stats().used_bytes; })
       .def_property_readonly("free_bytes", [](const Store& s) { return s.stats().free_bytes; })
       .def_property_readonly("peak_bytes", [](const Store& s) { return s.stats().peak_bytes; })

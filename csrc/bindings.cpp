@@ -66,8 +66,29 @@ void copy(bool d2h, uintptr_t dst, uintptr_t src, int64_t nbytes, uintptr_t stre
     cuda::copy_h2d(dst, src, n, stream, event);
 }
 
+// The CRC runs over one flat byte range, so strided views (a transposed tensor, a
+// sliced array with a step) would be read wrongly or past their end.
+void require_c_contiguous(const py::buffer_info& info) {
+  py::ssize_t expected = info.itemsize;
+  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+    if (info.shape[d] != 1 && info.strides[d] != expected) {
+      std::string shape, strides;
+      for (py::ssize_t i = 0; i < info.ndim; ++i) {
+        shape += (i ? ", " : "") + std::to_string(info.shape[i]);
+        strides += (i ? ", " : "") + std::to_string(info.strides[i]);
+      }
+      throw InvalidArgument("crc32c: data must be C-contiguous, got shape (" + shape +
+                            ") with strides (" + strides +
+                            ") bytes; pass a contiguous copy (tensor.contiguous(), "
+                            "numpy.ascontiguousarray(data))");
+    }
+    expected *= info.shape[d];
+  }
+}
+
 uint32_t crc_of(const py::buffer& data, uint32_t crc, bool portable) {
   py::buffer_info info = data.request();
+  require_c_contiguous(info);
   const size_t n = static_cast<size_t>(info.size * info.itemsize);
   py::gil_scoped_release nogil;
   return portable ? crc32c_portable(info.ptr, n, crc) : crc32c(info.ptr, n, crc);
@@ -99,7 +120,7 @@ PYBIND11_MODULE(_C, m) {
         "cudaMemcpyAsync host->device on `stream`, then record `event` on it (0: none).");
 
   m.def("crc32c", [](const py::buffer& data, uint32_t crc) { return bind::crc_of(data, crc, false); },
-        py::arg("data"), py::arg("crc") = 0, "CRC-32C of a bytes-like object (extends `crc`).");
+        py::arg("data"), py::arg("crc") = 0, "CRC-32C of a C-contiguous bytes-like object (extends `crc`); ValueError otherwise.");
   m.def("_crc32c_portable",
         [](const py::buffer& data, uint32_t crc) { return bind::crc_of(data, crc, true); },
         py::arg("data"), py::arg("crc") = 0, "Table-driven CRC-32C (test cross-check).");

@@ -103,6 +103,15 @@ void event_synchronize(uintptr_t event) {
   check(cudaEventSynchronize(reinterpret_cast<cudaEvent_t>(event)), "cudaEventSynchronize");
 }
 
+void record_event(uintptr_t event, uintptr_t stream) {
+  check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(event), reinterpret_cast<cudaStream_t>(stream)),
+        "cudaEventRecord");
+}
+
+void stream_synchronize_noexcept(uintptr_t stream) noexcept {
+  cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
+}
+
 uintptr_t record_private_event(uintptr_t stream) {
   cudaEvent_t event = nullptr;
   check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
@@ -139,6 +148,8 @@ void set_device(int) { unavailable("set_device"); }
 void copy_d2h(uintptr_t, uintptr_t, size_t, uintptr_t, uintptr_t) { unavailable("copy_d2h"); }
 void copy_h2d(uintptr_t, uintptr_t, size_t, uintptr_t, uintptr_t) { unavailable("copy_h2d"); }
 void event_synchronize(uintptr_t) { unavailable("event_synchronize"); }
+void record_event(uintptr_t, uintptr_t) { unavailable("record_event"); }
+void stream_synchronize_noexcept(uintptr_t) noexcept {}
 uintptr_t record_private_event(uintptr_t) { unavailable("record_private_event"); }
 void destroy_event(uintptr_t) noexcept {}
 

@@ -32,6 +32,10 @@ void copy_d2h(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, uin
 void copy_h2d(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, uintptr_t event);
 
 void event_synchronize(uintptr_t event);
+void record_event(uintptr_t event, uintptr_t stream);
+// Waits for everything queued on `stream`; errors are ignored (for error paths that
+// must not let go of memory a queued copy still reads).
+void stream_synchronize_noexcept(uintptr_t stream) noexcept;
 
 // A private event marking "everything queued on `stream` so far"; lets the store keep
 // a pinned block alive until an H2D copy from it has finished on the device.

@@ -64,7 +64,7 @@ void validate_directory(const std::string& dir) {
 
 SlabFile::SlabFile(const std::string& dir, bool want_direct, std::vector<LogNote>* notes)
     : dir_(dir), label_(dir) {
-  validate_directory(dir);
+  validate_directory(dir);  // the only check: NvmeStore builds every SlabFile before reserving
   open_anonymous(notes);
   if (want_direct) enable_direct(notes);
 }
@@ -145,38 +145,63 @@ void SlabFile::enable_direct(std::vector<LogNote>* notes) {
   refuse(err, "test write");
 }
 
-void SlabFile::pwrite_full(const void* buf, size_t nbytes, uint64_t offset) const {
-  const char* p = static_cast<const char*>(buf);
+// errno for an O_DIRECT transfer that stopped early at an offset it cannot resume from.
+// The kernel ends a direct write early when the filesystem runs out of blocks (the next
+// call would report ENOSPC), and a read early at end of file; a full disk is told apart
+// from a device that gave up by the free space left.
+static int short_direct_errno(bool write, const std::string& dir, uint64_t remaining) {
+  if (!write) return EIO;
+  struct statvfs vfs {};
+  if (::statvfs(dir.c_str(), &vfs) == 0 &&
+      static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize < remaining)
+    return ENOSPC;
+  return EIO;
+}
+
+void SlabFile::transfer_full(bool write, char* p, size_t nbytes, uint64_t offset) const {
   size_t done = 0;
   while (done < nbytes) {
-    const ssize_t n = ::pwrite(fd_.get(), p + done, nbytes - done, static_cast<off_t>(offset + done));
+    const off_t at = static_cast<off_t>(offset + done);
+    const ssize_t n = write ? ::pwrite(fd_.get(), p + done, nbytes - done, at)
+                            : ::pread(fd_.get(), p + done, nbytes - done, at);
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw_io_error(errno, "write to the NVMe slab file failed", label_,
-                     static_cast<int64_t>(offset + done), static_cast<int64_t>(nbytes - done));
+      throw_io_error(errno,
+                     write ? "write to the NVMe slab file failed"
+                           : "read from the NVMe slab file failed",
+                     label_, static_cast<int64_t>(offset + done), static_cast<int64_t>(nbytes - done));
     }
-    if (n == 0)
-      throw_io_error(EIO, "write to the NVMe slab file made no progress", label_,
-                     static_cast<int64_t>(offset + done), static_cast<int64_t>(nbytes - done));
-    done += static_cast<size_t>(n);  // short write: resume where it stopped
+    if (n == 0)  // the slab was sized up front, so EOF means it was truncated under us
+      throw_io_error(EIO,
+                     write ? "write to the NVMe slab file made no progress"
+                           : "unexpected end of the NVMe slab file",
+                     label_, static_cast<int64_t>(offset + done), static_cast<int64_t>(nbytes - done));
+    done += static_cast<size_t>(n);
+    // A short transfer is resumed where it stopped, which O_DIRECT allows only at an
+    // aligned offset: resuming elsewhere fails with EINVAL and hides the real cause.
+    if (direct_ && done < nbytes && done % alignment_ != 0) {
+      const uint64_t remaining = nbytes - done;
+      const int err = short_direct_errno(write, dir_, remaining);
+      throw_io_error(err,
+                     std::string("short O_DIRECT ") + (write ? "write" : "read") + ": " +
+                         std::to_string(done) + " of " + std::to_string(nbytes) +
+                         " bytes moved, ending at an offset that is not a multiple of the " +
+                         std::to_string(alignment_) + "-byte alignment" +
+                         (err == ENOSPC ? "; the disk is full" + free_space_note(dir_) +
+                                              " (free space on that disk or lower the NVMe capacity)"
+                                        : "; the device or filesystem ended the transfer early"),
+                     label_, static_cast<int64_t>(offset + done), static_cast<int64_t>(remaining));
+    }
   }
 }
 
+void SlabFile::pwrite_full(const void* buf, size_t nbytes, uint64_t offset) const {
+  // pwrite never writes through the pointer; the cast lets one loop serve both directions.
+  transfer_full(true, const_cast<char*>(static_cast<const char*>(buf)), nbytes, offset);
+}
+
 void SlabFile::pread_full(void* buf, size_t nbytes, uint64_t offset) const {
-  char* p = static_cast<char*>(buf);
-  size_t done = 0;
-  while (done < nbytes) {
-    const ssize_t n = ::pread(fd_.get(), p + done, nbytes - done, static_cast<off_t>(offset + done));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throw_io_error(errno, "read from the NVMe slab file failed", label_,
-                     static_cast<int64_t>(offset + done), static_cast<int64_t>(nbytes - done));
-    }
-    if (n == 0)  // the slab was sized up front, so EOF means it was truncated under us
-      throw_io_error(EIO, "unexpected end of the NVMe slab file", label_,
-                     static_cast<int64_t>(offset + done), static_cast<int64_t>(nbytes - done));
-    done += static_cast<size_t>(n);
-  }
+  transfer_full(false, static_cast<char*>(buf), nbytes, offset);
 }
 
 AlignedBuffer::AlignedBuffer(size_t nbytes, size_t alignment) : nbytes_(nbytes) {

@@ -1,6 +1,6 @@
 // Slab files: one private, preallocated file per NVMe directory, read and written with
 // O_DIRECT where the filesystem allows it. Every transfer is checked: short transfers are
-// resumed, EINTR is retried, failures raise IoError with errno, path, offset and size.
+// resumed (with O_DIRECT only from an aligned offset, else reported as ENOSPC/EIO), EINTR is retried, failures raise IoError with errno, path, offset and size.
 #pragma once
 
 #include <cstddef>
@@ -65,6 +65,9 @@ class SlabFile {
 
  private:
   void open_anonymous(std::vector<LogNote>* notes);
+  // pwrite/pread until `nbytes` moved: EINTR retried, short transfers resumed (on a direct
+  // slab only at aligned offsets), every failure an IoError with offset and size.
+  void transfer_full(bool write, char* p, size_t nbytes, uint64_t offset) const;
   void enable_direct(std::vector<LogNote>* notes);
 
   std::string dir_;

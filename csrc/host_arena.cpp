@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "align.hpp"
 #include "cuda_copy.hpp"
 #include "error.hpp"
 
@@ -56,7 +57,7 @@ std::shared_ptr<HostArena> HostArena::create(uint64_t capacity_bytes,
                                              std::optional<bool> pinned) {
   if (capacity_bytes == 0)
     throw InvalidArgument("HostArena: capacity_bytes must be positive, got 0");
-  const uint64_t rounded = (capacity_bytes + kDefaultAlignment - 1) & ~(kDefaultAlignment - 1);
+  const uint64_t rounded = align_up(capacity_bytes, kDefaultAlignment);
   bool pin = pinned.value_or(cuda::usable());
   if (pin && !cuda::usable())
     throw std::runtime_error("HostArena: pinned=True needs a usable CUDA device, but " +

@@ -3,8 +3,10 @@
 #include <cstring>
 #include <string>
 
+#include "align.hpp"
 #include "crc32c.hpp"
 #include "error.hpp"
+#include "thread_pool.hpp"
 
 namespace offload {
 
@@ -27,8 +29,8 @@ IoEngine::IoEngine(size_t workers, uint64_t bounce_bytes, uint64_t bounce_alignm
       bounce_alignment_(bounce_alignment),
       max_inflight_bytes_(max_inflight_bytes),
       throttle_(throttle_bytes_per_s) {
-  threads_.reserve(workers);
-  for (size_t i = 0; i < workers; ++i) threads_.emplace_back([this] { worker_loop(); });
+  start_threads(threads_, workers, "NvmeStore I/O worker", [this] { worker_loop(); },
+                [this] { stop(); });
 }
 
 IoEngine::~IoEngine() { stop(); }
@@ -105,7 +107,7 @@ void IoEngine::run_chunk(const Chunk& c, AlignedBuffer& bounce) {
       slab.pread_full(c.mem, c.nbytes, c.file_offset);
   } else {
     const uint64_t align = slab.alignment();
-    const uint64_t padded = (c.nbytes + align - 1) / align * align;
+    const uint64_t padded = align_up(c.nbytes, align);
     const bool aligned_mem = reinterpret_cast<uintptr_t>(c.mem) % align == 0;
     if (aligned_mem && padded <= c.mem_capacity) {
       if (c.write)

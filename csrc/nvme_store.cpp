@@ -4,14 +4,13 @@
 #include <set>
 #include <stdexcept>
 
+#include "align.hpp"
 #include "cuda_copy.hpp"
 #include "error.hpp"
 
 namespace offload {
 
 namespace {
-
-uint64_t round_up(uint64_t n, uint64_t unit) { return (n + unit - 1) / unit * unit; }
 
 void validate_options(const std::vector<std::string>& dirs, uint64_t capacity_bytes,
                       const StoreOptions& o) {
@@ -53,19 +52,17 @@ NvmeStore::NvmeStore(const std::vector<std::string>& dirs, uint64_t capacity_byt
                      const StoreOptions& options, std::vector<LogNote>* notes)
     : options_(options) {
   validate_options(dirs, capacity_bytes, options);
-  // Check every directory before creating anything, so a typo in the second directory
-  // does not cost a slab reservation in the first.
-  for (const auto& d : dirs) validate_directory(d);
-
+  // Every SlabFile (which validates its directory) exists before any slab reserves space,
+  // so a typo in the second directory does not cost a reservation in the first.
   std::vector<LogNote> slab_notes;
   for (const auto& d : dirs) {
     slabs_.push_back(std::make_unique<SlabFile>(d, options.direct, &slab_notes));
     alignment_ = std::max(alignment_, slabs_.back()->alignment());
   }
   // Stripe unit = chunk size, so every chunk lands in exactly one slab.
-  stripe_bytes_ = round_up(options.chunk_bytes, alignment_);
+  stripe_bytes_ = align_up(options.chunk_bytes, alignment_);
   const uint64_t per_slab = (capacity_bytes + dirs.size() - 1) / dirs.size();
-  slab_bytes_ = round_up(per_slab, stripe_bytes_);
+  slab_bytes_ = align_up(per_slab, stripe_bytes_);
   for (auto& slab : slabs_) slab->reserve(slab_bytes_, &slab_notes);
 
   // One warning for the whole store, however many directories fell back.
@@ -93,10 +90,16 @@ void NvmeStore::close() {
   if (closed_.exchange(true)) return;
   tracker_->wait_zero();  // every submitted request, including ones staged behind CUDA events
   engine_->stop();
+  std::shared_ptr<ThreadPool> write_stager, release_stager;
   {
+    // stager() refuses new work from here on (closed_ is set), so these are the last owners.
     std::lock_guard<std::mutex> stager_lock(stager_mu_);
-    stager_.reset();  // runs what is queued (releases of pinned blocks after H2D), then joins
+    write_stager = std::move(write_stager_);
+    release_stager = std::move(release_stager_);
   }
+  // Run what is queued (releases of pinned blocks after H2D copies), then join.
+  write_stager.reset();
+  release_stager.reset();
   for (auto& slab : slabs_) slab->close();
 }
 
@@ -169,9 +172,9 @@ std::vector<Chunk> NvmeStore::make_chunks(ExtentRange& range, char* mem, uint64_
   return chunks;
 }
 
-std::shared_ptr<IoRequest> NvmeStore::submit(const Extent& extent, char* mem, uint64_t nbytes,
-                                             uint64_t mem_capacity, bool write,
-                                             std::shared_ptr<const void> memory_owner) {
+NvmeStore::Prepared NvmeStore::prepare(const Extent& extent, char* mem, uint64_t nbytes,
+                                       uint64_t mem_capacity, bool write,
+                                       std::shared_ptr<const void> memory_owner) {
   check_open();
   std::shared_ptr<ExtentRange> range = checked_range(extent);
   if (nbytes > range->nbytes())
@@ -179,17 +182,28 @@ std::shared_ptr<IoRequest> NvmeStore::submit(const Extent& extent, char* mem, ui
                           " bytes does not fit the extent of " + std::to_string(range->nbytes()) +
                           " bytes");
   if (mem == nullptr && nbytes > 0) throw InvalidArgument("ptr is 0 (null) for a non-empty transfer");
-  auto request = std::make_shared<IoRequest>(nbytes, tracker_);
-  request->keep_alive(range);
-  if (memory_owner) request->keep_alive(std::move(memory_owner));
-  std::vector<Chunk> chunks = make_chunks(*range, mem, nbytes, mem_capacity, write, request);
-  request->expect_chunks(chunks.size());
-  if (chunks.empty()) {
-    request->complete(nullptr);
-    return request;
-  }
-  engine_->submit(std::move(chunks));
-  return request;
+  Prepared p;
+  p.request = std::make_shared<IoRequest>(nbytes, tracker_);
+  p.request->keep_alive(range);
+  if (memory_owner) p.request->keep_alive(std::move(memory_owner));
+  p.chunks = make_chunks(*range, mem, nbytes, mem_capacity, write, p.request);
+  p.request->expect_chunks(p.chunks.size());
+  return p;
+}
+
+void NvmeStore::dispatch(IoEngine& engine, IoRequest& request, std::vector<Chunk> chunks) {
+  if (chunks.empty())
+    request.complete(nullptr);
+  else
+    engine.submit(std::move(chunks));
+}
+
+std::shared_ptr<IoRequest> NvmeStore::submit(const Extent& extent, char* mem, uint64_t nbytes,
+                                             uint64_t mem_capacity, bool write,
+                                             std::shared_ptr<const void> memory_owner) {
+  Prepared p = prepare(extent, mem, nbytes, mem_capacity, write, std::move(memory_owner));
+  dispatch(*engine_, *p.request, std::move(p.chunks));
+  return p.request;
 }
 
 std::shared_ptr<IoRequest> NvmeStore::write(const Extent& extent, const HostBlock& block) {
@@ -212,10 +226,16 @@ std::shared_ptr<IoRequest> NvmeStore::read_ptr(const Extent& extent, uintptr_t p
   return submit(extent, reinterpret_cast<char*>(ptr), nbytes, nbytes, false, nullptr);
 }
 
-ThreadPool& NvmeStore::stager() {
+std::shared_ptr<ThreadPool> NvmeStore::stager(Stager which) {
+  // A copy taken under the lock: close() may drop the store's reference at any moment
+  // (with the GIL released), and the caller's copy keeps the pool alive until it is done.
   std::lock_guard<std::mutex> lock(stager_mu_);
-  if (!stager_) stager_ = std::make_shared<ThreadPool>(1);
-  return *stager_;
+  if (closed_.load()) throw UseAfterClose("NvmeStore is closed");
+  std::shared_ptr<ThreadPool>& slot = which == Stager::kWrite ? write_stager_ : release_stager_;
+  if (!slot)
+    slot = std::make_shared<ThreadPool>(1, which == Stager::kWrite ? "NvmeStore D2H-event waiter"
+                                                                   : "NvmeStore H2D-release thread");
+  return slot;
 }
 
 std::shared_ptr<IoRequest> NvmeStore::write_after_event(const Extent& extent,
@@ -225,27 +245,18 @@ std::shared_ptr<IoRequest> NvmeStore::write_after_event(const Extent& extent,
   if (event == 0) throw InvalidArgument("write_after_event: event handle is 0");
   const int device = cuda::current_device();
   const auto& region = block.region();
-  std::shared_ptr<ExtentRange> range = checked_range(extent);
-  if (block.nbytes() > range->nbytes())
-    throw InvalidArgument("write of " + std::to_string(block.nbytes()) +
-                          " bytes does not fit the extent of " + std::to_string(range->nbytes()) +
-                          " bytes");
-  auto request = std::make_shared<IoRequest>(block.nbytes(), tracker_);
-  request->keep_alive(range);
-  request->keep_alive(region);
-  auto chunks = std::make_shared<std::vector<Chunk>>(
-      make_chunks(*range, region->data(), block.nbytes(), region->capacity_bytes(), true, request));
-  request->expect_chunks(chunks->size());
+  std::shared_ptr<ThreadPool> waiter = stager(Stager::kWrite);
+  Prepared p = prepare(extent, region->data(), block.nbytes(), region->capacity_bytes(), true, region);
+  std::shared_ptr<IoRequest> request = p.request;
+  auto chunks = std::make_shared<std::vector<Chunk>>(std::move(p.chunks));
   IoEngine* engine = engine_.get();  // outlives the request: close() waits for it
-  // The wait runs on the stager thread so that no I/O worker sits idle behind a GPU event.
-  stager().submit([engine, request, chunks, event, device] {
+  // The wait runs on its own thread so that no I/O worker sits idle behind a GPU event,
+  // and no write queues behind a prefetch's H2D wait (those have the release thread).
+  waiter->submit([engine, request, chunks, event, device] {
     try {
       cuda::set_device(device);
       cuda::event_synchronize(event);  // the D2H copy into the block has landed
-      if (chunks->empty())
-        request->complete(nullptr);
-      else
-        engine->submit(std::move(*chunks));
+      dispatch(*engine, *request, std::move(*chunks));
     } catch (...) {
       chunks->clear();
       request->complete(std::current_exception());
@@ -265,42 +276,36 @@ std::shared_ptr<IoRequest> NvmeStore::read_then_h2d(const Extent& extent, const 
   if (dst_ptr == 0 && nbytes > 0) throw InvalidArgument("read_then_h2d: dst_ptr is 0 (null)");
   const int device = cuda::stream_device(stream);
   std::shared_ptr<HostRegion> region = block.region();
-  std::shared_ptr<ExtentRange> range = checked_range(extent);
-  if (nbytes > range->nbytes())
-    throw InvalidArgument("read of " + std::to_string(nbytes) + " bytes does not fit the extent of " +
-                          std::to_string(range->nbytes()) + " bytes");
-  {
-    std::lock_guard<std::mutex> lock(stager_mu_);
-    if (!stager_) stager_ = std::make_shared<ThreadPool>(1);
-  }
-  std::shared_ptr<ThreadPool> stager_ref = stager_;
-  auto request = std::make_shared<IoRequest>(nbytes, tracker_);
-  request->keep_alive(range);
-  request->keep_alive(region);
-  request->on_success([region, dst_ptr, nbytes, stream, event, device, stager_ref] {
+  std::shared_ptr<ThreadPool> releaser = stager(Stager::kRelease);
+  Prepared p = prepare(extent, region->data(), nbytes, region->capacity_bytes(), false, region);
+  p.request->on_success([region, dst_ptr, nbytes, stream, event, device, releaser] {
     cuda::set_device(device);
-    cuda::copy_h2d(dst_ptr, reinterpret_cast<uintptr_t>(region->data()), nbytes, stream, event);
+    // A refused copy queues nothing: its error goes to the caller as it is.
+    cuda::copy_h2d(dst_ptr, reinterpret_cast<uintptr_t>(region->data()), nbytes, stream, 0);
     // The copy is only queued: keep the pinned block alive until the device has read it,
     // or the arena could hand the memory to the next D2H while the H2D still reads it.
-    const uintptr_t done = cuda::record_private_event(stream);
-    stager_ref->submit([region, done] {
-      try {
-        cuda::event_synchronize(done);
-      } catch (...) {
-        // A failed stream surfaces to the caller through its own event; nothing to add.
-      }
-      cuda::destroy_event(done);
-    });
+    uintptr_t done = 0;
+    try {
+      if (event != 0) cuda::record_event(event, stream);
+      done = cuda::record_private_event(stream);
+      releaser->submit([region, done] {
+        try {
+          cuda::event_synchronize(done);
+        } catch (...) {
+          // A failed stream surfaces to the caller through its own event; nothing to add.
+        }
+        cuda::destroy_event(done);
+      });
+    } catch (...) {
+      // The copy is queued, nothing marks its end, and the request lets go of the block
+      // when this throws: wait for the stream before the arena can hand the memory out.
+      if (done != 0) cuda::destroy_event(done);
+      cuda::stream_synchronize_noexcept(stream);
+      throw;
+    }
   });
-  std::vector<Chunk> chunks =
-      make_chunks(*range, region->data(), nbytes, region->capacity_bytes(), false, request);
-  request->expect_chunks(chunks.size());
-  if (chunks.empty()) {
-    request->complete(nullptr);
-    return request;
-  }
-  engine_->submit(std::move(chunks));
-  return request;
+  dispatch(*engine_, *p.request, std::move(p.chunks));
+  return p.request;
 }
 
 void NvmeStore::corrupt_for_test(const Extent& extent, uint64_t offset) {

@@ -118,10 +118,25 @@ class NvmeStore {
   std::vector<Chunk> make_chunks(ExtentRange& range, char* mem, uint64_t nbytes,
                                  uint64_t mem_capacity, bool write,
                                  const std::shared_ptr<IoRequest>& request);
+  // A request with its chunks, checked (open store, extent of this store, size, pointer)
+  // and holding the extent and `memory_owner`, not yet queued.
+  struct Prepared {
+    std::shared_ptr<IoRequest> request;
+    std::vector<Chunk> chunks;
+  };
+  Prepared prepare(const Extent& extent, char* mem, uint64_t nbytes, uint64_t mem_capacity,
+                   bool write, std::shared_ptr<const void> memory_owner);
+  // Queues the chunks, or completes a request that has none (zero bytes).
+  static void dispatch(IoEngine& engine, IoRequest& request, std::vector<Chunk> chunks);
   std::shared_ptr<IoRequest> submit(const Extent& extent, char* mem, uint64_t nbytes,
                                     uint64_t mem_capacity, bool write,
                                     std::shared_ptr<const void> memory_owner);
-  ThreadPool& stager();
+  // Two single-thread pools, so that a write waiting for its D2H event never queues
+  // behind a prefetch holding its pinned block until the H2D copy is done (or back).
+  enum class Stager { kWrite, kRelease };
+  // The pool, started on first use; a copy taken under stager_mu_ (close() may drop the
+  // store's reference concurrently). Throws UseAfterClose once the store is closed.
+  std::shared_ptr<ThreadPool> stager(Stager which);
 
   StoreOptions options_;
   std::vector<std::unique_ptr<SlabFile>> slabs_;
@@ -132,7 +147,8 @@ class NvmeStore {
   std::shared_ptr<InflightTracker> tracker_ = std::make_shared<InflightTracker>();
   std::unique_ptr<IoEngine> engine_;
   std::mutex stager_mu_;
-  std::shared_ptr<ThreadPool> stager_;  // created on first CUDA-chained request
+  std::shared_ptr<ThreadPool> write_stager_;    // waits for D2H events, then queues writes
+  std::shared_ptr<ThreadPool> release_stager_;  // holds pinned blocks until H2D copies end
   std::atomic<bool> closed_{false};
   std::mutex close_mu_;
 };

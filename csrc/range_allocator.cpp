@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "align.hpp"
 #include "error.hpp"
 
 namespace offload {
@@ -20,8 +21,7 @@ RangeAllocator::RangeAllocator(uint64_t capacity_bytes, uint64_t granule_bytes)
 }
 
 uint64_t RangeAllocator::round_up(uint64_t nbytes) const noexcept {
-  if (nbytes == 0) return granule_;
-  return (nbytes + granule_ - 1) & ~(granule_ - 1);
+  return nbytes == 0 ? granule_ : align_up(nbytes, granule_);
 }
 
 void RangeAllocator::insert_hole(uint64_t offset, uint64_t size) {

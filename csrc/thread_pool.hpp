@@ -7,25 +7,43 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
 namespace offload {
 
+// Starts `count` threads running `body` into `threads`. std::thread throws
+// std::system_error when the system refuses a thread (EAGAIN: thread or memory limit);
+// escaping a constructor with joinable threads would call std::terminate, so on failure
+// `stop_and_join` ends the threads already started and a runtime_error says how many
+// threads were asked for and why they could not start.
+template <typename Body, typename Stop>
+void start_threads(std::vector<std::thread>& threads, size_t count, const char* what, Body body,
+                   Stop stop_and_join) {
+  threads.reserve(count);
+  try {
+    for (size_t i = 0; i < count; ++i) threads.emplace_back(body);
+  } catch (const std::exception& e) {  // system_error (EAGAIN), or bad_alloc for its state
+    const size_t started = threads.size();
+    stop_and_join();
+    throw std::runtime_error("cannot start " + std::string(what) + " " +
+                             std::to_string(started + 1) + " of " + std::to_string(count) + " (" +
+                             e.what() + "); lower the number of workers or raise the process's "
+                             "thread limit (ulimit -u)");
+  }
+}
+
 class ThreadPool {
  public:
-  explicit ThreadPool(size_t threads) {
-    for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { loop(); });
+  // `what` names the pool in the error thrown when the system refuses a thread.
+  explicit ThreadPool(size_t threads, const char* what = "staging thread") {
+    start_threads(threads_, threads, what, [this] { loop(); }, [this] { shutdown(); });
   }
   // Runs every queued task, then joins.
-  ~ThreadPool() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
+  ~ThreadPool() { shutdown(); }
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
@@ -39,6 +57,16 @@ class ThreadPool {
   }
 
  private:
+  void shutdown() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+
   void loop() {
     for (;;) {
       std::function<void()> task;

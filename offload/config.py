@@ -390,3 +390,18 @@ def env_table_markdown() -> str:
         rows.append(f"| `{m['env']}` | {m['type']} | `{_default_text(f)}` | "
                      f"`{m['example']}` | {m['doc']} |")
     return "\n".join(rows) + "\n"
+
+
+def parse_nvme_dirs(raw: Any, where: str = "OFFLOAD_NVME_DIR",
+                    env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """Directories from an OFFLOAD_NVME_DIR-style value, by the same rules as `Config`.
+
+    Comma-separated, `{rank}` / `{local_rank}` expanded from RANK / LOCAL_RANK in `env`
+    (default `os.environ`), `~` expanded. For tools that take such a list themselves
+    (offload-bench's --nvme-dir); existence is not checked here (see `Config.validate`).
+
+    Raises:
+        ConfigError: an unknown placeholder, or no directory at all (message starts with
+            `where`).
+    """
+    return _parse_dirs(raw, where, os.environ if env is None else env)

@@ -1,5 +1,7 @@
 """offload-bench: end to end through the real CLI entry on a tiny GPT, the gradient check
-catching a one-ulp corruption, crash handling, cleanup, --max-batch, argument errors.
+catching a one-ulp corruption (in every step, or only an early one), memory kept between
+steps counted, the RSS cross-check, buffered NVMe flagged, crash handling, cleanup,
+--max-batch, argument errors.
 
 Each worker is a fresh Python process (importing torch costs seconds here), so the end-to-end
 run happens once per module and several tests read its rows.
@@ -14,11 +16,16 @@ import tempfile
 import pytest
 import torch
 
-from offload.bench import maxbatch
+from offload.bench import maxbatch, measure, report, rows as rows_mod
 from offload.bench.cli import main
 from offload.bench.rows import ROW_FIELDS
 from offload.bench.runner import GradChecker, Workspace
-from offload.bench.strategies import PUBLIC_STRATEGIES
+from offload.bench.strategies import PUBLIC_STRATEGIES, PooledArena
+
+from mounts import mounted
+
+MiB = 1 << 20
+TEST_STRATEGIES = ["corrupt", "corrupt-early", "pooled-arena", "crash"]
 
 TINY = ["--gpt", "hidden=64,layers=2,heads=2,vocab_size=128", "--seq", "32", "--batch", "2",
         "--warmup", "1", "--steps", "2"]
@@ -49,7 +56,7 @@ def bench_dirs():
 
 @pytest.fixture(scope="module")
 def e2e(bench_dirs):
-    """One run of every strategy plus the test-only `corrupt` and `crash` ones."""
+    """One run of every strategy plus the test-only ones (TEST_STRATEGIES)."""
     out = os.path.join(bench_dirs["root"], "rows.json")
     plot = os.path.join(bench_dirs["root"], "plot.png")
     before = _workspaces()
@@ -57,7 +64,7 @@ def e2e(bench_dirs):
         # Tiny tensors would stay put under the runtime's default threshold; the workers
         # must see the parent's environment (they fork from a server started earlier).
         mp.setenv("OFFLOAD_MIN_BYTES", "0")
-        code = main(TINY + ["--strategies", ",".join(PUBLIC_STRATEGIES + ["corrupt", "crash"]),
+        code = main(TINY + ["--strategies", ",".join(PUBLIC_STRATEGIES + TEST_STRATEGIES),
                             "--nvme-dir", bench_dirs["nvme"], "--json", out, "--plot", plot])
     with open(out) as f:
         rows = json.load(f)
@@ -66,7 +73,7 @@ def e2e(bench_dirs):
 
 
 def test_every_field_for_every_strategy(e2e):
-    assert [r["strategy"] for r in e2e["order"]] == PUBLIC_STRATEGIES + ["corrupt", "crash"]
+    assert [r["strategy"] for r in e2e["order"]] == PUBLIC_STRATEGIES + TEST_STRATEGIES
     for row in e2e["order"]:
         assert set(row) == set(ROW_FIELDS), row["strategy"]
         assert isinstance(row["available"], bool)
@@ -88,6 +95,12 @@ def test_baseline_and_peers_measured(e2e):
     assert rec["bit_exact"] is True and rec["max_abs_diff"] == 0.0
     assert rows["save_on_cpu"]["bit_exact"] is True
     assert none["bit_exact"] is None  # the reference itself (one round)
+    assert rec["grads_differ_steps"] == [] and none["grads_differ_steps"] is None
+    # Each row names where its resident bytes come from; the RSS growth agrees with them.
+    assert none["resident_source"] == "saved-tensor hook (untimed pass)"
+    assert "largest recomputed block" in rec["resident_source"]
+    assert none["resident_check"].startswith("reference")
+    assert rec["resident_check"] == "ok" and rows["save_on_cpu"]["resident_check"] == "ok"
     assert rows["torchtune"]["available"] is False
     assert "needs a CUDA GPU" in rows["torchtune"]["reason"]
 
@@ -110,6 +123,16 @@ def test_offload_rows(e2e):
     assert stats["peak_resident_bytes"] < rows["none"]["resident_bytes"]
     # On CPU the staging arena is RAM, so it counts as resident (see worker).
     assert nvme["resident_bytes"] == stats["peak_resident_bytes"] + stats["staging_peak_bytes"]
+    assert nvme["resident_source"] == "runtime peak_resident_bytes + staging arena peak"
+    assert nvme["resident_check"] == "ok", nvme["rss_unexplained_bytes"]
+    # /var/tmp is ext4: O_DIRECT, so no page cache hides written bytes from RSS.
+    assert nvme["nvme_direct"] is True and rows["offload-host"]["nvme_direct"] is None
+    assert nvme["nvme_fs_types"] == ["ext4"] and nvme["nvme_in_ram"] is False
+    # The pooled staging arena was dropped before the baseline (it held the warm-up's
+    # pages) and its pages count again in the timed steps' peak.
+    assert stats["staging_peak_bytes"] > 0
+    assert nvme["pool_released_bytes"] > 0  # (the warm-up's arena use varies a little)
+    assert nvme["peak_rss_delta_bytes"] >= stats["staging_peak_bytes"]
     auto = rows["auto"]
     assert auto["available"] or "auto" in auto["reason"]
 
@@ -120,6 +143,30 @@ def test_gradient_check_catches_one_ulp(e2e):
     assert row["bit_exact"] is False
     assert 0 < row["max_abs_diff"] < 1e-6
     assert len(row["grads_differ"]) == 1
+    assert row["grads_differ_steps"] == [0, 1]  # both timed steps
+
+
+def test_gradient_check_covers_every_step(e2e):
+    # Corrupted in the first timed step only; the last step (saved whole) is clean.
+    row = e2e["rows"]["corrupt-early"]
+    assert row["available"]
+    assert row["bit_exact"] is False and row["grads_differ_steps"] == [0]
+    assert row["max_abs_diff"] == 0.0  # the last step matches: only the checksums saw it
+    assert row["grads_differ"] == e2e["rows"]["corrupt"]["grads_differ"]
+
+
+def test_memory_kept_between_steps_is_counted(e2e):
+    # A 64 MiB arena pooled between steps like the runtime's staging arena: a baseline
+    # taken with its warm-up pages resident would hide it (the peak was ~0 then).
+    rows = e2e["rows"]
+    row, none = rows["pooled-arena"], rows["none"]
+    assert row["available"], row["reason"]
+    arena = PooledArena.ARENA_BYTES
+    assert row["pool_released_bytes"] >= 0.9 * arena
+    assert row["peak_rss_delta_bytes"] - none["peak_rss_delta_bytes"] >= 0.9 * arena
+    # Its resident accounting (autograd's saved tensors) cannot see the arena: flagged.
+    assert row["resident_check"].startswith("RSS grew"), row["resident_check"]
+    assert row["bit_exact"] is True
 
 
 def test_crashed_worker_is_a_row_and_leaves_nothing(e2e):
@@ -240,9 +287,84 @@ def test_grad_checker_compares_late_reference(tmp_path):
     checker.add("none", a)
     checker.add("y", c)
     checker.close()
-    assert checker.summary("x") == (True, 0.0, [])
-    assert checker.summary("y") == (False, 0.5, ["w"])
+    assert checker.summary("x") == (True, 0.0, [], [])
+    assert checker.summary("y") == (False, 0.5, ["w"], [])
     assert os.listdir(tmp_path) == []
+
+
+def test_grad_checker_compares_every_step(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(1, 3)).sum().backward()
+    good = measure.grad_hashes(model)
+    model.bias.grad[1] = torch.nextafter(model.bias.grad[1], torch.tensor(9.0))
+    bad = measure.grad_hashes(model)
+    checker = GradChecker()
+    checker.add("none", None, [good, good, good])
+    checker.add("x", None, [good, bad, good])
+    checker.add("y", None, [good, good, good])
+    assert checker.summary("x") == (False, 0.0, ["bias"], [1])
+    assert checker.summary("y") == (True, 0.0, [], [])
+    # Same bytes in another shape is a different gradient.
+    a, b = torch.nn.Module(), torch.nn.Module()
+    a.w, b.w = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(3, 2))
+    a.w.grad, b.w.grad = torch.zeros(2, 3), torch.zeros(3, 2)
+    assert measure.grad_hashes(a)["grads"]["w"] != measure.grad_hashes(b)["grads"]["w"]
+
+
+def _row(strategy, rss, resident, **extra):
+    row = dict.fromkeys(ROW_FIELDS)
+    row.update(strategy=strategy, available=True, peak_activation_source="process rss",
+               peak_activation_bytes=rss, peak_rss_delta_bytes=rss, resident_bytes=resident,
+               step_s_median=1.0, **extra)
+    return row
+
+
+def test_cross_check_flags_rss_the_accounting_misses():
+    none = _row("none", 1000 * MiB, 800 * MiB)            # 200 MiB transient working set
+    ok = _row("offload-nvme", 500 * MiB, 250 * MiB)       # same transient + noise
+    bad = _row("offload-host", 900 * MiB, 400 * MiB)      # 300 MiB nothing accounts for
+    rows = [none, ok, bad]
+    rows_mod.add_relative(rows)
+    assert none["resident_check"].startswith("reference")
+    assert ok["resident_check"] == "ok" and ok["rss_unexplained_bytes"] == 250 * MiB
+    # Slack: max(32 MiB, 10% of none's 1000 MiB) = 100 MiB < 300 MiB over the transient.
+    assert bad["resident_check"].startswith("RSS grew 300 MiB more than resident bytes")
+    lines = report.footnotes(rows)
+    assert any(line.startswith("  ‡ offload-host: RSS grew") for line in lines)
+    assert not any("offload-nvme: RSS" in line for line in lines)
+
+
+def test_buffered_nvme_marked():
+    none = _row("none", 1000 * MiB, 800 * MiB)
+    buffered = _row("offload-nvme", 300 * MiB, 100 * MiB, nvme_direct=False, nvme_in_ram=True,
+                    nvme_fs_types=["xfs"])
+    rows = [none, buffered]
+    rows_mod.add_relative(rows)
+    lines = report.footnotes(rows)
+    assert any(line.startswith("  † offload-nvme: buffered NVMe I/O (O_DIRECT refused)")
+               for line in lines)
+    assert report._mem_cell("300 MiB", buffered) == "300 MiB†"
+    assert report._mem_cell("300 MiB", none) == "300 MiB"
+
+
+@pytest.mark.skipif(not _runtime_available(), reason="needs offload.activations()")
+def test_buffered_nvme_dir_flagged_end_to_end(tmp_path, capsys):
+    # tmpfs: whether or not it takes O_DIRECT (Linux >= 6.6 does), the bytes stay in shmem,
+    # RAM that RSS does not count. The row must say so, in --json and in the table.
+    out = tmp_path / "rows.json"
+    with mounted("tmpfs", size_bytes=256 * MiB) as point, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OFFLOAD_MIN_BYTES", "0")
+        mp.setenv("OFFLOAD_NVME_BYTES", "64MiB")
+        code = main(TINY + ["--steps", "1", "--strategies", "offload-nvme",
+                            "--nvme-dir", point, "--json", str(out)])
+        assert os.listdir(point) == []
+    assert code == 0
+    row = {r["strategy"]: r for r in json.loads(out.read_text())}["offload-nvme"]
+    assert row["available"], row["reason"]
+    assert row["nvme_fs_types"] == ["tmpfs"] and row["nvme_in_ram"] is True
+    out = capsys.readouterr().out
+    assert "† offload-nvme: " in out and "which RSS does not count" in out
+    assert any(line.startswith("│ offload-nvme") and "†" in line for line in out.splitlines())
 
 
 # ---------------------------------------------------------------- argument errors
@@ -260,7 +382,11 @@ def test_grad_checker_compares_late_reference(tmp_path):
     (["--gpt", "hiden=3"], "--gpt 'hiden=3': expected KEY=VALUE with KEY one of"),
     (["--gpt", "hidden=100,heads=3"], "--gpt: GPTConfig: hidden=100 is not divisible by heads=3"),
     (["--steps", "0"], "--steps 0: must be at least 1"),
-    (["--nvme-dir", "/no/such/dir"], "--nvme-dir '/no/such/dir': not a directory"),
+    (["--nvme-dir", "/no/such/dir"], "--nvme-dir '/no/such/dir': '/no/such/dir' is not a "
+                                     "directory"),
+    # The runtime's OFFLOAD_NVME_DIR rules (offload.config): no unknown placeholder kept.
+    (["--nvme-dir", "/var/tmp/{rnak}"], "--nvme-dir '/var/tmp/{rnak}': bad placeholder in "
+                                        "'/var/tmp/{rnak}'"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"],
      "--device"),
     (["--json", "/no/such/dir/rows.json"], "--json '/no/such/dir/rows.json': the directory"),
@@ -276,7 +402,16 @@ def test_nvme_dir_from_env(monkeypatch, capsys):
     monkeypatch.setenv("OFFLOAD_NVME_DIR", "/no/such/env/dir")
     with pytest.raises(SystemExit):
         main(["--strategies", "none"])
-    assert "OFFLOAD_NVME_DIR '/no/such/env/dir': not a directory" in capsys.readouterr().err
+    assert ("OFFLOAD_NVME_DIR='/no/such/env/dir': '/no/such/env/dir' is not a directory"
+            in capsys.readouterr().err)
+
+
+def test_nvme_dir_placeholders_expand(monkeypatch, tmp_path, capsys):
+    (tmp_path / "3").mkdir()
+    monkeypatch.setenv("RANK", "3")
+    from offload.bench.cli import _nvme_bases
+
+    assert _nvme_bases(f"{tmp_path}/{{rank}}", None) == [f"{tmp_path}/3"]
 
 
 def test_explain_says_why_or_prints_plan(nvme_dir, capsys):

@@ -59,11 +59,10 @@ def _supports_o_direct(directory: str) -> bool:
 
 # ---------------------------------------------------------------------- round trips
 
-@pytest.mark.parametrize("nbytes", ROUND_TRIP_SIZES)
-@pytest.mark.parametrize("shift", [1, 4096 - 3])
+# One unaligned shift is enough for the 64 MiB case (it is the slow one).
+@pytest.mark.parametrize("nbytes,shift", [(n, s) for n in ROUND_TRIP_SIZES
+                                          for s in ((1, 4096 - 3) if n <= MiB else (1,))])
 def test_round_trip_through_unaligned_pointers(nvme_dir, nbytes, shift):
-    if nbytes > MiB and shift != 1:
-        pytest.skip("one unaligned shift is enough for the 64 MiB case")
     store = C.NvmeStore([nvme_dir], nbytes + MiB)
     src = _unaligned(nbytes, shift)
     src.copy_(_random_bytes(nbytes, seed=nbytes))
@@ -229,6 +228,39 @@ def test_zero_byte_transfer_completes_at_once(nvme_dir):
     store.close()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to an unprivileged user")
+def test_thread_start_failure_is_a_clear_error_not_a_crash():
+    # RLIMIT_NPROC (which root ignores) lets a few threads start, then refuses the rest:
+    # the store must stop the started workers and raise, not std::terminate the process.
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as work:   # reachable by "nobody"
+        os.chmod(work, 0o777)
+        _thread_start_failure(work)
+
+
+def _thread_start_failure(work: str) -> None:
+    script = textwrap.dedent(f"""
+        import os, resource
+        from offload._ext import load_core
+        C = load_core()
+        os.setgid(65534); os.setuid(65534)
+        resource.setrlimit(resource.RLIMIT_NPROC, (6, 6))
+        try:
+            C.NvmeStore([{str(work)!r}], 1 << 20, workers=64)
+        except RuntimeError as e:
+            print("ERR", e)
+        store = C.NvmeStore([{str(work)!r}], 1 << 20, workers=2)  # still usable after
+        store.close()
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "ERR cannot start NvmeStore I/O worker" in proc.stdout
+    assert "of 64" in proc.stdout and "ulimit -u" in proc.stdout
+    assert proc.stdout.rstrip().endswith("OK")
+    assert os.listdir(work) == []
+
+
 # --------------------------------------------------------------------------- checksums
 
 def test_crc32c_matches_the_standard_check_value_on_both_backends():
@@ -240,6 +272,20 @@ def test_crc32c_matches_the_standard_check_value_on_both_backends():
         assert C.crc32c(data) == C._crc32c_portable(data)
         half = n // 2
         assert C.crc32c(data[half:], C.crc32c(data[:half])) == C.crc32c(data)
+
+
+def test_crc32c_refuses_non_contiguous_buffers():
+    import numpy as np
+    data = np.arange(64, dtype=np.uint8)
+    for strided in (data[::2], data.reshape(8, 8).T, data[::-1]):
+        with pytest.raises(ValueError, match=r"crc32c: data must be C-contiguous, got shape"):
+            C.crc32c(strided)
+        with pytest.raises(ValueError, match=r"crc32c: data must be C-contiguous"):
+            C._crc32c_portable(strided)
+    # Contiguous views of any shape are one flat byte range and still accepted.
+    assert C.crc32c(data.reshape(8, 8)) == C.crc32c(data.tobytes())
+    assert C.crc32c(data[8:16]) == C.crc32c(data.tobytes()[8:16])
+    assert C.crc32c(data.reshape(8, 8)[2:3]) == C.crc32c(data.tobytes()[16:24])
 
 
 def test_corruption_is_detected_with_checksums(nvme_dir):

@@ -131,18 +131,24 @@ def _parse_gpt(text: str, parser) -> dict[str, Any]:
 
 
 def _nvme_bases(arg: str | None, parser) -> list[str]:
-    source = "--nvme-dir" if arg else "OFFLOAD_NVME_DIR"
-    text = arg or os.environ.get("OFFLOAD_NVME_DIR") or "/var/tmp"
-    rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
-    bases = []
-    for d in filter(None, (s.strip() for s in text.split(","))):
-        d = d.replace("{rank}", rank).replace("{local_rank}", local)
+    from offload.config import parse_nvme_dirs
+    from offload.errors import ConfigError
+
+    # The runtime's own rules for OFFLOAD_NVME_DIR ({rank}, {local_rank}, ~, commas).
+    env = os.environ.get("OFFLOAD_NVME_DIR")
+    text = arg or env or "/var/tmp"
+    source = (f"--nvme-dir {arg!r}" if arg else f"OFFLOAD_NVME_DIR={env!r}" if env
+              else "the default NVMe directory (set --nvme-dir)")
+    try:
+        bases = list(parse_nvme_dirs(text, source))
+    except ConfigError as exc:
+        parser.error(str(exc))
+    for d in bases:
         if not os.path.isdir(d):
-            parser.error(f"{source} {d!r}: not a directory (point it at a writable directory "
-                         "on a local SSD)")
+            parser.error(f"{source}: {d!r} is not a directory (point it at a writable "
+                         "directory on a local SSD)")
         if not os.access(d, os.W_OK | os.X_OK):
-            parser.error(f"{source} {d!r}: not writable (choose a directory you can write)")
-        bases.append(d)
+            parser.error(f"{source}: {d!r} is not writable (choose a directory you can write)")
     return bases
 
 
@@ -277,7 +283,7 @@ def benchmark(s: Settings, progress: Progress) -> list[dict[str, Any]]:
             for r, name in runs:
                 progress.update(task, description=f"{name} (round {r + 1}/{s.rounds})")
                 result = runner.run(s.spec.replace(strategy=name), save_grads=True)
-                checker.add(name, result.get("grads_path"))
+                checker.add(name, result.get("grads_path"), result.get("grad_hashes"))
                 results[name].append(result)
                 progress.console.print(_run_line(name, r, s.rounds, result), highlight=False,
                                        markup=False)

@@ -8,11 +8,16 @@ What "fits" means:
   a number (``--memory-limit``) checked against the strategy's *resident activation bytes* --
   what our accounting says stays in RAM: for ``none``/``save_on_cpu`` every storage autograd
   saves; for ``recompute`` the block inputs kept between forward and backward plus the
-  largest block's recomputed set; for the offload rows the runtime's ``peak_resident_bytes``.
-  Strategies without such accounting (torchtune) get no CPU result.
+  largest block's recomputed set; for the offload rows the runtime's ``peak_resident_bytes``
+  plus its staging arena. These are different instruments: the row's ``resident_source``
+  names its own, and its ``resident_check`` says whether the measured RSS growth of the
+  main run agrees with it (each probe also records its RSS growth). Strategies without such
+  accounting (torchtune) get no CPU result.
 
-Search: every probe is a fresh worker (one warm-up + one timed step, so the timing of the
-best probe is the throughput reported). The first probe is the batch predicted from the main
+Search: every probe is a fresh worker (one warm-up + one timed step). The throughput
+reported is the median step time of the run at the best batch: that is the single timed
+step of a probe, or the median of the main run's ``--steps`` when the best batch is the
+base batch (so a probe's figure is one sample, noisier than the main run's). The first probe is the batch predicted from the main
 run by assuming activation bytes grow linearly with the batch; then its neighbour confirms
 the edge, and bisection takes over if the prediction was off. A batch cap and a per-strategy
 time budget keep it bounded; ``max_batch_limited_by`` says which edge stopped the search
@@ -21,6 +26,7 @@ time budget keep it bounded; ``max_batch_limited_by`` says which edge stopped th
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any, Callable
 
 __all__ = ["fits", "search"]
@@ -40,6 +46,10 @@ def fits(result: dict[str, Any], device_type: str, limit_bytes: int | None) -> b
     if result.get("resident_bytes") is None:
         return None
     return result["resident_bytes"] <= limit_bytes
+
+
+def _median(times: list[float]) -> float | None:
+    return statistics.median(times) if times else None
 
 
 def _predict(base: dict[str, Any], device_type: str, limit_bytes: int | None) -> int | None:
@@ -114,7 +124,8 @@ def search(base: dict[str, Any], probe: Callable[[int], dict[str, Any]], *, devi
         ok = fits(result, device_type, limit_bytes)
         probes.append({"batch": b, "fits": ok, "resident_bytes": result.get("resident_bytes"),
                        "cuda_peak_bytes": result.get("cuda_peak_bytes"),
-                       "step_s": min(result["step_times_s"]) if result["step_times_s"] else None,
+                       "peak_rss_delta_bytes": result.get("peak_rss_delta_bytes"),
+                       "step_s": _median(result["step_times_s"]),
                        "reason": result.get("reason")})
         on_probe(b, ok)
         last = b
@@ -129,8 +140,7 @@ def search(base: dict[str, Any], probe: Callable[[int], dict[str, Any]], *, devi
            "max_batch_probes": probes, "max_batch_step_s": None,
            "max_batch_tokens_per_s": None, "max_batch_samples_per_s": None}
     if best is not None and best["step_times_s"]:
-        step_s = min(best["step_times_s"]) if best is not base else \
-            sorted(best["step_times_s"])[len(best["step_times_s"]) // 2]
+        step_s = _median(best["step_times_s"])
         out["max_batch_step_s"] = step_s
         out["max_batch_samples_per_s"] = lo / step_s
         if best.get("tokens_per_step"):

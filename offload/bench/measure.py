@@ -9,7 +9,16 @@ Peak activation memory is "how much more memory the step needed than the model a
   after the warm-up, once freed heap pages went back to the OS (``malloc_trim``). Measuring
   from before the first step instead would charge one-time costs to the step: the first
   ``torch.utils.checkpoint`` call imports ~800 modules (~74 MiB RSS, measured). That growth
-  is kept apart as ``warmup_rss_delta_bytes``. The peak comes from a thread sampling
+  is kept apart as ``warmup_rss_delta_bytes``.
+
+  Nothing a strategy keeps between steps may hide in that baseline: the runtime pools its
+  NVMe staging arena (offload/tiers/pool.py) and the pages the warm-up touched would stay
+  resident, so a baseline taken with them would hand the offload rows a discount that
+  ``none`` never gets. So on CPU the worker drops the pool before the baseline
+  (``RssPeak.rebase(release=...)``; ``released_bytes`` says how much RSS that gave back)
+  and the first timed step re-creates the arena and pays for its pages, in memory and in
+  time (the step time range shows it; the median of 3+ steps hardly moves). The peak comes
+  from a thread sampling
   ``/proc/self/statm`` every 10 ms (more often steals time from the compute threads on a
   small machine), and is exact whenever it beats the lifetime maximum ``ru_maxrss``.
 
@@ -21,11 +30,14 @@ from __future__ import annotations
 import os
 import resource
 import threading
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["current_rss_bytes", "RssPeak", "release_free_memory", "SavedBytesCounter",
-           "param_storage_ptrs", "save_grads", "compare_grads", "synchronize"]
+__all__ = ["current_rss_bytes", "RssPeak", "release_free_memory", "fs_type", "RAM_FS_TYPES",
+           "SavedBytesCounter",
+           "param_storage_ptrs", "grad_hashes", "compare_grad_hashes", "save_grads",
+           "compare_grads", "synchronize"]
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
@@ -63,6 +75,7 @@ class RssPeak:
         self.baseline_bytes = 0
         self.peak_bytes = 0
         self.warmup_delta_bytes: int | None = None
+        self.released_bytes: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -88,11 +101,21 @@ class RssPeak:
             # The lifetime peak moved since the baseline, so it is this region's exact peak.
             self.peak_bytes = max(self.peak_bytes, max_rss)
 
-    def rebase(self) -> None:
-        """End of warm-up: keep its growth apart, return freed pages, measure from here."""
+    def rebase(self, release: Callable[[], None] | None = None) -> None:
+        """End of warm-up: keep its growth apart, return freed pages, measure from here.
+
+        Args:
+            release: drops what the strategy keeps between steps (pooled arenas), so it is
+                not part of the baseline; the RSS this gave back is ``released_bytes``.
+        """
         self._exact_peak()
         self.warmup_delta_bytes = max(0, self.peak_bytes - self.baseline_bytes)
         release_free_memory()
+        if release is not None:
+            before = current_rss_bytes()
+            release()
+            release_free_memory()
+            self.released_bytes = max(0, before - current_rss_bytes())
         self.baseline_bytes = self.peak_bytes = current_rss_bytes()
         self._max_rss_before = _max_rss_bytes()
 
@@ -110,13 +133,39 @@ def release_free_memory() -> None:
     """Hand freed heap pages back to the OS (glibc `malloc_trim`), so RSS shows live memory.
 
     Without it the allocator keeps the first step's pages and later steps show no growth.
+    Not glibc: a no-op, and RSS growth then shows only the first step.
     """
-    try:
-        import ctypes
+    from offload.tiers.heap import trim_heap
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: RSS growth then shows only the first step
-        pass
+    trim_heap()
+
+
+# File systems whose files are RAM: what the nvme tier writes there stays in host memory
+# (shmem), whatever O_DIRECT does (tmpfs accepts O_DIRECT since Linux 6.6), and RSS does not
+# count it.
+RAM_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+
+
+def fs_type(path: str) -> str | None:
+    """The file system type of the mount holding `path` (Linux; None when unknown)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, best_len = None, -1
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5 or not right.split():
+            continue
+        # Mount points escape blanks and backslashes as octal (\040).
+        point = fields[4].encode().decode("unicode_escape")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= best_len:  # the last of equal mounts is the visible one
+            best, best_len = right.split()[0], len(point)
+    return best
 
 
 def param_storage_ptrs(model: torch.nn.Module) -> set[int]:
@@ -166,6 +215,66 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work so a wall-clock interval covers it (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _checksum():
+    """(name, fn(buffer) -> int): the core's CRC-32C (GB/s) where built, else zlib's CRC-32."""
+    try:
+        from offload._ext import load_core
+
+        return "crc32c", load_core().crc32c
+    except Exception:  # no compiled core: the check must still work for none/recompute
+        import zlib
+
+        return "crc32", zlib.crc32
+
+
+def grad_hashes(model: torch.nn.Module) -> dict[str, Any]:
+    """A checksum of every parameter's gradient bytes (None where it got none).
+
+    Taken after every timed step, so the gradient check covers each step, not only the last
+    one (whose full tensors are saved for the max abs diff). A CRC catches any change of a
+    few bits for sure, so a one-ulp nudge never slips through.
+    Returns ``{"algo": name, "grads": {param name: int | None}}``.
+    """
+    algo, fn = _checksum()
+    out: dict[str, int | None] = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            out[name] = None
+            continue
+        flat = g.detach().contiguous().reshape(-1).cpu().view(torch.uint8)
+        # Shape and dtype are part of "the same gradient" too.
+        out[name] = fn(flat.numpy(), fn(f"{tuple(g.shape)}{g.dtype}".encode()))
+    return {"algo": algo, "grads": out}
+
+
+def compare_grad_hashes(ref_steps: list[dict[str, Any]], got_steps: list[dict[str, Any]]
+                        ) -> tuple[bool | None, list[str], list[int]]:
+    """Compare per-step checksums (from :func:`grad_hashes`) against the reference run's.
+
+    Step k is compared with the reference's step k (every step computes the same gradients,
+    see the worker); a run with more steps than the reference is compared with its last.
+
+    Returns:
+        (bit_exact, names that differ in any step, indices of the timed steps that differ).
+        bit_exact is None when nothing can be compared (no steps, different checksums).
+    """
+    if not ref_steps or not got_steps:
+        return None, [], []
+    differ: set[str] = set()
+    steps: list[int] = []
+    for k, got in enumerate(got_steps):
+        ref = ref_steps[min(k, len(ref_steps) - 1)]
+        if ref["algo"] != got["algo"]:
+            return None, [], []
+        a, b = ref["grads"], got["grads"]
+        bad = {n for n in set(a) | set(b) if a.get(n, "missing") != b.get(n, "missing")}
+        if bad:
+            differ |= bad
+            steps.append(k)
+    return not steps, sorted(differ), steps
 
 
 def save_grads(model: torch.nn.Module, path: str) -> None:

@@ -10,7 +10,8 @@ from offload.sizes import format_bytes
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["print_table", "write_json", "write_plot", "plot_unavailable_reason", "explain_text"]
+__all__ = ["print_table", "footnotes", "write_json", "write_plot", "plot_unavailable_reason",
+           "explain_text"]
 
 
 def _bytes(v: int | None) -> str:
@@ -58,7 +59,27 @@ def _grads(row: dict[str, Any]) -> str:
         return "ref" if row["strategy"] == "none" and row["available"] else "—"
     if row["bit_exact"]:
         return "bit-exact"
-    return f"[bold red]DIFF[/] {row['max_abs_diff']:.2g}"
+    if row["max_abs_diff"]:
+        return f"[bold red]DIFF[/] {row['max_abs_diff']:.2g}"
+    # The last step matched; an earlier one did not (its tensors are not kept, only CRCs).
+    steps = ",".join(str(k + 1) for k in row["grads_differ_steps"] or [])
+    return f"[bold red]DIFF[/] step {steps}"
+
+
+# Footnote marks: buffered NVMe I/O (memory cells), RSS the accounting does not explain.
+_BUFFERED, _UNEXPLAINED = "†", "‡"
+
+
+def _buffered(row: dict[str, Any]) -> bool:
+    return bool(row["nvme_in_ram"])
+
+
+def _unexplained(row: dict[str, Any]) -> bool:
+    return (row["resident_check"] or "ok").startswith("RSS grew")
+
+
+def _mem_cell(text: str, row: dict[str, Any]) -> str:
+    return text + _BUFFERED if _buffered(row) and text != "—" else text
 
 
 def _max_batch(row: dict[str, Any]) -> str:
@@ -107,9 +128,11 @@ def print_table(rows: list[dict[str, Any]], console: Console) -> None:
     for row in rows:
         if not row["available"]:
             continue
-        cells = [row["strategy"], _time(row), _overhead(row), _bytes(row["peak_activation_bytes"]),
-                 _saved(row), _bytes(row["resident_bytes"]), _tiers(row), _rates(row),
-                 _stall(row), _grads(row)]
+        resident = _bytes(row["resident_bytes"]) + (_UNEXPLAINED if _unexplained(row) else "")
+        cells = [row["strategy"], _time(row), _overhead(row),
+                 _mem_cell(_bytes(row["peak_activation_bytes"]), row),
+                 _mem_cell(_saved(row), row), _mem_cell(resident, row), _tiers(row),
+                 _rates(row), _stall(row), _grads(row)]
         if show_max:
             cells.append(_max_batch(row))
         table.add_row(*cells)
@@ -122,11 +145,52 @@ def print_table(rows: list[dict[str, Any]], console: Console) -> None:
                 reason = reason[len("failed: "):]
             console.print(f"  {row['strategy']}: {label}: {reason}", highlight=False,
                           markup=False)
+    for line in footnotes(rows):
+        console.print(line, highlight=False, markup=False)
     limited = [r for r in rows if r["max_batch_limited_by"]
                and r["max_batch_limited_by"] not in ("memory", "cap", "time")]
     for row in limited:
         console.print(f"  {row['strategy']}: max batch: {row['max_batch_limited_by']}",
                       highlight=False, markup=False)
+
+
+def footnotes(rows: list[dict[str, Any]]) -> list[str]:
+    """Lines under the table: where each memory number comes from, and its caveats."""
+    shown = [r for r in rows if r["available"]]
+    lines = []
+    sources: dict[str, list[str]] = {}
+    for r in shown:
+        if r["resident_source"]:
+            sources.setdefault(r["resident_source"], []).append(r["strategy"])
+    if sources:
+        lines.append("  resident activations: " + "; ".join(
+            f"{', '.join(names)}: {src}" for src, names in sources.items()))
+    if any(r["peak_activation_source"] == "process rss" for r in shown):
+        released = [r for r in shown if r["pool_released_bytes"]]
+        text = ("  peak act. mem: RSS growth over the timed steps above the warm-up's end; "
+                "arenas the runtime keeps between steps were dropped first and count again")
+        if released:
+            text += " (" + ", ".join(f"{r['strategy']} {format_bytes(r['pool_released_bytes'])}"
+                                     for r in released) + ")"
+        lines.append(text)
+    for r in shown:
+        if _buffered(r):
+            why = ("buffered NVMe I/O (O_DIRECT refused), so the written bytes sit in the "
+                   "page cache" if r["nvme_direct"] is False else
+                   f"the NVMe directory is on {'/'.join(sorted(set(r['nvme_fs_types'])))}, "
+                   "so the written bytes stay in RAM")
+            lines.append(f"  {_BUFFERED} {r['strategy']}: {why}, which RSS does not count: "
+                         "its memory numbers understate the RAM it uses (use --nvme-dir on "
+                         "a disk)")
+        if _unexplained(r):
+            lines.append(f"  {_UNEXPLAINED} {r['strategy']}: {r['resident_check']}: its "
+                         "resident-bytes accounting misses memory")
+    steps = [r for r in shown if r["bit_exact"] is False and r["grads_differ_steps"]]
+    for r in steps:
+        lines.append(f"  {r['strategy']}: gradients differ from none in timed step(s) "
+                     + ", ".join(str(k + 1) for k in r["grads_differ_steps"])
+                     + (f" ({', '.join(r['grads_differ'][:3])})" if r["grads_differ"] else ""))
+    return lines
 
 
 def write_json(rows: list[dict[str, Any]], path: str) -> None:

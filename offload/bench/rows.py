@@ -9,6 +9,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from offload.bench.measure import RAM_FS_TYPES
+from offload.sizes import format_bytes
+
 __all__ = ["ROW_FIELDS", "STATS_FIELDS", "make_row", "add_relative"]
 
 # Fields of offload.activations' ctx.stats.as_dict() that a row carries.
@@ -30,19 +33,27 @@ ROW_FIELDS = (
     "tokens_per_s", "samples_per_s", "overhead_vs_none",
     # memory
     "peak_activation_bytes", "peak_activation_source", "cuda_peak_bytes",
-    "peak_rss_delta_bytes", "warmup_rss_delta_bytes", "memory_saved_bytes", "memory_saved_pct",
-    "resident_bytes", "resident_saved_pct", "saved_bytes",
+    "peak_rss_delta_bytes", "warmup_rss_delta_bytes", "pool_released_bytes",
+    "memory_saved_bytes", "memory_saved_pct",
+    "resident_bytes", "resident_source", "resident_saved_pct", "saved_bytes",
+    "rss_unexplained_bytes", "resident_check", "nvme_direct", "nvme_fs_types", "nvme_in_ram",
     # tiers and transfers (offload rows)
     *STATS_FIELDS, *RATE_FIELDS,
     "runtime_stats",  # the whole ctx.stats.as_dict() of the first round's last step
     # gradient check against none
-    "bit_exact", "max_abs_diff", "grads_differ",
+    "bit_exact", "max_abs_diff", "grads_differ", "grads_differ_steps",
     # --max-batch
     "memory_limit_bytes", "max_batch", "max_batch_limited_by", "max_batch_step_s",
     "max_batch_tokens_per_s", "max_batch_samples_per_s", "max_batch_vs_none", "max_batch_probes",
     # --explain
     "plan",
 )
+
+
+# The RSS cross-check (see add_relative): slack on top of the transient working set that
+# `none` shows, for sampling and allocator noise.
+CHECK_SLACK_MIN_BYTES = 32 << 20
+CHECK_SLACK_FRACTION = 0.10
 
 
 def _median_or_none(values: list[float]) -> float | None:
@@ -87,6 +98,16 @@ def make_row(strategy: str, description: str, meta: dict[str, Any],
     row["cuda_peak_bytes"] = max(cuda) if cuda else None
     warm = [r["warmup_rss_delta_bytes"] for r in ok if r.get("warmup_rss_delta_bytes") is not None]
     row["warmup_rss_delta_bytes"] = max(warm) if warm else None
+    released = [r["pool_released_bytes"] for r in ok if r.get("pool_released_bytes") is not None]
+    row["pool_released_bytes"] = max(released) if released else None
+    directs = [r["nvme_direct"] for r in ok if r.get("nvme_direct") is not None]
+    row["nvme_direct"] = all(directs) if directs else None
+    row["nvme_fs_types"] = first.get("nvme_fs_types")
+    if row["nvme_direct"] is not None:
+        # Buffered I/O parks the bytes in the page cache, a RAM file system keeps them in
+        # shmem: RAM either way, and not in the process's RSS (the table flags the row).
+        ram_fs = any(t in RAM_FS_TYPES for t in row["nvme_fs_types"] or [])
+        row["nvme_in_ram"] = (not row["nvme_direct"]) or ram_fs
     row["peak_rss_delta_bytes"] = max(rss) if rss else None
     if cuda:
         row["peak_activation_bytes"], row["peak_activation_source"] = max(cuda), "cuda allocator"
@@ -95,6 +116,7 @@ def make_row(strategy: str, description: str, meta: dict[str, Any],
     residents = [r["resident_bytes"] for r in ok if r.get("resident_bytes") is not None]
     row["resident_bytes"] = max(residents) if residents else None
     row["saved_bytes"] = first.get("saved_bytes")
+    row["resident_source"] = first.get("resident_source")
 
     stats = first.get("stats") or {}
     for name in STATS_FIELDS:
@@ -105,9 +127,10 @@ def make_row(strategy: str, description: str, meta: dict[str, Any],
         row[name] = _median_or_none([s.get(name) for s in steps_stats])
     row["plan"] = next((r["plan"] for r in ok if r.get("plan")), None)
 
-    bit_exact, max_diff, differ = grad_check
+    bit_exact, max_diff, differ, differ_steps = grad_check
     row["bit_exact"], row["max_abs_diff"] = bit_exact, max_diff
     row["grads_differ"] = differ[:10] if differ else ([] if bit_exact is not None else None)
+    row["grads_differ_steps"] = differ_steps if bit_exact is not None else None
     return row
 
 
@@ -128,3 +151,37 @@ def add_relative(rows: list[dict[str, Any]], reference: str = "none") -> None:
             row["resident_saved_pct"] = 100.0 * (1 - row["resident_bytes"] / ref["resident_bytes"])
         if row["max_batch"] and ref["max_batch"]:
             row["max_batch_vs_none"] = row["max_batch"] / ref["max_batch"]
+    _cross_check(rows, ref)
+
+
+def _cross_check(rows: list[dict[str, Any]], ref: dict[str, Any]) -> None:
+    """CPU: does the resident-bytes accounting explain the measured RSS growth?
+
+    The two memory columns come from different instruments (rss from the kernel; resident
+    bytes from a saved-tensor hook or the runtime's own counter, see ``resident_source``).
+    Every strategy runs the same computation, so each needs about the same transient
+    working set on top of what it keeps (temporaries, activation gradients): `none` measures
+    it as its RSS growth minus its resident bytes. A row whose RSS growth exceeds its
+    resident bytes (staging arena included) by more than that, plus a slack of
+    max(32 MiB, 10% of `none`'s RSS growth), holds memory its accounting does not show:
+    ``resident_check`` says so, and the table flags the row. (The check cannot see memory
+    that is in neither instrument: page cache of buffered NVMe I/O, see ``nvme_direct``.)
+    """
+    if ref["peak_activation_source"] != "process rss" or ref["resident_bytes"] is None:
+        return
+    transient = max(0, ref["peak_rss_delta_bytes"] - ref["resident_bytes"])
+    slack = max(CHECK_SLACK_MIN_BYTES, int(CHECK_SLACK_FRACTION * ref["peak_rss_delta_bytes"]))
+    for row in rows:
+        if (not row["available"] or row["peak_activation_source"] != "process rss"
+                or row["resident_bytes"] is None):
+            continue
+        unexplained = row["peak_rss_delta_bytes"] - row["resident_bytes"]
+        row["rss_unexplained_bytes"] = unexplained
+        if row is ref:
+            row["resident_check"] = "reference (sets the transient allowance)"
+        elif unexplained > transient + slack:
+            row["resident_check"] = (
+                f"RSS grew {format_bytes(unexplained - transient)} more than resident bytes "
+                f"plus none's transient set explain (allowed slack {format_bytes(slack)})")
+        else:
+            row["resident_check"] = "ok"

@@ -12,7 +12,9 @@ Rules this module keeps (tests check them):
 3. A worker that dies or times out becomes a row with ``available=False`` and the reason.
 4. ``none`` always runs first in round 1: its gradients are the reference every other run
    (and later ``none`` rounds) is compared against, each as soon as it arrives, so at most
-   two gradient files exist at a time.
+   two gradient files exist at a time. Every timed step counts: the checksums of each
+   step's gradients against ``none``'s same step, and the last step's full tensors (which
+   also give the max abs diff).
 """
 from __future__ import annotations
 
@@ -208,51 +210,75 @@ def _unlink(path: str) -> None:
 
 @dataclass
 class GradCheck:
-    bit_exact: bool
+    bit_exact: bool | None
     max_abs_diff: float
     differ: list[str]
+    differ_steps: list[int]
 
 
 @dataclass
 class GradChecker:
-    """Compares gradient files against the first `none` run's and deletes them (Rule 4)."""
+    """Compares each run's gradients against the first `none` run's (Rule 4).
+
+    A run brings its last step's gradient file (deleted once compared) and the checksums
+    of every timed step's gradients.
+    """
 
     reference: str = "none"
     ref_path: str | None = None
-    pending: list[tuple[str, str]] = field(default_factory=list)
+    ref_hashes: list[dict[str, Any]] | None = None
+    pending: list[tuple[str, str | None, list]] = field(default_factory=list)
     results: dict[str, list[GradCheck]] = field(default_factory=dict)
 
-    def add(self, strategy: str, path: str | None) -> None:
-        if not path or not os.path.exists(path):
+    def add(self, strategy: str, path: str | None, hashes: list | None = None) -> None:
+        hashes = hashes or []
+        if path and not os.path.exists(path):
+            path = None
+        if not path and not hashes:
             return
-        if strategy == self.reference and self.ref_path is None:
-            self.ref_path = path
+        if strategy == self.reference and self.ref_path is None and self.ref_hashes is None:
+            self.ref_path, self.ref_hashes = path, hashes
             pending, self.pending = self.pending, []
-            for name, p in pending:
-                self.add(name, p)
+            for name, p, h in pending:
+                self.add(name, p, h)
             return
-        if self.ref_path is None:
-            self.pending.append((strategy, path))
+        if self.ref_path is None and self.ref_hashes is None:
+            self.pending.append((strategy, path, hashes))
             return
         try:
-            check = GradCheck(*measure.compare_grads(self.ref_path, path))
+            exact, max_diff, differ = True, 0.0, []
+            if path and self.ref_path:
+                exact, max_diff, differ = measure.compare_grads(self.ref_path, path)
+            elif path or self.ref_path:
+                exact = None  # one side has no file: the last step is not comparable
         finally:
-            _unlink(path)
-        self.results.setdefault(strategy, []).append(check)
+            if path:
+                _unlink(path)
+        steps: list[int] = []
+        if hashes or self.ref_hashes:
+            h_exact, h_differ, steps = measure.compare_grad_hashes(self.ref_hashes or [], hashes)
+            differ = sorted(set(differ) | set(h_differ))
+            exact = None if exact is None or h_exact is None else (exact and h_exact)
+        self.results.setdefault(strategy, []).append(GradCheck(exact, max_diff, differ, steps))
 
     def close(self) -> None:
-        for _, path in self.pending:
-            _unlink(path)
+        for _, path, _ in self.pending:
+            if path:
+                _unlink(path)
         self.pending = []
         if self.ref_path:
             _unlink(self.ref_path)
 
-    def summary(self, strategy: str) -> tuple[bool | None, float | None, list[str]]:
+    def summary(self, strategy: str) -> tuple[bool | None, float | None, list[str], list[int]]:
+        """(bit_exact, max_abs_diff of the last steps, names, timed-step indices that differ)."""
         checks = self.results.get(strategy)
         if not checks:
-            return None, None, []
+            return None, None, [], []
         differ = sorted({n for c in checks for n in c.differ})
-        return (all(c.bit_exact for c in checks), max(c.max_abs_diff for c in checks), differ)
+        steps = sorted({k for c in checks for k in c.differ_steps})
+        exact = None if any(c.bit_exact is None for c in checks) else \
+            all(c.bit_exact for c in checks)
+        return exact, max(c.max_abs_diff for c in checks), differ, steps
 
 
 def schedule(strategies: list[str], rounds: int) -> Iterator[tuple[int, str]]:

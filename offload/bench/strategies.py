@@ -30,6 +30,7 @@ class Unavailable(Exception):
 class StepOutcome:
     stats: dict[str, Any] | None = None  # offload.activations stats of this step
     ctx: Any = None                      # the runtime context (for --explain)
+    nvme_direct: bool | None = None      # the NVMe store used O_DIRECT (None: no store seen)
 
 
 class Strategy:
@@ -58,6 +59,15 @@ class NoneStrategy(Strategy):
         return StepOutcome()
 
 
+def _nudge_one_grad(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        if p.grad is not None and p.grad.numel():
+            flat = p.grad.view(-1)
+            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype,
+                                                            device=flat.device))
+            return
+
+
 class Corrupt(NoneStrategy):
     """Test-only: `none` with one gradient element moved by one ulp after backward.
 
@@ -70,12 +80,60 @@ class Corrupt(NoneStrategy):
 
     def step(self, wl, nvme_dir, budget):
         outcome = super().step(wl, nvme_dir, budget)
-        for p in wl.model.parameters():
-            if p.grad is not None and p.grad.numel():
-                flat = p.grad.view(-1)
-                flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype,
-                                                                device=flat.device))
-                break
+        _nudge_one_grad(wl.model)
+        return outcome
+
+
+class CorruptEarly(NoneStrategy):
+    """Test-only: like `corrupt`, but only in the second step the worker runs (the first
+    timed one with --warmup 1); the last step is clean, so only a check of every step sees it.
+    """
+
+    name = "corrupt-early"
+    description = "test only: none, one gradient element nudged in the 2nd step only"
+    hidden = True
+
+    def __init__(self):
+        self._calls = 0  # one worker process per run: counts this run's steps
+
+    def step(self, wl, nvme_dir, budget):
+        outcome = super().step(wl, nvme_dir, budget)
+        self._calls += 1
+        if self._calls == 2:
+            _nudge_one_grad(wl.model)
+        return outcome
+
+
+class PooledArena(NoneStrategy):
+    """Test-only: `none` plus what the runtime's NVMe tier does on CPU: a staging arena taken
+    from offload/tiers/pool.py, its pages touched, handed back for the next step.
+
+    Exists so a test can prove the RSS peak counts memory kept between steps (the baseline
+    after the warm-up must not swallow it).
+    """
+
+    name = "pooled-arena"
+    description = "test only: none + a 64 MiB pooled arena touched every step"
+    hidden = True
+    ARENA_BYTES = 64 << 20
+
+    def unavailable_reason(self, device, nvme_dir):
+        from offload._ext import core_unavailable_reason
+
+        return core_unavailable_reason()
+
+    def step(self, wl, nvme_dir, budget):
+        from offload._ext import load_core
+        from offload.tiers import pool
+
+        core = load_core()
+        arena = pool.take("nvme-staging", ("bench-test", self.ARENA_BYTES),
+                          lambda: core.HostArena(self.ARENA_BYTES, pinned=False))
+        block = arena.allocate(self.ARENA_BYTES)
+        torch.frombuffer(block, dtype=torch.uint8).fill_(1)  # touch every page
+        del block
+        outcome = super().step(wl, nvme_dir, budget)
+        pool.give_back("nvme-staging", ("bench-test", self.ARENA_BYTES), arena)
         return outcome
 
 
@@ -163,8 +221,22 @@ class Offload(Strategy):
 
         with offload.activations(**self.kwargs(wl.device, nvme_dir, budget, wl.model)) as ctx:
             loss = wl.loss()
+            direct = _store_direct(ctx)  # the tiers close when backward is done
             loss.backward()
-        return StepOutcome(stats=ctx.stats.as_dict(), ctx=ctx)
+        return StepOutcome(stats=ctx.stats.as_dict(), ctx=ctx, nvme_direct=direct)
+
+
+def _store_direct(ctx: Any) -> bool | None:
+    """Whether the runtime's NVMe store does O_DIRECT I/O (None: no nvme tier open).
+
+    Buffered I/O (tmpfs, or a file system that refused O_DIRECT) parks the written bytes in
+    the page cache / shmem, which is RAM that RSS does not show. The runtime exposes the
+    store's `direct` only on its tier object, so this reads it there, defensively.
+    """
+    tier = (getattr(ctx, "tiers", None) or {}).get("nvme")
+    store = getattr(tier, "_store", None)
+    direct = getattr(store, "direct", None)
+    return None if direct is None else bool(direct)
 
 
 class SaveOnCpu(Strategy):
@@ -220,6 +292,8 @@ _ALL: list[Strategy] = [
     SaveOnCpu(),
     TorchTune(),
     Corrupt(),
+    CorruptEarly(),
+    PooledArena(),
     Crash(),
 ]
 

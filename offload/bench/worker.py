@@ -13,8 +13,10 @@ The step: all gradient buffers exist before the first step (zeroed, not freed, b
 steps), so "peak activation memory" is what the step adds on top of parameters + gradients
 (and, on CPU, on top of what the warm-up left allocated: see :mod:`offload.bench.measure`).
 Every step re-seeds the RNG and uses the same batch and weights (no optimizer update), so
-every step -- and every strategy -- computes the same gradients; the last measured step's are
-saved for the parent's comparison against ``none``.
+every step -- and every strategy -- computes the same gradients. Every timed step's
+gradients are checksummed (``grad_hashes``: a corruption in any step is caught, not only in
+the last), and the last timed step's are saved whole for the max abs diff; the parent
+compares both against ``none``.
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ def _empty_result(spec: RunSpec) -> dict[str, Any]:
         "stats": None, "stats_steps": [], "tokens_per_step": None, "samples_per_step": None,
         "plan": None, "device_name": None, "grads_path": None,
         "cuda_total_bytes": None, "cuda_base_bytes": None, "warmup_rss_delta_bytes": None,
+        "pool_released_bytes": None, "resident_source": None, "nvme_direct": None,
+        "nvme_fs_types": None, "grad_hashes": [],
     }
 
 
@@ -143,7 +147,8 @@ def _measure(spec: RunSpec, result: dict[str, Any]) -> None:
     try:
         for i in range(spec.warmup + spec.steps):
             if i == spec.warmup and i > 0:
-                rss.rebase()
+                # CPU: the pooled staging arena must not hide in the baseline (measure doc).
+                rss.rebase(release=_drop_runtime_pool if device.type == "cpu" else None)
             for p in params:
                 p.grad.zero_()
             torch.manual_seed(spec.seed + 2)  # identical dropout masks in every step/strategy
@@ -159,11 +164,17 @@ def _measure(spec: RunSpec, result: dict[str, Any]) -> None:
                 continue
             result["step_times_s"].append(elapsed_s)
             result["stats_steps"].append(outcome.stats)
+            result["grad_hashes"].append(measure.grad_hashes(wl.model))  # untimed
+            if outcome.nvme_direct is not None:
+                result["nvme_direct"] = outcome.nvme_direct
             if device.type == "cuda":
                 cuda_peaks.append(torch.cuda.max_memory_allocated(device) - base_bytes)
     finally:
         rss.stop()
     result["warmup_rss_delta_bytes"] = rss.warmup_delta_bytes
+    if result["nvme_direct"] is not None:  # the nvme tier ran: where did its bytes go?
+        result["nvme_fs_types"] = [measure.fs_type(d) for d in spec.nvme_dir.split(",") if d]
+    result["pool_released_bytes"] = rss.released_bytes
     result["available"] = True
     result["peak_rss_delta_bytes"] = rss.peak_delta_bytes
     result["cuda_peak_bytes"] = max(cuda_peaks) if cuda_peaks else None
@@ -178,6 +189,8 @@ def _measure(spec: RunSpec, result: dict[str, Any]) -> None:
         result["grads_path"] = spec.grads_path
     kind = strategy.resident(device)
     if kind == "stats":
+        result["resident_source"] = "runtime peak_resident_bytes" + (
+            " + staging arena peak" if device.type == "cpu" else "")
         stats = result["stats"] or {}
         resident = stats.get("peak_resident_bytes")
         if resident is not None and device.type == "cpu":
@@ -186,8 +199,26 @@ def _measure(spec: RunSpec, result: dict[str, Any]) -> None:
             resident += stats.get("staging_peak_bytes") or 0
         result["resident_bytes"] = resident
         result["saved_bytes"] = stats.get("saved_bytes")
-    elif spec.account:
+    elif spec.account and kind is not None:
         result["resident_bytes"], result["saved_bytes"] = _account(spec, wl, kind, exclude)
+        result["resident_source"] = RESIDENT_SOURCES[kind]
+
+
+# How each accounting kind (Strategy.resident) counts resident activation bytes; the row
+# names it, because the kinds are different instruments (see strategies' module doc).
+RESIDENT_SOURCES = {
+    "counted": "saved-tensor hook (untimed pass)",
+    "recompute": "saved-tensor hook (untimed pass) + largest recomputed block",
+}
+
+
+def _drop_runtime_pool() -> None:
+    """Close the stores / arenas the runtime keeps between steps (offload/tiers/pool.py)."""
+    try:
+        from offload.tiers import pool
+    except Exception:  # a half-built runtime: it then pooled nothing either
+        return
+    pool.clear()
 
 
 def run(spec: RunSpec) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["HeapTrimmer"]
+__all__ = ["HeapTrimmer", "trim_heap"]
 
 log = logging.getLogger("offload")
 
@@ -53,3 +53,15 @@ class HeapTrimmer:
             self._pending = 0
             self.calls += 1
             _TRIM(0)
+
+
+def trim_heap() -> bool:
+    """Call malloc_trim(0) now (freed heap pages go back to the OS, so RSS shows live memory).
+
+    Returns:
+        False where glibc's malloc_trim is not available (nothing was done).
+    """
+    if _TRIM is None:
+        return False
+    _TRIM(0)
+    return True
