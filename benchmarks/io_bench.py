@@ -16,7 +16,9 @@ CRC-checked after the clock stops; fio fills its buffers with its own scrambled 
 Around every pass the block device's sector counters (/sys/dev/block/MAJ:MIN/stat) are
 read: a pass whose device traffic falls short of its size was (partly) served by a cache
 and is flagged. Other processes' I/O on the same disk only adds to the counters, so the
-check catches caching, not noise. DeepSpeed and the trace run once. The trace phase
+check catches caching, not noise. The same counters give the requests the disk saw
+(MiB/req): the block layer merges adjacent requests, and on a latency-bound (virtual)
+disk fewer, larger requests move more. DeepSpeed and the trace run once. The trace phase
 writes tensors of 1-64 MiB asynchronously as a forward pass would, then reads them back
 in reverse order, checking each tensor's CRC-32C. Progress goes to stderr; every file it
 creates is removed, on errors too.
@@ -36,6 +38,7 @@ import tempfile
 import time
 from collections import deque
 
+import psutil
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -77,16 +80,36 @@ class DeviceCounters:
         self.available = os.path.exists(self.stat_path)
         self.name = os.path.basename(os.path.realpath(node)) if self.available else None
 
-    def read(self) -> tuple[int, int] | None:
-        """(bytes read, bytes written) since boot; None without a block device."""
+    def read(self) -> tuple[int, ...] | None:
+        """(bytes read, bytes written, reads, read merges, writes, write merges) since boot;
+        None without a block device. The request counts show how the block layer cut and
+        merged the I/O: on a latency-bound disk fewer, larger requests are faster."""
         if not self.available:
             return None
-        fields = open(self.stat_path).read().split()
-        return int(fields[2]) * 512, int(fields[6]) * 512   # sectors are always 512 bytes
+        f = [int(x) for x in open(self.stat_path).read().split()]
+        return f[2] * 512, f[6] * 512, f[0], f[1], f[4], f[5]   # sectors are 512 bytes
 
     def describe(self) -> dict:
         return {"majmin": self.majmin, "name": self.name,
                 "stat_path": self.stat_path if self.available else None}
+
+
+def _delta(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> list[int] | None:
+    return None if before is None else [y - x for x, y in zip(before, after)]
+
+
+def pass_record(kind: str, nbytes: int, seconds: float, delta: list[int] | None) -> dict:
+    """One pass's figures; `delta` is the change of DeviceCounters.read() over it."""
+    out = {"seconds": seconds, "gbps": nbytes / seconds / 1e9, "bytes": nbytes}
+    if delta is not None:
+        out["device_bytes_read"], out["device_bytes_written"] = delta[0], delta[1]
+        d = 2 if kind == "read" else 4
+        out["device_requests"] = delta[d]          # in this pass's direction
+        out["device_merges"] = delta[d + 1]
+        moved = delta[1] if kind == "write" else delta[0]
+        # Less traffic than the pass size means a cache served part of it.
+        out["device_short"] = moved < nbytes
+    return out
 
 
 def timed_pass(counters: DeviceCounters, kind: str, nbytes: int, fn) -> dict:
@@ -96,16 +119,8 @@ def timed_pass(counters: DeviceCounters, kind: str, nbytes: int, fn) -> dict:
     start = time.perf_counter()
     seconds = fn()
     elapsed = time.perf_counter() - start
-    after = counters.read()
-    seconds = elapsed if seconds is None else seconds
-    out = {"seconds": seconds, "gbps": nbytes / seconds / 1e9, "bytes": nbytes}
-    if before is not None:
-        out["device_bytes_read"] = after[0] - before[0]
-        out["device_bytes_written"] = after[1] - before[1]
-        moved = out["device_bytes_written" if kind == "write" else "device_bytes_read"]
-        # Less traffic than the pass size means a cache served part of it.
-        out["device_short"] = moved < nbytes
-    return out
+    delta = _delta(before, counters.read())
+    return pass_record(kind, nbytes, elapsed if seconds is None else seconds, delta)
 
 
 # --------------------------------------------------------------------------- engine
@@ -113,7 +128,6 @@ def timed_pass(counters: DeviceCounters, kind: str, nbytes: int, fn) -> dict:
 def engine_buffer_bytes(size: int) -> int:
     """The engine writes from a buffer as large as the pass where RAM allows (so no byte
     pattern repeats), else from 256 MiB-multiple groups refilled between groups."""
-    import psutil
     room = psutil.virtual_memory().available // 4
     return size if size <= room else max(256 * MiB, room // (256 * MiB) * (256 * MiB))
 
@@ -136,9 +150,9 @@ def engine_round(core, counters: DeviceCounters, directory: str, size: int, bloc
         extents = [store.allocate(min(piece, size - off)) for off in range(0, size, piece)]
         per_group = group // piece
 
-        def run(write: bool) -> float:
+        def run(write: bool) -> dict:
             io = store.write_ptr if write else store.read_ptr
-            seconds = 0.0
+            seconds, delta = 0.0, None
             for g, first in enumerate(range(0, len(extents), per_group)):
                 batch = extents[first:first + per_group]
                 nbytes = sum(e.nbytes for e in batch)
@@ -147,19 +161,24 @@ def engine_round(core, counters: DeviceCounters, directory: str, size: int, bloc
                     expected_crcs.append(core.crc32c(view[:nbytes].numpy()))
                 else:
                     view[:nbytes].zero_()   # a read that moved nothing fails the check
+                # Counters and clock cover the I/O only, so the window catches no more of
+                # other processes' disk traffic than fio's does.
+                before = counters.read()
                 start = time.perf_counter()
                 futures = [io(e, buf.ptr + i * piece, e.nbytes) for i, e in enumerate(batch)]
                 for f in futures:
                     f.wait()
                 seconds += time.perf_counter() - start
+                got = _delta(before, counters.read())
+                delta = got if delta is None else [x + y for x, y in zip(delta, got)]
                 if not write and core.crc32c(view[:nbytes].numpy()) != expected_crcs[g]:
                     raise RuntimeError(f"engine read-back of group {g} differs from what was "
                                        "written")
-            return seconds
+            return pass_record("write" if write else "read", size, seconds, delta)
 
         expected_crcs: list[int] = []
-        write = timed_pass(counters, "write", size, lambda: run(True))
-        read = timed_pass(counters, "read", size, lambda: run(False))
+        write = run(True)
+        read = run(False)
         return {"write_gbps": write["gbps"], "read_gbps": read["gbps"],
                 "write": write, "read": read, "buffer_bytes": group, "verified": True}
     finally:
@@ -327,8 +346,11 @@ def _device_line(name: str, rounds: list[dict]) -> str:
     cells = []
     for rw, key in (("write", "device_bytes_written"), ("read", "device_bytes_read")):
         got = [r[rw][key] / r[rw]["bytes"] for r in rounds if key in r.get(rw, {})]
-        cells.append(f"{rw} {min(got):.2f}-{max(got):.2f}x" if got else f"{rw} n/a")
-    return f"  {name:26s} device bytes / pass size: {cells[0]}, {cells[1]}"
+        reqs = [r[rw][key] / r[rw]["device_requests"] / MiB for r in rounds
+                if r.get(rw, {}).get("device_requests")]
+        cells.append((f"{rw} {min(got):.2f}-{max(got):.2f}x" if got else f"{rw} n/a")
+                     + (f" (~{statistics.median(reqs):.1f} MiB/req)" if reqs else ""))
+    return f"  {name:16s} device bytes / pass size: {cells[0]}, {cells[1]}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", required=True, help="directory on the disk to test (files are removed)")
     p.add_argument("--size", type=parse_size, default=parse_size("1GiB"),
                    help="bytes per sequential pass (default 1GiB)")
-    p.add_argument("--block-size", type=parse_size, default=MiB, help="chunk / fio bs (default 1MiB)")
+    p.add_argument("--block-size", type=parse_size, default=MiB,
+                   help="chunk / fio bs (default 1MiB)")
     p.add_argument("--iodepth", type=int, default=16, help="queue depth (default 16)")
     p.add_argument("--workers", type=int, default=None,
                    help="engine worker threads (default: --iodepth, i.e. the same queue depth)")
@@ -400,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     flags = (_short_passes("engine", engine_rounds) + _short_passes("fio", fio_rounds)
-             + _short_passes("fio psync", psync_rounds) + _short_passes("deepspeed", [ds] if ds else []))
+             + _short_passes("fio psync", psync_rounds)
+             + _short_passes("deepspeed", [ds] if ds else []))
     result = {
         "config": {"dir": args.dir, "size_bytes": size, "block_bytes": block, "iodepth": depth,
                    "workers": workers, "rounds": args.rounds, "direct": True,
@@ -424,7 +448,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     if result["fio"]:
         result["ratio_vs_fio"] = {
-            k: result["engine"][f"{k}_gbps"] / result["fio"][f"{k}_gbps"] for k in ("write", "read")}
+            k: result["engine"][f"{k}_gbps"] / result["fio"][f"{k}_gbps"]
+            for k in ("write", "read")}
+        # Per-round ratios pair runs made minutes apart at most, so slow swings in the
+        # machine's load (other jobs on the disk or CPUs) cancel better than in the ratio
+        # of medians.
+        result["ratio_vs_fio_paired"] = {
+            k: statistics.median(e[f"{k}_gbps"] / f[f"{k}_gbps"]
+                                 for e, f in zip(engine_rounds, fio_rounds))
+            for k in ("write", "read")}
 
     n = args.rounds
     rows = [(f"offload engine ({workers} thr)", result["engine"], f"median of {n}")]
@@ -443,7 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:28s} {r['write_gbps']:11.2f} {r['read_gbps']:10.2f}   {how}")
     if result["fio"]:
         ratio = result["ratio_vs_fio"]
-        print(f"{'engine / fio':28s} {ratio['write']:11.2f} {ratio['read']:10.2f}")
+        print(f"{'engine / fio':28s} {ratio['write']:11.2f} {ratio['read']:10.2f}   "
+              "ratio of medians")
+        paired = result["ratio_vs_fio_paired"]
+        print(f"{'engine / fio, same round':28s} {paired['write']:11.2f} {paired['read']:10.2f}   "
+              f"median of {n} per-round ratios")
     if counters.available:
         print(f"device {counters.name} ({counters.majmin}):")
         for name, rounds in (("engine", engine_rounds), ("fio", fio_rounds),

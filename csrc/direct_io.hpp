@@ -1,6 +1,7 @@
 // Slab files: one private, preallocated file per NVMe directory, read and written with
 // O_DIRECT where the filesystem allows it. Every transfer is checked: short transfers are
-// resumed (with O_DIRECT only from an aligned offset, else reported as ENOSPC/EIO), EINTR is retried, failures raise IoError with errno, path, offset and size.
+// resumed (with O_DIRECT only from an aligned offset, else reported as ENOSPC/EIO), EINTR
+// is retried, failures raise IoError with errno, path, offset and size.
 #pragma once
 
 #include <cstddef>

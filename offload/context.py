@@ -23,7 +23,8 @@ import torch
 
 from .config import Config
 from .hooks import OffloadHooks, _set_no_offload_depth, no_offload_depth
-from .placement import Placement
+from .bounce import LinkSpeed, TensorTiming
+from .placement import BouncePlan, Placement, plan_for
 from .prefetch import Prefetcher
 from .stats import Stats
 from .tensor_meta import ParamStorages
@@ -80,6 +81,8 @@ class ActivationOffload:
         self._active = False
         self._start_s = 0.0
         self._exit_s = 0.0
+        self._copies: dict[torch.device, Any] = {}  # CopyStreams per CUDA device
+        self._bounce = BouncePlan()  # learned across the steps of this context (no model=)
 
     # ---------------------------------------------------------------- enter / exit
     def __enter__(self) -> "ActivationOffload":
@@ -91,13 +94,18 @@ class ActivationOffload:
         self.stats = stats = Stats()
         if config.trace is not None:
             stats.trace = TraceRecorder()
+        self._copies = {}
         self._module_hook = None
         tiers = self._open_tiers(stats) if config.policy == "offload" else {}
         try:
             params = ParamStorages()
             if self.model is not None:
                 params.add_module(self.model)
-            hooks = OffloadHooks(Placement(config), tiers, stats,
+            bounce = None
+            if config.policy == "offload":
+                bounce = plan_for(self.model, (config.tiers, config.min_bytes)) \
+                    or self._bounce
+            hooks = OffloadHooks(Placement(config, bounce), tiers, stats,
                                  Prefetcher(config.prefetch_bytes, stats), params, config.strict)
             self.tiers, self._hooks = tiers, hooks
             # Every module that runs reports its own parameters and buffers (BatchNorm stats
@@ -136,7 +144,8 @@ class ActivationOffload:
             for name in config.tiers:
                 if name == "host":
                     tiers[name] = HostTier(config.host_capacity_bytes(), stats,
-                                           capacity_key=config.host_bytes)
+                                           capacity_key=config.host_bytes,
+                                           copies=self._copy_streams)
                 elif name == "nvme":
                     from ._ext import load_core
                     from .tiers.nvme import NvmeTier
@@ -144,21 +153,49 @@ class ActivationOffload:
                     tiers[name] = NvmeTier(
                         config.nvme_dir, config.nvme_capacity_bytes,
                         workers=config.io_workers, staging_bytes=config.staging_bytes,
-                        stats=stats, core=load_core(), capacity_key=config.nvme_bytes)
+                        stats=stats, core=load_core(), capacity_key=config.nvme_bytes,
+                        copies=self._copy_streams)
         except BaseException:
             for tier in tiers.values():
                 tier.close(reuse=False)
             raise
         return tiers
 
+    def _copy_streams(self, device: torch.device):
+        """The CopyStreams of a CUDA device, made at its first tensor (streams are cheap,
+        but a CPU-only run must never touch torch.cuda)."""
+        copies = self._copies.get(device)
+        if copies is None:
+            from .cuda_streams import CopyStreams
+
+            # Source bytes held by pending D2H copies: the module's default (1 GiB) bounds
+            # device memory kept for copies without throttling a ~50 GB/s link.
+            copies = self._copies[device] = CopyStreams(device, trace=self.stats.trace)
+        return copies
+
+    def _close_copies(self) -> None:
+        """Wait for every device copy in flight (their events only) and fold their stats."""
+        copies, self._copies = self._copies, {}
+        error = None
+        for cs in copies.values():
+            try:
+                cs.close()
+            except Exception as exc:  # keep closing the others; report the first
+                error = error or exc
+            finally:
+                self.stats.add_copy_stats(cs.stats)
+        if error is not None:
+            raise error
+
     def _finish(self) -> None:
         hooks = self._hooks
         for tier in self.tiers.values():
             tier.poll()
-        close = functools.partial(_close_tiers, self.tiers, self.stats, hooks)
+        close = functools.partial(_close_tiers, self.tiers, self.stats, hooks,
+                                  before=self._close_copies)
         if hooks.live_records == 0:
             close()
-            self._write_trace(self._exit_s)
+            self._step_done(self._exit_s)
         else:
             # Backward runs after the block: tiers stay open until the last saved tensor
             # is freed (NOTE [Record lifetime] in hooks.py); the trace is written then.
@@ -167,9 +204,30 @@ class ActivationOffload:
 
             def close_later() -> None:
                 close()
-                self._write_trace(time.perf_counter())
+                self._step_done(time.perf_counter())
             hooks.on_idle = close_later
         log.info("offload: %s", self.stats.summary())
+
+    def _step_done(self, end_s: float) -> None:
+        """The step's backward is over: plan the next step, write the trace."""
+        try:
+            self._learn_bounce()
+        except Exception:  # a planning problem must never fail the training step
+            log.exception("offload: could not update the bounce plan")
+        self._write_trace(end_s)
+
+    def _learn_bounce(self) -> None:
+        placement = self._hooks.placement
+        if placement.bounce is None:
+            return
+        s = self.stats
+        # Speeds of the path the bytes took (lower bounds: see Stats.BusyClock).
+        link = None
+        if s.nvme_written_bytes and s.nvme_write_gbps > 0 and s.nvme_read_gbps > 0:
+            link = LinkSpeed(s.nvme_write_gbps * 1e9, s.nvme_read_gbps * 1e9)
+        elif s.d2h_bytes and s.d2h_gbps > 0 and s.h2d_gbps > 0:
+            link = LinkSpeed(s.d2h_gbps * 1e9, s.h2d_gbps * 1e9)
+        placement.bounce.learn((TensorTiming(*t) for t in self._hooks.timings), link)
 
     def _write_trace(self, end_s: float) -> None:
         """Add the compute spans and write OFFLOAD_TRACE (never fails the step)."""
@@ -195,7 +253,8 @@ class ActivationOffload:
         except Exception:  # never mask the user's exception
             log.exception("offload: error while releasing saved tensors after an exception")
         try:
-            _close_tiers(self.tiers, self.stats, self._hooks, reuse=False)
+            _close_tiers(self.tiers, self.stats, self._hooks, reuse=False,
+                         before=self._close_copies)
             pool.clear()  # an exception may end the run: keep no slab file or arena open
         except Exception:
             log.exception("offload: error while closing the tiers after an exception")
@@ -205,18 +264,26 @@ class ActivationOffload:
         stores / arenas kept for the next step (offload/tiers/pool.py)."""
         if self._hooks is not None:
             self._hooks.release_all()
-        _close_tiers(self.tiers, self.stats, self._hooks, reuse=False)
+        _close_tiers(self.tiers, self.stats, self._hooks, reuse=False,
+                     before=self._close_copies)
         pool.clear()
 
 
 def _close_tiers(tiers: dict[str, Tier], stats: Stats, hooks: OffloadHooks | None,
-                 reuse: bool = True) -> None:
+                 reuse: bool = True, before=None) -> None:
     """Drain and close `tiers`, noting what they still held (0 after a clean step).
 
-    With `reuse` clean stores / arenas go back to the pool for the next step.
+    With `reuse` clean stores / arenas go back to the pool for the next step. `before`
+    runs first (closing the CopyStreams: device copies land before the tiers drain).
     """
     if hooks is not None:
         hooks.on_idle = None
+    if before is not None:
+        try:
+            before()
+        except Exception:
+            log.exception("offload: error while waiting for device copies")
+            reuse = False
     for name, tier in list(tiers.items()):
         if tier.closed:
             continue

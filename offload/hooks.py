@@ -67,7 +67,7 @@ class _Record:
     """One stored storage (see NOTE [Record lifetime])."""
 
     __slots__ = ("hooks", "payload", "nbytes", "kind", "resident", "handles_left", "cache",
-                 "cache_ref", "cache_offset", "released", "__weakref__")
+                 "cache_ref", "cache_offset", "released", "timing", "__weakref__")
 
     def __init__(self, hooks: "OffloadHooks", payload, nbytes: int, kind: str,
                  resident: bool) -> None:
@@ -81,6 +81,7 @@ class _Record:
         self.cache_ref = None         # weak reference to it
         self.cache_offset = 0
         self.released = False
+        self.timing: list | None = None  # [key, nbytes, pack_s, unpack_s] (BouncePlan)
 
     def load(self) -> tuple[torch.UntypedStorage, int]:
         storage = self.cache if self.cache is not None else \
@@ -91,6 +92,8 @@ class _Record:
                     "offload: a saved tensor was used after its offload.activations() context "
                     "released it (the block exited with an exception); run backward inside "
                     "the block")
+            if self.timing is not None and self.timing[3] is None:
+                self.timing[3] = time.perf_counter()
             flat = self.hooks.fetch(self.payload)
             storage, self.cache_offset = flat.untyped_storage(), flat.storage_offset()
             self.cache_ref = weakref.ref(storage)
@@ -222,6 +225,8 @@ class OffloadHooks:
         self._lock = threading.RLock()
         self.on_idle = None  # called when the last record dies (the context closes tiers)
         self.first_unpack_s: float | None = None  # where the backward starts (trace, bounce)
+        self._stored = 0  # storages decided so far: their position is the BouncePlan key
+        self.timings: list[list] = []  # [key, nbytes, pack_s, unpack_s] per moved storage
 
     # ---------------------------------------------------------------- pack
     def pack(self, t: torch.Tensor) -> _Packed:
@@ -251,8 +256,12 @@ class OffloadHooks:
 
     def _store(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Record:
         nbytes = storage.nbytes()
-        info = TensorInfo(nbytes, t.device, t.dtype, no_offload=no_offload_active())
+        key = (self._stored, nbytes)
+        self._stored += 1
+        info = TensorInfo(nbytes, t.device, t.dtype, no_offload=no_offload_active(), key=key)
         decision = self.placement.decide(info)
+        if decision is getattr(self.placement, "bounce_decision", None):
+            self.stats.bounce_kept_bytes += nbytes
         payload, kind = None, "keep"
         if not decision.keep:
             flat = _flat_bytes(storage)
@@ -267,6 +276,9 @@ class OffloadHooks:
                 self._all_full(nbytes, decision.targets)
         resident = payload is None or payload.resident
         record = _Record(self, payload, nbytes, kind, resident)
+        if payload is not None:
+            record.timing = [key, nbytes, time.perf_counter(), None]
+            self.timings.append(record.timing)
         self._account(record)
         if payload is not None:
             if payload.prefetchable:

@@ -104,6 +104,7 @@ class Stats:
     peak_d2h_inflight: int = 0    # deepest queue of D2H copies (CUDA)
     peak_h2d_inflight: int = 0    # deepest queue of H2D copies (CUDA)
     bounce_kept_bytes: int = 0    # bytes kept because offloading them would bounce (bounce.py)
+    bounce_hits: int = 0          # unpacks served from the source while its D2H was pending
     step_s: float = 0.0           # wall time of the block
     staging_peak_bytes: int = 0   # peak use of the nvme tier's staging arena
     exit_host_used_bytes: int = 0     # tier space still used when the tiers closed:
@@ -116,6 +117,9 @@ class Stats:
     h2d_clock: BusyClock = field(default_factory=BusyClock, repr=False)
     write_clock: BusyClock = field(default_factory=BusyClock, repr=False)
     read_clock: BusyClock = field(default_factory=BusyClock, repr=False)
+    # GPU-timed copy durations of the async path (CopyStreams, CUDA events).
+    gpu_d2h_busy_s: float = field(default=0.0, repr=False)
+    gpu_h2d_busy_s: float = field(default=0.0, repr=False)
     # Chrome-trace recorder of the step (OFFLOAD_TRACE); the disabled one costs nothing.
     trace: Any = field(default=NULL_RECORDER, repr=False, compare=False)
 
@@ -137,14 +141,31 @@ class Stats:
             start = start_s if start_s is not None else time.perf_counter() - seconds
             self.trace.add(what, "stall", start, start + seconds, category="stall")
 
+    def add_copy_stats(self, copy) -> None:
+        """Fold in the counters of one CopyStreams (cuda_streams.CopyStats) at context exit.
+
+        Their stalls are already in the trace (CopyStreams records them itself).
+        """
+        self.d2h_bytes += copy.d2h_bytes
+        self.h2d_bytes += copy.h2d_bytes
+        self.gpu_d2h_busy_s += copy.d2h_busy_s
+        self.gpu_h2d_busy_s += copy.h2d_busy_s
+        forward_s = copy.backpressure_wait_s
+        backward_s = copy.h2d_wait_s + copy.d2h_wait_s
+        self.stall_forward_s += forward_s
+        self.stall_backward_s += backward_s
+        self.stall_s += forward_s + backward_s
+        self.peak_d2h_inflight = max(self.peak_d2h_inflight, copy.max_d2h_inflight)
+        self.peak_h2d_inflight = max(self.peak_h2d_inflight, copy.max_h2d_inflight)
+
     # ------------------------------------------------------------ derived
     @property
     def d2h_gbps(self) -> float:
-        return _gbps(self.d2h_bytes, self.d2h_clock.busy_s)
+        return _gbps(self.d2h_bytes, self.d2h_clock.busy_s + self.gpu_d2h_busy_s)
 
     @property
     def h2d_gbps(self) -> float:
-        return _gbps(self.h2d_bytes, self.h2d_clock.busy_s)
+        return _gbps(self.h2d_bytes, self.h2d_clock.busy_s + self.gpu_h2d_busy_s)
 
     @property
     def nvme_write_gbps(self) -> float:
@@ -156,9 +177,14 @@ class Stats:
 
     @property
     def io_busy_s(self) -> float:
-        """Wall time during which any transfer was in flight (overlaps counted once)."""
+        """Wall time during which any transfer was in flight (overlaps counted once).
+
+        GPU-timed async copies have no host interval: their busy time is added (an upper
+        bound where they overlapped NVMe I/O).
+        """
         return _union_s([iv for clock in (self.write_clock, self.read_clock, self.d2h_clock,
-                                          self.h2d_clock) for iv in clock._intervals])
+                                          self.h2d_clock) for iv in clock._intervals]) \
+            + self.gpu_d2h_busy_s + self.gpu_h2d_busy_s
 
     @property
     def overlap_fraction(self) -> float:

@@ -121,8 +121,9 @@ def test_offload_rows(e2e):
     assert nvme["nvme_bytes"] > 0 and nvme["nvme_written_bytes"] >= nvme["nvme_bytes"]
     stats = nvme["runtime_stats"]
     assert stats["peak_resident_bytes"] < rows["none"]["resident_bytes"]
-    # On CPU the staging arena is RAM, so it counts as resident (see worker).
-    assert nvme["resident_bytes"] == stats["peak_resident_bytes"] + stats["staging_peak_bytes"]
+    # On CPU the staging arena is RAM, so it counts as resident (see worker); the row has
+    # the largest timed step (runtime_stats is the last one).
+    assert nvme["resident_bytes"] >= stats["peak_resident_bytes"] + stats["staging_peak_bytes"]
     assert nvme["resident_source"] == "runtime peak_resident_bytes + staging arena peak"
     assert nvme["resident_check"] == "ok", nvme["rss_unexplained_bytes"]
     # /var/tmp is ext4: O_DIRECT, so no page cache hides written bytes from RSS.

@@ -103,7 +103,13 @@ def _settings(tiers, nvme_dir):
 
 
 def _hold_back_copies(monkeypatch):
-    """Every copy CopyStreams issues starts only after a ~1 ms GPU spin on its stream."""
+    """Every copy CopyStreams issues starts only after a ~1 ms GPU spin on its stream.
+
+    With copies held back, most D2H copies are still pending when backward starts, and the
+    runtime would serve those tensors from their (still alive) sources instead of reloading
+    them (`D2HTicket.device_tensor_if_held`): correct, but then the reload path would go
+    untested. So the shortcut is turned off here: every tensor makes the full round trip.
+    """
     real_copy = cuda_streams._TorchCuda.copy
 
     def late_copy(self, dst, src, stream):
@@ -112,6 +118,7 @@ def _hold_back_copies(monkeypatch):
         real_copy(self, dst, src, stream)
 
     monkeypatch.setattr(cuda_streams._TorchCuda, "copy", late_copy)
+    monkeypatch.setattr(cuda_streams.D2HTicket, "device_tensor_if_held", lambda self: None)
 
 
 @pytest.mark.parametrize("tiers", ["host", "nvme", "host,nvme"])

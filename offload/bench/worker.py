@@ -192,12 +192,16 @@ def _measure(spec: RunSpec, result: dict[str, Any]) -> None:
         result["resident_source"] = "runtime peak_resident_bytes" + (
             " + staging arena peak" if device.type == "cpu" else "")
         stats = result["stats"] or {}
-        resident = stats.get("peak_resident_bytes")
-        if resident is not None and device.type == "cpu":
-            # On CPU the NVMe tier's staging arena is RAM too, i.e. device memory: count it
-            # (the runtime's peak_resident_bytes counts only the tensors themselves).
-            resident += stats.get("staging_peak_bytes") or 0
-        result["resident_bytes"] = resident
+        per_step = []
+        for step_stats in result["stats_steps"]:  # the largest step, like the RSS peak
+            resident = (step_stats or {}).get("peak_resident_bytes")
+            if resident is not None and device.type == "cpu":
+                # On CPU the NVMe tier's staging arena is RAM too, i.e. device memory: count
+                # it (the runtime's peak_resident_bytes counts only the tensors themselves).
+                resident += step_stats.get("staging_peak_bytes") or 0
+            if resident is not None:
+                per_step.append(resident)
+        result["resident_bytes"] = max(per_step) if per_step else None
         result["saved_bytes"] = stats.get("saved_bytes")
     elif spec.account and kind is not None:
         result["resident_bytes"], result["saved_bytes"] = _account(spec, wl, kind, exclude)

@@ -9,16 +9,20 @@ Pinned memory is allocated in chunks of `PINNED_CHUNK_BYTES` as the tier fills (
 pinned allocation per tensor, and not the whole capacity up front: the default capacity is
 half the RAM, and pinning 64 GiB at the first tensor would stall the step for seconds); the
 chunks are kept across steps (pool.py).
-TODO(issue 4): the copies are synchronous `copy_` calls for now (correct, not overlapped).
-The async version records an event on the compute stream, runs D2H on the offload stream
-into the pinned block, keeps the source alive until that event completes, and runs H2D on
-the prefetch stream in `prefetch`; `_d2h` / `_h2d` are the two places to change.
+With a `copies` provider (the context's CopyStreams per device, offload/cuda_streams.py) the
+copies are asynchronous: `store` starts the D2H on the offload stream and returns (Notes 1-3
+there: the producer's event, the source and the pinned block are held by the pending copy);
+`prefetch` starts the H2D on the prefetch stream, ordered after the D2H (Note 5); `fetch`
+makes the consuming stream wait on the H2D's event (Notes 6, 7), never the host. A tensor
+needed again while its D2H is still pending is served from the source itself
+(`device_tensor_if_held`: nothing to copy back). Without a provider (tests, tools) the copies
+are synchronous `copy_` calls.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -63,21 +67,53 @@ class _RefPayload(Payload):
 class _PinnedPayload(Payload):
     """A CUDA storage's bytes copied into pinned host memory."""
 
-    __slots__ = ("_tier", "_host")
+    __slots__ = ("_tier", "_host", "_d2h", "_h2d")
 
-    def __init__(self, tier: "HostTier", host: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, tier: "HostTier", host: torch.Tensor, device: torch.device,
+                 d2h=None) -> None:
         super().__init__(host.numel(), device)
         self._tier = tier
         self._host = host  # uint8 view of a pinned arena block (keeps the block alive)
+        self._d2h = d2h    # D2HTicket of the async copy (None: copied synchronously)
+        self._h2d = None   # H2DTicket started by prefetch, not yet used
+
+    @property
+    def prefetchable(self) -> bool:  # an async reload is worth starting early
+        return self._d2h is not None
+
+    @property
+    def prefetched(self) -> bool:
+        return self._h2d is not None
+
+    @property
+    def released(self) -> bool:
+        return self._host is None
+
+    def prefetch(self) -> bool:
+        if self._h2d is not None or self._host is None or self._d2h is None:
+            return False
+        self._h2d = self._tier._reload(self)
+        return True
 
     def fetch(self) -> torch.Tensor:
         if self._host is None:
             raise RuntimeError("offload: host payload used after release")
-        return self._tier._h2d(self._host, self.device)
+        if self._d2h is None:
+            return self._tier._h2d(self._host, self.device)
+        held = self._d2h.device_tensor_if_held()
+        if held is not None:  # needed again before its D2H finished: no copy back
+            self._tier._stats.bounce_hits += 1
+            return held
+        if self._h2d is None:
+            self._h2d = self._tier._reload(self)
+        ticket, self._h2d = self._h2d, None
+        return ticket.tensor_for_use()  # the current stream waits on the GPU (Notes 6, 7)
 
     def release(self) -> None:
         if self._host is not None:
-            self._host = None  # the block returns to the arena with its last view
+            # The block returns to the arena with its last view; a pending copy holds its
+            # own references (cuda_streams Notes 3, 8), so dropping ours never races.
+            self._host = self._d2h = self._h2d = None
             self._tier._used_bytes -= self.nbytes
 
 
@@ -86,7 +122,13 @@ class HostTier(Tier):
 
     name = "host"
 
-    def __init__(self, capacity_bytes: int, stats: Stats, capacity_key: Hashable = None) -> None:
+    def __init__(self, capacity_bytes: int, stats: Stats, capacity_key: Hashable = None,
+                 copies: Callable[[torch.device], object] | None = None) -> None:
+        """Args:
+            copies: Returns the context's CopyStreams for a CUDA device (async copies);
+                None: synchronous copies.
+        """
+        self._copies = copies
         self._capacity_bytes = capacity_bytes
         self._capacity_key = capacity_key if capacity_key is not None else capacity_bytes
         self._used_bytes = 0
@@ -116,8 +158,12 @@ class HostTier(Tier):
             host = self._allocate_pinned(nbytes)
             if host is None:
                 return None
-            self._d2h(flat, host)
-            payload = _PinnedPayload(self, host, flat.device)
+            if self._copies is not None:
+                ticket = self._copies(flat.device).offload(flat, host)  # returns at once
+                payload = _PinnedPayload(self, host, flat.device, ticket)
+            else:
+                self._d2h(flat, host)
+                payload = _PinnedPayload(self, host, flat.device)
         self._used_bytes += nbytes
         return payload
 
@@ -141,17 +187,21 @@ class HostTier(Tier):
         block = arena.allocate(nbytes)
         return torch.frombuffer(block, dtype=torch.uint8) if block is not None else None
 
+    def _reload(self, payload: _PinnedPayload):
+        # Note 5 (cuda_streams.py): `after` orders the H2D after a D2H not yet seen done.
+        return self._copies(payload.device).reload(payload._host, payload.nbytes,
+                                                   after=payload._d2h)
+
     def _d2h(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        # TODO(issue 4): async on the offload stream (see module docstring). Blocking copy_
-        # returns only when the bytes are on the host, so the source may be freed after it.
+        # Synchronous fallback (no CopyStreams): blocking copy_ returns only when the bytes
+        # are on the host, so the source may be freed after it.
         start = time.perf_counter()
         dst.copy_(src)
         self._stats.d2h_clock.add(time.perf_counter() - start)
         self._stats.d2h_bytes += src.numel()
 
     def _h2d(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # TODO(issue 4): issued from `prefetch` on the prefetch stream; the consumer waits on
-        # the copy's event. Blocking copy_ is complete when it returns.
+        # Synchronous fallback: blocking copy_ is complete when it returns.
         start = time.perf_counter()
         out = torch.empty(src.numel(), dtype=torch.uint8, device=device)
         out.copy_(src)

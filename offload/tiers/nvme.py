@@ -23,17 +23,21 @@ source tensor) and `read_ptr` (a plain buffer) is ours: when a payload is releas
 such I/O in flight (a tensor freed during the forward, a prefetched tensor never used) it
 goes to a deferred list, dropped when `poll` sees the I/O done. `release` never blocks.
 
-TODO(issue 4, CUDA): `_copy_in` / `_copy_out` are synchronous D2H / H2D `copy_` calls. The
-async version uses `write_after_event` (D2H into the pinned block on the offload stream,
-the engine writes after the event) and `read_then_h2d` (the engine copies to the device on
-the prefetch stream and records an event the consumer stream waits on).
+CUDA sources (with the context's CopyStreams and a CUDA build of the extension): `store`
+starts the D2H into a pinned staging block on the offload stream and chains the write after
+its event in the engine (`D2HTicket.write_behind`, cuda_streams Notes 1-4): the forward never
+waits for the copy or the disk. `prefetch` chains read → H2D on the prefetch stream in the
+engine (`reload_from_store`, Notes 6-10); `fetch` makes the consuming stream wait on the H2D's
+event. A tensor needed again while its D2H is still pending is served from the source
+(`device_tensor_if_held`). Without CopyStreams, or with a CPU-only build of the extension,
+the copies are synchronous `copy_` calls (`_copy_out` / `_copy_in`).
 """
 from __future__ import annotations
 
 import collections
 import logging
 import time
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -56,7 +60,7 @@ def _end_s(future) -> float:
 
 class _NvmePayload(Payload):
     __slots__ = ("_tier", "_extent", "_write", "_source", "_read", "_buf", "_observed",
-                 "_released", "_write_start_s", "_read_start_s")
+                 "_released", "_write_start_s", "_read_start_s", "_d2h", "_gpu_read")
 
     prefetchable = True
 
@@ -70,6 +74,8 @@ class _NvmePayload(Payload):
         self._buf = None      # uint8 tensor the read lands in
         self._observed = False  # read completion already counted by poll
         self._released = False
+        self._d2h = None        # D2HTicket of an async device copy (CUDA)
+        self._gpu_read = False  # `_read` is an H2DTicket chained after the NVMe read
 
     @property
     def prefetched(self) -> bool:
@@ -90,6 +96,10 @@ class _NvmePayload(Payload):
             raise OffloadError("offload: a saved tensor was used after its offload.activations() "
                                "context released it (the block exited with an exception, or "
                                "backward ran after the context was closed)")
+        held = self._d2h.device_tensor_if_held() if self._d2h is not None else None
+        if held is not None:  # needed again before its D2H finished: no read at all
+            self._tier._stats.bounce_hits += 1
+            return held
         if self._read is None:
             self._tier._start_read(self)
         return self._tier._finish_read(self)
@@ -107,15 +117,20 @@ class NvmeTier(Tier):
 
     def __init__(self, dirs: tuple[str, ...], capacity_bytes: Callable[[], int], *,
                  workers: int, staging_bytes: int, stats: Stats, core,
-                 capacity_key: Hashable = None) -> None:
+                 capacity_key: Hashable = None,
+                 copies: Callable[[torch.device], Any] | None = None) -> None:
         """Open (or take from the pool) the store and the staging arena.
 
         Args:
             capacity_bytes: Called only when a new store must be made (it stats the disk).
             capacity_key: What the capacity was derived from (the OFFLOAD_NVME_BYTES spec);
                 with `dirs` and `workers` it decides whether a pooled store fits.
+            copies: Returns the context's CopyStreams for a CUDA device; with a CUDA build
+                of the extension device copies are then chained with the I/O.
         """
         self._stats = stats
+        # The chained paths need write_after_event / read_then_h2d (CUDA builds only).
+        self._copies = copies if getattr(core, "cuda_compiled", False) else None
         self._store_key = (tuple(dirs), capacity_key, workers)
         self._store = pool.take("nvme-store", self._store_key, lambda: core.NvmeStore(
             list(dirs), capacity_bytes(), workers=workers))
@@ -169,7 +184,12 @@ class NvmeTier(Tier):
             return None  # full (or too fragmented): the caller spills to the next tier
         payload = _NvmePayload(self, extent, nbytes, flat.device)
         block = self._staging_block(nbytes)
-        if block is not None:
+        if block is not None and self._copies is not None and flat.device.type == "cuda":
+            ticket = self._copies(flat.device).offload(flat, block)  # returns at once
+            payload._write = ticket.write_behind(self._store, extent)  # after the D2H event
+            payload._d2h = ticket
+            del block  # the copy and the engine hold it (cuda_streams Notes 3, 4)
+        elif block is not None:
             self._copy_out(flat, torch.frombuffer(block, dtype=torch.uint8))
             payload._write = self._store.write(extent, block)
             del block  # the engine holds it until the write lands; then it returns to the arena
@@ -208,6 +228,7 @@ class NvmeTier(Tier):
         finally:
             payload._write = None
             payload._source = None
+            payload._d2h = None
             end_s = _end_s(future)
             self._stats.write_clock.add_interval(payload._write_start_s, end_s)
             self._stats.trace.add(f"write {payload.nbytes} B", "nvme write",
@@ -231,7 +252,14 @@ class NvmeTier(Tier):
                                   what="wait own write")
         nbytes = payload.nbytes
         block = self._arena.allocate(nbytes)
-        if block is not None:
+        payload._gpu_read = block is not None and self._copies is not None \
+            and payload.device.type == "cuda"
+        if payload._gpu_read:
+            # read → H2D chained in the engine; the ticket holds block and destination
+            # until the copy is done (cuda_streams Notes 8, 9).
+            payload._read = self._copies(payload.device).reload_from_store(
+                self._store, payload._extent, block, nbytes)
+        elif block is not None:
             payload._buf = torch.frombuffer(block, dtype=torch.uint8)
             payload._read = self._store.read(payload._extent, block)
         else:
@@ -245,6 +273,8 @@ class NvmeTier(Tier):
             self._stats.peak_reads_inflight = len(self._reads)
 
     def _finish_read(self, payload: _NvmePayload) -> torch.Tensor:
+        if payload._gpu_read:
+            return self._finish_gpu_read(payload)
         start = time.perf_counter()
         try:
             moved = payload._read.wait()
@@ -260,6 +290,21 @@ class NvmeTier(Tier):
             self._trimmer.freed(moved)
         buf, payload._buf = payload._buf, None
         return self._copy_in(buf, payload.device)
+
+    def _finish_gpu_read(self, payload: _NvmePayload) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            # Waits on the host only for the engine's read + H2D submission; the current
+            # stream then waits on the H2D event on the GPU (cuda_streams Note 7).
+            out = payload._read.tensor_for_use()
+        finally:
+            self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
+                                  what="wait read")
+            self._observe_read(payload)
+            payload._read = None
+            payload._gpu_read = False
+        self._stats.nvme_read_bytes += payload.nbytes
+        return out
 
     def _observe_read(self, payload: _NvmePayload) -> None:
         if not payload._observed:
@@ -283,7 +328,7 @@ class NvmeTier(Tier):
         if src.device.type == "cpu":
             dst.copy_(src)
             return
-        # TODO(issue 4): write_after_event on the offload stream. Blocking copy_: done on return.
+        # Synchronous fallback (no CopyStreams or a CPU-only build): done on return.
         start = time.perf_counter()
         dst.copy_(src)
         self._stats.d2h_clock.add(time.perf_counter() - start)
@@ -292,7 +337,7 @@ class NvmeTier(Tier):
     def _copy_in(self, buf: torch.Tensor, device: torch.device) -> torch.Tensor:
         if device.type == "cpu":
             return buf
-        # TODO(issue 4): read_then_h2d on the prefetch stream + event. Blocking copy_.
+        # Synchronous fallback (no CopyStreams or a CPU-only build).
         start = time.perf_counter()
         out = torch.empty(buf.numel(), dtype=torch.uint8, device=device)
         out.copy_(buf)

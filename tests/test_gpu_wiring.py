@@ -1,0 +1,140 @@
+"""How the tiers drive CopyStreams on a CUDA run, checked on the CPU with a recording stub.
+
+The stream protocol itself is tested in test_copy_protocol.py (simulated GPU) and on a real
+GPU in test_cuda_race.py; here: which CopyStreams call each payload step makes, with which
+arguments (pack → offload, prefetch → reload after the D2H, unpack → tensor_for_use or the
+held source, release → nothing left behind).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.stats import Stats
+from offload.tiers.host import HostTier, _PinnedPayload
+
+CUDA = torch.device("cuda", 0)   # only a label: nothing runs on it
+
+
+class _D2H:
+    def __init__(self, src):
+        self.src = src
+
+    def device_tensor_if_held(self):
+        return self.src
+
+
+class _H2D:
+    def __init__(self, log, out):
+        self.log, self.out = log, out
+
+    def tensor_for_use(self):
+        self.log.append("tensor_for_use")
+        return self.out
+
+
+class _Copies:
+    def __init__(self):
+        self.log = []
+
+    def offload(self, src, block):
+        self.log.append(("offload", src.numel(), block.numel()))
+        return _D2H(None)
+
+    def reload(self, block, nbytes, *, after=None):
+        self.log.append(("reload", nbytes, after))
+        return _H2D(self.log, block[:nbytes].clone())
+
+
+def _tier():
+    copies = _Copies()
+    seen = []
+
+    def provider(device):
+        seen.append(device)
+        return copies
+
+    return HostTier(1 << 20, Stats(), copies=provider), copies, seen
+
+
+def test_prefetch_reloads_after_the_d2h_and_fetch_hands_the_ticket_to_the_stream():
+    tier, copies, seen = _tier()
+    host = torch.arange(64, dtype=torch.uint8)
+    d2h = _D2H(None)
+    p = _PinnedPayload(tier, host, CUDA, d2h)
+    assert p.prefetchable and not p.prefetched
+    assert p.prefetch() and p.prefetched
+    assert not p.prefetch()                       # one reload per use
+    assert copies.log == [("reload", 64, d2h)]    # Note 5: ordered after the D2H
+    out = p.fetch()
+    assert torch.equal(out, host) and copies.log[-1] == "tensor_for_use"
+    assert seen == [CUDA]
+    assert not p.prefetched
+    p.fetch()                                     # retain_graph: loads again
+    assert [e for e in copies.log if e != "tensor_for_use"] == [("reload", 64, d2h)] * 2
+
+
+def test_fetch_uses_the_source_while_its_d2h_is_pending():
+    tier, copies, _ = _tier()
+    src = torch.full((32,), 7, dtype=torch.uint8)
+    p = _PinnedPayload(tier, torch.zeros(32, dtype=torch.uint8), CUDA, _D2H(src))
+    assert p.fetch() is src
+    assert copies.log == [] and tier._stats.bounce_hits == 1
+
+
+def test_release_frees_the_space_and_refuses_later_use():
+    tier, _, _ = _tier()
+    tier._used_bytes = 32
+    p = _PinnedPayload(tier, torch.zeros(32, dtype=torch.uint8), CUDA, _D2H(None))
+    p.prefetch()
+    p.release()
+    p.release()
+    assert tier.used_bytes == 0 and p.released and not p.prefetched
+    assert not p.prefetch()
+
+
+def test_without_copystreams_the_payload_is_not_prefetchable():
+    tier = HostTier(1 << 20, Stats())
+    p = _PinnedPayload(tier, torch.zeros(8, dtype=torch.uint8), CUDA)
+    assert not p.prefetchable and not p.prefetch()
+
+
+def test_a_cpu_run_never_creates_copy_streams(nvme_dir, monkeypatch):
+    import offload
+    from offload import cuda_streams
+
+    def boom(*a, **k):
+        raise AssertionError("CopyStreams made on a CPU-only run")
+
+    monkeypatch.setattr(cuda_streams, "CopyStreams", boom)
+    x = torch.randn(64, 256, requires_grad=True)
+    with offload.activations(tiers="host,nvme", nvme_dir=nvme_dir, host_bytes="64KiB",
+                             min_bytes=0) as ctx:
+        (x.exp() * 2).tanh().sum().backward()
+    assert ctx.stats.nvme_bytes > 0 and ctx._copies == {}
+
+
+def test_closing_the_context_folds_copy_stats_into_ctx_stats():
+    import offload
+    from offload.cuda_streams import CopyStats
+
+    class FakeCopies:
+        def __init__(self):
+            self.closed = False
+            self.stats = CopyStats(d2h_bytes=100, h2d_bytes=60, d2h_busy_s=1e-6,
+                                   h2d_busy_s=2e-6, backpressure_wait_s=0.25,
+                                   h2d_wait_s=0.5, max_d2h_inflight=3, max_h2d_inflight=2)
+
+        def close(self):
+            self.closed = True
+
+    ctx = offload.activations(policy="keep")
+    fake = FakeCopies()
+    ctx._copies = {CUDA: fake}
+    ctx._close_copies()
+    s = ctx.stats
+    assert fake.closed and ctx._copies == {}
+    assert (s.d2h_bytes, s.h2d_bytes) == (100, 60)
+    assert s.d2h_gbps == pytest.approx(0.1) and s.h2d_gbps == pytest.approx(0.03)
+    assert (s.stall_forward_s, s.stall_backward_s, s.stall_s) == (0.25, 0.5, 0.75)
+    assert (s.peak_d2h_inflight, s.peak_h2d_inflight) == (3, 2)
