@@ -384,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.size < args.block_size or args.size % args.block_size:
         p.error(f"--size must be a positive multiple of --block-size ({args.block_size}), "
                 f"got {args.size}")
+    if not args.no_fio and args.size < args.block_size * args.iodepth:
+        # fio psync splits the file over --iodepth jobs, each needing a whole block.
+        p.error(f"--size must be at least --block-size x --iodepth "
+                f"({args.block_size * args.iodepth}) for the fio comparison, got {args.size} "
+                "(raise --size, lower --iodepth, or pass --no-fio)")
     core = load_core()
     counters = DeviceCounters(args.dir)
     if not counters.available:
