@@ -32,7 +32,8 @@ __all__ = ["main", "build_parser"]
 # The CPU default must finish every strategy within 3 minutes on 2 cores, so the bench
 # uses a smaller batch than gpt_for_machine's reference size (that one is for the runtime's
 # memory acceptance test: ~2.8 GiB of activations and ~15 s a step at batch 8). Measured
-# here: batch 2 took 246 s in all (9 s a step) on the shared machine; batch 1 halves it.
+# here: batch 2 took 246 s in all (9 s a step) on the shared machine; batch 1 took 144 s
+# (load 2.2-4.0, 2026-11-29), so batch 2 does not fit the 3 minutes with room to spare.
 CPU_DEFAULT_BATCH = 1
 _GPT_KEYS = {f.name for f in dataclasses.fields(GPTConfig)}
 
