@@ -7,7 +7,6 @@ picks a size that fits the device the benchmark runs on.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -12,10 +12,11 @@ must never block on I/O: a tier defers freeing space that an in-flight transfer 
 from __future__ import annotations
 
 import abc
+import time
 
 import torch
 
-__all__ = ["Tier", "Payload"]
+__all__ = ["Tier", "Payload", "sync_d2h", "sync_h2d"]
 
 
 class Payload(abc.ABC):
@@ -99,3 +100,25 @@ class Tier(abc.ABC):
         With `reuse`, expensive resources (stores, arenas) that are clean may go back to
         offload/tiers/pool.py for the next step instead of being destroyed.
         """
+
+
+def sync_d2h(src: torch.Tensor, dst: torch.Tensor, stats) -> None:
+    """Blocking device-to-host copy, the fallback when no CopyStreams exist.
+
+    A blocking `copy_` returns only when the bytes are on the host, so the caller may free
+    the source right after it (no event needed).
+    """
+    start = time.perf_counter()
+    dst.copy_(src)
+    stats.d2h_clock.add(time.perf_counter() - start)
+    stats.d2h_bytes += src.numel()
+
+
+def sync_h2d(src: torch.Tensor, device: torch.device, stats) -> torch.Tensor:
+    """Blocking host-to-device copy of a flat uint8 buffer; complete when it returns."""
+    start = time.perf_counter()
+    out = torch.empty(src.numel(), dtype=torch.uint8, device=device)
+    out.copy_(src)
+    stats.h2d_clock.add(time.perf_counter() - start)
+    stats.h2d_bytes += src.numel()
+    return out

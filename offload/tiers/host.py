@@ -21,14 +21,13 @@ are synchronous `copy_` calls.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, Hashable
 
 import torch
 
 from ..stats import Stats
 from . import pool
-from .base import Payload, Tier
+from .base import Payload, Tier, sync_d2h, sync_h2d
 
 __all__ = ["HostTier"]
 
@@ -193,21 +192,10 @@ class HostTier(Tier):
                                                    after=payload._d2h)
 
     def _d2h(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        # Synchronous fallback (no CopyStreams): blocking copy_ returns only when the bytes
-        # are on the host, so the source may be freed after it.
-        start = time.perf_counter()
-        dst.copy_(src)
-        self._stats.d2h_clock.add(time.perf_counter() - start)
-        self._stats.d2h_bytes += src.numel()
+        sync_d2h(src, dst, self._stats)
 
     def _h2d(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # Synchronous fallback: blocking copy_ is complete when it returns.
-        start = time.perf_counter()
-        out = torch.empty(src.numel(), dtype=torch.uint8, device=device)
-        out.copy_(src)
-        self._stats.h2d_clock.add(time.perf_counter() - start)
-        self._stats.h2d_bytes += src.numel()
-        return out
+        return sync_h2d(src, device, self._stats)
 
     def close(self, reuse: bool = True) -> None:
         # Blocks still viewed by live tensors keep their memory; such an arena goes away

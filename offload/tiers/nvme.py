@@ -43,7 +43,7 @@ import torch
 
 from ..errors import OffloadError
 from ..stats import Stats
-from .base import Payload, Tier
+from .base import Payload, Tier, sync_d2h, sync_h2d
 from . import pool
 from .heap import HeapTrimmer
 
@@ -327,23 +327,13 @@ class NvmeTier(Tier):
     def _copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.device.type == "cpu":
             dst.copy_(src)
-            return
-        # Synchronous fallback (no CopyStreams or a CPU-only build): done on return.
-        start = time.perf_counter()
-        dst.copy_(src)
-        self._stats.d2h_clock.add(time.perf_counter() - start)
-        self._stats.d2h_bytes += src.numel()
+        else:   # no CopyStreams or a CPU-only build of the core
+            sync_d2h(src, dst, self._stats)
 
     def _copy_in(self, buf: torch.Tensor, device: torch.device) -> torch.Tensor:
         if device.type == "cpu":
             return buf
-        # Synchronous fallback (no CopyStreams or a CPU-only build).
-        start = time.perf_counter()
-        out = torch.empty(buf.numel(), dtype=torch.uint8, device=device)
-        out.copy_(buf)
-        self._stats.h2d_clock.add(time.perf_counter() - start)
-        self._stats.h2d_bytes += buf.numel()
-        return out
+        return sync_h2d(buf, device, self._stats)   # no CopyStreams or a CPU-only build
 
     # ---------------------------------------------------------------- housekeeping
     def poll(self) -> None:
