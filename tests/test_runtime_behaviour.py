@@ -273,9 +273,14 @@ def test_repeated_steps_do_not_grow(nvme_dir):
         assert s.nvme_read_bytes >= s.nvme_bytes
         assert ctx._hooks.live_records == 0
         assert s.staging_peak_bytes <= 2 << 20   # bounded by OFFLOAD_STAGING_BYTES
-        peaks.append(s.peak_resident_bytes)
-    # identical steps, identical footprints once the bounce plan has learned (step 2 on)
-    assert len(set(peaks[1:])) == 1 and peaks[1] >= peaks[0]
+        peaks.append((s.peak_resident_bytes, s.bounce_kept_bytes))
+    # Identical steps must not grow. Step 1 has no bounce plan; later steps may keep a few
+    # storages that would bounce (chosen from measured timings, so the choice can vary from
+    # step to step) and may exceed step 1's resident peak by at most those bytes.
+    first_peak, first_kept = peaks[0]
+    assert first_kept == 0
+    for peak, kept in peaks[1:]:
+        assert peak <= first_peak + kept, peaks
 
 
 @needs_core
