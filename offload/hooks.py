@@ -242,15 +242,24 @@ class OffloadHooks:
                 self._param_ids.add(id(storage))
                 stats.param_bytes += storage.nbytes()
             return _Packed(None, None, t, version, None, 0)
+        # A save inside no_offload() must stay even if the same storage was moved earlier
+        # in the step, so it neither reuses nor enters the dedup index.
+        keep_here = no_offload_active()
         with self._lock:
-            record = self.index.lookup(storage, version)
+            record = None if keep_here else self.index.lookup(storage, version)
             if record is None:
                 record = self._store(t, storage)
-                self.index.add(storage, version, record)
+                if not keep_here:
+                    self.index.add(storage, version, record)
             record.handles_left += 1
         if record.payload is None:
             return _Packed(record, None, t, version, None, 0)
         stats.offloaded_tensors += 1
+        if record.payload.resident:
+            # The payload *is* the tensor's storage (host tier on a CPU run): hold the tensor
+            # itself, so an in-place change through any alias (e.g. a detach()ed view, which
+            # does not keep `t` alive) still fails autograd's version check. NOTE [Version check]
+            return _Packed(record, None, t, version, None, 0)
         owner = t._base if t._base is not None else t
         return _Packed(record, view_meta(t), None, version, weakref.ref(owner), t.output_nr)
 

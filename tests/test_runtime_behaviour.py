@@ -494,3 +494,34 @@ def test_pool_reuses_clean_resources(nvme_dir):
     assert stores[0] is stores[1]           # the second step took the first one's store
     ctx.close()                             # drops the pooled store and arena
     assert stores[0].closed
+
+
+def test_inplace_through_a_detached_alias_still_raises():
+    # The saved tensor itself dies; only a detach()ed alias (same storage and version
+    # counter) is modified. Plain autograd raises; so must we, never a silently wrong grad.
+    def step():
+        x = torch.randn(1000, requires_grad=True)
+        y = x * 2
+        d = y.detach()
+        z = y.sin()
+        del y
+        d.add_(1)
+        z.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with offload.activations(tiers="host", min_bytes=0):
+            step()
+
+
+def test_no_offload_region_keeps_a_storage_moved_earlier(nvme_dir):
+    x = torch.randn(100_000, requires_grad=True)
+    with offload.activations(**_kw("nvme", nvme_dir)) as ctx:
+        y = x * 2
+        a = y.sin()              # saves y: moved to nvme
+        with offload.no_offload():
+            b = y.cos()          # saves y again: must stay where it is
+        (a + b).sum().backward()
+    assert ctx.stats.kept_bytes >= y.numel() * 4
+    assert ctx.stats.nvme_bytes >= y.numel() * 4

@@ -243,10 +243,8 @@ class NvmeTier(Tier):
         self.in_backward = True
         if payload._write is not None:  # NOTE [Read after write]
             start = time.perf_counter()
-            try:
-                self._writes.remove(payload)
-            except ValueError:
-                pass
+            # Its queue entry stays: poll() and drain() skip entries whose write is retired,
+            # which keeps this O(1) instead of a scan of every write in flight.
             self._retire_write(payload)
             self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
                                   what="wait own write")
@@ -389,7 +387,8 @@ class NvmeTier(Tier):
             return
         self._closed = True
         store, arena = self._store, self._arena
-        clean = reuse and not self._writes and not self._deferred and not self._reads
+        pending = any(p._write is not None for p in self._writes)  # retired entries linger
+        clean = reuse and not pending and not self._deferred and not self._reads
         try:
             if clean and store.used_bytes == 0:
                 pool.give_back("nvme-store", self._store_key, store)
