@@ -36,6 +36,16 @@ def _random_bytes(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
+def _assert_round_trip(store, n: int, seed: int) -> None:
+    """Write n random bytes through write_ptr, read them back, compare byte for byte."""
+    src = _random_bytes(n, seed)
+    ext = store.allocate(n)
+    store.write_ptr(ext, src.data_ptr(), n).wait()
+    dst = torch.empty(n, dtype=torch.uint8)
+    store.read_ptr(ext, dst.data_ptr(), n).wait()
+    assert torch.equal(src, dst)
+
+
 def _unaligned(n: int, shift: int) -> torch.Tensor:
     """A uint8 tensor of n bytes whose address is `shift` bytes past a page boundary."""
     base = torch.empty(n + 8192, dtype=torch.uint8)
@@ -118,12 +128,7 @@ def test_striping_across_directories(nvme_dir):
         assert store.paths == [nvme_dir, second]
         assert store.capacity_bytes >= 16 * MiB
         n = 5 * MiB + 123
-        src = _random_bytes(n, seed=11)
-        ext = store.allocate(n)
-        store.write_ptr(ext, src.data_ptr(), n).wait()
-        dst = torch.empty(n, dtype=torch.uint8)
-        store.read_ptr(ext, dst.data_ptr(), n).wait()
-        assert torch.equal(src, dst)
+        _assert_round_trip(store, n, seed=11)
         # Both slabs hold data: blocks allocated on each device (st_blocks of the fd).
         store.close()
         assert os.listdir(second) == []
@@ -459,12 +464,7 @@ def test_filesystems_without_o_direct_fall_back_with_one_warning(fstype, caplog)
             assert "O_DIRECT is not supported" in warnings[0].message
             assert first in warnings[0].message and second in warnings[0].message
         n = MiB + 3
-        src = _random_bytes(n, seed=8)
-        ext = store.allocate(n)
-        store.write_ptr(ext, src.data_ptr(), n).wait()
-        dst = torch.empty(n, dtype=torch.uint8)
-        store.read_ptr(ext, dst.data_ptr(), n).wait()
-        assert torch.equal(src, dst)
+        _assert_round_trip(store, n, seed=8)
         store.close()
         assert os.listdir(first) == [] and os.listdir(second) == []
 
