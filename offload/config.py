@@ -298,14 +298,18 @@ def _size_parser(allow_percent: bool, max_fraction: float | None = None,
     return parse
 
 
+def _one_of(value: str, choices, where: str, problem: str, listing: str) -> str:
+    """`value` if it is in `choices`, else a ConfigError suggesting the closest choice."""
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise _fail(where, problem, f"{hint}{listing} {', '.join(choices)}")
+    return value
+
+
 def _parse_choice(raw: Any, where: str, env: Mapping[str, str]) -> str:
     value = str(raw).strip().lower()
-    if value not in POLICIES:
-        close = difflib.get_close_matches(value, POLICIES, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise _fail(where, f"unknown policy {value!r}",
-                    f"{hint}valid policies: {', '.join(POLICIES)}")
-    return value
+    return _one_of(value, POLICIES, where, f"unknown policy {value!r}", "valid policies:")
 
 
 def _parse_bool(raw: Any, where: str, env: Mapping[str, str]) -> bool:
@@ -320,13 +324,8 @@ def _parse_bool(raw: Any, where: str, env: Mapping[str, str]) -> bool:
 
 
 def _parse_log(raw: Any, where: str, env: Mapping[str, str]) -> str:
-    value = str(raw).strip().upper()
-    if value not in _LOG_LEVELS:
-        close = difflib.get_close_matches(value, _LOG_LEVELS, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise _fail(where, f"unknown log level {raw!r}",
-                    f"{hint}use one of {', '.join(_LOG_LEVELS)}")
-    return value
+    return _one_of(str(raw).strip().upper(), _LOG_LEVELS, where,
+                   f"unknown log level {raw!r}", "use one of")
 
 
 def _parse_path(raw: Any, where: str, env: Mapping[str, str]) -> str:

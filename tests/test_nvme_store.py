@@ -473,12 +473,7 @@ def test_direct_false_uses_buffered_io_without_a_warning(nvme_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="offload"):
         store = C.NvmeStore([nvme_dir], MiB, direct=False)
     assert not store.direct and caplog.records == []
-    src = _random_bytes(5000, seed=1)
-    ext = store.allocate(5000)
-    store.write_ptr(ext, src.data_ptr(), 5000).wait()
-    dst = torch.empty(5000, dtype=torch.uint8)
-    store.read_ptr(ext, dst.data_ptr(), 5000).wait()
-    assert torch.equal(src, dst)
+    _assert_round_trip(store, 5000, seed=1)
     store.close()
 
 
