@@ -78,6 +78,8 @@ void bind_store(py::module_& m) {
            "for a failed transfer, TimeoutError when timeout_s passes first.")
       .def("done", &IoRequest::done)
       .def_property_readonly("nbytes", &IoRequest::nbytes)
+      .def_property_readonly("end_s", &IoRequest::end_s,
+                             "When it finished, on time.perf_counter()'s clock; None until done.")
       .def("__repr__", [](const IoRequest& r) {
         return "<IoFuture nbytes=" + std::to_string(r.nbytes()) + (r.done() ? " done>" : " pending>");
       });
@@ -123,12 +125,16 @@ void bind_store(py::module_& m) {
            py::arg("direct") = true)
       .def(
           "allocate",
-          [](Store& s, int64_t nbytes) -> std::shared_ptr<Extent> {
-            auto range = s.allocate(non_negative(nbytes, "NvmeStore.allocate: nbytes"));
+          [](Store& s, int64_t nbytes, int64_t phase) -> std::shared_ptr<Extent> {
+            auto range = s.allocate(non_negative(nbytes, "NvmeStore.allocate: nbytes"),
+                                    non_negative(phase, "NvmeStore.allocate: phase"));
             if (!range) return nullptr;
             return std::make_shared<Extent>(std::move(range));
           },
-          py::arg("nbytes"), "An extent of `nbytes`, or None when no contiguous range is free.")
+          py::arg("nbytes"), py::arg("phase") = 0,
+          "An extent of `nbytes`, or None when no contiguous range is free. With `phase` "
+          "(below `alignment`) the data starts that far past an aligned offset: memory whose "
+          "address % alignment equals it is written and read in place (no bounce copy).")
       .def("write", [](Store& s, const Extent& e, const HostBlock& b) {
              return submit([&] { return s.write(e, b); });
            }, py::arg("extent"), py::arg("block"))
@@ -181,6 +187,9 @@ void bind_store(py::module_& m) {
       .def_property_readonly("largest_free_bytes", [](const Store& s) { return s.stats().largest_free_bytes; })
       .def_property_readonly("bytes_written", &Store::bytes_written)
       .def_property_readonly("bytes_read", &Store::bytes_read)
+      .def_property_readonly("bytes_bounced", &Store::bytes_bounced,
+                             "Payload bytes copied through bounce buffers (memory whose address "
+                             "is out of phase with the extent, partial end sectors).")
       .def_property_readonly("workers", [](const Store& s) { return s.options().workers; })
       .def_property_readonly("chunk_bytes", [](const Store& s) { return s.options().chunk_bytes; })
       .def_property_readonly("stripe_bytes", &Store::stripe_bytes)

@@ -23,6 +23,11 @@ HostMemory::HostMemory(uint64_t nbytes, bool pinned) : nbytes_(nbytes), pinned_(
   if (ptr == MAP_FAILED)
     throw_io_error(errno, "cannot reserve " + std::to_string(nbytes) + " bytes for the host arena");
   data_ = static_cast<char*>(ptr);
+  // Transparent huge pages where the kernel offers them (THP "madvise" or "always"): an
+  // arena lives for many steps, and 2 MiB pages make its first touch, and the page pinning
+  // of every O_DIRECT transfer into it, 512x fewer operations. Advice only: ignored when
+  // THP is off.
+  if (nbytes >= (2u << 20)) madvise(ptr, nbytes, MADV_HUGEPAGE);
 }
 
 HostMemory::~HostMemory() {

@@ -36,12 +36,18 @@ IoEngine::IoEngine(size_t workers, uint64_t bounce_bytes, uint64_t bounce_alignm
 IoEngine::~IoEngine() { stop(); }
 
 void IoEngine::submit(std::vector<Chunk> chunks) {
+  const size_t count = chunks.size();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) throw UseAfterClose("NvmeStore is closed");
     for (auto& c : chunks) queue_.push_back(std::move(c));
   }
-  cv_.notify_all();
+  // Wake only as many workers as there is work: on a machine with few cores every spurious
+  // wake-up preempts a compute thread (and stalls its OpenMP team at the next barrier).
+  if (count == 1)
+    cv_.notify_one();
+  else
+    cv_.notify_all();
 }
 
 void IoEngine::stop() {
@@ -91,8 +97,52 @@ void IoEngine::worker_loop() {
       std::lock_guard<std::mutex> lock(mu_);
       inflight_bytes_ -= nbytes;
     }
-    cv_.notify_all();
+    // The in-flight cap may now admit one more chunk for a waiting worker; this worker
+    // itself checks the queue again right away.
+    cv_.notify_one();
   }
+}
+
+// Memory and file offset share their phase: the aligned middle moves in place, and each
+// partial sector at an end goes through the bounce buffer as one whole sector. The rest of
+// such a sector belongs to the same extent (its phase padding, or the allocator's rounding),
+// so it is zero-filled on write rather than read-modify-written.
+void IoEngine::run_in_place(const Chunk& c, AlignedBuffer& bounce) {
+  const SlabFile& slab = *c.slab;
+  const uint64_t align = slab.alignment();
+  auto edge = [&](char* mem, uint64_t offset, uint64_t n) {
+    const uint64_t base = offset / align * align;
+    counters_.bytes_bounced.fetch_add(n, std::memory_order_relaxed);
+    if (c.write) {
+      std::memset(bounce.data(), 0, align);
+      std::memcpy(bounce.data() + (offset - base), mem, n);
+      slab.pwrite_full(bounce.data(), align, base);
+    } else {
+      slab.pread_full(bounce.data(), align, base);
+      std::memcpy(mem, bounce.data() + (offset - base), n);
+    }
+  };
+  char* mem = c.mem;
+  uint64_t offset = c.file_offset;
+  uint64_t left = c.nbytes;
+  const uint64_t head = std::min(left, (align - offset % align) % align);
+  if (head > 0) {
+    edge(mem, offset, head);
+    mem += head;
+    offset += head;
+    left -= head;
+  }
+  uint64_t body = left / align * align;
+  // A partial last sector moves in place too when the memory extends that far.
+  if (left > body && static_cast<uint64_t>(mem - c.mem) + align_up(left, align) <= c.mem_capacity)
+    body = align_up(left, align);
+  if (body > 0) {
+    if (c.write)
+      slab.pwrite_full(mem, body, offset);
+    else
+      slab.pread_full(mem, body, offset);
+  }
+  if (left > body) edge(mem + body, offset + body, left - body);
 }
 
 void IoEngine::run_chunk(const Chunk& c, AlignedBuffer& bounce) {
@@ -107,26 +157,25 @@ void IoEngine::run_chunk(const Chunk& c, AlignedBuffer& bounce) {
       slab.pread_full(c.mem, c.nbytes, c.file_offset);
   } else {
     const uint64_t align = slab.alignment();
-    const uint64_t padded = align_up(c.nbytes, align);
-    const bool aligned_mem = reinterpret_cast<uintptr_t>(c.mem) % align == 0;
-    if (aligned_mem && padded <= c.mem_capacity) {
-      if (c.write)
-        slab.pwrite_full(c.mem, padded, c.file_offset);
-      else
-        slab.pread_full(c.mem, padded, c.file_offset);
+    if (reinterpret_cast<uintptr_t>(c.mem) % align == c.file_offset % align) {
+      run_in_place(c, bounce);
     } else {
-      // Unaligned address or a tail shorter than the alignment: go through the bounce
-      // buffer (chunks never exceed it: they are cut at stripe boundaries).
-      if (padded > bounce.nbytes())
-        throw std::logic_error("chunk of " + std::to_string(padded) +
+      // Address and file offset out of phase: every byte goes through the bounce buffer
+      // (chunks never exceed it: they are cut at stripe boundaries).
+      const uint64_t start = c.file_offset % align;
+      const uint64_t span = align_up(start + c.nbytes, align);
+      if (span > bounce.nbytes())
+        throw std::logic_error("chunk of " + std::to_string(span) +
                                " bytes exceeds the bounce buffer");
+      const uint64_t base = c.file_offset - start;
+      counters_.bytes_bounced.fetch_add(c.nbytes, std::memory_order_relaxed);
       if (c.write) {
-        std::memcpy(bounce.data(), c.mem, c.nbytes);
-        std::memset(bounce.data() + c.nbytes, 0, padded - c.nbytes);
-        slab.pwrite_full(bounce.data(), padded, c.file_offset);
+        std::memset(bounce.data(), 0, span);
+        std::memcpy(bounce.data() + start, c.mem, c.nbytes);
+        slab.pwrite_full(bounce.data(), span, base);
       } else {
-        slab.pread_full(bounce.data(), padded, c.file_offset);
-        std::memcpy(c.mem, bounce.data(), c.nbytes);
+        slab.pread_full(bounce.data(), span, base);
+        std::memcpy(c.mem, bounce.data() + start, c.nbytes);
       }
     }
   }

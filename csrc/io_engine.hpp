@@ -55,6 +55,9 @@ class Throttle {
 struct EngineCounters {
   std::atomic<uint64_t> bytes_written{0};
   std::atomic<uint64_t> bytes_read{0};
+  // Payload bytes copied through a bounce buffer (memory out of phase with the file, or a
+  // partial sector at an end): CPU work that in-place transfers avoid.
+  std::atomic<uint64_t> bytes_bounced{0};
 };
 
 class IoEngine {
@@ -75,6 +78,7 @@ class IoEngine {
  private:
   void worker_loop();
   void run_chunk(const Chunk& chunk, AlignedBuffer& bounce);
+  void run_in_place(const Chunk& chunk, AlignedBuffer& bounce);
   bool admissible() const;  // caller holds mu_
 
   const uint64_t bounce_bytes_;

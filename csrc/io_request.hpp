@@ -94,6 +94,13 @@ class IoRequest {
     return nbytes_;
   }
   uint64_t nbytes() const noexcept { return nbytes_; }
+  // When the request finished, in seconds of the monotonic clock (what Python's
+  // time.perf_counter reads on Linux); nullopt while it runs.
+  std::optional<double> end_s() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!done_) return std::nullopt;
+    return std::chrono::duration<double>(end_.time_since_epoch()).count();
+  }
 
  private:
   void record_error(std::exception_ptr err) {
@@ -118,6 +125,7 @@ class IoRequest {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (err && !error_) error_ = err;
+      end_ = std::chrono::steady_clock::now();
       done_ = true;
       cv_.notify_all();
     }
@@ -133,6 +141,7 @@ class IoRequest {
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   std::exception_ptr error_;
+  std::chrono::steady_clock::time_point end_;
   bool done_ = false;
 };
 

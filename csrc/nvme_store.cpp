@@ -37,7 +37,7 @@ void validate_options(const std::vector<std::string>& dirs, uint64_t capacity_by
 
 ExtentRange::~ExtentRange() {
   try {
-    allocator_->free(offset_, nbytes_);
+    allocator_->free(base_, reserved_);
   } catch (...) {
     // Each range frees exactly once by construction; a destructor must not throw.
   }
@@ -125,18 +125,23 @@ NvmeStore::Location NvmeStore::locate(uint64_t logical_offset) const {
                   stripe_bytes_ - within};
 }
 
-std::shared_ptr<ExtentRange> NvmeStore::allocate(uint64_t nbytes) {
+std::shared_ptr<ExtentRange> NvmeStore::allocate(uint64_t nbytes, uint64_t phase) {
   check_open();
-  std::optional<uint64_t> offset = allocator_->allocate(nbytes);
-  if (!offset) return nullptr;
+  if (phase >= alignment_)
+    throw InvalidArgument("NvmeStore.allocate: phase must be below the alignment (" +
+                          std::to_string(alignment_) + "), got " + std::to_string(phase));
+  const uint64_t reserved = nbytes + phase;
+  std::optional<uint64_t> base = allocator_->allocate(reserved);
+  if (!base) return nullptr;
   size_t slots = 0;
   if (options_.checksum) {
-    for (uint64_t pos = 0; pos < nbytes; ++slots) pos += locate(*offset + pos).contiguous_bytes;
+    const uint64_t start = *base + phase;
+    for (uint64_t pos = 0; pos < nbytes; ++slots) pos += locate(start + pos).contiguous_bytes;
   }
   try {
-    return std::make_shared<ExtentRange>(allocator_, *offset, nbytes, slots);
+    return std::make_shared<ExtentRange>(allocator_, *base, reserved, phase, nbytes, slots);
   } catch (...) {
-    allocator_->free(*offset, nbytes);
+    allocator_->free(*base, reserved);
     throw;
   }
 }

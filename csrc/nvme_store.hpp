@@ -31,15 +31,22 @@ struct StoreOptions {
 
 // A range of the striped slab space. Returns itself to the allocator when the last
 // owner (the Python handle or an in-flight request) drops it.
+//
+// The data starts `phase` bytes into the reserved (aligned) range. With O_DIRECT, memory
+// whose address has the same phase (address % alignment) moves straight between RAM and
+// disk: only the partial sectors at the two ends go through a bounce buffer, so a tensor
+// is written from, and read back into, its own memory with no staging copy.
 class ExtentRange {
  public:
-  ExtentRange(std::shared_ptr<RangeAllocator> allocator, uint64_t offset, uint64_t nbytes,
-              size_t checksum_slots)
-      : allocator_(std::move(allocator)), offset_(offset), nbytes_(nbytes), sums_(checksum_slots) {}
+  ExtentRange(std::shared_ptr<RangeAllocator> allocator, uint64_t base, uint64_t reserved,
+              uint64_t phase, uint64_t nbytes, size_t checksum_slots)
+      : allocator_(std::move(allocator)), base_(base), reserved_(reserved), offset_(base + phase),
+        nbytes_(nbytes), sums_(checksum_slots) {}
   ~ExtentRange();
   ExtentRange(const ExtentRange&) = delete;
   ExtentRange& operator=(const ExtentRange&) = delete;
 
+  // Logical offset of the first data byte (base + phase).
   uint64_t offset() const noexcept { return offset_; }
   uint64_t nbytes() const noexcept { return nbytes_; }
   const RangeAllocator* allocator() const noexcept { return allocator_.get(); }
@@ -47,6 +54,8 @@ class ExtentRange {
 
  private:
   std::shared_ptr<RangeAllocator> allocator_;
+  uint64_t base_;      // what the allocator handed out (aligned)
+  uint64_t reserved_;  // and its size: phase + nbytes, before the allocator's rounding
   uint64_t offset_;
   uint64_t nbytes_;
   std::vector<ChunkSum> sums_;
@@ -75,8 +84,9 @@ class NvmeStore {
   NvmeStore(const NvmeStore&) = delete;
   NvmeStore& operator=(const NvmeStore&) = delete;
 
-  // nullptr when no contiguous range is free.
-  std::shared_ptr<ExtentRange> allocate(uint64_t nbytes);
+  // nullptr when no contiguous range is free. `phase` (< alignment()): the data starts
+  // that many bytes past an aligned offset; see ExtentRange.
+  std::shared_ptr<ExtentRange> allocate(uint64_t nbytes, uint64_t phase = 0);
 
   std::shared_ptr<IoRequest> write(const Extent& extent, const HostBlock& block);
   std::shared_ptr<IoRequest> read(const Extent& extent, const HostBlock& block);
@@ -102,6 +112,7 @@ class NvmeStore {
   RangeStats stats() const { return allocator_->stats(); }
   uint64_t bytes_written() const noexcept { return engine_->counters().bytes_written.load(); }
   uint64_t bytes_read() const noexcept { return engine_->counters().bytes_read.load(); }
+  uint64_t bytes_bounced() const noexcept { return engine_->counters().bytes_bounced.load(); }
   const StoreOptions& options() const noexcept { return options_; }
   uint64_t stripe_bytes() const noexcept { return stripe_bytes_; }
 

@@ -26,6 +26,7 @@ TIERS = ("host", "nvme")
 POLICIES = ("keep", "offload", "recompute", "auto")
 # Policies that need the scheduler (not written yet).
 _PENDING_POLICIES = ("recompute", "auto")
+CPU_HEAP_MODES = ("reuse", "release")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -33,12 +34,14 @@ _FALSE = ("0", "false", "no", "off", "")
 # Defaults measured on the 2-core CPU box (SSD ~1.9 / 1.0 GB/s write / read); figures in
 # the issue-3 report. MIN: the nvme path costs ~0.1-0.2 ms per tensor beyond the host path
 # (hook, staging, submit), what moving ~256 KiB costs at ~1-2 GB/s: below that the
-# per-tensor cost outweighs the bytes. STAGING / PREFETCH: peak RSS of the CPU GPT step
-# (1.33 GiB saved) was 0.85 GiB with 256/256 MiB, 0.63 GiB with 128/64 MiB; read-ahead is
-# kept under the arena size so that reads land in the arena, not in fresh heap memory.
+# per-tensor cost outweighs the bytes. STAGING / PREFETCH, issue-4 GPT step (batch 8, 2.6
+# GiB saved, in-place writes, no trimming): 128/64 MiB stalled 0.3-1.9 s per step (the
+# 64 MiB attention tensors need 64 MiB + one sector of arena each, so only one fit and the
+# other reads went to fresh memory), 256/64 MiB 0.04 s at +0.1 GiB peak RSS, 256/128 MiB
+# 0.02 s at +0.28 GiB. Read-ahead is kept under the arena size so reads land in the arena.
 _DEFAULT_MIN_BYTES = 256 << 10
 _DEFAULT_PREFETCH_BYTES = 64 << 20
-_DEFAULT_STAGING_BYTES = 128 << 20
+_DEFAULT_STAGING_BYTES = 256 << 20
 _DEFAULT_IO_WORKERS = 4
 
 
@@ -98,8 +101,16 @@ class Config:
         doc="I/O threads of the NVMe engine.")
     staging_bytes: int = _knob(
         _DEFAULT_STAGING_BYTES, env="OFFLOAD_STAGING_BYTES", kind="size", example="1GiB",
-        doc="Host staging arena of the `nvme` tier (write-behind and read-ahead buffers); "
-            "the forward only waits when it is full. Counts in RSS once touched.")
+        doc="Host staging of the `nvme` tier: the arena that read-ahead lands in (and, on "
+            "a GPU, the pinned write-behind buffers), and on a CPU the most bytes of tensors "
+            "held for writes in flight; the forward only waits when it is full. Counts in RSS "
+            "once touched (pinned at once on a GPU).")
+    cpu_heap: str = _knob(
+        "reuse", env="OFFLOAD_CPU_HEAP", kind="reuse or release", example="release",
+        doc="CPU runs of the `nvme` tier: `reuse` keeps freed activation memory in the heap "
+            "for the next allocation (fastest; peak RSS is the heap's high-water mark), "
+            "`release` hands every block of 1 MiB or more back to the OS when freed (lowest "
+            "peak RSS, about twice the page faults). See offload/tiers/heap.py.")
     trace: str | None = _knob(
         None, env="OFFLOAD_TRACE", kind="path", example="/tmp/step.json", default_doc="unset",
         doc="Write a Chrome-trace JSON of each step (forward / backward compute, NVMe writes "
@@ -312,6 +323,11 @@ def _parse_choice(raw: Any, where: str, env: Mapping[str, str]) -> str:
     return _one_of(value, POLICIES, where, f"unknown policy {value!r}", "valid policies:")
 
 
+def _parse_cpu_heap(raw: Any, where: str, env: Mapping[str, str]) -> str:
+    value = str(raw).strip().lower()
+    return _one_of(value, CPU_HEAP_MODES, where, f"unknown mode {value!r}", "valid modes:")
+
+
 def _parse_bool(raw: Any, where: str, env: Mapping[str, str]) -> bool:
     if isinstance(raw, bool):
         return raw
@@ -360,6 +376,7 @@ _PARSERS: dict[str, Callable[[Any, str, Mapping[str, str]], Any]] = {
     "prefetch_bytes": _size_parser(False),
     "io_workers": _parse_positive_int,
     "staging_bytes": _size_parser(False),
+    "cpu_heap": _parse_cpu_heap,
     "trace": _parse_path,
 }
 

@@ -46,7 +46,7 @@ def activations(*, model: torch.nn.Module | None = None, **settings: Any) -> "Ac
             exactly; the scheduler will use it to find repeated blocks.
         **settings: Override the OFFLOAD_* environment variables; same names in lower case
             without the prefix: tiers, nvme_dir, host_bytes, nvme_bytes, min_bytes, policy,
-            budget, strict, log, prefetch_bytes, io_workers, staging_bytes, trace.
+            budget, strict, log, prefetch_bytes, io_workers, staging_bytes, cpu_heap, trace.
 
     Returns:
         The context manager; `__enter__` returns it, and `.stats` is readable after the block.
@@ -153,6 +153,7 @@ class ActivationOffload:
                     tiers[name] = NvmeTier(
                         config.nvme_dir, config.nvme_capacity_bytes,
                         workers=config.io_workers, staging_bytes=config.staging_bytes,
+                        cpu_heap=config.cpu_heap,
                         stats=stats, core=load_core(), capacity_key=config.nvme_bytes,
                         copies=self._copy_streams)
         except BaseException:
@@ -221,7 +222,7 @@ class ActivationOffload:
         if placement.bounce is None:
             return
         s = self.stats
-        # Speeds of the path the bytes took (lower bounds: see Stats.BusyClock).
+        # Speeds of the path the bytes took (see Stats.BusyClock).
         link = None
         if s.nvme_written_bytes and s.nvme_write_gbps > 0 and s.nvme_read_gbps > 0:
             link = LinkSpeed(s.nvme_write_gbps * 1e9, s.nvme_read_gbps * 1e9)

@@ -28,9 +28,9 @@ class BusyClock:
     Bytes / busy time is the throughput the path achieved while it had work; unlike bytes /
     step time it does not drop when the path simply had nothing to do. Each transfer adds
     its [start, end] interval; overlapping intervals count once. The end of an NVMe
-    transfer is taken from the engine when it reports one (`IoFuture.end_s`), else it is
-    the moment the runtime saw it done (an upper bound: the reported GB/s is then a lower
-    bound).
+    transfer is the engine's completion time (`IoFuture.end_s`, on perf_counter's clock);
+    a chained GPU read (read then H2D) ends when the runtime saw its copy done (an upper
+    bound: that GB/s is a lower bound).
     """
 
     __slots__ = ("_intervals",)
@@ -87,6 +87,8 @@ class Stats:
     peak_resident_bytes: int = 0  # peak of saved activation bytes resident on the device
     nvme_written_bytes: int = 0
     nvme_read_bytes: int = 0
+    nvme_bounced_bytes: int = 0   # NVMe bytes copied through bounce buffers (tiers/nvme.py
+    #                               NOTE [Phase]: partial end sectors, out-of-phase memory)
     stall_s: float = 0.0          # stall_forward_s + stall_backward_s
     stall_forward_s: float = 0.0  # pack waited for staging space (backpressure)
     stall_backward_s: float = 0.0  # unpack waited for its data

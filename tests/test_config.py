@@ -120,6 +120,9 @@ def test_with_overrides():
      r"policies: keep, offload, recompute, auto\)"),
     ({"OFFLOAD_POLICY": "kep"}, r"did you mean 'keep'\?"),
     ({"OFFLOAD_STRICT": "maybe"}, r"OFFLOAD_STRICT='maybe': not a boolean \(use 1/0"),
+    ({"OFFLOAD_CPU_HEAP": "relase"},
+     r"OFFLOAD_CPU_HEAP='relase': unknown mode 'relase' \(did you mean 'release'\? valid "
+     r"modes: reuse, release\)"),
     ({"OFFLOAD_LOG": "LOUD"}, r"OFFLOAD_LOG='LOUD': unknown log level 'LOUD'"),
     ({"OFFLOAD_IO_WORKERS": "0"}, r"OFFLOAD_IO_WORKERS='0': must be at least 1"),
     ({"OFFLOAD_IO_WORKERS": "four"}, r"OFFLOAD_IO_WORKERS='four': not a whole number"),

@@ -102,6 +102,51 @@ def test_round_trip_through_host_blocks(nvme_dir, nbytes, checksum):
     store.close()
 
 
+def _expected_in_place_bounce(nbytes: int, phase: int, align: int) -> int:
+    """Bytes of one in-place transfer that go through the bounce buffer: the partial
+    sectors at the two ends (middle chunks start and end on stripe boundaries)."""
+    head = min(nbytes, (align - phase) % align)
+    return head + (nbytes - head) % align
+
+
+# Striped over two directories with small chunks, so a transfer spans several chunks.
+@pytest.mark.parametrize("nbytes", [1, 4095, 4097, 716928, 3 * MiB + 5])
+@pytest.mark.parametrize("phase", [0, 64, 4032])
+def test_memory_in_phase_with_the_extent_moves_in_place(nvme_dir, tmp_path, nbytes, phase):
+    store = C.NvmeStore([nvme_dir, str(tmp_path)], 8 * MiB, chunk_bytes=256 * 1024,
+                        checksum=True)
+    align = store.alignment
+    src = _unaligned(nbytes, phase).copy_(_random_bytes(nbytes, seed=nbytes + phase))
+    ext = store.allocate(nbytes, phase=phase)
+    assert ext.offset % align == phase
+    assert store.write_ptr(ext, src.data_ptr(), nbytes).wait() == nbytes
+    dst = _unaligned(nbytes, phase).zero_()
+    assert store.read_ptr(ext, dst.data_ptr(), nbytes).wait() == nbytes
+    assert torch.equal(src, dst)
+    assert store.bytes_bounced == 2 * _expected_in_place_bounce(nbytes, phase, align)
+    store.close()
+
+
+def test_memory_out_of_phase_is_bounced_whole_and_neighbours_stay_intact(nvme_dir):
+    store = C.NvmeStore([nvme_dir], 8 * MiB, chunk_bytes=64 * 1024)
+    sizes_phases = [(5000, 64), (7000, 4000), (70_001, 128), (1, 4095)]
+    exts, srcs = [], []
+    for i, (n, phase) in enumerate(sizes_phases):  # adjacent extents, written at once
+        exts.append(store.allocate(n, phase=phase))
+        srcs.append(_unaligned(n, phase).copy_(_random_bytes(n, seed=i)))
+    for f in [store.write_ptr(e, s.data_ptr(), s.numel()) for e, s in zip(exts, srcs)]:
+        f.wait()
+    in_place = store.bytes_bounced
+    assert in_place == sum(_expected_in_place_bounce(n, p, store.alignment)
+                           for n, p in sizes_phases)
+    for (n, phase), ext, src in zip(sizes_phases, exts, srcs):
+        dst = _unaligned(n, (phase + 64) % 4096).zero_()   # out of phase: all bounced
+        store.read_ptr(ext, dst.data_ptr(), n).wait()
+        assert torch.equal(src, dst)
+    assert store.bytes_bounced == in_place + sum(n for n, _ in sizes_phases)
+    store.close()
+
+
 def test_hundreds_of_concurrent_requests(nvme_dir):
     rng = random.Random(7)
     sizes = [rng.randint(1, 300_000) for _ in range(400)]
@@ -417,6 +462,10 @@ def test_bad_arguments_name_the_argument(nvme_dir):
         store.write_ptr(ext, buf.data_ptr(), 200)
     with pytest.raises(ValueError, match="ptr is 0"):
         store.read_ptr(ext, 0, 10)
+    with pytest.raises(ValueError, match="phase must be below the alignment"):
+        store.allocate(100, phase=store.alignment)
+    with pytest.raises(ValueError, match="phase must be >= 0, got -1"):
+        store.allocate(100, phase=-1)
     with pytest.raises(ValueError, match="Extent belongs to a different NvmeStore"):
         other.read_ptr(ext, buf.data_ptr(), 10)
     arena = C.HostArena(MiB)

@@ -183,8 +183,14 @@ def footnotes(rows: list[dict[str, Any]]) -> list[str]:
                          "its memory numbers understate the RAM it uses (use --nvme-dir on "
                          "a disk)")
         if _unexplained(r):
-            lines.append(f"  {_UNEXPLAINED} {r['strategy']}: {r['resident_check']}: its "
-                         "resident-bytes accounting misses memory")
+            why = "its resident-bytes accounting misses memory"
+            if r["device"] == "cpu" and r["nvme_bytes"]:
+                # heap.py: with the default OFFLOAD_CPU_HEAP=reuse glibc keeps freed
+                # activation memory (and its fragmentation) for the next allocation.
+                why = ("memory freed during the step that glibc keeps for reuse "
+                       "(OFFLOAD_CPU_HEAP=reuse, the default; =release returns it to the OS "
+                       "at about twice the page faults)")
+            lines.append(f"  {_UNEXPLAINED} {r['strategy']}: {r['resident_check']}: {why}")
     steps = [r for r in shown if r["bit_exact"] is False and r["grads_differ_steps"]]
     for r in steps:
         lines.append(f"  {r['strategy']}: gradients differ from none in timed step(s) "
