@@ -21,7 +21,11 @@ an aligned file offset, with phase = address % alignment; reads land in memory o
 phase. Measured on the issue-4 GPT step (2-core VM): the staging copy cost ~0.45 s of the
 training thread per step. Phases that are not a multiple of 64 (memory not from torch's
 allocator) use phase 0 and go through the bounce buffer whole, so that the read-back view's
-byte offset stays a multiple of every dtype's size.
+byte offset stays a multiple of every dtype's size. The engine reads the tensor's memory
+while the forward goes on: an in-place change autograd can see (version counter) raises at
+unpack as it would without offload; one made through `.data` (invisible to the version
+counter) before the write lands may or may not reach the disk, where plain autograd would
+use the changed values.
 
 NOTE [Read after write] The engine does not order a read after a write of the same extent;
 reading before the write landed returns stale bytes. Every read first retires its payload's
