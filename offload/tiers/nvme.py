@@ -339,34 +339,24 @@ class NvmeTier(Tier):
             self._stats.peak_reads_inflight = len(self._reads)
 
     def _finish_read(self, payload: _NvmePayload) -> torch.Tensor:
-        if payload._gpu_read:
-            return self._finish_gpu_read(payload)
+        gpu = payload._gpu_read
         start = time.perf_counter()
         try:
-            moved = payload._read.wait()
-        finally:
-            self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
-                                  what="wait read")
-            self._observe_read(payload)
-            payload._read = None
-        self._stats.nvme_read_bytes += moved
-        buf, payload._buf = payload._buf, None
-        return self._copy_in(buf, payload.device)
-
-    def _finish_gpu_read(self, payload: _NvmePayload) -> torch.Tensor:
-        start = time.perf_counter()
-        try:
-            # Waits on the host only for the engine's read + H2D submission; the current
+            # GPU: waits on the host only for the engine's read + H2D submission; the current
             # stream then waits on the H2D event on the GPU (cuda_streams Note 7).
-            out = payload._read.tensor_for_use()
+            result = payload._read.tensor_for_use() if gpu else payload._read.wait()
         finally:
             self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
                                   what="wait read")
             self._observe_read(payload)
             payload._read = None
             payload._gpu_read = False
-        self._stats.nvme_read_bytes += payload.nbytes
-        return out
+        if gpu:
+            self._stats.nvme_read_bytes += payload.nbytes
+            return result
+        self._stats.nvme_read_bytes += result
+        buf, payload._buf = payload._buf, None
+        return self._copy_in(buf, payload.device)
 
     def _observe_read(self, payload: _NvmePayload) -> None:
         if not payload._observed:
