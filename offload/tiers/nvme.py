@@ -8,7 +8,8 @@ free]); `store` waits only when more than `staging_bytes` of such writes are in 
 then retires the oldest: counted as forward stall).
 
 Write path, CUDA tensors. `store` starts the D2H into a pinned staging block (see below); a
-tensor that does not fit the staging arena is copied to a CPU tensor and written like one.
+tensor that does not fit the staging arena (or any, without CopyStreams) is copied into a
+page-aligned host buffer and written from there like a CPU tensor.
 
 Read path (backward). `prefetch` takes memory with the payload's phase (a slice of a staging
 arena block, or of a plain buffer when the arena is full), waits for the payload's own write
@@ -215,14 +216,14 @@ class NvmeTier(Tier):
         if self._closed:
             raise OffloadError("offload: nvme tier used after close")
         nbytes = flat.numel()
+        on_cpu = flat.device.type == "cpu"
         chained = self._copies is not None and flat.device.type == "cuda"
-        if not chained:
+        if on_cpu:
             self._heap.acquire()  # heap.py: CPU RAM is freed and reused during the step
         self.poll()
         block = self._arena.allocate(nbytes) if chained else None
         if chained and block is None and nbytes <= self._arena.capacity_bytes:
             block = self._wait_for_staging(nbytes)
-        on_cpu = flat.device.type == "cpu"
         phase = self._phase_of(flat.data_ptr()) if on_cpu else 0
         extent = self._store.allocate(nbytes, phase)
         if extent is None:
@@ -272,16 +273,15 @@ class NvmeTier(Tier):
 
     def _wait_for_staging(self, nbytes: int):
         # The arena is full of D2H copies in flight; wait for the oldest writes.
-        found = []
+        block = None
 
         def allocated() -> bool:
+            nonlocal block
             block = self._arena.allocate(nbytes)
-            if block is not None:
-                found.append(block)
             return block is not None
 
         self._retire_oldest_writes(allocated, "wait staging space")
-        return found[0] if found else None  # None: fragmented or held by reads; go direct
+        return block  # None: fragmented or held by reads; written from a host copy
 
     def _retire_write(self, payload: _NvmePayload) -> None:
         """Wait for (or collect) a payload's write; raises StorageError if it failed."""
