@@ -87,6 +87,14 @@ so the handle exists; the engine records it again after its copy (Note 7 orders 
 Note 11 (back-pressure without a device sync): when the sources held by pending D2H copies
 exceed ``max_inflight_bytes``, ``offload`` waits on the host for the oldest copy's event only.
 The GPU keeps running; the Python thread stops queuing work until memory is really free.
+
+Note 12 (one reload, several consumer streams): the hooks read a storage once and serve its
+other saved tensors from a cache (hooks.py NOTE [Unpack cache]). Autograd runs each backward
+node on the stream its forward ran on, so a second saved tensor of the storage can be used on
+another stream than the first. Only the first consumer went through ``tensor_for_use``
+(Notes 6, 7). :class:`SharedReload` records an event on that first stream right after its
+wait (it completes after the H2D); any other stream waits on that event, on the GPU, and is
+added to the block's streams by ``record_stream`` so the block outlives its kernels there.
 """
 from __future__ import annotations
 
@@ -100,7 +108,7 @@ import torch
 
 from offload.trace import NULL_RECORDER, NullRecorder, TraceRecorder
 
-__all__ = ["CopyStreams", "D2HTicket", "H2DTicket", "WriteBehind", "CopyStats",
+__all__ = ["CopyStreams", "D2HTicket", "H2DTicket", "WriteBehind", "CopyStats", "SharedReload",
            "DEFAULT_MAX_INFLIGHT_BYTES"]
 
 _log = logging.getLogger("offload")
@@ -163,6 +171,41 @@ class _TorchCuda:
 
     def event_handle(self, event) -> int:
         return event.cuda_event
+
+
+class SharedReload:
+    """A reloaded device storage served to more than one stream (Note 12).
+
+    Created right after the first consumer got the storage (its stream already waits for
+    the copy); ``use_on_current_stream`` makes any later consumer's stream safe. Holds no
+    reference to the storage, so the hooks' weak cache stays weak.
+    """
+
+    __slots__ = ("_backend", "_ready", "_served")
+
+    def __init__(self, device: torch.device, _backend: Any = None):
+        self._backend = _backend if _backend is not None else _TorchCuda()
+        first = self._backend.current_stream(device)
+        self._ready = self._backend.new_event(timing=False)
+        self._backend.record(self._ready, first)
+        self._served = {self._backend.stream_handle(first)}
+
+    def use_on_current_stream(self, storage: torch.UntypedStorage, offset: int) -> None:
+        """Make the current stream wait for the reload and keep the block for its kernels.
+
+        `offset`: where the reloaded bytes start in `storage` (a byte of them is the handle
+        `record_stream` is given; the allocator finds the block from it).
+        """
+        b = self._backend
+        stream = b.current_stream(storage.device)
+        handle = b.stream_handle(stream)
+        if handle in self._served:  # its earlier wait is already ahead in stream order
+            return
+        b.wait_event(stream, self._ready)
+        one_byte = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+            storage, offset, (1,))
+        b.record_stream(one_byte, stream)
+        self._served.add(handle)
 
 
 @dataclass

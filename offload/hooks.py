@@ -20,7 +20,9 @@ payload at once; a later unpack of such a record raises a clear error.
 
 NOTE [Unpack cache] Several saved tensors of one storage are unpacked at different times.
 The loaded bytes stay referenced by the record while some of its `_Packed` have not been
-unpacked yet (so the storage is read once), then only weakly.
+unpacked yet (so the storage is read once), then only weakly. A reloaded CUDA storage may
+be unpacked on several streams (autograd runs each node on its forward's stream): every
+stream after the first waits for the first one's hand-off (cuda_streams Note 12).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import weakref
 
 import torch
 
+from .cuda_streams import SharedReload
 from .errors import TierFullError
 from .placement import Placement, TensorInfo
 from .prefetch import Prefetcher
@@ -67,7 +70,7 @@ class _Record:
     """One stored storage (see NOTE [Record lifetime])."""
 
     __slots__ = ("hooks", "payload", "nbytes", "kind", "resident", "handles_left", "cache",
-                 "cache_ref", "cache_offset", "released", "timing", "__weakref__")
+                 "cache_ref", "cache_offset", "shared", "released", "timing", "__weakref__")
 
     def __init__(self, hooks: "OffloadHooks", payload, nbytes: int, kind: str,
                  resident: bool) -> None:
@@ -80,6 +83,7 @@ class _Record:
         self.cache = None             # strong reference to the loaded storage (NOTE [Unpack cache])
         self.cache_ref = None         # weak reference to it
         self.cache_offset = 0
+        self.shared: SharedReload | None = None  # a CUDA storage's streams (NOTE [Unpack cache])
         self.released = False
         self.timing: list | None = None  # [key, nbytes, pack_s, unpack_s] (BouncePlan)
 
@@ -97,6 +101,9 @@ class _Record:
             flat = self.hooks.fetch(self.payload)
             storage, self.cache_offset = flat.untyped_storage(), flat.storage_offset()
             self.cache_ref = weakref.ref(storage)
+            self.shared = SharedReload(storage.device) if storage.device.type == "cuda" else None
+        elif self.shared is not None:
+            self.shared.use_on_current_stream(storage, self.cache_offset)  # cuda_streams Note 12
         if self.handles_left > 1:
             self.cache = storage
         return storage, self.cache_offset

@@ -117,6 +117,43 @@ def run_block_reuse(seed, n=64):
     return all(want == got[0] for want, got in results)
 
 
+def run_shared_reload(seed, n=32, rounds=6):
+    """Note 12: one reloaded block read on the compute stream and then on a second stream
+    (the hooks' unpack cache serving a backward node that runs on another stream). Each
+    round's reload reuses the previous round's block as soon as the allocator allows."""
+    sim = SimGpu(seed)
+    arena = SimArena(sim)
+    copies = CopyStreams(_backend=sim)
+    side = sim.new_stream(None)
+    blocks = []
+    for i in range(rounds):   # the forward, finished: no D2H is pending any more
+        x = sim.empty(n, None, sim.compute)
+        sim.fill(x, _pattern(i))
+        blocks.append(arena.allocate(n))
+        copies.offload(x, blocks[-1]).wait()
+        del x
+    results = []
+    for i in range(rounds):
+        reload = copies.reload(blocks[i], n)
+        t = reload.tensor_for_use()             # the first consumer, on the compute stream
+        shared = cuda_streams.SharedReload(None, _backend=sim)
+        first: list = []
+        sim.read(t, first)
+        sim.current = side                      # a node whose forward ran on `side`
+        shared.use_on_current_stream(t.untyped_storage(), t.storage_offset())
+        second: list = []
+        sim.read(t, second, side)
+        sim.current = sim.compute
+        del t, reload
+        results += [(bytes([_pattern(i)]) * n, first), (bytes([_pattern(i)]) * n, second)]
+        later = sim.new_event(False)            # compute moves on (a host sync, say)
+        sim.record(later, sim.compute)
+        sim.synchronize(later)                  # ... while `side` may still be behind
+    copies.close()
+    sim.finish()
+    return all(want == got[0] for want, got in results)
+
+
 # --------------------------------------------------------------------------- protocol tests
 @pytest.mark.parametrize("seed", SEEDS)
 def test_round_trip_is_exact_in_every_interleaving(seed):
@@ -196,6 +233,44 @@ def test_note6_without_record_stream_the_next_reload_reuses_a_block_in_use(monke
 def test_note7_without_the_consumer_wait_backward_reads_before_the_h2d(monkeypatch):
     drop = _DropWaits(lambda copies, sim: sim.compute)
     assert _detected(drop.install, monkeypatch) > 0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_reload_shared_by_two_streams_is_exact(seed):
+    assert run_shared_reload(seed)
+
+
+def test_note12_without_the_second_stream_wait_it_reads_before_the_h2d(monkeypatch):
+    real = SimGpu.wait_event
+
+    def no_ready_wait(sim, stream, ev):   # drop only waits on SharedReload's event
+        if not getattr(ev, "shared_ready", False):
+            real(sim, stream, ev)
+
+    real_init = cuda_streams.SharedReload.__init__
+
+    def tag(self, *a, **kw):
+        real_init(self, *a, **kw)
+        self._ready.shared_ready = True
+
+    monkeypatch.setattr(SimGpu, "wait_event", no_ready_wait)
+    monkeypatch.setattr(cuda_streams.SharedReload, "__init__", tag)
+    assert not all(run_shared_reload(seed) for seed in SEEDS)
+
+
+def test_note12_without_record_stream_the_next_reload_overwrites_a_block_in_use(monkeypatch):
+    real = SimGpu.record_stream
+    side_records = []
+
+    def compute_only(sim, tensor, stream):   # Note 6's record_stream stays
+        if stream is sim.current and stream is not sim.compute:
+            side_records.append(stream)
+            return
+        real(sim, tensor, stream)
+
+    monkeypatch.setattr(SimGpu, "record_stream", compute_only)
+    assert not all(run_shared_reload(seed) for seed in SEEDS)
+    assert side_records, "the mutation removed nothing"
 
 
 def test_note8_without_holding_the_h2d_source_a_new_d2h_overwrites_it(monkeypatch):

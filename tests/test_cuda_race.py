@@ -143,3 +143,80 @@ def test_removing_the_stream_waits_is_detected(reference, monkeypatch):
     monkeypatch.setattr(cuda_streams._TorchCuda, "wait_event", lambda self, stream, event: None)
     result = _run(_settings("host", None))
     assert not _same(result, reference)
+
+
+# --------------------------------------------------------------------------- two consumer streams
+class SideBranchLayer(nn.Module):
+    """One activation saved by ops on two streams: the main stream and a side branch.
+
+    `h` is saved by tanh and by `h * w_main` on the current stream, and by `h * w_side` on
+    `side`. Autograd runs each backward node on its forward's stream, so the runtime loads
+    `h` once and serves it to both streams (cuda_streams Note 12).
+    """
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.w_main = nn.Parameter(torch.linspace(0.5, 1.5, width))
+        self.w_side = nn.Parameter(torch.linspace(-1.0, 1.0, width))
+
+    def forward(self, x, side):
+        h = torch.tanh(self.lin(x))
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            s = h * self.w_side
+        m = h * self.w_main
+        main.wait_stream(side)
+        h.record_stream(side)   # the user's own cross-stream hygiene, as torch requires
+        s.record_stream(main)
+        return x + m * s
+
+
+def _run_side_branch(settings: dict | None, steps: int = 3):
+    torch.manual_seed(0)
+    side = torch.cuda.Stream()
+    layers = nn.ModuleList(SideBranchLayer(16) for _ in range(8)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    grads = []
+    for _ in range(steps):
+        x = torch.randn(4096, 16, device="cuda", generator=g)
+        for p in layers.parameters():
+            p.grad = None
+
+        def loss():
+            y = x
+            for layer in layers:
+                y = layer(y, side)
+            return y.pow(2).mean()
+
+        if settings is None:
+            loss().backward()
+        else:
+            with offload.activations(model=layers, **settings):
+                loss().backward()
+        torch.cuda.synchronize()
+        grads.append([p.grad.clone() for p in layers.parameters()])
+    return grads
+
+
+def _same_grads(a, b) -> bool:
+    return all(torch.equal(x, y) for gs, hs in zip(a, b) for x, y in zip(gs, hs))
+
+
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_a_tensor_used_on_two_streams_is_bit_exact(reference, tiers, nvme_dir, monkeypatch):
+    # `reference` only for its TF32 settings
+    expected = _run_side_branch(None)
+    assert _same_grads(_run_side_branch(None), expected), "the model itself is not deterministic"
+    _hold_back_copies(monkeypatch)
+    assert _same_grads(_run_side_branch(_settings(tiers, nvme_dir)), expected)
+
+
+def test_without_the_second_stream_hand_off_the_side_branch_is_wrong(reference, monkeypatch):
+    """The side-branch model catches a cached reload served to a second stream unsynced."""
+    expected = _run_side_branch(None)
+    _hold_back_copies(monkeypatch)
+    monkeypatch.setattr(cuda_streams.SharedReload, "use_on_current_stream",
+                        lambda self, storage, offset: None)
+    assert not _same_grads(_run_side_branch(_settings("host", None)), expected)
