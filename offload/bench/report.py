@@ -192,6 +192,14 @@ def footnotes(rows: list[dict[str, Any]]) -> list[str]:
                        "at about twice the page faults)")
             lines.append(f"  {_UNEXPLAINED} {r['strategy']}: {r['resident_check']}: {why}")
     steps = [r for r in shown if r["bit_exact"] is False and r["grads_differ_steps"]]
+    ref = next((r for r in steps if r["strategy"] == "none"), None)
+    if ref is not None:
+        # `none` against its own first round: the floor of the bit-exact check (worker.py
+        # asks for deterministic kernels with warn_only; some ops have none).
+        lines.append("  none differs from its own first round: this device's kernels are not "
+                     "bit-reproducible for this model (e.g. an attention backward without a "
+                     "deterministic algorithm), so a DIFF in another row at those steps is the "
+                     "same noise, not the strategy")
     for r in steps:
         lines.append(f"  {r['strategy']}: gradients differ from none in timed step(s) "
                      + ", ".join(str(k + 1) for k in r["grads_differ_steps"])

@@ -343,11 +343,14 @@ class NvmeTier(Tier):
         start = time.perf_counter()
         try:
             # GPU: waits on the host only for the engine's read + H2D submission; the current
-            # stream then waits on the H2D event on the GPU (cuda_streams Note 7).
+            # stream then waits on the H2D event on the GPU (cuda_streams Note 7). CopyStreams
+            # counts that wait itself (h2d_wait_s, folded in at context exit, and the trace):
+            # counted here too, a step's stall could exceed the step.
             result = payload._read.tensor_for_use() if gpu else payload._read.wait()
         finally:
-            self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
-                                  what="wait read")
+            if not gpu:
+                self._stats.add_stall(time.perf_counter() - start, backward=True,
+                                      start_s=start, what="wait read")
             self._observe_read(payload)
             payload._read = None
             payload._gpu_read = False
