@@ -441,3 +441,38 @@ def test_a_reference_that_varies_across_rounds_is_called_out():
     lines = report.footnotes([none, host])
     assert any(line.startswith("  none differs from its own first round") for line in lines)
     assert not any("own first round" in line for line in report.footnotes([host]))
+
+
+def test_an_op_without_a_deterministic_kernel_falls_back_to_warn_only():
+    from offload.bench import worker
+
+    class Flaky:
+        calls = 0
+
+        def step(self, wl, nvme_dir, budget):
+            self.calls += 1
+            if not torch.is_deterministic_algorithms_warn_only_enabled():
+                raise RuntimeError("index_add_cuda_ does not have a deterministic "
+                                   "implementation, but you set 'torch.use_deterministic_"
+                                   "algorithms(True)'.\nmore text")
+            return "ok"
+
+    class Spec:
+        nvme_dir, budget = None, None
+
+    resets, result = [], {"nondeterministic_op": None}
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(True)
+        flaky = Flaky()
+        assert worker._step(flaky, None, Spec, result, lambda: resets.append(1)) == "ok"
+        assert flaky.calls == 2 and resets == [1]
+        assert result["nondeterministic_op"].startswith("index_add_cuda_ does not have")
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        # Other errors are not swallowed.
+        with pytest.raises(RuntimeError, match="boom"):
+            worker._step(type("S", (), {"step": lambda *a: (_ for _ in ()).throw(
+                RuntimeError("boom"))})(), None, Spec, result, lambda: None)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

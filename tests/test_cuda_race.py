@@ -17,6 +17,8 @@ would be caught only by luck of timing, so no such test is written.
 """
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn as nn
@@ -57,7 +59,15 @@ class RaceModel(nn.Module):
 
 
 def _run(settings: dict | None, steps: int = STEPS):
-    """Train `steps` steps from a fixed seed; return (grads per step, final weights)."""
+    """Train `steps` steps from a fixed seed; return (grads per step, final weights, device
+    bytes this run holds after each step)."""
+    # Bytes relative to the start: the reference's results (alive in the fixture) and
+    # earlier tests' tensors are not this run's. (On an H200 the absolute numbers differed
+    # by 189440 bytes for tiers=host: the reference's 4 gradient sets and 1 weight set at
+    # 37888 allocator bytes each.)
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
     torch.manual_seed(0)
     model = RaceModel().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -79,7 +89,7 @@ def _run(settings: dict | None, steps: int = STEPS):
         # the allocator polls their events; empty_cache waits for those events. What is left
         # is memory some live tensor holds.
         torch.cuda.empty_cache()
-        mem.append(torch.cuda.memory_allocated())
+        mem.append(torch.cuda.memory_allocated() - base)
     weights = [p.detach().clone() for p in model.parameters()]
     return grads, weights, mem
 

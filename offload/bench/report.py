@@ -191,6 +191,11 @@ def footnotes(rows: list[dict[str, Any]]) -> list[str]:
                        "(OFFLOAD_CPU_HEAP=reuse, the default; =release returns it to the OS "
                        "at about twice the page faults)")
             lines.append(f"  {_UNEXPLAINED} {r['strategy']}: {r['resident_check']}: {why}")
+    floor = next((r for r in shown if r.get("nondeterministic_op")), None)
+    if floor is not None:
+        lines.append("  gradient check: an op of this model has no deterministic kernel on this "
+                     "device, so it ran non-deterministically and a DIFF may be that op's noise ("
+                     + floor["nondeterministic_op"] + ")")
     steps = [r for r in shown if r["bit_exact"] is False and r["grads_differ_steps"]]
     ref = next((r for r in steps if r["strategy"] == "none"), None)
     if ref is not None:

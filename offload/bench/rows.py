@@ -46,7 +46,7 @@ ROW_FIELDS = (
     "memory_limit_bytes", "max_batch", "max_batch_limited_by", "max_batch_step_s",
     "max_batch_tokens_per_s", "max_batch_samples_per_s", "max_batch_vs_none", "max_batch_probes",
     # --explain
-    "plan",
+    "plan", "nondeterministic_op",
 )
 
 
@@ -126,6 +126,8 @@ def make_row(strategy: str, description: str, meta: dict[str, Any],
     for name in RATE_FIELDS:
         row[name] = _median_or_none([s.get(name) for s in steps_stats])
     row["plan"] = next((r["plan"] for r in ok if r.get("plan")), None)
+    row["nondeterministic_op"] = next((r["nondeterministic_op"] for r in ok
+                                       if r.get("nondeterministic_op")), None)
 
     bit_exact, max_diff, differ, differ_steps = grad_check
     row["bit_exact"], row["max_abs_diff"] = bit_exact, max_diff
