@@ -476,3 +476,15 @@ def test_an_op_without_a_deterministic_kernel_falls_back_to_warn_only():
                 RuntimeError("boom"))})(), None, Spec, result, lambda: None)
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_cpu_nvme_rows_without_torch_thp_get_the_hint():
+    none = _row("none", 1000 * MiB, 800 * MiB, device="cpu", torch_thp=False)
+    nvme = _row("offload-nvme", 500 * MiB, 100 * MiB, device="cpu", nvme_bytes=800 * MiB,
+                torch_thp=False)
+    rows = [none, nvme]
+    rows_mod.add_relative(rows)
+    hint = [line for line in report.footnotes(rows) if "THP_MEM_ALLOC_ENABLE=1" in line]
+    assert len(hint) == 1 and hint[0].startswith("  offload-nvme: ran without")
+    nvme["torch_thp"] = True
+    assert not [line for line in report.footnotes(rows) if "THP_MEM_ALLOC_ENABLE" in line]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -160,3 +161,26 @@ def test_cpu_heap_mode_reaches_the_heap_settings_and_grads_stay_exact(nvme_dir, 
         _step(model, tiers="nvme", nvme_dir=nvme_dir, min_bytes=0, cpu_heap=mode)
     assert seen and set(seen) == {mode}
     assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
+
+
+def test_a_cpu_nvme_step_without_torch_thp_says_so_once(monkeypatch, caplog):
+    from offload.tiers.heap import HeapSettings, torch_thp_enabled
+
+    monkeypatch.setattr(HeapSettings, "_thp_hinted", False)
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    assert torch_thp_enabled()
+    with caplog.at_level(logging.INFO, logger="offload"):
+        for _ in range(2):
+            h = HeapSettings("reuse")
+            h.acquire()
+            h.release()
+    assert not [r for r in caplog.records if "THP_MEM_ALLOC_ENABLE" in r.getMessage()]
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    assert not torch_thp_enabled()
+    with caplog.at_level(logging.INFO, logger="offload"):
+        for _ in range(2):
+            h = HeapSettings("reuse")
+            h.acquire()
+            h.release()
+    hints = [r for r in caplog.records if "THP_MEM_ALLOC_ENABLE=1" in r.getMessage()]
+    assert len(hints) == 1 and hints[0].levelno == logging.INFO

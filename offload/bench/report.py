@@ -191,6 +191,14 @@ def footnotes(rows: list[dict[str, Any]]) -> list[str]:
                        "(OFFLOAD_CPU_HEAP=reuse, the default; =release returns it to the OS "
                        "at about twice the page faults)")
             lines.append(f"  {_UNEXPLAINED} {r['strategy']}: {r['resident_check']}: {why}")
+    no_thp = [r["strategy"] for r in shown
+              if r["device"] == "cpu" and r["nvme_bytes"] and r.get("torch_thp") is False]
+    if no_thp:
+        # heap.py: torch's huge-page allocation is what makes CPU NVMe offload cheap.
+        lines.append(f"  {', '.join(no_thp)}: ran without THP_MEM_ALLOC_ENABLE=1; with it "
+                     "(set before starting Python, for every row) activations are page-aligned "
+                     "huge pages (dev VM, batch-8 GPT step: 1.05x -> 0.97x of none, peak RSS "
+                     "1.36 -> 1.02 GiB)")
     floor = next((r for r in shown if r.get("nondeterministic_op")), None)
     if floor is not None:
         lines.append("  gradient check: an op of this model has no deterministic kernel on this "

@@ -46,7 +46,7 @@ ROW_FIELDS = (
     "memory_limit_bytes", "max_batch", "max_batch_limited_by", "max_batch_step_s",
     "max_batch_tokens_per_s", "max_batch_samples_per_s", "max_batch_vs_none", "max_batch_probes",
     # --explain
-    "plan", "nondeterministic_op",
+    "plan", "nondeterministic_op", "torch_thp",
 )
 
 
@@ -128,6 +128,7 @@ def make_row(strategy: str, description: str, meta: dict[str, Any],
     row["plan"] = next((r["plan"] for r in ok if r.get("plan")), None)
     row["nondeterministic_op"] = next((r["nondeterministic_op"] for r in ok
                                        if r.get("nondeterministic_op")), None)
+    row["torch_thp"] = first.get("torch_thp")
 
     bit_exact, max_diff, differ, differ_steps = grad_check
     row["bit_exact"], row["max_abs_diff"] = bit_exact, max_diff

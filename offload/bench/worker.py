@@ -35,6 +35,7 @@ from offload.bench import measure
 from offload.bench.spec import RunSpec
 from offload.bench.strategies import Unavailable, get
 from offload.bench.workload import Workload, build_workload
+from offload.tiers.heap import torch_thp_enabled
 
 __all__ = ["run", "main"]
 
@@ -51,6 +52,7 @@ def _empty_result(spec: RunSpec) -> dict[str, Any]:
         "cuda_total_bytes": None, "cuda_base_bytes": None, "warmup_rss_delta_bytes": None,
         "pool_released_bytes": None, "resident_source": None, "nvme_direct": None,
         "nvme_fs_types": None, "grad_hashes": [], "nondeterministic_op": None,
+        "torch_thp": torch_thp_enabled(),
     }
 
 
