@@ -208,7 +208,7 @@ def footnotes(rows: list[dict[str, Any]]) -> list[str]:
     ref = next((r for r in steps if r["strategy"] == "none"), None)
     if ref is not None:
         # `none` against its own first round: the floor of the bit-exact check (worker.py
-        # asks for deterministic kernels with warn_only; some ops have none).
+        # asks for deterministic kernels; an op with none makes it fall back to warn-only).
         lines.append("  none differs from its own first round: this device's kernels are not "
                      "bit-reproducible for this model (e.g. an attention backward without a "
                      "deterministic algorithm), so a DIFF in another row at those steps is the "

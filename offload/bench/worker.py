@@ -164,6 +164,7 @@ def _measure(spec: RunSpec, result: dict[str, Any]) -> None:
     cuda_peaks: list[int] = []
     outcome = None
     rss = measure.RssPeak().start()
+
     def reset() -> None:
         for p in params:
             p.grad.zero_()

@@ -37,11 +37,10 @@ peak RSS 0.74 GiB, the step ~15% slower than `reuse`.
 A no-op where glibc is not the allocator (`mallopt` missing).
 
 Huge pages. torch's own `THP_MEM_ALLOC_ENABLE=1` (read once, at torch's first CPU
-allocation: set it before Python starts) aligns every CPU allocation of 2 MiB or more to a
-page and advises huge pages for it. For this tier that means: every large activation is
-written in place with no bounced sector (NOTE [Phase] in nvme.py), O_DIRECT pins a few
-huge pages instead of thousands of 4 KiB ones, and freshly allocated activations fault in
-2 MiB at a time. Measured on the same step (pipeline_bench, 3 rounds, side by side with no
+allocation: set it before Python starts) aligns every CPU allocation to a page and advises
+huge pages (madvise) for those of 2 MiB or more. For this tier that means: every activation
+is written in place with no bounced sector (NOTE [Phase] in nvme.py), and both faulting in
+new activations and pinning them for O_DIRECT work on 2 MiB pages. Measured on the same step (pipeline_bench, 3 rounds, side by side with no
 offload and checkpointing in one run each): nvme offload 1.05x the no-offload step, peak RSS
 1.36 GiB, without it; 0.97x and 1.02 GiB with it (no offload: 12.58 / 12.46 s, about the
 same). The runtime cannot switch it on for a process that already imported torch, so
