@@ -39,8 +39,9 @@ A no-op where glibc is not the allocator (`mallopt` missing).
 Huge pages. torch's own `THP_MEM_ALLOC_ENABLE=1` (read once, at torch's first CPU
 allocation: set it before Python starts) aligns every CPU allocation to a page and advises
 huge pages (madvise) for those of 2 MiB or more. For this tier that means: every activation
-is written in place with no bounced sector (NOTE [Phase] in nvme.py), and both faulting in
-new activations and pinning them for O_DIRECT work on 2 MiB pages. Measured on the same step (pipeline_bench, 3 rounds, side by side with no
+starts page-aligned, so it is written in place with at most a partial last sector bounced
+(NOTE [Phase] in nvme.py), and both faulting in new activations and pinning them for
+O_DIRECT work on 2 MiB pages. Measured on the same step (pipeline_bench, 3 rounds, side by side with no
 offload and checkpointing in one run each): nvme offload 1.05x the no-offload step, peak RSS
 1.36 GiB, without it; 0.97x and 1.02 GiB with it (no offload: 12.58 / 12.46 s, about the
 same). The runtime cannot switch it on for a process that already imported torch, so
