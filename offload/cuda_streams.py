@@ -92,9 +92,10 @@ Note 12 (one reload, several consumer streams): the hooks read a storage once an
 other saved tensors from a cache (hooks.py NOTE [Unpack cache]). Autograd runs each backward
 node on the stream its forward ran on, so a second saved tensor of the storage can be used on
 another stream than the first. Only the first consumer went through ``tensor_for_use``
-(Notes 6, 7). :class:`SharedReload` records an event on that first stream right after its
-wait (it completes after the H2D); any other stream waits on that event, on the GPU, and is
-added to the block's streams by ``record_stream`` so the block outlives its kernels there.
+(Notes 6, 7). When another stream asks, :class:`SharedReload` records an event on the first
+stream (behind its wait for the H2D, so it completes after the copy); that stream waits on
+the event, on the GPU, and is added to the block's streams by ``record_stream`` so the block
+outlives its kernels there.
 """
 from __future__ import annotations
 
@@ -178,17 +179,20 @@ class SharedReload:
 
     Created right after the first consumer got the storage (its stream already waits for
     the copy); ``use_on_current_stream`` makes any later consumer's stream safe. Holds no
-    reference to the storage, so the hooks' weak cache stays weak.
+    reference to the storage, so the hooks' weak cache stays weak. Every CUDA reload gets
+    one, and nearly all are only ever used on one stream: the event is made only when a
+    second stream shows up, recorded then on the first stream (behind its wait for the
+    copy, so it also completes after the copy; it may wait for more of that stream's work
+    than needed, which only this rare case pays).
     """
 
-    __slots__ = ("_backend", "_ready", "_served")
+    __slots__ = ("_backend", "_first", "_ready", "_served")
 
     def __init__(self, device: torch.device, _backend: Any = None):
         self._backend = _backend if _backend is not None else _TorchCuda()
-        first = self._backend.current_stream(device)
-        self._ready = self._backend.new_event(timing=False)
-        self._backend.record(self._ready, first)
-        self._served = {self._backend.stream_handle(first)}
+        self._first = self._backend.current_stream(device)
+        self._ready = None
+        self._served = {self._backend.stream_handle(self._first)}
 
     def use_on_current_stream(self, storage: torch.UntypedStorage, offset: int) -> None:
         """Make the current stream wait for the reload and keep the block for its kernels.
@@ -201,6 +205,9 @@ class SharedReload:
         handle = b.stream_handle(stream)
         if handle in self._served:  # its earlier wait is already ahead in stream order
             return
+        if self._ready is None:
+            self._ready = b.new_event(timing=False)
+            b.record(self._ready, self._first)
         b.wait_event(stream, self._ready)
         one_byte = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
             storage, offset, (1,))

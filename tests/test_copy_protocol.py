@@ -247,14 +247,24 @@ def test_note12_without_the_second_stream_wait_it_reads_before_the_h2d(monkeypat
         if not getattr(ev, "shared_ready", False):
             real(sim, stream, ev)
 
-    real_init = cuda_streams.SharedReload.__init__
+    real_use = cuda_streams.SharedReload.use_on_current_stream
 
     def tag(self, *a, **kw):
-        real_init(self, *a, **kw)
-        self._ready.shared_ready = True
+        real_new = self._backend.new_event
+
+        def tagged(*args, **kwargs):
+            ev = real_new(*args, **kwargs)
+            ev.shared_ready = True
+            return ev
+
+        self._backend.new_event = tagged
+        try:
+            real_use(self, *a, **kw)
+        finally:
+            del self._backend.new_event
 
     monkeypatch.setattr(SimGpu, "wait_event", no_ready_wait)
-    monkeypatch.setattr(cuda_streams.SharedReload, "__init__", tag)
+    monkeypatch.setattr(cuda_streams.SharedReload, "use_on_current_stream", tag)
     assert not all(run_shared_reload(seed) for seed in SEEDS)
 
 
