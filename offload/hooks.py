@@ -359,11 +359,14 @@ class OffloadHooks:
         return len(self._live)
 
     def _record_freed(self, record: _Record) -> None:
-        if record.resident:
-            self.stats.resident_bytes -= record.nbytes
-        if record.payload is None:
-            return
+        # Under the lock: `__del__` runs on whichever thread drops the last reference
+        # (autograd's device threads too), and `resident_bytes -=` is a read-modify-write
+        # racing pack's `add_resident`.
         with self._lock:
+            if record.resident:
+                self.stats.resident_bytes -= record.nbytes
+            if record.payload is None:
+                return
             record.release()
             self._live.discard(record)
             if self.on_idle is not None and not self._live:
