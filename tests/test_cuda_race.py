@@ -61,14 +61,11 @@ class RaceModel(nn.Module):
 def _run(settings: dict | None, steps: int = STEPS):
     """Train `steps` steps from a fixed seed; return (grads per step, final weights, device
     bytes this run holds after each step)."""
-    # Bytes relative to the start: the reference's results (alive in the fixture) and
-    # earlier tests' tensors are not this run's. (On an H200 the absolute numbers differed
-    # by 189440 bytes for tiers=host: the reference's 4 gradient sets and 1 weight set at
-    # 37888 allocator bytes each; relative, by the 65 MiB cuBLAS workspace the reference
-    # run took.)
-    # cuBLAS takes its workspace (65 MiB on the H200) from the caching allocator at the first
-    # matmul of the process and keeps it: take it before the baseline, in every run alike.
-    # (Both paths a Linear takes: addmm through cublasLt, mm through cuBLAS.)
+    # Bytes relative to a baseline taken after a matmul warm-up, so only this run's tensors
+    # count. Seen on an H200: absolute figures included the reference's results alive in
+    # the fixture (189440 B: 4 gradient sets + 1 weight set), and a baseline without the
+    # warm-up missed the 65 MiB cuBLAS workspace that the process's first matmul keeps
+    # (taken for both paths a Linear uses: addmm through cublasLt, mm through cuBLAS).
     warm = [torch.ones(*shape, device="cuda", requires_grad=True)
             for shape in ((64, 16), (16, 16), (16,))]
     (torch.nn.functional.linear(*warm).sum() + (warm[0] @ warm[1]).sum()).backward()
