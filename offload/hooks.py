@@ -4,12 +4,9 @@
 it. One `_Record` per stored storage (views share it: see tensor_meta NOTE [Storage identity]);
 one `_Packed` per saved tensor, pointing at its record plus the view layout to rebuild.
 
-NOTE [Version check] Once saved-tensor hooks are installed autograd no longer checks the
-version counter of saved tensors (verified on torch 2.13: the in-place "modified by an
-inplace operation" error silently disappears). We redo the check: every `_Packed` records
-`t._version` and keeps the tensor (kept ones) or a weak reference to its version-counter
-owner (the view's base, else the tensor itself); unpack raises autograd's own message when
-the counter moved. A dead owner means nobody could have modified it.
+NOTE [Version check] lives in offload/version_check.py: every `_Packed` holds the saved
+tensor itself (kept ones) or a zero-byte *sentinel* sharing its version counter (moved ones),
+and unpack raises autograd's own error when the counter moved since pack.
 
 NOTE [Record lifetime] A record lives exactly as long as some `_Packed` of it lives, i.e. as
 long as autograd holds a saved tensor of that storage. Its `__del__` releases the payload:
@@ -27,7 +24,6 @@ stream after the first waits for the first one's hand-off (cuda_streams Note 12)
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import weakref
@@ -42,6 +38,7 @@ from .sizes import format_bytes
 from .stats import Stats
 from .tensor_meta import ParamStorages, StorageIndex, ViewMeta, movable, rebuild, view_meta
 from .tiers.base import Tier
+from .version_check import SavedOrigin, version_error, version_sentinel
 
 __all__ = ["OffloadHooks", "no_offload_active", "no_offload_depth"]
 
@@ -130,24 +127,29 @@ class _Record:
 class _Packed:
     """What autograd holds for one saved tensor."""
 
-    __slots__ = ("record", "meta", "tensor", "version", "owner", "output_nr", "unpacked")
+    __slots__ = ("record", "meta", "tensor", "version", "sentinel", "origin", "unpacked")
 
     def __init__(self, record: _Record | None, meta: ViewMeta | None,
-                 tensor: torch.Tensor | None, version: int, owner: weakref.ref | None,
-                 output_nr: int) -> None:
+                 tensor: torch.Tensor | None, version: int, sentinel: torch.Tensor | None,
+                 origin: SavedOrigin) -> None:
         self.record = record
         self.meta = meta
         self.tensor = tensor          # set when the tensor stays where it is
         self.version = version
-        self.owner = owner            # NOTE [Version check]
-        self.output_nr = output_nr
+        self.sentinel = sentinel      # moved tensors: shares its version counter
+        self.origin = origin          # for autograd's message
         self.unpacked = False
 
     def check_version(self) -> None:
-        t = self.tensor if self.tensor is not None else \
-            (self.owner() if self.owner is not None else None)
-        if t is not None and t._version != self.version:
-            raise RuntimeError(_version_message(t, self, self.meta))
+        """NOTE [Version check]: raise autograd's error if the tensor changed since pack."""
+        holder = self.tensor if self.tensor is not None else self.sentinel
+        seen = holder._version
+        if seen != self.version:
+            if self.meta is not None:
+                dtype, size = self.meta.dtype, self.meta.size
+            else:
+                dtype, size = holder.dtype, holder.shape
+            raise version_error(dtype, holder.device, size, self.origin, self.version, seen)
 
     def mark_unpacked(self) -> None:
         if not self.unpacked:
@@ -159,53 +161,6 @@ class _Packed:
         if not self.unpacked and self.record is not None:
             self.unpacked = True
             self.record.handle_done()
-
-
-def _version_message(t: torch.Tensor, packed: _Packed, meta: ViewMeta | None) -> str:
-    # Same words as autograd's own check (torch/csrc/autograd/saved_variable.cpp), so code
-    # and tests that match on it keep working with offload on.
-    if meta is not None:
-        probe = torch.empty(0, dtype=meta.dtype, device=t.device)
-        type_name, sizes = probe.type(), list(meta.size)
-    else:
-        type_name, sizes = t.type(), list(t.shape)
-    text = (f"one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: [{type_name} {sizes}]")
-    if t.grad_fn is not None:
-        name = re.sub(r"Backward\d*$", "", type(t.grad_fn).__name__)
-        text += f", which is output {packed.output_nr} of {name},"
-    return text + (f" is at version {t._version}; expected version {packed.version} instead."
-                   + _autograd_hint())
-
-
-_hint_cache: list[str] = []
-
-
-def _autograd_hint() -> str:
-    """The hint autograd appends to its version error (its wording changes across releases).
-
-    Provoked once on a one-element graph in a fresh thread: saved-tensor hooks are
-    thread-local, so ours cannot interfere there.
-    """
-    if not _hint_cache:
-        found: list[str] = []
-
-        def provoke() -> None:
-            a = torch.ones(1, requires_grad=True)
-            b = a * 1
-            c = b.sin()
-            b.add_(1)
-            try:
-                c.backward()
-            except RuntimeError as exc:
-                msg = str(exc)
-                found.append(msg[msg.index(" Hint:"):] if " Hint:" in msg else "")
-
-        worker = threading.Thread(target=provoke, name="offload-hint")
-        worker.start()
-        worker.join()
-        _hint_cache.append(found[0] if found else "")
-    return _hint_cache[0]
 
 
 def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -240,15 +195,16 @@ class OffloadHooks:
         stats = self.stats
         stats.packed_tensors += 1
         version = t._version
+        origin = SavedOrigin(t)  # now: an in-place op would rewrite t.grad_fn
         if not movable(t):
-            return _Packed(None, None, t, version, None, 0)
+            return _Packed(None, None, t, version, None, origin)
         storage = t.untyped_storage()
         if self.params.is_param(t, storage):
             stats.param_tensors += 1
             if id(storage) not in self._param_ids:
                 self._param_ids.add(id(storage))
                 stats.param_bytes += storage.nbytes()
-            return _Packed(None, None, t, version, None, 0)
+            return _Packed(None, None, t, version, None, origin)
         # A save inside no_offload() must stay even if the same storage was moved earlier
         # in the step, so it neither reuses nor enters the dedup index.
         keep_here = no_offload_active()
@@ -260,15 +216,13 @@ class OffloadHooks:
                     self.index.add(storage, version, record)
             record.handles_left += 1
         if record.payload is None:
-            return _Packed(record, None, t, version, None, 0)
+            return _Packed(record, None, t, version, None, origin)
         stats.offloaded_tensors += 1
         if record.payload.resident:
-            # The payload *is* the tensor's storage (host tier on a CPU run): hold the tensor
-            # itself, so an in-place change through any alias (e.g. a detach()ed view, which
-            # does not keep `t` alive) still fails autograd's version check. NOTE [Version check]
-            return _Packed(record, None, t, version, None, 0)
-        owner = t._base if t._base is not None else t
-        return _Packed(record, view_meta(t), None, version, weakref.ref(owner), t.output_nr)
+            # The payload *is* the tensor's storage (host tier on a CPU run): holding the
+            # tensor costs nothing and it carries its own version counter.
+            return _Packed(record, None, t, version, None, origin)
+        return _Packed(record, view_meta(t), None, version, version_sentinel(t), origin)
 
     def _store(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Record:
         nbytes = storage.nbytes()

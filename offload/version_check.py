@@ -1,0 +1,141 @@
+"""Autograd's "modified by an inplace operation" check, redone for tensors we hold as bytes.
+
+NOTE [Version check] Once saved-tensor hooks are installed autograd no longer checks the
+version counter of saved tensors (torch 2.13: the error silently disappears), so the hooks
+redo it. A saved tensor and every alias autograd tracks (views of one base, `detach()`, the
+base of a saved view, sibling views) share one *version counter*; an in-place op anywhere
+on them bumps it. The check must see a bump made at any time before unpack, also after the
+saved tensor itself died: the normal life of an intermediate inside a `forward` is "saved,
+changed in place (ReLU(inplace=True)), dropped". A weak reference to the tensor loses the
+counter with the tensor, and then the gradient would be computed from whatever bytes the
+transfer had copied (the CPU write-behind reads the tensor's memory after pack returns;
+a GPU D2H runs on a side stream while the compute stream goes on).
+
+So every saved tensor we move holds a *sentinel*: a `detach()` alias (which shares the
+counter) whose data is then swapped for an empty tensor (`.data =` keeps the alias's own
+counter). It holds no bytes of the storage, costs ~0.6 us, and its `_version` follows every
+in-place change, for as long as we hold it. Unpack compares it with the version seen at pack
+and raises autograd's own error; no gradient is computed from bytes that may have changed
+between pack and the end of their transfer.
+
+A change through `.data` (or any alias made outside autograd: `set_`, numpy, DLPack) is
+invisible to the counter, exactly as it is to autograd itself; see the README.
+
+The message is autograd's (torch/csrc/autograd/saved_variable.cpp), so code and tests that
+match on it keep working with offload on: for a tensor saved as an *output* of the node that
+saved it (tanh, exp, relu save their result), autograd names that node; for an input, the
+tensor's grad_fn when backward runs (the in-place op, or AsStrided for a view whose base
+changed). The first is only known at pack time (an in-place op rewrites the tensor's
+grad_fn), so pack records the grad_fn's name and whether it is the saving node: that node
+was created last, so its sequence number is the one just before the thread's next. One
+difference remains: an *input* changed in place and then dropped before backward is named
+by its producer (autograd, which keeps the tensor alive, names the last in-place op); the
+error is raised all the same.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+
+import torch
+
+__all__ = ["SavedOrigin", "version_sentinel", "version_error"]
+
+# Thread-local next sequence number of autograd nodes (torch >= 2.1); without it every saved
+# tensor is named like an input, which only changes the op named in the message.
+_next_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+_BACKWARD_SUFFIX = re.compile(r"Backward\d*$")  # autograd prints TanhBackward0 as Tanh
+
+_empty_by_device: dict[torch.device, torch.Tensor] = {}
+
+
+def version_sentinel(t: torch.Tensor) -> torch.Tensor:
+    """A zero-byte tensor sharing `t`'s version counter (NOTE [Version check])."""
+    empty = _empty_by_device.get(t.device)
+    if empty is None:
+        empty = _empty_by_device.setdefault(
+            t.device, torch.empty(0, dtype=torch.uint8, device=t.device))
+    sentinel = t.detach()       # shares storage and version counter
+    sentinel.data = empty       # drops the storage, keeps the counter
+    return sentinel
+
+
+class SavedOrigin:
+    """What autograd's message says about a saved tensor, captured at pack (one per save)."""
+
+    __slots__ = ("output_nr", "node_name", "is_output", "is_view", "tensor_ref")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.output_nr = t.output_nr
+        node = t.grad_fn
+        self.node_name = type(node).__name__ if node is not None else None
+        self.is_output = node is not None and _next_sequence_nr is not None \
+            and node._sequence_nr() == _next_sequence_nr() - 1
+        self.is_view = t._base is not None
+        # An input's message names its grad_fn at unpack, when the tensor still lives.
+        self.tensor_ref = None if self.is_output or node is None else weakref.ref(t)
+
+    def node_at_unpack(self) -> str | None:
+        """The grad_fn autograd would name (see the module doc)."""
+        if self.tensor_ref is None:  # an output (the saving node), or a leaf (none)
+            return self.node_name
+        t = self.tensor_ref()
+        if t is not None:
+            node = t.grad_fn
+            return type(node).__name__ if node is not None else None
+        # An input that died after the change. A view's grad_fn is regenerated when its
+        # base changed: as_strided, unless torch replays views. For a plain tensor autograd
+        # would name the last in-place op, which nothing records: we name its producer.
+        if self.is_view and not _view_replay_enabled():
+            return "AsStridedBackward0"
+        return self.node_name
+
+
+def _view_replay_enabled() -> bool:
+    check = getattr(torch._C, "_is_view_replay_enabled", None)
+    return bool(check()) if check is not None else False
+
+
+def version_error(dtype: torch.dtype, device: torch.device, size, origin: SavedOrigin,
+                  expected: int, seen: int) -> RuntimeError:
+    """Autograd's error for a saved tensor changed in place, word for word."""
+    type_name = torch.empty(0, dtype=dtype, device=device).type()
+    text = (f"one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{type_name} {list(size)}]")
+    name = origin.node_at_unpack()
+    if name is not None:
+        text += f", which is output {origin.output_nr} of {_BACKWARD_SUFFIX.sub('', name)},"
+    return RuntimeError(text + f" is at version {seen}; expected version {expected} instead."
+                        + _autograd_hint())
+
+
+_hint_cache: list[str] = []
+
+
+def _autograd_hint() -> str:
+    """The hint autograd appends to its version error (its wording changes across releases).
+
+    Provoked once on a one-element graph in a fresh thread: saved-tensor hooks are
+    thread-local, so ours cannot interfere there.
+    """
+    if not _hint_cache:
+        found: list[str] = []
+
+        def provoke() -> None:
+            a = torch.ones(1, requires_grad=True)
+            b = a * 1
+            c = b.sin()
+            b.add_(1)
+            try:
+                c.backward()
+            except RuntimeError as exc:
+                msg = str(exc)
+                found.append(msg[msg.index(" Hint:"):] if " Hint:" in msg else "")
+
+        worker = threading.Thread(target=provoke, name="offload-hint")
+        worker.start()
+        worker.join()
+        _hint_cache.append(found[0] if found else "")
+    return _hint_cache[0]

@@ -1,0 +1,209 @@
+"""In-place changes to saved tensors raise autograd's own error on every tier (NOTE [Version
+check] in offload/version_check.py), word for word, whatever the saved tensor's lifetime.
+
+Each case is a forward that changes a saved tensor in place the way user code does; plain
+autograd raises for all of them. The reference message comes from plain autograd on the
+same code, so the op named ("output 0 of Tanh") is checked too. The dangerous lifetime is
+"saved, changed, dropped": the moved tensor is gone when backward runs, and without a check
+the gradient would be computed from whatever bytes the transfer had copied.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+
+TIERS = ["host", "nvme", "host,nvme"]
+
+
+def _kw(tiers, nvme_dir):
+    kw = {"tiers": tiers, "min_bytes": 0}
+    if "nvme" in tiers:
+        kw["nvme_dir"] = nvme_dir
+    return kw
+
+
+def _relu_inplace_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.ReLU(inplace=True),
+                         nn.Linear(512, 8))
+
+
+def relu_inplace(x):
+    """The issue's reproducer: tanh saves its output, ReLU(inplace) changes it, it dies."""
+    return _relu_inplace_model()(x).sum()
+
+
+def detach_alias(x):
+    h = torch.tanh(x @ torch.ones(256, 256))  # saves its output h
+    d = h.detach()
+    y = (h * 3).sum()
+    d.mul_(2)                                   # through an alias autograd tracks
+    del h, d
+    return y
+
+
+def base_of_saved_view(x):
+    b = x * 2
+    v = b[:, :128]
+    y = v.sin().sum()                           # saves v, a view of b
+    b.add_(1)                                   # changes the base
+    del b, v
+    return y
+
+
+def sibling_view(x):
+    b = x * 2
+    left, right = b.chunk(2, dim=1)
+    y = left.sin().sum()                        # saves `left`
+    right.mul_(3)                               # a sibling shares the version counter
+    del b, left, right
+    return y
+
+
+def input_still_alive(x):
+    h = x * 2
+    y = h.sin().sum()                           # saves its input h
+    h.add_(1)                                   # autograd names the in-place op (Add)
+    input_still_alive.keep = h
+    return y
+
+
+def input_changed_then_dropped(x):
+    h = x * 2
+    y = h.sin().sum()                           # saves its input h
+    h.add_(1)
+    del h                                       # autograd would name Add; we name Mul
+    return y
+
+
+def changed_twice_then_saved_again(x):
+    h = torch.exp(x)                            # saves its output at version 0
+    h.mul_(2)
+    z = (h.cos()).sum()                         # saves h at version 1 (another record)
+    h.add_(1)                                   # both saves are stale now
+    del h
+    return z
+
+
+CASES = [relu_inplace, detach_alias, base_of_saved_view, sibling_view, input_still_alive,
+         input_changed_then_dropped, changed_twice_then_saved_again]
+# Autograd keeps a saved input alive and names its last in-place op; once we dropped it,
+# the op named is its producer (version_check.py module doc). The rest of the message holds.
+PRODUCER_NAMED = {"input_changed_then_dropped": ("of Add,", "of Mul,"),
+                  "changed_twice_then_saved_again": ("of Add,", "of Mul,")}
+
+
+def _producer_named(case, message):
+    return message.replace(*PRODUCER_NAMED[case.__name__]) \
+        if case.__name__ in PRODUCER_NAMED else message
+
+
+def _plain_error(case, x):
+    with pytest.raises(RuntimeError) as plain:
+        case(x.clone().requires_grad_()).backward()
+    return str(plain.value)
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_inplace_change_raises_autograds_error(case, tiers, nvme_dir):
+    x = torch.randn(64, 256)
+    expected = _plain_error(case, x)
+    if tiers == "nvme":  # on a CPU the host tier holds the tensor itself: autograd's name
+        expected = _producer_named(case, expected)
+    with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+        with pytest.raises(RuntimeError) as ours:
+            case(x.clone().requires_grad_()).backward()
+    assert str(ours.value) == expected
+    moved = ctx.stats.host_bytes + ctx.stats.nvme_bytes
+    assert moved > 0, "the case must move what it saves, or it tests nothing"
+    if tiers == "nvme":
+        assert ctx.stats.nvme_bytes > 0
+
+
+@pytest.mark.parametrize("tiers", ["nvme"])
+def test_change_after_the_write_landed_still_raises(tiers, nvme_dir):
+    """The write is complete before the change: the bytes on disk are right, but plain
+    autograd raises, so we must too (the sentinel outlives the write and the tensor)."""
+    x = torch.randn(64, 256, requires_grad=True)
+    with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+        h = torch.tanh(x * 2)
+        y = h.sum() * 1
+        ctx.tiers["nvme"].drain()             # every write has landed
+        h.add_(1)
+        del h
+        with pytest.raises(RuntimeError, match="output 0 of Tanh, is at version 1"):
+            y.backward()
+    assert ctx.stats.nvme_written_bytes > 0
+
+
+def test_change_between_two_backwards_with_retain_graph(nvme_dir):
+    x = torch.randn(64, 256, requires_grad=True)
+    with offload.activations(**_kw("nvme", nvme_dir)):
+        h = torch.exp(x)
+        y = (h * h).sum()
+        y.backward(retain_graph=True)
+        h.zero_()
+        del h
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_no_change_gives_bit_exact_gradients(tiers, nvme_dir):
+    """The control: the same model without the in-place op trains exactly as plain autograd."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.ReLU(), nn.Linear(512, 8))
+    x = torch.randn(64, 256)
+    model(x).sum().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+        model(x).sum().backward()
+    assert ctx.stats.host_bytes + ctx.stats.nvme_bytes > 0
+    assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
+
+
+def test_sentinel_holds_no_storage():
+    """The version sentinel follows the counter but does not keep the activation alive."""
+    from offload.version_check import version_sentinel
+
+    t = torch.randn(1 << 20) * 2
+    ref = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())  # to watch the bytes
+    sentinel = version_sentinel(t)
+    assert sentinel.untyped_storage().nbytes() == 0
+    view = t[:10]
+    del t
+    gc.collect()
+    view.add_(1)
+    assert sentinel._version == 1
+    del ref
+
+
+def test_data_change_is_invisible_as_in_autograd():
+    """`.data` bypasses the version counter, for autograd and for us alike (README)."""
+    from offload.version_check import version_sentinel
+
+    t = torch.randn(10) * 2
+    sentinel = version_sentinel(t)
+    t.data.mul_(2)
+    assert sentinel._version == 0 and t._version == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tiers", TIERS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_inplace_change_raises_on_cuda(case, tiers, nvme_dir):
+    """Same on a GPU: the D2H runs on the side stream while the forward changes the tensor."""
+    x = torch.randn(64, 256, device="cuda")
+    with torch.device("cuda"):
+        expected = _producer_named(case, _plain_error(case, x))
+        with offload.activations(**_kw(tiers, nvme_dir)):
+            with pytest.raises(RuntimeError) as ours:
+                case(x.clone().requires_grad_()).backward()
+    assert str(ours.value) == expected
