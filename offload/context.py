@@ -43,7 +43,9 @@ def activations(*, model: torch.nn.Module | None = None, **settings: Any) -> "Ac
 
     Args:
         model: The model being trained (optional). Its parameters and buffers are recognised
-            exactly; the scheduler will use it to find repeated blocks.
+            exactly (without it, parameters and views of them still are; buffers such as
+            BatchNorm's running statistics are then treated like activations, moved only
+            above OFFLOAD_MIN_BYTES); the scheduler will use it to find repeated blocks.
         **settings: Override the OFFLOAD_* environment variables; same names in lower case
             without the prefix: tiers, nvme_dir, host_bytes, nvme_bytes, min_bytes, policy,
             budget, strict, log, prefetch_bytes, io_workers, staging_bytes, cpu_heap, trace.
@@ -77,7 +79,6 @@ class ActivationOffload:
         self.tiers: dict[str, Tier] = {}
         self._hooks: OffloadHooks | None = None
         self._saved_hooks_cm = None
-        self._module_hook = None
         self._active = False
         self._start_s = 0.0
         self._exit_s = 0.0
@@ -95,7 +96,6 @@ class ActivationOffload:
         if config.trace is not None:
             stats.trace = TraceRecorder()
         self._copies = {}
-        self._module_hook = None
         tiers = self._open_tiers(stats) if config.policy == "offload" else {}
         try:
             params = ParamStorages()
@@ -108,16 +108,10 @@ class ActivationOffload:
             hooks = OffloadHooks(Placement(config, bounce), tiers, stats,
                                  Prefetcher(config.prefetch_bytes, stats), params, config.strict)
             self.tiers, self._hooks = tiers, hooks
-            # Every module that runs reports its own parameters and buffers (BatchNorm stats
-            # are buffers: never moved), so `model=` is not required for correctness.
-            self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-                params.module_pre_hook)
             self._saved_hooks_cm = torch.autograd.graph.saved_tensors_hooks(hooks.pack,
                                                                             hooks.unpack)
             self._saved_hooks_cm.__enter__()
         except BaseException:
-            if self._module_hook is not None:
-                self._module_hook.remove()
             _close_tiers(tiers, stats, None, reuse=False)
             raise
         self._active = True
@@ -128,10 +122,7 @@ class ActivationOffload:
         self._active = False
         self._exit_s = time.perf_counter()
         self.stats.step_s = self._exit_s - self._start_s
-        try:
-            self._saved_hooks_cm.__exit__(None, None, None)
-        finally:
-            self._module_hook.remove()
+        self._saved_hooks_cm.__exit__(None, None, None)
         if exc_type is not None:
             self._abort()
             return False  # re-raise the original exception unchanged

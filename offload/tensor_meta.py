@@ -106,15 +106,14 @@ class StorageIndex:
 class ParamStorages:
     """Storages of parameters and buffers: never moved (they live for the whole run).
 
-    Filled from `model=` and, when the runtime is active, from a global module forward
-    pre-hook (every module that runs reports its own parameters and buffers), so BatchNorm's
-    running stats are recognised without `model=`. Independently of both, any tensor that is
-    a leaf requiring grad, or a view of one (`weight.t()`), counts as a parameter.
+    Filled from `model=`. Independently of it, any tensor that is a leaf requiring grad, or a
+    view of one (`weight.t()`), counts as a parameter. No process-wide module hook fills it:
+    one breaks torch.compile (dynamo asserts on the first compiled call inside the context)
+    and makes every compile warn.
     """
 
     def __init__(self) -> None:
         self._ids: dict[int, weakref.ref] = {}
-        self._seen_modules: weakref.WeakSet = weakref.WeakSet()
 
     def add_tensor(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -124,18 +123,6 @@ class ParamStorages:
         for p in module.parameters(recurse=recurse):
             self.add_tensor(p)
         for b in module.buffers(recurse=recurse):
-            if b is not None:
-                self.add_tensor(b)
-
-    def module_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
-        """Global forward pre-hook: remember each module's own parameters once per step."""
-        if module in self._seen_modules:
-            return
-        self._seen_modules.add(module)
-        for p in module._parameters.values():
-            if p is not None:
-                self.add_tensor(p)
-        for b in module._buffers.values():
             if b is not None:
                 self.add_tensor(b)
 
@@ -150,4 +137,3 @@ class ParamStorages:
 
     def clear(self) -> None:
         self._ids.clear()
-        self._seen_modules = weakref.WeakSet()

@@ -1,0 +1,112 @@
+"""torch.compile inside `offload.activations()`: compiled models and compiled blocks train with
+gradients bit-exact against the same compiled model without offload, and the context causes
+no recompilation (it installs no process-wide module hook, and dynamo does not guard on the
+saved-tensor hooks). What gets offloaded under compile: the tensors each compiled graph saves
+for its backward (AOTAutograd's partition), through the same hooks as eager tensors.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+
+pytestmark = pytest.mark.slow
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), Block(128), Block(128), nn.Linear(128, 4))
+
+
+class CountingBackend:
+    """Wraps a dynamo backend and counts the graphs it is asked to compile."""
+
+    def __init__(self, name: str) -> None:
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.inner = lookup_backend(name)
+        self.compiles = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        return self.inner(gm, example_inputs)
+
+
+def _grads(model, fn, x, seed, ctx_kw=None):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout masks with and without offload
+    if ctx_kw is None:
+        fn(x).pow(2).mean().backward()
+        stats = None
+    else:
+        with offload.activations(model=model, **ctx_kw) as ctx:
+            fn(x).pow(2).mean().backward()
+        stats = ctx.stats
+    return [p.grad.clone() for p in model.parameters()], stats
+
+
+def _train_and_compare(model, fn, backends, nvme_dir, steps=3):
+    kw = {"tiers": "nvme", "nvme_dir": nvme_dir, "min_bytes": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # The first compiled call happens inside the context (the case that crashed).
+        x0 = torch.randn(32, 64)
+        ours0, stats0 = _grads(model, fn, x0, 100, kw)
+        ref0, _ = _grads(model, fn, x0, 100)
+        assert all(torch.equal(a, b) for a, b in zip(ref0, ours0))
+        assert stats0.nvme_bytes > 0, "nothing the compiled graph saved was offloaded"
+        first = [b.compiles for b in backends]
+        assert all(n >= 1 for n in first)
+        for step in range(steps):
+            x = torch.randn(32, 64)
+            ref, _ = _grads(model, fn, x, step)
+            ours, stats = _grads(model, fn, x, step, kw)
+            assert all(torch.equal(a, b) for a, b in zip(ref, ours)), f"step {step}"
+            assert stats.nvme_bytes > 0
+    assert [b.compiles for b in backends] == first, "offload caused a recompilation"
+    hook_warnings = [str(w.message) for w in caught if "hook" in str(w.message).lower()]
+    assert hook_warnings == []
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_model_inside_the_context(backend, nvme_dir):
+    model = _model()
+    counting = CountingBackend(backend)
+    compiled = torch.compile(model, backend=counting)
+    _train_and_compare(model, compiled, [counting], nvme_dir)
+
+
+def test_compiled_blocks_inside_the_context(nvme_dir):
+    model = _model()
+    backends = []
+    for i in (1, 2):
+        counting = CountingBackend("aot_eager")
+        backends.append(counting)
+        model[i] = torch.compile(model[i], backend=counting)
+    _train_and_compare(model, model, backends, nvme_dir)
+
+
+def test_the_context_installs_no_global_module_hook(nvme_dir):
+    from torch.nn.modules import module as nn_module
+
+    before = (dict(nn_module._global_forward_pre_hooks), dict(nn_module._global_forward_hooks))
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
+        during = (dict(nn_module._global_forward_pre_hooks),
+                  dict(nn_module._global_forward_hooks))
+    assert during == before
