@@ -134,7 +134,12 @@ class _Packed:
                  origin: SavedOrigin) -> None:
         self.record = record
         self.meta = meta
-        self.tensor = tensor          # set when the tensor stays where it is
+        # Set when the tensor stays where it is: a detach()ed alias (same storage, same
+        # version counter). The tensor itself would tie a cycle the garbage collector cannot
+        # see when it is an output of the node saving it (node -> _Packed -> tensor ->
+        # grad_fn -> node): a graph dropped without backward would never be freed. Autograd
+        # rebuilds the autograd metadata of whatever unpack returns.
+        self.tensor = tensor
         self.version = version
         self.sentinel = sentinel      # moved tensors: shares its version counter
         self.origin = origin          # for autograd's message
@@ -197,14 +202,14 @@ class OffloadHooks:
         version = t._version
         origin = SavedOrigin(t)  # now: an in-place op would rewrite t.grad_fn
         if not movable(t):
-            return _Packed(None, None, t, version, None, origin)
+            return _Packed(None, None, t.detach(), version, None, origin)
         storage = t.untyped_storage()
         if self.params.is_param(t, storage):
             stats.param_tensors += 1
             if id(storage) not in self._param_ids:
                 self._param_ids.add(id(storage))
                 stats.param_bytes += storage.nbytes()
-            return _Packed(None, None, t, version, None, origin)
+            return _Packed(None, None, t.detach(), version, None, origin)
         # A save inside no_offload() must stay even if the same storage was moved earlier
         # in the step, so it neither reuses nor enters the dedup index.
         keep_here = no_offload_active()
@@ -216,12 +221,12 @@ class OffloadHooks:
                     self.index.add(storage, version, record)
             record.handles_left += 1
         if record.payload is None:
-            return _Packed(record, None, t, version, None, origin)
+            return _Packed(record, None, t.detach(), version, None, origin)
         stats.offloaded_tensors += 1
         if record.payload.resident:
-            # The payload *is* the tensor's storage (host tier on a CPU run): holding the
-            # tensor costs nothing and it carries its own version counter.
-            return _Packed(record, None, t, version, None, origin)
+            # The payload *is* the tensor's storage (host tier on a CPU run): holding an
+            # alias of it costs nothing and carries its version counter.
+            return _Packed(record, None, t.detach(), version, None, origin)
         return _Packed(record, view_meta(t), None, version, version_sentinel(t), origin)
 
     def _store(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Record:
@@ -270,9 +275,7 @@ class OffloadHooks:
             stats.add_resident(record.nbytes)
 
     def _all_full(self, nbytes: int, targets: tuple[str, ...]) -> None:
-        usage = ", ".join(f"{name} {format_bytes(self.tiers[name].used_bytes)} of "
-                          f"{format_bytes(self.tiers[name].capacity_bytes)} used"
-                          for name in targets)
+        usage = ", ".join(self.tiers[name].usage_text() for name in targets)
         if self.strict:
             raise TierFullError(
                 f"offload: every tier is full ({usage}) and OFFLOAD_STRICT=1, so a "

@@ -114,8 +114,7 @@ def _plain_error(case, x):
 def test_inplace_change_raises_autograds_error(case, tiers, nvme_dir):
     x = torch.randn(64, 256)
     expected = _plain_error(case, x)
-    if tiers == "nvme":  # on a CPU the host tier holds the tensor itself: autograd's name
-        expected = _producer_named(case, expected)
+    expected = _producer_named(case, expected)
     with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
         with pytest.raises(RuntimeError) as ours:
             case(x.clone().requires_grad_()).backward()
