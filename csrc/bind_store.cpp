@@ -162,6 +162,9 @@ void bind_store(py::module_& m) {
              py::gil_scoped_release nogil;
              s.close();
            }, "Wait for in-flight I/O, stop the workers, close the slabs (idempotent).")
+      .def("_abandon_after_fork", &Store::abandon_after_fork,
+           "In a forked child only: close the inherited slab descriptors, never touch the "
+           "parent's I/O threads; the store is closed afterwards.")
       .def("__enter__", [](const std::shared_ptr<Store>& s) { return s; })
       .def("__exit__", [](Store& s, const py::args&) {
         py::gil_scoped_release nogil;

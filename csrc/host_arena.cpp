@@ -1,6 +1,7 @@
 #include "host_arena.hpp"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <stdexcept>
@@ -15,6 +16,9 @@ namespace offload {
 HostMemory::HostMemory(uint64_t nbytes, bool pinned) : nbytes_(nbytes), pinned_(pinned) {
   if (pinned) {
     data_ = static_cast<char*>(cuda::host_alloc_pinned(nbytes));
+    // A forked child (a DataLoader worker) must not keep these pages after the parent frees
+    // them; it cannot use CUDA anyway, so it gets no mapping at all. Advice only.
+    madvise(data_, align_up(nbytes, static_cast<uint64_t>(sysconf(_SC_PAGESIZE))), MADV_DONTFORK);
     return;
   }
   // Anonymous mmap: page aligned, committed lazily (an unused arena costs no RAM) and
@@ -28,6 +32,13 @@ HostMemory::HostMemory(uint64_t nbytes, bool pinned) : nbytes_(nbytes), pinned_(
   // of every O_DIRECT transfer into it, 512x fewer operations. Advice only: ignored when
   // THP is off.
   if (nbytes >= (2u << 20)) madvise(ptr, nbytes, MADV_HUGEPAGE);
+  // A forked child gets zero pages here instead of sharing ours, so the parent's arena
+  // memory goes back to the OS when the parent frees it, however long the child lives.
+#ifdef MADV_WIPEONFORK
+  if (madvise(ptr, nbytes, MADV_WIPEONFORK) != 0) madvise(ptr, nbytes, MADV_DONTFORK);
+#else
+  madvise(ptr, nbytes, MADV_DONTFORK);
+#endif
 }
 
 HostMemory::~HostMemory() {

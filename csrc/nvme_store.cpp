@@ -103,6 +103,15 @@ void NvmeStore::close() {
   for (auto& slab : slabs_) slab->close();
 }
 
+void NvmeStore::abandon_after_fork() noexcept {
+  closed_.store(true);
+  for (auto& slab : slabs_) slab->close();
+  // Deliberately leaked: destroying them would join threads that do not exist here.
+  (void)engine_.release();
+  new std::shared_ptr<ThreadPool>(std::move(write_stager_));
+  new std::shared_ptr<ThreadPool>(std::move(release_stager_));
+}
+
 void NvmeStore::check_open() const {
   if (closed_.load()) throw UseAfterClose("NvmeStore is closed");
 }

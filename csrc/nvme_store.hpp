@@ -100,6 +100,11 @@ class NvmeStore {
 
   // Waits for every request, stops the workers, closes the slabs. Idempotent.
   void close();
+  // In a forked child: closes the inherited slab descriptors (so the parent closing a slab
+  // frees its disk space while the child lives) and marks the store closed. The I/O threads
+  // were not forked: their objects are leaked, never joined, and no lock is taken (one held
+  // by a parent thread at fork time stays locked here).
+  void abandon_after_fork() noexcept;
   bool closed() const noexcept { return closed_.load(); }
 
   // Test hook: flips one byte of the extent's data on disk, behind the store's back.

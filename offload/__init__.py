@@ -5,18 +5,19 @@
         loss = model(batch)
         loss.backward()
 
-Public names: `activations`, `no_offload`, `ActivationOffload`, `Config`, `Stats`, the error
+Public names: `activations`, `no_offload`, `empty_cache`, `ActivationOffload`, `Config`, `Stats`, the error
 classes, and `env_table_markdown` (the README's table of environment variables). The
 compiled core `offload._C` is optional at import time (see offload/_ext.py).
 """
 from __future__ import annotations
 
 from .config import Config, env_table_markdown
-from .context import ActivationOffload, activations, no_offload
+from .context import ActivationOffload, activations, empty_cache, no_offload
 from .errors import (ConfigError, ExtensionUnavailable, OffloadError, StorageError,
                      TierFullError)
 from .stats import Stats
+from . import fork as _fork  # registers the at-fork handler (offload/fork.py)
 
-__all__ = ["activations", "no_offload", "ActivationOffload", "Config", "Stats",
+__all__ = ["activations", "no_offload", "empty_cache", "ActivationOffload", "Config", "Stats",
            "env_table_markdown", "OffloadError", "ConfigError", "StorageError",
            "ExtensionUnavailable", "TierFullError"]

@@ -28,12 +28,12 @@ from .placement import BouncePlan, Placement, plan_for
 from .prefetch import Prefetcher
 from .stats import Stats
 from .tensor_meta import ParamStorages
-from .tiers import pool
+from .tiers import nvme_space, pool
 from .tiers.base import Tier
 from .tiers.host import HostTier
 from .trace import TraceRecorder
 
-__all__ = ["activations", "ActivationOffload", "no_offload"]
+__all__ = ["activations", "ActivationOffload", "no_offload", "empty_cache"]
 
 log = logging.getLogger("offload")
 
@@ -247,18 +247,18 @@ class ActivationOffload:
         try:
             _close_tiers(self.tiers, self.stats, self._hooks, reuse=False,
                          before=self._close_copies)
-            pool.clear()  # an exception may end the run: keep no slab file or arena open
+            empty_cache()  # an exception may end the run: keep no slab file or arena open
         except Exception:
             log.exception("offload: error while closing the tiers after an exception")
 
     def close(self) -> None:
         """Free the tiers now, even if saved tensors still refer to them, and drop the
-        stores / arenas kept for the next step (offload/tiers/pool.py)."""
+        stores / arenas kept for the next step (`empty_cache()`)."""
         if self._hooks is not None:
             self._hooks.release_all()
         _close_tiers(self.tiers, self.stats, self._hooks, reuse=False,
                      before=self._close_copies)
-        pool.clear()
+        empty_cache()
 
 
 def _close_tiers(tiers: dict[str, Tier], stats: Stats, hooks: OffloadHooks | None,
@@ -291,6 +291,16 @@ def _close_tiers(tiers: dict[str, Tier], stats: Stats, hooks: OffloadHooks | Non
             reuse = False
         finally:
             tier.close(reuse=reuse)
+
+
+def empty_cache() -> None:
+    """Close the NVMe stores (their slab files) and the arenas kept for the next step now.
+
+    Like `torch.cuda.empty_cache()`: nothing in use is touched. A store a live context still
+    uses stays open and closes when that context is done with it.
+    """
+    pool.clear()
+    nvme_space.close_idle()
 
 
 @contextlib.contextmanager

@@ -149,9 +149,10 @@ def test_param_storages_recognise_params_buffers_and_views():
     lin = torch.nn.Linear(4, 4)
     bn = torch.nn.BatchNorm1d(4)
     params = ParamStorages()
-    params.module_pre_hook(bn, ())
     rm = bn.running_mean
-    assert params.is_param(rm, rm.untyped_storage())           # buffer, via the module hook
+    assert not params.is_param(rm, rm.untyped_storage())       # a buffer looks like data...
+    params.add_module(bn)
+    assert params.is_param(rm, rm.untyped_storage())           # ...until model= names it
     w = lin.weight.t()
     assert params.is_param(w, w.untyped_storage())             # view of a leaf needing grad
     act = lin(torch.randn(2, 4))

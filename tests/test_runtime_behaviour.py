@@ -97,11 +97,12 @@ def test_views_of_one_storage_are_stored_once(tiers, nvme_dir):
     assert ctx.stats.offloaded_tensors == 4
 
 
-def test_parameters_buffers_and_their_views_never_move(nvme_dir):
+@pytest.mark.parametrize("with_model", [True, False], ids=["model=", "no model="])
+def test_parameters_buffers_and_their_views_never_move(nvme_dir, with_model):
     model = ConvNet(channels=4)
     x = torch.randn(2, 3, 8, 8)
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    param_storages |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    buffer_storages = {b.untyped_storage().data_ptr() for b in model.buffers()}
     seen = []
     orig_store = offload.hooks.OffloadHooks._store
 
@@ -111,11 +112,16 @@ def test_parameters_buffers_and_their_views_never_move(nvme_dir):
 
     offload.hooks.OffloadHooks._store = spy
     try:
-        with offload.activations(tiers="host", min_bytes=0) as ctx:  # no model= given
+        with offload.activations(tiers="host", min_bytes=0,
+                                 model=model if with_model else None) as ctx:
             model(x).sum().backward()
     finally:
         offload.hooks.OffloadHooks._store = orig_store
+    # Parameters and views of them are recognised without model= (leaves needing grad);
+    # buffers (BatchNorm statistics) only through it: no process-wide module hook.
     assert seen and not (set(seen) & param_storages)
+    if with_model:
+        assert not (set(seen) & buffer_storages)
     assert ctx.stats.param_tensors > 0 and ctx.stats.param_bytes > 0
 
 

@@ -241,12 +241,12 @@ RESIDENT_SOURCES = {
 
 
 def _drop_runtime_pool() -> None:
-    """Close the stores / arenas the runtime keeps between steps (offload/tiers/pool.py)."""
+    """Close the stores / arenas the runtime keeps between steps (offload.empty_cache())."""
     try:
-        from offload.tiers import pool
+        from offload import empty_cache
     except Exception:  # a half-built runtime: it then pooled nothing either
         return
-    pool.clear()
+    empty_cache()
 
 
 def run(spec: RunSpec) -> dict[str, Any]:

@@ -88,6 +88,13 @@ class Tier(abc.ABC):
     def closed(self) -> bool:
         return False
 
+    def usage_text(self) -> str:
+        """How full the tier is, for messages ("host 1 GiB of 8 GiB used")."""
+        from ..sizes import format_bytes
+
+        return (f"{self.name} {format_bytes(self.used_bytes)} of "
+                f"{format_bytes(self.capacity_bytes)} used")
+
     def poll(self) -> None:
         """Retire finished transfers (called often; must be cheap)."""
 

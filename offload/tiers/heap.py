@@ -101,6 +101,7 @@ class HeapSettings:
     _lock = threading.Lock()
     _holders = 0
     _thp_hinted = False
+    _generation = 0  # bumped in a forked child (after_fork_in_child)
 
     def __init__(self, mode: str = "reuse") -> None:
         if mode not in MMAP_THRESHOLD_BYTES:
@@ -134,6 +135,16 @@ class HeapSettings:
                     log.debug("offload: mallopt refused the heap settings; left as they are")
             HeapSettings._holders += 1
             self._held = True
+            self._generation = HeapSettings._generation
+
+    @classmethod
+    def after_fork_in_child(cls) -> None:
+        """A forked child is not in a step: back to glibc's normal trimming (offload/fork.py)."""
+        cls._lock = threading.Lock()
+        if cls._holders > 0 and _MALLOPT is not None:
+            _MALLOPT(_M_TRIM_THRESHOLD, AFTER_TRIM_THRESHOLD_BYTES)
+        cls._holders = 0
+        cls._generation += 1
 
     def release(self) -> None:
         """Undo `acquire` (the last holder restores the trim threshold); idempotent."""
@@ -141,6 +152,8 @@ class HeapSettings:
             return
         with HeapSettings._lock:
             self._held = False
+            if self._generation != HeapSettings._generation:
+                return  # acquired by the parent before a fork; the child's count was reset
             HeapSettings._holders -= 1
             if HeapSettings._holders == 0:
                 _MALLOPT(_M_TRIM_THRESHOLD, AFTER_TRIM_THRESHOLD_BYTES)

@@ -53,15 +53,17 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from typing import Any, Callable, Hashable
 
 import torch
 
 from ..errors import OffloadError
+from ..sizes import format_bytes
 from ..stats import Stats
 from .base import Payload, Tier, sync_d2h, sync_h2d
-from . import pool
+from . import nvme_space, pool
 from .heap import HeapSettings
 
 __all__ = ["NvmeTier"]
@@ -72,7 +74,15 @@ __all__ = ["NvmeTier"]
 # 2-core VM (alternating runs), with no loss of disk throughput.
 CHUNK_BYTES = 4 << 20
 
+# A store smaller than one 1 MiB stripe per directory is not worth reserving: the tier
+# then has no room (full from the start), instead of failing to open.
+MIN_STORE_BYTES = 1 << 20
+
 log = logging.getLogger("offload")
+
+
+class _NoRoom(Exception):
+    """The resolved capacity is below MIN_STORE_BYTES (NvmeTier.__init__)."""
 
 
 def _end_s(future) -> float:
@@ -147,12 +157,15 @@ class NvmeTier(Tier):
                  cpu_heap: str = "reuse",
                  capacity_key: Hashable = None,
                  copies: Callable[[torch.device], Any] | None = None) -> None:
-        """Open (or take from the pool) the store and the staging arena.
+        """Take the process's store for `dirs` (NOTE [One budget] in nvme_space.py) and a
+        staging arena from the pool.
 
         Args:
             capacity_bytes: Called only when a new store must be made (it stats the disk).
+                Below `MIN_STORE_BYTES` the tier has no room: every `store` returns None, so
+                tensors spill to the next tier, stay with a warning, or raise TierFullError.
             capacity_key: What the capacity was derived from (the OFFLOAD_NVME_BYTES spec);
-                with `dirs` and `workers` it decides whether a pooled store fits.
+                with `workers` it decides whether an idle store fits.
             copies: Returns the context's CopyStreams for a CUDA device; with a CUDA build
                 of the extension device copies are then chained with the I/O.
         """
@@ -160,31 +173,54 @@ class NvmeTier(Tier):
         self._core = core
         # The chained paths need write_after_event / read_then_h2d (CUDA builds only).
         self._copies = copies if getattr(core, "cuda_compiled", False) else None
-        self._store_key = (tuple(dirs), capacity_key, workers)
+        self._dirs = tuple(os.path.realpath(d) for d in dirs)  # the budget's key
+        self._store = None
+        self._arena = None
+        self._closed = False
+        room: list[int] = []
+
         def open_store():
             capacity = capacity_bytes()
+            if capacity < MIN_STORE_BYTES:
+                room.append(capacity)
+                raise _NoRoom
             # The slabs are whole chunks per directory: a small store keeps 1 MiB chunks so
             # its capacity is not rounded up by much.
             chunk = CHUNK_BYTES if capacity >= 64 * CHUNK_BYTES * len(dirs) else 1 << 20
             return core.NvmeStore(list(dirs), capacity, workers=workers, chunk_bytes=chunk)
 
-        self._store = pool.take("nvme-store", self._store_key, open_store)
-        # Not pinned on a CPU-only run (nothing to DMA from); pinned iff CUDA works.
-        self._arena_key = max(staging_bytes, core.DEFAULT_ALIGNMENT)
-        self._arena = pool.take("nvme-staging", self._arena_key,
-                                lambda: core.HostArena(self._arena_key, pinned=None))
-        self._arena.reset_peak()
-        self._bounced_at_open = self._store.bytes_bounced  # a pooled store counts on
-        self._alignment = max(self._store.alignment, core.DEFAULT_ALIGNMENT)
+        try:
+            self._store = nvme_space.acquire(self._dirs, (capacity_key, workers), open_store)
+        except _NoRoom:
+            log.warning("offload: the nvme tier has no room in %s (%s of free space, under "
+                        "the %s minimum); activations that would go there spill to the next "
+                        "tier or stay where they are (free disk space or lower other use of "
+                        "it, or drop 'nvme' from OFFLOAD_TIERS)", ", ".join(self._dirs),
+                        format_bytes(room[0]) if room else "?", format_bytes(MIN_STORE_BYTES))
+        self._own_bytes = 0  # this tier's share of the store (others may use it too)
         self._writes: collections.deque[_NvmePayload] = collections.deque()
         self._reads: set[_NvmePayload] = set()      # reads whose completion is not yet seen
         self._deferred: list[tuple] = []             # see NOTE [Deferred free]
         self._direct_inflight = 0                    # bytes of write_ptr sources held
         self._direct_cap = max(staging_bytes, 1)
-        self._closed = False
         self.in_backward = False  # stall attribution: set by the first read
         # CPU sources: freed activation RAM should be reused, not returned and refaulted.
         self._heap = HeapSettings(cpu_heap)
+        if self._store is None:
+            return
+        try:
+            # Not pinned on a CPU-only run (nothing to DMA from); pinned iff CUDA works.
+            self._arena_key = max(staging_bytes, core.DEFAULT_ALIGNMENT)
+            self._arena = pool.take("nvme-staging", self._arena_key,
+                                    lambda: core.HostArena(self._arena_key, pinned=None))
+        except BaseException:
+            nvme_space.release(self._dirs, self._store, keep=True)
+            raise
+        self._arena.reset_peak()
+        # A shared store counts on across steps and contexts: the difference is this tier's
+        # (plus any other context's bounced bytes in the meantime).
+        self._bounced_at_open = self._store.bytes_bounced
+        self._alignment = max(self._store.alignment, core.DEFAULT_ALIGNMENT)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -193,11 +229,23 @@ class NvmeTier(Tier):
 
     @property
     def capacity_bytes(self) -> int:
+        """The process's budget for these directories (shared by every context)."""
         return self._store.capacity_bytes if self._store is not None else 0
 
     @property
     def used_bytes(self) -> int:
-        return self._store.used_bytes if self._store is not None else 0
+        """Bytes of this tier's payloads still on disk (0 after a clean step)."""
+        return self._own_bytes
+
+    @property
+    def budget_used_bytes(self) -> int:
+        """Bytes of the shared budget in use by every context of the process."""
+        return self._store.used_bytes if self._store is not None and not self._closed else 0
+
+    def usage_text(self) -> str:
+        # The shared budget: what every context of the process holds (NOTE [One budget]).
+        return (f"nvme {format_bytes(self.budget_used_bytes)} of "
+                f"{format_bytes(self.capacity_bytes)} used")
 
     @property
     def arena_used_bytes(self) -> int:
@@ -209,12 +257,14 @@ class NvmeTier(Tier):
 
     @property
     def paths(self) -> list[str]:
-        return list(self._store.paths)
+        return list(self._store.paths) if self._store is not None else []
 
     # ---------------------------------------------------------------- write path
     def store(self, flat: torch.Tensor) -> Payload | None:
         if self._closed:
             raise OffloadError("offload: nvme tier used after close")
+        if self._store is None:
+            return None  # no room at all (see __init__)
         nbytes = flat.numel()
         on_cpu = flat.device.type == "cpu"
         chained = self._copies is not None and flat.device.type == "cuda"
@@ -244,6 +294,7 @@ class NvmeTier(Tier):
             payload._write = self._store.write_ptr(extent, source.data_ptr(), nbytes)
             payload._direct_bytes = nbytes
             self._direct_inflight += nbytes
+        self._own_bytes += nbytes  # from here on `_release` gives it back
         payload._write_start_s = time.perf_counter()
         self._writes.append(payload)
         if len(self._writes) > self._stats.peak_writes_inflight:
@@ -408,6 +459,7 @@ class NvmeTier(Tier):
     def _release(self, payload: _NvmePayload) -> None:
         if self._closed:
             return
+        self._own_bytes -= payload.nbytes
         if payload._read is not None:
             self._observe_read(payload)
         # The engine keeps the extent's range (and any HostBlock) until its I/O is done, so
@@ -441,19 +493,20 @@ class NvmeTier(Tier):
         self._reap_deferred(wait=True)
 
     def close(self, reuse: bool = True) -> None:
-        """Close; with `reuse`, a clean store and arena go back to the pool for the next step."""
+        """Close: wait for this tier's own I/O, then let go of the shared store (kept open
+        for the next step when clean and idle, NOTE [One budget]) and the arena."""
         if self._closed:
             return
         self._closed = True
         self._heap.release()
         store, arena = self._store, self._arena
+        if store is None:
+            return
         pending = any(p._write is not None for p in self._writes)  # retired entries linger
         clean = reuse and not pending and not self._deferred and not self._reads
         try:
-            if clean and store.used_bytes == 0:
-                pool.give_back("nvme-store", self._store_key, store)
-            else:
-                store.close()  # waits for in-flight I/O
+            if not clean:
+                self._wait_own_io()
         finally:
             self._stats.nvme_bounced_bytes += store.bytes_bounced - self._bounced_at_open
             for payload in self._writes:
@@ -462,7 +515,23 @@ class NvmeTier(Tier):
             self._reads.clear()
             self._deferred.clear()
             self._store = self._arena = None
+            nvme_space.release(self._dirs, store, keep=clean)
         # Blocks still viewed by live tensors keep their memory; such an arena is dropped
         # (freed with its last block), not reused.
         if clean and arena.used_bytes == 0:
             pool.give_back("nvme-staging", self._arena_key, arena)
+
+    def _wait_own_io(self) -> None:
+        """Every transfer of this tier is over, so the memory it reads or writes may go.
+
+        The store may live on (other contexts use it): unlike closing it, this waits only
+        for our own requests. Failures are dropped: nobody needs these bytes any more.
+        """
+        futures = [p._write for p in self._writes if p._write is not None]
+        futures += [p._read for p in self._reads if p._read is not None]
+        futures += [f for entry in self._deferred for f in entry[0]]
+        for future in futures:
+            try:
+                future.wait()
+            except Exception as exc:  # noqa: BLE001 - StorageError, or a closed store
+                log.debug("offload: I/O of a closed nvme tier failed: %s", exc)

@@ -58,4 +58,15 @@ def _close(resource: Any) -> None:
         close()
 
 
+def after_fork_in_child() -> None:
+    """In a forked child: set the parent's resources aside (fork.py), never reuse or free them."""
+    global _lock
+    _lock = threading.Lock()  # the parent may have held it at fork time
+    _inherited.extend(_slots.values())
+    _slots.clear()
+
+
+# Resources a forked child inherited: kept referenced so that nothing frees them there.
+_inherited: list = []
+
 atexit.register(clear)

@@ -1,0 +1,124 @@
+"""One NVMe budget per directory set for the whole process, shared by every context.
+
+NOTE [One budget] `OFFLOAD_NVME_BYTES` bounds what this process keeps in its NVMe
+directories, not what each context reserves. Every `NvmeTier` of the same directories uses
+the one `NvmeStore` (its slab files, range allocator and I/O threads) kept here: a second
+context alive at the same time (a training loop that keeps each step's graph, two
+interleaved micro-batches) shares the space instead of reserving another 50 % of whatever
+is left, and when the shared budget is full the tiers spill / keep / raise `TierFullError`
+as `OFFLOAD_STRICT` says, like any full tier.
+
+The store outlives its users (opening one reserves the slabs with fallocate: costly), so
+the next step finds it. An idle store never blocks a new context: a context with other
+settings (capacity, I/O workers) closes an idle store and opens its own, and capacities
+given as a percentage are resolved after that, so our own idle reservation is not mistaken
+for someone else's use of the disk. While a store is in use its settings stand; a context
+that asks for others shares it and says so once (INFO). At most the idle stores of the
+directories last used stay open: opening any new store closes every idle one first.
+
+`close_idle()` closes the stores no context uses (offload.empty_cache(), and after an
+exception). In a forked child every inherited store is abandoned (see `after_fork_in_child`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Hashable
+
+__all__ = ["acquire", "release", "close_idle", "open_stores", "after_fork_in_child"]
+
+log = logging.getLogger("offload")
+
+
+class _Entry:
+    __slots__ = ("store", "settings", "users", "told")
+
+    def __init__(self, store: Any, settings: Hashable) -> None:
+        self.store = store
+        self.settings = settings
+        self.users = 1
+        self.told: set = set()  # settings already told they share another's store
+
+
+_lock = threading.Lock()          # guards _entries
+_open_lock = threading.Lock()     # one store opened at a time (it stats and reserves the disk)
+_entries: dict[tuple[str, ...], _Entry] = {}
+
+
+def acquire(dirs: tuple[str, ...], settings: Hashable, open_store: Callable[[], Any]) -> Any:
+    """The process's store for `dirs`, opened with `open_store()` if there is none.
+
+    Args:
+        dirs: The directories (the store stripes over them), as configured.
+        settings: What `open_store` depends on besides `dirs`; an idle store made with
+            other settings is closed and replaced.
+        open_store: Makes the store; called without the registry lock, may raise.
+    """
+    with _open_lock:
+        with _lock:
+            entry = _entries.get(dirs)
+            if entry is not None and (entry.users > 0 or entry.settings == settings):
+                entry.users += 1
+                if entry.settings != settings and settings not in entry.told:
+                    entry.told.add(settings)
+                    log.info("offload: the NVMe budget of %s is in use by another context of "
+                             "this process; this context shares it (%s) instead of its own "
+                             "settings (%s), which apply once no context uses it",
+                             ", ".join(dirs), entry.settings, settings)
+                return entry.store
+            # A new store: first close every idle one (of these directories with other
+            # settings, or of others that may share the file system), so that no idle
+            # reservation counts against the free space the new one is sized from.
+            stale = [d for d, e in _entries.items() if e.users == 0]
+            stale = [_entries.pop(d).store for d in stale]
+        for store in stale:
+            store.close()  # idle: no I/O in flight, nothing of it is referenced
+        store = open_store()
+        with _lock:
+            _entries[dirs] = _Entry(store, settings)
+        return store
+
+
+def release(dirs: tuple[str, ...], store: Any, keep: bool) -> None:
+    """One user is done with `store`. The last one closes it unless `keep` and it is empty."""
+    with _lock:
+        entry = _entries.get(dirs)
+        if entry is None or entry.store is not store:  # abandoned after a fork, or closed
+            return
+        entry.users -= 1
+        if entry.users > 0:
+            return
+        if keep and store.used_bytes == 0:
+            entry.told.clear()
+            return
+        del _entries[dirs]
+    store.close()
+
+
+def close_idle() -> int:
+    """Close every store no context uses; returns how many were closed."""
+    with _lock:
+        idle = [d for d, e in _entries.items() if e.users == 0]
+        stores = [_entries.pop(d).store for d in idle]
+    for store in stores:
+        store.close()
+    return len(stores)
+
+
+def open_stores() -> dict[tuple[str, ...], tuple[Any, int]]:
+    """Directories → (store, users) for every store open now (tests, diagnostics)."""
+    with _lock:
+        return {d: (e.store, e.users) for d, e in _entries.items()}
+
+
+def after_fork_in_child() -> None:
+    """In a forked child: let go of every inherited store without touching its I/O threads
+    (they were not forked) and close its slab descriptors, so the parent closing a slab
+    frees its disk space even while the child lives; a step in the child opens its own."""
+    global _lock, _open_lock
+    # A lock held by another parent thread at fork time stays locked in the child forever.
+    _lock, _open_lock = threading.Lock(), threading.Lock()
+    entries = list(_entries.values())
+    _entries.clear()
+    for entry in entries:
+        entry.store._abandon_after_fork()

@@ -1,0 +1,142 @@
+"""Fork safety (offload/fork.py): a forked child holds none of our slab files or arena pages,
+so what the parent frees is freed while the child lives; a child that runs a step opens its
+own store.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+import offload
+from mounts import mounted
+
+MiB = 1 << 20
+_fork = multiprocessing.get_context("fork")
+
+
+def _free_bytes(path):
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _fds_into(directory):
+    """Our own descriptors whose target lies in `directory` (slabs show as 'dir/#123 (deleted)')."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(directory + "/"):
+            found.append(target)
+    return found
+
+
+def _child_waits(directory, conn):
+    conn.send(_fds_into(directory))
+    conn.recv()          # stay alive until the parent has checked its disk space
+
+
+@pytest.fixture
+def small_disk():
+    offload.empty_cache()
+    with mounted("ext4", size_bytes=64 * MiB) as point:
+        yield point
+        offload.empty_cache()
+
+
+def test_a_forked_child_keeps_no_slab_open(small_disk):
+    free_before = _free_bytes(small_disk)
+    x = torch.randn(512, 512, requires_grad=True)
+    ctx = offload.activations(tiers="nvme", nvme_dir=small_disk, min_bytes=0,
+                              nvme_bytes="32MiB")
+    parent_end, child_end = _fork.Pipe()
+    child = None
+    try:
+        with pytest.raises(KeyError):
+            with ctx:
+                y = (x * 2).tanh().sum()                   # a slab open and in use
+                assert _fds_into(small_disk), "the parent should hold its slab"
+                assert _free_bytes(small_disk) <= free_before - 32 * MiB
+                child = _fork.Process(target=_child_waits, args=(small_disk, child_end))
+                child.start()                               # a DataLoader worker, say
+                raise KeyError("the step fails")            # the parent closes its slab
+        assert parent_end.poll(30)
+        assert parent_end.recv() == []                      # the child held no slab
+        del y
+        assert not _fds_into(small_disk)
+        # The child is still alive: the space must be back anyway.
+        assert child.is_alive()
+        assert _free_bytes(small_disk) >= free_before - MiB
+    finally:
+        if child is not None:
+            parent_end.send("done")
+            child.join(10)
+
+
+def _child_step(directory, conn):
+    torch.set_num_threads(1)  # as a DataLoader worker does: the parent's OpenMP pool is gone
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(),
+                                torch.nn.Linear(512, 8))
+    x = torch.randn(64, 256)
+    model(x).sum().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with offload.activations(tiers="nvme", nvme_dir=directory, min_bytes=0) as ctx:
+        model(x).sum().backward()
+    same = all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
+    conn.send((same, ctx.stats.nvme_written_bytes, ctx.tiers["nvme"].capacity_bytes))
+
+
+def test_a_forked_child_runs_its_own_step(nvme_dir):
+    x = torch.randn(256, 256, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        (x * 2).sin().sum().backward()                      # leaves an idle store pooled
+    assert ctx.stats.nvme_written_bytes > 0
+    parent_end, child_end = _fork.Pipe()
+    child = _fork.Process(target=_child_step, args=(nvme_dir, child_end))
+    child.start()
+    # Were the parent's store reused here, the child would wait forever for I/O threads
+    # that were not forked.
+    assert parent_end.poll(60), "the child's step hung"
+    same, written, _ = parent_end.recv()
+    child.join(30)
+    assert child.exitcode == 0
+    assert same and written > 0
+    # The parent's pooled store is untouched by the child and still serves the next step.
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as again:
+        (x * 2).sin().sum().backward()
+    assert again.stats.nvme_written_bytes > 0
+
+
+def _arena_rss_in_child(base, conn):
+    rss_kib, in_vma = None, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(v, 16) for v in head.split("-"))
+                in_vma = start <= base < end
+            elif in_vma and head == "Rss:":
+                rss_kib = int(line.split()[1])
+                break
+    conn.send(rss_kib)
+
+
+def test_a_forked_child_shares_no_arena_pages():
+    core = pytest.importorskip("offload._C")
+    arena = core.HostArena(16 * MiB, pinned=False)
+    block = arena.allocate(16 * MiB)
+    torch.frombuffer(block, dtype=torch.uint8).fill_(1)   # every page touched
+    parent_end, child_end = _fork.Pipe()
+    child = _fork.Process(target=_arena_rss_in_child, args=(arena.base_ptr, child_end))
+    child.start()
+    assert parent_end.poll(30)
+    rss_kib = parent_end.recv()
+    child.join(10)
+    # Without MADV_WIPEONFORK the child's mapping would show the parent's 16 MiB.
+    assert rss_kib is not None and rss_kib < 1024, f"child maps {rss_kib} KiB of the arena"
