@@ -70,9 +70,11 @@ class Config:
         doc="Capacity of the `host` tier; a percentage is of the RAM available at entry.")
     nvme_bytes: SizeSpec = _knob(
         SizeSpec(fraction=0.5), env="OFFLOAD_NVME_BYTES", kind="size or %", example="64GiB",
-        doc="Capacity of the `nvme` tier, reserved with fallocate when the store opens (kept "
-            "open between steps); a percentage is of the free space of the NVMe directories' "
-            "file systems.")
+        doc="What this process may keep in the NVMe directories, shared by every context alive "
+            "at once (one budget per directory set); reserved with fallocate when the first "
+            "context opens it and kept open between steps. A percentage is of the free space of "
+            "the directories' file systems at that moment. When it is full, tensors spill to the "
+            "next tier, stay with a warning, or raise TierFullError (OFFLOAD_STRICT).")
     min_bytes: int = _knob(
         _DEFAULT_MIN_BYTES, env="OFFLOAD_MIN_BYTES", kind="size", example="1MiB",
         doc="Saved tensors whose storage is smaller stay where they are; `0` moves everything.")
