@@ -43,6 +43,7 @@ _DEFAULT_MIN_BYTES = 256 << 10
 _DEFAULT_PREFETCH_BYTES = 64 << 20
 _DEFAULT_STAGING_BYTES = 256 << 20
 _DEFAULT_IO_WORKERS = 4
+MAX_IO_WORKERS = 1024  # the engine's own limit (csrc/nvme_store.cpp)
 
 
 def _knob(default: Any, *, env: str, kind: str, example: str, doc: str,
@@ -130,6 +131,7 @@ class Config:
             ConfigError: an unknown keyword, or a value that does not parse.
         """
         env = os.environ if env is None else env
+        _warn_unknown_variables(env)
         names = {f.name: f for f in fields(cls) if f.name != "sources"}
         for key in overrides:
             if key not in names:
@@ -180,6 +182,18 @@ class Config:
             self._validate_nvme_dirs()
         if self.trace is not None:
             self._validate_trace()
+        self._validate_host_sizes()
+
+    def _validate_host_sizes(self) -> None:
+        import psutil
+
+        ram = psutil.virtual_memory().total
+        for name in ("staging_bytes", "prefetch_bytes"):
+            value = getattr(self, name)
+            if value > ram:
+                raise ConfigError(
+                    f"{self.where(name)}: more than this machine's RAM ({format_bytes(ram)}); "
+                    "both live in host memory (give a size such as \"256MiB\")")
 
     def _validate_trace(self) -> None:
         where = self.where("trace")
@@ -207,6 +221,12 @@ class Config:
                 raise ConfigError(f"{where}: {path!r} does not exist ({fix})")
             if not os.path.isdir(path):
                 raise ConfigError(f"{where}: {path!r} is not a directory ({fix})")
+            fs = os.statvfs(path)
+            if fs.f_blocks == 0:
+                raise ConfigError(f"{where}: {path!r} is on a virtual file system with no disk "
+                                  f"space, such as /proc or /sys ({fix})")
+            if fs.f_flag & os.ST_RDONLY:
+                raise ConfigError(f"{where}: {path!r} is on a read-only file system ({fix})")
             if not os.access(path, os.W_OK | os.X_OK):
                 raise ConfigError(f"{where}: {path!r} is not writable by this process ({fix})")
 
@@ -246,6 +266,37 @@ class Config:
 
 
 _FIELDS = {f.name: f for f in fields(Config)}
+
+# OFFLOAD_* variables that are not runtime settings (so no warning names them).
+OTHER_VARIABLES = {
+    "OFFLOAD_BUILD_CUDA": "pip install: 0 builds the core without the CUDA copy engine",
+    "OFFLOAD_TEST_DIR": "the test suite: where its NVMe test directories go",
+}
+_warned_unknown: set[str] = set()
+
+
+def known_variables() -> list[str]:
+    """Every OFFLOAD_* variable offload reads (settings, the build, the tests)."""
+    return sorted([f.metadata["env"] for f in fields(Config) if f.name != "sources"]
+                  + list(OTHER_VARIABLES))
+
+
+def _warn_unknown_variables(env: Mapping[str, str]) -> None:
+    """One warning per unknown OFFLOAD_* variable (a typo such as OFFLOAD_TIRES is otherwise
+    silently ignored), naming the closest known one."""
+    known = None
+    for key in env:
+        if not key.startswith("OFFLOAD_") or key in _warned_unknown:
+            continue
+        known = known or known_variables()
+        if key in known:
+            continue
+        _warned_unknown.add(key)
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "known: " + ", ".join(known)
+        logging.getLogger("offload").warning(
+            "offload: %s=%r is not a variable offload knows, so it has no effect (%s)",
+            key, env[key], hint)
 
 
 def _free_disk_bytes(dirs: tuple[str, ...]) -> int:
@@ -297,16 +348,20 @@ def _parse_dirs(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]
 
 
 def _size_parser(allow_percent: bool, max_fraction: float | None = None,
-                 what: str = "") -> Callable[[Any, str, Mapping[str, str]], Any]:
+                 what: str = "", zero_fix: str | None = None
+                 ) -> Callable[[Any, str, Mapping[str, str]], Any]:
+    """A size knob's parser; `zero_fix` (what to do instead) makes 0 / 0% an error."""
     def parse(raw: Any, where: str, env: Mapping[str, str]) -> Any:
         try:
             spec = parse_size(raw, allow_percent=allow_percent)
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:
             example = '"8GiB", "512MiB"' + (', "50%"' if allow_percent else "")
             raise _fail(where, str(exc), f"give a size such as {example}") from None
         if max_fraction is not None and spec.fraction is not None and spec.fraction > max_fraction:
             raise _fail(where, f"{spec} is over {max_fraction * 100:g}%",
                         f"give at most 100%{what}, or an absolute size such as \"4GiB\"")
+        if zero_fix is not None and not (spec.nbytes or spec.fraction):
+            raise _fail(where, "leaves the tier no room", zero_fix)
         return spec if allow_percent else spec.nbytes
     return parse
 
@@ -353,7 +408,7 @@ def _parse_path(raw: Any, where: str, env: Mapping[str, str]) -> str:
     return value
 
 
-def _parse_positive_int(raw: Any, where: str, env: Mapping[str, str]) -> int:
+def _parse_io_workers(raw: Any, where: str, env: Mapping[str, str]) -> int:
     try:
         if isinstance(raw, bool):
             raise ValueError
@@ -362,21 +417,28 @@ def _parse_positive_int(raw: Any, where: str, env: Mapping[str, str]) -> int:
         raise _fail(where, "not a whole number", "give a count such as 4") from None
     if value < 1:
         raise _fail(where, "must be at least 1", "give a count such as 4")
+    if value > MAX_IO_WORKERS:
+        raise _fail(where, f"is more than the engine's {MAX_IO_WORKERS} threads",
+                    "4 to 16 threads keep an NVMe SSD busy; give a count such as 8")
     return value
 
 
 _PARSERS: dict[str, Callable[[Any, str, Mapping[str, str]], Any]] = {
     "tiers": _parse_tiers,
     "nvme_dir": _parse_dirs,
-    "host_bytes": _size_parser(True),
-    "nvme_bytes": _size_parser(True),
+    "host_bytes": _size_parser(True, max_fraction=1.0, what=" of the available RAM",
+                               zero_fix="give a size such as \"8GiB\" or \"50%\", or drop "
+                                        "'host' from OFFLOAD_TIERS"),
+    "nvme_bytes": _size_parser(True, max_fraction=1.0, what=" of the free disk space",
+                               zero_fix="give a size such as \"64GiB\" or \"50%\", or drop "
+                                        "'nvme' from OFFLOAD_TIERS"),
     "min_bytes": _size_parser(False),
     "policy": _parse_choice,
     "budget": _size_parser(True, max_fraction=1.0, what=" of the no-offload peak"),
     "strict": _parse_bool,
     "log": _parse_log,
     "prefetch_bytes": _size_parser(False),
-    "io_workers": _parse_positive_int,
+    "io_workers": _parse_io_workers,
     "staging_bytes": _size_parser(False),
     "cpu_heap": _parse_cpu_heap,
     "trace": _parse_path,

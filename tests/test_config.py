@@ -129,6 +129,17 @@ def test_with_overrides():
     ({"OFFLOAD_PREFETCH_BYTES": "x"}, r"OFFLOAD_PREFETCH_BYTES='x': not a size"),
     ({"OFFLOAD_STAGING_BYTES": "-1"}, r"OFFLOAD_STAGING_BYTES='-1': size must not be negative"),
     ({"OFFLOAD_NVME_DIR": "/tmp/{node}"}, r"OFFLOAD_NVME_DIR='/tmp/\{node\}': bad placeholder"),
+    ({"OFFLOAD_NVME_BYTES": "0"}, r"OFFLOAD_NVME_BYTES='0': leaves the tier no room \(give a "
+     r"size such as \"64GiB\" or \"50%\", or drop 'nvme' from OFFLOAD_TIERS\)"),
+    ({"OFFLOAD_NVME_BYTES": "0%"}, r"OFFLOAD_NVME_BYTES='0%': leaves the tier no room"),
+    ({"OFFLOAD_HOST_BYTES": "0"}, r"OFFLOAD_HOST_BYTES='0': leaves the tier no room .*drop "
+     r"'host' from OFFLOAD_TIERS"),
+    ({"OFFLOAD_HOST_BYTES": "150%"}, r"OFFLOAD_HOST_BYTES='150%': 150% is over 100% \(give at "
+     r"most 100% of the available RAM"),
+    ({"OFFLOAD_NVME_BYTES": "101%"}, r"OFFLOAD_NVME_BYTES='101%': 101% is over 100% \(give at "
+     r"most 100% of the free disk space"),
+    ({"OFFLOAD_IO_WORKERS": "100000"}, r"OFFLOAD_IO_WORKERS='100000': is more than the "
+     r"engine's 1024 threads \(4 to 16 threads"),
 ])
 def test_env_errors_name_variable_value_and_fix(env, message):
     with pytest.raises(ConfigError, match=message):
@@ -180,7 +191,7 @@ def test_nvme_dir_not_a_directory(tmp_path):
 def test_nvme_dir_on_read_only_filesystem():
     # A read-only mount refuses writes even to root (chmod would not: CI runs as root).
     with mounted("tmpfs", "ro", size_bytes=1 << 20) as ro:
-        with pytest.raises(ConfigError, match=rf"'{ro}' is not writable by this process"):
+        with pytest.raises(ConfigError, match=rf"'{ro}' is on a read-only file system"):
             offload.activations(tiers="nvme", nvme_dir=ro)
 
 
@@ -194,6 +205,37 @@ def test_nvme_dir_not_writable(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=rf"nvme_dir='{ro}': '{ro}' is not writable by this "
                        r"process \(point it at a writable directory"):
         offload.activations(tiers="host,nvme", nvme_dir=str(ro))
+
+
+@pytest.mark.parametrize("name", ["OFFLOAD_STAGING_BYTES", "OFFLOAD_PREFETCH_BYTES"])
+def test_host_memory_sizes_beyond_ram_fail_at_construction(name, monkeypatch):
+    monkeypatch.setenv(name, "1e99")
+    with pytest.raises(ConfigError, match=name + r"='1e99': more than this machine's RAM "
+                       r"\(.*\); both live in host memory \(give a size such as"):
+        offload.activations()
+
+
+@pytest.mark.parametrize("path, why", [("/proc", "a virtual file system with no disk space"),
+                                       ("/sys", "a virtual file system with no disk space")])
+def test_nvme_dir_without_disk_space_fails_at_construction(path, why):
+    with pytest.raises(ConfigError, match=rf"nvme_dir='{path}': '{path}' is on {why}"):
+        offload.activations(tiers="nvme", nvme_dir=path)
+
+
+def test_unknown_offload_variable_warns_once_naming_the_closest(monkeypatch, caplog):
+    import logging
+
+    from offload import config as config_module
+
+    config_module._warned_unknown.discard("OFFLOAD_TIRES")
+    monkeypatch.setenv("OFFLOAD_TIRES", "nvme")
+    monkeypatch.setenv("OFFLOAD_BUILD_CUDA", "0")       # read by the build: no warning
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        offload.activations()
+        offload.activations()
+    warned = [r.getMessage() for r in caplog.records if "OFFLOAD_" in r.getMessage()]
+    assert warned == ["offload: OFFLOAD_TIRES='nvme' is not a variable offload knows, so it "
+                      "has no effect (did you mean OFFLOAD_TIERS?)"]
 
 
 def test_nvme_dirs_are_not_checked_when_unused(tmp_path):
