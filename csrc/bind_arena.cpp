@@ -25,7 +25,7 @@ int host_block_getbuffer(PyObject* obj, Py_buffer* view, int flags) {
     return -1;
   }
   if (block->released()) {
-    PyErr_SetString(PyExc_ValueError, "HostBlock was released; its memory is no longer usable");
+    set_used_after_close("HostBlock was released; its memory is no longer usable");
     view->obj = nullptr;
     return -1;
   }

@@ -19,6 +19,15 @@ uint64_t non_negative(int64_t value, const char* name) {
   return static_cast<uint64_t>(value);
 }
 
+void set_used_after_close(const char* message) {
+  try {
+    py::object cls = py::module_::import("offload.errors").attr("UsedAfterCloseError");
+    PyErr_SetObject(cls.ptr(), py::str(message).ptr());
+  } catch (py::error_already_set&) {
+    PyErr_SetString(PyExc_RuntimeError, message);
+  }
+}
+
 void emit_log_notes(const std::vector<LogNote>& notes) {
   if (notes.empty()) return;
   py::object logger = py::module_::import("logging").attr("getLogger")("offload");
@@ -53,7 +62,7 @@ void translate(std::exception_ptr p) {
   } catch (const InvalidArgument& e) {
     PyErr_SetString(PyExc_ValueError, e.what());
   } catch (const UseAfterClose& e) {
-    PyErr_SetString(PyExc_ValueError, e.what());
+    set_used_after_close(e.what());
   }
 }
 

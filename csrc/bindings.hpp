@@ -15,6 +15,10 @@ namespace offload::bind {
 // instead of pybind11's generic "incompatible function arguments".
 uint64_t non_negative(int64_t value, const char* name);
 
+// Sets offload.errors.UsedAfterCloseError (a RuntimeError if that module cannot be imported)
+// as the pending Python error: the one class for "used after close", from C++ and Python.
+void set_used_after_close(const char* message);
+
 // Sends notes gathered without the GIL to logging.getLogger("offload").
 void emit_log_notes(const std::vector<LogNote>& notes);
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from .config import Config, env_table_markdown
 from .context import ActivationOffload, activations, empty_cache, no_offload
 from .errors import (ConfigError, ExtensionUnavailable, OffloadError, StorageError,
-                     TierFullError)
+                     TierFullError, UsedAfterCloseError)
 from .stats import Stats
 from . import fork as _fork  # registers the at-fork handler (offload/fork.py)
 
 __all__ = ["activations", "no_offload", "empty_cache", "ActivationOffload", "Config", "Stats",
            "env_table_markdown", "OffloadError", "ConfigError", "StorageError",
-           "ExtensionUnavailable", "TierFullError"]
+           "ExtensionUnavailable", "TierFullError", "UsedAfterCloseError"]

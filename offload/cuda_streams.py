@@ -107,6 +107,7 @@ from typing import Any
 
 import torch
 
+from offload.errors import UsedAfterCloseError
 from offload.trace import NULL_RECORDER, NullRecorder, TraceRecorder
 
 __all__ = ["CopyStreams", "D2HTicket", "H2DTicket", "WriteBehind", "CopyStats", "SharedReload",
@@ -610,7 +611,7 @@ class CopyStreams:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("CopyStreams is closed (its activations() context has exited)")
+            raise UsedAfterCloseError("CopyStreams is closed (its activations() context has exited)")
 
     def _sweep(self) -> None:
         """Finish completed copies. Caller holds the lock."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 import errno as _errno
 import os
 
-__all__ = ["OffloadError", "ConfigError", "StorageError", "ExtensionUnavailable", "TierFullError"]
+__all__ = ["OffloadError", "ConfigError", "StorageError", "ExtensionUnavailable", "TierFullError",
+           "UsedAfterCloseError"]
 
 
 class OffloadError(Exception):
@@ -49,3 +50,9 @@ class ExtensionUnavailable(OffloadError, ImportError):
 
 class TierFullError(OffloadError, RuntimeError):
     """Every tier is full and OFFLOAD_STRICT=1 forbids keeping the tensor on the device."""
+
+
+class UsedAfterCloseError(OffloadError, RuntimeError):
+    """Something was used after it was closed or released: a saved tensor whose context freed
+    it (the block raised, or `close()` ran before backward), a closed tier, store, arena
+    block or copy stream. The one class for all of them, from Python and from the C++ core."""

@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from .cuda_streams import SharedReload
-from .errors import TierFullError
+from .errors import TierFullError, UsedAfterCloseError
 from .placement import Placement, TensorInfo
 from .prefetch import Prefetcher
 from .sizes import format_bytes
@@ -49,6 +49,9 @@ class _NoOffloadDepth(threading.local):
 
 
 _local = _NoOffloadDepth()
+
+# The id of the backward running on this thread, -1 outside one (torch >= 2.0).
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def no_offload_depth() -> int:
@@ -89,7 +92,7 @@ class _Record:
             (self.cache_ref() if self.cache_ref is not None else None)
         if storage is None:
             if self.released:
-                raise RuntimeError(
+                raise UsedAfterCloseError(
                     "offload: a saved tensor was used after its offload.activations() context "
                     "released it (the block exited with an exception); run backward inside "
                     "the block")
@@ -185,12 +188,16 @@ class OffloadHooks:
         self.params = params
         self.strict = strict
         self.index = StorageIndex()
-        # Records holding tier space (kept ones hold none), for release_all and on_idle.
+        # Records holding tier space (kept ones hold none), for release_all and live_records.
         self._live: weakref.WeakSet[_Record] = weakref.WeakSet()
         self._param_ids: set[int] = set()
         self._warned_full = False
         self._lock = threading.RLock()
-        self.on_idle = None  # called when the last record dies (the context closes tiers)
+        # Set by the step once its block exited with saved tensors alive: called at the end
+        # of every backward that unpacked one of them (step.py NOTE [End of step]).
+        self.on_backward_end = None
+        self._queued_task = -1
+        self.idle_since_s: float | None = None  # when the last record holding space died
         self.first_unpack_s: float | None = None  # where the backward starts (trace, bounce)
         self._stored = 0  # storages decided so far: their position is the BouncePlan key
         self.timings: list[list] = []  # [key, nbytes, pack_s, unpack_s] per moved storage
@@ -210,13 +217,14 @@ class OffloadHooks:
                 self._param_ids.add(id(storage))
                 stats.param_bytes += storage.nbytes()
             return _Packed(None, None, t.detach(), version, None, origin)
-        # A save inside no_offload() must stay even if the same storage was moved earlier
-        # in the step, so it neither reuses nor enters the dedup index.
-        keep_here = no_offload_active()
+        # A save inside no_offload() or during a backward must stay even if the same
+        # storage was moved earlier in the step, so it neither reuses nor enters the index.
+        in_backward = _graph_task_id() >= 0
+        keep_here = in_backward or no_offload_active()
         with self._lock:
             record = None if keep_here else self.index.lookup(storage, version)
             if record is None:
-                record = self._store(t, storage)
+                record = self._store(t, storage, in_backward)
                 if not keep_here:
                     self.index.add(storage, version, record)
             record.handles_left += 1
@@ -229,14 +237,18 @@ class OffloadHooks:
             return _Packed(record, None, t.detach(), version, None, origin)
         return _Packed(record, view_meta(t), None, version, version_sentinel(t), origin)
 
-    def _store(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Record:
+    def _store(self, t: torch.Tensor, storage: torch.UntypedStorage,
+               in_backward: bool = False) -> _Record:
         nbytes = storage.nbytes()
         key = (self._stored, nbytes)
         self._stored += 1
-        info = TensorInfo(nbytes, t.device, t.dtype, no_offload=no_offload_active(), key=key)
+        info = TensorInfo(nbytes, t.device, t.dtype, no_offload=no_offload_active(), key=key,
+                          in_backward=in_backward)
         decision = self.placement.decide(info)
         if decision is getattr(self.placement, "bounce_decision", None):
             self.stats.bounce_kept_bytes += nbytes
+        elif decision is getattr(self.placement, "backward_decision", None):
+            self.stats.backward_kept_bytes += nbytes
         payload, kind = None, "keep"
         if not decision.keep:
             flat = _flat_bytes(storage)
@@ -294,6 +306,12 @@ class OffloadHooks:
         packed.check_version()  # NOTE [Version check]
         if self.first_unpack_s is None:
             self.first_unpack_s = time.perf_counter()
+        if self.on_backward_end is not None:
+            task = _graph_task_id()
+            if task != self._queued_task and task >= 0:
+                # Once per backward: step.py NOTE [End of step], point 2.
+                self._queued_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         if packed.tensor is not None:
             packed.mark_unpacked()
             return packed.tensor
@@ -309,6 +327,11 @@ class OffloadHooks:
         if payload.prefetchable:
             return self.prefetcher.fetch(payload)
         return payload.fetch()
+
+    def _backward_ended(self) -> None:
+        callback = self.on_backward_end
+        if callback is not None:
+            callback()
 
     # ---------------------------------------------------------------- lifetime
     @property
@@ -326,8 +349,9 @@ class OffloadHooks:
                 return
             record.release()
             self._live.discard(record)
-            if self.on_idle is not None and not self._live:
-                self.on_idle()
+            if not self._live:
+                # Only noted: the step ends at a defined point (step.py NOTE [End of step]).
+                self.idle_since_s = time.perf_counter()
 
     def release_all(self) -> None:
         """Free every payload now (the context exits with an exception)."""

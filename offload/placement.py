@@ -37,16 +37,17 @@ class TensorInfo:
     A slotted class, not a dataclass: one is built per saved storage, on the hot path.
     """
 
-    __slots__ = ("nbytes", "device", "dtype", "no_offload", "hints", "key")
+    __slots__ = ("nbytes", "device", "dtype", "no_offload", "in_backward", "hints", "key")
 
     def __init__(self, nbytes: int, device: torch.device, dtype: torch.dtype,
                  no_offload: bool = False, hints: Mapping[str, Any] | None = None,
-                 key: Hashable = None) -> None:
+                 key: Hashable = None, in_backward: bool = False) -> None:
         self.key = key  # (position among the step's stored storages, nbytes): BouncePlan
         self.nbytes = nbytes
         self.device = device
         self.dtype = dtype
         self.no_offload = no_offload
+        self.in_backward = in_backward  # saved while a backward runs
         self.hints = hints
 
 
@@ -117,6 +118,9 @@ class Placement:
         # Decisions are immutable: build each once (decide runs once per saved storage).
         self._by_policy = Decision((), f"policy={config.policy}")
         self._no_offload = Decision((), "no_offload")
+        # Saved while a backward runs (reentrant checkpoint's recompute, double backward):
+        # needed again within the same backward, so moving it out and back is pure waste.
+        self.backward_decision = Decision((), "saved during backward")
         self._small = Decision((), "below min_bytes")
         self._offload = Decision(config.tiers, "offload") if config.policy == "offload" else None
 
@@ -125,6 +129,8 @@ class Placement:
             return self._by_policy
         if info.no_offload:
             return self._no_offload
+        if info.in_backward:
+            return self.backward_decision
         if info.nbytes < self._min_bytes:
             return self._small
         if self.bounce is not None and info.key in self.bounce.keep:

@@ -106,6 +106,8 @@ class Stats:
     peak_d2h_inflight: int = 0    # deepest queue of D2H copies (CUDA)
     peak_h2d_inflight: int = 0    # deepest queue of H2D copies (CUDA)
     bounce_kept_bytes: int = 0    # bytes kept because offloading them would bounce (bounce.py)
+    backward_kept_bytes: int = 0  # bytes saved while a backward ran (reentrant checkpoint's
+    #                               recompute, double backward): used at once, never moved
     bounce_hits: int = 0          # unpacks served from the source while its D2H was pending
     step_s: float = 0.0           # wall time of the block
     staging_peak_bytes: int = 0   # peak use of the nvme tier's staging arena

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from offload._ext import load_core
+from offload.errors import UsedAfterCloseError
 
 C = load_core()
 PAGE = 4096
@@ -117,9 +118,9 @@ def test_release_is_idempotent_and_blocks_use_after_release():
     b.release()
     b.release()
     assert b.released and arena.used_bytes == 0
-    with pytest.raises(ValueError, match="HostBlock was released"):
+    with pytest.raises(UsedAfterCloseError, match="HostBlock was released"):
         _ = b.ptr
-    with pytest.raises(ValueError, match="HostBlock was released"):
+    with pytest.raises(UsedAfterCloseError, match="HostBlock was released"):
         memoryview(b)
 
 

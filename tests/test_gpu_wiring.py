@@ -111,10 +111,10 @@ def test_a_cpu_run_never_creates_copy_streams(nvme_dir, monkeypatch):
     with offload.activations(tiers="host,nvme", nvme_dir=nvme_dir, host_bytes="64KiB",
                              min_bytes=0) as ctx:
         (x.exp() * 2).tanh().sum().backward()
-    assert ctx.stats.nvme_bytes > 0 and ctx._copies == {}
+    assert ctx.stats.nvme_bytes > 0 and ctx._step.copies == {}
 
 
-def test_closing_the_context_folds_copy_stats_into_ctx_stats():
+def test_closing_a_step_folds_copy_stats_into_its_stats():
     import offload
     from offload.cuda_streams import CopyStats
 
@@ -128,12 +128,15 @@ def test_closing_the_context_folds_copy_stats_into_ctx_stats():
         def close(self):
             self.closed = True
 
-    ctx = offload.activations(policy="keep")
+    from offload.stats import Stats
+    from offload.step import Step
+
+    step = Step(offload.Config.from_env(env={}, policy="keep"), Stats())
     fake = FakeCopies()
-    ctx._copies = {CUDA: fake}
-    ctx._close_copies()
-    s = ctx.stats
-    assert fake.closed and ctx._copies == {}
+    step.copies = {CUDA: fake}
+    step.close_copies()
+    s = step.stats
+    assert fake.closed and step.copies == {}
     assert (s.d2h_bytes, s.h2d_bytes) == (100, 60)
     assert s.d2h_gbps == pytest.approx(0.1) and s.h2d_gbps == pytest.approx(0.03)
     assert (s.stall_forward_s, s.stall_backward_s, s.stall_s) == (0.25, 0.5, 0.75)

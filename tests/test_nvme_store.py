@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from offload._ext import load_core
-from offload.errors import StorageError
+from offload.errors import UsedAfterCloseError, StorageError
 
 from mounts import mounted as _mounted
 
@@ -202,7 +202,7 @@ def test_allocate_none_when_full_and_release_gives_space_back(nvme_dir):
     a.release()
     a.release()
     assert a.released and store.used_bytes == cap // 2
-    with pytest.raises(ValueError, match="Extent was released"):
+    with pytest.raises(UsedAfterCloseError, match="Extent was released"):
         store.write_ptr(a, 0, 0)
     del b
     gc.collect()
@@ -259,7 +259,7 @@ def test_close_waits_for_in_flight_io_and_is_idempotent(nvme_dir):
     assert fut.done() and fut.wait() == src.numel()
     store.close()
     assert store.closed
-    with pytest.raises(ValueError, match="NvmeStore is closed"):
+    with pytest.raises(UsedAfterCloseError, match="NvmeStore is closed"):
         store.allocate(10)
 
 
@@ -267,7 +267,7 @@ def test_context_manager_closes(nvme_dir):
     with C.NvmeStore([nvme_dir], MiB) as store:
         ext = store.allocate(10)
     assert store.closed
-    with pytest.raises(ValueError, match="NvmeStore is closed"):
+    with pytest.raises(UsedAfterCloseError, match="NvmeStore is closed"):
         store.read_ptr(ext, 0, 0)
 
 
@@ -473,7 +473,7 @@ def test_bad_arguments_name_the_argument(nvme_dir):
         store.write(ext, arena.allocate(101))
     released = arena.allocate(10)
     released.release()
-    with pytest.raises(ValueError, match="HostBlock was released"):
+    with pytest.raises(UsedAfterCloseError, match="HostBlock was released"):
         store.write(ext, released)
     store.close()
     other.close()

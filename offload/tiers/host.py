@@ -25,6 +25,7 @@ from typing import Callable, Hashable
 
 import torch
 
+from ..errors import UsedAfterCloseError
 from ..stats import Stats
 from . import pool
 from .base import Payload, Tier, sync_d2h, sync_h2d
@@ -54,7 +55,7 @@ class _RefPayload(Payload):
 
     def fetch(self) -> torch.Tensor:
         if self._flat is None:
-            raise RuntimeError("offload: host payload used after release")
+            raise UsedAfterCloseError("offload: host payload used after release")
         return self._flat
 
     def release(self) -> None:
@@ -96,7 +97,7 @@ class _PinnedPayload(Payload):
 
     def fetch(self) -> torch.Tensor:
         if self._host is None:
-            raise RuntimeError("offload: host payload used after release")
+            raise UsedAfterCloseError("offload: host payload used after release")
         if self._d2h is None:
             return self._tier._h2d(self._host, self.device)
         held = self._d2h.device_tensor_if_held()

@@ -59,7 +59,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from ..errors import OffloadError
+from ..errors import UsedAfterCloseError
 from ..sizes import format_bytes
 from ..stats import Stats
 from .base import Payload, Tier, sync_d2h, sync_h2d
@@ -130,7 +130,7 @@ class _NvmePayload(Payload):
 
     def fetch(self) -> torch.Tensor:
         if self._released:
-            raise OffloadError("offload: a saved tensor was used after its offload.activations() "
+            raise UsedAfterCloseError("offload: a saved tensor was used after its offload.activations() "
                                "context released it (the block exited with an exception, or "
                                "backward ran after the context was closed)")
         held = self._d2h.device_tensor_if_held() if self._d2h is not None else None
@@ -262,7 +262,7 @@ class NvmeTier(Tier):
     # ---------------------------------------------------------------- write path
     def store(self, flat: torch.Tensor) -> Payload | None:
         if self._closed:
-            raise OffloadError("offload: nvme tier used after close")
+            raise UsedAfterCloseError("offload: nvme tier used after close")
         if self._store is None:
             return None  # no room at all (see __init__)
         nbytes = flat.numel()
@@ -357,7 +357,7 @@ class NvmeTier(Tier):
     # ---------------------------------------------------------------- read path
     def _start_read(self, payload: _NvmePayload) -> None:
         if self._closed:
-            raise OffloadError("offload: nvme tier used after close")
+            raise UsedAfterCloseError("offload: nvme tier used after close")
         self.in_backward = True
         if payload._write is not None:  # NOTE [Read after write]
             start = time.perf_counter()

@@ -21,6 +21,7 @@ exception). In a forked child every inherited store is abandoned (see `after_for
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from typing import Any, Callable, Hashable
@@ -122,3 +123,6 @@ def after_fork_in_child() -> None:
     _entries.clear()
     for entry in entries:
         entry.store._abandon_after_fork()
+
+
+atexit.register(close_idle)

@@ -1,0 +1,216 @@
+"""One `with offload.activations()` block: its tiers, hooks, copies and stats, from entry
+until its last saved tensor is gone.
+
+NOTE [End of step] A step's end-of-step work (wait for device copies, drain and close its
+tiers so the store and arenas go back for the next step, update the bounce plan, write the
+trace) runs at one of these defined points, never from a destructor:
+
+1. the context's exit, when no saved tensor of the step is alive (backward ran inside the
+   block: the common case);
+2. the end of a backward that ran after the exit (autograd's end-of-backward callback, which
+   the hooks queue at the first unpack of each backward), once the backward freed them all;
+3. otherwise (a graph dropped without backward, one freed later by hand) the step waits in
+   `pending` and is finished at the next context entry, `offload.empty_cache()` or
+   interpreter exit, whichever comes first.
+
+A saved tensor dying only updates counters (hooks.py `_record_freed`); that may happen on
+any thread, under the hooks' lock, so nothing that waits or writes files may run there.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .bounce import LinkSpeed, TensorTiming
+from .config import Config
+from .hooks import OffloadHooks
+from .stats import Stats
+from .tiers.base import Tier
+
+__all__ = ["Step", "close_tiers", "finish_pending"]
+
+log = logging.getLogger("offload")
+
+_pending_lock = threading.Lock()
+_pending: set["Step"] = set()  # exited steps whose saved tensors were still alive
+
+
+class Step:
+    """The state of one block; `ActivationOffload` makes one per `__enter__`."""
+
+    def __init__(self, config: Config, stats: Stats) -> None:
+        self.config = config
+        self.stats = stats
+        self.tiers: dict[str, Tier] = {}
+        self.hooks: OffloadHooks | None = None
+        self.copies: dict[torch.device, Any] = {}  # CopyStreams per CUDA device
+        self.start_s = time.perf_counter()
+        self.exit_s: float | None = None
+        self._finished = False
+        self._lock = threading.Lock()  # finish runs once, from whichever point comes first
+
+    # ---------------------------------------------------------------- device copies
+    def copy_streams(self, device: torch.device):
+        """The CopyStreams of a CUDA device, made at its first tensor (streams are cheap,
+        but a CPU-only run must never touch torch.cuda)."""
+        copies = self.copies.get(device)
+        if copies is None:
+            from .cuda_streams import CopyStreams
+
+            # Source bytes held by pending D2H copies: the module's default (1 GiB) bounds
+            # device memory kept for copies without throttling a ~50 GB/s link.
+            copies = self.copies[device] = CopyStreams(device, trace=self.stats.trace)
+        return copies
+
+    def close_copies(self) -> None:
+        """Wait for every device copy in flight (their events only) and fold their stats."""
+        copies, self.copies = self.copies, {}
+        error = None
+        for cs in copies.values():
+            try:
+                cs.close()
+            except Exception as exc:  # keep closing the others; report the first
+                error = error or exc
+            finally:
+                self.stats.add_copy_stats(cs.stats)
+        if error is not None:
+            raise error
+
+    # ---------------------------------------------------------------- the end
+    def exited(self) -> None:
+        """The block is over (NOTE [End of step], point 1)."""
+        self.exit_s = time.perf_counter()
+        self.stats.step_s = self.exit_s - self.start_s
+        for tier in self.tiers.values():
+            tier.poll()
+        if self.hooks.live_records == 0:
+            self.finish(self.exit_s)
+            return
+        # Backward runs after the block: the tiers stay open for it.
+        log.debug("offload: %d stored storages outlive the block; the step ends when they "
+                  "are freed", self.hooks.live_records)
+        with _pending_lock:
+            _pending.add(self)
+        self.hooks.on_backward_end = self._backward_ended
+
+    def _backward_ended(self) -> None:
+        """Autograd's end-of-backward callback (NOTE [End of step], point 2)."""
+        if self.hooks.live_records == 0:
+            self.finish(time.perf_counter())
+
+    def finish_if_idle(self) -> bool:
+        """Finish a pending step whose saved tensors are all gone (point 3)."""
+        hooks = self.hooks
+        if hooks.live_records:
+            return False
+        self.finish(hooks.idle_since_s or time.perf_counter())
+        return True
+
+    def finish(self, end_s: float) -> None:
+        """Close the tiers (clean resources back to the pool), learn, write the trace."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        with _pending_lock:
+            _pending.discard(self)
+        self.hooks.on_backward_end = None
+        close_tiers(self.tiers, self.stats, before=self.close_copies)
+        try:
+            self._learn_bounce()
+        except Exception:  # a planning problem must never fail the training step
+            log.exception("offload: could not update the bounce plan")
+        self._write_trace(end_s)
+
+    def abort(self) -> None:
+        """Free everything now (an exception, or `ActivationOffload.close()`)."""
+        with self._lock:
+            self._finished = True
+        with _pending_lock:
+            _pending.discard(self)
+        if self.hooks is not None:
+            self.hooks.on_backward_end = None
+            self.hooks.release_all()
+        close_tiers(self.tiers, self.stats, reuse=False, before=self.close_copies)
+
+    def _learn_bounce(self) -> None:
+        placement = self.hooks.placement
+        if placement.bounce is None:
+            return
+        s = self.stats
+        # Speeds of the path the bytes took (see Stats.BusyClock).
+        link = None
+        if s.nvme_written_bytes and s.nvme_write_gbps > 0 and s.nvme_read_gbps > 0:
+            link = LinkSpeed(s.nvme_write_gbps * 1e9, s.nvme_read_gbps * 1e9)
+        elif s.d2h_bytes and s.d2h_gbps > 0 and s.h2d_gbps > 0:
+            link = LinkSpeed(s.d2h_gbps * 1e9, s.h2d_gbps * 1e9)
+        placement.bounce.learn((TensorTiming(*t) for t in self.hooks.timings), link)
+
+    def _write_trace(self, end_s: float) -> None:
+        """Add the compute spans and write OFFLOAD_TRACE (never fails the step)."""
+        rec = self.stats.trace
+        if not rec.enabled:
+            return
+        # Forward runs from entry to the first unpack; backward from there to `end_s`.
+        backward_s = self.hooks.first_unpack_s
+        exit_s = self.exit_s if self.exit_s is not None else end_s
+        forward_end_s = backward_s if backward_s is not None else exit_s
+        rec.add("forward", "forward", self.start_s, forward_end_s, category="compute")
+        if backward_s is not None:
+            rec.add("backward", "backward", backward_s, max(end_s, backward_s),
+                    category="compute")
+        try:
+            rec.write(self.config.trace)
+        except OSError as exc:
+            log.warning("offload: could not write the trace to %s: %s (OFFLOAD_TRACE)",
+                        self.config.trace, exc)
+
+
+def finish_pending() -> int:
+    """Finish every pending step whose saved tensors are gone; returns how many."""
+    with _pending_lock:
+        steps = list(_pending)
+    done = 0
+    for step in steps:
+        try:
+            done += step.finish_if_idle()
+        except Exception:  # one broken step must not keep the others open
+            log.exception("offload: error while finishing a step")
+    return done
+
+
+def close_tiers(tiers: dict[str, Tier], stats: Stats, reuse: bool = True, before=None) -> None:
+    """Drain and close `tiers`, noting what they still held (0 after a clean step).
+
+    With `reuse` clean stores / arenas go back to the pool for the next step. `before`
+    runs first (closing the CopyStreams: device copies land before the tiers drain).
+    """
+    if before is not None:
+        try:
+            before()
+        except Exception:
+            log.exception("offload: error while waiting for device copies")
+            reuse = False
+    for name, tier in list(tiers.items()):
+        if tier.closed:
+            continue
+        try:
+            if reuse:  # after an exception nobody needs the writes in flight: no waiting
+                tier.drain()
+            if name == "nvme":
+                stats.staging_peak_bytes = tier.arena_peak_bytes
+                stats.exit_staging_used_bytes = tier.arena_used_bytes
+            setattr(stats, f"exit_{name}_used_bytes", tier.used_bytes)
+        except Exception:
+            log.exception("offload: error while draining the %s tier", name)
+            reuse = False
+        finally:
+            tier.close(reuse=reuse)
+
+
+atexit.register(finish_pending)  # the last step's trace, if its graph died after the block

@@ -1,0 +1,241 @@
+"""Context lifecycle (issue 10 items 6-8): contexts exited out of order, end-of-step work at a
+defined point (step.py NOTE [End of step]), one exception class for "used after close",
+nothing kept alive by a graph dropped without backward, tensors saved during backward left
+where they are, and torch.func's refusal explained.
+"""
+from __future__ import annotations
+
+import gc
+import inspect
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import offload
+from offload import step as step_module
+from offload.errors import UsedAfterCloseError
+
+_autograd = torch._C._autograd
+
+
+def _hook_stack_empty() -> bool:
+    return _autograd._top_saved_tensors_default_hooks(True) is None
+
+
+def _nvme(nvme_dir, **kw):
+    return offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0, **kw)
+
+
+# ---------------------------------------------------------------- exits out of order
+def test_contexts_exited_out_of_order_keep_the_right_hooks(nvme_dir):
+    x = torch.randn(256, 256, requires_grad=True)
+    a, b = _nvme(nvme_dir), _nvme(nvme_dir)
+    a.__enter__()
+    ya = (x * 2).tanh().sum()
+    b.__enter__()
+    yb = (x * 3).tanh().sum()
+    a.__exit__(None, None, None)                   # the first one entered leaves first
+    packed_b = b.stats.packed_tensors
+    yc = (x * 4).tanh().sum()                      # must go to b, the one still active
+    assert b.stats.packed_tensors > packed_b
+    b.__exit__(None, None, None)
+    assert _hook_stack_empty()
+    (ya + yb + yc).backward()
+    x_ref = x.detach().clone().requires_grad_()
+    ((x_ref * 2).tanh().sum() + (x_ref * 3).tanh().sum() + (x_ref * 4).tanh().sum()).backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    with _nvme(nvme_dir) as c:                     # the next step works (no closed tier)
+        (x * 5).tanh().sum().backward()
+    assert c.stats.nvme_written_bytes > 0
+
+
+def test_exit_under_someone_elses_hooks_raises_and_changes_nothing(nvme_dir):
+    ctx = _nvme(nvme_dir)
+    ctx.__enter__()
+    theirs = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    theirs.__enter__()
+    with pytest.raises(offload.OffloadError, match=r"exited while saved-tensor hooks entered "
+                       r"after it \(.*\) are still active; exit them first"):
+        ctx.__exit__(None, None, None)
+    assert ctx.active
+    theirs.__exit__(None, None, None)
+    ctx.__exit__(None, None, None)
+    assert _hook_stack_empty() and not ctx.active
+
+
+def test_exit_on_another_thread_raises(nvme_dir):
+    ctx = _nvme(nvme_dir)
+    ctx.__enter__()
+    errors = []
+    worker = threading.Thread(target=lambda: _catch(errors, ctx.__exit__, None, None, None))
+    worker.start()
+    worker.join()
+    assert "exited on another thread" in str(errors[0])
+    ctx.__exit__(None, None, None)
+    assert _hook_stack_empty()
+
+
+def _catch(errors, fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001
+        errors.append(exc)
+
+
+# ---------------------------------------------------------------- end of step
+@pytest.fixture
+def finish_calls(monkeypatch):
+    """Every Step.finish call, with whether a destructor was on the stack."""
+    calls = []
+    original = step_module.Step.finish
+
+    def spy(self, end_s):
+        frames = [f.function for f in inspect.stack()]
+        calls.append({"in_del": "__del__" in frames, "thread": threading.current_thread()})
+        return original(self, end_s)
+
+    monkeypatch.setattr(step_module.Step, "finish", spy)
+    return calls
+
+
+def test_backward_after_the_block_ends_the_step_at_the_end_of_backward(nvme_dir, finish_calls):
+    x = torch.randn(256, 256, requires_grad=True)
+    with _nvme(nvme_dir) as ctx:
+        y = (x @ x).tanh().sum()
+    assert finish_calls == [] and not ctx.tiers["nvme"].closed
+    y.backward()
+    # Autograd's end-of-backward callback ran the end of the step, before backward returned.
+    assert len(finish_calls) == 1 and not finish_calls[0]["in_del"]
+    assert ctx.tiers["nvme"].closed and ctx.stats.exit_nvme_used_bytes == 0
+
+
+def test_a_graph_dropped_after_the_block_ends_at_the_next_entry(nvme_dir, finish_calls):
+    x = torch.randn(256, 256, requires_grad=True)
+    with _nvme(nvme_dir) as first:
+        y = (x @ x).tanh().sum()
+    del y
+    gc.collect()
+    # The last saved tensor died in a destructor: nothing ran there.
+    assert finish_calls == [] and not first.tiers["nvme"].closed
+    with _nvme(nvme_dir) as second:
+        assert first.tiers["nvme"].closed            # finished at this entry
+        (x * 2).sin().sum().backward()
+    assert [c["in_del"] for c in finish_calls] == [False, False]
+    assert second.stats.nvme_written_bytes > 0
+
+
+def test_empty_cache_ends_pending_steps_and_closes_their_store(nvme_dir):
+    from offload.tiers import nvme_space
+
+    x = torch.randn(256, 256, requires_grad=True)
+    with _nvme(nvme_dir) as ctx:
+        y = (x @ x).tanh().sum()
+    del y
+    gc.collect()
+    offload.empty_cache()
+    assert ctx.tiers["nvme"].closed
+    assert not [k for k in nvme_space.open_stores() if nvme_dir in k[0]]
+
+
+def test_two_micro_batches_in_one_block_keep_the_tiers_open(nvme_dir):
+    """A backward inside the block must not end the step: another forward may follow."""
+    x = torch.randn(256, 256, requires_grad=True)
+    with _nvme(nvme_dir) as ctx:
+        (x * 2).tanh().sum().backward()
+        (x * 3).tanh().sum().backward()
+    assert ctx.stats.nvme_written_bytes > 0 and ctx.tiers["nvme"].closed
+
+
+# ---------------------------------------------------------------- graphs without backward
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_a_graph_dropped_without_backward_frees_every_record(tiers, nvme_dir):
+    """tanh saves its own output: holding that tensor in the hooks would tie a cycle through
+    autograd's C++ node that the garbage collector cannot break (records kept forever)."""
+    x = torch.randn(256, 256, requires_grad=True)
+    with offload.activations(tiers=tiers, nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        y = (x * 2).tanh().exp().sum()
+        assert ctx._hooks.live_records > 0
+    del y
+    gc.collect()
+    assert ctx._hooks.live_records == 0
+
+
+# ---------------------------------------------------------------- used after close
+def test_used_after_close_is_one_exception_class(nvme_dir):
+    x = torch.randn(256, 256, requires_grad=True)
+    ctx = _nvme(nvme_dir)
+    with ctx:
+        y = (x @ x).tanh().sum()
+    ctx.close()                                    # frees the tiers under the live graph
+    with pytest.raises(UsedAfterCloseError, match="released it"):
+        y.backward()
+    core = pytest.importorskip("offload._C")
+    store = core.NvmeStore([nvme_dir], 1 << 20)
+    store.close()
+    with pytest.raises(UsedAfterCloseError, match="NvmeStore is closed"):
+        store.allocate(4096)
+    arena = core.HostArena(4096, pinned=False)
+    block = arena.allocate(16)
+    block.release()
+    with pytest.raises(UsedAfterCloseError, match="HostBlock was released"):
+        memoryview(block)
+    assert issubclass(UsedAfterCloseError, RuntimeError)
+
+
+# ---------------------------------------------------------------- saved during backward
+def _checkpointed_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(3)])
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_tensors_saved_during_backward_stay(use_reentrant, nvme_dir):
+    """Reentrant checkpointing re-runs the forward inside backward: what that saves is used
+    at once, so it is kept, not written out and read straight back."""
+    model = _checkpointed_model()
+    x = torch.randn(128, 256, requires_grad=True)
+
+    def run(ctx):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with ctx:
+            h = x
+            for block in model:
+                h = checkpoint(block, h, use_reentrant=use_reentrant)
+            h.sum().backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    import contextlib
+
+    ref = run(contextlib.nullcontext())
+    ctx = _nvme(nvme_dir)
+    ours = run(ctx)
+    assert all(torch.equal(a, b) for a, b in zip(ref, ours))
+    s = ctx.stats
+    # What went to disk is what the forward saved: the inputs of blocks 2 and 3 (x is a leaf
+    # that needs grad: never moved). Nothing the recompute saved during backward.
+    block_input = 128 * 256 * 4
+    assert s.nvme_bytes == s.nvme_written_bytes == s.nvme_read_bytes == 2 * block_input
+    if use_reentrant:
+        # Each block's recompute saves its Tanh output (its Linear's input there is a fresh
+        # leaf that needs grad: a parameter-like tensor, never moved).
+        assert s.backward_kept_bytes == 3 * block_input
+
+
+# ---------------------------------------------------------------- torch.func
+def test_torch_func_inside_the_context_says_what_to_do():
+    def f(x):
+        return (x.sin() * x).sum()
+
+    x = torch.randn(1000)
+    with pytest.raises(RuntimeError) as info:
+        with offload.activations(tiers="host"):
+            torch.func.grad(f)(x)
+    notes = "\n".join(getattr(info.value, "__notes__", [])) + str(info.value)
+    assert "don't yet support saved tensor hooks" in str(info.value)   # torch's own error
+    assert "Call the transform outside the `with offload.activations()` block" in notes
+    torch.testing.assert_close(torch.func.grad(f)(x), x.cos() * x + x.sin())  # outside: works
+    assert _hook_stack_empty()
