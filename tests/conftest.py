@@ -37,3 +37,16 @@ def nvme_dir():
         assert left == [], f"files left behind in the NVMe directory: {left}"
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_disk():
+    """A fresh 64 MiB ext4 file system (loop-mounted; skipped where mounting is refused),
+    with no NVMe store or arena of earlier tests kept open."""
+    import offload
+    from mounts import mounted
+
+    offload.empty_cache()
+    with mounted("ext4", size_bytes=64 << 20) as point:
+        yield point
+        offload.empty_cache()

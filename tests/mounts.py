@@ -12,6 +12,12 @@ import pytest
 MiB = 1 << 20
 
 
+def free_bytes(path: str) -> int:
+    """Free space of the file system holding `path`, as an unprivileged process sees it."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 @contextlib.contextmanager
 def mounted(fstype: str, options: str = "", size_bytes: int = 16 * MiB):
     """Mount a fresh filesystem on a temporary directory; skip when mounting is refused.

@@ -11,15 +11,10 @@ import pytest
 import torch
 
 import offload
-from mounts import mounted
+from mounts import free_bytes as _free_bytes
 
 MiB = 1 << 20
 _fork = multiprocessing.get_context("fork")
-
-
-def _free_bytes(path):
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 def _fds_into(directory):
@@ -38,14 +33,6 @@ def _fds_into(directory):
 def _child_waits(directory, conn):
     conn.send(_fds_into(directory))
     conn.recv()          # stay alive until the parent has checked its disk space
-
-
-@pytest.fixture
-def small_disk():
-    offload.empty_cache()
-    with mounted("ext4", size_bytes=64 * MiB) as point:
-        yield point
-        offload.empty_cache()
 
 
 def test_a_forked_child_keeps_no_slab_open(small_disk):

@@ -17,28 +17,15 @@ import torch.nn as nn
 
 import offload
 from offload.tiers import nvme_space
-from mounts import mounted
+from mounts import free_bytes as _free_bytes
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def small_disk():
-    offload.empty_cache()
-    with mounted("ext4", size_bytes=64 * MiB) as point:
-        yield point
-        offload.empty_cache()
 
 
 def _stores_in(directory):
     """(store, users) of the process's stores for `directory` (other tests may hold theirs)."""
     return [v for k, v in nvme_space.open_stores().items()
             if k == (os.path.realpath(directory),)]
-
-
-def _free_bytes(path):
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 def _model():
