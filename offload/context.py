@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -77,6 +78,7 @@ class ActivationOffload:
         self.config = config
         self.model = model
         self._step: Step | None = None       # the latest block's (offload/step.py)
+        self._steps: weakref.WeakSet[Step] = weakref.WeakSet()  # every one not yet freed
         self._hook_thread: int | None = None
         self._bounce = BouncePlan()  # learned across the steps of this context (no model=)
 
@@ -126,6 +128,7 @@ class ActivationOffload:
             close_tiers(tiers, stats, reuse=False)
             raise
         self._step = step
+        self._steps.add(step)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -170,10 +173,12 @@ class ActivationOffload:
         return tiers
 
     def close(self) -> None:
-        """Free the tiers now, even if saved tensors still refer to them, and drop the
-        stores / arenas kept for the next step (`empty_cache()`)."""
-        if self._step is not None:
-            self._step.abort()
+        """Free the tiers of every step of this context now, even if saved tensors still
+        refer to them, and drop the stores / arenas kept for the next step
+        (`empty_cache()`)."""
+        for step in list(self._steps):
+            step.abort()
+        self._steps = weakref.WeakSet()
         empty_cache()
 
 

@@ -4,9 +4,9 @@
 it. One `_Record` per stored storage (views share it: see tensor_meta NOTE [Storage identity]);
 one `_Packed` per saved tensor, pointing at its record plus the view layout to rebuild.
 
-NOTE [Version check] lives in offload/version_check.py: every `_Packed` holds the saved
-tensor itself (kept ones) or a zero-byte *sentinel* sharing its version counter (moved ones),
-and unpack raises autograd's own error when the counter moved since pack.
+NOTE [Version check] lives in offload/version_check.py: every `_Packed` holds a `detach()`ed
+alias of the saved tensor (kept ones) or a zero-byte *sentinel* (moved ones), both sharing
+its version counter, and unpack raises autograd's own error when the counter moved.
 
 NOTE [Record lifetime] A record lives exactly as long as some `_Packed` of it lives, i.e. as
 long as autograd holds a saved tensor of that storage. Its `__del__` releases the payload:
@@ -94,8 +94,8 @@ class _Record:
             if self.released:
                 raise UsedAfterCloseError(
                     "offload: a saved tensor was used after its offload.activations() context "
-                    "released it (the block exited with an exception); run backward inside "
-                    "the block")
+                    "released it (the block exited with an exception, or the context's close() "
+                    "ran before this backward); run backward before closing the context")
             if self.timing is not None and self.timing[3] is None:
                 self.timing[3] = time.perf_counter()
             flat = self.hooks.fetch(self.payload)

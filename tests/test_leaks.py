@@ -43,9 +43,9 @@ def _malloc_in_use():
 
 def _held():
     gc.collect()
-    objects = [o for o in gc.get_objects() if not isinstance(o, type)]
     with warnings.catch_warnings():  # isinstance on torch's deprecated aliases warns
         warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if not isinstance(o, type)]
         ours = sum(1 for o in objects
                    if type(o).__module__.startswith("offload") or isinstance(o, torch.Tensor))
     return {"in_use": _malloc_in_use(), "ours": ours, "fds": len(os.listdir("/proc/self/fd"))}
@@ -74,8 +74,9 @@ def test_a_hundred_more_steps_hold_nothing_more(tiers, nvme_dir):
     moved = ctx.stats.host_bytes + ctx.stats.nvme_bytes
     assert moved > 0
     # A leak of one small object per step shows as >= 100 objects or several KiB. (All
-    # objects are not compared: interpreter caches, e.g. ABC checks, fill up over time.)
-    assert after["ours"] == before["ours"], (before, after)
+    # objects are not compared: interpreter caches, e.g. ABC checks, fill up over time; and
+    # a few may be in flight, e.g. a write's source held until `poll` sees it land.)
+    assert after["ours"] - before["ours"] <= 5, (before, after)
     assert after["fds"] == before["fds"]
     if before["in_use"] is not None:
         assert after["in_use"] - before["in_use"] < 32 << 10, (before, after)

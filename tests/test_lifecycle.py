@@ -140,6 +140,24 @@ def test_empty_cache_ends_pending_steps_and_closes_their_store(nvme_dir):
     assert not [k for k in nvme_space.open_stores() if nvme_dir in k[0]]
 
 
+def test_close_frees_every_step_of_the_context(nvme_dir):
+    from offload.tiers import nvme_space
+
+    x = torch.randn(256, 256, requires_grad=True)
+    ctx = _nvme(nvme_dir)
+    graphs, tiers = [], []
+    for _ in range(2):                             # two steps whose graphs are still alive
+        with ctx:
+            graphs.append((x * 2).tanh().sum())
+        tiers.append(ctx.tiers["nvme"])
+    assert not any(t.closed for t in tiers)
+    ctx.close()
+    assert all(t.closed for t in tiers)
+    assert not [k for k in nvme_space.open_stores() if nvme_dir in k[0]]  # no slab left
+    with pytest.raises(UsedAfterCloseError):
+        graphs[0].backward()
+
+
 def test_two_micro_batches_in_one_block_keep_the_tiers_open(nvme_dir):
     """A backward inside the block must not end the step: another forward may follow."""
     x = torch.randn(256, 256, requires_grad=True)
