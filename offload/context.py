@@ -50,7 +50,8 @@ def activations(*, model: torch.nn.Module | None = None, **settings: Any) -> "Ac
             above OFFLOAD_MIN_BYTES); the scheduler will use it to find repeated blocks.
         **settings: Override the OFFLOAD_* environment variables; same names in lower case
             without the prefix: tiers, nvme_dir, host_bytes, nvme_bytes, min_bytes, policy,
-            budget, strict, log, prefetch_bytes, io_workers, staging_bytes, cpu_heap, trace.
+            budget, strict, log, prefetch_bytes, io_workers, nvme_checksum, staging_bytes,
+            cpu_heap, trace.
 
     Returns:
         The context manager; `__enter__` returns it, and `.stats` is readable after the block.
@@ -163,7 +164,7 @@ class ActivationOffload:
                     tiers[name] = NvmeTier(
                         config.nvme_dir, config.nvme_capacity_bytes,
                         workers=config.io_workers, staging_bytes=config.staging_bytes,
-                        cpu_heap=config.cpu_heap,
+                        cpu_heap=config.cpu_heap, checksum=config.nvme_checksum,
                         stats=step.stats, core=load_core(), capacity_key=config.nvme_bytes,
                         copies=step.copy_streams)
         except BaseException:

@@ -154,7 +154,7 @@ class NvmeTier(Tier):
 
     def __init__(self, dirs: tuple[str, ...], capacity_bytes: Callable[[], int], *,
                  workers: int, staging_bytes: int, stats: Stats, core,
-                 cpu_heap: str = "reuse",
+                 cpu_heap: str = "reuse", checksum: bool = False,
                  capacity_key: Hashable = None,
                  copies: Callable[[torch.device], Any] | None = None) -> None:
         """Take the process's store for `dirs` (NOTE [One budget] in nvme_space.py) and a
@@ -165,7 +165,7 @@ class NvmeTier(Tier):
                 Below `MIN_STORE_BYTES` the tier has no room: every `store` returns None, so
                 tensors spill to the next tier, stay with a warning, or raise TierFullError.
             capacity_key: What the capacity was derived from (the OFFLOAD_NVME_BYTES spec);
-                with `workers` it decides whether an idle store fits.
+                with `workers` and `checksum` it decides whether an idle store fits.
             copies: Returns the context's CopyStreams for a CUDA device; with a CUDA build
                 of the extension device copies are then chained with the I/O.
         """
@@ -187,10 +187,12 @@ class NvmeTier(Tier):
             # The slabs are whole chunks per directory: a small store keeps 1 MiB chunks so
             # its capacity is not rounded up by much.
             chunk = CHUNK_BYTES if capacity >= 64 * CHUNK_BYTES * len(dirs) else 1 << 20
-            return core.NvmeStore(list(dirs), capacity, workers=workers, chunk_bytes=chunk)
+            return core.NvmeStore(list(dirs), capacity, workers=workers, chunk_bytes=chunk,
+                                  checksum=checksum)
 
         try:
-            self._store = nvme_space.acquire(self._dirs, (capacity_key, workers), open_store)
+            self._store = nvme_space.acquire(self._dirs, (capacity_key, workers, checksum),
+                                             open_store)
         except _NoRoom:
             log.warning("offload: the nvme tier has no room in %s (%s of free space, under "
                         "the %s minimum); activations that would go there spill to the next "

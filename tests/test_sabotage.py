@@ -1,0 +1,86 @@
+"""Each safety mechanism, switched off, is caught by the suite's own check for it. A mechanism
+no test can catch being removed is not tested.
+
+| mechanism | its check | sabotage here |
+|---|---|---|
+| store close (slab descriptors) | conftest `nvme_dir` teardown: `descriptors_into` | stores never closed |
+| the version check | tests/test_inplace.py (autograd's error) | `_Packed.check_version` a no-op |
+| the fork handler | tests/test_fork.py (the child's descriptors) | child keeps inherited stores |
+| the checksum on read | tests/test_storage_errors.py | checksums off (there) |
+| each stream wait / record_stream | tests/test_copy_protocol.py `test_noteN_without_...` | (there) |
+| the leak check | tests/test_leaks.py | each step's stats kept (run by hand, in the issue note) |
+"""
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+import offload
+from offload.tiers import nvme_space
+from conftest import descriptors_into
+from test_inplace import relu_inplace
+
+
+class _NeverClosed:
+    """An NvmeStore whose close() does nothing (the sabotage); `real` closes it after."""
+
+    def __init__(self, store):
+        self.real = store
+
+    def close(self):
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_sabotage_store_close_is_caught_by_the_descriptor_check(nvme_dir, monkeypatch):
+    made = []
+    original = nvme_space.acquire
+
+    def acquire(dirs, settings, open_store):
+        return original(dirs, settings, lambda: made.append(_NeverClosed(open_store())) or made[-1])
+
+    monkeypatch.setattr(nvme_space, "acquire", acquire)
+    x = torch.randn(256, 256, requires_grad=True)
+    try:
+        with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
+            (x * 2).sin().sum().backward()
+        offload.empty_cache()          # "closes" the idle store: a no-op now
+        assert descriptors_into(nvme_dir) != [], "the fixture's check would not see the leak"
+    finally:
+        for store in made:
+            store.real.close()
+    assert descriptors_into(nvme_dir) == []
+
+
+def test_sabotage_version_check_lets_the_reproducer_train_on(nvme_dir, monkeypatch):
+    from offload.hooks import _Packed
+
+    monkeypatch.setattr(_Packed, "check_version", lambda self: None)
+    x = torch.randn(64, 256, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
+        relu_inplace(x).backward()     # test_inplace expects autograd's error here
+    assert x.grad is not None
+
+
+def _child_reports_descriptors(directory, conn):
+    conn.send(descriptors_into(directory))
+
+
+def test_sabotage_fork_handler_leaves_the_slab_open_in_the_child(nvme_dir, monkeypatch):
+    monkeypatch.setattr(nvme_space, "after_fork_in_child", lambda: None)
+    x = torch.randn(256, 256, requires_grad=True)
+    fork = multiprocessing.get_context("fork")
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
+        y = (x * 2).sin().sum()
+        parent_end, child_end = fork.Pipe()
+        child = fork.Process(target=_child_reports_descriptors, args=(nvme_dir, child_end))
+        child.start()
+        assert parent_end.poll(30)
+        held = parent_end.recv()
+        child.join(10)
+        y.backward()
+    assert held != [], "test_fork's check would not see the inherited slab"
