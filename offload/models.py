@@ -86,19 +86,22 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying: autograd saves views of it
 
-    def forward(self, idx: torch.Tensor, checkpoint_blocks: bool = False) -> torch.Tensor:
-        """Return logits; `checkpoint_blocks` recomputes every block in backward."""
+    def forward(self, idx: torch.Tensor, checkpoint_blocks: bool | str = False) -> torch.Tensor:
+        """Return logits; `checkpoint_blocks` recomputes every block in backward (True:
+        torch.utils.checkpoint's non-reentrant mode; "reentrant": the reentrant one)."""
         _, s = idx.shape
         pos = torch.arange(s, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             if checkpoint_blocks:
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(
+                    block, x, use_reentrant=checkpoint_blocks == "reentrant")
             else:
                 x = block(x)
         return self.head(self.ln_f(x))
 
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor, checkpoint_blocks: bool = False):
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor,
+             checkpoint_blocks: bool | str = False):
         logits = self(idx, checkpoint_blocks=checkpoint_blocks)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 

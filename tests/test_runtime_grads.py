@@ -31,14 +31,16 @@ MODELS = {
 }
 
 
-def _batch(name: str, step: int):
+def _batch(name: str, step: int, scale: int = 1):
     g = torch.Generator().manual_seed(1000 + step)
     if name == "mlp":
-        return torch.randn(32, 64, generator=g), torch.randint(10, (32,), generator=g)
+        n = 32 * scale
+        return torch.randn(n, 64, generator=g), torch.randint(10, (n,), generator=g)
     if name == "convnet":
-        return torch.randn(4, 3, 16, 16, generator=g), torch.randint(10, (4,), generator=g)
-    idx = torch.randint(128, (2, 32), generator=g)
-    return idx, torch.randint(128, (2, 32), generator=g)
+        n = 4 * scale
+        return torch.randn(n, 3, 16, 16, generator=g), torch.randint(10, (n,), generator=g)
+    idx = torch.randint(128, (2 * scale, 32), generator=g)
+    return idx, torch.randint(128, (2 * scale, 32), generator=g)
 
 
 def _loss(name: str, model, batch, checkpoint_blocks=False):
@@ -49,39 +51,54 @@ def _loss(name: str, model, batch, checkpoint_blocks=False):
 
 
 def train(name: str, steps: int, ctx_kwargs: dict | None, *, bf16: bool = False,
-          checkpoint_blocks: bool = False, pass_model: bool = False):
-    """Train from a fixed seed; return (per-step grads, final state, last stats)."""
+          fp16: bool = False, checkpoint_blocks: bool | str = False, pass_model: bool = False,
+          batch_scale: int = 1):
+    """Train from a fixed seed; return (per-step grads, final state, per-step stats).
+
+    The final state holds the weights, the buffers and the optimizer's state (AdamW's moments
+    and step counts) and, with `fp16`, the GradScaler's scale: all must match.
+    """
     torch.manual_seed(0)
     model = MODELS[name]()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    grads, stats = [], None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if fp16 else None
+    grads, stats = [], []
     for step in range(steps):
-        batch = _batch(name, step)
+        batch = _batch(name, step, batch_scale)
         opt.zero_grad(set_to_none=True)
         if ctx_kwargs is None:
             ctx = contextlib.nullcontext()
         else:
             ctx = offload.activations(**ctx_kwargs, model=model if pass_model else None)
         with ctx:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast("cpu", dtype=torch.float16 if fp16 else torch.bfloat16,
+                                enabled=bf16 or fp16):
                 loss = _loss(name, model, batch, checkpoint_blocks)
-            loss.backward()
+            (scaler.scale(loss) if scaler else loss).backward()
         if ctx_kwargs is not None:
-            stats = ctx.stats
+            stats.append(ctx.stats)
         grads.append([p.grad.clone() for p in model.parameters()])
-        opt.step()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     state = {k: v.clone() for k, v in model.state_dict().items()}
+    for i, per_param in opt.state_dict()["state"].items():
+        state.update({f"optimizer.{i}.{k}": torch.as_tensor(v).clone()
+                      for k, v in per_param.items()})
+    if scaler:
+        state["scaler.scale"] = scaler.get_scale() * torch.ones(())
     return grads, state, stats
 
 
 _baselines: dict = {}
 
 
-def baseline(name, steps, bf16=False, checkpoint_blocks=False):
-    key = (name, steps, bf16, checkpoint_blocks)
+def baseline(name, steps, **kw):
+    key = (name, steps, tuple(sorted(kw.items())))
     if key not in _baselines:
-        _baselines[key] = train(name, steps, None, bf16=bf16,
-                                checkpoint_blocks=checkpoint_blocks)[:2]
+        _baselines[key] = train(name, steps, None, **kw)[:2]
     return _baselines[key]
 
 
@@ -93,6 +110,18 @@ def assert_same(ref, got):
     assert ref_state.keys() == state.keys()
     for k in ref_state:
         assert torch.equal(ref_state[k], state[k]), f"{k} differs after training"
+
+
+def assert_moved(stats_per_step, tiers):
+    """Every step put bytes in each tier it names (a case that moves nothing tests `keep`)."""
+    for step, s in enumerate(stats_per_step):
+        if "host" in tiers:
+            assert s.host_bytes > 0, f"step {step}: nothing went to the host tier"
+        if "nvme" in tiers:
+            assert s.nvme_bytes > 0 and s.nvme_written_bytes > 0, \
+                f"step {step}: nothing went to the nvme tier"
+            assert s.nvme_read_bytes >= s.nvme_bytes   # everything written came back
+        assert s.exit_nvme_used_bytes == 0 and s.exit_host_used_bytes == 0
 
 
 def _kwargs(tiers, min_bytes, nvme_dir, policy="offload"):
@@ -111,47 +140,127 @@ def _kwargs(tiers, min_bytes, nvme_dir, policy="offload"):
 
 # ---------------------------------------------------------------- the cross product (short)
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("min_bytes", [None, 0], ids=["min_default", "min0"])
 @pytest.mark.parametrize("tiers", ["host", "nvme", "host,nvme"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_offload_is_bit_exact(name, tiers, min_bytes, bf16, nvme_dir):
+def test_offload_is_bit_exact(name, tiers, bf16, nvme_dir):
     steps = 2
-    got = train(name, steps, _kwargs(tiers, min_bytes, nvme_dir), bf16=bf16)
-    assert_same(baseline(name, steps, bf16), got[:2])
-    stats = got[2]
-    assert stats.saved_bytes > 0 and stats.exit_nvme_used_bytes == 0
-    if min_bytes == 0:
-        # everything eligible moved, except what the bounce plan keeps (placement.py)
-        assert stats.kept_bytes == stats.bounce_kept_bytes
-        if "nvme" in tiers:
-            assert stats.nvme_bytes > 0 and stats.nvme_read_bytes >= stats.nvme_bytes
+    got = train(name, steps, _kwargs(tiers, 0, nvme_dir), bf16=bf16)
+    assert_same(baseline(name, steps, bf16=bf16), got[:2])
+    assert_moved(got[2], tiers)
+    for s in got[2]:
+        # Everything eligible moved: no model=, so no bounce plan keeps anything.
+        assert s.kept_bytes == 0 and s.bounce_kept_bytes == 0
+
+
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_default_settings_move_bytes_and_are_bit_exact(tiers, nvme_dir):
+    """The default OFFLOAD_MIN_BYTES (256 KiB) with activations above it (batch x16)."""
+    got = train("mlp", 2, _kwargs(tiers, None, nvme_dir), batch_scale=16)
+    assert_same(baseline("mlp", 2, batch_scale=16), got[:2])
+    assert_moved(got[2], tiers)
+    assert all(s.kept_bytes > 0 for s in got[2])     # the small ones stayed
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_keep_policy_is_bit_exact(name, bf16):
     got = train(name, 2, {"policy": "keep", "min_bytes": 0}, bf16=bf16)
-    assert_same(baseline(name, 2, bf16), got[:2])
-    stats = got[2]
-    assert stats.kept_bytes == stats.saved_bytes > 0 and stats.host_bytes == 0
+    assert_same(baseline(name, 2, bf16=bf16), got[:2])
+    for s in got[2]:
+        assert s.kept_bytes == s.saved_bytes > 0 and s.host_bytes == s.nvme_bytes == 0
+
+
+def test_fp16_autocast_with_grad_scaler_is_bit_exact(nvme_dir):
+    got = train("gpt", 3, _kwargs("nvme", 0, nvme_dir), fp16=True)
+    assert_same(baseline("gpt", 3, fp16=True), got[:2])
+    assert_moved(got[2], "nvme")
 
 
 # ---------------------------------------------------------------- 20 steps per model
 @pytest.mark.parametrize("name", list(MODELS))
 def test_twenty_steps_nvme_min0(name, nvme_dir):
-    got = train(name, 20, _kwargs("host,nvme", 0, nvme_dir), pass_model=(name == "convnet"))
+    got = train(name, 20, _kwargs("host,nvme", 0, nvme_dir))
     assert_same(baseline(name, 20), got[:2])
+    assert_moved(got[2], "host,nvme")
 
 
 def test_twenty_steps_gpt_bf16_nvme(nvme_dir):
-    got = train("gpt", 20, _kwargs("nvme", None, nvme_dir), bf16=True)
+    got = train("gpt", 20, _kwargs("nvme", 0, nvme_dir), bf16=True)
     assert_same(baseline("gpt", 20, bf16=True), got[:2])
+    assert_moved(got[2], "nvme")
+
+
+@pytest.mark.parametrize("name", ["gpt", "convnet"])
+def test_model_given_learns_a_keep_plan_and_stays_bit_exact(name, nvme_dir):
+    """With model= the bounce plan is shared across steps: from the second step on it keeps
+    what would bounce (placement.py). Twelve steps with that plan active, and the moves."""
+    got = train(name, 12, _kwargs("nvme", 0, nvme_dir), pass_model=True)
+    assert_same(baseline(name, 12), got[:2])
+    assert_moved(got[2], "nvme")
+    assert got[2][0].bounce_kept_bytes == 0                  # nothing learned yet
+    assert sum(s.bounce_kept_bytes for s in got[2][1:]) > 0, "the keep plan stayed empty"
+    for s in got[2]:
+        assert s.kept_bytes == s.bounce_kept_bytes
 
 
 # ---------------------------------------------------------------- torch.utils.checkpoint
+@pytest.mark.parametrize("kind", [True, "reentrant"], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("tiers", ["host", "nvme"])
-def test_checkpointed_gpt_is_bit_exact(tiers, nvme_dir):
-    got = train("gpt", 3, _kwargs(tiers, 0, nvme_dir), checkpoint_blocks=True)
-    assert_same(baseline("gpt", 3, checkpoint_blocks=True), got[:2])
+def test_checkpointed_gpt_is_bit_exact(tiers, kind, nvme_dir):
+    got = train("gpt", 3, _kwargs(tiers, 0, nvme_dir), checkpoint_blocks=kind)
+    assert_same(baseline("gpt", 3, checkpoint_blocks=kind), got[:2])
     # The checkpoint regions' inputs are what the outer hooks see (and move).
-    assert got[2].saved_bytes > 0
+    assert_moved(got[2], tiers)
+    if kind == "reentrant":   # its recompute runs inside backward: those saves stay
+        assert all(s.backward_kept_bytes > 0 for s in got[2])
+
+
+# ---------------------------------------------------------------- two graphs alive
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_two_graphs_alive_at_once_are_bit_exact(tiers, nvme_dir):
+    """Two micro-batches' graphs alive together (each in its own context), then both
+    backwards, in the reverse order; gradients accumulate as without offload."""
+    def run(kw):
+        torch.manual_seed(0)
+        model = MODELS["gpt"]()
+        losses, stats = [], []
+        for step in range(2):
+            ctx = offload.activations(**kw) if kw else contextlib.nullcontext()
+            with ctx:
+                losses.append(_loss("gpt", model, _batch("gpt", step)))
+            stats.append(ctx.stats if kw else None)
+        for loss in reversed(losses):
+            loss.backward()
+        return [p.grad.clone() for p in model.parameters()], stats
+
+    ref, _ = run(None)
+    got, stats = run(_kwargs(tiers, 0, nvme_dir))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert_moved(stats, tiers)
+
+
+# ---------------------------------------------------------------- heap modes, huge pages
+_SUBPROCESS_CHECK = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+import test_runtime_grads as T
+got = T.train("gpt", 3, T._kwargs("nvme", 0, sys.argv[1]))
+T.assert_same(T.baseline("gpt", 3), got[:2])
+T.assert_moved(got[2], "nvme")
+print("bit-exact", got[2][-1].nvme_written_bytes)
+"""
+
+
+@pytest.mark.parametrize("env", [{"OFFLOAD_CPU_HEAP": "release"},
+                                 {"THP_MEM_ALLOC_ENABLE": "1"}], ids=["release-heap", "thp"])
+def test_heap_modes_and_huge_pages_are_bit_exact(env, nvme_dir):
+    """torch reads THP_MEM_ALLOC_ENABLE once, at its first allocation: a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SUBPROCESS_CHECK, nvme_dir,
+                          os.path.dirname(__file__)],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("bit-exact")
