@@ -195,16 +195,33 @@ def test_nvme_dir_on_read_only_filesystem():
             offload.activations(tiers="nvme", nvme_dir=ro)
 
 
-def test_nvme_dir_not_writable(tmp_path, monkeypatch):
-    # Root may write anywhere, so simulate the permission check's answer.
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(ro)
-                        else real_access(p, mode))
-    with pytest.raises(ConfigError, match=rf"nvme_dir='{ro}': '{ro}' is not writable by this "
-                       r"process \(point it at a writable directory"):
-        offload.activations(tiers="host,nvme", nvme_dir=str(ro))
+def test_nvme_dir_not_writable():
+    """Root may write anywhere, so as root the check runs in a child that drops to "nobody"
+    (CI runs as root)."""
+    import subprocess
+    import sys
+    import tempfile
+    import textwrap
+
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as work:
+        os.chmod(work, 0o755)
+        locked = os.path.join(work, "locked")
+        os.mkdir(locked, 0o500)
+        script = textwrap.dedent(f"""
+            import os
+            import offload
+            if os.geteuid() == 0:
+                os.setgid(65534); os.setuid(65534)
+            try:
+                offload.activations(tiers="host,nvme", nvme_dir={locked!r})
+            except offload.ConfigError as e:
+                print("ConfigError:", e)
+        """)
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "OFFLOAD_LOG": "ERROR"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"ConfigError: nvme_dir='{locked}': '{locked}' is not "
+                                 "writable by this process (point it at a writable directory")
 
 
 @pytest.mark.parametrize("name", ["OFFLOAD_STAGING_BYTES", "OFFLOAD_PREFETCH_BYTES"])
