@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
+from .schedule.figures import ProbeSetting, parse_probe_setting
 from .sizes import SizeSpec, format_bytes, parse_size
 
 __all__ = ["Config", "TIERS", "POLICIES", "env_table_markdown"]
@@ -85,8 +86,9 @@ class Config:
             "(stats only). `recompute` and `auto` need the scheduler (not yet available).")
     budget: SizeSpec | None = _knob(
         None, env="OFFLOAD_BUDGET", kind="size or %", example="30%", default_doc="unset",
-        doc="Device-resident activation bytes allowed (`%` of the no-offload peak); "
-            "used by `auto`.")
+        doc="Device-resident activation bytes allowed under `auto` (`%` of the activation "
+            "bytes the first step saves); unset means 0: move or recompute everything that "
+            "can be, choosing the cheaper way per tensor.")
     strict: bool = _knob(
         False, env="OFFLOAD_STRICT", kind="bool", example="1",
         doc="When every tier is full, raise TierFullError instead of keeping the tensor on the "
@@ -119,6 +121,18 @@ class Config:
             "for the next allocation (fastest; peak RSS is the heap's high-water mark), "
             "`release` hands every block of 1 MiB or more back to the OS when freed (lowest "
             "peak RSS, about twice the page faults). See offload/tiers/heap.py.")
+    nvme_max_bw: int = _knob(
+        0, env="OFFLOAD_NVME_MAX_BW", kind="size per second", example="200MB",
+        default_doc="unset",
+        doc="Cap on the NVMe engine's throughput (reads and writes together), for a disk "
+            "shared with other jobs; `auto` plans with the cap. Unset or 0: no cap.")
+    probe: ProbeSetting = _knob(
+        ProbeSetting(), env="OFFLOAD_PROBE", kind="cached, refresh or figures",
+        example="nvme_write_gbps=0.2", default_doc="cached",
+        doc="Machine figures `auto` plans with: `cached` measures once per machine, device "
+            "and NVMe directory (cached under ~/.cache/offload), `refresh` measures again, "
+            "`name=value,...` gives figures (the rest are measured); `offload-probe` prints "
+            "them.")
     trace: str | None = _knob(
         None, env="OFFLOAD_TRACE", kind="path", example="/tmp/step.json", default_doc="unset",
         doc="Write a Chrome-trace JSON of each step (forward / backward compute, NVMe writes "
@@ -413,6 +427,24 @@ def _parse_path(raw: Any, where: str, env: Mapping[str, str]) -> str:
     return value
 
 
+def _parse_bandwidth(raw: Any, where: str, env: Mapping[str, str]) -> int:
+    text = raw if not isinstance(raw, str) else raw.strip()
+    if isinstance(text, str) and text.lower().endswith("/s"):
+        text = text[:-2]  # "200MB/s" reads naturally; the unit is per second either way
+    try:
+        return parse_size(text).nbytes
+    except ValueError as exc:
+        raise _fail(where, str(exc), 'give bytes per second such as "200MB" or "1GiB"; '
+                    "0 means no cap") from None
+
+
+def _parse_probe(raw: Any, where: str, env: Mapping[str, str]) -> ProbeSetting:
+    try:
+        return parse_probe_setting(raw, where)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _parse_io_workers(raw: Any, where: str, env: Mapping[str, str]) -> int:
     try:
         if isinstance(raw, bool):
@@ -447,6 +479,8 @@ _PARSERS: dict[str, Callable[[Any, str, Mapping[str, str]], Any]] = {
     "nvme_checksum": _parse_bool,
     "staging_bytes": _size_parser(False),
     "cpu_heap": _parse_cpu_heap,
+    "nvme_max_bw": _parse_bandwidth,
+    "probe": _parse_probe,
     "trace": _parse_path,
 }
 

@@ -165,6 +165,7 @@ class ActivationOffload:
                         config.nvme_dir, config.nvme_capacity_bytes,
                         workers=config.io_workers, staging_bytes=config.staging_bytes,
                         cpu_heap=config.cpu_heap, checksum=config.nvme_checksum,
+                        max_bytes_per_s=config.nvme_max_bw,
                         stats=step.stats, core=load_core(), capacity_key=config.nvme_bytes,
                         copies=step.copy_streams)
         except BaseException:

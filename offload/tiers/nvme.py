@@ -155,6 +155,7 @@ class NvmeTier(Tier):
     def __init__(self, dirs: tuple[str, ...], capacity_bytes: Callable[[], int], *,
                  workers: int, staging_bytes: int, stats: Stats, core,
                  cpu_heap: str = "reuse", checksum: bool = False,
+                 max_bytes_per_s: int = 0,
                  capacity_key: Hashable = None,
                  copies: Callable[[torch.device], Any] | None = None) -> None:
         """Take the process's store for `dirs` (NOTE [One budget] in nvme_space.py) and a
@@ -168,6 +169,7 @@ class NvmeTier(Tier):
                 with `workers` and `checksum` it decides whether an idle store fits.
             copies: Returns the context's CopyStreams for a CUDA device; with a CUDA build
                 of the extension device copies are then chained with the I/O.
+            max_bytes_per_s: The engine's throughput cap (OFFLOAD_NVME_MAX_BW; 0: none).
         """
         self._stats = stats
         self._core = core
@@ -188,11 +190,11 @@ class NvmeTier(Tier):
             # its capacity is not rounded up by much.
             chunk = CHUNK_BYTES if capacity >= 64 * CHUNK_BYTES * len(dirs) else 1 << 20
             return core.NvmeStore(list(dirs), capacity, workers=workers, chunk_bytes=chunk,
-                                  checksum=checksum)
+                                  checksum=checksum, throttle_bytes_per_s=max_bytes_per_s)
 
         try:
-            self._store = nvme_space.acquire(self._dirs, (capacity_key, workers, checksum),
-                                             open_store)
+            self._store = nvme_space.acquire(
+                self._dirs, (capacity_key, workers, checksum, max_bytes_per_s), open_store)
         except _NoRoom:
             log.warning("offload: the nvme tier has no room in %s (%s of free space, under "
                         "the %s minimum); activations that would go there spill to the next "

@@ -1,0 +1,164 @@
+"""`offload-probe`: print the figures `auto` plans with, next to the physical ceilings.
+
+    offload-probe                          # cached figures (measured on first use)
+    offload-probe --refresh --nvme-dir /mnt/nvme0
+    offload-probe --json figures.json
+
+Ceilings: the PCIe link's theoretical rate per direction from NVML (generation x width;
+needs the optional `nvidia-ml-py`, `pip install 'offload[gpu]'`), host RAM from psutil, the
+NVMe directory's file system, device and free space from psutil. Settings come from the
+OFFLOAD_* variables like in a training run; the options override them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+__all__ = ["main", "pcie_ceiling", "pcie_gbps"]
+
+# Transfer rate per lane in GT/s and the line encoding's payload share, by PCIe generation.
+_PCIE_GTS = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
+
+
+def pcie_gbps(generation: int, width: int) -> float | None:
+    """Theoretical GB/s per direction of a PCIe link (before packet overhead)."""
+    gts = _PCIE_GTS.get(generation)
+    if gts is None or width <= 0:
+        return None
+    encoding = 8 / 10 if generation <= 2 else 128 / 130  # gen 6 (FLIT) is close to 1 too
+    return gts * width * encoding / 8
+
+
+def pcie_ceiling(device_index: int) -> tuple[str, float | None]:
+    """(description, GB/s per direction) of the GPU's current PCIe link, via NVML."""
+    try:
+        import pynvml  # the `gpu` extra (nvidia-ml-py); imported only here
+    except ImportError:
+        return "unknown (pip install 'offload[gpu]' for nvidia-ml-py)", None
+    try:
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            gen = pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle)
+            width = pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle)
+            max_gen = pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle)
+            max_width = pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # NVML errors are their own class tree; report, don't fail
+        return f"unknown (NVML: {exc})", None
+    rate = pcie_gbps(gen, width)
+    text = f"PCIe gen {gen} x{width} (max gen {max_gen} x{max_width})"
+    # An idle GPU may train its link down to save power: report the current one.
+    return text, rate
+
+
+def _disk_line(path: str) -> str:
+    import psutil
+
+    real = os.path.realpath(path)
+    best = None
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (real == mp or real.startswith(mp.rstrip("/") + "/")) and \
+                (best is None or len(mp) > len(best.mountpoint)):
+            best = part
+    free = psutil.disk_usage(path).free
+    if best is None:
+        return f"{path}: {free / 1e9:.1f} GB free"
+    rotational = ""
+    dev = os.path.basename(best.device)
+    for candidate in (dev, dev.rstrip("0123456789"), dev.split("p")[0]):
+        flag = f"/sys/block/{candidate}/queue/rotational"
+        if os.path.exists(flag):
+            with open(flag) as f:
+                rotational = ", rotational" if f.read().strip() == "1" else ", solid state"
+            break
+    return (f"{path}: {best.device} ({best.fstype}{rotational}), {free / 1e9:.1f} GB free; "
+            "the OS reports no bandwidth ceiling for it")
+
+
+def rows(figures, device, ceilings: dict[str, str]) -> list[tuple[str, str, str, str]]:
+    from .figures import FIGURE_DOCS
+
+    out = []
+    for name, (unit, _doc) in FIGURE_DOCS.items():
+        value = getattr(figures, name)
+        if value is None:
+            continue
+        text = f"{value * 1e6:.1f} µs" if unit == "s" else f"{value:.3g} {unit}"
+        out.append((name, text, figures.sources.get(name, ""), ceilings.get(name, "")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import psutil
+    import torch
+
+    from ..config import Config
+    from ..errors import ConfigError
+    from . import probe
+
+    p = argparse.ArgumentParser(prog="offload-probe", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if "
+                                                    "available)")
+    p.add_argument("--nvme-dir", help="NVMe directory to measure (default $OFFLOAD_NVME_DIR)")
+    p.add_argument("--io-workers", type=int, help="engine threads (default $OFFLOAD_IO_WORKERS)")
+    p.add_argument("--refresh", action="store_true", help="measure again, update the cache")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = p.parse_args(argv)
+    text = args.device if args.device != "auto" else \
+        ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        p.error(f"--device {args.device!r}: not a device (use cpu, cuda or cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device!r}: torch sees no CUDA device")
+    overrides: dict[str, Any] = {}
+    if args.nvme_dir:
+        overrides["nvme_dir"] = args.nvme_dir
+    if args.io_workers:
+        overrides["io_workers"] = args.io_workers
+    if args.refresh:
+        overrides["probe"] = "refresh"
+    try:
+        config = Config.from_env(**overrides)
+        if config.nvme_dir:
+            config = config.with_overrides(tiers=",".join(dict.fromkeys((*config.tiers,
+                                                                         "nvme"))))
+            config.validate()
+        figures = probe.figures_for(config, device)
+    except ConfigError as exc:
+        p.error(str(exc))
+    ceilings: dict[str, str] = {}
+    if device.type == "cuda":
+        link, rate = pcie_ceiling(device.index if device.index is not None
+                                  else torch.cuda.current_device())
+        for name in ("d2h_gbps", "h2d_gbps", "d2h_small_gbps"):
+            ceilings[name] = link + (f": {rate:.1f} GB/s" if rate else "")
+    for name in ("nvme_write_gbps", "nvme_read_gbps"):
+        if config.nvme_dir:
+            ceilings[name] = "; ".join(_disk_line(d) for d in config.nvme_dir)
+    table = rows(figures, device, ceilings)
+    width = [max(len(r[i]) for r in table + [("figure", "value", "source", "ceiling")])
+             for i in range(3)]
+    print(f"offload-probe: {probe._device_name(device)}, cache {probe.cache_path()}")
+    print(f"{'figure':<{width[0]}}  {'value':<{width[1]}}  {'source':<{width[2]}}  ceiling")
+    for r in table:
+        print(f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]:<{width[2]}}  {r[3]}")
+    vm = psutil.virtual_memory()
+    print(f"host RAM: {vm.total / 2**30:.1f} GiB total, {vm.available / 2**30:.1f} GiB "
+          f"available; {os.cpu_count()} CPUs")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "figures": figures.as_dict(),
+                       "sources": dict(figures.sources), "ceilings": ceilings}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

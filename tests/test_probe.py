@@ -1,0 +1,246 @@
+"""The probe: cache per machine / device / directory, refresh, overrides, the file lock,
+OFFLOAD_NVME_MAX_BW, and the real measurements (small)."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+import offload
+from offload.config import Config
+from offload.errors import ConfigError
+from offload.schedule import measure, probe
+from offload.schedule.figures import ProbeSetting
+from offload.schedule.probe_cli import main as probe_main, pcie_gbps
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+class FakeMeasure:
+    """Counts measurements; returns figures that say which call made them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, groups, device, dirs, workers):
+        self.calls.append(list(groups))
+        n = len(self.calls)
+        figures = {"compute": {"compute_gflops": 100.0 * n, "dispatch_op_s": 1e-5},
+                   "nvme": {"nvme_write_gbps": 1.0 * n, "nvme_read_gbps": 2.0 * n,
+                            "nvme_issue_s": 1e-5},
+                   "pcie": {"d2h_gbps": 50.0, "h2d_gbps": 50.0, "d2h_small_gbps": 40.0,
+                            "copy_issue_s": 5e-5}}
+        return {g: figures[g] for g in groups}
+
+
+def _config(nvme_dir=None, **kw):
+    if nvme_dir:
+        kw.update(tiers="nvme", nvme_dir=nvme_dir)
+    return Config.from_env(env={}, **kw)
+
+
+def test_measures_once_then_reads_the_cache(tmp_path):
+    fake = FakeMeasure()
+    cfg = _config(str(tmp_path))
+    first = probe.figures_for(cfg, CPU, measure_fn=fake)
+    second = probe.figures_for(cfg, CPU, measure_fn=fake)
+    assert fake.calls == [["compute", "nvme"]]
+    assert first == second and first.nvme_write_gbps == 1.0
+    assert first.sources["nvme_write_gbps"] == "measured"
+    assert second.sources["nvme_write_gbps"].startswith("cached")
+    assert first.d2h_gbps is None  # no PCIe on a CPU run
+
+
+def test_refresh_measures_again_and_updates_the_cache(tmp_path):
+    fake = FakeMeasure()
+    probe.figures_for(_config(str(tmp_path)), CPU, measure_fn=fake)
+    fresh = probe.figures_for(_config(str(tmp_path), probe="refresh"), CPU, measure_fn=fake)
+    again = probe.figures_for(_config(str(tmp_path)), CPU, measure_fn=fake)
+    assert len(fake.calls) == 2
+    assert fresh.nvme_write_gbps == again.nvme_write_gbps == 2.0
+
+
+def test_cache_is_per_directory_and_per_workers(tmp_path):
+    fake = FakeMeasure()
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    probe.figures_for(_config(str(a)), CPU, measure_fn=fake)
+    probe.figures_for(_config(str(b)), CPU, measure_fn=fake)      # another directory
+    probe.figures_for(_config(str(a), io_workers=8), CPU, measure_fn=fake)  # other engine
+    probe.figures_for(_config(str(b)), CPU, measure_fn=fake)      # cached
+    assert fake.calls == [["compute", "nvme"], ["nvme"], ["nvme"]]
+
+
+def test_no_nvme_tier_measures_no_disk():
+    fake = FakeMeasure()
+    figures = probe.figures_for(_config(), CPU, measure_fn=fake)
+    assert fake.calls == [["compute"]] and figures.nvme_write_gbps is None
+
+
+def test_overrides_win_and_skip_measuring(tmp_path):
+    fake = FakeMeasure()
+    cfg = _config(str(tmp_path), probe="compute_gflops=50,dispatch_op_s=2e-5,"
+                                       "nvme_write_gbps=0.3,nvme_read_gbps=0.2,nvme_issue_s=1e-5")
+    figures = probe.figures_for(cfg, CPU, measure_fn=fake)
+    assert fake.calls == []
+    assert figures.nvme_write_gbps == 0.3 and figures.sources["nvme_read_gbps"] == "OFFLOAD_PROBE"
+    # A partial override measures the rest of the group's figures, and the override wins.
+    partial = probe.figures_for(_config(str(tmp_path), probe={"nvme_write_gbps": 0.3}), CPU,
+                                measure_fn=fake)
+    assert fake.calls == [["compute", "nvme"]]
+    assert partial.nvme_write_gbps == 0.3 and partial.nvme_read_gbps == 2.0
+
+
+def test_nvme_max_bw_caps_the_figures(tmp_path):
+    fake = FakeMeasure()
+    figures = probe.figures_for(_config(str(tmp_path), nvme_max_bw="500MB"), CPU,
+                                measure_fn=fake)
+    assert figures.nvme_write_gbps == figures.nvme_read_gbps == 0.5
+    assert figures.sources["nvme_write_gbps"] == "OFFLOAD_NVME_MAX_BW"
+    # The disk's own speed stays in the cache: without the cap it is back.
+    assert probe.figures_for(_config(str(tmp_path)), CPU, measure_fn=fake).nvme_write_gbps == 1.0
+
+
+def test_a_cache_from_another_probe_version_is_measured_again(tmp_path, cache_home):
+    fake = FakeMeasure()
+    probe.figures_for(_config(), CPU, measure_fn=fake)
+    path = probe.cache_path()
+    with open(path) as f:
+        data = json.load(f)
+    data["version"] = probe.PROBE_VERSION + 1
+    with open(path, "w") as f:
+        json.dump(data, f)
+    probe.figures_for(_config(), CPU, measure_fn=fake)
+    assert len(fake.calls) == 2
+
+
+def test_an_unwritable_cache_dir_still_gives_figures(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # a file where a directory must be
+    fake = FakeMeasure()
+    figures = probe.figures_for(_config(), CPU, measure_fn=fake)
+    assert figures.compute_gflops == 100.0
+    assert "cannot use the probe cache" in caplog.text
+
+
+def _rank(cache_home: str, marker_dir: str, rank: int) -> None:
+    os.environ["XDG_CACHE_HOME"] = cache_home
+
+    def slow_measure(groups, device, dirs, workers):
+        import time
+
+        open(os.path.join(marker_dir, f"measured-{rank}"), "w").close()
+        time.sleep(0.3)  # long enough for the other ranks to be waiting on the lock
+        return {"compute": {"compute_gflops": float(rank), "dispatch_op_s": 1e-5}}
+
+    figures = probe.figures_for(Config.from_env(env={}), CPU, measure_fn=slow_measure)
+    with open(os.path.join(marker_dir, f"result-{rank}"), "w") as f:
+        f.write(str(figures.compute_gflops))
+
+
+def test_ranks_of_one_host_measure_once(tmp_path, cache_home):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(str(cache_home), str(markers), r))
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    names = sorted(os.listdir(markers))
+    assert len([n for n in names if n.startswith("measured")]) == 1
+    results = {open(markers / n).read() for n in names if n.startswith("result")}
+    assert len(results) == 1  # every rank plans with the one measurement
+
+
+# ---------------------------------------------------------------- config
+@pytest.mark.parametrize("raw, message", [
+    ("fast", "neither 'cached', 'refresh' nor name=value"),
+    ("nvme_write=1", "unknown figure 'nvme_write' .did you mean 'nvme_write_gbps'"),
+    ("nvme_write_gbps=quick", "is not a number"),
+    ("nvme_write_gbps=0", "must be a positive"),
+])
+def test_probe_setting_errors(raw, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        Config.from_env(env={"OFFLOAD_PROBE": raw})
+    assert "OFFLOAD_PROBE=" in str(err.value)
+
+
+def test_probe_setting_parses():
+    assert Config.from_env(env={}).probe == ProbeSetting()
+    assert Config.from_env(env={"OFFLOAD_PROBE": "refresh"}).probe.refresh
+    cfg = Config.from_env(env={}, probe="nvme_read_gbps=0.25")
+    assert cfg.probe.overrides == {"nvme_read_gbps": 0.25}
+
+
+@pytest.mark.parametrize("raw, nbytes", [("200MB", 200_000_000), ("200MB/s", 200_000_000),
+                                         ("1GiB", 1 << 30), ("0", 0)])
+def test_nvme_max_bw_parses(raw, nbytes):
+    assert Config.from_env(env={"OFFLOAD_NVME_MAX_BW": raw}).nvme_max_bw == nbytes
+
+
+def test_nvme_max_bw_error_names_the_variable():
+    with pytest.raises(ConfigError, match=r"OFFLOAD_NVME_MAX_BW='fast': .*bytes per second"):
+        Config.from_env(env={"OFFLOAD_NVME_MAX_BW": "fast"})
+
+
+def test_nvme_max_bw_reaches_the_engine(nvme_dir):
+    model = torch.nn.Linear(64, 64)
+    x = torch.randn(512, 64, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, nvme_max_bw="300MB",
+                             min_bytes=0) as ctx:
+        loss = model(x).relu().sum()
+        store = ctx.tiers["nvme"]._store
+        assert store.throttle_bytes_per_s == 300_000_000
+        loss.backward()
+    assert ctx.stats.nvme_bytes > 0
+    offload.ActivationOffload.close(ctx)
+
+
+# ---------------------------------------------------------------- real measurements
+def test_real_measurements_are_positive(nvme_dir, monkeypatch):
+    from offload._ext import load_core
+
+    monkeypatch.setattr(measure, "NVME_PROBE_BYTES", 32 << 20)
+    figures = measure.compute_figures(CPU)
+    assert figures["compute_gflops"] > 0 and figures["dispatch_op_s"] >= 0
+    disk = measure.nvme_figures((nvme_dir,), 2, load_core())
+    assert disk["nvme_write_gbps"] > 0 and disk["nvme_read_gbps"] > 0
+    assert disk["nvme_issue_s"] > 0  # (the fixture checks nothing stays on disk)
+
+
+@pytest.mark.cuda
+def test_pcie_measurement_on_a_gpu():
+    from offload._ext import load_core
+
+    figures = measure.pcie_figures(torch.device("cuda"), load_core())
+    assert figures["d2h_gbps"] > 1 and figures["h2d_gbps"] > 1 and figures["copy_issue_s"] > 0
+
+
+def test_probe_command_prints_figures_and_ceilings(nvme_dir, capsys, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_PROBE", "compute_gflops=50,dispatch_op_s=2e-6,"
+                                        "nvme_write_gbps=1.5,nvme_read_gbps=1,nvme_issue_s=3e-6")
+    assert probe_main(["--device", "cpu", "--nvme-dir", nvme_dir]) == 0
+    out = capsys.readouterr().out
+    assert "nvme_write_gbps  1.5 GB/s" in out and "OFFLOAD_PROBE" in out
+    assert "GB free" in out and "host RAM" in out
+
+
+def test_pcie_theoretical_rates():
+    assert pcie_gbps(5, 16) == pytest.approx(63.0, abs=0.1)
+    assert pcie_gbps(4, 16) == pytest.approx(31.5, abs=0.1)
+    assert pcie_gbps(3, 8) == pytest.approx(7.88, abs=0.01)
+    assert pcie_gbps(2, 16) == pytest.approx(8.0)
+    assert pcie_gbps(9, 16) is None
