@@ -25,8 +25,6 @@ __all__ = ["Config", "TIERS", "POLICIES", "env_table_markdown"]
 
 TIERS = ("host", "nvme")
 POLICIES = ("keep", "offload", "recompute", "auto")
-# Policies that need the scheduler (not written yet).
-_PENDING_POLICIES = ("recompute", "auto")
 CPU_HEAP_MODES = ("reuse", "release")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
@@ -83,7 +81,9 @@ class Config:
     policy: str = _knob(
         "offload", env="OFFLOAD_POLICY", kind="keep, offload, recompute or auto", example="keep",
         doc="`offload` moves every eligible tensor to the tiers; `keep` leaves all in place "
-            "(stats only). `recompute` and `auto` need the scheduler (not yet available).")
+            "(stats only); `recompute` checkpoints every repeated block of `model=` (its "
+            "inputs go to the tiers); `auto` chooses keep, host, nvme or recompute per tensor "
+            "and op from measured figures (offload/schedule/).")
     budget: SizeSpec | None = _knob(
         None, env="OFFLOAD_BUDGET", kind="size or %", example="30%", default_doc="unset",
         doc="Device-resident activation bytes allowed under `auto` (`%` of the activation "
@@ -192,11 +192,6 @@ class Config:
         Raises:
             ConfigError: naming the variable, the value and what to do.
         """
-        if self.policy in _PENDING_POLICIES:
-            raise ConfigError(
-                f"{self.where('policy')}: the {self.policy!r} policy needs the scheduler, which "
-                "is not yet available; use OFFLOAD_POLICY=offload (move saved tensors to "
-                "OFFLOAD_TIERS) or OFFLOAD_POLICY=keep")
         if "nvme" in self.tiers and self.policy != "keep":
             self._validate_nvme_dirs()
         if self.trace is not None:

@@ -25,8 +25,9 @@ from . import hook_stack
 from .config import Config
 from .errors import OffloadError
 from .hooks import OffloadHooks, _set_no_offload_depth, no_offload_depth
-from .placement import BouncePlan, Placement, plan_for
+from .placement import BouncePlan, plan_for
 from .prefetch import Prefetcher
+from .schedule.session import start_session
 from .stats import Stats
 from .step import Step, close_tiers, finish_pending
 from .tensor_meta import ParamStorages
@@ -40,14 +41,18 @@ __all__ = ["activations", "ActivationOffload", "no_offload", "empty_cache"]
 log = logging.getLogger("offload")
 
 
-def activations(*, model: torch.nn.Module | None = None, **settings: Any) -> "ActivationOffload":
+def activations(*, model: torch.nn.Module | None = None, blocks: Any = None,
+                **settings: Any) -> "ActivationOffload":
     """Offload the activations autograd saves inside the block to host RAM / NVMe.
 
     Args:
         model: The model being trained (optional). Its parameters and buffers are recognised
             exactly (without it, parameters and views of them still are; buffers such as
             BatchNorm's running statistics are then treated like activations, moved only
-            above OFFLOAD_MIN_BYTES); the scheduler will use it to find repeated blocks.
+            above OFFLOAD_MIN_BYTES). `recompute` and `auto` find its repeated blocks
+            (offload/schedule/blocks.py).
+        blocks: The blocks `recompute` / `auto` work on, instead of the detected ones: a
+            list of modules, or a predicate `f(module) -> bool` over `model`'s submodules.
         **settings: Override the OFFLOAD_* environment variables; same names in lower case
             without the prefix: tiers, nvme_dir, host_bytes, nvme_bytes, min_bytes, policy,
             budget, strict, log, prefetch_bytes, io_workers, nvme_checksum, staging_bytes,
@@ -57,22 +62,24 @@ def activations(*, model: torch.nn.Module | None = None, **settings: Any) -> "Ac
         The context manager; `__enter__` returns it, and `.stats` is readable after the block.
 
     Raises:
-        ConfigError: a setting is invalid (names the variable, the value and what to do).
+        ConfigError: a setting is invalid (names the variable, the value and what to do),
+            or `recompute` finds no block to checkpoint.
 
     Example:
         >>> with offload.activations(tiers="nvme", nvme_dir="/mnt/nvme") as ctx:
         ...     model(x).sum().backward()
         >>> ctx.stats.nvme_bytes
     """
-    return ActivationOffload(Config.from_env(**settings), model=model)
+    return ActivationOffload(Config.from_env(**settings), model=model, blocks=blocks)
 
 
 class ActivationOffload:
     """One offload context; reusable for several steps (`with ctx:` each step)."""
 
-    def __init__(self, config: Config, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, config: Config, model: torch.nn.Module | None = None,
+                 blocks: Any = None) -> None:
         config.validate()
-        if "nvme" in config.tiers and config.policy == "offload":
+        if "nvme" in config.tiers and config.policy != "keep":
             from ._ext import load_core
 
             load_core()  # ExtensionUnavailable (with the reason) now, not mid-step
@@ -82,6 +89,14 @@ class ActivationOffload:
         self._steps: weakref.WeakSet[Step] = weakref.WeakSet()  # every one not yet freed
         self._hook_thread: int | None = None
         self._bounce = BouncePlan()  # learned across the steps of this context (no model=)
+        # recompute / auto: blocks and the plan (offload/schedule/session.py).
+        self._schedule = start_session(config, model, blocks)
+
+    @property
+    def plan(self):
+        """`auto`'s plan (None before its profile step ends, or under other policies);
+        `print(ctx.plan)` explains every decision."""
+        return self._schedule.plan
 
     # The latest step's state, as the public API and tests read it.
     @property
@@ -112,7 +127,7 @@ class ActivationOffload:
         if config.trace is not None:
             stats.trace = TraceRecorder()
         step = Step(config, stats)
-        step.tiers = tiers = self._open_tiers(step) if config.policy == "offload" else {}
+        step.tiers = tiers = self._open_tiers(step) if config.policy != "keep" else {}
         try:
             params = ParamStorages()
             if self.model is not None:
@@ -121,11 +136,14 @@ class ActivationOffload:
             if config.policy == "offload":
                 bounce = plan_for(self.model, (config.tiers, config.min_bytes)) \
                     or self._bounce
-            step.hooks = OffloadHooks(Placement(config, bounce), tiers, stats,
+            step.hooks = OffloadHooks(self._schedule.placement(bounce), tiers, stats,
                                       Prefetcher(config.prefetch_bytes, stats), params,
                                       config.strict)
+            self._schedule.enter(step.hooks, step.start_s)
+            step.after_finish.append(self._schedule.step_done)
             self._hook_thread = hook_stack.install(step.hooks)
         except BaseException:
+            self._schedule.exit()
             close_tiers(tiers, stats, reuse=False)
             raise
         self._step = step
@@ -136,6 +154,7 @@ class ActivationOffload:
         step = self._step
         hook_stack.remove(step.hooks, self._hook_thread, _is_offload_hooks)
         self._hook_thread = None
+        self._schedule.exit()  # blocks run as they are again (backward recomputes unwrapped)
         if exc_type is not None:
             step.exit_s = step.start_s  # no step time for a failed block
             _explain_known_failures(exc)

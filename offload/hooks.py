@@ -243,7 +243,7 @@ class OffloadHooks:
         key = (self._stored, nbytes)
         self._stored += 1
         info = TensorInfo(nbytes, t.device, t.dtype, no_offload=no_offload_active(), key=key,
-                          in_backward=in_backward)
+                          in_backward=in_backward, storage=storage)
         decision = self.placement.decide(info)
         if decision is getattr(self.placement, "bounce_decision", None):
             self.stats.bounce_kept_bytes += nbytes

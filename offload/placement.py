@@ -37,11 +37,13 @@ class TensorInfo:
     A slotted class, not a dataclass: one is built per saved storage, on the hot path.
     """
 
-    __slots__ = ("nbytes", "device", "dtype", "no_offload", "in_backward", "hints", "key")
+    __slots__ = ("nbytes", "device", "dtype", "no_offload", "in_backward", "hints", "key",
+                 "storage")
 
     def __init__(self, nbytes: int, device: torch.device, dtype: torch.dtype,
                  no_offload: bool = False, hints: Mapping[str, Any] | None = None,
-                 key: Hashable = None, in_backward: bool = False) -> None:
+                 key: Hashable = None, in_backward: bool = False,
+                 storage: torch.UntypedStorage | None = None) -> None:
         self.key = key  # (position among the step's stored storages, nbytes): BouncePlan
         self.nbytes = nbytes
         self.device = device
@@ -49,6 +51,7 @@ class TensorInfo:
         self.no_offload = no_offload
         self.in_backward = in_backward  # saved while a backward runs
         self.hints = hints
+        self.storage = storage  # the scheduler finds the op that made it (schedule/session.py)
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,8 @@ def plan_for(model: torch.nn.Module | None, key: Hashable) -> BouncePlan | None:
 class Placement:
     """The default decision: every eligible storage goes to OFFLOAD_TIERS in order."""
 
-    def __init__(self, config: Config, bounce: BouncePlan | None = None) -> None:
+    def __init__(self, config: Config, bounce: BouncePlan | None = None,
+                 moves: bool | None = None) -> None:
         self.config = config
         self.bounce = bounce
         self.bounce_decision = Decision((), "would bounce")
@@ -122,7 +126,9 @@ class Placement:
         # needed again within the same backward, so moving it out and back is pure waste.
         self.backward_decision = Decision((), "saved during backward")
         self._small = Decision((), "below min_bytes")
-        self._offload = Decision(config.tiers, "offload") if config.policy == "offload" else None
+        # `moves`: the scheduler's policies move too (default: only under `offload`).
+        moves = config.policy == "offload" if moves is None else moves
+        self._offload = Decision(config.tiers, "offload") if moves else None
 
     def decide(self, info: TensorInfo) -> Decision:
         if self._offload is None:

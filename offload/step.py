@@ -51,6 +51,8 @@ class Step:
         self.copies: dict[torch.device, Any] = {}  # CopyStreams per CUDA device
         self.start_s = time.perf_counter()
         self.exit_s: float | None = None
+        # Run after the tiers closed, with (stats, hooks, end_s): `auto` plans here.
+        self.after_finish: list = []
         self._finished = False
         self._lock = threading.Lock()  # finish runs once, from whichever point comes first
 
@@ -125,6 +127,11 @@ class Step:
             self._learn_bounce()
         except Exception:  # a planning problem must never fail the training step
             log.exception("offload: could not update the bounce plan")
+        for learn in self.after_finish:
+            try:
+                learn(self.stats, self.hooks, end_s)
+            except Exception:  # same: the step itself went through
+                log.exception("offload: could not plan the next step (OFFLOAD_POLICY=auto)")
         self._write_trace(end_s)
 
     def abort(self) -> None:

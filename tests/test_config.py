@@ -5,6 +5,7 @@ import os
 import re
 
 import pytest
+import torch
 from mounts import mounted
 
 import offload
@@ -162,11 +163,12 @@ def test_budget_over_100_percent_keyword():
         offload.activations(budget="200%")
 
 
-@pytest.mark.parametrize("policy", ["recompute", "auto"])
-def test_pending_policies_say_not_yet_and_what_works(policy):
-    with pytest.raises(ConfigError, match=rf"policy='{policy}': the '{policy}' policy needs the "
-                       r"scheduler, which is not yet available; use OFFLOAD_POLICY=offload"):
-        offload.activations(policy=policy)
+def test_recompute_without_blocks_says_what_to_pass():
+    with pytest.raises(ConfigError, match=r"policy='recompute': found no blocks to checkpoint in "
+                       r"model= .*pass model=, or blocks="):
+        offload.activations(policy="recompute")
+    with pytest.raises(ConfigError, match=r"found no blocks to checkpoint in the model"):
+        offload.activations(policy="recompute", model=torch.nn.Linear(2, 2))
 
 
 def test_nvme_dir_missing(tmp_path, monkeypatch):

@@ -37,6 +37,7 @@ class Strategy:
     name: str = ""
     description: str = ""
     hidden: bool = False   # test-only strategies: accepted by --strategies, never listed
+    extra_warmup: int = 0  # untimed steps it needs beyond --warmup
 
     def unavailable_reason(self, device: torch.device, nvme_dir: str | None) -> str | None:
         """Why this strategy cannot run on `device` (cheap; called in the parent), or None."""
@@ -186,6 +187,8 @@ class Offload(Strategy):
                  cpu_tiers: str, cuda_tiers: str):
         self.name, self.policy, self.description = name, policy, description
         self._tiers = {"cpu": cpu_tiers, "cuda": cuda_tiers}
+        # auto's first step warms up (--warmup covers it), its second profiles: untimed too.
+        self.extra_warmup = 1 if policy == "auto" else 0
 
     def tiers(self, device: torch.device) -> str:
         return self._tiers["cuda" if device.type == "cuda" else "cpu"]

@@ -171,8 +171,10 @@ def _measure(spec: RunSpec, result: dict[str, Any]) -> None:
         torch.manual_seed(spec.seed + 2)  # identical dropout masks in every step/strategy
 
     try:
-        for i in range(spec.warmup + spec.steps):
-            if i == spec.warmup and i > 0:
+        # A strategy may need untimed steps of its own (auto: its profile step).
+        warmup = spec.warmup + strategy.extra_warmup
+        for i in range(warmup + spec.steps):
+            if i == warmup and i > 0:
                 # CPU: the pooled staging arena must not hide in the baseline (measure doc).
                 rss.rebase(release=_drop_runtime_pool if device.type == "cpu" else None)
             reset()
@@ -184,7 +186,7 @@ def _measure(spec: RunSpec, result: dict[str, Any]) -> None:
             outcome = _step(strategy, wl, spec, result, reset)
             measure.synchronize(device)
             elapsed_s = time.perf_counter() - t0
-            if i < spec.warmup:
+            if i < warmup:
                 continue
             result["step_times_s"].append(elapsed_s)
             result["stats_steps"].append(outcome.stats)

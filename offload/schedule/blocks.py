@@ -1,0 +1,152 @@
+"""Which modules are the model's repeated blocks, and running them our way while a context
+is active.
+
+Found without configuration: every `nn.ModuleList` / `nn.Sequential` whose children (two or
+more) are all of one class, e.g. Hugging Face GPT-2's `transformer.h` (GPT2Block), Llama's
+and Mistral's `model.layers`, the built-in GPT's `blocks`. The stack holding the most
+parameters wins; other stacks with at least a quarter of its parameters count too (an
+encoder and a decoder). `blocks=` overrides detection with modules or a predicate.
+
+NOTE [Whose block] Our wrapper runs a block its own way only when our saved-tensor hooks
+are the innermost ones and grad mode is on. Otherwise someone else is in charge of this
+region, and the block runs exactly as it would without us: the user's own
+`torch.utils.checkpoint` around the block (non-reentrant: its hooks are innermost;
+reentrant: its forward runs without grad), Hugging Face's gradient checkpointing, a
+`save_on_cpu` region, `no_offload()`, or a checkpoint of ours being recomputed. A block
+called while a backward pass runs is a reentrant checkpoint recomputing it: as is, too.
+This is how a user's checkpointed block is never wrapped twice.
+
+The wrappers are instance attributes shadowing `forward` (no process-wide hook: see
+tensor_meta's note on torch.compile), installed at context entry and removed at exit; a
+forward the user had set on the instance is put back as it was.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..errors import ConfigError
+
+__all__ = ["find_blocks", "BlockWrappers", "ours_innermost", "block_type_key"]
+
+log = logging.getLogger("offload")
+
+BlocksArg = "Sequence[nn.Module] | Callable[[nn.Module], bool] | None"
+
+_MIN_SHARE = 0.25  # a second stack counts when it has this share of the largest's params
+
+
+def _nparams(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _is_stack(module: nn.Module) -> bool:
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        return False
+    classes = {type(child) for child in module}
+    return len(classes) == 1 and _nparams(module) > 0
+
+
+def find_blocks(model: nn.Module | None, blocks: Any = None) -> list[nn.Module]:
+    """The blocks to checkpoint / plan for, in model order (see module doc).
+
+    Args:
+        model: The model (`model=` of the context); may be None when `blocks` lists modules.
+        blocks: None (detect), a sequence of modules, or a predicate `f(module) -> bool`
+            applied to every submodule of `model` (a match inside another match is skipped).
+
+    Raises:
+        ConfigError: `blocks` is of the wrong type, or a predicate without `model`.
+    """
+    if blocks is not None:
+        if isinstance(blocks, nn.Module):
+            return [blocks]
+        if callable(blocks):
+            if model is None:
+                raise ConfigError("offload.activations(blocks=<predicate>): a predicate needs "
+                                  "model= to search (or pass the block modules themselves)")
+            found: list[nn.Module] = []
+            inside: set[int] = set()
+            for module in model.modules():
+                if id(module) in inside:
+                    continue
+                if blocks(module):
+                    found.append(module)
+                    inside.update(id(m) for m in module.modules())
+            return found
+        try:
+            found = list(blocks)
+        except TypeError:
+            found = None
+        if found is None or not all(isinstance(m, nn.Module) for m in found):
+            raise ConfigError(f"offload.activations(blocks={blocks!r}): expected a list of "
+                              "nn.Module blocks or a predicate f(module) -> bool")
+        return found
+    if model is None:
+        return []
+    stacks = [m for m in model.modules() if _is_stack(m)]
+    if not stacks:
+        return []
+    largest = max(_nparams(m) for m in stacks)
+    chosen: list[nn.Module] = []
+    inside: set[int] = set()
+    for stack in model.modules():  # model order; an outer stack shadows inner ones
+        if id(stack) in inside or not _is_stack(stack) or _nparams(stack) < _MIN_SHARE * largest:
+            continue
+        chosen.extend(stack)
+        inside.update(id(m) for m in stack.modules())
+    return chosen
+
+
+def block_type_key(block: nn.Module) -> tuple:
+    """Blocks with equal keys are structurally identical and share one plan."""
+    return (type(block).__qualname__,
+            tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters()))
+
+
+def ours_innermost(pack: Callable) -> bool:
+    """NOTE [Whose block]: are our hooks (`pack`) the innermost saved-tensor hooks, with
+    grad mode on? Then a block may be run our way."""
+    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        return False
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and top[0] == pack
+
+
+class BlockWrappers:
+    """Shadow each block's `forward` with `run(index, forward, args, kwargs)` while active.
+
+    Example:
+        >>> wrappers = BlockWrappers(blocks, run)
+        >>> with wrappers:          # context entry to exit
+        ...     loss = model(x)
+    """
+
+    def __init__(self, blocks: Iterable[nn.Module],
+                 run: Callable[[int, Callable, tuple, dict], Any]) -> None:
+        self.blocks = list(blocks)
+        self._run = run
+        self._saved: list[tuple[nn.Module, bool, Any]] = []
+
+    def __enter__(self) -> "BlockWrappers":
+        for index, block in enumerate(self.blocks):
+            own = "forward" in block.__dict__
+            forward = block.forward  # bound method, or the user's own instance attribute
+            self._saved.append((block, own, block.__dict__.get("forward")))
+
+            def wrapper(*args, _index=index, _forward=forward, **kwargs):
+                return self._run(_index, _forward, args, kwargs)
+
+            block.forward = wrapper
+        return self
+
+    def __exit__(self, *exc) -> None:
+        saved, self._saved = self._saved, []
+        for block, own, forward in saved:
+            if own:
+                block.forward = forward
+            else:
+                block.__dict__.pop("forward", None)

@@ -1,0 +1,398 @@
+"""The plan: keep, host, nvme or recompute for every saved storage and block op.
+
+`make_plan(profile, figures, params)` is a pure function: the same profile, figures and
+settings give the same plan (tests rely on it). It minimises the predicted step time
+subject to `kept bytes <= budget` and the tiers' capacities.
+
+Cost model (seconds added to the profiled compute time `F + B`, forward + backward):
+
+* recompute: the block type's re-run ops (their profiled times) per instance, plus the
+  dispatch-mode cost per op in both passes (`dispatch_op_s`, probe); the backward grows
+  by the same amount, which also widens its transfer window.
+* transfers hide behind compute up to a share `ETA` of it. CPU (nvme only): with `W` bytes
+  moved, write `w = W / write_gbps`, read `r = W / read_gbps`, one disk for both:
+  `stall = max(max(0, w - ETA F - staging / write_gbps) + max(0, r - ETA B'),
+  w + r - ETA (F + B'))`. GPU: the same for the disk with the nvme bytes, and PCIe both
+  ways with host + nvme bytes: `max(0, out - ETA F) + max(0, in - ETA B')`; the larger of
+  the two stalls counts. Each transfer also costs its issue time on the host (probe).
+* don't bounce (what offload/bounce.py decides for the offload policy, folded in here): a
+  storage whose measured pack→unpack gap is shorter than `SAFETY` round trips cannot hide
+  its transfer; moving it costs the whole round trip.
+
+Search: per block type the ops that may be recomputed are ranked by recompute time per
+byte freed, cheapest first (ops whose output cannot be stored, e.g. dropout masks written
+in place, come first: any per-op recompute of the block re-runs them). Each prefix of that
+ranking is one candidate (the empty one: the block runs as it is, "plain"); for each
+candidate the storages that remain are kept or moved, the largest hideable ones first,
+until the budget holds. The candidate with the lowest predicted time wins (ties: less
+recompute). Several block types: coordinate descent, one type at a time.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from ..sizes import format_bytes
+from .figures import Figures
+from .profile import ItemRecord, OpRecord, Profile
+
+__all__ = ["PlanParams", "Plan", "BlockPlan", "Prediction", "make_plan", "ETA", "SAFETY"]
+
+log = logging.getLogger("offload")
+
+ETA = 0.8      # share of compute that transfers may hide behind (DESIGN cost model)
+SAFETY = 1.5   # a moved storage's gap must hold this many round trips (offload/bounce.py)
+
+
+@dataclass(frozen=True)
+class PlanParams:
+    """What the plan needs from the settings (resolved to bytes)."""
+
+    budget_bytes: int
+    tiers: tuple[str, ...]            # tiers that free device memory, in spill order
+    capacity_bytes: dict = field(default_factory=dict)   # tier -> bytes it may take
+    device_type: str = "cpu"
+    staging_bytes: int = 0
+
+
+@dataclass
+class Prediction:
+    step_s: float = math.inf
+    compute_s: float = 0.0
+    recompute_s: float = 0.0
+    stall_s: float = 0.0
+    issue_s: float = 0.0
+    kept_bytes: int = 0
+    moved_bytes: dict = field(default_factory=dict)
+    recomputed_bytes: int = 0
+    fixed_bytes: int = 0     # kept whatever the plan does (small, no_offload, closures)
+    feasible: bool = False
+
+
+@dataclass
+class OpRow:
+    """One op of a block type, for explain()."""
+
+    op: OpRecord
+    saved_bytes: int                 # bytes of saved storages it makes, per block
+    decision: str                    # recompute, store (keep/host/nvme), or "re-run"
+    rank: int | None = None          # position in the recompute ranking
+
+
+@dataclass
+class BlockPlan:
+    type_key: tuple
+    type_name: str
+    instances: list[int]
+    recompute: frozenset = frozenset()   # op ids re-run (per-op mode); empty: plain
+    rows: list[OpRow] = field(default_factory=list)
+    recompute_s: float = 0.0             # per instance, dispatch cost included
+
+    @property
+    def per_op(self) -> bool:
+        return bool(self.recompute)
+
+
+@dataclass
+class Plan:
+    """Decisions for the next steps; `explain()` renders them (offload/schedule/explain.py)."""
+
+    item_targets: dict            # (region, ordinal) -> "keep" | tier (plain blocks, outside)
+    op_targets: dict              # (block index, op id) -> "keep" | tier (stored op outputs)
+    input_targets: dict           # (block index, input index) -> "keep" | tier
+    blocks: dict                  # type key -> BlockPlan
+    block_type: dict              # block index -> type key
+    prediction: Prediction
+    params: PlanParams
+    figures: Figures
+    profile_summary: dict
+    signatures: dict              # block index -> call signature it was planned for
+    notes: list = field(default_factory=list)
+    # (block index or None, producing op id or None, bytes, target) per profiled storage
+    # that the plan decided ("recompute" for the recomputed ones): for explain().
+    decided: list = field(default_factory=list)
+
+    def block_plan(self, index: int) -> BlockPlan | None:
+        key = self.block_type.get(index)
+        return None if key is None else self.blocks[key]
+
+    def summary(self) -> str:
+        p = self.prediction
+        gib = 2 ** 30
+        moved = ", ".join(f"{t} {b / gib:.2f} GiB" for t, b in p.moved_bytes.items() if b)
+        per_op = [bp for bp in self.blocks.values() if bp.per_op]
+        return (f"kept {p.kept_bytes / gib:.2f} GiB (budget "
+                f"{self.params.budget_bytes / gib:.2f} GiB), {moved or 'nothing moved'}, "
+                f"recomputed {p.recomputed_bytes / gib:.2f} GiB in {len(per_op)} of "
+                f"{len(self.blocks)} block types; predicted step {p.step_s:.3g} s against "
+                f"{p.compute_s:.3g} s of compute (recompute {p.recompute_s:.3g} s, stall "
+                f"{p.stall_s:.3g} s)")
+
+    def explain(self) -> str:
+        from .explain import render
+
+        return render(self)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+
+# ---------------------------------------------------------------------------- model
+def _rates(figures: Figures, tier: str, device_type: str) -> tuple[float, float, float]:
+    """(out bytes/s, in bytes/s, issue s per round trip) of moving through `tier`."""
+    if tier == "nvme":
+        out, back = figures.nvme_write_gbps, figures.nvme_read_gbps
+        issue = 2 * (figures.nvme_issue_s or 0.0)
+        if device_type == "cuda":
+            out = min(out, figures.d2h_gbps or out)
+            back = min(back, figures.h2d_gbps or back)
+            issue += 2 * (figures.copy_issue_s or 0.0)
+    else:
+        out, back = figures.d2h_gbps, figures.h2d_gbps
+        issue = 2 * (figures.copy_issue_s or 0.0)
+    return out * 1e9, back * 1e9, issue
+
+
+def _transfer_stall(moved: dict[str, int], fwd_s: float, bwd_s: float, figures: Figures,
+                    params: PlanParams) -> float:
+    disk = moved.get("nvme", 0)
+    stall = 0.0
+    if disk:
+        w = disk / (figures.nvme_write_gbps * 1e9)
+        r = disk / (figures.nvme_read_gbps * 1e9)
+        slack = params.staging_bytes / (figures.nvme_write_gbps * 1e9)
+        stall = max(max(0.0, w - ETA * fwd_s - slack) + max(0.0, r - ETA * bwd_s),
+                    w + r - ETA * (fwd_s + bwd_s))
+    if params.device_type == "cuda":
+        link = moved.get("host", 0) + disk
+        if link:
+            out = link / (figures.d2h_gbps * 1e9)
+            back = link / (figures.h2d_gbps * 1e9)
+            stall = max(stall, max(0.0, out - ETA * fwd_s) + max(0.0, back - ETA * bwd_s))
+    return stall
+
+
+def _hideable(item: ItemRecord, out_bps: float, in_bps: float) -> bool:
+    if item.pack_s is None or item.unpack_s is None:
+        return item.pack_s is not None  # never unpacked: nothing to bring back in time
+    roundtrip = item.nbytes / out_bps + item.nbytes / in_bps
+    return item.unpack_s - item.pack_s >= SAFETY * roundtrip
+
+
+@dataclass
+class _TypeInfo:
+    type_key: tuple
+    name: str
+    instances: list[int]
+    ops: list[OpRecord]
+    saved: dict                  # op id -> saved bytes per instance (max over instances)
+    ranking: list[tuple]         # op ids, recompute order
+    forced: int                  # how many of the ranking's first entries are forced
+
+
+def _type_infos(profile: Profile, items: list[ItemRecord]) -> list[_TypeInfo]:
+    by_block: dict[int, list[ItemRecord]] = {}
+    for it in items:
+        if it.block is not None:
+            by_block.setdefault(it.block, []).append(it)
+    infos = []
+    for type_key, records in profile.block_types().items():
+        ops = profile.op_table(type_key)
+        saved: dict[tuple, int] = {}
+        for b in records:
+            per: dict[tuple, int] = {}
+            for it in by_block.get(b.index, []):
+                if it.producer is not None:
+                    per[it.producer] = per.get(it.producer, 0) + it.nbytes
+            for op_id, nbytes in per.items():
+                saved[op_id] = max(saved.get(op_id, 0), nbytes)
+        by_id = {o.op_id: o for o in ops}
+        producers = [o for o in saved if o in by_id]
+        forced = sorted((o for o in producers if by_id[o].not_storable), key=lambda o: o)
+        free = [o for o in producers if not by_id[o].not_storable]
+        # Cheapest recompute per byte first; ties by op id (deterministic).
+        free.sort(key=lambda o: ((by_id[o].time_s + by_id[o].chain_s) / max(saved[o], 1), o))
+        infos.append(_TypeInfo(type_key, records[0].type_name, [b.index for b in records],
+                               ops, saved, forced + free, len(forced)))
+    return infos
+
+
+def _candidates(info: _TypeInfo) -> list[int]:
+    """Prefix lengths of the ranking worth trying: 0 (plain), then every per-op mode."""
+    first = max(info.forced, 1)
+    return [0] + list(range(first, len(info.ranking) + 1))
+
+
+def _evaluate(profile: Profile, figures: Figures, params: PlanParams,
+              infos: list[_TypeInfo], choice: dict, items: list[ItemRecord]):
+    """Predicted cost of one choice of prefix per block type, and its decisions."""
+    pred = Prediction(compute_s=profile.forward_s + profile.backward_s)
+    recompute_sets: dict[tuple, frozenset] = {}
+    per_instance_s: dict[tuple, float] = {}
+    type_of_block: dict[int, _TypeInfo] = {}
+    dispatch = figures.dispatch_op_s or 0.0
+    for info in infos:
+        k = choice[info.type_key]
+        rset = frozenset(info.ranking[:k])
+        recompute_sets[info.type_key] = rset
+        if k:
+            stored = set(info.saved) - rset
+            rerun = sum(o.time_s for o in info.ops if o.op_id not in stored)
+            per_instance_s[info.type_key] = rerun + 2 * dispatch * len(info.ops)
+        else:
+            per_instance_s[info.type_key] = 0.0
+        for index in info.instances:
+            type_of_block[index] = info
+        pred.recompute_s += per_instance_s[info.type_key] * len(info.instances)
+    # What remains to keep or move, after recompute.
+    remaining: list[ItemRecord] = []
+    kept_fixed = 0
+    for it in items:
+        info = type_of_block.get(it.block) if it.block is not None else None
+        if info is not None and recompute_sets[info.type_key]:
+            if it.producer in recompute_sets[info.type_key]:
+                pred.recomputed_bytes += it.nbytes
+                continue
+            if it.producer is None and it.input_index is None:
+                kept_fixed += it.nbytes  # held by checkpoint's closure, not by our hooks
+                continue
+        if it.eligible:
+            remaining.append(it)
+        else:
+            kept_fixed += it.nbytes
+    # Bytes no decision can free (small or no_offload tensors, tensors a checkpoint holds in
+    # its closure) count against the budget, but a plan is not worse for them.
+    need = kept_fixed + sum(it.nbytes for it in remaining) - max(params.budget_bytes,
+                                                                 kept_fixed)
+    bwd_s = profile.backward_s + pred.recompute_s
+    targets: dict[tuple, str] = {}
+    moved: dict[str, int] = {t: 0 for t in params.tiers}
+    exposed_s = 0.0
+    if need > 0 and params.tiers:
+        def tier_for(nbytes: int) -> str | None:
+            for t in params.tiers:
+                cap = params.capacity_bytes.get(t)
+                if cap is None or moved[t] + nbytes <= cap:
+                    return t
+            return None
+
+        first = params.tiers[0]
+        out_bps, in_bps, issue = _rates(figures, first, params.device_type)
+        hide = [it for it in remaining if _hideable(it, out_bps, in_bps)]
+        bounce = [it for it in remaining if not _hideable(it, out_bps, in_bps)]
+        hide.sort(key=lambda it: (-it.nbytes, it.key))
+        # Bouncing ones last, the longest gaps (least exposed) first.
+        bounce.sort(key=lambda it: (-((it.unpack_s or math.inf) - (it.pack_s or 0.0)), it.key))
+        for group, exposed in ((hide, False), (bounce, True)):
+            for it in group:
+                if need <= 0:
+                    break
+                tier = tier_for(it.nbytes)
+                if tier is None:
+                    continue
+                targets[it.key] = tier
+                moved[tier] += it.nbytes
+                need -= it.nbytes
+                o, i, issue = _rates(figures, tier, params.device_type)
+                pred.issue_s += issue
+                if exposed:
+                    exposed_s += it.nbytes / o + it.nbytes / i
+    pred.feasible = need <= 0
+    pred.fixed_bytes = kept_fixed
+    pred.moved_bytes = {t: b for t, b in moved.items() if b}
+    pred.kept_bytes = kept_fixed + sum(it.nbytes for it in remaining if it.key not in targets)
+    pred.stall_s = _transfer_stall(moved, profile.forward_s, bwd_s, figures, params) + exposed_s
+    pred.step_s = pred.compute_s + pred.recompute_s + pred.stall_s + pred.issue_s
+    return pred, targets, recompute_sets, per_instance_s
+
+
+def _better(a: Prediction, b: Prediction) -> bool:
+    if a.feasible != b.feasible:
+        return a.feasible
+    if not a.feasible:  # neither meets the budget: the one that keeps less
+        return a.kept_bytes < b.kept_bytes
+    return a.step_s < b.step_s - 1e-9 * max(1.0, b.step_s)
+
+
+def make_plan(profile: Profile, figures: Figures, params: PlanParams) -> Plan:
+    """Plan the next steps from one profiled step (see module doc)."""
+    items = sorted(profile.items, key=lambda it: (it.region, it.ordinal))
+    infos = _type_infos(profile, items)
+    choice = {info.type_key: 0 for info in infos}
+    best = _evaluate(profile, figures, params, infos, choice, items)
+    for _ in range(3):  # coordinate descent over block types
+        changed = False
+        for info in infos:
+            for k in _candidates(info):
+                if k == choice[info.type_key]:
+                    continue
+                trial = {**choice, info.type_key: k}
+                result = _evaluate(profile, figures, params, infos, trial, items)
+                if _better(result[0], best[0]):
+                    best, choice, changed = result, trial, True
+        if not changed:
+            break
+    pred, targets, recompute_sets, per_instance_s = best
+    notes = []
+    if not pred.feasible:
+        notes.append(f"the budget cannot be met: {format_bytes(pred.kept_bytes)} stay on the "
+                     "device (the tiers are full, or there is no block to recompute)")
+    elif pred.fixed_bytes > params.budget_bytes:
+        notes.append(f"the budget cannot be met: {format_bytes(pred.fixed_bytes)} stay on the "
+                     "device whatever the plan does (below OFFLOAD_MIN_BYTES, no_offload(), or "
+                     "held by a checkpoint's closure)")
+    return _assemble(profile, figures, params, infos, items, pred, targets, recompute_sets,
+                     per_instance_s, notes)
+
+
+def _assemble(profile, figures, params, infos, items, pred, targets, recompute_sets,
+              per_instance_s, notes) -> Plan:
+    item_targets, op_targets, input_targets = {}, {}, {}
+    decided = []
+    blocks, block_type, signatures = {}, {}, {}
+    info_of = {}
+    for info in infos:
+        rset = recompute_sets[info.type_key]
+        rank = {o: i for i, o in enumerate(info.ranking)}
+        rows = []
+        for op in info.ops:
+            saved = info.saved.get(op.op_id, 0)
+            if not rset:
+                decision = "as is"
+            elif op.op_id in rset:
+                decision = "recompute"
+            elif op.op_id in info.saved:
+                decision = "store"
+            else:
+                decision = "re-run"
+            rows.append(OpRow(op, saved, decision, rank.get(op.op_id)))
+        blocks[info.type_key] = BlockPlan(info.type_key, info.name, info.instances, rset, rows,
+                                          per_instance_s[info.type_key])
+        for index in info.instances:
+            block_type[index] = info.type_key
+            info_of[index] = info
+    for b in profile.blocks:
+        signatures[b.index] = b.signature
+    for it in items:
+        target = targets.get(it.key, "keep")
+        info = info_of.get(it.block) if it.block is not None else None
+        recomputed = info is not None and it.producer in recompute_sets[info.type_key]
+        decided.append((it.block, it.producer, it.nbytes, "recompute" if recomputed else target))
+        if info is not None and recompute_sets[info.type_key]:
+            if it.producer is not None and it.producer not in recompute_sets[info.type_key]:
+                # A stored op output: the largest storage of the op decides for the op.
+                key = (it.block, it.producer)
+                if key not in op_targets or target != "keep":
+                    op_targets[key] = target
+            elif it.input_index is not None:
+                input_targets[(it.block, it.input_index)] = target
+            continue
+        item_targets[it.key] = target
+        if it.input_index is not None:
+            input_targets[(it.block, it.input_index)] = target
+    summary = {"forward_s": profile.forward_s, "backward_s": profile.backward_s,
+               "saved_bytes": profile.saved_bytes, "items": len(items),
+               "blocks": len(profile.blocks)}
+    return Plan(item_targets, op_targets, input_targets, blocks, block_type, pred, params,
+                figures, summary, signatures, notes, decided)

@@ -1,0 +1,281 @@
+"""What one step saved and what each op cost: the scheduler's view of the model.
+
+The profile step runs every block as it is (no checkpoint) while the hooks move every
+eligible saved storage to the tiers (memory-safe, like OFFLOAD_POLICY=offload). Inside
+blocks a dispatch mode times every op and notes which storages it made; the placement
+notes every storage it is asked about (`ItemRecord`): its size, where in the step it was
+saved (region and ordinal: the key the plan is looked up by), and which op of which block
+made it. The hooks' own pack / unpack clock gives each moved storage's pack→unpack gap.
+
+What profiling costs: one step at offload's cost (every eligible activation crosses the
+link once each way), plus a few microseconds of Python per op inside blocks; op times are
+taken around the op alone, and the bookkeeping time is subtracted from the forward. On a
+GPU every op is bracketed by two CUDA events, read once after the step.
+
+NOTE [Op identity] An op inside a block is `(op name, n)`: its n-th call in that block's
+forward, as offload/schedule/recompute.py counts them (Rule 3 there), so a profiled op and
+the op the recompute replays are the same key. Blocks of one type (blocks.block_type_key)
+run the same op sequence; the profile checks that and the plan uses their median times.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from .recompute import IGNORED_OPS, block_inputs, op_name, storable_op
+
+__all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler",
+           "signature"]
+
+_SEEDED = torch.Tag.nondeterministic_seeded
+
+
+def signature(args: tuple, kwargs: dict) -> tuple:
+    """Shapes and dtypes of a block call's tensor arguments (re-plan when they change)."""
+    def sig(v):
+        return (tuple(v.shape), v.dtype, v.device.type) if isinstance(v, torch.Tensor) else None
+    return (tuple(sig(a) for a in args),
+            tuple(sorted((k, sig(v)) for k, v in kwargs.items() if isinstance(v, torch.Tensor))))
+
+
+@dataclass
+class OpRecord:
+    """One op of one block's forward."""
+
+    op_id: tuple[str, int]       # NOTE [Op identity]
+    time_s: float                # the op alone (what recomputing it costs)
+    out_bytes: int = 0           # bytes of the new storages it made
+    not_storable: str | None = None   # why its output may not be stored (recompute Rule 1)
+    seeded: bool = False         # consumes the RNG
+    chain_s: float = 0.0         # in-place ops that later changed its output (re-run with it)
+
+
+@dataclass
+class ItemRecord:
+    """One storage the hooks stored (one `Placement.decide` call)."""
+
+    region: tuple                # ("block", k) or ("after", k): outside blocks, after block k
+    ordinal: int                 # position among the region's stored storages
+    nbytes: int
+    hooks_key: Hashable          # the hooks' key, to join their pack / unpack clock
+    eligible: bool               # may move at all (not small, not no_offload)
+    producer: tuple[str, int] | None = None   # op inside the block that made it
+    input_index: int | None = None            # the block's positional input it is
+    pack_s: float | None = None               # seconds from step start
+    unpack_s: float | None = None
+
+    @property
+    def key(self) -> tuple:
+        return (self.region, self.ordinal)
+
+    @property
+    def block(self) -> int | None:
+        return self.region[1] if self.region[0] == "block" else None
+
+
+@dataclass
+class BlockRecord:
+    index: int
+    type_key: tuple
+    type_name: str
+    signature: tuple
+    ops: list[OpRecord] = field(default_factory=list)
+    forward_s: float = 0.0
+
+
+@dataclass
+class Profile:
+    """One profiled step. Times in seconds; `forward_s` / `backward_s` are compute (the
+    step's stalls and the profiler's own bookkeeping taken out)."""
+
+    device: torch.device
+    forward_s: float
+    backward_s: float
+    saved_bytes: int
+    blocks: list[BlockRecord]
+    items: list[ItemRecord]
+
+    def block_types(self) -> dict[tuple, list[BlockRecord]]:
+        out: dict[tuple, list[BlockRecord]] = defaultdict(list)
+        for b in self.blocks:
+            out[b.type_key].append(b)
+        return dict(out)
+
+    def op_table(self, type_key: tuple) -> list[OpRecord]:
+        """The ops of one block type, times the median over its instances."""
+        records = self.block_types()[type_key]
+        first = records[0].ops
+        if any([o.op_id for o in r.ops] != [o.op_id for o in first] for r in records):
+            # Same parameters, different op sequence (data-dependent control flow): the
+            # first instance stands for all; the recompute checks op ids as it replays.
+            records = records[:1]
+        out = []
+        for i, op in enumerate(first):
+            out.append(OpRecord(
+                op.op_id, statistics.median(r.ops[i].time_s for r in records),
+                op.out_bytes, op.not_storable, op.seeded,
+                statistics.median(r.ops[i].chain_s for r in records)))
+        return out
+
+
+class _Timer:
+    """Op timing: the host clock on CPU; CUDA events on a GPU, resolved after the step."""
+
+    def __init__(self, device_type: str) -> None:
+        self.cuda = device_type == "cuda"
+        self._pending: list[tuple[OpRecord, Any, Any, str]] = []
+
+    def start(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, record: OpRecord, start, field_name: str = "time_s") -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((record, start, end, field_name))
+        else:
+            setattr(record, field_name,
+                    getattr(record, field_name) + time.perf_counter() - start)
+
+    def resolve(self) -> None:
+        if self._pending:
+            self._pending[-1][2].synchronize()
+        for record, start, end, field_name in self._pending:
+            setattr(record, field_name,
+                    getattr(record, field_name) + start.elapsed_time(end) / 1e3)
+        self._pending.clear()
+
+
+class _ProfileMode(TorchDispatchMode):
+    """Times ops and maps the storages they make to their op ids (one block's forward)."""
+
+    def __init__(self, profiler: "BlockProfiler", block: BlockRecord) -> None:
+        super().__init__()
+        self.p = profiler
+        self.block = block
+        self.counter: dict[Any, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in IGNORED_OPS:
+            return func(*args, **kwargs)
+        entered = time.perf_counter()
+        n = self.counter[func]
+        self.counter[func] = n + 1
+        record = OpRecord((op_name(func), n), 0.0, not_storable=storable_op(func),
+                          seeded=_SEEDED in func.tags)
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)]
+        start = self.p.timer.start()
+        out = func(*args, **kwargs)
+        self.p.timer.stop(record, start)
+        self.block.ops.append(record)
+        p = self.p
+        if func._schema.is_mutable:
+            # An in-place op: the storages it wrote must not be stored before it (the
+            # stored copy would be stale), and it re-runs with whatever made them.
+            for arg, a in zip(func._schema.arguments, args):
+                written = arg.alias_info is not None and arg.alias_info.is_write
+                if written and isinstance(a, torch.Tensor):
+                    maker = p.producer_record(a.untyped_storage())
+                    if maker is not None:
+                        maker.not_storable = maker.not_storable or "changed in place later"
+                        p.chains.append((maker, record))
+        else:
+            seen = {id(t.untyped_storage()) for t in inputs}
+            for o in torch.utils._pytree.tree_leaves(out):
+                if isinstance(o, torch.Tensor) and o.device.type != "meta":
+                    storage = o.untyped_storage()
+                    if id(storage) not in seen:
+                        seen.add(id(storage))
+                        record.out_bytes += storage.nbytes()
+                        p.note_storage(storage, record)
+        p.overhead_s += time.perf_counter() - entered - (0.0 if p.timer.cuda else record.time_s)
+        return out
+
+
+class BlockProfiler:
+    """Collects BlockRecords during the profile step; the placement asks it who made a
+    storage (`producer_of`)."""
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        self.timer = _Timer(device_type)
+        self.blocks: list[BlockRecord] = []
+        self.overhead_s = 0.0
+        self.chains: list[tuple[OpRecord, OpRecord]] = []  # (maker, in-place op on its output)
+        self._makers: dict[int, tuple[weakref.ref, OpRecord]] = {}
+        self._inputs: dict[int, tuple[weakref.ref, int]] = {}
+
+    def note_storage(self, storage: torch.UntypedStorage, record: OpRecord) -> None:
+        # Weak: the profile must not keep activations alive (NOTE [Storage identity]).
+        self._makers[id(storage)] = (weakref.ref(storage), record)
+
+    def producer_record(self, storage: torch.UntypedStorage) -> OpRecord | None:
+        entry = self._makers.get(id(storage))
+        return entry[1] if entry is not None and entry[0]() is storage else None
+
+    def producer_of(self, storage: torch.UntypedStorage) -> tuple[tuple | None, int | None]:
+        """(op id, None) for a storage made in the current block, (None, i) for its i-th
+        tensor input (recompute.block_inputs order), (None, None) otherwise."""
+        record = self.producer_record(storage)
+        if record is not None:
+            return record.op_id, None
+        entry = self._inputs.get(id(storage))
+        if entry is not None and entry[0]() is storage:
+            return None, entry[1]
+        return None, None
+
+    def run(self, index: int, type_key: tuple, type_name: str, forward, args, kwargs, hooks):
+        """Run one block's forward under the profiling mode.
+
+        Our hooks' own bookkeeping (a storage view, the version sentinel) would run under
+        the mode too and read as ops of the block: the block's saves go through the same
+        hooks pushed once more, innermost, with the mode switched off around them.
+        """
+        def pack(t):
+            with _disable_current_modes():
+                return hooks.pack(t)
+
+        block = BlockRecord(index, type_key, type_name, signature(args, kwargs))
+        self._makers.clear()
+        self._inputs = {id(a.untyped_storage()): (weakref.ref(a.untyped_storage()), i)
+                        for i, a in reversed(list(enumerate(block_inputs(args, kwargs))))}
+        t0 = time.perf_counter()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, hooks.unpack), \
+                    _ProfileMode(self, block):
+                return forward(*args, **kwargs)
+        finally:
+            block.forward_s = time.perf_counter() - t0
+            self.blocks.append(block)
+            self._makers.clear()
+            self._inputs.clear()
+
+    @staticmethod
+    def prime() -> None:
+        """Pay the one-time costs of a dispatch mode now (its first use imports
+        torch._dynamo: over a second on the dev VM), not in the profiled step."""
+        class _Nothing(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        with _Nothing():
+            torch.zeros(1).add_(1)
+
+    def finish(self) -> list[BlockRecord]:
+        self.timer.resolve()
+        for maker, inplace in self.chains:
+            maker.chain_s += inplace.time_s
+        self.chains.clear()
+        return self.blocks

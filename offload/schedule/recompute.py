@@ -1,0 +1,223 @@
+"""Per-op recompute in eager mode: checkpoint a block, but keep chosen op outputs.
+
+`run_block(forward, args, kwargs, store, hooks, placement)` runs `forward` under
+`torch.utils.checkpoint(use_reentrant=False, context_fn=...)` with two dispatch modes of
+ours: in the forward, the output of every op that `store(op_id)` names is handed to our
+saved-tensor hooks with that decision (keep, host or nvme: through the tiers and the
+prefetcher like any saved tensor); in the recompute, those ops return the stored bytes and
+every other op runs again. `op_id` is `(op name, n)`: the n-th call of that op in the
+block, the same in forward and recompute.
+
+Rules (the code points back to them):
+
+Rule 1 (what may be stored). Only ops that make new storage: not in-place / out= ops
+(their output is an input, changed) and not views (their output aliases an input; a view
+re-runs for free). Ops with non-tensor or non-plain-tensor outputs re-run too. A stored
+output that the forward later changes in place would come back changed: the plan never
+stores those (the profile sees it: offload/schedule/profile.py), and if one is changed
+anyway, the unpack raises autograd's in-place error (NOTE [Version check] in
+offload/version_check.py) instead of returning wrong values.
+
+Rule 2 (random ops replay exactly). checkpoint restores the RNG state at the block's start
+before recomputing. A stored random op (dropout as one op, attention with dropout) does
+not run in the recompute, so the RNG would not advance past it and every later random op
+would draw different numbers. The forward records the generator state right after each
+stored random op and the recompute sets it back at that point.
+
+Rule 3 (ops the two passes see differently). checkpoint itself runs `detach` a different
+number of times in forward and recompute, and `prim.device` for its checks: these are not
+counted, so the op ids of both passes agree.
+
+Rule 4 (held outputs). What we hold is a detached alias of the op output (it shares the
+storage and the version counter, Rule 1): holding the output itself would tie its autograd
+node to our stash and make a reference cycle. Each stored entry is dropped as soon as the
+recompute took it, so its tier space returns during the backward of its block; a second
+backward (retain_graph) finds none and recomputes every op, which is plain checkpointing
+and replays exactly too.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from ..placement import Decision
+
+__all__ = ["run_block", "checkpoint_block", "block_inputs", "storable_op", "IGNORED_OPS",
+           "op_name"]
+
+log = logging.getLogger("offload")
+
+IGNORED_OPS = {torch.ops.aten.detach.default, torch.ops.prim.device.default}  # Rule 3
+
+_SEEDED = torch.Tag.nondeterministic_seeded
+
+
+def op_name(func) -> str:
+    return str(func)
+
+
+def storable_op(func) -> str | None:
+    """Why an op's output may not be stored (Rule 1), or None when it may."""
+    schema = func._schema
+    if schema.is_mutable:
+        return "in-place"
+    if any(r.alias_info is not None for r in schema.returns):
+        return "view"
+    if not schema.returns:
+        return "no output"
+    return None
+
+
+def _detached(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    # Rule 4. Below autograd the ADInplaceOrView key is excluded, so a plain detach here
+    # would not share the version counter; re-enable it for this one call.
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
+
+
+class _Held:
+    """A stored tensor output: what our hooks' pack returned for it."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed) -> None:
+        self.packed = packed
+
+
+class _Entry:
+    __slots__ = ("packed", "cpu_rng", "device_rng", "device")
+
+    def __init__(self, packed, cpu_rng=None, device_rng=None, device=None):
+        self.packed = packed
+        self.cpu_rng = cpu_rng
+        self.device_rng = device_rng
+        self.device = device
+
+
+class _Store(TorchDispatchMode):
+    """Forward: run every op; hand the chosen outputs to our hooks."""
+
+    def __init__(self, stash: dict, store: Callable[[tuple], Decision | None],
+                 hooks, placement) -> None:
+        super().__init__()
+        self.stash = stash
+        self.store = store
+        self.hooks = hooks
+        self.placement = placement
+        self.counter: dict[Any, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in IGNORED_OPS:
+            return out
+        n = self.counter[func]
+        self.counter[func] = n + 1
+        decision = self.store((op_name(func), n))
+        if decision is None or storable_op(func) is not None:
+            return out
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if not all(type(o) is torch.Tensor for o in outs if isinstance(o, torch.Tensor)):
+            return out  # Rule 1: subclasses re-run
+        entry = _Entry(None)
+        if _SEEDED in func.tags:  # Rule 2
+            entry.cpu_rng = torch.get_rng_state()
+            dev = next((o.device for o in outs if isinstance(o, torch.Tensor)
+                        and o.device.type == "cuda"), None)
+            if dev is not None:
+                entry.device, entry.device_rng = dev, torch.cuda.get_rng_state(dev)
+
+        def pack(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            with self.placement.forced(decision):
+                return _Held(self.hooks.pack(_detached(x)))
+
+        entry.packed = tree_map(pack, out)
+        self.stash[(func, n)] = entry
+        return out
+
+
+class _Replay(TorchDispatchMode):
+    """Recompute: stored ops return their stored bytes, every other op runs."""
+
+    def __init__(self, stash: dict, hooks) -> None:
+        super().__init__()
+        self.stash = stash
+        self.hooks = hooks
+        self.counter: dict[Any, int] = defaultdict(int)
+
+    def __enter__(self):
+        self.counter.clear()  # a second backward (retain_graph) replays from the start
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in IGNORED_OPS:
+            return func(*args, **kwargs)
+        n = self.counter[func]
+        self.counter[func] = n + 1
+        entry = self.stash.pop((func, n), None)  # Rule 4: dropped once taken
+        if entry is None:
+            return func(*args, **kwargs)
+        out = tree_map(lambda x: self.hooks.unpack(x.packed) if isinstance(x, _Held) else x,
+                       entry.packed)
+        if entry.cpu_rng is not None:  # Rule 2
+            torch.set_rng_state(entry.cpu_rng)
+            if entry.device_rng is not None:
+                torch.cuda.set_rng_state(entry.device_rng, entry.device)
+        return out
+
+
+def block_inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a block call receives, in the order checkpoint_block passes them (and
+    the profile numbers them): positional ones, then those inside keyword arguments."""
+    return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+
+
+def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=None) -> Any:
+    """Non-reentrant checkpoint of `forward(*args, **kwargs)` with every tensor argument,
+    also those inside keyword arguments (Hugging Face passes rotary tables and masks that
+    way), handed to checkpoint positionally: checkpoint saves positional inputs through the
+    saved-tensor hooks (so ours place them), while it would hold keyword ones in a closure,
+    out of our reach."""
+    leaves, spec = tree_flatten((args, kwargs))
+    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    if len(where) == len(args) and all(isinstance(a, torch.Tensor) for a in args) \
+            and not kwargs:
+        tensors, call = args, forward
+    else:
+        tensors = [leaves[i] for i in where]
+
+        def call(*ts):
+            full = list(leaves)
+            for i, t in zip(where, ts):
+                full[i] = t
+            a, kw = tree_unflatten(full, spec)
+            return forward(*a, **kw)
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    return checkpoint(call, *tensors, use_reentrant=False, **extra)
+
+
+def run_block(forward: Callable, args: tuple, kwargs: dict,
+              store: Callable[[tuple], Decision | None], hooks, placement) -> Any:
+    """`forward(*args, **kwargs)` under non-reentrant checkpoint with per-op storing.
+
+    Args:
+        store: op_id -> Decision for outputs to keep / move, None to recompute.
+        hooks: the context's OffloadHooks (pack / unpack).
+        placement: has `forced(decision)`, a context manager making the next pack use it.
+    """
+    def context_fn():
+        stash: dict = {}
+        return _Store(stash, store, hooks, placement), _Replay(stash, hooks)
+
+    return checkpoint_block(forward, args, kwargs, context_fn)

@@ -1,0 +1,111 @@
+"""Small models and a step runner shared by the scheduler tests (not a test module).
+
+`compare_steps` runs N training steps of a model twice from the same weights and seeds,
+once plainly and once inside a fresh offload context per step, and returns the first step
+whose gradients differ bit for bit (None when all are identical). No optimizer update:
+every step sees the same weights, so a difference anywhere is the runtime's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import offload
+from offload.models import GPT, GPTConfig
+
+__all__ = ["small_gpt", "compare_steps", "hf_gpt2", "hf_llama", "RandomBlock", "RandomStack",
+           "random_stack"]
+
+
+def small_gpt(layers: int = 3, hidden: int = 64, seq: int = 32, dropout: float = 0.1):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=97, hidden=hidden, layers=layers, heads=4, seq_len=seq,
+                          dropout=dropout))
+    idx, tgt = model.example_batch(2, generator=torch.Generator().manual_seed(1))
+    return model, lambda: model.loss(idx, tgt)
+
+
+def hf_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=64,
+                                       vocab_size=128, resid_pdrop=0.1, attn_pdrop=0.1,
+                                       embd_pdrop=0.1, bos_token_id=0, eos_token_id=0))
+    model.train()
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied embeddings
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    return model, lambda: model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+        attention_dropout=0.1, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    model.train()
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    return model, lambda: model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+class RandomBlock(nn.Module):
+    """Random ops that are single ops (functional dropout, rand_like): their outputs may be
+    stored, so replaying them exactly needs the RNG restore (recompute.py Rule 2)."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, 4 * d)
+        self.b = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h, _ = torch.ops.aten.native_dropout(self.a(x), 0.3, True)
+        h = torch.nn.functional.gelu(h) * (torch.rand_like(h) > 0.2)
+        h, _ = torch.ops.aten.native_dropout(self.b(h), 0.3, True)
+        return x + h
+
+
+class RandomStack(nn.Module):
+    def __init__(self, n: int = 3, d: int = 64) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(RandomBlock(d) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def random_stack():
+    torch.manual_seed(0)
+    model = RandomStack()
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    return model, lambda: model(x).pow(2).mean()
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def compare_steps(model: nn.Module, loss_fn, steps: int, **settings) -> tuple:
+    """(first differing step or None, the last context) over `steps` steps."""
+    reference = []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        loss_fn().backward()
+        reference.append(_grads(model))
+    ctx = None
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        ctx = offload.activations(model=model, **settings)
+        with ctx:
+            loss_fn().backward()
+        grads = _grads(model)
+        if len(grads) != len(reference[step]) or \
+                not all(torch.equal(a, b) for a, b in zip(grads, reference[step])):
+            return step, ctx
+    return None, ctx

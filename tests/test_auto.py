@@ -1,0 +1,222 @@
+"""OFFLOAD_POLICY=auto end to end: warm-up, profile, plan, planned steps; bit-exact
+gradients on every path the plan can take; re-plan on new shapes; explain; the budget."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from schedule_models import compare_steps, hf_gpt2, hf_llama, random_stack, small_gpt
+
+import offload
+from offload.models import MLP, ConvNet
+from offload.schedule import recompute as recompute_mod
+from offload.schedule.recompute import run_block
+from offload.placement import Decision
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: with two OpenMP threads on a busy 2-core machine a step takes 15x longer
+    (spinning threads), and these tests run hundreds of steps."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+# Figures that make the plan take each path (the probe's own measurements are not used).
+FAST = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1000,nvme_read_gbps=1000,nvme_issue_s=1e-6"
+SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
+
+
+def _mid(model, loss_fn, nvme_dir) -> str:
+    """Link figures at which a 30% budget needs both recompute and transfers: the disk
+    moves a quarter of the activations in the profiled compute time."""
+    with offload.activations(model=model, policy="keep", min_bytes=0) as ctx:
+        loss_fn().backward()
+    gbps = ctx.stats.saved_bytes / 4 / max(ctx.stats.step_s, 1e-3) / 1e9
+    return (f"compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps={gbps:.6g},"
+            f"nvme_read_gbps={gbps:.6g},nvme_issue_s=1e-6")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _settings(nvme_dir, probe, **kw):
+    return dict(policy="auto", tiers="nvme", nvme_dir=nvme_dir, min_bytes=0, probe=probe, **kw)
+
+
+def test_fast_link_offloads_and_runs_blocks_as_they_are(nvme_dir):
+    model, loss_fn = small_gpt()
+    differs, ctx = compare_steps(model, loss_fn, 20, **_settings(nvme_dir, FAST))
+    assert differs is None, f"gradients differ at step {differs}"
+    plan = ctx.plan
+    assert plan is not None and not any(bp.per_op for bp in plan.blocks.values())
+    assert ctx.stats.nvme_bytes > 0.9 * ctx.stats.saved_bytes  # budget 0: all moved
+    ctx.close()
+
+
+def test_slow_link_recomputes_per_op_bit_exact(nvme_dir):
+    model, loss_fn = small_gpt()
+    differs, ctx = compare_steps(model, loss_fn, 20, **_settings(nvme_dir, SLOW))
+    assert differs is None, f"gradients differ at step {differs}"
+    (bp,) = ctx.plan.blocks.values()
+    assert bp.per_op and ctx.plan.prediction.recomputed_bytes > 0
+    ctx.close()
+
+
+def test_mixed_plan_stores_ops_on_nvme_and_keeps_some_bit_exact(nvme_dir):
+    model, loss_fn = small_gpt(layers=4)
+    probe = _mid(model, loss_fn, nvme_dir)
+    differs, ctx = compare_steps(model, loss_fn, 20, **_settings(nvme_dir, probe, budget="30%"))
+    assert differs is None, f"gradients differ at step {differs}"
+    plan = ctx.plan
+    targets = set(plan.op_targets.values()) | set(plan.item_targets.values())
+    assert any(bp.per_op for bp in plan.blocks.values()), plan
+    assert {"keep", "nvme"} <= targets, plan
+    ctx.close()
+
+
+@pytest.mark.parametrize("build", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("probe", [SLOW, "mid"], ids=["slow", "mid"])
+def test_hugging_face_models_bit_exact_20_steps(build, probe, nvme_dir):
+    model, loss_fn = build()
+    if probe == "mid":
+        probe = _mid(model, loss_fn, nvme_dir)
+    differs, ctx = compare_steps(model, loss_fn, 20, **_settings(nvme_dir, probe, budget="30%"))
+    assert differs is None, f"gradients differ at step {differs}"
+    assert any(bp.per_op for bp in ctx.plan.blocks.values())
+    ctx.close()
+
+
+def test_random_single_ops_replay_exactly_when_stored(nvme_dir):
+    model, loss_fn = random_stack()
+    differs, ctx = compare_steps(model, loss_fn, 6, **_settings(nvme_dir, SLOW, budget="60%"))
+    assert differs is None
+    stored = [op for (_, op), t in ctx.plan.op_targets.items()]
+    assert any(name in ("aten.native_dropout.default", "aten.rand_like.default")
+               for name, _ in stored), ctx.plan
+    ctx.close()
+
+
+@pytest.mark.parametrize("rule_2", [True, False])
+def test_a_stored_random_op_before_a_recomputed_one_replays_exactly(rule_2, nvme_dir,
+                                                                    monkeypatch):
+    """Rule 2, and that this test can fail: without the RNG restore the second random op
+    draws other numbers in the recompute and the gradient differs."""
+    if not rule_2:
+        monkeypatch.setattr(recompute_mod, "_SEEDED", torch.Tag.pointwise)
+
+    def fn(x):
+        m1 = torch.rand_like(x) > 0.5          # stored
+        y = (x * m1).sin()
+        m2 = torch.rand_like(x) > 0.3          # recomputed: must draw what the forward drew
+        return (y * m2).exp().sum()
+
+    x0 = torch.randn(1000)
+    x = x0.clone().requires_grad_()
+    torch.manual_seed(3)
+    fn(x).backward()
+    model = nn.Linear(2, 2)
+    for target in ("keep", "nvme"):
+        with offload.activations(model=model, policy="auto", min_bytes=0, tiers="nvme",
+                                 nvme_dir=nvme_dir, probe=SLOW) as ctx:
+            decision = ctx._hooks.placement.target(target)
+            store = lambda op: decision if op == ("aten.rand_like.default", 0) else None  # noqa: E731
+            y = x0.clone().requires_grad_()
+            torch.manual_seed(3)
+            run_block(fn, (y,), {}, store, ctx._hooks, ctx._hooks.placement).backward()
+        assert torch.equal(y.grad, x.grad) is rule_2
+
+
+@pytest.mark.parametrize("build", [MLP, ConvNet])
+def test_models_without_blocks_plan_keep_or_move(build, nvme_dir, caplog):
+    torch.manual_seed(0)
+    model = build()
+    x = torch.randn(8, 256) if build is MLP else torch.randn(4, 3, 16, 16)
+    loss_fn = lambda: model(x).pow(2).mean()  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="offload"):
+        differs, ctx = compare_steps(model, loss_fn, 4, **_settings(nvme_dir, FAST))
+    assert differs is None
+    assert "auto found no repeated blocks" in caplog.text
+    assert ctx.plan is not None and not ctx.plan.blocks
+    assert ctx.stats.nvme_bytes > 0
+    ctx.close()
+
+
+def test_one_info_line_per_plan_and_explain(nvme_dir, caplog):
+    model, loss_fn = small_gpt()
+    with caplog.at_level(logging.INFO, logger="offload"):
+        _, ctx = compare_steps(model, loss_fn, 4, **_settings(nvme_dir, SLOW))
+    lines = [r.getMessage() for r in caplog.records if "auto plan" in r.getMessage()]
+    assert len(lines) == 1 and "(first profile)" in lines[0]
+    text = str(ctx.plan)
+    assert "block Block x3: per-op recompute" in text
+    assert "nvme_write_gbps=0.0001 GB/s (OFFLOAD_PROBE)" in text
+    assert "native_layer_norm.default #0" in text and "recompute" in text
+    ctx.close()
+
+
+def test_new_shapes_replan_bit_exact(nvme_dir, caplog):
+    model, loss_fn = small_gpt(seq=32)
+    idx_short = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    short = lambda: model.loss(idx_short, idx_short)  # noqa: E731
+    settings = _settings(nvme_dir, SLOW)
+    with caplog.at_level(logging.INFO, logger="offload"):
+        assert compare_steps(model, loss_fn, 3, **settings)[0] is None   # plan for seq 32
+        differs, ctx = compare_steps(model, short, 4, **settings)        # seq 16
+    assert differs is None
+    assert "other shapes than planned" in caplog.text
+    lines = [r.getMessage() for r in caplog.records if "auto plan" in r.getMessage()]
+    assert len(lines) == 2 and "other shapes" in lines[1]
+    assert ctx.plan.signatures[0][0][0][0] == (2, 16, 64)
+    ctx.close()
+
+
+def test_peak_resident_within_the_budget(nvme_dir):
+    model, loss_fn = small_gpt(layers=4, seq=64)
+    probe = _mid(model, loss_fn, nvme_dir)
+    _, ctx = compare_steps(model, loss_fn, 3, **_settings(nvme_dir, probe, budget="30%"))
+    budget = ctx.plan.params.budget_bytes
+    assert 0 < ctx.stats.peak_resident_bytes <= budget
+    assert ctx.stats.peak_resident_bytes == ctx.plan.prediction.kept_bytes
+    ctx.close()
+
+
+def test_the_plan_outlives_contexts_per_model(nvme_dir):
+    model, loss_fn = small_gpt()
+    _, first = compare_steps(model, loss_fn, 3, **_settings(nvme_dir, SLOW))
+    plan = first.plan
+    _, later = compare_steps(model, loss_fn, 2, **_settings(nvme_dir, SLOW))
+    assert later.plan is plan  # no new profile: same model, same settings
+    _, other = compare_steps(model, loss_fn, 3, **_settings(nvme_dir, FAST))
+    assert other.plan is not plan
+    for c in (first, later, other):
+        c.close()
+
+
+# ---------------------------------------------------------------- recompute rules
+def test_a_stored_output_changed_in_place_later_raises_not_silently(nvme_dir):
+    """Rule 1: the plan never stores an op output the forward changes afterwards (the
+    profile sees it); if one is stored anyway, the replay raises autograd's in-place error
+    instead of returning the changed values. Plain autograd is fine with this block: the
+    changed tensor is not one it saves."""
+    lin = nn.Linear(16, 16)
+
+    def fn(x):
+        y = lin(x)
+        y.add_(1)
+        return y.exp().sum()
+
+    x = torch.randn(4, 16, requires_grad=True)
+    fn(x).backward()  # plain: no error
+    with offload.activations(model=lin, policy="auto", min_bytes=0, tiers="nvme",
+                             nvme_dir=nvme_dir, probe=SLOW) as ctx:
+        keep = Decision((), "test: keep")
+        store = lambda op: keep if op[0] == "aten.addmm.default" else None  # noqa: E731
+        out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.placement)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()

@@ -1,0 +1,146 @@
+"""The plan as a pure function of profile, figures and budget: decisions move the way the
+figures say (slower link: more recompute; faster link: more offload; tighter budget: less
+kept), the same figures give the same plan, bouncing storages stay, capacities spill."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.schedule.figures import Figures
+from offload.schedule.plan import PlanParams, make_plan
+from offload.schedule.profile import BlockRecord, ItemRecord, OpRecord, Profile
+
+MB = 1 << 20
+N_BLOCKS = 8
+FWD_S, BWD_S = 0.5, 1.0
+# (op id, time s, bytes, why not storable); the saved ones become items.
+OPS = [
+    (("aten.native_layer_norm.default", 0), 0.001, 8 * MB, None),
+    (("aten.addmm.default", 0), 0.010, 24 * MB, None),
+    (("aten._scaled_dot_product_flash_attention.default", 0), 0.020, 8 * MB, None),
+    (("aten.empty_like.default", 0), 0.002, 2 * MB, "changed in place later"),
+    (("aten.addmm.default", 1), 0.012, 32 * MB, None),
+    (("aten.gelu.default", 0), 0.002, 32 * MB, None),
+    (("aten.addmm.default", 2), 0.012, 8 * MB, None),    # not saved
+]
+SAVED = OPS[:6]
+
+
+def profile() -> Profile:
+    blocks, items = [], []
+    block_fwd = FWD_S * 0.9 / N_BLOCKS
+    block_bwd = BWD_S * 0.9 / N_BLOCKS
+    items.append(ItemRecord(("after", -1), 0, 8 * MB, ("e", 0), True, pack_s=0.01,
+                            unpack_s=FWD_S + BWD_S - 0.01))
+    for k in range(N_BLOCKS):
+        ops = [OpRecord(op_id, t, nbytes, why) for op_id, t, nbytes, why in OPS]
+        blocks.append(BlockRecord(k, ("Blk", ()), "Blk", ((((4, 8), torch.float32, "cpu"),),
+                                                          ()), ops))
+        start = 0.03 + k * block_fwd
+        back = FWD_S + 0.05 + (N_BLOCKS - 1 - k) * block_bwd
+        items.append(ItemRecord(("block", k), 0, 8 * MB, ("b", k, 0), True, None, 0,
+                                pack_s=start, unpack_s=back + block_bwd * 0.9))
+        for j, (op_id, _, nbytes, _) in enumerate(SAVED, start=1):
+            items.append(ItemRecord(("block", k), j, nbytes, ("b", k, j), True, op_id, None,
+                                    pack_s=start + j * block_fwd / 8,
+                                    unpack_s=back + block_bwd * (1 - j / 8)))
+    items.append(ItemRecord(("after", N_BLOCKS - 1), 0, 16 * MB, ("h", 0), True,
+                            pack_s=FWD_S - 0.01, unpack_s=FWD_S + 0.005))
+    total = sum(it.nbytes for it in items)
+    return Profile(torch.device("cpu"), FWD_S, BWD_S, total, blocks, items)
+
+
+def figures(gbps: float) -> Figures:
+    return Figures(compute_gflops=100, dispatch_op_s=2e-6, nvme_write_gbps=gbps,
+                   nvme_read_gbps=gbps, nvme_issue_s=5e-6)
+
+
+def params(budget_fraction: float = 0.3, **kw) -> PlanParams:
+    budget = int(budget_fraction * profile().saved_bytes)
+    return PlanParams(budget_bytes=budget, tiers=kw.pop("tiers", ("nvme",)), **kw)
+
+
+def _summary(plan):
+    p = plan.prediction
+    return p.recomputed_bytes, sum(p.moved_bytes.values()), p.kept_bytes
+
+
+def test_same_figures_same_plan():
+    a = make_plan(profile(), figures(0.3), params())
+    b = make_plan(profile(), figures(0.3), params())
+    assert a.item_targets == b.item_targets and a.op_targets == b.op_targets
+    assert {k: bp.recompute for k, bp in a.blocks.items()} == \
+        {k: bp.recompute for k, bp in b.blocks.items()}
+    assert a.prediction == b.prediction
+
+
+LINKS = [100.0, 10.0, 3.0, 1.0, 0.3, 0.1, 0.03, 0.01]
+
+
+def test_slower_link_more_recompute_faster_link_more_offload():
+    plans = [make_plan(profile(), figures(g), params()) for g in LINKS]
+    recomputed = [_summary(p)[0] for p in plans]
+    moved = [_summary(p)[1] for p in plans]
+    # Slower link (left to right): recompute never shrinks, transfers never grow.
+    assert recomputed == sorted(recomputed) and moved == sorted(moved, reverse=True)
+    assert recomputed[0] == 0 and recomputed[-1] > 0
+    assert moved[0] > moved[-1]
+    for p in plans:
+        assert p.prediction.feasible and p.prediction.kept_bytes <= p.params.budget_bytes
+
+
+def test_tighter_budget_less_kept():
+    kept = []
+    for fraction in (1.0, 0.7, 0.4, 0.2, 0.05, 0.0):
+        plan = make_plan(profile(), figures(0.3), params(fraction))
+        assert plan.prediction.kept_bytes <= plan.params.budget_bytes
+        kept.append(plan.prediction.kept_bytes)
+    assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]
+    full = make_plan(profile(), figures(0.3), params(1.0))
+    assert _summary(full)[:2] == (0, 0)  # everything fits: nothing moved or recomputed
+
+
+def test_recompute_starts_with_the_cheapest_per_byte():
+    plan = make_plan(profile(), figures(0.01), params(0.5))
+    (bp,) = plan.blocks.values()
+    assert bp.per_op
+    # The mask (cannot be stored) and GELU (cheap, big) go first; the attention last.
+    assert ("aten.empty_like.default", 0) in bp.recompute
+    assert ("aten.gelu.default", 0) in bp.recompute
+    assert ("aten._scaled_dot_product_flash_attention.default", 0) not in bp.recompute
+
+
+def test_a_bouncing_storage_is_not_moved_while_others_can_be():
+    # The logits are saved at the very end of the forward and needed at once: moving them
+    # cannot hide; the budget leaves room to keep them.
+    plan = make_plan(profile(), figures(1.0), params(0.5))
+    assert plan.item_targets[(("after", N_BLOCKS - 1), 0)] == "keep"
+    assert "nvme" in plan.item_targets.values()
+
+
+def test_tier_capacity_spills_to_the_next_tier():
+    gpu = Figures(compute_gflops=1e5, dispatch_op_s=2e-6, d2h_gbps=50, h2d_gbps=50,
+                  copy_issue_s=5e-5, nvme_write_gbps=5, nvme_read_gbps=5, nvme_issue_s=5e-6)
+    plan = make_plan(profile(), gpu, params(0.3, tiers=("host", "nvme"), device_type="cuda",
+                                          capacity_bytes={"host": 100 * MB}))
+    moved = plan.prediction.moved_bytes
+    assert 0 < moved["host"] <= 100 * MB and moved.get("nvme", 0) > 0
+
+
+def test_unreachable_budget_is_said():
+    prof = profile()
+    for it in prof.items:
+        it.eligible = False  # e.g. every tensor below OFFLOAD_MIN_BYTES
+    prof.blocks = []         # and no blocks to recompute
+    plan = make_plan(prof, figures(1.0), params(0.1))
+    assert plan.prediction.kept_bytes == prof.saved_bytes
+    assert set(plan.item_targets.values()) == {"keep"}
+    assert "the budget cannot be met" in plan.explain()
+
+
+@pytest.mark.parametrize("gbps", [0.01, 1.0])
+def test_explain_names_every_saved_op_and_the_figures(gbps):
+    text = make_plan(profile(), figures(gbps), params()).explain()
+    for op_id, *_ in SAVED:
+        assert f"{op_id[0].removeprefix('aten.')} #{op_id[1]}" in text
+    assert f"nvme_write_gbps={gbps:.3g} GB/s" in text and "block Blk x8" in text

@@ -1,0 +1,225 @@
+"""Block detection and OFFLOAD_POLICY=recompute: checkpoint every detected block while the
+context is active, inputs through the tiers, bit-exact, never wrapping a user's
+checkpointed block twice."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from schedule_models import compare_steps, hf_gpt2, hf_llama, small_gpt
+
+import offload
+from offload.errors import ConfigError
+from offload.models import MLP, ConvNet
+from offload.schedule import recompute as recompute_mod, session as session_mod
+from offload.schedule.blocks import BlockWrappers, find_blocks
+
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: with two OpenMP threads on a busy 2-core machine a step takes 15x longer
+    (spinning threads), and these tests run hundreds of steps."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+# ---------------------------------------------------------------- detection
+def test_finds_the_repeated_layers():
+    model, _ = small_gpt(layers=3)
+    assert find_blocks(model) == list(model.blocks)
+
+
+def test_mixed_sequentials_are_not_blocks():
+    assert find_blocks(MLP()) == []          # Linear, ReLU, Linear, ...
+    assert find_blocks(ConvNet()) == []
+    assert find_blocks(None) == []
+
+
+def test_an_outer_stack_shadows_inner_ones_and_small_stacks_do_not_count():
+    inner = lambda: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # noqa: E731
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pair = inner()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(3))
+            self.tiny = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+    net = Net()
+    assert find_blocks(net) == list(net.layers)
+
+
+def test_hugging_face_layouts_are_found_without_configuration():
+    gpt2, _ = hf_gpt2()
+    llama, _ = hf_llama()
+    assert find_blocks(gpt2) == list(gpt2.transformer.h)
+    assert find_blocks(llama) == list(llama.model.layers)
+
+
+def test_blocks_argument_modules_or_predicate():
+    model, _ = small_gpt(layers=3)
+    assert find_blocks(model, [model.blocks[1]]) == [model.blocks[1]]
+    assert find_blocks(model, model.blocks[0]) == [model.blocks[0]]
+    mlps = find_blocks(model, lambda m: isinstance(m, nn.Sequential))
+    assert mlps == [b.mlp for b in model.blocks]
+
+
+@pytest.mark.parametrize("blocks, message", [
+    (42, r"blocks=42\): expected a list of nn.Module blocks or a predicate"),
+    ([nn.Linear(2, 2), "x"], "expected a list of nn.Module blocks"),
+])
+def test_blocks_argument_errors(blocks, message):
+    with pytest.raises(ConfigError, match=message):
+        offload.activations(policy="recompute", blocks=blocks)
+
+
+def test_predicate_needs_a_model():
+    with pytest.raises(ConfigError, match=r"a predicate needs model="):
+        offload.activations(policy="auto", blocks=lambda m: True)
+
+
+# ---------------------------------------------------------------- wrapping
+def test_wrappers_restore_forward_exactly():
+    model, _ = small_gpt(layers=2)
+    own = lambda x: x  # noqa: E731  a forward the user set on the instance
+    model.blocks[1].forward = own
+    with BlockWrappers(model.blocks, lambda i, f, a, k: f(*a, **k)):
+        assert "forward" in model.blocks[0].__dict__
+    assert "forward" not in model.blocks[0].__dict__
+    assert model.blocks[1].forward is own
+
+
+def test_context_exit_restores_blocks_also_after_an_exception():
+    model, loss_fn = small_gpt(layers=2)
+    with pytest.raises(ValueError, match="boom"):
+        with offload.activations(model=model, policy="recompute"):
+            loss_fn()
+            assert "forward" in model.blocks[0].__dict__
+            raise ValueError("boom")
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+
+
+# ---------------------------------------------------------------- recompute policy
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_recompute_is_bit_exact_for_20_steps(tiers, nvme_dir):
+    model, loss_fn = small_gpt(layers=3)
+    kw = {"nvme_dir": nvme_dir} if tiers == "nvme" else {}
+    differs, ctx = compare_steps(model, loss_fn, 20, policy="recompute", tiers=tiers,
+                                 min_bytes=0, **kw)
+    assert differs is None, f"gradients differ at step {differs}"
+    if tiers == "nvme":
+        assert ctx.stats.nvme_bytes > 0  # block inputs went through the tier
+    ctx.close()
+
+
+@pytest.mark.parametrize("build", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
+def test_recompute_hugging_face_models_bit_exact_20_steps(build):
+    model, loss_fn = build()
+    differs, _ = compare_steps(model, loss_fn, 20, policy="recompute", min_bytes=0)
+    assert differs is None, f"gradients differ at step {differs}"
+
+
+def test_recompute_saves_only_block_inputs_and_outside_tensors():
+    model, loss_fn = small_gpt(layers=4, hidden=64, seq=64)
+    with offload.activations(model=model, policy="keep", min_bytes=0) as keep:
+        loss_fn().backward()
+    with offload.activations(model=model, policy="recompute", min_bytes=0) as rec:
+        loss_fn().backward()
+    # Inside blocks checkpoint's own hooks hold the saves; ours see inputs and the head.
+    assert rec.stats.saved_bytes < 0.4 * keep.stats.saved_bytes
+
+
+def test_checkpoint_kwargs_tensors_reach_our_hooks():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x, *, scale):
+            return self.lin(x).sin() * scale
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x, scale):
+            for layer in self.layers:
+                x = layer(x, scale=scale)
+            return x
+
+    net = Net()
+    x, scale = torch.randn(8, 16), torch.randn(8, 16)  # (a leaf needing grad counts as a
+    with offload.activations(model=net, policy="recompute", min_bytes=0) as ctx:  # parameter)
+        net(x, scale).sum().backward()
+    # Checkpoint inputs: x, layer 0's output, and `scale` (passed by keyword, stored once):
+    # held in checkpoint's closure it would be out of our reach.
+    assert ctx.stats.saved_bytes == 3 * x.nbytes
+
+
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x).tanh()
+
+
+class _UserCheckpointed(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(_Counting() for _ in range(3))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_users_checkpointed_block_is_not_wrapped_twice(policy, reentrant, monkeypatch):
+    net = _UserCheckpointed(reentrant)
+    x = torch.randn(4, 32, requires_grad=True)
+    ours = []
+    for mod in (session_mod, recompute_mod):
+        original = mod.checkpoint_block
+
+        def counting(*a, _original=original, **k):
+            ours.append(1)
+            return _original(*a, **k)
+        monkeypatch.setattr(mod, "checkpoint_block", counting)
+    net(x).sum().backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    for step in range(3):  # auto: warm-up, profile, planned
+        net.zero_grad()
+        for layer in net.layers:
+            layer.calls = 0
+        with offload.activations(model=net, policy=policy, min_bytes=0,
+                                 probe="nvme_write_gbps=1e-3,nvme_read_gbps=1e-3"):
+            net(x).sum().backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(ref, net.parameters()))
+        # The user's checkpoint: one forward, one recompute. Ours on top would add more.
+        assert [layer.calls for layer in net.layers] == [2, 2, 2]
+    assert ours == []
+
+
+def test_no_offload_region_runs_blocks_as_they_are():
+    model, loss_fn = small_gpt(layers=2)
+    with offload.activations(model=model, policy="recompute", min_bytes=0) as rec:
+        with offload.no_offload():
+            loss_fn().backward()
+    with offload.activations(model=model, policy="keep", min_bytes=0) as keep:
+        with offload.no_offload():
+            loss_fn().backward()
+    assert rec.stats.saved_bytes == keep.stats.saved_bytes  # nothing was checkpointed
