@@ -13,7 +13,6 @@ import offload
 from offload.models import MLP, ConvNet
 from offload.schedule import recompute as recompute_mod
 from offload.schedule.recompute import run_block
-from offload.placement import Decision
 
 
 @pytest.fixture(autouse=True)
@@ -199,7 +198,8 @@ def test_the_plan_outlives_contexts_per_model(nvme_dir):
 
 
 # ---------------------------------------------------------------- recompute rules
-def test_a_stored_output_changed_in_place_later_raises_not_silently(nvme_dir):
+@pytest.mark.parametrize("target", ["keep", "nvme"])
+def test_a_stored_output_changed_in_place_later_raises_not_silently(target, nvme_dir):
     """Rule 1: the plan never stores an op output the forward changes afterwards (the
     profile sees it); if one is stored anyway, the replay raises autograd's in-place error
     instead of returning the changed values. Plain autograd is fine with this block: the
@@ -215,8 +215,8 @@ def test_a_stored_output_changed_in_place_later_raises_not_silently(nvme_dir):
     fn(x).backward()  # plain: no error
     with offload.activations(model=lin, policy="auto", min_bytes=0, tiers="nvme",
                              nvme_dir=nvme_dir, probe=SLOW) as ctx:
-        keep = Decision((), "test: keep")
-        store = lambda op: keep if op[0] == "aten.addmm.default" else None  # noqa: E731
+        decision = ctx._hooks.placement.target(target)
+        store = lambda op: decision if op[0] == "aten.addmm.default" else None  # noqa: E731
         out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.placement)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.backward()

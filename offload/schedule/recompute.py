@@ -30,7 +30,9 @@ counted, so the op ids of both passes agree.
 
 Rule 4 (held outputs). What we hold is a detached alias of the op output (it shares the
 storage and the version counter, Rule 1): holding the output itself would tie its autograd
-node to our stash and make a reference cycle. Each stored entry is dropped as soon as the
+node to our stash and make a reference cycle. Below autograd (in a dispatch mode) the
+ADInplaceOrView key is off, and an alias made there would get a version counter of its
+own: the pack runs with that key switched back on. Each stored entry is dropped as soon as the
 recompute took it, so its tier space returns during the backward of its block; a second
 backward (retain_graph) finds none and recomputes every op, which is plain checkpointing
 and replays exactly too.
@@ -72,15 +74,6 @@ def storable_op(func) -> str | None:
     if not schema.returns:
         return "no output"
     return None
-
-
-def _detached(x: Any) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return x
-    # Rule 4. Below autograd the ADInplaceOrView key is excluded, so a plain detach here
-    # would not share the version counter; re-enable it for this one call.
-    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
-        return x.detach()
 
 
 class _Held:
@@ -138,8 +131,12 @@ class _Store(TorchDispatchMode):
         def pack(x):
             if not isinstance(x, torch.Tensor):
                 return x
-            with self.placement.forced(decision):
-                return _Held(self.hooks.pack(_detached(x)))
+            # Rule 4: the hooks make aliases of `x` too (the kept alias, the version
+            # sentinel); under the guard they share its version counter as they do above
+            # autograd, so a later in-place change is caught.
+            with self.placement.forced(decision), torch._C._SetExcludeDispatchKeyGuard(
+                    torch._C.DispatchKey.ADInplaceOrView, False):
+                return _Held(self.hooks.pack(x.detach()))
 
         entry.packed = tree_map(pack, out)
         self.stash[(func, n)] = entry
