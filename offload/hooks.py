@@ -306,6 +306,10 @@ class OffloadHooks:
         packed.check_version()  # NOTE [Version check]
         if self.first_unpack_s is None:
             self.first_unpack_s = time.perf_counter()
+            # Read-ahead starts with the backward, not at the first moved payload's fetch:
+            # when the end of the forward stayed on the device (the don't-bounce plan,
+            # auto's plan), the link would otherwise idle while backward works through it.
+            self.prefetcher.start()
         if self.on_backward_end is not None:
             task = _graph_task_id()
             if task != self._queued_task and task >= 0:

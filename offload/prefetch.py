@@ -55,6 +55,13 @@ class Prefetcher:
                 self._top_up(pos)
         return payload.fetch()
 
+    def start(self) -> None:
+        """Backward began: start reading ahead from the last payload packed (if the cursor
+        has not started yet)."""
+        with self._lock:
+            if self._cursor is None and self._order:
+                self._top_up(len(self._order))
+
     def _top_up(self, pos: int) -> None:
         if self._cursor is None or pos - 1 < self._cursor:
             self._cursor = pos - 1

@@ -17,14 +17,15 @@ Cost model (seconds added to the profiled compute time `F + B`, forward + backwa
   the two stalls counts. Each transfer also costs its issue time on the host (probe).
 * don't bounce (what offload/bounce.py decides for the offload policy, folded in here): a
   storage whose measured pack→unpack gap is shorter than `SAFETY` round trips cannot hide
-  its transfer; moving it costs the whole round trip.
+  its transfer, alone or once the transfers queue behind each other (bounce.py's queue
+  simulation); moving it costs the whole round trip.
 
 Search: per block type the ops that may be recomputed are ranked by recompute time per
 byte freed, cheapest first (ops whose output cannot be stored, e.g. dropout masks written
 in place, come first: any per-op recompute of the block re-runs them). Each prefix of that
 ranking is one candidate (the empty one: the block runs as it is, "plain"); for each
-candidate the storages that remain are kept or moved, the largest hideable ones first,
-until the budget holds. The candidate with the lowest predicted time wins (ties: less
+candidate the storages that remain are kept or moved, those with the longest pack→unpack
+gap first (the most slack per byte), until the budget holds. The candidate with the lowest predicted time wins (ties: less
 recompute). Several block types: coordinate descent, one type at a time.
 """
 from __future__ import annotations
@@ -112,6 +113,11 @@ class Plan:
     # (block index or None, producing op id or None, bytes, target) per profiled storage
     # that the plan decided ("recompute" for the recomputed ones): for explain().
     decided: list = field(default_factory=list)
+    # Read-ahead the planned steps need: the most bytes one block brings back. Backward
+    # wants a block's storages together at its start; with less read-ahead than that the
+    # link cannot run a block ahead (measured: 1.0 s of stall in a 13 s step at 0.5 GB/s
+    # with the 64 MiB default). It is part of "one block's working set" of the budget.
+    readahead_bytes: int = 0
 
     def block_plan(self, index: int) -> BlockPlan | None:
         key = self.block_type.get(index)
@@ -171,6 +177,27 @@ def _transfer_stall(moved: dict[str, int], fwd_s: float, bwd_s: float, figures: 
             back = link / (figures.h2d_gbps * 1e9)
             stall = max(stall, max(0.0, out - ETA * fwd_s) + max(0.0, back - ETA * bwd_s))
     return stall
+
+
+def _gap_s(item: ItemRecord) -> float:
+    if item.pack_s is None:
+        return 0.0
+    return math.inf if item.unpack_s is None else item.unpack_s - item.pack_s
+
+
+def _queued_bounces(remaining: list[ItemRecord], targets: dict, out_bps: float,
+                    in_bps: float) -> float:
+    """Round trips of moved storages that bounce once the transfers queue behind each
+    other (offload/bounce.py simulates the queues): their whole round trip is exposed."""
+    from ..bounce import LinkSpeed, TensorTiming, keep_on_device
+
+    timed = [it for it in remaining if it.key in targets and it.pack_s is not None]
+    if not timed or out_bps <= 0 or in_bps <= 0:
+        return 0.0
+    link = LinkSpeed(out_bps, in_bps)
+    bouncing = keep_on_device((TensorTiming(it.key, it.nbytes, it.pack_s, it.unpack_s)
+                               for it in timed), link, safety=SAFETY)
+    return sum(it.nbytes / out_bps + it.nbytes / in_bps for it in timed if it.key in bouncing)
 
 
 def _hideable(item: ItemRecord, out_bps: float, in_bps: float) -> bool:
@@ -281,10 +308,12 @@ def _evaluate(profile: Profile, figures: Figures, params: PlanParams,
         out_bps, in_bps, issue = _rates(figures, first, params.device_type)
         hide = [it for it in remaining if _hideable(it, out_bps, in_bps)]
         bounce = [it for it in remaining if not _hideable(it, out_bps, in_bps)]
-        hide.sort(key=lambda it: (-it.nbytes, it.key))
+        # Longest pack -> unpack gap first: the most slack per byte, and the queue of writes
+        # does not pile up at the end of the forward, where backward needs things back first.
+        hide.sort(key=lambda it: (-_gap_s(it), -it.nbytes, it.key))
         # Bouncing ones last, the longest gaps (least exposed) first.
         bounce.sort(key=lambda it: (-((it.unpack_s or math.inf) - (it.pack_s or 0.0)), it.key))
-        for group, exposed in ((hide, False), (bounce, True)):
+        for group in (hide, bounce):
             for it in group:
                 if need <= 0:
                     break
@@ -294,10 +323,10 @@ def _evaluate(profile: Profile, figures: Figures, params: PlanParams,
                 targets[it.key] = tier
                 moved[tier] += it.nbytes
                 need -= it.nbytes
-                o, i, issue = _rates(figures, tier, params.device_type)
-                pred.issue_s += issue
-                if exposed:
-                    exposed_s += it.nbytes / o + it.nbytes / i
+                pred.issue_s += _rates(figures, tier, params.device_type)[2]
+    if targets:  # what bounces, alone or behind the queue, pays its whole round trip
+        out_bps, in_bps, _ = _rates(figures, params.tiers[0], params.device_type)
+        exposed_s += _queued_bounces(remaining, targets, out_bps, in_bps)
     pred.feasible = need <= 0
     pred.fixed_bytes = kept_fixed
     pred.moved_bytes = {t: b for t, b in moved.items() if b}
@@ -391,8 +420,12 @@ def _assemble(profile, figures, params, infos, items, pred, targets, recompute_s
         item_targets[it.key] = target
         if it.input_index is not None:
             input_targets[(it.block, it.input_index)] = target
+    per_block: dict = {}
+    for block, _, nbytes, target in decided:
+        if block is not None and target not in ("keep", "recompute"):
+            per_block[block] = per_block.get(block, 0) + nbytes
     summary = {"forward_s": profile.forward_s, "backward_s": profile.backward_s,
                "saved_bytes": profile.saved_bytes, "items": len(items),
                "blocks": len(profile.blocks)}
     return Plan(item_targets, op_targets, input_targets, blocks, block_type, pred, params,
-                figures, summary, signatures, notes, decided)
+                figures, summary, signatures, notes, decided, max(per_block.values(), default=0))

@@ -253,6 +253,9 @@ class AutoSession(Session):
         self._fallback = None
         # Tiers are open now (closed again before step_done): note what they may hold.
         self._capacity = {name: tier.capacity_bytes for name, tier in hooks.tiers.items()}
+        plan = self.state.plan
+        if plan is not None and plan.readahead_bytes > hooks.prefetcher.budget_bytes:
+            hooks.prefetcher.budget_bytes = plan.readahead_bytes  # see Plan.readahead_bytes
         if self.state.plan is None and self.state.warm:
             self.profiler = BlockProfiler(self._device.type)
         elif self.state.plan is None:
