@@ -1,4 +1,4 @@
-"""Issue-4 acceptance on CPU: no offload vs checkpoint-every-block vs NVMe offload.
+"""CPU acceptance runs: no offload vs checkpoint-every-block vs NVMe offload vs `auto`.
 
 Each variant runs in a fresh process (so peak RSS is per process), in rounds whose order
 is reversed each round (alternating, so machine-load drift hits all variants alike). A run
@@ -8,8 +8,14 @@ step time with min-max over every timed step of every round, peak RSS of the pro
 time and overlap fraction.
 
     python benchmarks/pipeline_bench.py --nvme-dir /var/tmp --rounds 3 --steps 3
+    python benchmarks/pipeline_bench.py --variants none,recompute,offload-nvme,auto \
+        --budget 30% --nvme-max-bw 500MB         # issue 11: auto against both, capped disk
 
-Environment variables OFFLOAD_* reach the offload variant unchanged (e.g. OFFLOAD_IO_WORKERS).
+Environment variables OFFLOAD_* reach the offload variants unchanged (e.g. OFFLOAD_IO_WORKERS).
+`auto` runs two untimed steps (its warm-up and its profile step) before the timed ones;
+its row also gives the plan's kept bytes against the budget, the step's peak resident
+activation bytes and the largest block's working set (what one block saves in a plain
+forward), and a last line its median over min(recompute, offload-nvme).
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-VARIANTS = ("none", "recompute", "offload-nvme")
+VARIANTS = ("none", "recompute", "offload-nvme", "auto")
 
 
 def run_one(variant: str, args) -> dict:
@@ -39,26 +45,60 @@ def run_one(variant: str, args) -> dict:
     model = GPT(cfg)
     idx, tgt = model.example_batch(args.batch)
     step_s, stall_s, overlap, stats = [], [], [], {}
-    for i in range(1 + args.steps):
+    untimed = 2 if variant == "auto" else 1
+    cap = {"nvme_max_bw": args.nvme_max_bw} if args.nvme_max_bw else {}
+    ctx = None
+    for i in range(untimed + args.steps):
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        if variant == "offload-nvme":
-            with offload.activations(model=model, tiers="nvme", policy="offload",
-                                     nvme_dir=args.nvme_dir) as ctx:
+        if variant in ("offload-nvme", "auto"):
+            extra = {"budget": args.budget} if variant == "auto" else {}
+            with offload.activations(model=model, tiers="nvme", nvme_dir=args.nvme_dir,
+                                     policy="auto" if variant == "auto" else "offload",
+                                     **cap, **extra) as ctx:
                 model.loss(idx, tgt).backward()
             stats = ctx.stats.as_dict()
         else:
             model.loss(idx, tgt, checkpoint_blocks=variant == "recompute").backward()
         dt = time.perf_counter() - t0
-        if i:  # the first step is the warm-up
+        if i >= untimed:  # warm-up (and auto's profile step) not timed
             step_s.append(dt)
             if stats:
                 stall_s.append(stats["stall_s"])
                 overlap.append(stats["overlap_fraction"])
-    return {"variant": variant, "step_s": step_s, "stall_s": stall_s, "overlap": overlap,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "nvme_bytes": stats.get("nvme_bytes", 0),
-            "bounce_kept_bytes": stats.get("bounce_kept_bytes", 0)}
+    out = {"variant": variant, "step_s": step_s, "stall_s": stall_s, "overlap": overlap,
+           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "nvme_bytes": stats.get("nvme_bytes", 0),
+           "bounce_kept_bytes": stats.get("bounce_kept_bytes", 0)}
+    if variant == "auto" and ctx is not None and ctx.plan is not None:
+        plan = ctx.plan
+        out.update(plan=str(plan), budget_bytes=plan.params.budget_bytes,
+                   kept_bytes=plan.prediction.kept_bytes,
+                   peak_resident_bytes=stats.get("peak_resident_bytes"),
+                   recomputed_bytes=plan.prediction.recomputed_bytes,
+                   block_working_set_bytes=_block_working_set(model, idx))
+    return out
+
+
+def _block_working_set(model, idx) -> int:
+    """Bytes one block saves in a plain forward (the largest block): what backward holds
+    at most for one block while it recomputes or reads it back."""
+    import torch
+
+    sizes = []
+    x = model.drop(model.tok_emb(idx) + model.pos_emb(torch.arange(idx.shape[1])))
+    for block in model.blocks:
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = block(x)
+        params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        sizes.append(sum(n for ptr, n in seen.items() if ptr not in params))
+        x = y.detach()
+    return max(sizes)
 
 
 def main(argv=None) -> int:
@@ -72,6 +112,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--nvme-dir", default=os.environ.get("OFFLOAD_NVME_DIR", "/var/tmp"))
+    p.add_argument("--budget", default="30%", help="OFFLOAD_BUDGET of the auto variant")
+    p.add_argument("--nvme-max-bw", default="",
+                   help="OFFLOAD_NVME_MAX_BW of the offload-nvme and auto variants")
     p.add_argument("--json", help="write every run's raw numbers here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -115,6 +158,30 @@ def main(argv=None) -> int:
         rel = f"{med / ref:.2f}x" if ref else "-"
         print(f"| {v} | {med:.2f} ({min(steps):.2f}-{max(steps):.2f}) | {rel} | {rss:.2f} "
               f"| {stall} | {hidden} |")
+    medians = {v: statistics.median(s for r in runs if r["variant"] == v for s in r["step_s"])
+               for v in variants}
+    autos = [r for r in runs if r["variant"] == "auto" and "budget_bytes" in r]
+    if autos:
+        a = autos[-1]
+        gib = 2 ** 30
+        print(f"auto: plan keeps {a['kept_bytes'] / gib:.2f} GiB of a "
+              f"{a['budget_bytes'] / gib:.2f} GiB budget, recomputes "
+              f"{a['recomputed_bytes'] / gib:.2f} GiB; peak resident activations "
+              f"{max(r['peak_resident_bytes'] for r in autos) / gib:.2f} GiB (every round); "
+              f"largest block's working set {a['block_working_set_bytes'] / gib:.2f} GiB")
+        peers = [v for v in ("recompute", "offload-nvme") if v in medians]
+        if peers:
+            best = min(peers, key=medians.get)
+            per_round = []
+            for r in range(args.rounds):
+                got = {run["variant"]: statistics.median(run["step_s"])
+                       for run in runs[r * len(variants):(r + 1) * len(variants)]}
+                per_round.append(got["auto"] / min(got[v] for v in peers))
+            print(f"auto / min({', '.join(peers)}) = {medians['auto'] / medians[best]:.3f} "
+                  f"(medians; best peer {best}); per round: "
+                  + ", ".join(f"{x:.3f}" for x in per_round))
+        print("auto plan (last round):")
+        print(a["plan"])
     return 0
 
 

@@ -130,7 +130,7 @@ class Config:
         ProbeSetting(), env="OFFLOAD_PROBE", kind="cached, refresh or figures",
         example="nvme_write_gbps=0.2", default_doc="cached",
         doc="Machine figures `auto` plans with: `cached` measures once per machine, device "
-            "and NVMe directory (cached under ~/.cache/offload), `refresh` measures again, "
+            "and NVMe file system (cached under ~/.cache/offload), `refresh` measures again, "
             "`name=value,...` gives figures (the rest are measured); `offload-probe` prints "
             "them.")
     trace: str | None = _knob(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import tempfile
 
 import pytest
 import torch
@@ -69,15 +70,20 @@ def test_refresh_measures_again_and_updates_the_cache(tmp_path):
     assert fresh.nvme_write_gbps == again.nvme_write_gbps == 2.0
 
 
-def test_cache_is_per_directory_and_per_workers(tmp_path):
+def test_cache_is_per_file_system_and_per_workers(tmp_path):
     fake = FakeMeasure()
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
-    probe.figures_for(_config(str(a)), CPU, measure_fn=fake)
-    probe.figures_for(_config(str(b)), CPU, measure_fn=fake)      # another directory
-    probe.figures_for(_config(str(a), io_workers=8), CPU, measure_fn=fake)  # other engine
-    probe.figures_for(_config(str(b)), CPU, measure_fn=fake)      # cached
-    assert fake.calls == [["compute", "nvme"], ["nvme"], ["nvme"]]
+    other = tempfile.mkdtemp(dir="/dev/shm")  # another file system (tmpfs)
+    try:
+        assert os.stat(other).st_dev != os.stat(a).st_dev
+        probe.figures_for(_config(str(a)), CPU, measure_fn=fake)
+        probe.figures_for(_config(str(b)), CPU, measure_fn=fake)  # same disk: cached
+        probe.figures_for(_config(other), CPU, measure_fn=fake)   # another one
+        probe.figures_for(_config(str(a), io_workers=8), CPU, measure_fn=fake)  # other engine
+        assert fake.calls == [["compute", "nvme"], ["nvme"], ["nvme"]]
+    finally:
+        os.rmdir(other)
 
 
 def test_no_nvme_tier_measures_no_disk():

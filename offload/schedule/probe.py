@@ -1,4 +1,4 @@
-"""Measured figures of this machine, cached per machine, device and NVMe directory.
+"""Measured figures of this machine, cached per machine, device and NVMe file system.
 
     figures = probe.figures_for(config, torch.device("cuda"))
 
@@ -9,7 +9,7 @@ its figures (offload/schedule/measure.py does the measuring):
 |---------|------------------------------------------------------|----------------------------------|
 | compute | compute_gflops, dispatch_op_s                        | host, device name, torch version |
 | pcie    | d2h_gbps, h2d_gbps, d2h_small_gbps, copy_issue_s     | host, device name, torch version |
-| nvme    | nvme_write_gbps, nvme_read_gbps, nvme_issue_s        | host, directories, I/O workers   |
+| nvme    | nvme_write_gbps, nvme_read_gbps, nvme_issue_s        | host, the directories' file systems, I/O workers |
 
 The cache is one JSON file under the user's cache directory (`$XDG_CACHE_HOME/offload`,
 default `~/.cache/offload`), versioned by `PROBE_VERSION`: a figure measured by an older
@@ -63,9 +63,9 @@ def _device_name(device: torch.device) -> str:
 def _key(group: str, device: torch.device, dirs: tuple[str, ...], workers: int) -> str:
     host = socket.gethostname()
     if group == "nvme":
-        # realpath: two spellings of one directory share the figure; a different mount of
-        # the same path (another disk) shows up as another st_dev.
-        where = ";".join(f"{os.path.realpath(d)}@{os.stat(d).st_dev}" for d in dirs)
+        # The file system's device, not the path: the speed is the disk's, and training
+        # scripts and offload-bench make a fresh scratch directory per run on it.
+        where = ";".join(f"dev {os.stat(d).st_dev}" for d in dirs)
         return f"nvme|{host}|{where}|workers={workers}"
     torch_ver = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     return f"{group}|{host}|{_device_name(device)}|torch {torch_ver}"
