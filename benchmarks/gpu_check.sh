@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# One-shot check for a lent GPU machine: build the extension, record the machine, measure the
-# pinned-copy bandwidth (the reference) and our copy path against it, run the cuda-marked
-# tests, a short end-to-end smoke step, and the GPU benchmark.
+# One-shot check for a lent GPU machine: build the extension, record the machine, the
+# scheduler's probe figures next to the PCIe ceiling and its Pareto run (step overhead
+# against activation memory removed: none, recompute, offload-host, auto at 50/30/15%,
+# torch's selective checkpointing), the pinned-copy bandwidth (the reference) and our copy
+# path against it, the cuda-marked tests, a short end-to-end smoke step, and the GPU
+# benchmark.
 #
 #   OUT=/some/dir bash benchmarks/gpu_check.sh        # everything lands in $OUT
 #
-# Built for one device call: the whole script stays inside GPU_CHECK_BUDGET_S (default 480 s)
+# Built for one device call: the whole script stays inside GPU_CHECK_BUDGET_S (default 540 s)
 # by giving each step min(its own limit, what is left). A failing or timed-out step is
 # recorded and the script goes on; $OUT/summary.txt has one line per step with its rc
 # (124 = timed out, "skip" = no time left) and a last VERDICT line: FAIL when any step did
 # not run or failed, or a cuda test was skipped (the reasons are in pytest.log). The script
-# itself exits 0 unless it could not start. Files in $OUT (the device tool brings back 8):
-# summary.txt, build.log (machine + versions + build), bandwidth.log, pytest.log, smoke.log,
-# trace.json (the smoke step's OFFLOAD_TRACE), bench.log, bench.json.
+# itself exits 0 unless it could not start. Files in $OUT: summary.txt, build.log (machine +
+# versions + build), probe.log (offload-probe: figures and ceilings), pareto.log and
+# pareto.json (benchmarks/gpu_pareto.py), bandwidth.log, pytest.log, smoke.log, trace.json
+# (the smoke step's OFFLOAD_TRACE), bench.log, bench.json.
 #
 # Knobs: PYTHON (default python3), GPU_CHECK_BUDGET_S, GPU_CHECK_BENCH_ARGS (extra arguments
 # for offload.bench), GPU_CHECK_NVME_DIR (default /var/tmp), GPU_CHECK_SKIP (comma-separated
@@ -23,7 +27,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-check-out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
 NVME_DIR="${GPU_CHECK_NVME_DIR:-/var/tmp}"
 SUMMARY="$OUT/summary.txt"
 START_S=$(date +%s)
@@ -250,9 +254,12 @@ export OUT PY NVME_DIR
 export -f build env_info bandwidth smoke
 
 step build 180 build   # the machine and versions are at the top of build.log
-step bandwidth 60 bandwidth
+# The scheduler first (new since the last GPU run): its figures, then its Pareto run.
+step probe 60 "$PY" -m offload.schedule.probe_cli --refresh --device cuda --nvme-dir "$NVME_DIR"
+step pareto 150 "$PY" benchmarks/gpu_pareto.py --json "$OUT/pareto.json"
 # -rs: every skipped test is listed with its reason (and counted in the verdict below).
 step pytest 150 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider -o addopts= tests
+step bandwidth 60 bandwidth
 step smoke 60 smoke
 # The mid-size GPT (7.24 GiB saved per step) rather than gpt_for_machine's H200 size (about
 # four times the bytes): at this size the offload-nvme row already took 48 s on the H200's

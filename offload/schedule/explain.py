@@ -31,8 +31,9 @@ def render(plan: Plan) -> str:
         f"{prof['blocks']} blocks",
         f"  figures: {figures.describe()}",
         f"  budget {format_bytes(params.budget_bytes)} kept; tiers that free memory: "
-        f"{', '.join(params.tiers) or 'none'}; read-ahead "
-        f"{format_bytes(plan.readahead_bytes)} (one block's moved bytes)",
+        f"{', '.join(params.tiers) or 'none'}; read-ahead: "
+        + (f"{format_bytes(plan.readahead_bytes)} (one block's moved bytes: slow link)"
+           if plan.readahead_bytes else "OFFLOAD_PREFETCH_BYTES"),
     ]
     lines += [f"  note: {n}" for n in plan.notes]
     move = params.tiers[0] if params.tiers else None

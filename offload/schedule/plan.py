@@ -113,10 +113,7 @@ class Plan:
     # (block index or None, producing op id or None, bytes, target) per profiled storage
     # that the plan decided ("recompute" for the recomputed ones): for explain().
     decided: list = field(default_factory=list)
-    # Read-ahead the planned steps need: the most bytes one block brings back. Backward
-    # wants a block's storages together at its start; with less read-ahead than that the
-    # link cannot run a block ahead (measured: 1.0 s of stall in a 13 s step at 0.5 GB/s
-    # with the 64 MiB default). It is part of "one block's working set" of the budget.
+    # Read-ahead the planned steps need (0: the configured one will do); see _readahead.
     readahead_bytes: int = 0
 
     def block_plan(self, index: int) -> BlockPlan | None:
@@ -421,11 +418,43 @@ def _assemble(profile, figures, params, infos, items, pred, targets, recompute_s
         if it.input_index is not None:
             input_targets[(it.block, it.input_index)] = target
     per_block: dict = {}
+    largest = 0
     for block, _, nbytes, target in decided:
-        if block is not None and target not in ("keep", "recompute"):
-            per_block[block] = per_block.get(block, 0) + nbytes
+        if target not in ("keep", "recompute"):
+            largest = max(largest, nbytes)
+            if block is not None:
+                per_block[block] = per_block.get(block, 0) + nbytes
     summary = {"forward_s": profile.forward_s, "backward_s": profile.backward_s,
                "saved_bytes": profile.saved_bytes, "items": len(items),
                "blocks": len(profile.blocks)}
     return Plan(item_targets, op_targets, input_targets, blocks, block_type, pred, params,
-                figures, summary, signatures, notes, decided, max(per_block.values(), default=0))
+                figures, summary, signatures, notes, decided,
+                _readahead(profile, figures, params, per_block, largest, pred.recompute_s))
+
+
+# A block's reads are slow next to its backward when they take more than this share of it.
+SLOW_READ_SHARE = 0.25
+
+
+def _readahead(profile: Profile, figures: Figures, params: PlanParams, per_block: dict,
+               largest: int, recompute_s: float) -> int:
+    """Read-ahead of one block's moved bytes, when the link is slow next to the backward.
+
+    Backward wants a block's storages together at its start. Where reading them takes a
+    good share of a block's backward, a read-ahead shorter than one block's bytes cannot run
+    the link ahead (measured on the reference GPT at OFFLOAD_NVME_MAX_BW=500MB: 1.0 s of
+    stall in a 13 s step with the 64 MiB default, 0.01 s with one block's 336 MiB). The
+    bytes read ahead are part of the "one block's working set" on top of the budget.
+    Reads that do not fit the staging arena land in fresh memory, whose page faults cost
+    more than the stall they save on a CPU (measured: a 336 MiB read-ahead against the
+    256 MiB arena made the capped-disk step 4-45% slower than offloading everything, with
+    no stall): at most the arena less one payload, and nothing on a fast link.
+    """
+    if not per_block or not params.tiers or not profile.blocks:
+        return 0
+    biggest = max(per_block.values())
+    in_bps = _rates(figures, params.tiers[0], params.device_type)[1]
+    block_backward_s = (profile.backward_s + recompute_s) / len(profile.blocks)
+    if biggest / in_bps <= SLOW_READ_SHARE * block_backward_s:
+        return 0
+    return max(0, min(biggest, params.staging_bytes - largest))

@@ -130,6 +130,7 @@ class _AutoState:
 
     def __init__(self) -> None:
         self.plan = None
+        self.profile = None  # the step the plan was made from (re-plan with other figures)
         self.warm = False   # a step ran since the last (re)start: the next one may profile
         self.replan_reason: str | None = "first profile"
         self.lock = threading.Lock()
@@ -338,6 +339,7 @@ class AutoSession(Session):
         plan = make_plan(profile, figures, self._params(profile))
         with state.lock:
             reason, state.plan, state.replan_reason = state.replan_reason, plan, None
+            state.profile = profile
         log.info("offload: auto plan (%s): %s", reason, plan.summary())
 
     def _profile(self, stats, hooks, end_s: float) -> Profile | None:
