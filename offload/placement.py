@@ -1,10 +1,10 @@
 """Where one saved storage goes: keep it, or an ordered list of tiers to try.
 
-`Placement.decide` is the single decision point. Today it applies OFFLOAD_POLICY,
-OFFLOAD_MIN_BYTES and `no_offload()`; the scheduler (recompute vs offload per tensor and op,
-via torch.utils.checkpoint's context_fn) replaces it with a subclass that also looks at the
-hints (op, block, position in the step). Capacity is not decided here: the hook layer tries
-the targets in order and a full tier spills to the next (see offload/hooks.py).
+`Placement.decide` is the single decision point. It applies OFFLOAD_POLICY,
+OFFLOAD_MIN_BYTES and `no_offload()`; under `auto` the scheduler's subclass
+(`SchedulePlacement`, offload/schedule/session.py) adds the plan: keep or which tier, looked
+up by where in the step the storage was saved. Capacity is not decided here: the hook layer
+tries the targets in order and a full tier spills to the next (see offload/hooks.py).
 
 Don't bounce: a storage saved at the end of the forward is needed again at the start of the
 backward; moving it out and back costs two transfers (and a backward stall) for a free

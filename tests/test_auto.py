@@ -220,3 +220,26 @@ def test_a_stored_output_changed_in_place_later_raises_not_silently(target, nvme
         out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.placement)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.backward()
+
+
+def test_backward_after_the_block_exits(nvme_dir):
+    """`with ctx: loss = model(x)` then `loss.backward()` outside: blocks are unwrapped at
+    exit, checkpoint's recompute and the stored outputs still work, the plan is made when
+    the last saved tensor is freed."""
+    model, loss_fn = small_gpt()
+    ref = []
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        loss_fn().backward()
+        ref.append([p.grad.clone() for p in model.parameters()])
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        with offload.activations(model=model, **_settings(nvme_dir, SLOW)) as ctx:
+            loss = loss_fn()
+        assert all("forward" not in b.__dict__ for b in model.blocks)
+        loss.backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(ref[step], model.parameters()))
+    assert ctx.plan is not None and any(bp.per_op for bp in ctx.plan.blocks.values())
+    ctx.close()
