@@ -97,7 +97,19 @@ def test_tighter_budget_less_kept():
         kept.append(plan.prediction.kept_bytes)
     assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]
     full = make_plan(profile(), figures(0.3), params(1.0))
-    assert _summary(full)[:2] == (0, 0)  # everything fits: nothing moved or recomputed
+    assert _summary(full)[0] == 0  # everything fits: nothing recomputed ...
+    assert full.prediction.stall_s == 0  # ... and only what hides for free is moved
+
+
+def test_the_budget_is_a_ceiling_what_hides_for_free_moves():
+    roomy = params(1.0)
+    fast = make_plan(profile(), figures(100.0), roomy)
+    slow = make_plan(profile(), figures(0.01), roomy)
+    assert sum(fast.prediction.moved_bytes.values()) > 0.5 * profile().saved_bytes
+    assert fast.prediction.stall_s == 0 and fast.prediction.step_s == pytest.approx(
+        fast.prediction.compute_s, rel=1e-3)
+    assert sum(slow.prediction.moved_bytes.values()) < \
+        sum(fast.prediction.moved_bytes.values())
 
 
 def test_recompute_starts_with_the_cheapest_per_byte():
