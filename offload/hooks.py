@@ -200,7 +200,7 @@ class OffloadHooks:
         self.idle_since_s: float | None = None  # when the last record holding space died
         self.first_unpack_s: float | None = None  # where the backward starts (trace, bounce)
         self._stored = 0  # storages decided so far: their position is the BouncePlan key
-        self.timings: list[list] = []  # [key, nbytes, pack_s, unpack_s] per moved storage
+        self.timings: list[list] = []  # [key, nbytes, pack_s, unpack_s] per moved or bounce-kept storage
 
     # ---------------------------------------------------------------- pack
     def pack(self, t: torch.Tensor) -> _Packed:
@@ -263,7 +263,9 @@ class OffloadHooks:
                 self._all_full(nbytes, decision.targets)
         resident = payload is None or payload.resident
         record = _Record(self, payload, nbytes, kind, resident)
-        if payload is not None:
+        if payload is not None or decision is getattr(self.placement, "bounce_decision", None):
+            # A storage the plan kept is timed too: otherwise the next plan, learning from
+            # moved storages only, forgets it and moves it again (keep/move every other step).
             record.timing = [key, nbytes, time.perf_counter(), None]
             self.timings.append(record.timing)
         self._account(record)
@@ -317,6 +319,9 @@ class OffloadHooks:
                 self._queued_task = task
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         if packed.tensor is not None:
+            timing = packed.record.timing if packed.record is not None else None
+            if timing is not None and timing[3] is None:
+                timing[3] = time.perf_counter()
             packed.mark_unpacked()
             return packed.tensor
         with self._lock:

@@ -90,7 +90,7 @@ class BouncePlan:
                         key=lambda t: float("inf") if t.unpack_s is None
                         else t.unpack_s - t.pack_s):
             if total + t.nbytes > budget:
-                break
+                continue   # a smaller one with a longer gap may still fit
             chosen.add(t.key)
             total += t.nbytes
         self.keep = frozenset(chosen)

@@ -191,14 +191,23 @@ def test_twenty_steps_gpt_bf16_nvme(nvme_dir):
 
 
 @pytest.mark.parametrize("name", ["gpt", "convnet"])
-def test_model_given_learns_a_keep_plan_and_stays_bit_exact(name, nvme_dir):
+def test_model_given_learns_a_keep_plan_and_stays_bit_exact(name, nvme_dir, monkeypatch):
     """With model= the bounce plan is shared across steps: from the second step on it keeps
-    what would bounce (placement.py). Twelve steps with that plan active, and the moves."""
+    what would bounce (placement.py). Twelve steps with that plan active, and the moves.
+
+    The plan comes from measured speeds and gaps; on these tiny models whether anything
+    bounces at full disk speed depends on the machine's load (CI saw an empty plan). The
+    measured link is made slow (1 MB/s each way, as test_bounce_placement does), so the end
+    of the forward bounces on any machine and the keep plan is exercised every step."""
+    from offload.stats import Stats
+
+    monkeypatch.setattr(Stats, "nvme_write_gbps", property(lambda self: 0.001))
+    monkeypatch.setattr(Stats, "nvme_read_gbps", property(lambda self: 0.001))
     got = train(name, 12, _kwargs("nvme", 0, nvme_dir), pass_model=True)
     assert_same(baseline(name, 12), got[:2])
     assert_moved(got[2], "nvme")
     assert got[2][0].bounce_kept_bytes == 0                  # nothing learned yet
-    assert sum(s.bounce_kept_bytes for s in got[2][1:]) > 0, "the keep plan stayed empty"
+    assert all(s.bounce_kept_bytes > 0 for s in got[2][1:]), "the keep plan stayed empty"
     for s in got[2]:
         assert s.kept_bytes == s.bounce_kept_bytes
 
