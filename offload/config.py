@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping
 
 from . import logs
 from .errors import ConfigError
+from .ranks import Ranks, agreed_total
 from .schedule.figures import ProbeSetting, parse_probe_setting
-from .ranks import Ranks
 from .sizes import SizeSpec, format_bytes, parse_size
 
 __all__ = ["Config", "TIERS", "POLICIES", "env_table_markdown"]
@@ -269,7 +269,10 @@ class Config:
         divided among the processes of this host (NOTE [Host share] in ranks.py)."""
         import psutil
 
-        return self._resolve_share(self.host_bytes, psutil.virtual_memory().available)
+        def available() -> int:
+            return psutil.virtual_memory().available
+
+        return self._resolve_share(self.host_bytes, available, "ram")
 
     def nvme_capacity_bytes(self) -> int:
         """Capacity of the nvme tier in bytes, checked against the free space; a percentage
@@ -278,19 +281,25 @@ class Config:
         Raises:
             ConfigError: an absolute size larger than the free space.
         """
-        free = _free_disk_bytes(self.nvme_dir)
-        capacity = self._resolve_share(self.nvme_bytes, free)
-        if capacity > free:
+        def free() -> int:
+            return _free_disk_bytes(self.nvme_dir)
+
+        devices = ",".join(str(d) for d in sorted({os.stat(p).st_dev for p in self.nvme_dir}))
+        capacity = self._resolve_share(self.nvme_bytes, free, f"disk-{devices}")
+        now = free()
+        if capacity > now:
             ranks = self.ranks.local_world_size
             each = (f" (each of the {ranks} processes of this host takes this size: lower it, "
                     "or give a percentage, which is divided among them)" if ranks > 1 else
                     " (lower it, or give a percentage such as '50%')")
             raise ConfigError(
-                f"{self.where('nvme_bytes')}: only {format_bytes(free)} free in "
+                f"{self.where('nvme_bytes')}: only {format_bytes(now)} free in "
                 f"{', '.join(self.nvme_dir)}{each}")
         return capacity
 
-    def _resolve_share(self, spec: SizeSpec, total_bytes: int) -> int:
+    def _resolve_share(self, spec: SizeSpec, measure: Callable[[], int], what: str) -> int:
+        """Bytes of `spec` for this process; a percentage of the host-wide total `measure`
+        returns is divided among the local ranks (ranks.py NOTE [Host share])."""
         if spec.fraction is None:
             return spec.nbytes  # a size is per process, as given
         if self.ranks.local_size_unknown:
@@ -300,7 +309,13 @@ class Config:
                        "among the processes of this host; every process takes the whole "
                        "percentage (set LOCAL_WORLD_SIZE, launch with torchrun, or give sizes "
                        "per process such as '8GiB')")
-        return self.ranks.local_share(spec.resolve(total_bytes))
+        if self.ranks.local_world_size == 1:
+            return spec.resolve(measure())
+        now = measure()
+        share = self.ranks.local_share(spec.resolve(agreed_total(what, lambda: now)))
+        # The agreed total is from the job's first measurement: never take more than the
+        # percentage of what is there now (the disk may have filled up since).
+        return min(share, spec.resolve(now))
 
     def apply_log_level(self) -> None:
         """Set the `offload` logger's level from OFFLOAD_LOG (kept when unset) and which

@@ -11,15 +11,26 @@ file system. With `torchrun --nproc-per-node 8` each of the 8 processes resolvin
 its own would claim 400 % of the RAM between them and `fallocate` half of what the ranks
 before it left. So a percentage is divided among the local ranks (`local_share`); an
 absolute size is what the user gave for one process and stays as it is.
+
+The ranks must also divide the *same* total. Each process resolves its capacity when it
+first needs it, and the free space it sees then already lacks what the ranks before it
+reserved (on 2 ranks the second got 75 % of the first's share; 8 ranks opening one after
+the other would take 40 % of the disk instead of 50 %, the last 64 % of the first's). So when a process group is up, the first local rank to
+measure a host-wide total (free space of a file system, available RAM) publishes it in the
+job's key-value store (`compare_set`: one atomic write, no collective, so ranks that never
+offload or arrive late block nobody) and every local rank divides that figure
+(`agreed_total`). Without a process group each process uses what it measures.
 """
 from __future__ import annotations
 
 import os
-from typing import Mapping, NamedTuple
+import socket
+import sys
+from typing import Callable, Mapping, NamedTuple
 
 from .errors import ConfigError
 
-__all__ = ["Ranks", "current_rank"]
+__all__ = ["Ranks", "current_rank", "agreed_total"]
 
 
 class Ranks(NamedTuple):
@@ -84,10 +95,34 @@ def current_rank() -> int | None:
     world = os.environ.get("WORLD_SIZE", "").strip()
     if raw.isdigit() and world.isdigit() and int(world) > 1:
         return int(raw)
-    import sys
-
-    dist = sys.modules.get("torch.distributed")  # never import torch.distributed for a log line
-    if dist is not None and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() > 1:
+    dist = _initialized_dist()
+    if dist is not None and dist.get_world_size() > 1:
         return dist.get_rank()
+    return None
+
+
+def agreed_total(name: str, measure: Callable[[], int]) -> int:
+    """A host-wide total as the first local rank to ask measured it (NOTE [Host share]).
+
+    Args:
+        name: What is measured, unique on this host (e.g. the file systems' device ids).
+        measure: Measures it now; its value is used as is without a process group.
+    """
+    value = measure()
+    dist = _initialized_dist()
+    if dist is None:
+        return value
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        key = f"offload/host-total/{socket.gethostname()}/{name}"
+        return int(store.compare_set(key, "", str(value)))
+    except Exception:  # a store without compare_set, or gone: the local figure is safe too
+        return value
+
+
+def _initialized_dist():
+    """torch.distributed when a process group is up; never imports it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist
     return None

@@ -50,6 +50,31 @@ def test_percentages_are_divided_among_the_local_ranks(machine, tmp_path):
     assert _cfg(tmp_path, LOCAL_WORLD_SIZE="8").host_capacity_bytes() == 20 * GiB // 8
 
 
+def test_local_ranks_divide_the_total_the_first_one_measured(tmp_path, monkeypatch):
+    """With a process group up, the job's store carries the first measurement to every local
+    rank, so ranks that resolve later (after others reserved) get the same share."""
+    import psutil
+    import torch.distributed as dist
+
+    available = [40 * GiB]
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(64 * GiB, available[0]))
+    cfg = _cfg(tmp_path, LOCAL_WORLD_SIZE="2", OFFLOAD_HOST_BYTES="50%")
+    assert cfg.host_capacity_bytes() == 10 * GiB
+    available[0] = 30 * GiB
+    assert cfg.host_capacity_bytes() == int(7.5 * GiB)  # no process group: what it sees
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1)
+    try:
+        available[0] = 40 * GiB
+        assert cfg.host_capacity_bytes() == 10 * GiB    # publishes 40 GiB
+        available[0] = 30 * GiB                          # another rank took 10 GiB since
+        assert cfg.host_capacity_bytes() == 10 * GiB    # still half of 50 % of 40 GiB
+        available[0] = 12 * GiB                          # the machine filled up meanwhile:
+        assert cfg.host_capacity_bytes() == 6 * GiB     # never over 50 % of what is there
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_single_process_takes_the_whole_percentage(machine, tmp_path):
     cfg = _cfg(tmp_path, OFFLOAD_HOST_BYTES="40%", OFFLOAD_NVME_BYTES="50%")
     assert cfg.host_capacity_bytes() == int(0.4 * 40 * GiB)
