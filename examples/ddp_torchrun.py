@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import offload
 from offload.config import parse_nvme_dirs
 from offload.models import GPT, GPTConfig
+
+
+def say(line: str) -> None:
+    """One line from this rank in one write, so lines of several ranks never interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def train(args, device: torch.device, use_offload: bool) -> list[torch.Tensor]:
@@ -48,12 +55,12 @@ def train(args, device: torch.device, use_offload: bool) -> list[torch.Tensor]:
             moved[tier] += getattr(ctx.stats, f"{tier}_bytes")
     if use_offload:
         s, mib = ctx.stats, 1 << 20
-        print(f"rank {rank}/{dist.get_world_size()} (local {os.environ.get('LOCAL_RANK')} of "
-              f"{os.environ.get('LOCAL_WORLD_SIZE')}): host capacity "
-              f"{s.host_capacity_bytes / mib:.1f} MiB, nvme capacity "
-              f"{s.nvme_capacity_bytes / mib:.1f} MiB; over {args.steps} steps kept "
-              f"{moved['kept'] / mib:.0f} MiB, host {moved['host'] / mib:.0f} MiB, nvme "
-              f"{moved['nvme'] / mib:.0f} MiB", flush=True)
+        say(f"rank {rank}/{dist.get_world_size()} (local {os.environ.get('LOCAL_RANK')} of "
+            f"{os.environ.get('LOCAL_WORLD_SIZE')}): host capacity "
+            f"{s.host_capacity_bytes / mib:.1f} MiB, nvme capacity "
+            f"{s.nvme_capacity_bytes / mib:.1f} MiB; over {args.steps} steps kept "
+            f"{moved['kept'] / mib:.0f} MiB, host {moved['host'] / mib:.0f} MiB, nvme "
+            f"{moved['nvme'] / mib:.0f} MiB")
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -89,8 +96,8 @@ def main() -> None:
         if args.check:
             plain = train(args, device, use_offload=False)
             same = all(torch.equal(a, b) for a, b in zip(weights, plain))
-            print(f"rank {dist.get_rank()}: weights vs no offload:",
-                  "bit-exact" if same else "DIFFERENT", flush=True)
+            say(f"rank {dist.get_rank()}: weights vs no offload: "
+                f"{'bit-exact' if same else 'DIFFERENT'}")
             if not same:
                 raise SystemExit(1)
     finally:

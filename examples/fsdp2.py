@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,12 @@ from torch.distributed.fsdp import fully_shard
 import offload
 from offload.config import parse_nvme_dirs
 from offload.models import GPT, GPTConfig
+
+
+def say(line: str) -> None:
+    """One line from this rank in one write, so lines of several ranks never interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def train(args, device: torch.device, use_offload: bool) -> list[torch.Tensor]:
@@ -45,9 +52,9 @@ def train(args, device: torch.device, use_offload: bool) -> list[torch.Tensor]:
         opt.zero_grad(set_to_none=True)
         if use_offload:
             s, mib = ctx.stats, 1 << 20
-            print(f"rank {rank} step {step}: saved {s.saved_bytes / mib:.0f} MiB, nvme "
-                  f"{s.nvme_bytes / mib:.0f} MiB (capacity {s.nvme_capacity_bytes / mib:.0f} "
-                  f"MiB), weights never moved: {s.param_bytes / mib:.1f} MiB", flush=True)
+            say(f"rank {rank} step {step}: saved {s.saved_bytes / mib:.0f} MiB, nvme "
+                f"{s.nvme_bytes / mib:.0f} MiB (capacity {s.nvme_capacity_bytes / mib:.0f} "
+                f"MiB), weights never moved: {s.param_bytes / mib:.1f} MiB")
     return [p.to_local().detach().clone() for p in model.parameters()]  # this rank's shards
 
 
@@ -82,8 +89,8 @@ def main() -> None:
         if args.check:
             plain = train(args, device, use_offload=False)
             same = all(torch.equal(a, b) for a, b in zip(weights, plain))
-            print(f"rank {dist.get_rank()}: weights vs no offload:",
-                  "bit-exact" if same else "DIFFERENT", flush=True)
+            say(f"rank {dist.get_rank()}: weights vs no offload: "
+                f"{'bit-exact' if same else 'DIFFERENT'}")
             if not same:
                 raise SystemExit(1)
     finally:
