@@ -1,9 +1,10 @@
 """Where this process stands among the ranks of a distributed run, and what follows from it.
 
-Launchers (torchrun, `accelerate launch`, Lightning's, DeepSpeed's) tell each process its
-place through environment variables: RANK and WORLD_SIZE over the whole job, LOCAL_RANK
-and LOCAL_WORLD_SIZE among the processes of this host. They are the launcher's variables,
-not ours, and are read once per `Config` (they do not change during a run).
+The launcher tells each process its place through environment variables: RANK and
+WORLD_SIZE over the whole job, LOCAL_RANK and LOCAL_WORLD_SIZE among the processes of this
+host (torchrun sets all four; a missing one takes its single-process default, and LOCAL_RANK
+without LOCAL_WORLD_SIZE gets one warning). They are the launcher's variables, not ours, and
+are read once per `Config` (they do not change during a run).
 
 NOTE [Host share] A percentage capacity (`OFFLOAD_HOST_BYTES=50%`, `OFFLOAD_NVME_BYTES=50%`)
 is a share of something every process of the host draws from: its RAM, the free space of a
