@@ -27,7 +27,7 @@ from .errors import OffloadError
 from .hooks import OffloadHooks, _set_no_offload_depth, no_offload_depth
 from .placement import BouncePlan, plan_for
 from .prefetch import Prefetcher
-from .schedule.session import start_session
+from .schedule.session import Session, start_session
 from .stats import Stats
 from .step import Step, close_tiers, finish_pending
 from .tensor_meta import ParamStorages
@@ -91,8 +91,10 @@ class ActivationOffload:
         self._steps: weakref.WeakSet[Step] = weakref.WeakSet()  # every one not yet freed
         self._hook_thread: int | None = None
         self._bounce = BouncePlan()  # learned across the steps of this context (no model=)
-        # recompute / auto: blocks and the plan (offload/schedule/session.py).
-        self._schedule = start_session(config, model, blocks)
+        # recompute / auto: blocks and the plan (offload/schedule/session.py); a disabled
+        # context looks for no block and wraps nothing.
+        self._schedule = start_session(config, model, blocks) if config.enabled \
+            else Session(config)
 
     @property
     def plan(self):

@@ -245,6 +245,23 @@ def test_disabled_installs_nothing(how, monkeypatch):
         pass
 
 
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_disabled_scheduler_policies_wrap_nothing(policy):
+    """Without model= `recompute` raises ConfigError (no blocks); disabled, nothing is looked
+    for, and a model's blocks run as they are."""
+    from offload.models import GPT, GPTConfig
+
+    offload.activations(enabled=False, policy=policy)  # no ConfigError
+    model = GPT(GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16))
+    forwards = [type(b).forward for b in model.blocks]
+    with offload.activations(enabled=False, policy=policy, model=model) as ctx:
+        assert _saved_tensor_hooks() is None
+        assert [type(b).forward for b in model.blocks] == forwards
+        assert all("forward" not in vars(b) for b in model.blocks)
+        model(torch.randint(64, (2, 16))).sum().backward()
+    assert ctx.plan is None
+
+
 def test_enabled_context_does_install_hooks():
     # The check above would pass vacuously if hooks were never visible this way.
     with offload.activations(tiers="host"):
