@@ -17,7 +17,9 @@ import shutil
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
+from . import logs
 from .errors import ConfigError
+from .ranks import Ranks, agreed_total
 from .schedule.figures import ProbeSetting, parse_probe_setting
 from .sizes import SizeSpec, format_bytes, parse_size
 
@@ -56,6 +58,11 @@ def _knob(default: Any, *, env: str, kind: str, example: str, doc: str,
 class Config:
     """Settings of `offload.activations()`; build with `Config.from_env(**overrides)`."""
 
+    enabled: bool = _knob(
+        True, env="OFFLOAD_ENABLED", kind="bool", example="0",
+        doc="`0` turns offload off: the context installs no hook and opens no tier (the other "
+            "settings are parsed but not checked against the machine), so one flag, or "
+            "`offload.activations(enabled=False)`, compares a run with and without it.")
     tiers: tuple[str, ...] = _knob(
         ("host",), env="OFFLOAD_TIERS", kind="list of tiers", example="host,nvme",
         doc="Where offloaded activations go, fastest first; a full tier spills to the next. "
@@ -67,13 +74,16 @@ class Config:
             "`{local_rank}` expand from RANK / LOCAL_RANK. Files are private and unlinked at once.")
     host_bytes: SizeSpec = _knob(
         SizeSpec(fraction=0.5), env="OFFLOAD_HOST_BYTES", kind="size or %", example="8GiB",
-        doc="Capacity of the `host` tier; a percentage is of the RAM available at entry.")
+        doc="Capacity of the `host` tier; a percentage is of the RAM available at entry, "
+            "divided among the processes of this host (LOCAL_WORLD_SIZE); a size is per "
+            "process.")
     nvme_bytes: SizeSpec = _knob(
         SizeSpec(fraction=0.5), env="OFFLOAD_NVME_BYTES", kind="size or %", example="64GiB",
         doc="What this process may keep in the NVMe directories, shared by every context alive "
             "at once (one budget per directory set); reserved with fallocate when the first "
             "context opens it and kept open between steps. A percentage is of the free space of "
-            "the directories' file systems at that moment. When it is full, tensors spill to the "
+            "the directories' file systems at that moment, divided among the processes of "
+            "this host (LOCAL_WORLD_SIZE); a size is per process. When it is full, tensors spill to the "
             "next tier, stay with a warning, or raise TierFullError (OFFLOAD_STRICT).")
     min_bytes: int = _knob(
         _DEFAULT_MIN_BYTES, env="OFFLOAD_MIN_BYTES", kind="size", example="1MiB",
@@ -97,6 +107,11 @@ class Config:
         None, env="OFFLOAD_LOG", kind="log level", example="INFO", default_doc="unset",
         doc="Level of the `offload` logger; per-step stats are logged at INFO. Unset leaves "
             "logging as the application configured it.")
+    log_ranks: tuple[int, ...] | None = _knob(
+        (0,), env="OFFLOAD_LOG_RANKS", kind="ranks or all", example="all",
+        doc="In a distributed run, the ranks (RANK) whose INFO and DEBUG lines, the per-step "
+            "stats among them, are logged: one rank, a list such as `0,4`, or `all`. Every "
+            "rank logs warnings and errors, and every line names its rank.")
     prefetch_bytes: int = _knob(
         _DEFAULT_PREFETCH_BYTES, env="OFFLOAD_PREFETCH_BYTES", kind="size", example="512MiB",
         doc="Bytes of reads kept in flight ahead of backward (reverse pack order); keep it "
@@ -140,6 +155,8 @@ class Config:
             "ui.perfetto.dev. Its directory must exist.")
     # Where each value came from ("OFFLOAD_TIERS='a'" or "tiers='a'"), for error messages.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # The launcher's RANK / LOCAL_WORLD_SIZE ... (offload/ranks.py), read with the knobs.
+    ranks: Ranks = field(default_factory=Ranks, compare=False, repr=False)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -151,7 +168,7 @@ class Config:
         """
         env = os.environ if env is None else env
         _warn_unknown_variables(env)
-        names = {f.name: f for f in fields(cls) if f.name != "sources"}
+        names = {f.name: f for f in _knobs()}
         for key in overrides:
             if key not in names:
                 close = difflib.get_close_matches(key, list(names), n=1)
@@ -170,7 +187,7 @@ class Config:
                 continue
             values[name] = _PARSERS[name](raw, where, env)
             sources[name] = where
-        return cls(**values, sources=sources)
+        return cls(**values, sources=sources, ranks=Ranks.from_env(env))
 
     def with_overrides(self, **overrides: Any) -> "Config":
         """A copy with some knobs replaced (parsed like keyword arguments)."""
@@ -192,6 +209,8 @@ class Config:
         Raises:
             ConfigError: naming the variable, the value and what to do.
         """
+        if not self.enabled:
+            return  # turned off: nothing else may stop the run (OFFLOAD_ENABLED)
         if "nvme" in self.tiers and self.policy != "keep":
             self._validate_nvme_dirs()
         if self.trace is not None:
@@ -246,37 +265,76 @@ class Config:
 
     # ---------------------------------------------------------------- capacities
     def host_capacity_bytes(self) -> int:
-        """Capacity of the host tier in bytes (percentages of RAM available now)."""
+        """Capacity of the host tier in bytes: a percentage is of the RAM available now,
+        divided among the processes of this host (NOTE [Host share] in ranks.py)."""
         import psutil
 
-        return self.host_bytes.resolve(psutil.virtual_memory().available)
+        def available() -> int:
+            return psutil.virtual_memory().available
+
+        return self._resolve_share(self.host_bytes, available, "ram")
 
     def nvme_capacity_bytes(self) -> int:
-        """Capacity of the nvme tier in bytes, checked against the free space.
+        """Capacity of the nvme tier in bytes, checked against the free space; a percentage
+        is of the free space now, divided among the processes of this host.
 
         Raises:
             ConfigError: an absolute size larger than the free space.
         """
-        free = _free_disk_bytes(self.nvme_dir)
-        capacity = self.nvme_bytes.resolve(free)
-        if capacity > free:
+        def free() -> int:
+            return _free_disk_bytes(self.nvme_dir)
+
+        devices = ",".join(str(d) for d in sorted({os.stat(p).st_dev for p in self.nvme_dir}))
+        capacity = self._resolve_share(self.nvme_bytes, free, f"disk-{devices}")
+        now = free()
+        if capacity > now:
+            ranks = self.ranks.local_world_size
+            each = (f" (each of the {ranks} processes of this host takes this size: lower it, "
+                    "or give a percentage, which is divided among them)" if ranks > 1 else
+                    " (lower it, or give a percentage such as '50%')")
             raise ConfigError(
-                f"{self.where('nvme_bytes')}: only {format_bytes(free)} free in "
-                f"{', '.join(self.nvme_dir)} (lower it, or give a percentage such as '50%')")
+                f"{self.where('nvme_bytes')}: only {format_bytes(now)} free in "
+                f"{', '.join(self.nvme_dir)}{each}")
         return capacity
 
+    def _resolve_share(self, spec: SizeSpec, measure: Callable[[], int], what: str) -> int:
+        """Bytes of `spec` for this process; a percentage of the host-wide total `measure`
+        returns is divided among the local ranks (ranks.py NOTE [Host share])."""
+        if spec.fraction is None:
+            return spec.nbytes  # a size is per process, as given
+        if self.ranks.local_size_unknown:
+            _warn_once("local_size_unknown",
+                       "offload: LOCAL_RANK is set but LOCAL_WORLD_SIZE is not, so percentage "
+                       "capacities (OFFLOAD_HOST_BYTES, OFFLOAD_NVME_BYTES) are not divided "
+                       "among the processes of this host; every process takes the whole "
+                       "percentage (set LOCAL_WORLD_SIZE, launch with torchrun, or give sizes "
+                       "per process such as '8GiB')")
+        if self.ranks.local_world_size == 1:
+            return spec.resolve(measure())
+        now = measure()
+        share = self.ranks.local_share(spec.resolve(agreed_total(what, lambda: now)))
+        # The agreed total is from the job's first measurement: never take more than the
+        # percentage of what is there now (the disk may have filled up since).
+        return min(share, spec.resolve(now))
+
     def apply_log_level(self) -> None:
-        """Set the `offload` logger's level from OFFLOAD_LOG (no-op when unset)."""
-        if self.log is None:
-            return
-        logger = logging.getLogger("offload")
-        logger.setLevel(self.log)
-        # Without any handler Python only shows WARNING and up; OFFLOAD_LOG=INFO must show
-        # the per-step stats, so attach one stderr handler when the app configured none.
-        if not logger.handlers and not logging.getLogger().handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
-            logger.addHandler(handler)
+        """Set the `offload` logger's level from OFFLOAD_LOG (kept when unset) and which
+        ranks log INFO lines from OFFLOAD_LOG_RANKS (offload/logs.py)."""
+        logs.configure(self.log, self.log_ranks)
+
+
+def _knobs():
+    """The fields that are settings (each has an env var); not `sources` or `ranks`."""
+    return [f for f in fields(Config) if "env" in f.metadata]
+
+
+_warned_once: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned_once:
+        _warned_once.add(key)
+        logging.getLogger("offload").warning(message)
 
 
 _FIELDS = {f.name: f for f in fields(Config)}
@@ -291,8 +349,7 @@ _warned_unknown: set[str] = set()
 
 def known_variables() -> list[str]:
     """Every OFFLOAD_* variable offload reads (settings, the build, the tests)."""
-    return sorted([f.metadata["env"] for f in fields(Config) if f.name != "sources"]
-                  + list(OTHER_VARIABLES))
+    return sorted([f.metadata["env"] for f in _knobs()] + list(OTHER_VARIABLES))
 
 
 def _warn_unknown_variables(env: Mapping[str, str]) -> None:
@@ -440,6 +497,24 @@ def _parse_probe(raw: Any, where: str, env: Mapping[str, str]) -> ProbeSetting:
         raise ConfigError(str(exc)) from None
 
 
+def _parse_log_ranks(raw: Any, where: str, env: Mapping[str, str]) -> tuple[int, ...] | None:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = [raw]
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    items = [str(i).strip().lower() for i in items if str(i).strip()]
+    if items == ["all"]:
+        return None
+    fix = "give a rank such as 0, a list such as 0,4, or all"
+    if not items:
+        raise _fail(where, "names no rank", fix)
+    ranks = []
+    for item in items:
+        if not item.isdigit():
+            raise _fail(where, f"{item!r} is not a rank", fix)
+        ranks.append(int(item))
+    return tuple(sorted(set(ranks)))
+
+
 def _parse_io_workers(raw: Any, where: str, env: Mapping[str, str]) -> int:
     try:
         if isinstance(raw, bool):
@@ -456,6 +531,7 @@ def _parse_io_workers(raw: Any, where: str, env: Mapping[str, str]) -> int:
 
 
 _PARSERS: dict[str, Callable[[Any, str, Mapping[str, str]], Any]] = {
+    "enabled": _parse_bool,
     "tiers": _parse_tiers,
     "nvme_dir": _parse_dirs,
     "host_bytes": _size_parser(True, max_fraction=1.0, what=" of the available RAM",
@@ -469,6 +545,7 @@ _PARSERS: dict[str, Callable[[Any, str, Mapping[str, str]], Any]] = {
     "budget": _size_parser(True, max_fraction=1.0, what=" of the no-offload peak"),
     "strict": _parse_bool,
     "log": _parse_log,
+    "log_ranks": _parse_log_ranks,
     "prefetch_bytes": _size_parser(False),
     "io_workers": _parse_io_workers,
     "nvme_checksum": _parse_bool,
@@ -486,7 +563,7 @@ def _default_text(f) -> str:
         return f.metadata["default_doc"]
     value = f.default
     if isinstance(value, tuple):
-        return ",".join(value)
+        return ",".join(str(v) for v in value)
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, int) and f.metadata["type"] == "size":
@@ -498,9 +575,7 @@ def env_table_markdown() -> str:
     """The README table of environment variables, rendered from `Config`'s metadata."""
     rows = ["| Variable | Type | Default | Example | Meaning |",
             "|---|---|---|---|---|"]
-    for f in fields(Config):
-        if f.name == "sources":
-            continue
+    for f in _knobs():
         m = f.metadata
         rows.append(f"| `{m['env']}` | {m['type']} | `{_default_text(f)}` | "
                      f"`{m['example']}` | {m['doc']} |")

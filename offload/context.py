@@ -27,7 +27,7 @@ from .errors import OffloadError
 from .hooks import OffloadHooks, _set_no_offload_depth, no_offload_depth
 from .placement import BouncePlan, plan_for
 from .prefetch import Prefetcher
-from .schedule.session import start_session
+from .schedule.session import Session, start_session
 from .stats import Stats
 from .step import Step, close_tiers, finish_pending
 from .tensor_meta import ParamStorages
@@ -54,9 +54,11 @@ def activations(*, model: torch.nn.Module | None = None, blocks: Any = None,
         blocks: The blocks `recompute` / `auto` work on, instead of the detected ones: a
             list of modules, or a predicate `f(module) -> bool` over `model`'s submodules.
         **settings: Override the OFFLOAD_* environment variables; same names in lower case
-            without the prefix: tiers, nvme_dir, host_bytes, nvme_bytes, min_bytes, policy,
-            budget, strict, log, prefetch_bytes, io_workers, nvme_checksum, staging_bytes,
-            cpu_heap, trace.
+            without the prefix: enabled, tiers, nvme_dir, host_bytes, nvme_bytes, min_bytes,
+            policy, budget, strict, log, log_ranks, prefetch_bytes, io_workers, nvme_checksum,
+            staging_bytes, cpu_heap, trace. `enabled=False` makes the context do nothing at
+            all (no hook, no tier, no other setting checked): one flag to compare with and
+            without.
 
     Returns:
         The context manager; `__enter__` returns it, and `.stats` is readable after the block.
@@ -79,7 +81,7 @@ class ActivationOffload:
     def __init__(self, config: Config, model: torch.nn.Module | None = None,
                  blocks: Any = None) -> None:
         config.validate()
-        if "nvme" in config.tiers and config.policy != "keep":
+        if config.enabled and "nvme" in config.tiers and config.policy != "keep":
             from ._ext import load_core
 
             load_core()  # ExtensionUnavailable (with the reason) now, not mid-step
@@ -89,8 +91,10 @@ class ActivationOffload:
         self._steps: weakref.WeakSet[Step] = weakref.WeakSet()  # every one not yet freed
         self._hook_thread: int | None = None
         self._bounce = BouncePlan()  # learned across the steps of this context (no model=)
-        # recompute / auto: blocks and the plan (offload/schedule/session.py).
-        self._schedule = start_session(config, model, blocks)
+        # recompute / auto: blocks and the plan (offload/schedule/session.py); a disabled
+        # context looks for no block and wraps nothing.
+        self._schedule = start_session(config, model, blocks) if config.enabled \
+            else Session(config)
 
     @property
     def plan(self):
@@ -120,6 +124,9 @@ class ActivationOffload:
         if self.active:
             raise OffloadError("offload.activations(): this context is already active; "
                                "create one context per step or nest different ones")
+        if not self.config.enabled:  # OFFLOAD_ENABLED=0: install and open nothing
+            self._hook_thread = _DISABLED
+            return self
         finish_pending()  # steps whose graphs died since (NOTE [End of step], point 3)
         config = self.config
         config.apply_log_level()
@@ -151,6 +158,9 @@ class ActivationOffload:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._hook_thread is _DISABLED:
+            self._hook_thread = None
+            return False
         step = self._step
         hook_stack.remove(step.hooks, self._hook_thread, _is_offload_hooks)
         self._hook_thread = None
@@ -165,7 +175,7 @@ class ActivationOffload:
                 log.exception("offload: error while freeing the step after an exception")
             return False  # re-raise the original exception
         step.exited()
-        log.info("offload: %s", step.stats.summary())
+        log.info("offload: %s", step.stats.summary())  # from OFFLOAD_LOG_RANKS only (logs.py)
         return False
 
     def _open_tiers(self, step: Step) -> dict[str, Tier]:
@@ -191,6 +201,8 @@ class ActivationOffload:
             for tier in tiers.values():
                 tier.close(reuse=False)
             raise
+        for name, tier in tiers.items():
+            setattr(step.stats, f"{name}_capacity_bytes", tier.capacity_bytes)
         return tiers
 
     def close(self) -> None:
@@ -201,6 +213,10 @@ class ActivationOffload:
             step.abort()
         self._steps = weakref.WeakSet()
         empty_cache()
+
+
+# `_hook_thread` of an entered context that installed nothing (enabled=False).
+_DISABLED = object()
 
 
 def _is_offload_hooks(owner: Any) -> bool:

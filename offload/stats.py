@@ -110,6 +110,10 @@ class Stats:
     #                               recompute, double backward): used at once, never moved
     bounce_hits: int = 0          # unpacks served from the source while its D2H was pending
     step_s: float = 0.0           # wall time of the block
+    host_capacity_bytes: int = 0  # what this process's host tier may hold (0: not in
+    #                               OFFLOAD_TIERS); a percentage is divided among the
+    nvme_capacity_bytes: int = 0  # local ranks (ranks.py NOTE [Host share]); nvme: the
+    #                               process's budget, shared by its contexts
     staging_peak_bytes: int = 0   # peak use of the nvme tier's staging arena
     exit_host_used_bytes: int = 0     # tier space still used when the tiers closed:
     exit_nvme_used_bytes: int = 0     # 0 after a step whose backward ran (no growth)

@@ -33,3 +33,40 @@ def test_ci_runs_the_readme_test_command_verbatim():
 def test_ci_pins_the_cpu_torch_build():
     # An unpinned torch pulls a multi-GB CUDA build on CI machines.
     assert "torch==2.13.0" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_every_example_is_in_the_readme_table_and_nothing_else():
+    """README's example table lists each script in examples/ once, with the command CI runs
+    it by (tests/test_examples.py), so a command a user copies works."""
+    rows = re.findall(r"^\| `((?:python|torchrun)[^`]*?(examples/\w+\.py)[^`]*)` \|", _readme(),
+                      flags=re.M)
+    listed = sorted(path for _, path in rows)
+    on_disk = sorted(f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py"))
+    assert listed == on_disk
+    for cmd, _ in rows:
+        assert "--check" in cmd, f"README example command without --check: {cmd}"
+        if cmd.startswith("torchrun"):
+            assert "--nproc-per-node" in cmd, cmd
+
+
+def test_files_named_next_to_figures_exist():
+    """Every script or test a README / docs command names (`python benchmarks/x.py ...`,
+    `tests/test_rss.py`, `examples/...`) is in the repository: a moved or renamed file
+    must take its figures' commands along."""
+    missing = []
+    for doc in ["README.md", "docs/design.md", "docs/benchmarks.md"]:
+        text = (ROOT / doc).read_text(encoding="utf-8")
+        for path in set(re.findall(r"\b((?:benchmarks|tests|examples|offload)/[\w/]+\.(?:py|sh))",
+                                   text)):
+            if not (ROOT / path).exists():
+                missing.append(f"{doc}: {path}")
+    assert not missing, missing
+
+
+def test_readme_links_resolve():
+    for target in re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)(?:#[\w-]+)?\)", _readme()):
+        assert (ROOT / target).exists(), target

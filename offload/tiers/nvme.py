@@ -183,12 +183,14 @@ class NvmeTier(Tier):
 
         def open_store():
             capacity = capacity_bytes()
+            # The slabs are whole chunks per directory (a small store keeps 1 MiB chunks).
+            # Round down, never up: N ranks each reserving a chunk more than their share
+            # would overrun the host's share between them (ranks.py NOTE [Host share]).
+            chunk = CHUNK_BYTES if capacity >= 64 * CHUNK_BYTES * len(dirs) else 1 << 20
+            capacity -= capacity % (chunk * len(dirs))
             if capacity < MIN_STORE_BYTES:
                 room.append(capacity)
                 raise _NoRoom
-            # The slabs are whole chunks per directory: a small store keeps 1 MiB chunks so
-            # its capacity is not rounded up by much.
-            chunk = CHUNK_BYTES if capacity >= 64 * CHUNK_BYTES * len(dirs) else 1 << 20
             return core.NvmeStore(list(dirs), capacity, workers=workers, chunk_bytes=chunk,
                                   checksum=checksum, throttle_bytes_per_s=max_bytes_per_s)
 

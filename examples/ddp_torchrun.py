@@ -1,0 +1,110 @@
+"""Data-parallel training launched with torchrun; every rank offloads to its own directory.
+
+    torchrun --nproc-per-node 8 examples/ddp_torchrun.py --nvme-dir '/mnt/nvme/{rank}'
+    torchrun --standalone --nproc-per-node 2 examples/ddp_torchrun.py --check
+
+`{rank}` (and `{local_rank}`) in the NVMe directory expand per process, so ranks never
+share slab files. A percentage capacity (the default 50 % for OFFLOAD_HOST_BYTES and
+OFFLOAD_NVME_BYTES) is divided among the processes of the host (LOCAL_WORLD_SIZE, which
+torchrun sets): 8 ranks take 50 % between them, not 50 % each. A size such as 8GiB is per
+rank. With OFFLOAD_LOG=INFO the per-step line comes from rank 0 (OFFLOAD_LOG_RANKS=all for
+every rank). Each rank prints the capacities it got and what it moved.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import offload
+from offload.config import parse_nvme_dirs
+from offload.models import GPT, GPTConfig
+
+
+def say(line: str) -> None:
+    """One line from this rank in one write, so lines of several ranks never interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def train(args, device: torch.device, use_offload: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
+    model = GPT(GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads,
+                          seq_len=args.seq_len)).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4)
+    rank = dist.get_rank()
+    data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+    torch.manual_seed(1000 + rank)                     # and its own dropout masks
+    ctx = offload.activations(model=model, tiers=args.tiers, nvme_dir=args.nvme_dir,
+                              enabled=use_offload)
+    moved = {"host": 0, "nvme": 0, "kept": 0}
+    for _ in range(args.steps):
+        idx, targets = model.example_batch(args.batch, device, generator=data)
+        with ctx:
+            logits = ddp(idx)
+            F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for tier in moved:
+            moved[tier] += getattr(ctx.stats, f"{tier}_bytes")
+    if use_offload:
+        s, mib = ctx.stats, 1 << 20
+        say(f"rank {rank}/{dist.get_world_size()} (local {os.environ.get('LOCAL_RANK')} of "
+            f"{os.environ.get('LOCAL_WORLD_SIZE')}): host capacity "
+            f"{s.host_capacity_bytes / mib:.1f} MiB, nvme capacity "
+            f"{s.nvme_capacity_bytes / mib:.1f} MiB; over {args.steps} steps kept "
+            f"{moved['kept'] / mib:.0f} MiB, host {moved['host'] / mib:.0f} MiB, nvme "
+            f"{moved['nvme'] / mib:.0f} MiB")
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--tiers", default=os.environ.get("OFFLOAD_TIERS", "host,nvme"))
+    p.add_argument("--nvme-dir", default=os.environ.get("OFFLOAD_NVME_DIR",
+                                                        "/var/tmp/offload-ddp/{rank}"))
+    p.add_argument("--check", action="store_true",
+                   help="train again without offload and compare the weights bit for bit")
+    args = p.parse_args()
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        # N ranks share the host's cores: one compute thread each, not N x all of them.
+        torch.set_num_threads(max(1, os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    made = [d for d in parse_nvme_dirs(args.nvme_dir) if not os.path.isdir(d)]
+    for d in made:
+        os.makedirs(d)
+    try:
+        weights = train(args, device, use_offload=True)
+        offload.empty_cache()  # close this rank's slab files now
+        if args.check:
+            plain = train(args, device, use_offload=False)
+            same = all(torch.equal(a, b) for a, b in zip(weights, plain))
+            say(f"rank {dist.get_rank()}: weights vs no offload: "
+                f"{'bit-exact' if same else 'DIFFERENT'}")
+            if not same:
+                raise SystemExit(1)
+    finally:
+        for d in made:
+            os.rmdir(d)  # fails if anything was left behind (nothing should be)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

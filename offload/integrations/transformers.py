@@ -1,0 +1,66 @@
+"""Hugging Face `Trainer`: offload the activations of every training micro-batch.
+
+    from transformers import Trainer
+    from offload.integrations.transformers import OffloadTrainerMixin
+
+    class OffloadTrainer(OffloadTrainerMixin, Trainer):   # mixin first
+        offload_settings = {"tiers": "nvme"}               # optional; OFFLOAD_* otherwise
+
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    trainer.offload_context.stats                           # the latest micro-batch's
+
+`Trainer.training_step` runs the forward inside `compute_loss_context_manager()` and the
+backward (`accelerator.backward`) right after it; the mixin adds the offload context to
+that manager. So the context covers each micro-batch's forward, its backward runs after the
+exit, and the step ends at autograd's end-of-backward callback (NOTE [End of step] in
+offload/step.py). Works with a `Trainer` subclass that keeps Trainer's `training_step` (or
+calls `compute_loss_context_manager` around its forward), and under torchrun, where
+Trainer runs DDP through accelerate (examples/hf_trainer.py: bit-exact on 2 gloo ranks).
+Evaluation (no gradients) installs nothing.
+
+An accelerate loop without Trainer needs no integration:
+
+    with offload.activations(model=model):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from ..context import ActivationOffload, activations
+
+__all__ = ["OffloadTrainerMixin"]
+
+
+class OffloadTrainerMixin:
+    """Put before `transformers.Trainer` (or a subclass) in the bases.
+
+    Attributes:
+        offload_settings: Keyword arguments of `offload.activations()` (same names as the
+            OFFLOAD_* variables, lower case without the prefix); they win over the
+            environment. `{"enabled": False}` (or OFFLOAD_ENABLED=0) turns it off.
+    """
+
+    offload_settings: dict[str, Any] = {}
+    _offload_context: ActivationOffload | None = None
+
+    @property
+    def offload_context(self) -> ActivationOffload:
+        """The one context reused for every micro-batch (made, and its settings checked,
+        at first use)."""
+        if self._offload_context is None:
+            self._offload_context = activations(model=self.model, **self.offload_settings)
+        return self._offload_context
+
+    def compute_loss_context_manager(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().compute_loss_context_manager())
+        # prediction_step uses the same manager under no_grad: nothing is saved there.
+        if torch.is_grad_enabled():
+            stack.enter_context(self.offload_context)
+        return stack

@@ -1,0 +1,59 @@
+"""Run a function on N gloo ranks of this host (spawned processes, CPU), as torchrun would
+start them: RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE set, one process group.
+
+The rendezvous is a file (no port to pick, so parallel test runs cannot collide). Each
+rank's return value comes back through a file; an exception in any rank fails the caller
+with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(local_rank: int, world: int, fn: Callable, args: tuple, env: dict[str, str],
+           work: str) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # N ranks on a 2-core machine: no oversubscription
+    out = os.path.join(work, f"rank{local_rank}")
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous",
+                                rank=local_rank, world_size=world)
+        try:
+            result = fn(*args)
+        finally:
+            dist.destroy_process_group()
+        torch.save({"ok": result}, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+
+
+def run_ranks(fn: Callable, *args: Any, world: int = 2,
+              env: dict[str, str] | None = None) -> list[Any]:
+    """`fn(*args)` on `world` ranks; returns each rank's result, rank 0 first.
+
+    `fn` must be importable by name from a fresh process (a module-level function).
+    """
+    with tempfile.TemporaryDirectory(prefix="offload-dist-") as work:
+        try:
+            mp.start_processes(_entry, args=(world, fn, args, dict(env or {}), work),
+                               nprocs=world, start_method="spawn")
+        except Exception as exc:
+            errors = []
+            for r in range(world):
+                path = os.path.join(work, f"rank{r}")
+                if os.path.exists(path):
+                    errors += [f"rank {r}:\n{v}" for k, v in torch.load(path).items()
+                               if k == "error"]
+            raise AssertionError("\n".join(errors) or str(exc)) from None
+        return [torch.load(os.path.join(work, f"rank{r}"), weights_only=False)["ok"]
+                for r in range(world)]

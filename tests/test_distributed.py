@@ -1,0 +1,153 @@
+"""DDP and FSDP2 (`fully_shard` per block) under `offload.activations()`: 2 gloo ranks on
+CPU, each rank's NVMe directory from `{rank}`, weights bit-exact against the same
+distributed run without offload, nothing left in the directories afterwards, and the
+capacities of a `%` setting divided between the two ranks of this host.
+
+Each rank trains the same model twice in one process group: first without any offload
+context, then with one; same initial weights, same per-rank batches, same dropout masks.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import offload
+from distributed import run_ranks
+from mounts import free_bytes
+from offload._ext import core_available
+from offload.models import GPT, GPTConfig
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not core_available(), reason="offload._C unavailable")]
+
+MiB = 1 << 20
+STEPS = 3
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=128, hidden=64, layers=2, heads=4, seq_len=32))
+
+
+def _train(wrap, use_offload: bool) -> tuple[list[torch.Tensor], list[dict]]:
+    """STEPS optimizer steps of `wrap(model)`; the local parameters after, and stats."""
+    rank = dist.get_rank()
+    model = wrap(_gpt())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+    torch.manual_seed(1000 + rank)                      # and its own dropout masks
+    stats = []
+    for _ in range(STEPS):
+        idx = torch.randint(128, (4, 32), generator=data)
+        tgt = torch.randint(128, (4, 32), generator=data)
+        ctx = offload.activations(model=model, tiers="nvme", min_bytes=0) if use_offload \
+            else contextlib.nullcontext()
+        with ctx:
+            loss = F.cross_entropy(model(idx).flatten(0, 1), tgt.flatten())
+            if use_offload:
+                paths = ctx.tiers["nvme"].paths
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if use_offload:
+            stats.append({**ctx.stats.as_dict(), "paths": paths})
+    return [_local(p).detach().clone() for p in model.parameters()], stats
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p  # FSDP2 parameters are DTensors
+
+
+def _compare(wrap) -> dict:
+    plain, _ = _train(wrap, use_offload=False)
+    offloaded, stats = _train(wrap, use_offload=True)
+    offload.empty_cache()  # the slab files close here, not at interpreter exit
+    return {"equal": [torch.equal(a, b) for a, b in zip(plain, offloaded)],
+            "changed": not torch.equal(plain[0], _local(_gpt().tok_emb.weight)),
+            "stats": stats}
+
+
+def _ddp_worker() -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return _compare(lambda m: DDP(m))
+
+
+def _fsdp2_worker() -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    def wrap(model):
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+
+    return _compare(wrap)
+
+
+def _one_step_worker() -> dict:
+    """One DDP step with offload: what the rank's tiers got."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _gpt()
+    ddp = DDP(model)
+    idx = torch.randint(128, (4, 32), generator=torch.Generator().manual_seed(dist.get_rank()))
+    with offload.activations(model=model, tiers="nvme", min_bytes=0) as ctx:
+        paths = ctx.tiers["nvme"].paths
+        F.cross_entropy(ddp(idx).flatten(0, 1), idx.flatten()).backward()
+    offload.empty_cache()
+    return {**ctx.stats.as_dict(), "paths": paths}
+
+
+@contextlib.contextmanager
+def _rank_dirs(root: str):
+    """`root`/0 and `root`/1, named by OFFLOAD_NVME_DIR=`root`/{rank}; removed afterwards
+    (whether empty is for `_check` to say)."""
+    dirs = [os.path.join(root, str(r)) for r in range(2)]
+    for d in dirs:
+        os.mkdir(d)
+    try:
+        yield dirs, {"OFFLOAD_NVME_DIR": os.path.join(root, "{rank}")}
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _check(results: list[dict], dirs: list[str]) -> None:
+    for rank, (res, own_dir) in enumerate(zip(results, dirs)):
+        assert all(res["equal"]), f"rank {rank}: parameters differ: {res['equal']}"
+        assert res["changed"], "training did not change the weights: the check proves nothing"
+        for step in res["stats"]:
+            assert step["paths"] == [os.path.realpath(own_dir)]
+            assert step["nvme_bytes"] > 0 and step["exit_nvme_used_bytes"] == 0
+        assert os.listdir(own_dir) == [], f"rank {rank} left files: {os.listdir(own_dir)}"
+
+
+@pytest.mark.parametrize("worker", [_ddp_worker, _fsdp2_worker], ids=["ddp", "fsdp2"])
+def test_bit_exact_with_per_rank_nvme_dirs(worker, nvme_dir):
+    with _rank_dirs(nvme_dir) as (dirs, env):
+        results = run_ranks(worker, env=env)
+        _check(results, dirs)
+
+
+def test_two_ranks_split_a_percentage_of_one_disk(small_disk):
+    """Both ranks' NVMe budgets together stay within OFFLOAD_NVME_BYTES=50% of the free space
+    of the file system they share, in equal parts (before: each took 50 % of what the other
+    left)."""
+    with _rank_dirs(small_disk) as (dirs, env):
+        free = free_bytes(small_disk)
+        results = run_ranks(_one_step_worker, env={**env, "OFFLOAD_NVME_BYTES": "50%"})
+        for res, own_dir in zip(results, dirs):
+            assert res["paths"] == [os.path.realpath(own_dir)] and res["nvme_bytes"] > 0
+            assert os.listdir(own_dir) == []
+    capacities = [res["nvme_capacity_bytes"] for res in results]
+    # Both divide the free space the first of them measured (ranks.py NOTE [Host share]),
+    # whichever opens its store first, rounded down to whole 1 MiB chunks.
+    assert capacities[0] == capacities[1], capacities
+    assert free // 2 // 2 - MiB < capacities[0] <= free // 2 // 2, (capacities, free)

@@ -1,0 +1,129 @@
+"""Training-stack integrations, what only a test inside the process can see: Hugging Face
+Trainer's micro-batches run inside the offload context and its evaluation outside it
+(OffloadTrainerMixin); Lightning's OffloadCallback leaves nothing installed when training
+raises. That each framework trains bit-exact with offload, bytes really moved, is checked
+by its example's `--check` (tests/test_examples.py: hf_trainer, accelerate_loop,
+lightning_callback).
+
+The frameworks are optional dependencies (extras `hf`, `lightning`; the `test` extra
+installs them): a test whose framework is not installed skips with the reason.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import offload
+from offload._ext import core_available
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not core_available(), reason="offload._C unavailable")]
+
+
+def _gpt2(transformers):
+    """A 2-layer GPT-2 from a config (no download), with dropout."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2,
+                                  n_head=4)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 16, seq: int = 32) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(128, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+# ---------------------------------------------------------------- Hugging Face Trainer
+def _hf_train(tmp_path, trainer_cls, **extra):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    model = _gpt2(transformers)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
+        gradient_accumulation_steps=2, learning_rate=1e-2, use_cpu=True, report_to=[],
+        save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+        dataloader_num_workers=0)
+    trainer = trainer_cls(model=model, args=args, train_dataset=_Tokens(), **extra)
+    trainer.train()
+    return trainer, [p.detach().clone() for p in model.parameters()]
+
+
+def test_hf_trainer_mixin_installs_nothing_in_evaluation(tmp_path, nvme_dir):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from offload.integrations.transformers import OffloadTrainerMixin
+
+    seen = []
+
+    class OffloadTrainer(OffloadTrainerMixin, transformers.Trainer):
+        offload_settings = {"tiers": "nvme", "nvme_dir": nvme_dir, "min_bytes": 0}
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            seen.append(self.offload_context.active)
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    trainer, _ = _hf_train(tmp_path, OffloadTrainer, eval_dataset=_Tokens(n=4))
+    n_train = len(seen)
+    assert n_train == 6 and all(seen)            # 3 steps x 2 micro-batches, each inside it
+    assert trainer.offload_context.stats.nvme_bytes > 0 and not trainer.offload_context.active
+    trainer.evaluate()
+    assert len(seen) > n_train and not any(seen[n_train:])
+
+
+# ---------------------------------------------------------------- Lightning
+def _lightning():
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        pl = pytest.importorskip("pytorch_lightning",
+                                 reason="neither lightning nor pytorch_lightning is installed")
+    return pl
+
+
+def _lightning_train(tmp_path, callbacks, fail_at: int | None = None):
+    pl = _lightning()
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            from offload.models import GPT, GPTConfig
+
+            torch.manual_seed(0)
+            self.gpt = GPT(GPTConfig(vocab_size=128, hidden=64, layers=2, heads=4, seq_len=32))
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == fail_at:
+                raise RuntimeError("boom")
+            ids = batch["input_ids"]
+            return self.gpt.loss(ids, ids)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    pl.seed_everything(0, verbose=False)
+    module = Module()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2,
+                         callbacks=callbacks, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(module, torch.utils.data.DataLoader(_Tokens(), batch_size=2))
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def test_lightning_callback_exits_on_an_exception(tmp_path, nvme_dir):
+    _lightning()
+    from offload.integrations.lightning import OffloadCallback
+
+    callback = OffloadCallback(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    with pytest.raises(RuntimeError, match="boom"):
+        _lightning_train(tmp_path, [callback], fail_at=1)
+    assert not callback.context.active
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    assert os.listdir(nvme_dir) == []
