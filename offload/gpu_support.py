@@ -59,7 +59,7 @@ def status() -> GpuStatus:
                          f"{core.cuda_unusable_reason()}",
                          "the core calls the CUDA runtime torch loaded (libcudart.so.N); with a "
                          "torch that links it statically, load one first: "
-                         "ctypes.CDLL('libcudart.so.N', mode=ctypes.RTLD_GLOBAL)", runtime)
+                         "ctypes.CDLL('libcudart.so.N')", runtime)
     return GpuStatus(True, runtime=runtime)
 
 
