@@ -41,7 +41,9 @@ def build_info() -> dict[str, Any]:
         "gpu_usable": gpu.usable,
         "gpu_unusable_reason": gpu.reason,
         "gpu_fix": gpu.fix,
-        "cuda_runtime": gpu.runtime,
+        # The runtime the core found, also when the GPU is not usable (diagnostics).
+        "cuda_runtime": gpu.runtime or (core.cuda_runtime() if core is not None
+                                        and core.cuda_compiled else None),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
     }

@@ -55,11 +55,16 @@ def status() -> GpuStatus:
                          "is needed")
     runtime = core.cuda_runtime()
     if not core.cuda_usable():
+        if runtime is None:
+            fix = ("the core calls the CUDA runtime torch loaded (libcudart.so.N) and finds none "
+                   "loaded; with a torch that links it statically, load one first: "
+                   "ctypes.CDLL('libcudart.so.N')")
+        else:
+            fix = (f"the core calls {runtime['path']}, the first CUDA runtime loaded in this "
+                   "process; if torch uses another one, import torch before anything that "
+                   "loads a CUDA runtime of its own")
         return GpuStatus(False, f"torch can use the GPU but offload's core cannot: "
-                         f"{core.cuda_unusable_reason()}",
-                         "the core calls the CUDA runtime torch loaded (libcudart.so.N); with a "
-                         "torch that links it statically, load one first: "
-                         "ctypes.CDLL('libcudart.so.N')", runtime)
+                         f"{core.cuda_unusable_reason()}", fix, runtime)
     return GpuStatus(True, runtime=runtime)
 
 

@@ -247,3 +247,21 @@ def test_our_declarations_match_the_toolkit_headers(tmp_path):
                            "-I", os.path.join(REPO, "csrc"), str(check)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_found_runtime_that_cannot_run_is_named_when_the_context_is_built(fake_cudart):
+    out = _run(_prelude(fake_cudart) + """
+    import offload
+    torch.cuda.is_available = lambda: True   # torch sees a GPU; the runtime found has none
+    try:
+        offload.activations(tiers="host")
+    except offload.ConfigError as exc:
+        print(exc)
+    info = offload.build_info()
+    print(info["gpu_usable"], info["cuda_runtime"]["path"])
+    """, env={"FAKE_CUDART_DEVICES": "0"})
+    error, info = out.strip().splitlines()
+    assert error.startswith("offload.activations(tiers='host'): CUDA tensors would be moved, but "
+                            "the GPU paths cannot be used: torch can use the GPU but offload's "
+                            "core cannot: no CUDA device found (the core calls " + fake_cudart)
+    assert info == f"False {fake_cudart}"

@@ -40,7 +40,7 @@ def test_a_runtime_the_core_cannot_find_is_a_config_error_at_construction(torch_
     with pytest.raises(offload.ConfigError, match=(
             r"^offload\.activations\(tiers='host,nvme'\): CUDA tensors would be moved, but the "
             r"GPU paths cannot be used: torch can use the GPU but offload's core cannot: no CUDA "
-            r"runtime library \(libcudart\.so\.\*\) is loaded .*ctypes\.CDLL\('libcudart\.so\.N'"
+            r"runtime library \(libcudart\.so\.\*\) is loaded .*finds none loaded.*ctypes\.CDLL\('libcudart\.so\.N'"
             r".*CUDA_VISIBLE_DEVICES=''")):
         offload.activations(tiers="host,nvme", nvme_dir="/var/tmp")
     info = offload.build_info()
