@@ -36,7 +36,7 @@ NOTE [Deferred free] Memory the engine reads from or into must outlive the I/O. 
 itself keeps HostBlocks and the extent's slab range alive until a request is done, so a
 released payload gives its extent back at once; but the raw memory of `write_ptr` (the
 source tensor) and `read_ptr` (a slice of an arena block or of a plain buffer) is ours. A
-write's source stays with its `_Write` in the tier's queue until the write is retired, freed
+write's source stays with its `_Write` (the write queue holds the payload) until retired, freed
 payload or not; a read still in flight when its payload is released (a prefetched tensor
 never used) goes to a deferred list, dropped when `poll` sees it done. `release` never blocks.
 
@@ -98,9 +98,10 @@ def _end_s(future) -> float:
 
 
 class _Write:
-    """One payload's write, from `store` until the tier retires it (NOTE [One owner])."""
+    """One payload's write, from `store` until the tier retires it and drops it from the
+    payload (NOTE [One owner])."""
 
-    __slots__ = ("nbytes", "future", "source", "direct_bytes", "d2h", "start_s", "retired")
+    __slots__ = ("nbytes", "future", "source", "direct_bytes", "d2h", "start_s")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -109,7 +110,6 @@ class _Write:
         self.direct_bytes = 0   # bytes of `source` counted against the direct-write cap
         self.d2h = None         # D2HTicket of the device copy feeding it (CUDA)
         self.start_s = time.perf_counter()
-        self.retired = False
 
     def device_tensor_if_held(self) -> torch.Tensor | None:
         """The source on the device while its D2H is still pending (a bounce: no read)."""
@@ -229,7 +229,7 @@ class NvmeTier(Tier):
                         "it, or drop 'nvme' from OFFLOAD_TIERS)", ", ".join(self._dirs),
                         format_bytes(room[0]) if room else "?", format_bytes(MIN_STORE_BYTES))
         self._own_bytes = 0  # this tier's share of the store (others may use it too)
-        self._writes: collections.deque[_Write] = collections.deque()  # oldest first
+        self._writes: collections.deque[_NvmePayload] = collections.deque()  # write order
         self._reads: set[_Read] = set()              # reads whose completion is not yet seen
         self._deferred: list[_Read] = []             # see NOTE [Deferred free]
         self._direct_inflight = 0                    # bytes of write_ptr sources held
@@ -329,7 +329,7 @@ class NvmeTier(Tier):
         self._own_bytes += nbytes  # from here on `release` gives it back
         write.start_s = time.perf_counter()
         payload.write = write
-        self._writes.append(write)
+        self._writes.append(payload)
         if len(self._writes) > self._stats.peak_writes_inflight:
             self._stats.peak_writes_inflight = len(self._writes)
         return payload
@@ -367,15 +367,16 @@ class NvmeTier(Tier):
         self._retire_oldest_writes(allocated, "wait staging space")
         return block  # None: fragmented or held by reads; written from a host copy
 
-    def _retire_write(self, write: _Write) -> None:
-        """Wait for (or collect) a write; raises StorageError if it failed. Its queue entry
-        may linger: poll() and drain() drop retired entries."""
-        if write.retired:
+    def _retire_write(self, payload: _NvmePayload) -> None:
+        """Wait for (or collect) a payload's write; raises StorageError if it failed. Its
+        queue entry may linger: poll() and drain() drop entries with no write."""
+        write = payload.write
+        if write is None:
             return
         try:
             moved = write.future.wait()
         finally:
-            write.retired = True
+            payload.write = None   # the payload keeps nothing of a finished write
             write.source = write.d2h = None
             self._direct_inflight -= write.direct_bytes
             write.direct_bytes = 0
@@ -391,10 +392,9 @@ class NvmeTier(Tier):
         if self._closed:
             raise UsedAfterCloseError("offload: nvme tier used after close")
         self.in_backward = True
-        write = payload.write
-        if write is not None and not write.retired:  # NOTE [Read after write]
+        if payload.write is not None:  # NOTE [Read after write]
             start = time.perf_counter()
-            self._retire_write(write)
+            self._retire_write(payload)
             self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
                                   what="wait own write")
         nbytes, phase = payload.nbytes, payload.phase
@@ -483,7 +483,7 @@ class NvmeTier(Tier):
     def poll(self) -> None:
         """Retire landed writes (oldest first), note finished reads, free deferred memory."""
         writes = self._writes
-        while writes and (writes[0].retired or writes[0].future.done()):
+        while writes and (writes[0].write is None or writes[0].write.future.done()):
             self._retire_write(writes.popleft())
         for read in [r for r in self._reads if r.future.done()]:
             self._observe_read(read)
@@ -536,15 +536,17 @@ class NvmeTier(Tier):
         store, arena = self._store, self._arena
         if store is None:
             return
-        pending = any(not w.retired for w in self._writes)  # retired entries linger
+        pending = any(p.write is not None for p in self._writes)  # retired entries linger
         clean = reuse and not pending and not self._deferred and not self._reads
         try:
             if not clean:
                 self._wait_own_io()
         finally:
             self._stats.nvme_bounced_bytes += store.bytes_bounced - self._bounced_at_open
-            for write in self._writes:
-                write.source = write.d2h = None
+            for payload in self._writes:
+                if payload.write is not None:
+                    payload.write.source = payload.write.d2h = None
+                    payload.write = None
             self._writes.clear()
             self._reads.clear()
             self._deferred.clear()
@@ -561,7 +563,7 @@ class NvmeTier(Tier):
         The store may live on (other contexts use it): unlike closing it, this waits only
         for our own requests. Failures are dropped: nobody needs these bytes any more.
         """
-        futures = [w.future for w in self._writes if not w.retired]
+        futures = [p.write.future for p in self._writes if p.write is not None]
         futures += [r.future for r in self._reads] + [r.future for r in self._deferred]
         for future in futures:
             try:
