@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# One-shot check for a lent GPU machine: build the extension, record the machine, the
+# One-shot check for a lent GPU machine: build the extension with the CUDA toolkit hidden (no
+# nvcc on PATH, no CUDA_HOME / CUDA_PATH, CMake told not to find it: the GPU paths must come
+# from torch's runtime, csrc/cudart.hpp), record the machine and offload.build_info(), the
 # scheduler's probe figures next to the PCIe ceiling and its Pareto run (step overhead
 # against activation memory removed: none, recompute, offload-host, auto at 50/30/15%,
 # torch's selective checkpointing), the pinned-copy bandwidth (the reference) and our copy
-# path against it, the cuda-marked tests, a short end-to-end smoke step, and the GPU
-# benchmark.
+# path against it, the cuda-marked tests (race tests, reserved memory flat over 40 steps,
+# streams and arenas made once), a short end-to-end smoke step, and the GPU benchmark.
 #
 #   OUT=/some/dir bash benchmarks/gpu_check.sh        # everything lands in $OUT
 #
@@ -68,9 +70,26 @@ step() {
 # ---------------------------------------------------------------- 1. machine, versions, build
 build() {
   env_info
-  echo "--- build"
-  "$PY" -m pip install --no-build-isolation --no-deps -e . || return
-  "$PY" -c "from offload._ext import load_core; c = load_core(); print('offload._C: cuda_compiled', c.cuda_compiled, '| cuda_usable', c.cuda_usable())"
+  echo "--- build, CUDA toolkit hidden"
+  local hidden_path="" d
+  IFS=: read -ra dirs <<<"$PATH"
+  for d in "${dirs[@]}"; do [[ -n $d && ! -e $d/nvcc ]] && hidden_path="${hidden_path:+$hidden_path:}$d"; done
+  local -a hide=(env -u CUDA_HOME -u CUDA_PATH -u CUDACXX -u OFFLOAD_BUILD_CUDA PATH="$hidden_path"
+                 CMAKE_ARGS="-DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON")
+  "${hide[@]}" bash -c 'command -v nvcc && echo "nvcc still visible" && exit 1; echo "nvcc hidden"' || return
+  # pip first (the install a user does); a scikit-build-core older than pyproject asks for
+  # cannot, so then CMake builds the module straight into the checkout.
+  if ! "${hide[@]}" "$PY" -m pip install --no-build-isolation --no-deps -e .; then
+    echo "--- pip could not build; CMake directly"
+    rm -f offload/_C*.so
+    "${hide[@]}" cmake -S . -B build/gpu-check -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON -DPython_EXECUTABLE="$(command -v "$PY")" \
+      -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" || return
+    "${hide[@]}" cmake --build build/gpu-check || return
+    cp build/gpu-check/offload/_C*.so offload/ || return
+  fi
+  readelf -d offload/_C*.so | grep NEEDED || true
+  "$PY" -c "import json, offload; from offload._build_info import summary; i = offload.build_info(); print(summary(i)); print('BUILD_INFO_JSON', json.dumps(i))"
 }
 
 env_info() {

@@ -111,9 +111,26 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "offload's compiled core: host arena, NVMe store, CUDA copy engine";
   py::register_exception_translator(&bind::translate);
 
+  m.attr("__version__") = OFFLOAD_VERSION;
   m.attr("cuda_compiled") = cuda::compiled();
+  // "cuda-dlopen": CUDA paths compiled in, calling the runtime torch loaded (cudart.hpp);
+  // "cpu": built with OFFLOAD_WITH_CUDA=OFF.
+  m.attr("build_flavour") = cuda::compiled() ? "cuda-dlopen" : "cpu";
   m.attr("DEFAULT_ALIGNMENT") = kDefaultAlignment;
-  m.def("cuda_usable", &cuda::usable, "True when a CUDA driver and device are present; never raises.");
+  m.def("cuda_usable", &cuda::usable,
+        "True when a CUDA runtime is loaded (torch's), the driver accepts it and a device is "
+        "present; never raises.");
+  m.def("cuda_runtime", []() -> py::object {
+          const cuda::RuntimeInfo info = cuda::runtime_info();
+          if (info.path.empty()) return py::none();
+          py::dict d;
+          d["path"] = info.path;
+          d["runtime_version"] = info.runtime_version;
+          d["driver_version"] = info.driver_version;
+          return d;
+        },
+        "The CUDA runtime the copy paths call ({path, runtime_version, driver_version}), or "
+        "None when no runtime is loaded in the process (or the build is CPU-only).");
   m.def("cuda_unusable_reason", &cuda::unusable_reason,
         "Why cuda_usable() is False ('' when it is True).");
 

@@ -1,10 +1,11 @@
 #include "cuda_copy.hpp"
 
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 
 #ifdef OFFLOAD_WITH_CUDA
-#include <cuda_runtime_api.h>
+#include "cudart.hpp"
 #endif
 
 namespace offload::cuda {
@@ -18,36 +19,53 @@ struct Probe {
   std::string reason;
 };
 
-const Probe& probe() {
-  static Probe result;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    int count = 0;
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess) {
-      result.reason = std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(err);
-      cudaGetLastError();  // clear the sticky-free error so later calls start clean
-    } else if (count == 0) {
-      result.reason = "no CUDA device found";
-    } else {
-      result.usable = true;
-    }
-  });
+std::mutex g_probe_mu;
+std::optional<Probe> g_probe;  // set once a runtime was found
+
+Probe probe() {
+  std::lock_guard<std::mutex> lock(g_probe_mu);
+  if (g_probe) return *g_probe;
+  std::string why;
+  const cudart::Api* a = cudart::api(&why);
+  if (a == nullptr) return Probe{false, why};  // not cached: see usable()
+  Probe result;
+  int count = 0;
+  cudart::Error err = a->GetDeviceCount(&count);
+  if (err != cudart::kSuccess) {
+    result.reason = std::string("cudaGetDeviceCount failed: ") + a->GetErrorString(err) +
+                    " (runtime " + a->path + ")";
+    a->GetLastError();  // clear it, so torch's next error check does not report it as its own
+  } else if (count == 0) {
+    result.reason = "no CUDA device found";
+  } else {
+    result.usable = true;
+  }
+  g_probe = result;
   return result;
 }
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(err));
+const cudart::Api& require(const char* what) {
+  std::string why;
+  const cudart::Api* a = cudart::api(&why);
+  if (a == nullptr) throw std::runtime_error(std::string(what) + " needs CUDA, but " + why);
+  return *a;
+}
+
+// The runtime torch uses keeps one "last error" per thread, which torch checks after its
+// own launches: clear ours, so a failed call of ours is reported here, not there.
+void check(const cudart::Api& a, cudart::Error err, const char* what) {
+  if (err == cudart::kSuccess) return;
+  a.GetLastError();
+  throw std::runtime_error(std::string(what) + " failed: " + a.GetErrorString(err));
 }
 
 void copy(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, uintptr_t event,
-          cudaMemcpyKind kind, const char* what) {
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  check(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes,
-                        kind, s),
+          cudart::MemcpyKind kind, const char* what) {
+  const cudart::Api& a = require(what);
+  auto s = reinterpret_cast<cudart::Stream>(stream);
+  check(a, a.MemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes, kind, s),
         what);
-  if (event != 0) check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(event), s), "cudaEventRecord");
+  if (event != 0) check(a, a.EventRecord(reinterpret_cast<cudart::Event>(event), s), "cudaEventRecord");
 }
 
 }  // namespace
@@ -62,84 +80,109 @@ bool usable() noexcept {
 }
 std::string unusable_reason() { return probe().reason; }
 
+RuntimeInfo runtime_info() {
+  RuntimeInfo info;
+  const cudart::Api* a = cudart::api(nullptr);
+  if (a == nullptr) return info;
+  info.path = a->path;
+  if (a->RuntimeGetVersion(&info.runtime_version) != cudart::kSuccess) info.runtime_version = 0;
+  if (a->DriverGetVersion(&info.driver_version) != cudart::kSuccess) info.driver_version = 0;
+  a->GetLastError();
+  return info;
+}
+
 void* host_alloc_pinned(size_t nbytes) {
+  const cudart::Api& a = require("pinned host memory");
   void* ptr = nullptr;
   // Portable: the arena serves every device of the process, not only the current one.
-  check(cudaHostAlloc(&ptr, nbytes, cudaHostAllocPortable), "cudaHostAlloc");
+  check(a, a.HostAlloc(&ptr, nbytes, cudart::kHostAllocPortable), "cudaHostAlloc");
   return ptr;
 }
 
-void host_free_pinned(void* ptr) noexcept { cudaFreeHost(ptr); }
+void host_free_pinned(void* ptr) noexcept {
+  if (const cudart::Api* a = cudart::api(nullptr)) a->FreeHost(ptr);
+}
 
 int current_device() {
+  const cudart::Api& a = require("current_device");
   int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(a, a.GetDevice(&device), "cudaGetDevice");
   return device;
 }
 
 int stream_device(uintptr_t stream) {
   if (stream == 0) return current_device();  // legacy default stream: the current device's
-#if CUDART_VERSION >= 12080
+  const cudart::Api& a = require("stream_device");
+  if (a.StreamGetDevice == nullptr) return current_device();  // runtime < 12.8: trust the caller's device
   int device = 0;
-  check(cudaStreamGetDevice(reinterpret_cast<cudaStream_t>(stream), &device),
-        "cudaStreamGetDevice");
+  check(a, a.StreamGetDevice(reinterpret_cast<cudart::Stream>(stream), &device), "cudaStreamGetDevice");
   return device;
-#else
-  return current_device();  // older runtimes cannot ask the stream; trust the caller's device
-#endif
 }
 
-void set_device(int device) { check(cudaSetDevice(device), "cudaSetDevice"); }
+void set_device(int device) {
+  const cudart::Api& a = require("set_device");
+  check(a, a.SetDevice(device), "cudaSetDevice");
+}
 
 void copy_d2h(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, uintptr_t event) {
-  copy(dst, src, nbytes, stream, event, cudaMemcpyDeviceToHost, "cudaMemcpyAsync (device to host)");
+  copy(dst, src, nbytes, stream, event, cudart::kMemcpyDeviceToHost, "cudaMemcpyAsync (device to host)");
 }
 
 void copy_h2d(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, uintptr_t event) {
-  copy(dst, src, nbytes, stream, event, cudaMemcpyHostToDevice, "cudaMemcpyAsync (host to device)");
+  copy(dst, src, nbytes, stream, event, cudart::kMemcpyHostToDevice, "cudaMemcpyAsync (host to device)");
 }
 
 void event_synchronize(uintptr_t event) {
-  check(cudaEventSynchronize(reinterpret_cast<cudaEvent_t>(event)), "cudaEventSynchronize");
+  const cudart::Api& a = require("event_synchronize");
+  check(a, a.EventSynchronize(reinterpret_cast<cudart::Event>(event)), "cudaEventSynchronize");
 }
 
 void record_event(uintptr_t event, uintptr_t stream) {
-  check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(event), reinterpret_cast<cudaStream_t>(stream)),
+  const cudart::Api& a = require("record_event");
+  check(a, a.EventRecord(reinterpret_cast<cudart::Event>(event), reinterpret_cast<cudart::Stream>(stream)),
         "cudaEventRecord");
 }
 
 void stream_synchronize_noexcept(uintptr_t stream) noexcept {
-  cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
+  if (const cudart::Api* a = cudart::api(nullptr)) {
+    a->StreamSynchronize(reinterpret_cast<cudart::Stream>(stream));
+    a->GetLastError();
+  }
 }
 
 uintptr_t record_private_event(uintptr_t stream) {
-  cudaEvent_t event = nullptr;
-  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-  cudaError_t err = cudaEventRecord(event, reinterpret_cast<cudaStream_t>(stream));
-  if (err != cudaSuccess) {
-    cudaEventDestroy(event);
-    check(err, "cudaEventRecord");
+  const cudart::Api& a = require("record_private_event");
+  cudart::Event event = nullptr;
+  check(a, a.EventCreateWithFlags(&event, cudart::kEventDisableTiming), "cudaEventCreateWithFlags");
+  cudart::Error err = a.EventRecord(event, reinterpret_cast<cudart::Stream>(stream));
+  if (err != cudart::kSuccess) {
+    a.EventDestroy(event);
+    check(a, err, "cudaEventRecord");
   }
   return reinterpret_cast<uintptr_t>(event);
 }
 
 void destroy_event(uintptr_t event) noexcept {
-  cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event));
+  if (const cudart::Api* a = cudart::api(nullptr)) a->EventDestroy(reinterpret_cast<cudart::Event>(event));
 }
 
-#else  // built without the CUDA toolkit
+#else  // CPU-only build (OFFLOAD_WITH_CUDA=OFF)
+
 
 namespace {
 [[noreturn]] void unavailable(const char* what) {
   throw std::runtime_error(std::string(what) +
-                           " needs CUDA, but offload._C was built without the CUDA toolkit "
-                           "(reinstall with the toolkit present and OFFLOAD_BUILD_CUDA unset)");
+                           " needs CUDA, but offload._C was built without its CUDA paths "
+                           "(OFFLOAD_BUILD_CUDA=0); reinstall with OFFLOAD_BUILD_CUDA unset");
 }
 }  // namespace
 
 bool compiled() noexcept { return false; }
 bool usable() noexcept { return false; }
-std::string unusable_reason() { return "offload._C was built without the CUDA toolkit"; }
+std::string unusable_reason() {
+  return "offload._C was built without its CUDA paths (OFFLOAD_BUILD_CUDA=0)";
+}
+RuntimeInfo runtime_info() { return {}; }
 void* host_alloc_pinned(size_t) { unavailable("pinned host memory"); }
 void host_free_pinned(void*) noexcept {}
 int current_device() { unavailable("current_device"); }

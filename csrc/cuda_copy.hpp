@@ -1,7 +1,10 @@
 // The CUDA runtime, seen through integers (pointers, stream and event handles) so that
-// no libtorch header is needed and one build serves any torch version. In builds
-// without the CUDA toolkit every function except compiled()/usable() throws
-// std::runtime_error naming the reason.
+// no libtorch header is needed and one build serves any torch version. CUDA builds call
+// the runtime torch loaded, found at run time (cudart.hpp says why); without one, and in
+// CPU-only builds (OFFLOAD_WITH_CUDA=OFF), every function except compiled(), usable(),
+// unusable_reason() and runtime_info() throws std::runtime_error naming the reason, and the
+// noexcept ones do nothing (nothing can have been allocated through a runtime that is not
+// there).
 #pragma once
 
 #include <cstddef>
@@ -11,11 +14,21 @@
 namespace offload::cuda {
 
 bool compiled() noexcept;
-// Driver and at least one device present. Never throws; the answer is cached (the
-// first call initializes the runtime, which costs milliseconds).
+// A CUDA runtime is loaded, the driver accepts it and there is at least one device. Never
+// throws. Cached once a runtime was found (the first call initializes it, which costs
+// milliseconds); "no runtime loaded" is not cached, so a runtime loaded later counts.
 bool usable() noexcept;
 // Why usable() is false ("" when it is true).
 std::string unusable_reason();
+
+// The runtime the CUDA paths use: its path and versions (1000 * major + 10 * minor, as the
+// runtime reports them; 0 when it could not say). `path` is empty when none is loaded.
+struct RuntimeInfo {
+  std::string path;
+  int runtime_version = 0;
+  int driver_version = 0;
+};
+RuntimeInfo runtime_info();
 
 // Page-locked host memory for the arena (one call per arena, never per tensor).
 void* host_alloc_pinned(size_t nbytes);

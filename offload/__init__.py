@@ -6,11 +6,14 @@
         loss.backward()
 
 Public names: `activations`, `no_offload`, `empty_cache`, `ActivationOffload`, `Config`, `Stats`, the error
-classes, and `env_table_markdown` (the README's table of environment variables). The
-compiled core `offload._C` is optional at import time (see offload/_ext.py).
+classes, `env_table_markdown` (the README's table of environment variables), `build_info`
+(what was built and whether the GPU paths can run) and `__version__`. The compiled core
+`offload._C` is optional at import time (see offload/_ext.py).
 """
 from __future__ import annotations
 
+from ._version import __version__
+from ._build_info import build_info
 from .config import Config, env_table_markdown
 from .context import ActivationOffload, activations, empty_cache, no_offload
 from .errors import (ConfigError, ExtensionUnavailable, OffloadError, StorageError,
@@ -19,5 +22,5 @@ from .stats import Stats
 from . import fork as _fork  # registers the at-fork handler (offload/fork.py)
 
 __all__ = ["activations", "no_offload", "empty_cache", "ActivationOffload", "Config", "Stats",
-           "env_table_markdown", "OffloadError", "ConfigError", "StorageError",
+           "env_table_markdown", "build_info", "__version__", "OffloadError", "ConfigError", "StorageError",
            "ExtensionUnavailable", "TierFullError", "UsedAfterCloseError"]

@@ -17,7 +17,7 @@ from types import ModuleType
 
 from .errors import ExtensionUnavailable
 
-__all__ = ["load_core", "core_available", "core_unavailable_reason"]
+__all__ = ["load_core", "core_available", "core_unavailable_reason", "HOW_TO_BUILD"]
 
 _log = logging.getLogger("offload")
 _lock = threading.Lock()
@@ -25,8 +25,8 @@ _module: ModuleType | None = None
 _reason: str | None = None
 _tried = False
 
-_HOW_TO_BUILD = ("build it with `pip install -e .` from the source checkout (a C++17 compiler, "
-                 "CMake >= 3.18 and pybind11 are needed; the CUDA toolkit is optional)")
+HOW_TO_BUILD = ("build it with `pip install -e .` from the source checkout (a C++17 compiler, "
+                "CMake >= 3.18 and pybind11 are needed; no CUDA toolkit), or install a wheel")
 
 
 def _try_import() -> None:
@@ -52,7 +52,7 @@ def load_core() -> ModuleType:
     _try_import()
     if _module is None:
         raise ExtensionUnavailable(
-            f"the compiled core offload._C is not available ({_reason}); {_HOW_TO_BUILD}")
+            f"the compiled core offload._C is not available ({_reason}); {HOW_TO_BUILD}")
     return _module
 
 

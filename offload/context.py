@@ -24,6 +24,7 @@ import torch
 from . import hook_stack
 from .config import Config
 from .errors import OffloadError
+from .gpu_support import may_see_cuda_tensors, require_gpu_paths
 from .hooks import OffloadHooks, _set_no_offload_depth, no_offload_depth
 from .placement import BouncePlan, plan_for
 from .prefetch import Prefetcher
@@ -65,7 +66,8 @@ def activations(*, model: torch.nn.Module | None = None, blocks: Any = None,
 
     Raises:
         ConfigError: a setting is invalid (names the variable, the value and what to do),
-            or `recompute` finds no block to checkpoint.
+            `recompute` finds no block to checkpoint, or torch can use a GPU but offload's
+            GPU paths cannot (names the cause and the fix).
 
     Example:
         >>> with offload.activations(tiers="nvme", nvme_dir="/mnt/nvme") as ctx:
@@ -85,6 +87,10 @@ class ActivationOffload:
             from ._ext import load_core
 
             load_core()  # ExtensionUnavailable (with the reason) now, not mid-step
+        if config.policy != "keep" and config.tiers and may_see_cuda_tensors(model):
+            # Pinned arenas, side-stream copies and chained NVMe I/O: a missing piece is a
+            # ConfigError now, not an error in the middle of the first forward.
+            require_gpu_paths(f"offload.activations(tiers={','.join(config.tiers)!r})")
         self.config = config
         self.model = model
         self._step: Step | None = None       # the latest block's (offload/step.py)

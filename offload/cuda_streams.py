@@ -1,13 +1,17 @@
 """The GPU copy path: D2H into the pinned arena on an offload stream, H2D back on a prefetch stream.
 
-One :class:`CopyStreams` per ``offload.activations()`` context and device. The runtime calls
+This module is about device copies and events only: what chains NVMe I/O to them lives with
+the NVMe tier (offload/tiers/nvme_device.py). One :class:`CopyStreams` per step and device
+holds that step's copies in flight and their counters; the two CUDA streams themselves are
+the process's, one pair per device, reused by every step (Note 13). The runtime calls
 
 * :meth:`CopyStreams.offload` in pack: it returns a :class:`D2HTicket` at once, the forward
-  goes on while the copy runs;
-* :meth:`D2HTicket.write_behind` to chain an NVMe write after the copy, without Python;
-* :meth:`CopyStreams.reload` (host tier) or :meth:`CopyStreams.reload_from_store` (NVMe) when
-  the prefetcher decides a tensor is due; it returns an :class:`H2DTicket` at once;
-* :meth:`H2DTicket.tensor_for_use` in unpack, and :meth:`CopyStreams.close` at context exit.
+  goes on while the copy runs (its event, ``D2HTicket.event_handle``, is what an engine can
+  wait on);
+* :meth:`CopyStreams.reload` (host tier) or :meth:`CopyStreams.reload_chained` (an H2D that
+  another engine enqueues, e.g. after an NVMe read) when the prefetcher decides a tensor is
+  due; it returns an :class:`H2DTicket` at once;
+* :meth:`H2DTicket.tensor_for_use` in unpack, and :meth:`CopyStreams.close` at the step's end.
 
 Copy engine: torch's ``copy_(non_blocking=True)`` on torch streams, not ``_C.copy_d2h/h2d``.
 For a same-dtype contiguous copy between a CUDA tensor and a CPU tensor, torch issues exactly
@@ -15,12 +19,14 @@ one ``cudaMemcpyAsync`` on the *current* stream (aten/src/ATen/native/cuda/Copy.
 offers the host pointer to its CachingHostAllocator, which ignores pointers it did not
 allocate (``record_event`` returns false): lifetime stays ours (Notes 3 and 8). Pinning is a
 property of the pages known to the driver, so memory pinned by our statically linked cudart is
-DMA'd directly by torch's cudart (same primary context; the arena is allocated with
-``cudaHostAllocPortable``, so that holds for every device). Torch's path handles the
+DMA'd directly by torch's copies (the core allocates it through the very runtime torch
+loaded, csrc/cudart.hpp; the arena is allocated with ``cudaHostAllocPortable``, so that holds
+for every device). Torch's path handles the
 device guard, the caching allocator and event objects the rest of torch understands; the raw
-``_C`` calls would add a second runtime's notion of "current device" and lazily created
-handles for nothing. The ``_C`` engine is used where it does something Python cannot: chaining
-NVMe I/O after or before a copy (``write_after_event``, ``read_then_h2d``). If a block is not
+``_C`` calls would add lazily created handles and a second place that tracks the current
+device for nothing. The ``_C`` engine is used where it does something Python cannot: chaining
+NVMe I/O after or before a copy (``write_after_event``, ``read_then_h2d``; the NVMe tier's
+nvme_device.py). If a block is not
 pinned, torch's copies are still correct (CUDA stages pageable memory, and a D2H into pageable
 memory returns only when done) but synchronous; a warning says so once.
 
@@ -47,11 +53,12 @@ deferred to then). ``torch.frombuffer`` keeps a reference to that object, not a 
 view or the block keeps the memory. The pending copy holds both until its event completed;
 the runtime may drop its own references at any time.
 
-Note 4 (write-behind keeps its event): ``store.write_after_event`` hands the event handle to an
-engine thread that calls ``cudaEventSynchronize`` on it later. Destroying an event that a
-thread may still wait on is undefined, so :class:`WriteBehind` holds the torch Event until its
-future is done. These events are created with ``blocking=True`` so that waiting engine threads
-sleep instead of spinning on cores the Python thread needs to launch kernels.
+Note 4 (an engine waiting on a D2H event): the D2H ``done`` events are created with
+``blocking=True``, so that an engine thread waiting on one (the NVMe write-behind,
+offload/tiers/nvme_device.py) sleeps instead of spinning on cores the Python thread needs to
+launch kernels. Whoever hands ``D2HTicket.event_handle`` to an engine must keep
+``D2HTicket.event`` alive until the engine is done with it (destroying an event a thread may
+still wait on is undefined): nvme_device.WriteBehind does.
 
 Note 5 (host tier: D2H before H2D): when a tensor comes back before its D2H has been seen to
 finish, ``reload(..., after=d2h_ticket)`` makes the prefetch stream wait on the D2H event on the
@@ -67,7 +74,7 @@ handing it to the next reload at once.
 
 Note 7 (H2D before use): ``tensor_for_use`` makes the *current* stream (in unpack: the stream
 autograd runs the backward node on) wait on the H2D event, on the GPU, not the host. For a
-copy chained in the engine (``reload_from_store``) the event is recorded by an engine thread;
+copy chained in an engine (``reload_chained``) the event is recorded by an engine thread;
 a stream wait only covers records made before the wait is enqueued, so ``tensor_for_use``
 first waits for the I/O future (complete once the record was made), then enqueues the wait.
 
@@ -75,13 +82,13 @@ Note 8 (the pinned source of an H2D stays alive): the pending copy holds the blo
 event completed. Released earlier, the arena could give the bytes to the next D2H, whose copy
 on the offload stream is not ordered with the H2D on the prefetch stream.
 
-Note 9 (chained H2D destination stays alive): with ``reload_from_store`` the engine enqueues the
+Note 9 (chained H2D destination stays alive): with ``reload_chained`` the engine enqueues the
 copy later, from its own thread. Were the destination freed before that (ticket dropped), the
 allocator could give its block to a later allocation whose copy is queued on the prefetch
 stream *before* the engine's: the pending copy holds the tensor until the future is done.
 
 Note 10 (event handles for the engine): torch creates a CUDA event at its first ``record``; its
-``cuda_event`` is 0 before. ``reload_from_store`` records the event once on the prefetch stream
+``cuda_event`` is 0 before. ``reload_chained`` records the event once on the prefetch stream
 so the handle exists; the engine records it again after its copy (Note 7 orders the wait).
 
 Note 11 (back-pressure without a device sync): when the sources held by pending D2H copies
@@ -96,6 +103,14 @@ another stream than the first. Only the first consumer went through ``tensor_for
 stream (behind its wait for the H2D, so it completes after the copy); that stream waits on
 the event, on the GPU, and is added to the block's streams by ``record_stream`` so the block
 outlives its kernels there.
+
+Note 13 (streams reused across steps): the offload and prefetch streams are made once per
+device and process (``_TorchCuda.copy_streams``), not per step. Reloaded tensors are
+allocated on the prefetch stream (Note 6), and the caching allocator keeps a freed block for
+reuse on the stream it was allocated on: with a new prefetch stream each step (torch hands
+out its pool's 32 streams in turn) each step's reloads took fresh blocks, and reserved memory
+grew step after step. Two contexts alive at once share the streams: their copies then queue
+behind each other, while each CopyStreams still tracks only its own events.
 """
 from __future__ import annotations
 
@@ -103,19 +118,29 @@ import logging
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from offload.errors import UsedAfterCloseError
 from offload.trace import NULL_RECORDER, NullRecorder, TraceRecorder
 
-__all__ = ["CopyStreams", "D2HTicket", "H2DTicket", "WriteBehind", "CopyStats", "SharedReload",
+__all__ = ["CopyStreams", "D2HTicket", "H2DTicket", "CopyStats", "SharedReload",
            "DEFAULT_MAX_INFLIGHT_BYTES"]
 
 _log = logging.getLogger("offload")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
+
+_streams_lock = threading.Lock()
+_streams: dict[torch.device, tuple] = {}   # Note 13
+
+
+def after_fork_in_child() -> None:
+    """A forked child cannot use the parent's CUDA streams (nor CUDA at all): forget them."""
+    global _streams_lock
+    _streams_lock = threading.Lock()
+    _streams.clear()
 
 
 class _TorchCuda:
@@ -130,8 +155,14 @@ class _TorchCuda:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
 
-    def new_stream(self, device):
-        return torch.cuda.Stream(device=device)
+    def copy_streams(self, device) -> tuple:
+        """The process's offload and prefetch streams of `device` (Note 13)."""
+        with _streams_lock:
+            pair = _streams.get(device)
+            if pair is None:
+                pair = _streams[device] = (torch.cuda.Stream(device=device),
+                                           torch.cuda.Stream(device=device))
+            return pair
 
     def current_stream(self, device):
         return torch.cuda.current_stream(device)
@@ -278,7 +309,7 @@ class D2HTicket:
         self._p = pending
         self.nbytes = pending.nbytes
         self.event = pending.event   # torch.cuda.Event; .cuda_event is the handle for the engine
-        self.block = pending.block   # the caller's block, for write_behind at any time
+        self.block = pending.block   # the caller's block (an engine writing it out needs it)
 
     def done(self) -> bool:
         """Whether the copy finished (non-blocking); the source is dropped once it has."""
@@ -296,36 +327,11 @@ class D2HTicket:
         """
         return None if self._p.complete else self._p.src
 
-    def write_behind(self, store, extent) -> "WriteBehind":
-        """Chain ``store.write_after_event(extent, block, event)`` after this copy (Note 4).
-
-        Needs the HostBlock itself in ``offload`` (the engine holds it until the write lands).
-        """
-        if isinstance(self.block, torch.Tensor):
-            raise TypeError("D2HTicket.write_behind(): offload() got a tensor view as block; "
-                            "pass the HostBlock itself so the engine can hold it")
-        handle = self._owner._backend.event_handle(self.event)
-        return WriteBehind(store.write_after_event(extent, self.block, handle), self.event)
-
-
-class WriteBehind:
-    """An NVMe write chained after a D2H event; holds the event until the write is done."""
-
-    __slots__ = ("future", "_event")
-
-    def __init__(self, future, event):
-        self.future = future
-        self._event = event   # Note 4
-
-    def done(self) -> bool:
-        if self._event is not None and self.future.done():
-            self._event = None
-        return self._event is None
-
-    def wait(self, timeout_s: float | None = None) -> int:
-        nbytes = self.future.wait(timeout_s)
-        self._event = None
-        return nbytes
+    @property
+    def event_handle(self) -> int:
+        """The raw handle of ``event`` (completes when the copy has landed in the block),
+        for an engine that waits on it; keep ``event`` alive meanwhile (Note 4)."""
+        return self._owner._backend.event_handle(self.event)
 
 
 class H2DTicket:
@@ -404,8 +410,7 @@ class CopyStreams:
         self._now = trace.now   # one clock for stall counters and trace spans
         self.timing = bool(timing or trace.enabled)
         self.stats = CopyStats()
-        self.offload_stream = self._backend.new_stream(self.device)
-        self.prefetch_stream = self._backend.new_stream(self.device)
+        self.offload_stream, self.prefetch_stream = self._backend.copy_streams(self.device)  # Note 13
         self._ready = self._backend.new_event(timing=False)   # reused: see Note 1 in offload()
         self._lock = threading.RLock()
         self._d2h: deque[_Pending] = deque()   # in issue order = completion order (one stream)
@@ -495,11 +500,20 @@ class CopyStreams:
                                               len(self._h2d) + len(self._chained))
         return H2DTicket(self, p, dst)
 
-    def reload_from_store(self, store, extent, block, nbytes: int) -> H2DTicket:
-        """Read ``extent`` into ``block`` and copy it to the device, chained in the engine.
+    def reload_chained(self, nbytes: int, submit: Callable[[int, int, int], Any], *,
+                       keep: Any = None) -> H2DTicket:
+        """An H2D into a new uint8 device tensor that another engine enqueues later.
 
-        Uses ``store.read_then_h2d`` (CUDA builds of the extension): no Python runs between
-        the read landing and the H2D starting. GPU copy time is not measured on this path.
+        Args:
+            nbytes: Size of the destination.
+            submit: Called at once with (destination pointer, prefetch stream handle, event
+                handle); returns a future (``done()``, ``wait()``) that completes once the
+                engine has enqueued the copy on that stream and recorded the event after it
+                (or failed: ``wait()`` raises). The NVMe tier's read → H2D
+                (offload/tiers/nvme_device.py) is one.
+            keep: Held until the copy is done, e.g. the pinned block the copy reads (Note 8).
+
+        GPU copy time is not measured on this path.
         """
         b = self._backend
         with self._lock:
@@ -508,10 +522,9 @@ class CopyStreams:
             dst = b.empty(nbytes, self.device, self.prefetch_stream)   # Note 6
             done = b.new_event(timing=False)
             b.record(done, self.prefetch_stream)   # Note 10
-            future = store.read_then_h2d(extent, block, dst.data_ptr(), nbytes,
-                                         b.stream_handle(self.prefetch_stream),
-                                         b.event_handle(done))
-            p = _Pending("h2d", nbytes, done, None, block=block, dst=dst, future=future)  # Notes 8, 9
+            future = submit(dst.data_ptr(), b.stream_handle(self.prefetch_stream),
+                            b.event_handle(done))
+            p = _Pending("h2d", nbytes, done, None, block=keep, dst=dst, future=future)  # Notes 8, 9
             self._chained.append(p)
             self.stats.max_h2d_inflight = max(self.stats.max_h2d_inflight,
                                               len(self._h2d) + len(self._chained))

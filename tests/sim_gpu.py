@@ -53,6 +53,7 @@ class SimGpu:
         self._blocks: dict[int, dict] = {}
         self.streams: list[SimStream] = []
         self.handles: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._copy_streams = None
         self.compute = self.new_stream(None)
         self.current = self.compute
         self.pinned = True
@@ -67,6 +68,12 @@ class SimGpu:
         self.streams.append(s)
         self.handles[id(s)] = s
         return s
+
+    def copy_streams(self, device):
+        """One offload/prefetch pair per simulated device, reused like the real ones (Note 13)."""
+        if self._copy_streams is None:
+            self._copy_streams = (self.new_stream(device), self.new_stream(device))
+        return self._copy_streams
 
     def current_stream(self, device):
         return self.current

@@ -200,7 +200,15 @@ def test_user_model_and_recompute_blocks(tmp_path, nvme_dir, capsys):
     rows = {r["strategy"]: r for r in json.loads(out.read_text())}
     assert rows["none"]["tokens_per_step"] is None and rows["none"]["samples_per_s"] > 0
     assert rows["recompute"]["available"] and rows["recompute"]["bit_exact"] is True
-    assert "GPT" not in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "GPT" not in printed
+    # the build that produced the numbers: in the header and in every JSON row
+    import offload
+    from offload._build_info import summary
+
+    info = offload.build_info()
+    assert all(r["build"] == info for r in rows.values())
+    assert printed.splitlines()[0] == summary(info)
 
 
 def test_max_batch_finds_the_edge(tmp_path, nvme_dir):

@@ -1,10 +1,13 @@
-"""Both build configurations of offload._C: the CPU-only one (CUDA switched off) is built
-from csrc/ into a temporary directory and imported in a subprocess; the installed one is
-checked for CUDA when the toolkit is present, and for a static CUDA runtime."""
+"""Both build configurations of offload._C, and the installed one.
+
+The CUDA paths need no toolkit (csrc/cudart.hpp): the from-scratch builds run with the
+toolkit hidden (no nvcc on PATH, no CUDA_HOME / CUDA_PATH, CMake told not to find it), and
+the module links no CUDA library and no libtorch."""
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,14 +15,11 @@ import textwrap
 
 import pytest
 
+import offload
 from offload._ext import load_core
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 C = load_core()
-
-
-def _cuda_toolkit_present() -> bool:
-    return shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/include/cuda_runtime_api.h")
 
 
 def _needed_libraries(path: str) -> list[str]:
@@ -27,17 +27,29 @@ def _needed_libraries(path: str) -> list[str]:
     return [line.split("[", 1)[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
 
 
-@pytest.mark.skipif(not _cuda_toolkit_present(), reason="no CUDA toolkit on this machine")
+def toolkit_hidden_env() -> dict[str, str]:
+    """The environment with every way to the CUDA toolkit removed (PATH entries holding
+    nvcc, CUDA_HOME, CUDA_PATH, CUDACXX); pair it with -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CUDA_HOME", "CUDA_PATH", "CUDACXX", "OFFLOAD_BUILD_CUDA")}
+    env["PATH"] = os.pathsep.join(
+        p for p in env.get("PATH", "").split(os.pathsep)
+        if p and not os.path.exists(os.path.join(p, "nvcc")))
+    return env
+
+
 @pytest.mark.skipif(os.environ.get("OFFLOAD_BUILD_CUDA") == "0", reason="CUDA build switched off")
-def test_installed_build_has_cuda_compiled_in_when_the_toolkit_is_present():
-    assert C.cuda_compiled is True
+def test_installed_build_has_the_cuda_paths_compiled_in():
+    assert C.cuda_compiled is True and C.build_flavour == "cuda-dlopen"
+    info = offload.build_info()
+    assert info["cuda_compiled"] and info["build_flavour"] == "cuda-dlopen"
+    assert info["version"] == offload.__version__ == C.__version__
 
 
 @pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf not installed")
-def test_cuda_runtime_is_linked_statically():
+def test_no_cuda_library_or_libtorch_is_linked():
     needed = _needed_libraries(C.__file__)
-    assert not [lib for lib in needed if "cudart" in lib or "libcuda" in lib], needed
-    assert not [lib for lib in needed if "torch" in lib or "c10" in lib], needed
+    assert not [lib for lib in needed if "cuda" in lib or "torch" in lib or "c10" in lib], needed
 
 
 def test_import_without_a_driver_does_not_fail():
@@ -48,25 +60,47 @@ def test_import_without_a_driver_does_not_fail():
     assert proc.returncode == 0, proc.stderr
 
 
+_CHECK_CPU_ONLY = """
+    assert C.cuda_compiled is False and C.cuda_usable() is False and C.build_flavour == "cpu"
+    assert "OFFLOAD_BUILD_CUDA=0" in C.cuda_unusable_reason()
+    try:
+        C.copy_h2d(1, 1, 1, 0, 0)
+    except RuntimeError as exc:
+        assert "built without its CUDA paths" in str(exc), exc
+    else:
+        raise AssertionError("copy_h2d must raise in a CPU-only build")
+"""
+_CHECK_CUDA = """
+    assert C.cuda_compiled is True and C.build_flavour == "cuda-dlopen"
+    assert C.cuda_usable() is False   # no runtime loaded: CPU torch
+    assert "no CUDA runtime library" in C.cuda_unusable_reason()
+"""
+
+
 @pytest.mark.slow
-def test_cpu_only_build_from_scratch(tmp_path):
+@pytest.mark.parametrize("with_cuda", [False, True], ids=["cpu-only", "cuda-toolkit-hidden"])
+def test_build_from_scratch(tmp_path, with_cuda):
     cmake = shutil.which("cmake")
     if cmake is None:
         pytest.skip("cmake not installed")
     pybind11 = pytest.importorskip("pybind11")
     build = tmp_path / "build"
-    configure = [cmake, "-S", REPO, "-B", str(build), "-DOFFLOAD_WITH_CUDA=OFF",
+    configure = [cmake, "-S", REPO, "-B", str(build), f"-DOFFLOAD_WITH_CUDA={'ON' if with_cuda else 'OFF'}",
+                 "-DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON", "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
                  f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
                  f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release"]
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
-    env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_BUILD_CUDA"}
+    env = toolkit_hidden_env()
     proc = subprocess.run(configure, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "offload: CUDA copy engine OFF" in proc.stdout
+    assert f"CUDA paths {'ON' if with_cuda else 'OFF'}" in proc.stdout
     proc = subprocess.run([cmake, "--build", str(build), "-j", str(os.cpu_count() or 2)],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    commands = (build / "compile_commands.json").read_text()
+    toolkit_dirs = re.findall(r"(?:-I|-isystem)\s*(\S*cuda\S*)", commands, flags=re.I)
+    assert toolkit_dirs == []   # nothing is compiled against a toolkit's headers
     (module,) = glob.glob(str(build / "offload" / "_C*.so"))
     if shutil.which("readelf"):
         assert not [lib for lib in _needed_libraries(module) if "cuda" in lib]
@@ -76,14 +110,7 @@ def test_cpu_only_build_from_scratch(tmp_path):
         spec = importlib.util.spec_from_file_location("_C", {module!r})
         C = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(C)
-        assert C.cuda_compiled is False and C.cuda_usable() is False
-        assert "without the CUDA toolkit" in C.cuda_unusable_reason()
-        try:
-            C.copy_h2d(1, 1, 1, 0, 0)
-        except RuntimeError as exc:
-            assert "built without the CUDA toolkit" in str(exc), exc
-        else:
-            raise AssertionError("copy_h2d must raise in a CPU-only build")
+    """) + textwrap.dedent(_CHECK_CUDA if with_cuda else _CHECK_CPU_ONLY) + textwrap.dedent(f"""
         arena = C.HostArena(1 << 20)
         assert arena.pinned is False
         d = tempfile.mkdtemp(dir="/var/tmp")
@@ -97,8 +124,8 @@ def test_cpu_only_build_from_scratch(tmp_path):
         store.close()
         assert os.listdir(d) == []
         os.rmdir(d)
-        print("cpu-only ok")
+        print("build ok")
     """)
     proc = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0 and "cpu-only ok" in proc.stdout, proc.stdout + proc.stderr
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and "build ok" in proc.stdout, proc.stdout + proc.stderr

@@ -17,6 +17,7 @@ import torch
 
 from offload import cuda_streams
 from offload.cuda_streams import CopyStreams
+from offload.tiers.nvme_device import read_then_h2d, write_after_d2h
 from offload.trace import TraceRecorder
 from sim_gpu import SimArena, SimGpu, SimStore
 
@@ -306,12 +307,12 @@ def run_chained(seed, n_tensors=12, n=32):
     for i in range(n_tensors):
         store.data[i] = bytes([_pattern(i)]) * n
         store.data[("stale", i)] = b"\x77" * n
-        abandoned = copies.reload_from_store(store, ("stale", i), arena.allocate(n), n)
+        abandoned = read_then_h2d(copies, store, ("stale", i), arena.allocate(n), n)
         del abandoned                            # a prefetch nobody uses (Note 9)
         other = arena.allocate(n)
         other[:] = 0x55
         plain = copies.reload(other, n)          # allocates on the prefetch stream at once
-        ticket = copies.reload_from_store(store, i, arena.allocate(n), n)
+        ticket = read_then_h2d(copies, store, i, arena.allocate(n), n)
         if rng.random() < 0.5:
             store.progress()
         out, out2 = [], []
@@ -356,7 +357,7 @@ def test_note7_chained_without_waiting_for_the_engine_record_reads_early(monkeyp
         store = SimStore(sim)
         copies = CopyStreams(_backend=sim)
         store.data["e"] = b"\x2a" * 32
-        ticket = copies.reload_from_store(store, "e", arena.allocate(32), 32)
+        ticket = read_then_h2d(copies, store, "e", arena.allocate(32), 32)
         out: list = []
         t = ticket.tensor_for_use()     # wait enqueued before the engine's record
         sim.read(t, out)
@@ -386,7 +387,7 @@ def test_chained_read_error_surfaces_in_tensor_for_use_and_is_swept():
     store = SimStore(sim)
     copies = CopyStreams(_backend=sim)
     store.data["e"] = b"\0" * 16
-    ticket = copies.reload_from_store(store, "e", arena.allocate(16), 16)
+    ticket = read_then_h2d(copies, store, "e", arena.allocate(16), 16)
     store.progress(fail=True)
     with pytest.raises(StorageError, match="read failed"):
         ticket.tensor_for_use()
@@ -406,7 +407,7 @@ def test_write_behind_keeps_the_event_until_the_write_is_done():
     sim.fill(x, 9)
     ticket = copies.offload(x, arena.allocate(64))
     del x
-    wb = ticket.write_behind(store, "ext")
+    wb = write_after_d2h(store, "ext", ticket)
     event = weakref.ref(ticket.event)
     del ticket
     copies.poll()
@@ -564,9 +565,35 @@ def test_write_behind_needs_the_host_block_itself():
     sim, arena, copies = _copies()
     view = torch.frombuffer(arena.allocate(16), dtype=torch.uint8)
     ticket = copies.offload(sim.empty(16, None, sim.compute), view)
-    with pytest.raises(TypeError, match=r"write_behind\(\): offload\(\) got a tensor view"):
-        ticket.write_behind(SimStore(sim), "ext")
+    with pytest.raises(TypeError, match=r"write_after_d2h\(\): the D2H copied into a tensor view"):
+        write_after_d2h(SimStore(sim), "ext", ticket)
     copies.close()
+
+
+def test_streams_are_the_same_for_every_step():
+    # Note 13: CopyStreams of later steps reuse the device's streams, so reloads allocated on
+    # the prefetch stream reuse the blocks earlier steps freed.
+    sim = SimGpu(0)
+    first = CopyStreams(_backend=sim)
+    first.close()
+    second = CopyStreams(_backend=sim)
+    assert (second.offload_stream, second.prefetch_stream) == \
+        (first.offload_stream, first.prefetch_stream)
+    assert first.offload_stream is not first.prefetch_stream
+    second.close()
+
+
+def test_the_torch_backend_makes_one_stream_pair_per_device(monkeypatch):
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: made.append(device) or object())
+    monkeypatch.setattr(cuda_streams, "_streams", {})
+    backend = cuda_streams._TorchCuda()
+    dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    pairs = [backend.copy_streams(d) for d in (dev0, dev1, dev0, dev1, dev0)]
+    assert made == [dev0, dev0, dev1, dev1]
+    assert pairs[0] is pairs[2] is pairs[4] and pairs[1] is pairs[3] and pairs[0] is not pairs[1]
+    cuda_streams.after_fork_in_child()   # a forked child makes its own
+    assert backend.copy_streams(dev0) is not pairs[0] and len(made) == 6
 
 
 def test_a_tensor_block_must_be_uint8_on_the_cpu():

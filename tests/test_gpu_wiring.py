@@ -57,18 +57,23 @@ def _tier():
     return HostTier(1 << 20, Stats(), copies=provider), copies, seen
 
 
+def _pinned(tier, host, copies=None, d2h=None):
+    """A payload as HostTier.store makes it for a CUDA source (the tier counts its bytes)."""
+    tier._used_bytes += host.numel()
+    return _PinnedPayload(host, CUDA, tier._stats, tier._released, copies, d2h)
+
+
 def test_prefetch_reloads_after_the_d2h_and_fetch_hands_the_ticket_to_the_stream():
     tier, copies, seen = _tier()
     host = torch.arange(64, dtype=torch.uint8)
     d2h = _D2H(None)
-    p = _PinnedPayload(tier, host, CUDA, d2h)
+    p = _pinned(tier, host, copies, d2h)
     assert p.prefetchable and not p.prefetched
     assert p.prefetch() and p.prefetched
     assert not p.prefetch()                       # one reload per use
     assert copies.log == [("reload", 64, d2h)]    # Note 5: ordered after the D2H
     out = p.fetch()
     assert torch.equal(out, host) and copies.log[-1] == "tensor_for_use"
-    assert seen == [CUDA]
     assert not p.prefetched
     p.fetch()                                     # retain_graph: loads again
     assert [e for e in copies.log if e != "tensor_for_use"] == [("reload", 64, d2h)] * 2
@@ -77,15 +82,15 @@ def test_prefetch_reloads_after_the_d2h_and_fetch_hands_the_ticket_to_the_stream
 def test_fetch_uses_the_source_while_its_d2h_is_pending():
     tier, copies, _ = _tier()
     src = torch.full((32,), 7, dtype=torch.uint8)
-    p = _PinnedPayload(tier, torch.zeros(32, dtype=torch.uint8), CUDA, _D2H(src))
+    p = _pinned(tier, torch.zeros(32, dtype=torch.uint8), copies, _D2H(src))
     assert p.fetch() is src
     assert copies.log == [] and tier._stats.bounce_hits == 1
 
 
 def test_release_frees_the_space_and_refuses_later_use():
-    tier, _, _ = _tier()
-    tier._used_bytes = 32
-    p = _PinnedPayload(tier, torch.zeros(32, dtype=torch.uint8), CUDA, _D2H(None))
+    tier, copies, _ = _tier()
+    p = _pinned(tier, torch.zeros(32, dtype=torch.uint8), copies, _D2H(None))
+    assert tier.used_bytes == 32
     p.prefetch()
     p.release()
     p.release()
@@ -95,7 +100,7 @@ def test_release_frees_the_space_and_refuses_later_use():
 
 def test_without_copystreams_the_payload_is_not_prefetchable():
     tier = HostTier(1 << 20, Stats())
-    p = _PinnedPayload(tier, torch.zeros(8, dtype=torch.uint8), CUDA)
+    p = _pinned(tier, torch.zeros(8, dtype=torch.uint8))
     assert not p.prefetchable and not p.prefetch()
 
 

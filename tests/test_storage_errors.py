@@ -86,7 +86,7 @@ def _corrupt_one_payload(ctx):
     tier = ctx.tiers["nvme"]
     tier.drain()                                   # every write has landed
     record = max(ctx._hooks._live, key=lambda r: r.nbytes)
-    tier._store._corrupt_for_test(record.payload._extent, record.nbytes // 2)
+    tier._store._corrupt_for_test(record.payload.extent, record.nbytes // 2)
 
 
 def test_a_corrupted_read_fails_loudly_in_backward_with_checksums(nvme_dir):

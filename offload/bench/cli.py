@@ -352,6 +352,8 @@ def _progress(console: Console) -> Progress:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit code (0 ok, 1 a strategy failed, 2 usage, 130 ^C)."""
+    from offload._build_info import build_info, summary as build_summary
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -379,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
     elapsed_s = (datetime.datetime.now() - started).total_seconds()
+    # Asked here, after every worker has finished: it initializes CUDA in this process, and
+    # a context held by the parent while workers run would take GPU memory from them.
+    info = build_info()
+    for row in rows:
+        row["build"] = info
+    out.print(build_summary(info), highlight=False, markup=False)
     report.print_table(rows, out)
     out.print(f"  {started:%Y-%m-%d %H:%M}, {platform.node() or 'this machine'}, "
               f"torch {__import__('torch').__version__}, {elapsed_s:.0f} s in all",

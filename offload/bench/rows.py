@@ -40,6 +40,7 @@ ROW_FIELDS = (
     # tiers and transfers (offload rows)
     *STATS_FIELDS, *RATE_FIELDS,
     "runtime_stats",  # the whole ctx.stats.as_dict() of the first round's last step
+    "build",  # offload.build_info() of the process that ran the benchmark
     # gradient check against none
     "bit_exact", "max_abs_diff", "grads_differ", "grads_differ_steps",
     # --max-batch

@@ -40,14 +40,14 @@ PINNED_CHUNK_BYTES = 1 << 30
 class _RefPayload(Payload):
     """A CPU storage's bytes, held by reference (device == host)."""
 
-    __slots__ = ("_tier", "_flat")
+    __slots__ = ("_flat", "_on_release")
 
     resident = True  # host RAM is the device's memory on a CPU-only run
 
-    def __init__(self, tier: "HostTier", flat: torch.Tensor) -> None:
+    def __init__(self, flat: torch.Tensor, on_release: Callable[[int], None]) -> None:
         super().__init__(flat.numel(), flat.device)
-        self._tier = tier
         self._flat = flat
+        self._on_release = on_release  # the tier's capacity accounting
 
     @property
     def prefetched(self) -> bool:
@@ -61,19 +61,25 @@ class _RefPayload(Payload):
     def release(self) -> None:
         if self._flat is not None:
             self._flat = None
-            self._tier._used_bytes -= self.nbytes
+            self._on_release(self.nbytes)
 
 
 class _PinnedPayload(Payload):
-    """A CUDA storage's bytes copied into pinned host memory."""
+    """A CUDA storage's bytes copied into pinned host memory.
 
-    __slots__ = ("_tier", "_host", "_d2h", "_h2d")
+    Owns its transfers (the D2H ticket, the H2D ticket of a reload) and the pinned view; the
+    tier only hands it the CopyStreams to use and counts its capacity.
+    """
 
-    def __init__(self, tier: "HostTier", host: torch.Tensor, device: torch.device,
-                 d2h=None) -> None:
+    __slots__ = ("_host", "_copies", "_stats", "_on_release", "_d2h", "_h2d")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, stats: Stats,
+                 on_release: Callable[[int], None], copies=None, d2h=None) -> None:
         super().__init__(host.numel(), device)
-        self._tier = tier
         self._host = host  # uint8 view of a pinned arena block (keeps the block alive)
+        self._copies = copies  # CopyStreams of `device` (None: copied synchronously)
+        self._stats = stats
+        self._on_release = on_release
         self._d2h = d2h    # D2HTicket of the async copy (None: copied synchronously)
         self._h2d = None   # H2DTicket started by prefetch, not yet used
 
@@ -92,20 +98,20 @@ class _PinnedPayload(Payload):
     def prefetch(self) -> bool:
         if self._h2d is not None or self._host is None or self._d2h is None:
             return False
-        self._h2d = self._tier._reload(self)
+        self._h2d = self._reload()
         return True
 
     def fetch(self) -> torch.Tensor:
         if self._host is None:
             raise UsedAfterCloseError("offload: host payload used after release")
         if self._d2h is None:
-            return self._tier._h2d(self._host, self.device)
+            return sync_h2d(self._host, self.device, self._stats)
         held = self._d2h.device_tensor_if_held()
         if held is not None:  # needed again before its D2H finished: no copy back
-            self._tier._stats.bounce_hits += 1
+            self._stats.bounce_hits += 1
             return held
         if self._h2d is None:
-            self._h2d = self._tier._reload(self)
+            self._h2d = self._reload()
         ticket, self._h2d = self._h2d, None
         return ticket.tensor_for_use()  # the current stream waits on the GPU (Notes 6, 7)
 
@@ -113,8 +119,12 @@ class _PinnedPayload(Payload):
         if self._host is not None:
             # The block returns to the arena with its last view; a pending copy holds its
             # own references (cuda_streams Notes 3, 8), so dropping ours never races.
-            self._host = self._d2h = self._h2d = None
-            self._tier._used_bytes -= self.nbytes
+            self._host = self._d2h = self._h2d = self._copies = None
+            self._on_release(self.nbytes)
+
+    def _reload(self):
+        # Note 5 (cuda_streams.py): `after` orders the H2D after a D2H not yet seen done.
+        return self._copies.reload(self._host, self.nbytes, after=self._d2h)
 
 
 class HostTier(Tier):
@@ -153,21 +163,22 @@ class HostTier(Tier):
         if self._used_bytes + nbytes > self._capacity_bytes:
             return None
         if flat.device.type == "cpu":
-            payload: Payload = _RefPayload(self, flat)
+            payload: Payload = _RefPayload(flat, self._released)
         else:
             host = self._allocate_pinned(nbytes)
             if host is None:
                 return None
             if self._copies is not None:
-                ticket = self._copies(flat.device).offload(flat, host)  # returns at once
-                payload = _PinnedPayload(self, host, flat.device, ticket)
+                copies = self._copies(flat.device)
+                ticket = copies.offload(flat, host)  # returns at once
+                payload = _PinnedPayload(host, flat.device, self._stats, self._released,
+                                         copies, ticket)
             else:
-                self._d2h(flat, host)
-                payload = _PinnedPayload(self, host, flat.device)
+                sync_d2h(flat, host, self._stats)
+                payload = _PinnedPayload(host, flat.device, self._stats, self._released)
         self._used_bytes += nbytes
         return payload
 
-    # ---------------------------------------------------------------- CUDA paths
     def _allocate_pinned(self, nbytes: int) -> torch.Tensor | None:
         if self._arenas is None:
             self._arenas = pool.take("host-pinned", self._capacity_key, list)
@@ -187,16 +198,8 @@ class HostTier(Tier):
         block = arena.allocate(nbytes)
         return torch.frombuffer(block, dtype=torch.uint8) if block is not None else None
 
-    def _reload(self, payload: _PinnedPayload):
-        # Note 5 (cuda_streams.py): `after` orders the H2D after a D2H not yet seen done.
-        return self._copies(payload.device).reload(payload._host, payload.nbytes,
-                                                   after=payload._d2h)
-
-    def _d2h(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        sync_d2h(src, dst, self._stats)
-
-    def _h2d(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
-        return sync_h2d(src, device, self._stats)
+    def _released(self, nbytes: int) -> None:
+        self._used_bytes -= nbytes
 
     def close(self, reuse: bool = True) -> None:
         # Blocks still viewed by live tensors keep their memory; such an arena goes away

@@ -35,19 +35,25 @@ write.
 NOTE [Deferred free] Memory the engine reads from or into must outlive the I/O. The engine
 itself keeps HostBlocks and the extent's slab range alive until a request is done, so a
 released payload gives its extent back at once; but the raw memory of `write_ptr` (the
-source tensor) and `read_ptr` (a slice of an arena block or of a plain buffer) is ours: when
-a payload is released with
-such I/O in flight (a tensor freed during the forward, a prefetched tensor never used) it
-goes to a deferred list, dropped when `poll` sees the I/O done. `release` never blocks.
+source tensor) and `read_ptr` (a slice of an arena block or of a plain buffer) is ours. A
+write's source stays with its `_Write` (the write queue holds the payload) until retired, freed
+payload or not; a read still in flight when its payload is released (a prefetched tensor
+never used) goes to a deferred list, dropped when `poll` sees it done. `release` never blocks.
 
 CUDA sources (with the context's CopyStreams and a CUDA build of the extension): `store`
 starts the D2H into a pinned staging block on the offload stream and chains the write after
-its event in the engine (`D2HTicket.write_behind`, cuda_streams Notes 1-4): the forward never
-waits for the copy or the disk. `prefetch` chains read → H2D on the prefetch stream in the
-engine (`reload_from_store`, Notes 6-10); `fetch` makes the consuming stream wait on the H2D's
-event. A tensor needed again while its D2H is still pending is served from the source
+its event in the engine (nvme_device.write_after_d2h, cuda_streams Notes 1-4): the forward
+never waits for the copy or the disk. `prefetch` chains read → H2D on the prefetch stream in
+the engine (nvme_device.read_then_h2d, Notes 6-10); `fetch` makes the consuming stream wait
+on the H2D's event. A tensor needed again while its D2H is still pending is served from the source
 (`device_tensor_if_held`). Without CopyStreams, or with a CPU-only build of the extension,
 the copies are synchronous `copy_` calls (`sync_d2h` / `_copy_in`).
+
+NOTE [One owner] The tier owns every transfer: a `_Write` and a `_Read` per payload in flight,
+kept in its queues, with the memory each must keep alive and its clock. A payload holds its
+extent and *references* to its current `_Write` / `_Read` (set only by the tier) and turns
+`prefetch` / `fetch` / `release` into calls of the tier's public methods; neither looks into
+the other's private state.
 """
 from __future__ import annotations
 
@@ -63,7 +69,7 @@ from ..errors import UsedAfterCloseError
 from ..sizes import format_bytes
 from ..stats import Stats
 from .base import Payload, Tier, sync_d2h, sync_h2d
-from . import nvme_space, pool
+from . import nvme_device, nvme_space, pool
 from .heap import HeapSettings
 
 __all__ = ["NvmeTier"]
@@ -91,10 +97,43 @@ def _end_s(future) -> float:
     return end if end is not None else time.perf_counter()
 
 
+class _Write:
+    """One payload's write, from `store` until the tier retires it and drops it from the
+    payload (NOTE [One owner])."""
+
+    __slots__ = ("nbytes", "future", "source", "direct_bytes", "d2h", "start_s")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.future = None      # IoFuture, or nvme_device.WriteBehind after a D2H
+        self.source = None      # memory a direct write reads from (NOTE [Deferred free])
+        self.direct_bytes = 0   # bytes of `source` counted against the direct-write cap
+        self.d2h = None         # D2HTicket of the device copy feeding it (CUDA)
+        self.start_s = time.perf_counter()
+
+    def device_tensor_if_held(self) -> torch.Tensor | None:
+        """The source on the device while its D2H is still pending (a bounce: no read)."""
+        return self.d2h.device_tensor_if_held() if self.d2h is not None else None
+
+
+class _Read:
+    """One payload's read, from `prefetch` / `fetch` until its bytes are handed out."""
+
+    __slots__ = ("nbytes", "future", "buf", "gpu", "start_s", "observed")
+
+    def __init__(self, nbytes: int, future, buf: torch.Tensor | None, gpu: bool) -> None:
+        self.nbytes = nbytes
+        self.future = future    # IoFuture, or the H2DTicket of a read chained to an H2D
+        self.buf = buf          # host memory the read lands in (None when chained)
+        self.gpu = gpu
+        self.start_s = time.perf_counter()
+        self.observed = False   # completion already counted by the tier
+
+
 class _NvmePayload(Payload):
-    __slots__ = ("_tier", "_extent", "_write", "_source", "_read", "_buf", "_observed",
-                 "_released", "_write_start_s", "_read_start_s", "_d2h", "_gpu_read",
-                 "_phase", "_direct_bytes")
+    """An extent in the store; its transfers are the tier's (NOTE [One owner])."""
+
+    __slots__ = ("_tier", "extent", "phase", "write", "read", "_released")
 
     prefetchable = True
 
@@ -102,30 +141,24 @@ class _NvmePayload(Payload):
                  phase: int) -> None:
         super().__init__(nbytes, device)
         self._tier = tier
-        self._extent = extent
-        self._phase = phase   # NOTE [Phase]
-        self._direct_bytes = 0  # bytes of a write_ptr from `_source` still counted in flight
-        self._write = None    # IoFuture until the write is retired
-        self._source = None   # memory a direct write reads from, kept alive until it lands
-        self._read = None     # IoFuture of the read in flight
-        self._buf = None      # uint8 tensor the read lands in
-        self._observed = False  # read completion already counted by poll
+        self.extent = extent
+        self.phase = phase      # NOTE [Phase]
+        self.write: _Write | None = None   # set by the tier
+        self.read: _Read | None = None     # set by the tier
         self._released = False
-        self._d2h = None        # D2HTicket of an async device copy (CUDA)
-        self._gpu_read = False  # `_read` is an H2DTicket chained after the NVMe read
 
     @property
     def prefetched(self) -> bool:
-        return self._read is not None
+        return self.read is not None
 
     @property
     def released(self) -> bool:
         return self._released
 
     def prefetch(self) -> bool:
-        if self._read is not None:
+        if self.read is not None:
             return False
-        self._tier._start_read(self)
+        self._tier.start_read(self)
         return True
 
     def fetch(self) -> torch.Tensor:
@@ -133,18 +166,12 @@ class _NvmePayload(Payload):
             raise UsedAfterCloseError("offload: a saved tensor was used after its offload.activations() "
                                "context released it (the block exited with an exception, or "
                                "backward ran after the context was closed)")
-        held = self._d2h.device_tensor_if_held() if self._d2h is not None else None
-        if held is not None:  # needed again before its D2H finished: no read at all
-            self._tier._stats.bounce_hits += 1
-            return held
-        if self._read is None:
-            self._tier._start_read(self)
-        return self._tier._finish_read(self)
+        return self._tier.fetch(self)
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._tier._release(self)
+            self._tier.release(self)
 
 
 class NvmeTier(Tier):
@@ -204,9 +231,9 @@ class NvmeTier(Tier):
                         "it, or drop 'nvme' from OFFLOAD_TIERS)", ", ".join(self._dirs),
                         format_bytes(room[0]) if room else "?", format_bytes(MIN_STORE_BYTES))
         self._own_bytes = 0  # this tier's share of the store (others may use it too)
-        self._writes: collections.deque[_NvmePayload] = collections.deque()
-        self._reads: set[_NvmePayload] = set()      # reads whose completion is not yet seen
-        self._deferred: list[tuple] = []             # see NOTE [Deferred free]
+        self._writes: collections.deque[_NvmePayload] = collections.deque()  # write order
+        self._reads: set[_Read] = set()              # reads whose completion is not yet seen
+        self._deferred: list[_Read] = []             # see NOTE [Deferred free]
         self._direct_inflight = 0                    # bytes of write_ptr sources held
         self._direct_cap = max(staging_bytes, 1)
         self.in_backward = False  # stall attribution: set by the first read
@@ -285,23 +312,25 @@ class NvmeTier(Tier):
         if extent is None:
             return None  # full (or too fragmented): the caller spills to the next tier
         payload = _NvmePayload(self, extent, nbytes, flat.device, phase)
+        write = _Write(nbytes)
         source = flat  # written in place (NOTE [Phase])
         if block is None and not on_cpu:  # no CopyStreams, or no staging space
             source = self._host_buffer(nbytes, 0)
             sync_d2h(flat, source, self._stats)
         if block is not None:
             ticket = self._copies(flat.device).offload(flat, block)  # returns at once
-            payload._write = ticket.write_behind(self._store, extent)  # after the D2H event
-            payload._d2h = ticket
+            write.future = nvme_device.write_after_d2h(self._store, extent, ticket)
+            write.d2h = ticket
             del block  # the copy and the engine hold it (cuda_streams Notes 3, 4)
         else:
             self._wait_for_direct_room(nbytes)
-            payload._source = source  # NOTE [Deferred free]: must outlive the write
-            payload._write = self._store.write_ptr(extent, source.data_ptr(), nbytes)
-            payload._direct_bytes = nbytes
+            write.source = source  # NOTE [Deferred free]: must outlive the write
+            write.future = self._store.write_ptr(extent, source.data_ptr(), nbytes)
+            write.direct_bytes = nbytes
             self._direct_inflight += nbytes
-        self._own_bytes += nbytes  # from here on `_release` gives it back
-        payload._write_start_s = time.perf_counter()
+        self._own_bytes += nbytes  # from here on `release` gives it back
+        write.start_s = time.perf_counter()
+        payload.write = write
         self._writes.append(payload)
         if len(self._writes) > self._stats.peak_writes_inflight:
             self._stats.peak_writes_inflight = len(self._writes)
@@ -341,92 +370,95 @@ class NvmeTier(Tier):
         return block  # None: fragmented or held by reads; written from a host copy
 
     def _retire_write(self, payload: _NvmePayload) -> None:
-        """Wait for (or collect) a payload's write; raises StorageError if it failed."""
-        future = payload._write
-        if future is None:
+        """Wait for (or collect) a payload's write; raises StorageError if it failed. Its
+        queue entry may linger: poll() and drain() drop entries with no write."""
+        write = payload.write
+        if write is None:
             return
         try:
-            moved = future.wait()
+            moved = write.future.wait()
         finally:
-            payload._write = None
-            payload._source = None
-            self._direct_inflight -= payload._direct_bytes
-            payload._direct_bytes = 0
-            payload._d2h = None
-            end_s = _end_s(future)
-            self._stats.write_clock.add_interval(payload._write_start_s, end_s)
-            self._stats.trace.add(f"write {payload.nbytes} B", "nvme write",
-                                  payload._write_start_s, end_s, category="io",
-                                  args={"bytes": payload.nbytes})
+            payload.write = None   # the payload keeps nothing of a finished write
+            write.source = write.d2h = None
+            self._direct_inflight -= write.direct_bytes
+            write.direct_bytes = 0
+            end_s = _end_s(write.future)
+            self._stats.write_clock.add_interval(write.start_s, end_s)
+            self._stats.trace.add(f"write {write.nbytes} B", "nvme write", write.start_s, end_s,
+                                  category="io", args={"bytes": write.nbytes})
         self._stats.nvme_written_bytes += moved
 
     # ---------------------------------------------------------------- read path
-    def _start_read(self, payload: _NvmePayload) -> None:
+    def start_read(self, payload: _NvmePayload) -> None:
+        """Start loading `payload` (its `prefetch`, or `fetch` when nothing was prefetched)."""
         if self._closed:
             raise UsedAfterCloseError("offload: nvme tier used after close")
         self.in_backward = True
-        if payload._write is not None:  # NOTE [Read after write]
+        if payload.write is not None:  # NOTE [Read after write]
             start = time.perf_counter()
-            # Its queue entry stays: poll() and drain() skip entries whose write is retired,
-            # which keeps this O(1) instead of a scan of every write in flight.
             self._retire_write(payload)
             self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
                                   what="wait own write")
-        nbytes, phase = payload.nbytes, payload._phase
+        nbytes, phase = payload.nbytes, payload.phase
         room = nbytes + self._alignment  # fits `nbytes` at any phase
         block = self._arena.allocate(room)
-        payload._gpu_read = block is not None and self._copies is not None \
+        gpu = block is not None and self._copies is not None \
             and payload.device.type == "cuda" and phase == 0
-        if payload._gpu_read:
+        if gpu:
             # read → H2D chained in the engine; the ticket holds block and destination
             # until the copy is done (cuda_streams Notes 8, 9).
-            payload._read = self._copies(payload.device).reload_from_store(
-                self._store, payload._extent, block, nbytes)
+            read = _Read(nbytes, nvme_device.read_then_h2d(
+                self._copies(payload.device), self._store, payload.extent, block, nbytes),
+                None, True)
         else:
             # Memory of the payload's phase (NOTE [Phase]): a slice of the arena block, or
-            # of a plain buffer. The engine does not hold either (read_ptr): `_buf` does, and
-            # NOTE [Deferred free] covers a release mid-read.
-            payload._buf = self._host_buffer(nbytes, phase, block)
-            payload._read = self._store.read_ptr(payload._extent, payload._buf.data_ptr(),
-                                                 nbytes)
-        payload._observed = False
-        payload._read_start_s = time.perf_counter()
-        self._reads.add(payload)
+            # of a plain buffer. The engine does not hold either (read_ptr): the _Read does,
+            # and NOTE [Deferred free] covers a release mid-read.
+            buf = self._host_buffer(nbytes, phase, block)
+            read = _Read(nbytes, self._store.read_ptr(payload.extent, buf.data_ptr(), nbytes),
+                         buf, False)
+        payload.read = read
+        self._reads.add(read)
         if len(self._reads) > self._stats.peak_reads_inflight:
             self._stats.peak_reads_inflight = len(self._reads)
 
-    def _finish_read(self, payload: _NvmePayload) -> torch.Tensor:
-        gpu = payload._gpu_read
+    def fetch(self, payload: _NvmePayload) -> torch.Tensor:
+        """The payload's bytes on its device (its `fetch`): waits for this payload's read only."""
+        held = payload.write.device_tensor_if_held() if payload.write is not None else None
+        if held is not None:  # needed again before its D2H finished: no read at all
+            self._stats.bounce_hits += 1
+            return held
+        if payload.read is None:
+            self.start_read(payload)
+        read = payload.read
         start = time.perf_counter()
         try:
             # GPU: waits on the host only for the engine's read + H2D submission; the current
             # stream then waits on the H2D event on the GPU (cuda_streams Note 7). CopyStreams
             # counts that wait itself (h2d_wait_s, folded in at context exit, and the trace):
             # counted here too, a step's stall could exceed the step.
-            result = payload._read.tensor_for_use() if gpu else payload._read.wait()
+            result = read.future.tensor_for_use() if read.gpu else read.future.wait()
         finally:
-            if not gpu:
+            if not read.gpu:
                 self._stats.add_stall(time.perf_counter() - start, backward=True,
                                       start_s=start, what="wait read")
-            self._observe_read(payload)
-            payload._read = None
-            payload._gpu_read = False
-        if gpu:
+            self._observe_read(read)
+            payload.read = None
+        if read.gpu:
             self._stats.nvme_read_bytes += payload.nbytes
             return result
         self._stats.nvme_read_bytes += result
-        buf, payload._buf = payload._buf, None
+        buf, read.buf = read.buf, None
         return self._copy_in(buf, payload.device)
 
-    def _observe_read(self, payload: _NvmePayload) -> None:
-        if not payload._observed:
-            payload._observed = True
-            self._reads.discard(payload)
-            end_s = _end_s(payload._read)
-            self._stats.read_clock.add_interval(payload._read_start_s, end_s)
-            self._stats.trace.add(f"read {payload.nbytes} B", "nvme read",
-                                  payload._read_start_s, end_s, category="io",
-                                  args={"bytes": payload.nbytes})
+    def _observe_read(self, read: _Read) -> None:
+        if not read.observed:
+            read.observed = True
+            self._reads.discard(read)
+            end_s = _end_s(read.future)
+            self._stats.read_clock.add_interval(read.start_s, end_s)
+            self._stats.trace.add(f"read {read.nbytes} B", "nvme read", read.start_s, end_s,
+                                  category="io", args={"bytes": read.nbytes})
 
     def _host_buffer(self, nbytes: int, phase: int, block=None) -> torch.Tensor:
         """`nbytes` of host memory whose address % alignment is `phase`, as a uint8 tensor.
@@ -451,49 +483,47 @@ class NvmeTier(Tier):
 
     # ---------------------------------------------------------------- housekeeping
     def poll(self) -> None:
-        """Retire landed writes (oldest first), note finished reads, free deferred extents."""
-        while self._writes and self._writes[0]._write is not None \
-                and self._writes[0]._write.done():
-            self._retire_write(self._writes.popleft())
-        while self._writes and self._writes[0]._write is None:
-            self._writes.popleft()
-        for payload in [p for p in self._reads if p._read is not None and p._read.done()]:
-            self._observe_read(payload)
+        """Retire landed writes (oldest first), note finished reads, free deferred memory."""
+        writes = self._writes
+        while writes and (writes[0].write is None or writes[0].write.future.done()):
+            self._retire_write(writes.popleft())
+        for read in [r for r in self._reads if r.future.done()]:
+            self._observe_read(read)
         if self._deferred:
             self._reap_deferred(wait=False)
 
-    def _release(self, payload: _NvmePayload) -> None:
+    def release(self, payload: _NvmePayload) -> None:
+        """Give the payload's extent back at once (its `release`); never waits for I/O."""
         if self._closed:
             return
         self._own_bytes -= payload.nbytes
-        if payload._read is not None:
-            self._observe_read(payload)
-        # The engine keeps the extent's range (and any HostBlock) until its I/O is done, so
-        # the extent goes back at once; raw memory of write_ptr / read_ptr must be kept.
-        busy = [f for f in (payload._write, payload._read) if f is not None and not f.done()]
-        if busy:
-            self._deferred.append((busy, payload._source, payload._buf))
-        payload._extent.release()
-        payload._read = payload._buf = payload._source = None
+        read, payload.read = payload.read, None
+        if read is not None:
+            self._observe_read(read)
+            # The engine keeps the extent's range (and any HostBlock) until its I/O is done,
+            # so the extent goes back at once; the raw memory a read_ptr lands in must stay
+            # (a write's source stays with its _Write in the queue until it is retired).
+            if not read.future.done():
+                self._deferred.append(read)
+        payload.extent.release()
 
     def _reap_deferred(self, wait: bool) -> None:
-        """Drop the memory kept for released payloads' I/O once that I/O is done."""
+        """Drop the memory kept for released payloads' reads once they are done."""
         # Swap first: a release triggered by garbage collection while we iterate appends
         # to the new list instead of the one being walked.
         pending, self._deferred = self._deferred, []
-        for entry in pending:
-            futures = entry[0]
-            if wait or all(f.done() for f in futures):
-                for f in futures:
-                    try:
-                        f.wait()
-                    except OSError as exc:  # nobody needs these bytes any more
-                        log.debug("offload: I/O of a released payload failed: %s", exc)
+        for read in pending:
+            if wait or read.future.done():
+                try:
+                    read.future.wait()
+                except OSError as exc:  # nobody needs these bytes any more
+                    log.debug("offload: I/O of a released payload failed: %s", exc)
+                read.buf = None
             else:
-                self._deferred.append(entry)
+                self._deferred.append(read)
 
     def drain(self) -> None:
-        """Wait for every write in flight and free deferred extents."""
+        """Wait for every write in flight and free deferred memory."""
         while self._writes:
             self._retire_write(self._writes.popleft())
         self._reap_deferred(wait=True)
@@ -508,7 +538,7 @@ class NvmeTier(Tier):
         store, arena = self._store, self._arena
         if store is None:
             return
-        pending = any(p._write is not None for p in self._writes)  # retired entries linger
+        pending = any(p.write is not None for p in self._writes)  # retired entries linger
         clean = reuse and not pending and not self._deferred and not self._reads
         try:
             if not clean:
@@ -516,7 +546,9 @@ class NvmeTier(Tier):
         finally:
             self._stats.nvme_bounced_bytes += store.bytes_bounced - self._bounced_at_open
             for payload in self._writes:
-                payload._write = payload._source = None
+                if payload.write is not None:
+                    payload.write.source = payload.write.d2h = None
+                    payload.write = None
             self._writes.clear()
             self._reads.clear()
             self._deferred.clear()
@@ -533,9 +565,8 @@ class NvmeTier(Tier):
         The store may live on (other contexts use it): unlike closing it, this waits only
         for our own requests. Failures are dropped: nobody needs these bytes any more.
         """
-        futures = [p._write for p in self._writes if p._write is not None]
-        futures += [p._read for p in self._reads if p._read is not None]
-        futures += [f for entry in self._deferred for f in entry[0]]
+        futures = [p.write.future for p in self._writes if p.write is not None]
+        futures += [r.future for r in self._reads] + [r.future for r in self._deferred]
         for future in futures:
             try:
                 future.wait()
