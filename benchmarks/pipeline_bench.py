@@ -5,14 +5,23 @@ is reversed each round (alternating, so machine-load drift hits all variants ali
 does one untimed warm-up step, then `--steps` timed steps. Reported per variant: median
 step time with min-max over every timed step of every round, peak RSS of the process
 (ru_maxrss: model, inputs and the steps), and for the offload variant the runtime's stall
-time and overlap fraction.
+time and overlap fraction; each variant's step time over `none`'s in the same round.
+
+Gradients: every step of every run reseeds the RNG the same way, so every step of every
+variant computes the same gradients (same weights, batch and dropout masks; nothing updates
+the weights). A CRC of every parameter's gradient is taken after each step, untimed ones
+included, and compared with `none`'s (or, without `none`, with the first variant's): the
+last line says "bit-identical" or names what differs, and the exit status is 1 on a
+difference.
 
     python benchmarks/pipeline_bench.py --nvme-dir /var/tmp --rounds 3 --steps 3
     python benchmarks/pipeline_bench.py --variants none,recompute,offload-nvme,auto \
         --budget 30% --nvme-max-bw 500MB         # issue 11: auto against both, capped disk
 
 Environment variables OFFLOAD_* reach the offload variants unchanged (e.g. OFFLOAD_IO_WORKERS).
-`auto` runs two untimed steps (its warm-up and its profile step) before the timed ones;
+`auto` runs its warm-up and profile steps, and the trial steps that measure its plan against
+the pure strategies (offload/schedule/session.py NOTE [Trials]), untimed: its timed steps
+are what a long run gets once the plan has settled;
 its row also gives the plan's kept bytes against the budget, the step's peak resident
 activation bytes and the largest block's working set (what one block saves in a plain
 forward), and a last line its median over min(recompute, offload-nvme).
@@ -38,18 +47,25 @@ def run_one(variant: str, args) -> dict:
     import torch
 
     import offload
+    from offload.bench.measure import grad_hashes
     from offload.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     cfg = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq_len=args.seq)
     model = GPT(cfg)
     idx, tgt = model.example_batch(args.batch)
-    step_s, stall_s, overlap, stats = [], [], [], {}
+    step_s, stall_s, overlap, stats, hashes = [], [], [], {}, []
     untimed = 2 if variant == "auto" else 1
     cap = {"nvme_max_bw": args.nvme_max_bw} if args.nvme_max_bw else {}
     ctx = None
-    for i in range(untimed + args.steps):
+    i = 0
+    while len(step_s) < args.steps:
+        settled = variant != "auto" or (ctx is not None and ctx.plan is not None
+                                        and ctx.plan.settled)
+        if i > untimed + 20:
+            raise RuntimeError("auto did not settle on a plan in 20 steps")
         model.zero_grad(set_to_none=True)
+        torch.manual_seed(1000)   # every step draws the same dropout masks, in every variant
         t0 = time.perf_counter()
         if variant in ("offload-nvme", "auto"):
             extra = {"budget": args.budget} if variant == "auto" else {}
@@ -61,14 +77,16 @@ def run_one(variant: str, args) -> dict:
         else:
             model.loss(idx, tgt, checkpoint_blocks=variant == "recompute").backward()
         dt = time.perf_counter() - t0
-        if i >= untimed:  # warm-up (and auto's profile step) not timed
+        hashes.append(grad_hashes(model))   # after the clock: not part of the step
+        if i >= untimed and settled:  # warm-up (auto: profile and trial steps) not timed
             step_s.append(dt)
             if stats:
                 stall_s.append(stats["stall_s"])
                 overlap.append(stats["overlap_fraction"])
+        i += 1
     out = {"variant": variant, "step_s": step_s, "stall_s": stall_s, "overlap": overlap,
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-           "nvme_bytes": stats.get("nvme_bytes", 0),
+           "nvme_bytes": stats.get("nvme_bytes", 0), "grad_hashes": hashes,
            "bounce_kept_bytes": stats.get("bounce_kept_bytes", 0)}
     if variant == "auto" and ctx is not None and ctx.plan is not None:
         plan = ctx.plan
@@ -76,6 +94,7 @@ def run_one(variant: str, args) -> dict:
                    kept_bytes=plan.prediction.kept_bytes,
                    peak_resident_bytes=stats.get("peak_resident_bytes"),
                    recomputed_bytes=plan.prediction.recomputed_bytes,
+                   mode=plan.mode, measured=plan.measured, untimed_steps=i - len(step_s),
                    block_working_set_bytes=_block_working_set(model, idx))
     return out
 
@@ -160,6 +179,15 @@ def main(argv=None) -> int:
               f"| {stall} | {hidden} |")
     medians = {v: statistics.median(s for r in runs if r["variant"] == v for s in r["step_s"])
                for v in variants}
+    by_round = [{run["variant"]: statistics.median(run["step_s"])
+                 for run in runs[r * len(variants):(r + 1) * len(variants)]}
+                for r in range(args.rounds)]
+    if ref:
+        for v in variants:
+            if v != "none":
+                print(f"{v} / none per round: "
+                      + ", ".join(f"{got[v] / got['none']:.3f}" for got in by_round))
+    grads_ok = _compare_grads(runs, "none" if "none" in variants else variants[0])
     autos = [r for r in runs if r["variant"] == "auto" and "budget_bytes" in r]
     if autos:
         a = autos[-1]
@@ -169,20 +197,39 @@ def main(argv=None) -> int:
               f"{a['recomputed_bytes'] / gib:.2f} GiB; peak resident activations "
               f"{max(r['peak_resident_bytes'] for r in autos) / gib:.2f} GiB (every round); "
               f"largest block's working set {a['block_working_set_bytes'] / gib:.2f} GiB")
+        print("auto: steps ran " + ("the plan" if a["mode"] == "plan" else a["mode"])
+              + f" after {a['untimed_steps']} untimed steps; measured in the trials: "
+              + (", ".join(f"{m} {min(t):.2f} s" for m, t in a["measured"].items())
+                 or "none (no pure strategy predicted close)"))
         peers = [v for v in ("recompute", "offload-nvme") if v in medians]
         if peers:
             best = min(peers, key=medians.get)
-            per_round = []
-            for r in range(args.rounds):
-                got = {run["variant"]: statistics.median(run["step_s"])
-                       for run in runs[r * len(variants):(r + 1) * len(variants)]}
-                per_round.append(got["auto"] / min(got[v] for v in peers))
+            per_round = [got["auto"] / min(got[v] for v in peers) for got in by_round]
             print(f"auto / min({', '.join(peers)}) = {medians['auto'] / medians[best]:.3f} "
                   f"(medians; best peer {best}); per round: "
                   + ", ".join(f"{x:.3f}" for x in per_round))
         print("auto plan (last round):")
         print(a["plan"])
-    return 0
+    return 0 if grads_ok else 1
+
+
+def _compare_grads(runs: list[dict], ref_variant: str) -> bool:
+    """Every step of every run against the reference variant's first run (module doc)."""
+    from offload.bench.measure import compare_grad_hashes
+
+    ref = next(r for r in runs if r["variant"] == ref_variant)["grad_hashes"]
+    bad = []
+    for run in runs:
+        exact, names, _ = compare_grad_hashes(ref, run["grad_hashes"])
+        if not exact:
+            bad.append(f"{run['variant']}: {', '.join(sorted(names)[:4]) or 'not comparable'}")
+    steps = sum(len(r["grad_hashes"]) for r in runs)
+    if bad:
+        print(f"gradients DIFFER from {ref_variant}'s: " + "; ".join(bad))
+        return False
+    print(f"gradients: bit-identical to {ref_variant}'s in all {steps} steps of all "
+          f"{len(runs)} runs (CRC of every parameter's gradient after each step)")
+    return True
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    config.addinivalue_line("markers", "trials: an auto test that lets the plan be measured against the pure strategies")
 
 
 def pytest_collection_modifyitems(config, items):

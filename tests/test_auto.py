@@ -11,6 +11,7 @@ from schedule_models import compare_steps, hf_gpt2, hf_llama, random_stack, smal
 
 import offload
 from offload.models import MLP, ConvNet
+from offload.schedule import plan as plan_mod
 from offload.schedule import recompute as recompute_mod
 from offload.schedule.recompute import run_block
 
@@ -32,6 +33,15 @@ SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbp
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+@pytest.fixture(autouse=True)
+def _no_trials(request, monkeypatch):
+    """These tests check what the plan does when it runs: no trial steps of the pure
+    strategies (session.py NOTE [Trials]), whose choice depends on measured time. The trial
+    tests below opt in with @pytest.mark.trials."""
+    if "trials" not in request.keywords:
+        monkeypatch.setattr(plan_mod, "TRIAL_MARGIN", -1.0)
 
 
 def _settings(nvme_dir, probe, **kw):
@@ -256,4 +266,66 @@ def test_backward_after_the_block_exits(nvme_dir):
         loss.backward()
         assert all(torch.equal(a, p.grad) for a, p in zip(ref[step], model.parameters()))
     assert ctx.plan is not None and any(bp.per_op for bp in ctx.plan.blocks.values())
+    ctx.close()
+
+
+# ---------------------------------------------------------------- trials (NOTE [Trials])
+def test_trial_choice_takes_the_fastest_measured_step():
+    """Plan.trial_done: the queue runs in order, a pure strategy replaces the plan only when
+    faster by TRIAL_WIN (best of its steps), and a step of anything else is not counted."""
+    from offload.schedule.plan import TRIAL_WIN, Plan
+
+    def plan_with(times):
+        plan = Plan(*([{}] * 5), None, None, None, {}, {})
+        plan.pending = ["plan", "recompute", "offload"] * 2
+        for mode, t in times:
+            plan.trial_done(mode, t)
+        return plan
+
+    p = plan_with([("plan", 8.5), ("recompute", 7.7), ("offload", 18.0),
+                   ("plan", 8.2), ("recompute", 7.9), ("offload", 17.0)])
+    assert p.settled and p.mode == "recompute" and p.measured["plan"] == [8.5, 8.2]
+    close = 8.2 * (1 - TRIAL_WIN / 2)   # faster, but within the noise allowance
+    p = plan_with([("plan", 8.5), ("recompute", close), ("offload", 18.0),
+                   ("plan", 8.2), ("recompute", 9.0), ("offload", 17.0)])
+    assert p.settled and p.mode == "plan"
+    p = plan_with([("plan", 8.5), ("offload", 1.0)])   # not offload's turn: ignored
+    assert not p.settled and p.running == "recompute" and "offload" not in p.measured
+
+
+@pytest.mark.trials
+def test_trials_run_each_strategy_bit_exact_then_keep_the_fastest(nvme_dir, monkeypatch,
+                                                                  caplog):
+    """Every pure strategy measured (margin unbounded): the steps after the profile run the
+    plan, recompute and offload in turn, twice, gradients bit-exact in every one of them;
+    then the fastest runs. Recompute is made slow for sure (each block's forward sleeps, and
+    checkpointing runs it twice), so it never wins."""
+    import time as time_mod
+
+    monkeypatch.setattr(plan_mod, "TRIAL_MARGIN", float("inf"))
+    model, loss_fn = small_gpt()
+    for block in model.blocks:
+        forward = block.forward
+
+        def slow(*args, _forward=forward, **kwargs):
+            time_mod.sleep(0.05)
+            return _forward(*args, **kwargs)
+
+        block.forward = slow
+    ran = []
+    real = recompute_mod.checkpoint_block
+    monkeypatch.setattr("offload.schedule.session.checkpoint_block",
+                        lambda *a, **k: (ran.append("ckpt"), real(*a, **k))[1])
+    caplog.set_level(logging.INFO, logger="offload")
+    settings = _settings(nvme_dir, SLOW)
+    differs, ctx = compare_steps(model, loss_fn, 2 + 6 + 2, **settings)
+    assert differs is None, f"gradients differ at step {differs}"
+    plan = ctx.plan
+    assert plan.trials == ("offload", "recompute") and plan.settled
+    assert {m: len(t) for m, t in plan.measured.items()} == {"plan": 2, "offload": 2,
+                                                             "recompute": 2}
+    assert len(ran) == 2 * len(model.blocks)        # checkpointed in its two trial steps only
+    assert plan.mode != "recompute"
+    assert any("auto: measured step" in r.getMessage() for r in caplog.records)
+    assert "measured step (best of its trial steps)" in str(plan)
     ctx.close()

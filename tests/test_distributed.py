@@ -129,10 +129,14 @@ def _check(results: list[dict], dirs: list[str]) -> None:
         assert os.listdir(own_dir) == [], f"rank {rank} left files: {os.listdir(own_dir)}"
 
 
+@pytest.mark.parametrize("policy", ["offload", "auto", "recompute"])
 @pytest.mark.parametrize("worker", [_ddp_worker, _fsdp2_worker], ids=["ddp", "fsdp2"])
-def test_bit_exact_with_per_rank_nvme_dirs(worker, nvme_dir):
+def test_bit_exact_with_per_rank_nvme_dirs(worker, policy, nvme_dir):
+    """`auto` (budget unset: 0) profiles the first step and plans from the second, wrapping
+    the blocks it recomputes in checkpoint inside DDP / under FSDP2's per-block sharding;
+    `recompute` checkpoints every block and sends the block inputs to the tier."""
     with _rank_dirs(nvme_dir) as (dirs, env):
-        results = run_ranks(worker, env=env)
+        results = run_ranks(worker, env={**env, "OFFLOAD_POLICY": policy})
         _check(results, dirs)
 
 

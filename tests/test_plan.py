@@ -156,3 +156,28 @@ def test_explain_names_every_saved_op_and_the_figures(gbps):
     for op_id, *_ in SAVED:
         assert f"{op_id[0].removeprefix('aten.')} #{op_id[1]}" in text
     assert f"nvme_write_gbps={gbps:.3g} GB/s" in text and "block Blk x8" in text
+
+
+def test_pure_strategies_are_priced_and_the_close_ones_measured():
+    """Plan.alternatives prices `offload` (all moved, blocks as they are) and `recompute`
+    (every block checkpointed); those within TRIAL_MARGIN of the plan are its trials, in a
+    queue of TRIAL_ROUNDS rounds (session.py NOTE [Trials]); a plan that is itself no
+    better than a pure strategy by the margin measures it, and the same inputs give the
+    same trials."""
+    from offload.schedule.plan import TRIAL_MARGIN, TRIAL_ROUNDS
+
+    for gbps in (1000.0, 1.0, 0.05, 1e-4):
+        plan = make_plan(profile(), figures(gbps), params())
+        assert set(plan.alternatives) == {"offload", "recompute"}
+        within = tuple(n for n, t in plan.alternatives.items()
+                       if t <= (1 + TRIAL_MARGIN) * plan.prediction.step_s)
+        assert plan.trials == within
+        assert plan.pending == (["plan", *within] * TRIAL_ROUNDS if within else [])
+        assert plan.running == "plan" and plan.settled == (not within)
+        again = make_plan(profile(), figures(gbps), params())
+        assert again.trials == plan.trials and again.alternatives == plan.alternatives
+    fast = make_plan(profile(), figures(1000.0), params())
+    assert "offload" in fast.trials            # moving everything is (about) the plan
+    slow = make_plan(profile(), figures(1e-4), params())
+    assert slow.alternatives["offload"] > 10 * slow.prediction.step_s   # cannot hide at all
+    assert "offload" not in slow.trials

@@ -36,6 +36,16 @@ def render(plan: Plan) -> str:
            if plan.readahead_bytes else "OFFLOAD_PREFETCH_BYTES"),
     ]
     lines += [f"  note: {n}" for n in plan.notes]
+    if plan.alternatives:
+        lines.append("  pure strategies, predicted: " + ", ".join(
+            f"{name} {_s(step_s)}" for name, step_s in plan.alternatives.items())
+            + (f"; measured against the plan: {', '.join(plan.trials)}" if plan.trials
+               else " (none within reach: not measured)"))
+    if plan.measured:
+        lines.append("  measured step (best of its trial steps): " + ", ".join(
+            f"{mode} {_s(min(t))}" for mode, t in plan.measured.items())
+            + ("" if plan.settled else " (trials still running)")
+            + f"; runs: {'the plan' if plan.mode == 'plan' else plan.mode}")
     move = params.tiers[0] if params.tiers else None
     rates = _rates(figures, move, params.device_type) if move else None
     # Where each (block type, op)'s storages went, over the type's instances.

@@ -18,6 +18,15 @@ policy's BouncePlan) goes through
   3. re-plan: a block called with other shapes than planned finishes that step safely
      (checkpointed, inputs moved; it is also the new shapes' warm-up) and the next step
      profiles again (logged).
+
+NOTE [Trials]. A plan is a prediction. When a pure strategy (plan.py PURE: `offload`,
+`recompute`) is predicted within TRIAL_MARGIN of it (`Plan.trials`), the planned steps
+start with TRIAL_ROUNDS rounds that run the plan and each such strategy in turn, and the
+steps after run whichever had the fastest step (best of its rounds; a pure strategy must
+beat the plan by TRIAL_WIN, so noise does not flip it). The measured seconds and the
+choice are in `ctx.plan` (`mode`, `measured`; one INFO line). Every candidate is bit-exact
+and keeps no more than the plan, so a trial step costs time at most, never memory or
+correctness. A re-plan measures again.
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ from ..hooks import no_offload_active
 from ..placement import Decision, Placement, TensorInfo
 from .blocks import BlockWrappers, block_type_key, find_blocks, ours_innermost
 from .profile import BlockProfiler, ItemRecord, Profile, signature
+from .plan import PURE, TRIAL_MARGIN
 from .recompute import block_inputs, checkpoint_block
 
 __all__ = ["Session", "start_session", "SchedulePlacement"]
@@ -209,8 +219,8 @@ class SchedulePlacement(Placement):
         if not eligible:
             return base
         plan = session.plan
-        if plan is None:
-            return base
+        if plan is None or session.mode != "plan":
+            return base  # a pure strategy (NOTE [Trials]) moves every eligible storage
         block = self.region[1] if self.region[0] == "block" else None
         if block is not None and info.storage is not None and id(info.storage) in self._inputs:
             name = plan.input_targets.get((block, self._inputs[id(info.storage)]))
@@ -236,6 +246,7 @@ class AutoSession(Session):
         self._start_s = 0.0
         self._fallback: str | None = None
         self._capacity: dict[str, int] = {}
+        self.mode = "plan"   # what this step runs: the plan or a PURE strategy (Trials)
         # The compute device: the model's (CPU without parameters to tell).
         owners = ([model] if model is not None else []) + list(blocks)
         first = next((p for m in owners for p in m.parameters()), None)
@@ -255,7 +266,9 @@ class AutoSession(Session):
         # Tiers are open now (closed again before step_done): note what they may hold.
         self._capacity = {name: tier.capacity_bytes for name, tier in hooks.tiers.items()}
         plan = self.state.plan
-        if plan is not None and plan.readahead_bytes > hooks.prefetcher.budget_bytes:
+        self.mode = "plan" if plan is None else plan.running   # NOTE [Trials]
+        if self.mode == "plan" and plan is not None \
+                and plan.readahead_bytes > hooks.prefetcher.budget_bytes:
             hooks.prefetcher.budget_bytes = plan.readahead_bytes  # see Plan.readahead_bytes
         if self.state.plan is None and self.state.warm:
             self.profiler = BlockProfiler(self._device.type)
@@ -296,8 +309,10 @@ class AutoSession(Session):
             bp = plan.block_plan(index)
             if _holds_cache(args, kwargs, self):
                 return forward(*args, **kwargs)
-            if self._fallback is not None or bp is None:
+            if self._fallback is not None or bp is None or self.mode == "recompute":
                 return checkpoint_block(forward, args, kwargs)
+            if self.mode == "offload":
+                return forward(*args, **kwargs)
             if not bp.per_op:
                 return forward(*args, **kwargs)
             from .recompute import run_block
@@ -328,6 +343,15 @@ class AutoSession(Session):
             if self._placement is not None and self._placement.unplanned:
                 log.debug("offload: auto: %d saved storages were not in the plan (moved)",
                           self._placement.unplanned)
+            plan = state.plan
+            if plan is not None:
+                with state.lock:
+                    settled = plan.trial_done(self.mode, end_s - self._start_s)
+                if settled:
+                    log.info("offload: auto: measured step %s; running %s", ", ".join(
+                        f"{m} {min(t):.3g} s" for m, t in plan.measured.items()),
+                        "the plan" if plan.mode == "plan"
+                        else f"{plan.mode} ({PURE[plan.mode]})")
             return
         profile = self._profile(stats, hooks, end_s)
         if profile is None:
@@ -341,6 +365,9 @@ class AutoSession(Session):
             reason, state.plan, state.replan_reason = state.replan_reason, plan, None
             state.profile = profile
         log.info("offload: auto plan (%s): %s", reason, plan.summary())
+        if plan.trials:
+            log.info("offload: auto: measuring the plan against %s (predicted within %.0f%%)",
+                     ", ".join(plan.trials), 100 * TRIAL_MARGIN)
 
     def _profile(self, stats, hooks, end_s: float) -> Profile | None:
         blocks = self.profiler.finish()
