@@ -277,29 +277,29 @@ def test_trial_choice_takes_the_fastest_measured_step():
 
     def plan_with(times):
         plan = Plan(*([{}] * 5), None, None, None, {}, {})
-        plan.pending = ["plan", "recompute", "offload"] * 2
+        plan.pending = ["plan", "checkpoint", "offload"] * 2
         for mode, t in times:
             plan.trial_done(mode, t)
         return plan
 
-    p = plan_with([("plan", 8.5), ("recompute", 7.7), ("offload", 18.0),
-                   ("plan", 8.2), ("recompute", 7.9), ("offload", 17.0)])
-    assert p.settled and p.mode == "recompute" and p.measured["plan"] == [8.5, 8.2]
+    p = plan_with([("plan", 8.5), ("checkpoint", 7.7), ("offload", 18.0),
+                   ("plan", 8.2), ("checkpoint", 7.9), ("offload", 17.0)])
+    assert p.settled and p.mode == "checkpoint" and p.measured["plan"] == [8.5, 8.2]
     close = 8.2 * (1 - TRIAL_WIN / 2)   # faster, but within the noise allowance
-    p = plan_with([("plan", 8.5), ("recompute", close), ("offload", 18.0),
-                   ("plan", 8.2), ("recompute", 9.0), ("offload", 17.0)])
+    p = plan_with([("plan", 8.5), ("checkpoint", close), ("offload", 18.0),
+                   ("plan", 8.2), ("checkpoint", 9.0), ("offload", 17.0)])
     assert p.settled and p.mode == "plan"
     p = plan_with([("plan", 8.5), ("offload", 1.0)])   # not offload's turn: ignored
-    assert not p.settled and p.running == "recompute" and "offload" not in p.measured
+    assert not p.settled and p.running == "checkpoint" and "offload" not in p.measured
 
 
 @pytest.mark.trials
 def test_trials_run_each_strategy_bit_exact_then_keep_the_fastest(nvme_dir, monkeypatch,
                                                                   caplog):
-    """Every pure strategy measured (margin unbounded): the steps after the profile run the
-    plan, recompute and offload in turn, twice, gradients bit-exact in every one of them;
-    then the fastest runs. Recompute is made slow for sure (each block's forward sleeps, and
-    checkpointing runs it twice), so it never wins."""
+    """Every whole-block strategy measured (margin unbounded): the steps after the profile
+    run the plan, offload and checkpoint in turn, twice, gradients bit-exact in every one of
+    them; then the fastest runs. Checkpointing is made slow for sure (each block's forward
+    sleeps, and checkpointing runs it twice), so it never wins."""
     import time as time_mod
 
     monkeypatch.setattr(plan_mod, "TRIAL_MARGIN", float("inf"))
@@ -321,11 +321,39 @@ def test_trials_run_each_strategy_bit_exact_then_keep_the_fastest(nvme_dir, monk
     differs, ctx = compare_steps(model, loss_fn, 2 + 6 + 2, **settings)
     assert differs is None, f"gradients differ at step {differs}"
     plan = ctx.plan
-    assert plan.trials == ("offload", "recompute") and plan.settled
+    assert plan.trials == ("offload", "checkpoint") and plan.settled
     assert {m: len(t) for m, t in plan.measured.items()} == {"plan": 2, "offload": 2,
-                                                             "recompute": 2}
-    assert len(ran) == 2 * len(model.blocks)        # checkpointed in its two trial steps only
-    assert plan.mode != "recompute"
+                                                             "checkpoint": 2}
+    assert plan.checkpoint_keeps == frozenset()     # budget 0: every block checkpointed
+    assert len(ran) == 2 * len(model.blocks)        # in its two trial steps only
+    assert plan.mode != "checkpoint"
     assert any("auto: measured step" in r.getMessage() for r in caplog.records)
     assert "measured step (best of its trial steps)" in str(plan)
+    ctx.close()
+
+
+def test_checkpoint_strategy_keeps_the_last_blocks_the_budget_holds(nvme_dir, monkeypatch):
+    """The `checkpoint` strategy with a budget: the last blocks whose storages fit run as
+    they are and keep them, the others are checkpointed, the rest moves; bit-exact, and the
+    peak resident bytes within the budget. Its steps are forced (the trial queue), so the
+    test does not depend on which strategy measures faster."""
+    monkeypatch.setattr(plan_mod, "TRIAL_MARGIN", float("inf"))
+    model, loss_fn = small_gpt(layers=4, seq=64)
+    settings = _settings(nvme_dir, SLOW, budget="45%")
+    _, ctx = compare_steps(model, loss_fn, 2, **settings)        # warm-up, profile
+    plan = ctx.plan
+    keeps = plan.checkpoint_keeps
+    assert keeps and max(keeps) == len(model.blocks) - 1 and len(keeps) < len(model.blocks)
+    assert keeps == set(range(len(model.blocks) - len(keeps), len(model.blocks)))
+    plan.pending = ["checkpoint"] * 50
+    ran = []
+    real = recompute_mod.checkpoint_block
+    monkeypatch.setattr("offload.schedule.session.checkpoint_block",
+                        lambda *a, **k: (ran.append(1), real(*a, **k))[1])
+    differs, ctx = compare_steps(model, loss_fn, 3, **settings)
+    assert differs is None, f"gradients differ at step {differs}"
+    assert len(ran) == 3 * (len(model.blocks) - len(keeps))
+    stats = ctx.stats
+    assert stats.kept_bytes > 0 and stats.nvme_bytes > 0
+    assert 0 < stats.peak_resident_bytes <= plan.params.budget_bytes
     ctx.close()

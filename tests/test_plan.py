@@ -159,8 +159,8 @@ def test_explain_names_every_saved_op_and_the_figures(gbps):
 
 
 def test_pure_strategies_are_priced_and_the_close_ones_measured():
-    """Plan.alternatives prices `offload` (all moved, blocks as they are) and `recompute`
-    (every block checkpointed); those within TRIAL_MARGIN of the plan are its trials, in a
+    """Plan.alternatives prices `offload` (all moved, blocks as they are) and `checkpoint`
+    (every block checkpointed but the last ones the budget keeps); those within TRIAL_MARGIN of the plan are its trials, in a
     queue of TRIAL_ROUNDS rounds (session.py NOTE [Trials]); a plan that is itself no
     better than a pure strategy by the margin measures it, and the same inputs give the
     same trials."""
@@ -168,7 +168,7 @@ def test_pure_strategies_are_priced_and_the_close_ones_measured():
 
     for gbps in (1000.0, 1.0, 0.05, 1e-4):
         plan = make_plan(profile(), figures(gbps), params())
-        assert set(plan.alternatives) == {"offload", "recompute"}
+        assert set(plan.alternatives) == {"offload", "checkpoint"}
         within = tuple(n for n, t in plan.alternatives.items()
                        if t <= (1 + TRIAL_MARGIN) * plan.prediction.step_s)
         assert plan.trials == within
@@ -181,3 +181,24 @@ def test_pure_strategies_are_priced_and_the_close_ones_measured():
     slow = make_plan(profile(), figures(1e-4), params())
     assert slow.alternatives["offload"] > 10 * slow.prediction.step_s   # cannot hide at all
     assert "offload" not in slow.trials
+
+
+def test_checkpoint_strategy_keeps_last_blocks_within_the_budget():
+    """More budget, more blocks kept as they are (always the last ones), never over the
+    budget; each kept block takes its re-run out of the prediction."""
+    prof = profile()
+    per_block: dict = {}
+    for it in prof.items:
+        if it.block is not None and it.eligible:
+            per_block[it.block] = per_block.get(it.block, 0) + it.nbytes
+    last = max(per_block)
+    kept, predicted = [], []
+    for fraction in (0.0, 0.3, 0.6, 1.0):
+        plan = make_plan(prof, figures(0.05), params(fraction))
+        keeps = plan.checkpoint_keeps
+        assert keeps == set(range(last + 1 - len(keeps), last + 1))
+        assert sum(per_block[b] for b in keeps) <= plan.params.budget_bytes
+        kept.append(len(keeps))
+        predicted.append(plan.alternatives["checkpoint"])
+    assert kept == sorted(kept) and kept[0] == 0 and kept[-1] > 0
+    assert predicted == sorted(predicted, reverse=True) and predicted[-1] < predicted[0]

@@ -29,14 +29,15 @@ gap first (the most slack per byte), until the budget holds; then the others tha
 hide at no predicted cost move too (the budget is a ceiling). The candidate with the lowest predicted time wins (ties: less
 recompute). Several block types: coordinate descent, one type at a time.
 
-Measured, not only predicted: the plan also prices the two pure strategies (`offload`:
-every eligible storage moved, blocks as they are; `recompute`: every block checkpointed
-whole, no per-op machinery). Those predicted within `TRIAL_MARGIN` of the plan become
+Measured, not only predicted: the plan also prices two whole-block strategies (`offload`:
+every eligible storage moved, blocks as they are; `checkpoint`: every block checkpointed
+whole, no per-op machinery, except the last blocks whose storages fit the budget, which run
+as they are and keep them). Those predicted within `TRIAL_MARGIN` of the plan become
 `Plan.trials`: the session runs each of them and the plan for a few steps, alternating,
 and keeps whichever step was fastest (offload/schedule/session.py, NOTE [Trials]). The
 cost model is a model: on the dev VM at a 300 MB/s disk it predicted the mixed plan at
-7.8 s, which ran 8.5 s, where checkpointing every block ran 7.7 s. Both pure strategies
-keep less than any plan, so the budget holds whichever wins.
+7.8 s, which ran 8.5 s, where checkpointing every block ran 7.7 s. Both keep no more than
+the budget, so it holds whichever wins.
 """
 from __future__ import annotations
 
@@ -51,9 +52,11 @@ from .profile import ItemRecord, OpRecord, Profile
 __all__ = ["PlanParams", "Plan", "BlockPlan", "Prediction", "make_plan", "ETA", "SAFETY",
            "TRIAL_MARGIN", "TRIAL_ROUNDS", "TRIAL_WIN", "PURE"]
 
-# The pure strategies a plan is measured against (module doc), as the session runs them.
+# The whole-block strategies a plan is measured against (module doc), as the session runs
+# them.
 PURE = {"offload": "every eligible storage moved, blocks as they are",
-        "recompute": "every block checkpointed whole, the rest moved"}
+        "checkpoint": "every block checkpointed whole but the last ones the budget keeps, "
+                      "the rest moved"}
 
 log = logging.getLogger("offload")
 
@@ -136,9 +139,11 @@ class Plan:
     decided: list = field(default_factory=list)
     # Read-ahead the planned steps need (0: the configured one will do); see _readahead.
     readahead_bytes: int = 0
-    # Predicted step of each pure strategy (PURE), and those to measure against the plan.
+    # Predicted step of each PURE strategy, and those to measure against the plan.
     alternatives: dict = field(default_factory=dict)
     trials: tuple = ()
+    # Blocks `checkpoint` runs as they are, keeping what they save (within the budget).
+    checkpoint_keeps: frozenset = frozenset()
     # What the next steps run, filled by the session as the trials run (NOTE [Trials]):
     # `pending` the trial steps still to run, then `mode` ("plan" or a PURE name), chosen
     # from `measured` (step seconds per candidate).
@@ -445,7 +450,7 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams) -> Plan:
         if not changed:
             break
     pred, targets, recompute_sets, per_instance_s = best
-    alternatives = _pure_predictions(profile, figures, params, infos, items)
+    alternatives, checkpoint_keeps = _pure_predictions(profile, figures, params, infos, items)
     trials = tuple(name for name, step_s in alternatives.items()
                    if pred.feasible and step_s <= (1 + TRIAL_MARGIN) * pred.step_s)
     notes = []
@@ -459,25 +464,45 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams) -> Plan:
     plan = _assemble(profile, figures, params, infos, items, pred, targets, recompute_sets,
                      per_instance_s, notes)
     plan.alternatives, plan.trials = alternatives, trials
+    plan.checkpoint_keeps = checkpoint_keeps
     plan.pending = [m for _ in range(TRIAL_ROUNDS) for m in ("plan", *trials)] if trials else []
     return plan
 
 
 def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
-                      infos: list, items: list[ItemRecord]) -> dict[str, float]:
-    """Predicted step of each PURE strategy: the budget at 0 (they move all they can), and
-    for `recompute` every op of every block re-run without the per-op dispatch modes."""
+                      infos: list, items: list[ItemRecord]) -> tuple[dict, frozenset]:
+    """Predicted step of each PURE strategy, and the blocks `checkpoint` keeps.
+
+    `offload`: the budget at 0, blocks as they are. `checkpoint`: every op of every block
+    re-run without the per-op dispatch modes, less the re-run of the last blocks whose
+    storages (as a plain forward saves them) fit the budget next to what stays anyway;
+    those run as they are and keep their storages."""
     bare = PlanParams(0, params.tiers, params.capacity_bytes, params.device_type,
                       params.staging_bytes)
     out = {"offload": _evaluate(profile, figures, bare, infos,
                                 {i.type_key: 0 for i in infos}, items)[0].step_s}
+    keeps: frozenset = frozenset()
     if any(i.ranking for i in infos):
         full = _evaluate(profile, figures, bare, infos,
                          {i.type_key: len(i.ranking) for i in infos}, items)[0]
         dispatch = 2 * (figures.dispatch_op_s or 0.0) * sum(
             len(i.ops) * len(i.instances) for i in infos)
-        out["recompute"] = full.step_s - dispatch
-    return out
+        rerun = {index: sum(o.time_s for o in i.ops) for i in infos for index in i.instances}
+        block_bytes: dict[int, int] = {}
+        for it in items:
+            if it.block is not None and it.eligible:
+                block_bytes[it.block] = block_bytes.get(it.block, 0) + it.nbytes
+        room = params.budget_bytes - full.kept_bytes
+        chosen = []
+        for index in sorted(rerun, reverse=True):   # the last blocks: backward needs them first
+            need = block_bytes.get(index, 0)
+            if need > room:
+                break
+            room -= need
+            chosen.append(index)
+        keeps = frozenset(chosen)
+        out["checkpoint"] = full.step_s - dispatch - sum(rerun[i] for i in keeps)
+    return out, keeps
 
 
 def _assemble(profile, figures, params, infos, items, pred, targets, recompute_sets,
@@ -508,6 +533,7 @@ def _assemble(profile, figures, params, infos, items, pred, targets, recompute_s
             info_of[index] = info
     for b in profile.blocks:
         signatures[b.index] = b.signature
+    op_outputs = []   # (position in decided, item) of stored op outputs
     for it in items:
         target = targets.get(it.key, "keep")
         info = info_of.get(it.block) if it.block is not None else None
@@ -515,16 +541,26 @@ def _assemble(profile, figures, params, infos, items, pred, targets, recompute_s
         decided.append((it.block, it.producer, it.nbytes, "recompute" if recomputed else target))
         if info is not None and recompute_sets[info.type_key]:
             if it.producer is not None and it.producer not in recompute_sets[info.type_key]:
-                # A stored op output: the largest storage of the op decides for the op.
+                # A stored op output: one decision per op (its storages are packed
+                # together); a tier wins over keep, memory-safe.
                 key = (it.block, it.producer)
                 if key not in op_targets or target != "keep":
                     op_targets[key] = target
+                op_outputs.append((len(decided) - 1, it))
             elif it.input_index is not None:
                 input_targets[(it.block, it.input_index)] = target
             continue
         item_targets[it.key] = target
         if it.input_index is not None:
             input_targets[(it.block, it.input_index)] = target
+    # A storage the search kept whose op moves: it moves too (the prediction follows, so
+    # `kept_bytes` is what stays; test_auto's resident check holds it to that).
+    for pos, it in op_outputs:
+        op_target = op_targets[(it.block, it.producer)]
+        if decided[pos][3] == "keep" and op_target != "keep":
+            decided[pos] = (it.block, it.producer, it.nbytes, op_target)
+            pred.kept_bytes -= it.nbytes
+            pred.moved_bytes[op_target] = pred.moved_bytes.get(op_target, 0) + it.nbytes
     per_block: dict = {}
     largest = 0
     for block, _, nbytes, target in decided:

@@ -19,8 +19,8 @@ policy's BouncePlan) goes through
      (checkpointed, inputs moved; it is also the new shapes' warm-up) and the next step
      profiles again (logged).
 
-NOTE [Trials]. A plan is a prediction. When a pure strategy (plan.py PURE: `offload`,
-`recompute`) is predicted within TRIAL_MARGIN of it (`Plan.trials`), the planned steps
+NOTE [Trials]. A plan is a prediction. When a whole-block strategy (plan.py PURE:
+`offload`, `checkpoint`) is predicted within TRIAL_MARGIN of it (`Plan.trials`), the planned steps
 start with TRIAL_ROUNDS rounds that run the plan and each such strategy in turn, and the
 steps after run whichever had the fastest step (best of its rounds; a pure strategy must
 beat the plan by TRIAL_WIN, so noise does not flip it). The measured seconds and the
@@ -220,7 +220,12 @@ class SchedulePlacement(Placement):
             return base
         plan = session.plan
         if plan is None or session.mode != "plan":
-            return base  # a pure strategy (NOTE [Trials]) moves every eligible storage
+            # A whole-block strategy (NOTE [Trials]) moves every eligible storage, but
+            # those of the blocks `checkpoint` runs as they are within the budget.
+            if session.mode == "checkpoint" and self.region[0] == "block" \
+                    and self.region[1] in plan.checkpoint_keeps:
+                return self.target("keep")
+            return base
         block = self.region[1] if self.region[0] == "block" else None
         if block is not None and info.storage is not None and id(info.storage) in self._inputs:
             name = plan.input_targets.get((block, self._inputs[id(info.storage)]))
@@ -309,7 +314,11 @@ class AutoSession(Session):
             bp = plan.block_plan(index)
             if _holds_cache(args, kwargs, self):
                 return forward(*args, **kwargs)
-            if self._fallback is not None or bp is None or self.mode == "recompute":
+            if self.mode == "checkpoint":
+                if index in plan.checkpoint_keeps and self._fallback is None:
+                    return forward(*args, **kwargs)
+                return checkpoint_block(forward, args, kwargs)
+            if self._fallback is not None or bp is None:
                 return checkpoint_block(forward, args, kwargs)
             if self.mode == "offload":
                 return forward(*args, **kwargs)
