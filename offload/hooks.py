@@ -200,7 +200,8 @@ class OffloadHooks:
         self.idle_since_s: float | None = None  # when the last record holding space died
         self.first_unpack_s: float | None = None  # where the backward starts (trace, bounce)
         self._stored = 0  # storages decided so far: their position is the BouncePlan key
-        self.timings: list[list] = []  # [key, nbytes, pack_s, unpack_s] per moved or bounce-kept storage
+        # [key, nbytes, pack_s, unpack_s] per moved or bounce-kept storage (BouncePlan)
+        self.timings: list[list] = []
 
     # ---------------------------------------------------------------- pack
     def pack(self, t: torch.Tensor) -> _Packed:
@@ -244,10 +245,12 @@ class OffloadHooks:
         self._stored += 1
         info = TensorInfo(nbytes, t.device, t.dtype, no_offload=no_offload_active(), key=key,
                           in_backward=in_backward, storage=storage)
-        decision = self.placement.decide(info)
-        if decision is getattr(self.placement, "bounce_decision", None):
+        placement = self.placement
+        decision = placement.decide(info)
+        bounce_kept = decision is placement.bounce_decision
+        if bounce_kept:
             self.stats.bounce_kept_bytes += nbytes
-        elif decision is getattr(self.placement, "backward_decision", None):
+        elif decision is placement.backward_decision:
             self.stats.backward_kept_bytes += nbytes
         payload, kind = None, "keep"
         if not decision.keep:
@@ -263,7 +266,7 @@ class OffloadHooks:
                 self._all_full(nbytes, decision.targets)
         resident = payload is None or payload.resident
         record = _Record(self, payload, nbytes, kind, resident)
-        if payload is not None or decision is getattr(self.placement, "bounce_decision", None):
+        if payload is not None or bounce_kept:
             # A storage the plan kept is timed too: otherwise the next plan, learning from
             # moved storages only, forgets it and moves it again (keep/move every other step).
             record.timing = [key, nbytes, time.perf_counter(), None]
