@@ -9,7 +9,6 @@ accelerate needs nothing special: put `offload.activations()` around the forward
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ from accelerate.utils import set_seed
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import offload
+from support import check_weights, example_parser
 
 
 def train(args, nvme_dir: str, use_offload: bool) -> list[torch.Tensor]:
@@ -51,17 +51,8 @@ def train(args, nvme_dir: str, use_offload: bool) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
+    p = example_parser(__doc__, steps=4, tiers="nvme")
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--tiers", default=os.environ.get("OFFLOAD_TIERS", "nvme"))
-    p.add_argument("--check", action="store_true",
-                   help="train again without offload and compare the weights bit for bit")
     args = p.parse_args()
 
     nvme_dir = tempfile.mkdtemp(prefix="offload-accelerate-", dir="/var/tmp")
@@ -69,11 +60,7 @@ def main() -> None:
         weights = train(args, os.environ.get("OFFLOAD_NVME_DIR") or nvme_dir, True)
         offload.empty_cache()
         if args.check:
-            plain = train(args, nvme_dir, False)
-            same = all(torch.equal(a, b) for a, b in zip(weights, plain))
-            print("weights vs no offload:", "bit-exact" if same else "DIFFERENT")
-            if not same:
-                raise SystemExit(1)
+            check_weights(weights, train(args, nvme_dir, False))
     finally:
         shutil.rmtree(nvme_dir)
 

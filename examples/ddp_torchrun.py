@@ -12,9 +12,7 @@ every rank). Each rank prints the capacities it got and what it moved.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -22,14 +20,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import offload
-from offload.config import parse_nvme_dirs
 from offload.models import GPT, GPTConfig
-
-
-def say(line: str) -> None:
-    """One line from this rank in one write, so lines of several ranks never interleave."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+from support import check_weights, example_parser, rank_dirs, say, torchrun_device
 
 
 def train(args, device: torch.device, use_offload: bool) -> list[torch.Tensor]:
@@ -65,41 +57,19 @@ def train(args, device: torch.device, use_offload: bool) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--tiers", default=os.environ.get("OFFLOAD_TIERS", "host,nvme"))
+    p = example_parser(__doc__, steps=5, tiers="host,nvme")
     p.add_argument("--nvme-dir", default=os.environ.get("OFFLOAD_NVME_DIR",
                                                         "/var/tmp/offload-ddp/{rank}"))
-    p.add_argument("--check", action="store_true",
-                   help="train again without offload and compare the weights bit for bit")
     args = p.parse_args()
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        # N ranks share the host's cores: one compute thread each, not N x all of them.
-        torch.set_num_threads(max(1, os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    made = [d for d in parse_nvme_dirs(args.nvme_dir) if not os.path.isdir(d)]
-    for d in made:
-        os.makedirs(d)
+    device = torchrun_device()
+    made = rank_dirs(args.nvme_dir)
     try:
         weights = train(args, device, use_offload=True)
         offload.empty_cache()  # close this rank's slab files now
         if args.check:
-            plain = train(args, device, use_offload=False)
-            same = all(torch.equal(a, b) for a, b in zip(weights, plain))
-            say(f"rank {dist.get_rank()}: weights vs no offload: "
-                f"{'bit-exact' if same else 'DIFFERENT'}")
-            if not same:
-                raise SystemExit(1)
+            check_weights(weights, train(args, device, use_offload=False),
+                          f"rank {dist.get_rank()}: weights vs no offload")
     finally:
         for d in made:
             os.rmdir(d)  # fails if anything was left behind (nothing should be)

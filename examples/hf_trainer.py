@@ -12,7 +12,6 @@ trained on random tokens.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tempfile
@@ -21,6 +20,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import offload
+from support import check_weights, example_parser
 from offload.integrations.transformers import OffloadTrainerMixin
 
 
@@ -55,17 +55,9 @@ def train(args, out_dir: str, trainer_cls) -> tuple[list[torch.Tensor], Trainer]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
+    p = example_parser(__doc__, steps=4, tiers="nvme", check_help="train again with a plain "
+                       "Trainer and compare the weights bit for bit")
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--tiers", default=os.environ.get("OFFLOAD_TIERS", "nvme"))
-    p.add_argument("--check", action="store_true",
-                   help="train again with a plain Trainer and compare the weights bit for bit")
     args = p.parse_args()
 
     work = tempfile.mkdtemp(prefix="offload-hf-", dir="/var/tmp")
@@ -81,10 +73,7 @@ def main() -> None:
         offload.empty_cache()
         if args.check:
             plain, _ = train(args, os.path.join(work, "plain"), Trainer)
-            same = all(torch.equal(a, b) for a, b in zip(weights, plain))
-            print("weights vs plain Trainer:", "bit-exact" if same else "DIFFERENT")
-            if not same:
-                raise SystemExit(1)
+            check_weights(weights, plain, "weights vs plain Trainer")
     finally:
         shutil.rmtree(work)
 

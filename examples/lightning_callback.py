@@ -8,7 +8,6 @@ step) in `offload.activations()`; an exception in training exits it cleanly.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tempfile
@@ -17,6 +16,7 @@ import pytorch_lightning as pl
 import torch
 
 import offload
+from support import check_weights, example_parser
 from offload.integrations.lightning import OffloadCallback
 from offload.models import GPT, GPTConfig
 
@@ -56,17 +56,8 @@ def train(args, callbacks) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--tiers", default=os.environ.get("OFFLOAD_TIERS", "nvme"))
-    p.add_argument("--check", action="store_true",
-                   help="train again without the callback and compare the weights bit for bit")
-    args = p.parse_args()
+    args = example_parser(__doc__, steps=4, tiers="nvme", check_help="train again without "
+                          "the callback and compare the weights bit for bit").parse_args()
 
     args.work = tempfile.mkdtemp(prefix="offload-lightning-", dir="/var/tmp")
     try:
@@ -78,11 +69,7 @@ def main() -> None:
               f"stall {s.stall_s:.3f} s")
         offload.empty_cache()
         if args.check:
-            plain = train(args, [])
-            same = all(torch.equal(a, b) for a, b in zip(weights, plain))
-            print("weights vs no offload:", "bit-exact" if same else "DIFFERENT")
-            if not same:
-                raise SystemExit(1)
+            check_weights(weights, train(args, []))
     finally:
         shutil.rmtree(args.work)
 

@@ -9,7 +9,6 @@ and backward. Every OFFLOAD_* variable applies (README); keyword arguments win o
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tempfile
@@ -17,6 +16,7 @@ import tempfile
 import torch
 
 import offload
+from support import check_weights, example_parser
 from offload.models import GPT, GPTConfig
 
 
@@ -45,17 +45,8 @@ def train(args, nvme_dir: str | None) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--tiers", default=os.environ.get("OFFLOAD_TIERS", "nvme"))
+    p = example_parser(__doc__, steps=5, tiers="nvme")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--check", action="store_true",
-                   help="train again without offload and compare the weights bit for bit")
     args = p.parse_args()
 
     nvme_dir = os.environ.get("OFFLOAD_NVME_DIR")
@@ -64,11 +55,7 @@ def main() -> None:
         weights = train(args, nvme_dir or scratch)
         offload.empty_cache()  # close the slab files now (they are unlinked already)
         if args.check:
-            plain = train(args, None)
-            same = all(torch.equal(a, b) for a, b in zip(weights, plain))
-            print("weights vs no offload:", "bit-exact" if same else "DIFFERENT")
-            if not same:
-                raise SystemExit(1)
+            check_weights(weights, train(args, None))
     finally:
         if scratch:
             shutil.rmtree(scratch)

@@ -1,0 +1,71 @@
+"""What every script in examples/ shares: the model-size arguments, `--check` (the weights
+trained with offload against the same training without it, bit for bit), and the torchrun
+setup of the two distributed examples. The scripts import it as `support` (Python puts the
+script's folder on the path); copy this file along with a script you take elsewhere."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+import torch
+
+__all__ = ["example_parser", "check_weights", "say", "torchrun_device", "rank_dirs"]
+
+
+def example_parser(doc: str, *, steps: int, tiers: str,
+                   check_help: str = "train again without offload and compare the weights "
+                                     "bit for bit") -> argparse.ArgumentParser:
+    """--steps/--batch/--hidden/--layers/--heads/--seq-len/--tiers/--check; add your own."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--tiers", default=os.environ.get("OFFLOAD_TIERS", tiers))
+    p.add_argument("--check", action="store_true", help=check_help)
+    return p
+
+
+def say(line: str) -> None:
+    """One line in one write, so lines of several ranks never interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def check_weights(weights: Sequence[torch.Tensor], plain: Sequence[torch.Tensor],
+                  what: str = "weights vs no offload") -> None:
+    """Print whether the two trainings ended with the same weights; exit 1 if not."""
+    same = all(torch.equal(a, b) for a, b in zip(weights, plain))
+    say(f"{what}: {'bit-exact' if same else 'DIFFERENT'}")
+    if not same:
+        raise SystemExit(1)
+
+
+def torchrun_device() -> torch.device:
+    """This rank's device, and its process group (NCCL on GPUs, gloo on CPU)."""
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # N ranks share the host's cores: one compute thread each, not N x all of them.
+        torch.set_num_threads(max(1, os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def rank_dirs(spec: str) -> list[str]:
+    """Make this rank's NVMe directories that do not exist yet; return them (to remove with
+    os.rmdir afterwards, which fails if anything was left behind)."""
+    from offload.config import parse_nvme_dirs
+
+    made = [d for d in parse_nvme_dirs(spec) if not os.path.isdir(d)]
+    for d in made:
+        os.makedirs(d)
+    return made
