@@ -57,17 +57,21 @@ class Figures:
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in FIGURE_DOCS}
 
-    def describe(self) -> str:
-        """One line, for the plan's INFO log and `ctx.plan`."""
-        parts = []
+    def entries(self) -> list[tuple[str, str, str]]:
+        """(name, value with its unit, where it came from) of every figure that is set."""
+        out = []
         for name, (unit, _) in FIGURE_DOCS.items():
             value = getattr(self, name)
             if value is None:
                 continue
             text = f"{value * 1e6:.1f} µs" if unit == "s" else f"{value:.3g} {unit}"
-            source = self.sources.get(name)
-            parts.append(f"{name}={text}" + (f" ({source})" if source else ""))
-        return ", ".join(parts) or "none"
+            out.append((name, text, self.sources.get(name, "")))
+        return out
+
+    def describe(self) -> str:
+        """One line, for the plan's INFO log and `ctx.plan`."""
+        return ", ".join(f"{name}={text}" + (f" ({source})" if source else "")
+                         for name, text, source in self.entries()) or "none"
 
 
 @dataclass(frozen=True)

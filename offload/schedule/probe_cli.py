@@ -82,16 +82,8 @@ def _disk_line(path: str) -> str:
 
 
 def rows(figures, device, ceilings: dict[str, str]) -> list[tuple[str, str, str, str]]:
-    from .figures import FIGURE_DOCS
-
-    out = []
-    for name, (unit, _doc) in FIGURE_DOCS.items():
-        value = getattr(figures, name)
-        if value is None:
-            continue
-        text = f"{value * 1e6:.1f} µs" if unit == "s" else f"{value:.3g} {unit}"
-        out.append((name, text, figures.sources.get(name, ""), ceilings.get(name, "")))
-    return out
+    return [(name, text, source, ceilings.get(name, ""))
+            for name, text, source in figures.entries()]
 
 
 def main(argv: list[str] | None = None) -> int:
