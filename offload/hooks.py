@@ -36,7 +36,8 @@ from .placement import Placement, TensorInfo
 from .prefetch import Prefetcher
 from .sizes import format_bytes
 from .stats import Stats
-from .tensor_meta import ParamStorages, StorageIndex, ViewMeta, movable, rebuild, view_meta
+from .tensor_meta import (ParamStorages, StorageIndex, ViewMeta, layout_key, movable, rebuild,
+                          snapshot, untracked_alias, view_meta)
 from .tiers.base import Tier
 from .version_check import SavedOrigin, version_error, version_sentinel
 
@@ -70,12 +71,16 @@ class _Record:
     """One stored storage (see NOTE [Record lifetime])."""
 
     __slots__ = ("hooks", "payload", "nbytes", "kind", "resident", "handles_left", "cache",
-                 "cache_ref", "cache_offset", "shared", "released", "timing", "__weakref__")
+                 "cache_ref", "cache_offset", "shared", "released", "timing", "meta",
+                 "__weakref__")
 
     def __init__(self, hooks: "OffloadHooks", payload, nbytes: int, kind: str,
-                 resident: bool) -> None:
+                 resident: bool, meta: ViewMeta | None = None) -> None:
         self.hooks = hooks
         self.payload = payload        # None when kept
+        # A snapshot's layout (tensor_meta NOTE [Untracked aliases]): the payload holds only
+        # those elements, so every save deduped onto this record rebuilds with it.
+        self.meta = meta
         self.nbytes = nbytes
         self.kind = kind              # "keep" or a tier name
         self.resident = resident
@@ -222,16 +227,20 @@ class OffloadHooks:
         # storage was moved earlier in the step, so it neither reuses nor enters the index.
         in_backward = _graph_task_id() >= 0
         keep_here = in_backward or no_offload_active()
+        # tensor_meta NOTE [Untracked aliases]: such a tensor dedups by its exact layout.
+        layout = layout_key(t) if untracked_alias(t, storage) else None
         with self._lock:
-            record = None if keep_here else self.index.lookup(storage, version)
+            record = None if keep_here else self.index.lookup(storage, version, layout)
             if record is None:
-                record = self._store(t, storage, in_backward)
+                record = self._store(t, storage, in_backward, layout is not None)
                 if not keep_here:
-                    self.index.add(storage, version, record)
+                    self.index.add(storage, version, record, layout)
             record.handles_left += 1
         if record.payload is None:
             return _Packed(record, None, t.detach(), version, None, origin)
         stats.offloaded_tensors += 1
+        if record.meta is not None:  # a snapshot: its own layout
+            return _Packed(record, record.meta, None, version, version_sentinel(t), origin)
         if record.payload.resident:
             # The payload *is* the tensor's storage (host tier on a CPU run): holding an
             # alias of it costs nothing and carries its version counter.
@@ -239,8 +248,10 @@ class OffloadHooks:
         return _Packed(record, view_meta(t), None, version, version_sentinel(t), origin)
 
     def _store(self, t: torch.Tensor, storage: torch.UntypedStorage,
-               in_backward: bool = False) -> _Record:
-        nbytes = storage.nbytes()
+               in_backward: bool = False, untracked: bool = False) -> _Record:
+        # An untracked alias is moved as a private copy of its own elements (tensor_meta
+        # NOTE [Untracked aliases]): a tier must never read its storage after pack returns.
+        nbytes = t.nbytes if untracked else storage.nbytes()
         key = (self._stored, nbytes)
         self._stored += 1
         info = TensorInfo(nbytes, t.device, t.dtype, no_offload=no_offload_active(), key=key,
@@ -252,9 +263,15 @@ class OffloadHooks:
             self.stats.bounce_kept_bytes += nbytes
         elif decision is placement.backward_decision:
             self.stats.backward_kept_bytes += nbytes
-        payload, kind = None, "keep"
+        payload, kind, meta = None, "keep", None
         if not decision.keep:
-            flat = _flat_bytes(storage)
+            if untracked:
+                copy = snapshot(t)
+                meta = view_meta(copy)
+                flat = _flat_bytes(copy.untyped_storage())
+            else:
+                flat = _flat_bytes(storage)
+            nbytes = flat.numel()
             for i, name in enumerate(decision.targets):
                 payload = self.tiers[name].store(flat)
                 if payload is not None:
@@ -265,7 +282,8 @@ class OffloadHooks:
             if payload is None:
                 self._all_full(nbytes, decision.targets)
         resident = payload is None or payload.resident
-        record = _Record(self, payload, nbytes, kind, resident)
+        record = _Record(self, payload, nbytes, kind, resident,
+                         meta if payload is not None else None)
         if payload is not None or bounce_kept:
             # A storage the plan kept is timed too: otherwise the next plan, learning from
             # moved storages only, forgets it and moves it again (keep/move every other step).

@@ -9,6 +9,25 @@ once an offloaded storage is freed, the allocator hands the same address to the 
 NOTE [Versions] Views share their base's version counter. Two saves of one storage at
 different versions hold different data (an in-place op ran in between), so the dedup key is
 (storage, version).
+
+NOTE [Untracked aliases] Both notes above assume that every tensor over a storage shares one
+version counter: a fresh tensor, its views (`_base`) and `detach()`. Some aliases do not:
+`unsafe_split` / `unsafe_chunk` outputs (the CPU RNN cells split one gate buffer this way
+and change the chunks in place one after the other), `.data`, `set_`. Each such alias has a
+counter of its own, so two chunks of one buffer are both "version 1", and a write of the
+whole storage started at the first chunk's pack reads the other chunks while they change.
+A saved tensor whose *counter owner* (`_base`, else itself) does not span its storage from
+offset 0 to the end is such an alias: `untracked_alias` says so. Its record then holds a
+private copy of just its elements, made at pack in stream order (`snapshot`), and dedups
+only with a save of exactly the same layout at the same version: two saves that agree on
+storage, version and layout read the same elements, and a change of those elements between
+the two would already have changed what the first save's backward reads without offload.
+A tensor whose owner spans its storage keeps the whole-storage record and the (storage,
+version) key. What that cannot see: bytes changed through an alias autograd does not track
+(`.data`, or an unsafe chunk that is never itself saved) between two saves of *different*
+parts of one owner; without offload the second save sees the change, with offload it may
+not. That is the class of change through `.data` the README documents; torch's own ops do
+not do it (docs/design.md lists what was checked).
 """
 from __future__ import annotations
 
@@ -17,7 +36,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["ViewMeta", "view_meta", "rebuild", "movable", "StorageIndex", "ParamStorages"]
+__all__ = ["ViewMeta", "view_meta", "rebuild", "movable", "untracked_alias", "snapshot",
+           "StorageIndex", "ParamStorages"]
 
 
 class ViewMeta(NamedTuple):
@@ -65,6 +85,30 @@ def movable(t: torch.Tensor) -> bool:
         and t.device.type in ("cpu", "cuda") and t.numel() > 0
 
 
+def untracked_alias(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+    """Whether other tensors over `t`'s storage may have version counters of their own.
+
+    NOTE [Untracked aliases]: true when `t`'s counter owner (its `_base`, else `t`) does not
+    span the storage exactly (an unsafe chunk, a `detach()` or `.data` of a part, a tensor
+    `resize_`d down, overlapping strides).
+    """
+    owner = t._base
+    if owner is None:
+        owner = t
+    return owner.storage_offset() != 0 or owner.nbytes != storage.nbytes()
+
+
+def snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A private, contiguous copy of `t`'s elements, ordered after every op already issued
+    on the current stream (NOTE [Untracked aliases]); no autograd history."""
+    return t.detach().clone(memory_format=torch.contiguous_format)
+
+
+def layout_key(t: torch.Tensor) -> tuple:
+    """The elements `t` reads from its storage (the dedup key of an untracked alias)."""
+    return (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+
+
 class StorageIndex:
     """Live storages already stored during this step → their record, per version.
 
@@ -73,19 +117,23 @@ class StorageIndex:
     """
 
     def __init__(self) -> None:
-        self._map: dict[tuple[int, int], tuple[weakref.ref, weakref.ref]] = {}
+        # (id(storage), version, layout or None) -> (storage ref, record ref)
+        self._map: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
 
-    def lookup(self, storage: torch.UntypedStorage, version: int) -> Any | None:
-        entry = self._map.get((id(storage), version))
+    def lookup(self, storage: torch.UntypedStorage, version: int,
+               layout: tuple | None = None) -> Any | None:
+        """The record of `storage` at `version` (and, for an untracked alias, `layout`)."""
+        entry = self._map.get((id(storage), version, layout))
         if entry is None or entry[0]() is not storage:
             return None
         return entry[1]()
 
-    def add(self, storage: torch.UntypedStorage, version: int, record: Any) -> None:
-        key = (id(storage), version)
+    def add(self, storage: torch.UntypedStorage, version: int, record: Any,
+            layout: tuple | None = None) -> None:
+        key = (id(storage), version, layout)
         self._map[key] = (weakref.ref(storage, self._forget_callback(key)), weakref.ref(record))
 
-    def _forget_callback(self, key: tuple[int, int]):
+    def _forget_callback(self, key: tuple):
         index = weakref.ref(self)
 
         def forget(dead: weakref.ref) -> None:

@@ -9,6 +9,8 @@ no test can catch being removed is not tested.
 | the checksum on read | tests/test_storage_errors.py | checksums off (there) |
 | each stream wait / record_stream | tests/test_copy_protocol.py `test_noteN_without_...` | (there) |
 | the leak check | tests/test_leaks.py | each step's stats kept (run by hand, in the issue note) |
+| untracked aliases (copy + layout key) | tests/test_untracked_aliases.py | no tensor seen as one |
+| ... the private copy alone | test_a_saved_unsafe_chunk_comes_back_as_saved (bytes) | the whole storage moved |
 """
 from __future__ import annotations
 
@@ -84,3 +86,28 @@ def test_sabotage_fork_handler_leaves_the_slab_open_in_the_child(nvme_dir, monke
         child.join(10)
         y.backward()
     assert held != [], "test_fork's check would not see the inherited slab"
+
+
+def test_sabotage_untracked_alias_detection_gives_a_chunk_anothers_bytes(monkeypatch):
+    import test_untracked_aliases as t
+
+    from offload import hooks
+
+    monkeypatch.setattr(hooks, "untracked_alias", lambda t, storage: False)
+    monkeypatch.setattr(offload.context, "HostTier", t._timed_copy_tier(at_pack=True))
+    ref, _ = t._synthetic_grads(None)
+    got, _ = t._synthetic_grads({"tiers": "host", "min_bytes": 0})
+    assert not all(torch.equal(a, b) for a, b in zip(ref, got)), \
+        "test_untracked_aliases' copy-at-pack case would not see the wrong bytes"
+
+
+def test_sabotage_without_the_private_copy_a_chunk_moves_its_whole_storage(monkeypatch,
+                                                                             nvme_dir):
+    import test_untracked_aliases as t
+
+    from offload import hooks
+
+    monkeypatch.setattr(hooks, "snapshot", lambda x: x.detach())
+    _, ctx = t._synthetic_grads({"tiers": "nvme", "nvme_dir": nvme_dir, "min_bytes": 0})
+    assert ctx.stats.saved_bytes >= 2 * 4 * 48 * 4, \
+        "test_a_saved_unsafe_chunk_comes_back_as_saved's byte check would not fail"

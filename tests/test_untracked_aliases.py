@@ -1,0 +1,253 @@
+"""Saved tensors over storages that aliases autograd does not track keep changing.
+
+torch's CPU RNN cells split one gate buffer with `unsafe_chunk` (views with no `_base`, each
+with a version counter of its own), save some chunks and change the others in place. A
+runtime that writes the whole storage asynchronously, or dedups by (storage, version), hands
+backward bytes other than the ones autograd saw (tensor_meta NOTE [Untracked aliases]).
+
+Every case is bit-exact against plain autograd (`torch.equal`): the math is the same. The
+runs repeat because the failure of the unfixed runtime depended on when the write ran; the
+`_TimedCopyTier` cases take the timing out: a tier that copies exactly at pack (the fastest
+D2H) or exactly when backward fetches (the slowest), the two extremes of every path that
+reads a tensor's memory after pack returned (the CPU nvme write, a GPU's D2H into the host
+tier, the chained device -> NVMe write).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from offload.tiers.base import Payload
+from offload.tiers.host import HostTier
+
+REPEATS = 50
+
+
+def _kw(tiers: str, nvme_dir: str, checksum: bool = False) -> dict:
+    kw = {"tiers": tiers, "min_bytes": 0, "nvme_checksum": checksum}
+    if "nvme" in tiers:
+        kw["nvme_dir"] = nvme_dir
+    if tiers == "host,nvme":
+        kw["host_bytes"] = "2KiB"  # part of every step spills to the nvme tier
+    return kw
+
+
+# --------------------------------------------------------------------------- modules
+def _cell(kind: str):
+    def make():
+        torch.manual_seed(0)
+        cell = nn.GRUCell(8, 16) if kind == "gru_cell" else nn.LSTMCell(8, 16)
+        return cell
+
+    def loss(cell, step):
+        g = torch.Generator().manual_seed(step)
+        x, h = torch.randn(4, 8, generator=g), torch.randn(4, 16, generator=g)
+        if kind == "gru_cell":
+            out = cell(x, h)
+            out = cell(x, out)          # two steps: the second cell call reuses the first's
+        else:
+            hy, cy = cell(x, (h, h.flip(0)))
+            hy, cy = cell(x, (hy, cy))
+            out = hy + cy
+        return out.pow(2).sum()
+    return make, loss
+
+
+def _recurrent(kind: str, dropout: float, seq: int = 12):
+    """GRU (2 layers, bidirectional), LSTM with projections, RNN: a tiny sequence model."""
+    def make():
+        torch.manual_seed(0)
+        if kind == "gru":
+            rnn = nn.GRU(8, 16, 2, dropout=dropout, bidirectional=True, batch_first=True)
+        elif kind == "lstm_proj":
+            rnn = nn.LSTM(8, 16, 2, dropout=dropout, proj_size=4, batch_first=True)
+        elif kind == "lstm_bidir":
+            rnn = nn.LSTM(8, 16, 2, dropout=dropout, bidirectional=True, batch_first=True)
+        else:
+            rnn = nn.RNN(8, 16, 2, dropout=dropout, batch_first=True)
+        return nn.ModuleDict({"emb": nn.Embedding(32, 8), "rnn": rnn})
+
+    def loss(model, step):
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(32, (3, seq), generator=g)
+        out, _ = model["rnn"](model["emb"](idx))
+        return out.pow(2).mean()
+    return make, loss
+
+
+def _train(make, loss_fn, steps: int, ctx_kwargs: dict | None, seed: int = 0):
+    """Train with AdamW; return (per-step gradients, final weights and buffers)."""
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grads = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(seed * 1000 + step)  # dropout draws the same in both runs
+        ctx = contextlib.nullcontext() if ctx_kwargs is None \
+            else offload.activations(**ctx_kwargs)
+        with ctx:
+            loss_fn(model, step).backward()
+        if ctx_kwargs is not None:
+            assert ctx.stats.offloaded_tensors > 0, "nothing was moved: the case tests nothing"
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return grads, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same(ref, got, what: str) -> None:
+    ref_grads, ref_state = ref
+    got_grads, got_state = got
+    for step, (a, b) in enumerate(zip(ref_grads, got_grads)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), \
+                f"{what}: step {step} gradient {i} differs (max |diff| {(x - y).abs().max()})"
+    for k in ref_state:
+        assert torch.equal(ref_state[k], got_state[k]), f"{what}: {k} differs after training"
+
+
+@pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
+@pytest.mark.parametrize("tiers", ["nvme", "host,nvme"])
+@pytest.mark.parametrize("kind", ["gru_cell", "lstm_cell"])
+def test_recurrent_cells_are_exact_every_time(kind, tiers, checksum, nvme_dir):
+    make, loss = _cell(kind)
+    ref = _train(make, loss, 1, None)
+    for rep in range(REPEATS):
+        _assert_same(ref, _train(make, loss, 1, _kw(tiers, nvme_dir, checksum)),
+                     f"{kind} on {tiers}, try {rep}")
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["dropout0", "dropout0.3"])
+@pytest.mark.parametrize("tiers", ["nvme", "host,nvme"])
+@pytest.mark.parametrize("kind", ["gru", "lstm_proj"])
+def test_recurrent_layers_are_exact_every_time(kind, tiers, dropout, nvme_dir):
+    make, loss = _recurrent(kind, dropout, seq=3)  # every time step is the same cell code
+    ref = _train(make, loss, 1, None)
+    checksum = False
+    for rep in range(REPEATS):
+        checksum = not checksum  # every other try with checksums
+        _assert_same(ref, _train(make, loss, 1, _kw(tiers, nvme_dir, checksum)),
+                     f"{kind} on {tiers}, try {rep}")
+
+
+@pytest.mark.parametrize("tiers", ["host", "nvme", "host,nvme"])
+@pytest.mark.parametrize("kind", ["gru", "lstm_proj", "lstm_bidir", "rnn"])
+def test_recurrent_models_train_exactly_for_20_steps(kind, tiers, nvme_dir):
+    make, loss = _recurrent(kind, 0.2)
+    ref = _train(make, loss, 20, None)
+    _assert_same(ref, _train(make, loss, 20, _kw(tiers, nvme_dir)), f"{kind} on {tiers}")
+
+
+# --------------------------------------------------------------------------- synthetic
+def unsafe_chunks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The RNN cells' pattern in five lines: save one piece of a buffer split with
+    unsafe_chunk, save another at the same version number, change a third in place."""
+    buf = x @ w                               # one (4, 48) buffer
+    a, b, c = buf.unsafe_chunk(3, 1)          # three counters of their own, all at 0
+    ya = a.sigmoid_()                         # saves a (version 1)
+    yb = b.sigmoid_()                         # saves b, also "version 1"
+    c.mul_(3)                                 # changes the storage after both saves
+    yc = c.tanh()                             # saves c's result (a fresh tensor)
+    return (ya * yb).sum() + (yc * ya).sum()
+
+
+def _synthetic_grads(ctx_kwargs):
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 48, requires_grad=True)
+    ctx = contextlib.nullcontext() if ctx_kwargs is None else offload.activations(**ctx_kwargs)
+    with ctx:
+        unsafe_chunks(x, w).backward()
+    return [x.grad, w.grad], ctx
+
+
+@pytest.mark.parametrize("tiers", ["nvme", "host,nvme"])
+def test_a_saved_unsafe_chunk_comes_back_as_saved(tiers, nvme_dir):
+    ref, _ = _synthetic_grads(None)
+    for rep in range(REPEATS):
+        got, ctx = _synthetic_grads(_kw(tiers, nvme_dir, checksum=rep % 2 == 1))
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), f"try {rep}"
+    # a and b are records of just their elements (256 B each, not the 768 B buffer), plus
+    # tanh's fresh result; x and w are leaves (never moved); the products reuse them.
+    assert ctx.stats.saved_bytes == 3 * 4 * 16 * 4
+
+
+class _CopyPayload(Payload):
+    """A CPU storage's bytes copied by a tier at a chosen moment (see _TimedCopyTier)."""
+
+    __slots__ = ("_source", "_copy", "_on_release")
+
+    def __init__(self, flat: torch.Tensor, at_pack: bool, on_release) -> None:
+        super().__init__(flat.numel(), flat.device)
+        self._on_release = on_release
+        self._copy = flat.clone() if at_pack else None
+        self._source = None if at_pack else flat   # read only when backward fetches
+
+    def fetch(self) -> torch.Tensor:
+        return self._copy if self._copy is not None else self._source.clone()
+
+    def release(self) -> None:
+        if self._source is not None or self._copy is not None:
+            self._source = self._copy = None
+            self._on_release(self.nbytes)
+
+
+def _timed_copy_tier(at_pack: bool):
+    class _TimedCopyTier(HostTier):
+        """The host tier as a GPU run uses it (a copy of the bytes, not the storage), with
+        the copy taken at one extreme: at pack (the fastest D2H) or at fetch (the
+        slowest; reads the storage as late as anything could)."""
+
+        def store(self, flat):
+            if self._used_bytes + flat.numel() > self._capacity_bytes:
+                return None
+            self._used_bytes += flat.numel()
+            return _CopyPayload(flat, at_pack, self._released)
+    return _TimedCopyTier
+
+
+@pytest.mark.parametrize("at_pack", [True, False], ids=["copy-at-pack", "copy-at-fetch"])
+def test_a_copying_host_tier_returns_what_was_saved_whenever_it_copies(at_pack, monkeypatch):
+    monkeypatch.setattr(offload.context, "HostTier", _timed_copy_tier(at_pack))
+    ref, _ = _synthetic_grads(None)
+    got, ctx = _synthetic_grads({"tiers": "host", "min_bytes": 0})
+    assert ctx.stats.host_bytes > 0
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    for kind in ("gru_cell", "lstm_cell"):
+        make, loss = _cell(kind)
+        _assert_same(_train(make, loss, 2, None),
+                     _train(make, loss, 2, {"tiers": "host", "min_bytes": 0}), kind)
+    make, loss = _recurrent("gru", 0.0)
+    _assert_same(_train(make, loss, 3, None),
+                 _train(make, loss, 3, {"tiers": "host", "min_bytes": 0}), "gru")
+
+
+def test_views_of_one_storage_still_share_one_record(nvme_dir):
+    """The fix must not cost the common dedup: q, k, v split (tracked views) from one qkv
+    buffer and saved by attention are one storage moved once."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    w = torch.randn(32, 96, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        q, k, v = (x @ w).split(32, dim=-1)
+        (q.sin() * k.cos() * v.exp()).sum().backward()
+    qkv_bytes = 2 * 16 * 96 * 4
+    # x, w (a leaf: never moved) and the three views of one qkv storage (stored once), plus
+    # the products the multiplications save.
+    assert ctx.stats.unique_storages <= 6
+    assert ctx.stats.nvme_bytes < 2 * qkv_bytes + 6 * 2 * 16 * 32 * 4
+
+
+def test_an_untracked_alias_changed_in_place_still_raises():
+    """The copy is made at pack; an in-place change of the saved chunk itself afterwards is
+    still autograd's error (NOTE [Version check]), not a silent use of the old bytes."""
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with offload.activations(tiers="host", min_bytes=0):
+            a, b = (x * 2).unsafe_chunk(2, 1)
+            y = a.sigmoid_()
+            a.add_(1)
+            y.sum().backward()
