@@ -48,9 +48,10 @@ def activations(*, model: torch.nn.Module | None = None, blocks: Any = None,
 
     Args:
         model: The model being trained (optional). Its parameters and buffers are recognised
-            exactly (without it, parameters and views of them still are; buffers such as
-            BatchNorm's running statistics are then treated like activations, moved only
-            above OFFLOAD_MIN_BYTES). `recompute` and `auto` find its repeated blocks
+            exactly; without it parameters still are (`nn.Parameter`s, frozen ones included,
+            leaves that require grad, and views of them), while buffers such as BatchNorm's
+            running statistics are treated like activations (moved only above
+            OFFLOAD_MIN_BYTES). `recompute` and `auto` find its repeated blocks
             (offload/schedule/blocks.py).
         blocks: The blocks `recompute` / `auto` work on, instead of the detected ones: a
             list of modules, or a predicate `f(module) -> bool` over `model`'s submodules.

@@ -36,8 +36,9 @@ from .placement import Placement, TensorInfo
 from .prefetch import Prefetcher
 from .sizes import format_bytes
 from .stats import Stats
-from .tensor_meta import (ParamStorages, StorageIndex, ViewMeta, layout_key, movable, rebuild,
-                          snapshot, untracked_alias, view_meta)
+from .subclasses import TRACING_TYPES, Flattened, flatten, kind_name, unmoved_bytes
+from .tensor_meta import (ParamStorages, StorageIndex, ViewMeta, is_weight, layout_key, movable,
+                          rebuild, snapshot, untracked_alias, view_meta)
 from .tiers.base import Tier
 from .version_check import SavedOrigin, version_error, version_sentinel
 
@@ -176,6 +177,27 @@ class _Packed:
             self.record.handle_done()
 
 
+class _PackedSubclass:
+    """What autograd holds for a saved wrapper subclass: its inner tensors, packed each."""
+
+    __slots__ = ("flat", "inner", "version", "sentinel", "origin")
+
+    def __init__(self, flat: Flattened, inner: list, version: int, sentinel: torch.Tensor,
+                 origin: SavedOrigin) -> None:
+        self.flat = flat
+        flat.inner = None  # the inner tensors live on only as `inner`'s packed entries
+        self.inner = inner
+        self.version = version
+        self.sentinel = sentinel
+        self.origin = origin
+
+    def check_version(self) -> None:
+        seen = self.sentinel._version
+        if seen != self.version:
+            raise version_error(self.sentinel.dtype, self.sentinel.device, self.flat.size,
+                                self.origin, self.version, seen)
+
+
 def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """The storage's bytes as a 1-D uint8 tensor (zero-copy, keeps the storage alive)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -215,7 +237,11 @@ class OffloadHooks:
         version = t._version
         origin = SavedOrigin(t)  # now: an in-place op would rewrite t.grad_fn
         if not movable(t):
-            return _Packed(None, None, t.detach(), version, None, origin)
+            return self._pack_other(t, version, origin)
+        return self._pack_plain(t, version, origin)
+
+    def _pack_plain(self, t: torch.Tensor, version: int, origin: SavedOrigin) -> _Packed:
+        stats = self.stats
         storage = t.untyped_storage()
         if self.params.is_param(t, storage):
             stats.param_tensors += 1
@@ -246,6 +272,30 @@ class OffloadHooks:
             # alias of it costs nothing and carries its version counter.
             return _Packed(record, None, t.detach(), version, None, origin)
         return _Packed(record, view_meta(t), None, version, version_sentinel(t), origin)
+
+    def _pack_other(self, t: torch.Tensor, version: int, origin: SavedOrigin):
+        """A tensor our byte round trip cannot hold as it is (subclasses NOTE [Subclasses])."""
+        if is_weight(t):  # a DTensor / quantized weight: never moved, like any parameter
+            self.stats.param_tensors += 1
+            return _Packed(None, None, t.detach(), version, None, origin)
+        flat = flatten(t)
+        if flat is not None:
+            inner = [self._pack_plain(x, x._version, SavedOrigin(x)) if movable(x)
+                     else (self._pack_other(x, x._version, SavedOrigin(x))
+                           if isinstance(x, torch.Tensor) else x) for x in flat.inner]
+            return _PackedSubclass(flat, inner, version, flat.sentinel(t), origin)
+        name = kind_name(t)
+        if name not in TRACING_TYPES:
+            self._count_unmoved(t, name)
+        return _Packed(None, None, t.detach(), version, None, origin)
+
+    def _count_unmoved(self, t: torch.Tensor, name: str) -> None:
+        nbytes = unmoved_bytes(t)
+        stats = self.stats
+        stats.unmoved_tensors_by_type[name] = stats.unmoved_tensors_by_type.get(name, 0) + 1
+        stats.unmoved_bytes_by_type[name] = stats.unmoved_bytes_by_type.get(name, 0) + nbytes
+        stats.saved_bytes += nbytes
+        stats.kept_bytes += nbytes
 
     def _store(self, t: torch.Tensor, storage: torch.UntypedStorage,
                in_backward: bool = False, untracked: bool = False) -> _Record:
@@ -326,6 +376,8 @@ class OffloadHooks:
 
     # ---------------------------------------------------------------- unpack
     def unpack(self, packed: _Packed) -> torch.Tensor:
+        if type(packed) is _PackedSubclass:
+            return self._unpack_subclass(packed)
         packed.check_version()  # NOTE [Version check]
         if self.first_unpack_s is None:
             self.first_unpack_s = time.perf_counter()
@@ -350,6 +402,12 @@ class OffloadHooks:
         out = rebuild(storage, offset, packed.meta)
         packed.mark_unpacked()
         return out
+
+    def _unpack_subclass(self, packed: "_PackedSubclass") -> torch.Tensor:
+        packed.check_version()  # the outer tensor's counter (NOTE [Subclasses])
+        inner = [self.unpack(x) if isinstance(x, (_Packed, _PackedSubclass)) else x
+                 for x in packed.inner]
+        return packed.flat.rebuild(inner)
 
     def fetch(self, payload) -> torch.Tensor:
         for tier in self.tiers.values():

@@ -118,6 +118,10 @@ class Stats:
     exit_host_used_bytes: int = 0     # tier space still used when the tiers closed:
     exit_nvme_used_bytes: int = 0     # 0 after a step whose backward ran (no growth)
     exit_staging_used_bytes: int = 0
+    # Saved tensors left where they are because the runtime cannot move their type (sparse,
+    # nested, quantized, a subclass that cannot be flattened: subclasses.py), by type name.
+    unmoved_tensors_by_type: dict = field(default_factory=dict)
+    unmoved_bytes_by_type: dict = field(default_factory=dict)
     d2h_bytes: int = 0
     h2d_bytes: int = 0
     resident_bytes: int = field(default=0, repr=False)  # current value behind the peak

@@ -30,6 +30,7 @@ from .bounce import LinkSpeed, TensorTiming
 from .config import Config
 from .hooks import OffloadHooks
 from .stats import Stats
+from .subclasses import note_unmoved
 from .tiers.base import Tier
 
 __all__ = ["Step", "close_tiers", "finish_pending"]
@@ -88,6 +89,8 @@ class Step:
         """The block is over (NOTE [End of step], point 1)."""
         self.exit_s = time.perf_counter()
         self.stats.step_s = self.exit_s - self.start_s
+        for name, count in self.stats.unmoved_tensors_by_type.items():
+            note_unmoved(name, self.stats.unmoved_bytes_by_type[name], count)
         for tier in self.tiers.values():
             tier.poll()
         if self.hooks.live_records == 0:

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["ViewMeta", "view_meta", "rebuild", "movable", "untracked_alias", "snapshot",
-           "StorageIndex", "ParamStorages"]
+           "StorageIndex", "ParamStorages", "is_weight"]
 
 
 class ViewMeta(NamedTuple):
@@ -154,8 +154,9 @@ class StorageIndex:
 class ParamStorages:
     """Storages of parameters and buffers: never moved (they live for the whole run).
 
-    Filled from `model=`. Independently of it, any tensor that is a leaf requiring grad, or a
-    view of one (`weight.t()`), counts as a parameter. No process-wide module hook fills it:
+    Filled from `model=`. Independently of it, parameters are recognised by what they are
+    (`is_weight`): buffers are not (nothing marks them), so without `model=` they are
+    treated like activations. No process-wide module hook fills it:
     one breaks torch.compile (dynamo asserts on the first compiled call inside the context)
     and makes every compile warn.
     """
@@ -174,14 +175,26 @@ class ParamStorages:
             if b is not None:
                 self.add_tensor(b)
 
-    def is_param(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
-        ref = self._ids.get(id(storage))
-        if ref is not None and ref() is storage:
-            return True
-        if t.requires_grad and t.is_leaf:
-            return True
-        base = t._base
-        return base is not None and base.requires_grad and base.is_leaf
+    def is_param(self, t: torch.Tensor, storage: torch.UntypedStorage | None) -> bool:
+        """Whether `t` is a parameter / buffer of `model=`, or one by what it is (below)."""
+        if storage is not None:
+            ref = self._ids.get(id(storage))
+            if ref is not None and ref() is storage:
+                return True
+        return is_weight(t)
 
     def clear(self) -> None:
         self._ids.clear()
+
+
+def is_weight(t: torch.Tensor) -> bool:
+    """A parameter by what it is, without `model=`: a leaf requiring grad, an `nn.Parameter`
+    (frozen ones too: LoRA's base weights, FSDP2's unsharded parameters), or a view of one
+    (`weight.t()`)."""
+    if t.grad_fn is not None:  # an activation, or a view of a trainable weight
+        base = t._base
+        return base is not None and base.is_leaf and base.requires_grad
+    if t.requires_grad or isinstance(t, torch.nn.Parameter):
+        return True
+    base = t._base
+    return base is not None and (base.requires_grad or isinstance(base, torch.nn.Parameter))

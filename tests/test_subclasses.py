@@ -1,0 +1,110 @@
+"""Saved tensor subclasses (subclasses NOTE [Subclasses]): traceable wrapper subclasses move
+through their inner tensors and come back bit-exact; an in-place change of the outer tensor
+still raises autograd's error; what cannot move is counted by type, with one warning.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+
+import pytest
+import torch
+from torch.testing._internal.two_tensor import TwoTensor
+
+import offload
+from offload import subclasses
+
+TIERS = ["host", "nvme", "host,nvme"]
+
+
+def _kw(tiers, nvme_dir):
+    kw = {"tiers": tiers, "min_bytes": 0}
+    if "nvme" in tiers:
+        kw["nvme_dir"] = nvme_dir
+    if tiers == "host,nvme":
+        kw["host_bytes"] = "1KiB"
+    return kw
+
+
+def _two_tensor_grads(ctx):
+    torch.manual_seed(0)
+    w = TwoTensor(torch.randn(16, 16), torch.randn(16, 16)).requires_grad_()
+    x = TwoTensor(torch.randn(4, 16), torch.randn(4, 16))
+    with ctx:
+        y = (x @ w).sin()
+        (y * y.cos()).exp().sum().backward()
+    return w.grad
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_a_wrapper_subclass_moves_through_its_inner_tensors(tiers, nvme_dir):
+    ref = _two_tensor_grads(contextlib.nullcontext())
+    ctx = offload.activations(**_kw(tiers, nvme_dir))
+    got = _two_tensor_grads(ctx)
+    assert torch.equal(ref.a, got.a) and torch.equal(ref.b, got.b)
+    assert ctx.stats.offloaded_tensors >= 6      # two inner tensors of each saved TwoTensor
+    assert ctx.stats.unmoved_bytes_by_type == {}
+    assert ctx.stats.host_bytes + ctx.stats.nvme_bytes > 0
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_a_subclass_changed_in_place_and_dropped_raises_autograds_error(tiers, nvme_dir):
+    w = TwoTensor(torch.randn(8, 8), torch.randn(8, 8)).requires_grad_()
+
+    def forward():
+        y = (w * 2).tanh()          # saves its result, a TwoTensor
+        y.mul_(3)                   # changes it through the outer tensor
+        return y.sum()
+    with pytest.raises(RuntimeError) as plain:
+        forward().backward()
+    with pytest.raises(RuntimeError) as ours:
+        with offload.activations(**_kw(tiers, nvme_dir)):
+            forward().backward()
+    assert str(ours.value) == str(plain.value)
+
+
+def test_what_cannot_move_is_counted_by_type_with_one_warning(caplog, monkeypatch):
+    monkeypatch.setattr(subclasses, "_warned", set())
+    a = torch.randn(16, 16).to_sparse()              # 256 values, 2 x 256 int64 indices
+    b = torch.randn(16, 4, requires_grad=True)
+    caplog.set_level(logging.WARNING, logger="offload")
+    for _ in range(2):
+        with offload.activations(tiers="host", min_bytes=0) as ctx:
+            (torch.sparse.mm(a, b) * 2).sin().sum().backward()
+    assert ctx.stats.unmoved_tensors_by_type == {"Tensor(sparse_coo)": 1}
+    assert ctx.stats.unmoved_bytes_by_type == {"Tensor(sparse_coo)": 256 * 4 + 2 * 256 * 8}
+    assert ctx.stats.saved_bytes >= 256 * 4 + 2 * 256 * 8     # counted, as kept
+    warnings = [r.getMessage() for r in caplog.records if "stayed where they are" in r.getMessage()]
+    assert len(warnings) == 1 and "Tensor(sparse_coo)" in warnings[0] and "5 KiB" in warnings[0]
+
+
+def _dtensor_step(mesh_dir: str, ctx_kwargs):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{mesh_dir}/rendezvous", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        w = distribute_tensor(torch.randn(16, 16), mesh, [Shard(0)]).requires_grad_()
+        x = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)])
+        ctx = offload.activations(**ctx_kwargs) if ctx_kwargs else contextlib.nullcontext()
+        with ctx:
+            y = (x @ w).relu()
+            (y.sigmoid() * y).sum().backward()
+        return w.grad.to_local(), ctx
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensor_activation_moves_and_comes_back_exactly(nvme_dir):
+    with tempfile.TemporaryDirectory() as d:
+        ref, _ = _dtensor_step(d, None)
+    with tempfile.TemporaryDirectory() as d:
+        got, ctx = _dtensor_step(d, _kw("nvme", nvme_dir))
+    assert torch.equal(ref, got)
+    assert ctx.stats.nvme_bytes > 0 and ctx.stats.unmoved_bytes_by_type == {}
