@@ -129,6 +129,47 @@ def _check(results: list[dict], dirs: list[str]) -> None:
         assert os.listdir(own_dir) == [], f"rank {rank} left files: {os.listdir(own_dir)}"
 
 
+def _fsdp2_frozen_worker() -> dict:
+    """FSDP2 with a frozen first block: its weights are all-gathered into unsharded
+    `nn.Parameter`s of another storage than the sharded ones `model=` names, and autograd
+    saves views of them (`weight.t()`). None of those may be moved."""
+    from torch.distributed.fsdp import fully_shard
+
+    from offload.hooks import OffloadHooks
+
+    moved_weights = []
+    original = OffloadHooks._store
+
+    def spy(self, t, storage, *args, **kwargs):
+        record = original(self, t, storage, *args, **kwargs)
+        base = t._base if t._base is not None else t
+        if record.payload is not None and isinstance(base, torch.nn.Parameter):
+            moved_weights.append(tuple(t.shape))
+        return record
+
+    def wrap(model):
+        model.blocks[0].requires_grad_(False)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+
+    OffloadHooks._store = spy
+    try:
+        result = _compare(wrap)
+    finally:
+        OffloadHooks._store = original
+    return {**result, "moved_weights": moved_weights}
+
+
+def test_fsdp2_frozen_weights_are_never_moved(nvme_dir):
+    with _rank_dirs(nvme_dir) as (dirs, env):
+        results = run_ranks(_fsdp2_frozen_worker, env=env)
+        _check(results, dirs)
+    for rank, res in enumerate(results):
+        assert res["moved_weights"] == [], f"rank {rank} moved weights {res['moved_weights']}"
+
+
 @pytest.mark.parametrize("policy", ["offload", "auto", "recompute"])
 @pytest.mark.parametrize("worker", [_ddp_worker, _fsdp2_worker], ids=["ddp", "fsdp2"])
 def test_bit_exact_with_per_rank_nvme_dirs(worker, policy, nvme_dir):
