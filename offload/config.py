@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 
 from . import logs
 from .errors import ConfigError
+from .memory_limits import available_memory
 from .ranks import Ranks, agreed_total
 from .schedule.figures import ProbeSetting, parse_probe_setting
 from .sizes import SizeSpec, format_bytes, parse_size
@@ -74,9 +75,9 @@ class Config:
             "`{local_rank}` expand from RANK / LOCAL_RANK. Files are private and unlinked at once.")
     host_bytes: SizeSpec = _knob(
         SizeSpec(fraction=0.5), env="OFFLOAD_HOST_BYTES", kind="size or %", example="8GiB",
-        doc="Capacity of the `host` tier; a percentage is of the RAM available at entry, "
-            "divided among the processes of this host (LOCAL_WORLD_SIZE); a size is per "
-            "process.")
+        doc="Capacity of the `host` tier; a percentage is of the memory available at entry "
+            "(RAM, or less inside a memory cgroup: Docker, Kubernetes, Slurm), divided among "
+            "the processes of this host (LOCAL_WORLD_SIZE); a size is per process.")
     nvme_bytes: SizeSpec = _knob(
         SizeSpec(fraction=0.5), env="OFFLOAD_NVME_BYTES", kind="size or %", example="64GiB",
         doc="What this process may keep in the NVMe directories, shared by every context alive "
@@ -218,14 +219,14 @@ class Config:
         self._validate_host_sizes()
 
     def _validate_host_sizes(self) -> None:
-        import psutil
-
-        ram = psutil.virtual_memory().total
+        limit = available_memory()
         for name in ("staging_bytes", "prefetch_bytes"):
             value = getattr(self, name)
-            if value > ram:
+            if value > limit.total_bytes:
+                where = "this machine's RAM" if limit.source == "RAM available" \
+                    else f"this process's memory limit ({limit.source})"
                 raise ConfigError(
-                    f"{self.where(name)}: more than this machine's RAM ({format_bytes(ram)}); "
+                    f"{self.where(name)}: more than {where} ({format_bytes(limit.total_bytes)}); "
                     "both live in host memory (give a size such as \"256MiB\")")
 
     def _validate_trace(self) -> None:
@@ -265,14 +266,19 @@ class Config:
 
     # ---------------------------------------------------------------- capacities
     def host_capacity_bytes(self) -> int:
-        """Capacity of the host tier in bytes: a percentage is of the RAM available now,
-        divided among the processes of this host (NOTE [Host share] in ranks.py)."""
-        import psutil
+        """Capacity of the host tier in bytes (see `host_capacity`)."""
+        return self.host_capacity()[0]
 
-        def available() -> int:
-            return psutil.virtual_memory().available
-
-        return self._resolve_share(self.host_bytes, available, "ram")
+    def host_capacity(self) -> tuple[int, str]:
+        """Capacity of the host tier in bytes, and what it was taken of: a percentage is of
+        the memory this process may use now (the RAM available, or less in a memory cgroup:
+        memory_limits NOTE [Memory limits]), divided among the processes of this host
+        (NOTE [Host share] in ranks.py)."""
+        if self.host_bytes.fraction is None:
+            return self.host_bytes.nbytes, "OFFLOAD_HOST_BYTES"
+        limit = available_memory()
+        return self._resolve_share(self.host_bytes, lambda: limit.available_bytes, "ram"), \
+            f"{self.host_bytes} of {limit.source}"
 
     def nvme_capacity_bytes(self) -> int:
         """Capacity of the nvme tier in bytes, checked against the free space; a percentage

@@ -190,7 +190,8 @@ class ActivationOffload:
         try:
             for name in config.tiers:
                 if name == "host":
-                    tiers[name] = HostTier(config.host_capacity_bytes(), step.stats,
+                    capacity, step.stats.host_capacity_source = config.host_capacity()
+                    tiers[name] = HostTier(capacity, step.stats,
                                            capacity_key=config.host_bytes,
                                            copies=step.copy_streams)
                 elif name == "nvme":

@@ -370,9 +370,12 @@ class OffloadHooks:
         self.stats.full_kept_bytes += nbytes
         if not self._warned_full:
             self._warned_full = True
-            log.warning("offload: every tier is full (%s); keeping activations on the device "
-                        "from now on (raise OFFLOAD_HOST_BYTES / OFFLOAD_NVME_BYTES or add a "
-                        "tier; OFFLOAD_STRICT=1 makes this an error)", usage)
+            log.warning("offload: every tier is full (%s); a %s activation stays on the "
+                        "device, and so will every later one that does not fit (smaller ones "
+                        "still move while there is room; ctx.stats.full_kept_bytes counts "
+                        "what stayed). Raise OFFLOAD_HOST_BYTES / OFFLOAD_NVME_BYTES or add a "
+                        "tier; OFFLOAD_STRICT=1 makes this an error", usage,
+                        format_bytes(nbytes))
 
     # ---------------------------------------------------------------- unpack
     def unpack(self, packed: _Packed) -> torch.Tensor:

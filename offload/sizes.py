@@ -7,6 +7,7 @@ total that is only known later (available RAM, free disk, the no-offload peak).
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ _UNITS = {
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 }
+_MAX_BYTES = (1 << 63) - 1  # what a byte count in the C++ core (int64) can hold
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
 
 
@@ -66,6 +68,8 @@ def parse_size(value: str | int, *, allow_percent: bool = False) -> SizeSpec:
         raise ValueError('not a size (examples: "8GiB", "512MiB", "4096"'
                          + (', "30%"' if allow_percent else "") + ")")
     number, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(number):
+        raise ValueError(f"{m.group(1)!r} is too large a number")
     if unit == "%":
         if not allow_percent:
             raise ValueError("a percentage is not accepted here; give bytes such as \"256MiB\"")
@@ -74,6 +78,8 @@ def parse_size(value: str | int, *, allow_percent: bool = False) -> SizeSpec:
         raise ValueError(f"unknown unit {m.group(2)!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"
                          + (" or %" if allow_percent else "") + ")")
     nbytes = number * _UNITS[unit]
+    if nbytes > _MAX_BYTES:
+        raise ValueError("more bytes than a 64-bit count holds (the most is 8 EiB)")
     if unit in ("", "b") and number != int(number):
         raise ValueError("a size in bytes must be a whole number")
     return SizeSpec(nbytes=int(nbytes))

@@ -114,6 +114,8 @@ class Stats:
     #                               OFFLOAD_TIERS); a percentage is divided among the
     nvme_capacity_bytes: int = 0  # local ranks (ranks.py NOTE [Host share]); nvme: the
     #                               process's budget, shared by its contexts
+    host_capacity_source: str = ""  # what the host capacity was taken of ("50% of cgroup
+    #                                 v2 /job (limit 2 GiB, ...)": memory_limits.py)
     staging_peak_bytes: int = 0   # peak use of the nvme tier's staging arena
     exit_host_used_bytes: int = 0     # tier space still used when the tiers closed:
     exit_nvme_used_bytes: int = 0     # 0 after a step whose backward ran (no growth)
@@ -231,4 +233,6 @@ class Stats:
                 f"nvme w/r {self.nvme_write_gbps:.2f}/{self.nvme_read_gbps:.2f} GB/s; "
                 f"stall {self.stall_s:.3f} s of {self.step_s:.3f} s "
                 f"({self.overlap_fraction:.0%} of I/O hidden); "
-                f"{self.packed_tensors} tensors")
+                f"{self.packed_tensors} tensors"
+                + (f"; host capacity {self.host_capacity_bytes / gib:.3f} GiB "
+                   f"({self.host_capacity_source})" if self.host_capacity_source else ""))

@@ -312,7 +312,10 @@ def test_all_tiers_full_warns_once_and_keeps(caplog):
             y.sum().backward()
     warnings = [r for r in caplog.records if "every tier is full" in r.getMessage()]
     assert len(warnings) == 1
-    assert "raise OFFLOAD_HOST_BYTES" in warnings[0].getMessage()
+    assert "Raise OFFLOAD_HOST_BYTES" in warnings[0].getMessage()
+    # What happens is what the warning says: this one stays, smaller ones still move.
+    assert "a 256 KiB activation stays" in warnings[0].getMessage()
+    assert "smaller ones still move" in warnings[0].getMessage()
     assert ctx.stats.host_bytes == 256 * 1024 and ctx.stats.full_kept_bytes == 3 * 256 * 1024
     assert ctx.stats.kept_bytes == 3 * 256 * 1024
 
