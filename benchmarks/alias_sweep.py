@@ -141,12 +141,13 @@ def _grads(make, run, seed, ctx_kwargs):
     return [p.grad for p in m.parameters() if p.grad is not None] + [x.grad for x in inputs]
 
 
-def sweep(name: str, trials: int, nvme_dir: str) -> tuple[int, int]:
+def sweep(name: str, trials: int, nvme_dir: str, nvme_bytes: str) -> tuple[int, int]:
     make, run = MODULES[name]
     wrong = errors = 0
     for trial in range(trials):
         ref = _grads(make, run, trial, None)
-        kw = {"tiers": "nvme", "nvme_dir": nvme_dir, "nvme_checksum": trial % 2 == 1}
+        kw = {"tiers": "nvme", "nvme_dir": nvme_dir, "nvme_bytes": nvme_bytes,
+              "nvme_checksum": trial % 2 == 1}
         if name not in DEFAULT_SETTINGS:
             kw["min_bytes"] = 0
         try:
@@ -165,6 +166,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated module names (default: all)")
     ap.add_argument("--nvme-dir", default=os.environ.get("OFFLOAD_TEST_DIR", "/var/tmp"),
                     help="parent of the temporary NVMe directory (a real disk)")
+    ap.add_argument("--nvme-bytes", default="4GiB",
+                    help="the nvme tier's capacity (default 4GiB: other processes on a shared "
+                         "disk keep their room)")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(MODULES)
     unknown = [n for n in names if n not in MODULES]
@@ -174,7 +178,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="offload-sweep-", dir=args.nvme_dir) as d:
         for name in names:
             start = time.perf_counter()
-            wrong, errors = sweep(name, args.trials, d)
+            wrong, errors = sweep(name, args.trials, d, args.nvme_bytes)
             total_wrong += wrong
             total_errors += errors
             print(f"{name:30s} wrong {wrong:4d}  errors {errors:4d}  of {args.trials} "
