@@ -86,6 +86,12 @@ def test_config_json_errors(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(ValueError, match="a config.json needs a \"model_type\""):
         hf.resolve(str(tmp_path / "bad.json"), {"seq_len": 8}, None)
+    (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama",
+                                                     "max_position_embeddings": 16}))
+    with pytest.raises(ValueError, match=r"--seq 32: [\w-]+/llama.json allows "
+                                         "max_position_embeddings=16"):
+        hf.resolve(str(tmp_path / "llama.json"), {"seq_len": 512}, 32)
+    assert hf.resolve(str(tmp_path / "llama.json"), {"seq_len": 512}, None).seq_len == 16
     (tmp_path / "vit.json").write_text(json.dumps({"model_type": "vit"}))
     with pytest.raises(ValueError, match="'vit' is not a transformers model type with a causal"):
         hf.resolve(str(tmp_path / "vit.json"), {"seq_len": 8}, None)

@@ -113,7 +113,8 @@ def resolve(text: str, size: dict[str, int], seq_len: int | None) -> HfModel:
         model_type = config.pop("model_type")
         config.pop("transformers_version", None)
         config["use_cache"] = False  # training: no key/value cache
-        source = os.path.basename(os.path.dirname(os.path.abspath(path))) + "/config.json"
+        where = os.path.abspath(path)  # "dir/file.json" names it in messages and the title
+        source = os.path.join(os.path.basename(os.path.dirname(where)), os.path.basename(where))
     elif os.sep in text or text.endswith(".json"):
         raise ValueError(f"--hf {text!r}: no such file (pass a model type such as gpt2, or a "
                          "path to a config.json)")
@@ -125,8 +126,8 @@ def resolve(text: str, size: dict[str, int], seq_len: int | None) -> HfModel:
         raise ValueError(f"--hf {text!r}: {model_type!r} is not a transformers model type with "
                          f"a causal LM (e.g. {known}; {len(types)} in this transformers "
                          f"{transformers.__version__})")
-    defaults = transformers.AutoConfig.for_model(model_type)
     if config is None:
+        defaults = transformers.AutoConfig.for_model(model_type)
         hidden, heads = size["hidden"], size["heads"]
         config = {SIZE_KEYS[k]: size[k] for k in SIZE_KEYS}
         seq = seq_len or size["seq_len"]
@@ -134,14 +135,16 @@ def resolve(text: str, size: dict[str, int], seq_len: int | None) -> HfModel:
         config.update(_scaled(defaults, hidden, heads))
         config.update(_token_ids(defaults, config["vocab_size"]))
         config["use_cache"] = False
-    else:
-        built = transformers.AutoConfig.for_model(model_type, **config)
-        positions = getattr(built, "max_position_embeddings", None) or size["seq_len"]
-        seq = seq_len or min(size["seq_len"], positions)
     try:
         built = transformers.AutoConfig.for_model(model_type, **config)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"--hf {text!r}: transformers refused the config: {exc}") from None
+    if source is not None:
+        positions = getattr(built, "max_position_embeddings", None)
+        seq = seq_len or min(size["seq_len"], positions or size["seq_len"])
+        if positions and seq > positions:
+            raise ValueError(f"--seq {seq}: {source} allows max_position_embeddings="
+                             f"{positions} (use --seq {positions} or less)")
     hidden = getattr(built, "hidden_size", None)
     heads = getattr(built, "num_attention_heads", None)
     if isinstance(hidden, int) and isinstance(heads, int) and heads and hidden % heads:

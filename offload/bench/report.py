@@ -66,6 +66,9 @@ def _grads(row: Row) -> str:
     return f"[bold red]DIFF[/] step {steps}"
 
 
+# The rows that wrap the blocks (strategies.py): the footnote naming them is for these.
+_CHECKPOINTING = ("checkpoint", "recompute", "ckpt+save_on_cpu")
+
 # Footnote marks: buffered NVMe I/O (memory cells), RSS the accounting does not explain.
 _BUFFERED, _UNEXPLAINED = "†", "‡"
 
@@ -159,7 +162,7 @@ def footnotes(rows: list[Row]) -> list[str]:
     shown = [r for r in rows if r.available]
     lines = []
     blocks = next((r.blocks for r in shown if r.blocks), None)
-    if blocks:
+    if blocks and any(r.strategy in _CHECKPOINTING for r in shown):
         names = ", ".join(blocks) if len(blocks) <= 3 else f"{blocks[0]} … {blocks[-1]}"
         lines.append(f"  blocks (checkpointed by the checkpoint, recompute and ckpt+save_on_cpu "
                      f"rows; policy=recompute's, offload/schedule/blocks.py): {len(blocks)}, "
