@@ -1,7 +1,8 @@
 """offload-bench: end to end through the real CLI entry on a tiny GPT, the gradient check
 catching a one-ulp corruption (in every step, or only an early one), memory kept between
 steps counted, the RSS cross-check, buffered NVMe flagged, crash handling, cleanup,
---max-batch, argument errors.
+--max-batch, argument errors. The test-only strategies come from a plugin
+(tests/bench_test_strategies.py), never from the shipped CLI.
 
 Each worker is a fresh Python process (importing torch costs seconds here), so the end-to-end
 run happens once per module and several tests read its rows.
@@ -18,14 +19,19 @@ import torch
 
 from offload.bench import maxbatch, measure, report, rows as rows_mod
 from offload.bench.cli import main
-from offload.bench.rows import ROW_FIELDS
+from offload.bench.result import RunResult
+from offload.bench.rows import ROW_FIELDS, Row
 from offload.bench.runner import GradChecker, Workspace
-from offload.bench.strategies import PUBLIC_STRATEGIES, PooledArena
+from offload.bench.strategies import PUBLIC_STRATEGIES
 
 from mounts import mounted
 
 MiB = 1 << 20
+# Registered by a plugin each run names (importing it here would register them in this
+# process for good, and the shipped CLI must not know them).
 TEST_STRATEGIES = ["corrupt", "corrupt-early", "pooled-arena", "crash"]
+PLUGIN = ["--plugin", os.path.join(os.path.dirname(__file__), "bench_test_strategies.py")]
+ARENA_BYTES = 64 << 20  # bench_test_strategies.PooledArena's
 
 TINY = ["--gpt", "hidden=64,layers=2,heads=2,vocab_size=128", "--seq", "32", "--batch", "2",
         "--warmup", "1", "--steps", "2"]
@@ -64,98 +70,114 @@ def e2e(bench_dirs):
         # Tiny tensors would stay put under the runtime's default threshold; the workers
         # must see the parent's environment (they fork from a server started earlier).
         mp.setenv("OFFLOAD_MIN_BYTES", "0")
-        code = main(TINY + ["--strategies", ",".join(PUBLIC_STRATEGIES + TEST_STRATEGIES),
-                            "--nvme-dir", bench_dirs["nvme"], "--json", out, "--plot", plot])
+        code = main(TINY + PLUGIN + [
+            "--strategies", ",".join(PUBLIC_STRATEGIES + TEST_STRATEGIES),
+            "--nvme-dir", bench_dirs["nvme"], "--json", out, "--plot", plot])
     with open(out) as f:
-        rows = json.load(f)
-    return {"code": code, "rows": {r["strategy"]: r for r in rows}, "order": rows,
+        text = f.read()
+    rows = rows_mod.from_json(text)
+    return {"code": code, "rows": {r.strategy: r for r in rows}, "order": rows, "json": text,
             "plot": plot, "dirs": bench_dirs, "new_workspaces": _workspaces() - before}
 
 
 def test_every_field_for_every_strategy(e2e):
-    assert [r["strategy"] for r in e2e["order"]] == PUBLIC_STRATEGIES + TEST_STRATEGIES
-    for row in e2e["order"]:
-        assert set(row) == set(ROW_FIELDS), row["strategy"]
-        assert isinstance(row["available"], bool)
-        assert row["available"] or row["reason"], row["strategy"]
+    assert [r.strategy for r in e2e["order"]] == PUBLIC_STRATEGIES + TEST_STRATEGIES
+    doc = json.loads(e2e["json"])
+    assert (doc["schema"], doc["schema_version"]) == ("offload-bench.rows", 1)
+    for row, raw in zip(e2e["order"], doc["rows"]):
+        assert list(raw) == list(ROW_FIELDS), row.strategy  # one schema: every field, in order
+        assert isinstance(row.available, bool)
+        assert row.available or row.reason, row.strategy
 
 
 def test_baseline_and_peers_measured(e2e):
     rows = e2e["rows"]
-    none, rec = rows["none"], rows["recompute"]
-    for row in (none, rec, rows["save_on_cpu"]):
-        assert row["available"], row["reason"]
-        assert len(row["step_times_s"]) == 2 and row["step_s_min"] <= row["step_s_median"]
-        assert row["peak_activation_source"] == "process rss"
-        assert row["tokens_per_step"] == 2 * 32
-    assert none["overhead_vs_none"] == 1.0
+    none, ckpt, hf = rows["none"], rows["checkpoint"], rows["ckpt+save_on_cpu"]
+    for row in (none, ckpt, hf, rows["save_on_cpu"]):
+        assert row.available, row.reason
+        assert len(row.step_times_s) == 2 and row.step_s_min <= row.step_s_median
+        assert row.peak_activation_source == "process rss"
+        assert row.tokens_per_step == 2 * 32
+        assert row.blocks == ["blocks.0", "blocks.1"]  # policy=recompute's blocks
+    assert none.overhead_vs_none == 1.0
     # Accounting: checkpointing keeps less between forward and backward than plain autograd.
-    assert 0 < rec["saved_bytes"] < none["saved_bytes"] == none["resident_bytes"]
-    assert rec["resident_bytes"] < none["resident_bytes"]
-    assert rec["bit_exact"] is True and rec["max_abs_diff"] == 0.0
-    assert rows["save_on_cpu"]["bit_exact"] is True
-    assert none["bit_exact"] is None  # the reference itself (one round)
-    assert rec["grads_differ_steps"] == [] and none["grads_differ_steps"] is None
+    assert 0 < ckpt.saved_bytes < none.saved_bytes == none.resident_bytes
+    assert ckpt.resident_bytes < none.resident_bytes
+    # Hugging Face's offload flag on a CPU: save_on_cpu keeps the very tensors, so it holds
+    # what checkpoint holds.
+    assert (hf.saved_bytes, hf.resident_bytes) == (ckpt.saved_bytes, ckpt.resident_bytes)
+    for row in (ckpt, hf, rows["save_on_cpu"]):
+        assert row.bit_exact is True and row.max_abs_diff == 0.0, row.strategy
+        assert row.grads_differ_steps == []
+        assert row.resident_check == "ok", (row.strategy, row.resident_check)
+    assert none.bit_exact is None and none.grads_differ_steps is None  # the reference
     # Each row names where its resident bytes come from; the RSS growth agrees with them.
-    assert none["resident_source"] == "saved-tensor hook (untimed pass)"
-    assert "largest recomputed block" in rec["resident_source"]
-    assert none["resident_check"].startswith("reference")
-    assert rec["resident_check"] == "ok" and rows["save_on_cpu"]["resident_check"] == "ok"
-    assert rows["torchtune"]["available"] is False
-    assert "needs a CUDA GPU" in rows["torchtune"]["reason"]
+    assert none.resident_source == "saved-tensor hook (untimed pass)"
+    assert "largest recomputed block" in ckpt.resident_source
+    assert none.resident_check.startswith("reference")
+    assert rows["torchtune"].available is False
+    assert "needs a CUDA GPU" in rows["torchtune"].reason
 
 
 def test_offload_rows(e2e):
     rows = e2e["rows"]
     if not _runtime_available():
         for name in ("offload-host", "offload-nvme", "auto"):
-            assert rows[name]["available"] is False
-            assert "not implemented yet" in rows[name]["reason"]
+            assert rows[name].available is False
+            assert "not implemented yet" in rows[name].reason
         pytest.skip("offload.activations() does not exist yet: rows say so")
     for name in ("offload-host", "offload-nvme"):
         row = rows[name]
-        assert row["available"], row["reason"]
-        assert row["bit_exact"] is True, row["grads_differ"]
-        assert row["saved_bytes"] > 0 and row["packed_tensors"] > 0
+        assert row.available, row.reason
+        assert row.bit_exact is True, row.grads_differ
+        assert row.saved_bytes > 0 and row.packed_tensors > 0
     nvme = rows["offload-nvme"]
-    assert nvme["nvme_bytes"] > 0 and nvme["nvme_written_bytes"] >= nvme["nvme_bytes"]
-    stats = nvme["runtime_stats"]
-    assert stats["peak_resident_bytes"] < rows["none"]["resident_bytes"]
+    assert nvme.nvme_bytes > 0 and nvme.nvme_written_bytes >= nvme.nvme_bytes
+    stats = nvme.runtime_stats
+    assert stats["peak_resident_bytes"] < rows["none"].resident_bytes
     # On CPU the staging arena is RAM, so it counts as resident (see worker); the row has
     # the largest timed step (runtime_stats is the last one).
-    assert nvme["resident_bytes"] >= stats["peak_resident_bytes"] + stats["staging_peak_bytes"]
-    assert nvme["resident_source"] == "runtime peak_resident_bytes + staging arena peak"
-    assert nvme["resident_check"] == "ok", nvme["rss_unexplained_bytes"]
+    assert nvme.resident_bytes >= stats["peak_resident_bytes"] + stats["staging_peak_bytes"]
+    assert nvme.resident_source == "runtime peak_resident_bytes + staging arena peak"
+    assert nvme.resident_check == "ok", nvme.rss_unexplained_bytes
     # /var/tmp is ext4: O_DIRECT, so no page cache hides written bytes from RSS.
-    assert nvme["nvme_direct"] is True and rows["offload-host"]["nvme_direct"] is None
-    assert nvme["nvme_fs_types"] == ["ext4"] and nvme["nvme_in_ram"] is False
+    assert nvme.nvme_direct is True and rows["offload-host"].nvme_direct is None
+    assert nvme.nvme_fs_types == ["ext4"] and nvme.nvme_in_ram is False
     # The pooled staging arena was dropped before the baseline (it held the warm-up's
     # pages) and its pages count again in the timed steps' peak.
     assert stats["staging_peak_bytes"] > 0
-    assert nvme["pool_released_bytes"] > 0  # (the warm-up's arena use varies a little)
-    assert nvme["peak_rss_delta_bytes"] >= stats["staging_peak_bytes"]
+    assert nvme.pool_released_bytes > 0  # (the warm-up's arena use varies a little)
+    assert nvme.peak_rss_delta_bytes >= stats["staging_peak_bytes"]
+    # recompute: our checkpoint of the same blocks, their inputs to the tiers (nvme on CPU).
+    rec = rows["recompute"]
+    assert rec.available, rec.reason
+    assert rec.bit_exact is True, rec.grads_differ
+    assert rec.blocks == ["blocks.0", "blocks.1"] and rec.nvme_bytes > 0
+    assert rec.resident_source == ("runtime peak_resident_bytes + staging arena peak + largest "
+                                   "recomputed block (untimed pass)")
+    assert rec.resident_bytes < rows["none"].resident_bytes
     auto = rows["auto"]
-    assert auto["available"], auto["reason"]
-    assert auto["bit_exact"] is True, auto["grads_differ"]
-    assert auto["resident_source"] == "runtime peak_resident_bytes + staging arena peak"
+    assert auto.available, auto.reason
+    assert auto.bit_exact is True, auto.grads_differ
+    assert auto.resident_source == "runtime peak_resident_bytes + staging arena peak"
 
 
 def test_gradient_check_catches_one_ulp(e2e):
     row = e2e["rows"]["corrupt"]
-    assert row["available"]
-    assert row["bit_exact"] is False
-    assert 0 < row["max_abs_diff"] < 1e-6
-    assert len(row["grads_differ"]) == 1
-    assert row["grads_differ_steps"] == [0, 1]  # both timed steps
+    assert row.available
+    assert row.bit_exact is False
+    assert 0 < row.max_abs_diff < 1e-6
+    assert len(row.grads_differ) == 1
+    assert row.grads_differ_steps == [0, 1]  # both timed steps
 
 
 def test_gradient_check_covers_every_step(e2e):
     # Corrupted in the first timed step only; the last step (saved whole) is clean.
     row = e2e["rows"]["corrupt-early"]
-    assert row["available"]
-    assert row["bit_exact"] is False and row["grads_differ_steps"] == [0]
-    assert row["max_abs_diff"] == 0.0  # the last step matches: only the checksums saw it
-    assert row["grads_differ"] == e2e["rows"]["corrupt"]["grads_differ"]
+    assert row.available
+    assert row.bit_exact is False and row.grads_differ_steps == [0]
+    assert row.max_abs_diff == 0.0  # the last step matches: only the checksums saw it
+    assert row.grads_differ == e2e["rows"]["corrupt"].grads_differ
 
 
 def test_memory_kept_between_steps_is_counted(e2e):
@@ -163,19 +185,19 @@ def test_memory_kept_between_steps_is_counted(e2e):
     # taken with its warm-up pages resident would hide it (the peak was ~0 then).
     rows = e2e["rows"]
     row, none = rows["pooled-arena"], rows["none"]
-    assert row["available"], row["reason"]
-    arena = PooledArena.ARENA_BYTES
-    assert row["pool_released_bytes"] >= 0.9 * arena
-    assert row["peak_rss_delta_bytes"] - none["peak_rss_delta_bytes"] >= 0.9 * arena
+    assert row.available, row.reason
+    arena = ARENA_BYTES
+    assert row.pool_released_bytes >= 0.9 * arena
+    assert row.peak_rss_delta_bytes - none.peak_rss_delta_bytes >= 0.9 * arena
     # Its resident accounting (autograd's saved tensors) cannot see the arena: flagged.
-    assert row["resident_check"].startswith("RSS grew"), row["resident_check"]
-    assert row["bit_exact"] is True
+    assert row.resident_check.startswith("RSS grew"), row.resident_check
+    assert row.bit_exact is True
 
 
 def test_crashed_worker_is_a_row_and_leaves_nothing(e2e):
     row = e2e["rows"]["crash"]
-    assert row["available"] is False and row["error"] is True
-    assert "killed by signal 9" in row["reason"]
+    assert row.available is False and row.error is True
+    assert "killed by signal 9" in row.reason
     assert e2e["code"] == 1  # a failed strategy makes the exit status non-zero
     # The crash left a file in its NVMe directory; the parent removed it with the rest.
     assert os.listdir(e2e["dirs"]["nvme"]) == []
@@ -187,28 +209,80 @@ def test_plot_written(e2e):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_user_model_and_recompute_blocks(tmp_path, nvme_dir, capsys):
-    (tmp_path / "mymodel.py").write_text(
-        "import torch.nn as nn\n"
-        "def build():\n"
-        "    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.Tanh())\n")
+ENC_DEC = """
+import torch.nn as nn
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc, self.act = nn.Linear(d, d), nn.GELU()
+
+    def forward(self, x):
+        return self.act(self.fc(x)) + x
+
+class EncDec(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.ModuleList(Layer(16) for _ in range(2))
+        self.dec = nn.ModuleList(Layer(16) for _ in range(3))
+        self.head = nn.Sequential(nn.Linear(16, 8), nn.Tanh())
+
+    def forward(self, x):
+        for layer in [*self.enc, *self.dec]:
+            x = layer(x)
+        return self.head(x)
+
+def build():
+    return EncDec()
+"""
+
+
+def test_user_model_checkpoints_the_runtimes_blocks(tmp_path, nvme_dir, capsys):
+    # Two stacks: policy="recompute" (offload/schedule/blocks.py) checkpoints both; the
+    # bench's own detector used to take only the one with the most parameters (dec).
+    (tmp_path / "mymodel.py").write_text(ENC_DEC)
     out = tmp_path / "rows.json"
     code = main(["--model", f"{tmp_path}/mymodel.py:build", "--input-shape", "16",
-                 "--batch", "4", "--steps", "1", "--warmup", "0", "--strategies", "recompute",
+                 "--batch", "4", "--steps", "1", "--warmup", "0",
+                 "--strategies", "checkpoint,recompute,ckpt+save_on_cpu",
                  "--nvme-dir", nvme_dir, "--json", str(out)])
     assert code == 0
-    rows = {r["strategy"]: r for r in json.loads(out.read_text())}
-    assert rows["none"]["tokens_per_step"] is None and rows["none"]["samples_per_s"] > 0
-    assert rows["recompute"]["available"] and rows["recompute"]["bit_exact"] is True
+    rows = {r.strategy: r for r in rows_mod.from_json(out.read_text())}
+    assert rows["none"].tokens_per_step is None and rows["none"].samples_per_s > 0
+    from offload.schedule.blocks import find_blocks
+    from offload.bench.workload import block_names, load_factory
+
+    model = load_factory(f"{tmp_path}/mymodel.py:build")()
+    runtime = block_names(model, find_blocks(model))
+    assert runtime == ["enc.0", "enc.1", "dec.0", "dec.1", "dec.2"]
+    for name in ("checkpoint", "recompute", "ckpt+save_on_cpu"):
+        row = rows[name]
+        assert row.available and row.bit_exact is True, (name, row.reason)
+        assert row.blocks == runtime, name
     printed = capsys.readouterr().out
     assert "GPT" not in printed
+    assert "blocks (checkpointed by the checkpoint, recompute and ckpt+save_on_cpu rows; " \
+           "policy=recompute's, offload/schedule/blocks.py): 5, enc.0 … dec.2" in printed
     # the build that produced the numbers: in the header and in every JSON row
     import offload
     from offload._build_info import summary
 
     info = offload.build_info()
-    assert all(r["build"] == info for r in rows.values())
+    assert all(r.build == info for r in rows.values())
     assert printed.splitlines()[0] == summary(info)
+
+
+def test_a_model_without_blocks_says_so(tmp_path, nvme_dir, capsys):
+    (tmp_path / "mlp.py").write_text(
+        "import torch.nn as nn\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.Tanh())\n")
+    code = main(["--model", f"{tmp_path}/mlp.py:build", "--input-shape", "16", "--batch", "2",
+                 "--steps", "1", "--warmup", "0", "--strategies", "checkpoint",
+                 "--nvme-dir", nvme_dir])
+    assert code == 0
+    assert "checkpoint: not available: found no blocks to checkpoint in the model" \
+        in capsys.readouterr().out
 
 
 def test_max_batch_finds_the_edge(tmp_path, nvme_dir):
@@ -216,15 +290,15 @@ def test_max_batch_finds_the_edge(tmp_path, nvme_dir):
     code = main(TINY + ["--steps", "1", "--strategies", "none", "--max-batch",
                         "--memory-limit", "3MiB", "--nvme-dir", nvme_dir, "--json", str(out)])
     assert code == 0
-    (row,) = json.loads(out.read_text())
+    (row,) = rows_mod.from_json(out.read_text())
     limit = 3 << 20
-    assert row["memory_limit_bytes"] == limit and row["max_batch_limited_by"] == "memory"
-    probes = {p["batch"]: p for p in row["max_batch_probes"]}
-    best = row["max_batch"]
+    assert row.memory_limit_bytes == limit and row.max_batch_limited_by == "memory"
+    probes = {p.batch: p for p in row.max_batch_probes}
+    best = row.max_batch
     assert best > 2  # more than the base batch fits in 3 MiB at this size
-    assert probes[best]["fits"] and probes[best]["resident_bytes"] <= limit
-    assert probes[best + 1]["fits"] is False and probes[best + 1]["resident_bytes"] > limit
-    assert row["max_batch_tokens_per_s"] > 0
+    assert probes[best].fits and probes[best].resident_bytes <= limit
+    assert probes[best + 1].fits is False and probes[best + 1].resident_bytes > limit
+    assert row.max_batch_tokens_per_s > 0
 
 
 # ---------------------------------------------------------------- --max-batch search logic
@@ -234,16 +308,18 @@ def _fake(per_sample: int, fail_at: int | None = None):
     def probe(batch):
         calls.append(batch)
         if fail_at is not None and batch >= fail_at:
-            return {"available": False, "reason": "boom", "step_times_s": []}
-        return {"available": True, "batch": batch, "resident_bytes": per_sample * batch,
-                "step_times_s": [0.1 * batch], "tokens_per_step": 10 * batch, "wall_s": 0.0}
+            return RunResult(strategy="x", batch=batch, available=False, reason="boom")
+        return RunResult(strategy="x", batch=batch, available=True,
+                         resident_bytes=per_sample * batch, step_times_s=[0.1 * batch],
+                         tokens_per_step=10 * batch, wall_s=0.0)
 
     return probe, calls
 
 
 def _base(per_sample, batch=2):
-    return {"available": True, "batch": batch, "resident_bytes": per_sample * batch,
-            "step_times_s": [0.2, 0.2], "tokens_per_step": 10 * batch, "wall_s": 1.0}
+    return RunResult(strategy="x", batch=batch, available=True,
+                     resident_bytes=per_sample * batch, step_times_s=[0.2, 0.2],
+                     tokens_per_step=10 * batch, wall_s=1.0)
 
 
 @pytest.mark.parametrize("limit, expect", [(1000, 10), (1099, 10), (950, 9), (100, 1)])
@@ -251,7 +327,7 @@ def test_search_exact_edge(limit, expect):
     probe, calls = _fake(100)
     found = maxbatch.search(_base(100), probe, device_type="cpu", limit_bytes=limit, cap=64,
                             time_budget_s=1e9)
-    assert found["max_batch"] == expect and found["max_batch_limited_by"] == "memory"
+    assert found.max_batch == expect and found.max_batch_limited_by == "memory"
     assert len(calls) <= 4  # the linear prediction lands on the edge: few probes
 
 
@@ -259,22 +335,22 @@ def test_search_cap_time_and_nothing_fits():
     probe, _ = _fake(1)
     found = maxbatch.search(_base(1), probe, device_type="cpu", limit_bytes=10**9, cap=6,
                             time_budget_s=1e9)
-    assert (found["max_batch"], found["max_batch_limited_by"]) == (6, "cap")
+    assert (found.max_batch, found.max_batch_limited_by) == (6, "cap")
     probe, calls = _fake(1)
     found = maxbatch.search(_base(1), probe, device_type="cpu", limit_bytes=10**9, cap=10**6,
                             time_budget_s=5.0)
-    assert found["max_batch_limited_by"] == "time" and found["max_batch"] >= 2
+    assert found.max_batch_limited_by == "time" and found.max_batch >= 2
     probe, _ = _fake(100)
     found = maxbatch.search(_base(100), probe, device_type="cpu", limit_bytes=50, cap=64,
                             time_budget_s=1e9)
-    assert found["max_batch"] is None and "not even batch 1" in found["max_batch_limited_by"]
+    assert found.max_batch is None and "not even batch 1" in found.max_batch_limited_by
 
 
 def test_search_stops_on_failed_probe():
     probe, _ = _fake(100, fail_at=5)
     found = maxbatch.search(_base(100), probe, device_type="cpu", limit_bytes=10_000, cap=64,
                             time_budget_s=1e9)
-    assert found["max_batch"] >= 2 and "failed: boom" in found["max_batch_limited_by"]
+    assert found.max_batch >= 2 and "failed: boom" in found.max_batch_limited_by
 
 
 # ---------------------------------------------------------------- pieces
@@ -323,11 +399,9 @@ def test_grad_checker_compares_every_step(tmp_path):
 
 
 def _row(strategy, rss, resident, **extra):
-    row = dict.fromkeys(ROW_FIELDS)
-    row.update(strategy=strategy, available=True, peak_activation_source="process rss",
+    return Row(strategy=strategy, available=True, peak_activation_source="process rss",
                peak_activation_bytes=rss, peak_rss_delta_bytes=rss, resident_bytes=resident,
                step_s_median=1.0, **extra)
-    return row
 
 
 def test_cross_check_flags_rss_the_accounting_misses():
@@ -336,10 +410,10 @@ def test_cross_check_flags_rss_the_accounting_misses():
     bad = _row("offload-host", 900 * MiB, 400 * MiB)      # 300 MiB nothing accounts for
     rows = [none, ok, bad]
     rows_mod.add_relative(rows)
-    assert none["resident_check"].startswith("reference")
-    assert ok["resident_check"] == "ok" and ok["rss_unexplained_bytes"] == 250 * MiB
+    assert none.resident_check.startswith("reference")
+    assert ok.resident_check == "ok" and ok.rss_unexplained_bytes == 250 * MiB
     # Slack: max(32 MiB, 10% of none's 1000 MiB) = 100 MiB < 300 MiB over the transient.
-    assert bad["resident_check"].startswith("RSS grew 300 MiB more than resident bytes")
+    assert bad.resident_check.startswith("RSS grew 300 MiB more than resident bytes")
     lines = report.footnotes(rows)
     assert any(line.startswith("  ‡ offload-host: RSS grew") for line in lines)
     assert not any("offload-nvme: RSS" in line for line in lines)
@@ -370,9 +444,9 @@ def test_buffered_nvme_dir_flagged_end_to_end(tmp_path, capsys):
                             "--nvme-dir", point, "--json", str(out)])
         assert os.listdir(point) == []
     assert code == 0
-    row = {r["strategy"]: r for r in json.loads(out.read_text())}["offload-nvme"]
-    assert row["available"], row["reason"]
-    assert row["nvme_fs_types"] == ["tmpfs"] and row["nvme_in_ram"] is True
+    row = {r.strategy: r for r in rows_mod.from_json(out.read_text())}["offload-nvme"]
+    assert row.available, row.reason
+    assert row.nvme_fs_types == ["tmpfs"] and row.nvme_in_ram is True
     out = capsys.readouterr().out
     assert "† offload-nvme: " in out and "which RSS does not count" in out
     assert any(line.startswith("│ offload-nvme") and "†" in line for line in out.splitlines())
@@ -381,7 +455,7 @@ def test_buffered_nvme_dir_flagged_end_to_end(tmp_path, capsys):
 # ---------------------------------------------------------------- argument errors
 @pytest.mark.parametrize("argv, message", [
     (["--strategies", "none,offlaod-nvme"],
-     "--strategies: unknown strategy 'offlaod-nvme' (choose from: none, recompute,"),
+     "--strategies: unknown strategy 'offlaod-nvme' (choose from: none, checkpoint,"),
     (["--memory-limit", "2 gigs", "--max-batch"], "--memory-limit '2 gigs': unknown unit"),
     (["--memory-limit", "lots"], "--memory-limit 'lots': not a size"),
     (["--max-batch"], "--max-batch on CPU needs --memory-limit (e.g. --memory-limit 2GiB)"),
@@ -401,6 +475,19 @@ def test_buffered_nvme_dir_flagged_end_to_end(tmp_path, capsys):
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"],
      "--device"),
     (["--json", "/no/such/dir/rows.json"], "--json '/no/such/dir/rows.json': the directory"),
+    # Test-only strategies are not shipped: only a --plugin registers them.
+    (["--strategies", "none,corrupt"], "--strategies: unknown strategy 'corrupt' (choose from: "
+                                       "none, checkpoint, recompute, ckpt+save_on_cpu,"),
+    (["--plugin", "no_such_plugin_zz"], "--plugin 'no_such_plugin_zz': cannot import "
+                                        "'no_such_plugin_zz': ModuleNotFoundError"),
+    (["--hf", "gtp2"], "--hf 'gtp2': 'gtp2' is not a transformers model type with a causal LM "
+                       "(e.g. gpt2, llama, mistral, qwen2"),
+    (["--hf", "/no/such/config.json"], "--hf '/no/such/config.json': no such file"),
+    (["--hf", "gpt2", "--model", "x:y"], "--model and --hf each name the model: give one"),
+    (["--hf", "gpt2", "--gpt", "dropout=0.2"], "--gpt dropout: a --hf model's dropout is its "
+                                               "config's"),
+    (["--hf", "llama", "--gpt", "hidden=96,heads=5"], "--gpt: GPTConfig: hidden=96 is not "
+                                                      "divisible by heads=5"),
 ])
 def test_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -444,10 +531,10 @@ def test_a_reference_that_varies_across_rounds_is_called_out():
     none = _row("none", 1000 * MiB, 800 * MiB)
     host = _row("offload-host", 500 * MiB, 100 * MiB)
     for row in (none, host):
-        exact, diff, names, steps = checker.summary(row["strategy"])
-        row.update(bit_exact=exact, max_abs_diff=diff, grads_differ=names,
-                   grads_differ_steps=steps)
-    assert none["bit_exact"] is False and none["grads_differ_steps"] == [1]
+        exact, diff, names, steps = checker.summary(row.strategy)
+        row.bit_exact, row.max_abs_diff, row.grads_differ, row.grads_differ_steps = \
+            exact, diff, names, steps
+    assert none.bit_exact is False and none.grads_differ_steps == [1]
     lines = report.footnotes([none, host])
     assert any(line.startswith("  none differs from its own first round") for line in lines)
     assert not any("own first round" in line for line in report.footnotes([host]))
@@ -470,7 +557,7 @@ def test_an_op_without_a_deterministic_kernel_falls_back_to_warn_only():
     class Spec:
         nvme_dir, budget = None, None
 
-    resets, result = [], {"nondeterministic_op": None}
+    resets, result = [], RunResult(strategy="flaky", batch=1)
     before = (torch.are_deterministic_algorithms_enabled(),
               torch.is_deterministic_algorithms_warn_only_enabled())
     try:
@@ -478,7 +565,7 @@ def test_an_op_without_a_deterministic_kernel_falls_back_to_warn_only():
         flaky = Flaky()
         assert worker._step(flaky, None, Spec, result, lambda: resets.append(1)) == "ok"
         assert flaky.calls == 2 and resets == [1]
-        assert result["nondeterministic_op"].startswith("index_add_cuda_ does not have")
+        assert result.nondeterministic_op.startswith("index_add_cuda_ does not have")
         assert torch.is_deterministic_algorithms_warn_only_enabled()
         # Other errors are not swallowed.
         with pytest.raises(RuntimeError, match="boom"):
@@ -496,5 +583,47 @@ def test_cpu_nvme_rows_without_torch_thp_get_the_hint():
     rows_mod.add_relative(rows)
     hint = [line for line in report.footnotes(rows) if "THP_MEM_ALLOC_ENABLE=1" in line]
     assert len(hint) == 1 and hint[0].startswith("  offload-nvme: ran without")
-    nvme["torch_thp"] = True
+    nvme.torch_thp = True
     assert not [line for line in report.footnotes(rows) if "THP_MEM_ALLOC_ENABLE" in line]
+
+
+# ---------------------------------------------------------------- strategies, JSON schema
+def test_help_lists_no_test_only_strategy():
+    from offload.bench import strategies
+    from offload.bench.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    for name in PUBLIC_STRATEGIES:
+        assert f"{name}: " in text, name
+    for name in TEST_STRATEGIES:
+        assert name not in text, name
+    # Not shipped at all: only a plugin registers them (tests/bench_test_strategies.py).
+    shipped = " ".join(vars(strategies))
+    assert not any(n in shipped for n in ("Corrupt", "PooledArena", "Crash"))
+
+
+def test_register_refuses_a_builtin_name():
+    from offload.bench.strategies import NoneStrategy, register
+
+    class Impostor(NoneStrategy):
+        name = "recompute"
+
+    with pytest.raises(ValueError, match=r"register\('recompute'\): a built-in strategy has "
+                                         "this name"):
+        register(Impostor())
+
+
+def test_json_has_one_versioned_schema():
+    row = _row("none", 1000 * MiB, 800 * MiB, blocks=["h.0"])
+    row.max_batch_probes = [maxbatch.Probe(batch=4, fits=True, resident_bytes=1,
+                                           cuda_peak_bytes=None, peak_rss_delta_bytes=2,
+                                           step_s=0.5, reason=None)]
+    text = rows_mod.to_json([row])
+    doc = json.loads(text)
+    assert doc["schema"] == "offload-bench.rows" and doc["schema_version"] == 1
+    assert list(doc["rows"][0]) == list(ROW_FIELDS)
+    assert rows_mod.from_json(text) == [row]
+    with pytest.raises(ValueError, match="schema_version 0: this version reads 1"):
+        rows_mod.from_json(json.dumps({**doc, "schema_version": 0}))
+    with pytest.raises(ValueError, match="not an offload-bench --json document"):
+        rows_mod.from_json(json.dumps(doc["rows"]))  # the list the old --json wrote

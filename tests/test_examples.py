@@ -31,6 +31,10 @@ RUNS = {
     "hf_trainer.py": ([sys.executable], ["--vocab", "128"], ("transformers",)),
     "accelerate_loop.py": ([sys.executable], ["--vocab", "128"], ("transformers", "accelerate")),
     "lightning_callback.py": ([sys.executable], [], ("pytorch_lightning",)),
+    # LoRA on a tiny Llama: with the base frozen autograd saves only the norms' and
+    # activations' inputs, under OFFLOAD_MIN_BYTES at SMALL's batch; 16 x 128 tokens move.
+    "trl_sft.py": ([sys.executable], ["--batch", "16", "--seq-len", "128"],
+                   ("transformers", "trl", "peft", "datasets")),
 }
 
 pytestmark = [pytest.mark.slow,

@@ -1,9 +1,9 @@
 """Training-stack integrations, what only a test inside the process can see: Hugging Face
 Trainer's micro-batches run inside the offload context and its evaluation outside it
-(OffloadTrainerMixin); Lightning's OffloadCallback leaves nothing installed when training
-raises. That each framework trains bit-exact with offload, bytes really moved, is checked
-by its example's `--check` (tests/test_examples.py: hf_trainer, accelerate_loop,
-lightning_callback).
+(OffloadTrainerMixin), and so do TRL SFTTrainer's with a LoRA model; Lightning's
+OffloadCallback leaves nothing installed when training raises. That each framework trains
+bit-exact with offload, bytes really moved, is checked by its example's `--check`
+(tests/test_examples.py: hf_trainer, accelerate_loop, lightning_callback, trl_sft).
 
 The frameworks are optional dependencies (extras `hf`, `lightning`; the `test` extra
 installs them): a test whose framework is not installed skips with the reason.
@@ -75,6 +75,69 @@ def test_hf_trainer_mixin_installs_nothing_in_evaluation(tmp_path, nvme_dir):
     assert trainer.offload_context.stats.nvme_bytes > 0 and not trainer.offload_context.active
     trainer.evaluate()
     assert len(seen) > n_train and not any(seen[n_train:])
+
+
+# ---------------------------------------------------------------- TRL SFTTrainer (+ peft)
+def _sft_parts(transformers):
+    """A tiny Llama, a word-level tokenizer made here and a text dataset (no download)."""
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(61)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(f"w{j}" for j in torch.randint(61, (40,), generator=g).tolist())
+             for _ in range(8)]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=2, bos_token_id=None))
+    return model, tokenizer, datasets.Dataset.from_dict({"text": texts})
+
+
+def test_trl_sft_trainer_runs_each_micro_batch_inside(tmp_path, nvme_dir, caplog):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    trl = pytest.importorskip("trl", reason="trl is not installed")
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    from offload.integrations.transformers import OffloadTrainerMixin
+
+    seen = []
+
+    class OffloadSFTTrainer(OffloadTrainerMixin, trl.SFTTrainer):
+        offload_settings = {"tiers": "nvme", "nvme_dir": nvme_dir, "min_bytes": 0}
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            seen.append(self.offload_context.active)
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    model, tokenizer, data = _sft_parts(transformers)
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=2,
+        gradient_accumulation_steps=2, learning_rate=1e-3, max_length=64, use_cpu=True,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+        dataloader_num_workers=0)
+    trainer = OffloadSFTTrainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data.select(range(2)),
+        processing_class=tokenizer,
+        peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                    task_type="CAUSAL_LM"))
+    trainer.train()
+    assert seen == [True] * 4                   # 2 steps x 2 micro-batches, each inside
+    stats = trainer.offload_context.stats
+    assert stats.nvme_bytes > 0 and not trainer.offload_context.active
+    trainer.evaluate()
+    assert len(seen) > 4 and not any(seen[4:])  # evaluation runs outside
+    # TRL's own offload alongside ours: it would find nothing to move; said once.
+    trainer._offload_context = None
+    trainer.args.activation_offloading = True
+    with caplog.at_level("WARNING", logger="offload"):
+        trainer.offload_context
+    assert "SFTConfig(activation_offloading=True) has no effect under OffloadTrainerMixin" \
+        in caplog.text
 
 
 # ---------------------------------------------------------------- Lightning

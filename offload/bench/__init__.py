@@ -5,12 +5,17 @@ Layout (one job per module):
 * ``cli``        — argument parsing and validation, then hands over to ``runner``.
 * ``runner``     — the parent: temp dirs, one worker process per (strategy, round), alternating
                    order, gradient comparison against ``none``, rows.
-* ``worker``     — runs ONE strategy in a fresh process and writes one JSON result.
-* ``strategies`` — what each strategy does around a training step, and why it may be unavailable.
-* ``workload``   — the model, the fixed batch and the loss (built-in GPT or ``--model``).
+* ``worker``     — runs ONE strategy in a fresh process and writes its ``result.RunResult``.
+* ``strategies`` — what each strategy does around a training step, and why it may be
+                   unavailable; the registry ``--plugin`` modules add to.
+* ``workload``   — the model, the fixed batch and the loss (built-in GPT, ``--hf`` or
+                   ``--model``); the blocks are the runtime's (offload/schedule/blocks.py).
+* ``hf``         — ``--hf``: a Hugging Face causal LM from a model type's config or a
+                   config.json.
 * ``measure``    — step timing, peak memory (CUDA allocator / process RSS), saved-bytes
                    accounting, gradient files.
 * ``maxbatch``   — ``--max-batch``: the largest batch each strategy fits.
+* ``rows``       — ``Row``: the one typed record behind the table, ``--json`` and ``--plot``.
 * ``report``     — the table, ``--json``, ``--plot``, ``--explain``.
 * ``spec``       — the run description the parent sends to a worker.
 """

@@ -8,6 +8,7 @@ saved and the gradient check).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -17,10 +18,12 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from offload.bench import maxbatch, report, rows as rows_mod
+from offload.bench import maxbatch, report, rows as rows_mod, strategies as strategies_mod
+from offload.bench.result import RunResult
+from offload.bench.rows import Meta, Row
 from offload.bench.runner import GradChecker, WorkerRunner, Workspace, schedule
 from offload.bench.spec import RunSpec
-from offload.bench.strategies import PUBLIC_STRATEGIES, STRATEGIES
+from offload.bench.strategies import PUBLIC_STRATEGIES
 from offload.models import GPTConfig
 
 if TYPE_CHECKING:  # rich is imported when main() runs: a missing one gets a clear message
@@ -46,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "memory, bytes per tier, bandwidth, stall time and a bit-exact gradient "
                     "check against plain autograd ('none'). Each strategy runs in its own "
                     "process.",
-        epilog="Strategies: " + "; ".join(f"{n}: {STRATEGIES[n].description}"
+        epilog="Strategies: " + "; ".join(f"{n}: {strategies_mod.get(n).description}"
                                           for n in PUBLIC_STRATEGIES)
                + ". OFFLOAD_* environment variables apply to the offload rows except the "
                  "tiers/policy/nvme_dir each row sets.")
@@ -61,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seq", type=int, help="sequence length of the built-in GPT (default: its config's)")
     a("--gpt", metavar="K=V,...", default="",
       help="override GPTConfig fields, e.g. hidden=1024,layers=12,heads=16")
+    a("--hf", metavar="TYPE|CONFIG.json",
+      help="a Hugging Face causal LM built from transformers' config for TYPE (gpt2, llama, "
+           "mistral, qwen2, ...; no download), sized like the built-in GPT (--gpt/--seq "
+           "override), or from a config.json as written; inputs input_ids and labels")
     a("--model", metavar="MODULE:FACTORY",
       help="benchmark your model: FACTORY() returns an nn.Module; input torch.randn(batch, "
            "*input_shape); loss output.float().pow(2).mean(); accepts FILE.py:FACTORY")
@@ -74,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--nvme-dir", help="where the NVMe rows write (a fresh subdirectory is made and "
                          "removed); default $OFFLOAD_NVME_DIR, else /var/tmp")
     a("--budget", help="OFFLOAD_BUDGET for the auto row, e.g. 4GiB or 30%%")
-    a("--json", metavar="PATH", help="write the rows as a JSON list")
+    a("--json", metavar="PATH",
+      help="write the rows as JSON (one schema, versioned: docs/benchmarks.md)")
     a("--plot", metavar="PATH.png", help="scatter of memory against step time (matplotlib)")
     a("--explain", action="store_true", help="print the auto policy's plan")
     a("--max-batch", action="store_true",
@@ -86,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-batch-time-s", type=float, default=180.0,
       help="time budget per strategy for --max-batch probes (default 180)")
     a("--timeout-s", type=float, default=1800.0, help="kill a worker after this long")
+    a("--plugin", metavar="MODULE", action="append", default=[],
+      help="import MODULE (or FILE.py) first, in this process and every worker: it may "
+           "add strategies with offload.bench.strategies.register(); repeatable")
     return p
 
 
@@ -105,16 +116,18 @@ class Settings:
     max_batch_cap: int
     max_batch_time_s: float
     timeout_s: float
+    preload: tuple[str, ...] = ()   # modules the workers' forkserver imports once
 
 
 def _parse_strategies(text: str, parser) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
+    known = strategies_mod.names()  # built-in ones and those --plugin registered
     if not names:
-        parser.error("--strategies: empty list (choose from: " + ", ".join(PUBLIC_STRATEGIES) + ")")
+        parser.error("--strategies: empty list (choose from: " + ", ".join(known) + ")")
     for n in names:
-        if n not in STRATEGIES:
+        if n not in known:
             parser.error(f"--strategies: unknown strategy {n!r} "
-                         f"(choose from: {', '.join(PUBLIC_STRATEGIES)})")
+                         f"(choose from: {', '.join(known)})")
     return ["none"] + [n for n in dict.fromkeys(names) if n != "none"]
 
 
@@ -195,12 +208,15 @@ def _resolve(args, parser) -> Settings:
                      "is the device there, so the limit is checked against resident "
                      "activation bytes")
 
+    if args.model and args.hf:
+        parser.error("--model and --hf each name the model: give one")
+    hf_model, preload = None, ()
     if args.model:
         if not args.input_shape:
             parser.error(f"--model {args.model!r} needs --input-shape (per-sample shape, "
                          "e.g. --input-shape 3,224,224)")
         if args.seq or args.gpt:
-            parser.error("--seq and --gpt apply to the built-in GPT, not to --model")
+            parser.error("--seq and --gpt apply to the built-in GPT and --hf, not to --model")
         try:
             shape = tuple(int(x) for x in args.input_shape.split(","))
         except ValueError:
@@ -221,7 +237,8 @@ def _resolve(args, parser) -> Settings:
             parser.error("--input-shape applies to --model only")
         base_cfg, machine_batch = gpt_for_machine(device)
         gpt = dataclasses.asdict(base_cfg)
-        gpt.update(_parse_gpt(args.gpt, parser))
+        overrides = _parse_gpt(args.gpt, parser)
+        gpt.update(overrides)
         if args.seq:
             gpt["seq_len"] = args.seq
         try:
@@ -232,6 +249,23 @@ def _resolve(args, parser) -> Settings:
         seq_len = gpt["seq_len"]
         model_label = (f"GPT h{gpt['hidden']} L{gpt['layers']} heads{gpt['heads']} "
                        f"vocab{gpt['vocab_size']}")
+        if args.hf:
+            from offload.bench import hf
+
+            if "dropout" in overrides:
+                parser.error("--gpt dropout: a --hf model's dropout is its config's (write a "
+                             "config.json to change it)")
+            try:
+                hf_model = hf.resolve(args.hf, gpt, args.seq)
+            except ValueError as exc:
+                parser.error(str(exc))
+            if overrides and os.path.exists(args.hf):
+                parser.error(f"--gpt sizes a --hf model type, not the config.json {args.hf!r} "
+                             "(edit the file instead)")
+            gpt, seq_len, model_label = None, hf_model.seq_len, hf_model.label
+            # Workers import transformers from the forkserver; the modeling module each
+            # imports itself (its imports print other packages' warnings to its log).
+            preload = ("transformers",)
 
     for opt, path in (("--json", args.json), ("--plot", args.plot)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -243,41 +277,42 @@ def _resolve(args, parser) -> Settings:
     spec = RunSpec(strategy="none", device=str(device), dtype=dtype, batch=batch,
                    warmup=args.warmup, steps=args.steps, seed=args.seed, gpt=gpt,
                    model=args.model, input_shape=shape if args.model else None,
-                   budget=args.budget, explain=args.explain)
+                   hf=hf_model.to_dict() if hf_model else None,
+                   budget=args.budget, explain=args.explain, plugins=tuple(args.plugin))
     return Settings(
         strategies=strategies, spec=spec, rounds=args.rounds,
         nvme_bases=_nvme_bases(args.nvme_dir, parser), model_label=model_label,
         seq_len=seq_len, json_path=args.json, plot_path=args.plot, explain=args.explain,
         max_batch=args.max_batch, memory_limit_bytes=memory_limit,
         max_batch_cap=args.max_batch_cap or 8 * batch, max_batch_time_s=args.max_batch_time_s,
-        timeout_s=args.timeout_s)
+        timeout_s=args.timeout_s, preload=preload)
 
 
-def _meta(s: Settings) -> dict[str, Any]:
-    return {"device": s.spec.device, "dtype": s.spec.dtype, "model": s.model_label,
-            "batch": s.spec.batch, "seq_len": s.seq_len, "warmup": s.spec.warmup,
-            "steps": s.spec.steps, "rounds": s.rounds,
-            "memory_limit_bytes": s.memory_limit_bytes}
+def _meta(s: Settings) -> Meta:
+    return Meta(device=s.spec.device, dtype=s.spec.dtype, model=s.model_label,
+                batch=s.spec.batch, seq_len=s.seq_len, warmup=s.spec.warmup,
+                steps=s.spec.steps, rounds=s.rounds, memory_limit_bytes=s.memory_limit_bytes)
 
 
-def benchmark(s: Settings, progress: Progress) -> list[dict[str, Any]]:
+def benchmark(s: Settings, progress: Progress) -> list[Row]:
     """Run every strategy (and --max-batch), return the rows in --strategies order."""
     import torch
 
     device = torch.device(s.spec.device)
-    results: dict[str, list[dict[str, Any]]] = {n: [] for n in s.strategies}
+    results: dict[str, list[RunResult]] = {n: [] for n in s.strategies}
     with Workspace(s.nvme_bases) as ws:
-        skip: dict[str, dict[str, Any]] = {}
+        skip: dict[str, RunResult] = {}
         for name in s.strategies:
             try:
-                reason = STRATEGIES[name].unavailable_reason(device, ws.nvme_dir)
+                reason = strategies_mod.get(name).unavailable_reason(device, ws.nvme_dir)
             except Exception as exc:  # a broken runtime install must not stop the others
                 reason, failed = f"failed: {type(exc).__name__}: {exc}", True
             else:
                 failed = False
             if reason:
-                skip[name] = {"available": False, "reason": reason, "error": failed}
-        runner = WorkerRunner(ws, s.timeout_s)
+                skip[name] = RunResult(strategy=name, batch=s.spec.batch, reason=reason,
+                                       error=failed)
+        runner = WorkerRunner(ws, s.timeout_s, s.preload)
         checker = GradChecker()
         runs = [(r, n) for r, n in schedule(s.strategies, s.rounds) if n not in skip]
         task = progress.add_task("starting", total=len(runs))
@@ -285,7 +320,7 @@ def benchmark(s: Settings, progress: Progress) -> list[dict[str, Any]]:
             for r, name in runs:
                 progress.update(task, description=f"{name} (round {r + 1}/{s.rounds})")
                 result = runner.run(s.spec.replace(strategy=name), save_grads=True)
-                checker.add(name, result.get("grads_path"), result.get("grad_hashes"))
+                checker.add(name, result.grads_path, result.grad_hashes)
                 results[name].append(result)
                 progress.console.print(_run_line(name, r, s.rounds, result), highlight=False,
                                        markup=False)
@@ -293,8 +328,8 @@ def benchmark(s: Settings, progress: Progress) -> list[dict[str, Any]]:
             rows = []
             for name in s.strategies:
                 res = results[name] or [skip[name]]
-                rows.append(rows_mod.make_row(name, STRATEGIES[name].description, _meta(s),
-                                              res, checker.summary(name)))
+                rows.append(rows_mod.make_row(name, strategies_mod.get(name).description,
+                                              _meta(s), res, checker.summary(name)))
             if s.max_batch:
                 _max_batch(s, rows, results, runner, progress, device.type)
         finally:
@@ -303,24 +338,22 @@ def benchmark(s: Settings, progress: Progress) -> list[dict[str, Any]]:
     return rows
 
 
-def _run_line(name: str, r: int, rounds: int, result: dict[str, Any]) -> str:
-    head = f"  {name:<13} round {r + 1}/{rounds}: "
-    if not result.get("available"):
-        return head + ("" if result.get("error") else "not available: ") + \
-            str(result.get("reason"))
-    times = sorted(result["step_times_s"])
-    return head + f"{times[len(times) // 2]:.2f} s/step ({result['wall_s']:.0f} s in the worker)"
+def _run_line(name: str, r: int, rounds: int, result: RunResult) -> str:
+    head = f"  {name:<16} round {r + 1}/{rounds}: "
+    if not result.available:
+        return head + ("" if result.error else "not available: ") + str(result.reason)
+    return head + f"{result.median_step_s:.2f} s/step ({result.wall_s:.0f} s in the worker)"
 
 
 def _max_batch(s, rows, results, runner, progress, device_type) -> None:
     for row in rows:
-        name = row["strategy"]
-        if not row["available"]:
+        name = row.strategy
+        if not row.available:
             continue
-        base = dict(results[name][0])
+        base = results[name][0]
         task = progress.add_task(f"max batch {name}", total=None)
 
-        def probe(batch: int, name=name) -> dict[str, Any]:
+        def probe(batch: int, name=name) -> RunResult:
             spec = s.spec.replace(strategy=name, batch=batch, warmup=min(1, s.spec.warmup),
                                   steps=1, explain=False)
             return runner.run(spec)
@@ -336,7 +369,8 @@ def _max_batch(s, rows, results, runner, progress, device_type) -> None:
                                 limit_bytes=s.memory_limit_bytes, cap=s.max_batch_cap,
                                 time_budget_s=s.max_batch_time_s, on_probe=on_probe)
         progress.remove_task(task)
-        row.update(found)
+        for f in dataclasses.fields(found):
+            setattr(row, f.name, getattr(found, f.name))
 
 
 def _progress(console: Console) -> Progress:
@@ -352,8 +386,6 @@ def _progress(console: Console) -> Progress:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit code (0 ok, 1 a strategy failed, 2 usage, 130 ^C)."""
-    from offload._build_info import build_info, summary as build_summary
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -362,6 +394,18 @@ def main(argv: list[str] | None = None) -> int:
         print("offload-bench: the table needs the 'rich' package, which is not installed: "
               "pip install 'offload[bench]' (or pip install rich)", file=sys.stderr)
         return 2
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(strategies_mod.plugins(args.plugin))
+        except ValueError as exc:
+            parser.error(str(exc))
+        return _main(args, parser, Console)
+
+
+def _main(args, parser, Console) -> int:
+    """main() with the --plugin strategies registered."""
+    from offload._build_info import build_info, summary as build_summary
+
     settings = _resolve(args, parser)
     err = Console(stderr=True)
     out = Console() if sys.stdout.isatty() else Console(width=200)
@@ -385,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     # a context held by the parent while workers run would take GPU memory from them.
     info = build_info()
     for row in rows:
-        row["build"] = info
+        row.build = info
     out.print(build_summary(info), highlight=False, markup=False)
     report.print_table(rows, out)
     out.print(f"  {started:%Y-%m-%d %H:%M}, {platform.node() or 'this machine'}, "
@@ -399,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.plot_path:
         report.write_plot(rows, settings.plot_path)
         err.print(f"wrote {settings.plot_path}")
-    return 1 if any(r["error"] for r in rows) else 0
+    return 1 if any(r.error for r in rows) else 0
 
 
 def _is_main_thread() -> bool:

@@ -26,49 +26,60 @@ time budget keep it bounded; ``max_batch_limited_by`` says which edge stopped th
 from __future__ import annotations
 
 import math
-import statistics
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Callable
 
-__all__ = ["fits", "search"]
+from offload.bench.result import RunResult
+from offload.bench.rows import Probe
+
+__all__ = ["fits", "search", "Found"]
 
 # Room left for the allocator's fragmentation when predicting the GPU batch.
 _CUDA_USABLE_FRACTION = 0.92
 
 
-def fits(result: dict[str, Any], device_type: str, limit_bytes: int | None) -> bool | None:
+@dataclass
+class Found:
+    """What the search found for one strategy (the row's ``max_batch*`` fields)."""
+
+    max_batch: int | None
+    max_batch_limited_by: str
+    max_batch_probes: list[Probe] = field(default_factory=list)
+    max_batch_step_s: float | None = None
+    max_batch_tokens_per_s: float | None = None
+    max_batch_samples_per_s: float | None = None
+
+
+def fits(result: RunResult, device_type: str, limit_bytes: int | None) -> bool | None:
     """Whether a probe fits; None when it cannot be told (no accounting, crash)."""
-    if result.get("oom"):
+    if result.oom:
         return False
-    if not result.get("available"):
+    if not result.available:
         return None
     if device_type == "cuda":
-        return limit_bytes is None or result["cuda_peak_bytes"] <= limit_bytes
-    if result.get("resident_bytes") is None:
+        return limit_bytes is None or result.cuda_peak_bytes <= limit_bytes
+    if result.resident_bytes is None:
         return None
-    return result["resident_bytes"] <= limit_bytes
+    return result.resident_bytes <= limit_bytes
 
 
-def _median(times: list[float]) -> float | None:
-    return statistics.median(times) if times else None
-
-
-def _predict(base: dict[str, Any], device_type: str, limit_bytes: int | None) -> int | None:
-    batch = base["batch"]
+def _predict(base: RunResult, device_type: str, limit_bytes: int | None) -> int | None:
+    batch = base.batch
     if device_type == "cuda":
-        per_sample = (base.get("cuda_peak_bytes") or 0) / batch
+        per_sample = (base.cuda_peak_bytes or 0) / batch
         room = limit_bytes
-        if room is None and base.get("cuda_total_bytes"):
-            room = _CUDA_USABLE_FRACTION * base["cuda_total_bytes"] - base["cuda_base_bytes"]
+        if room is None and base.cuda_total_bytes:
+            room = _CUDA_USABLE_FRACTION * base.cuda_total_bytes - base.cuda_base_bytes
     else:
-        per_sample, room = (base.get("resident_bytes") or 0) / batch, limit_bytes
+        per_sample, room = (base.resident_bytes or 0) / batch, limit_bytes
     if not per_sample or room is None:
         return None
     return max(1, math.floor(room / per_sample))
 
 
-def search(base: dict[str, Any], probe: Callable[[int], dict[str, Any]], *, device_type: str,
+def search(base: RunResult, probe: Callable[[int], RunResult], *, device_type: str,
            limit_bytes: int | None, cap: int, time_budget_s: float,
-           on_probe: Callable[[int, bool | None], None] = lambda b, f: None) -> dict[str, Any]:
+           on_probe: Callable[[int, bool | None], None] = lambda b, f: None) -> Found:
     """Find the largest fitting batch for one strategy.
 
     Args:
@@ -76,24 +87,20 @@ def search(base: dict[str, Any], probe: Callable[[int], dict[str, Any]], *, devi
         probe: runs the strategy at a batch, returns the worker result.
         cap: largest batch to try.
         time_budget_s: stop when the next probe is predicted to exceed what is left.
-
-    Returns:
-        dict with max_batch, max_batch_limited_by, max_batch_step_s, max_batch_probes.
     """
-    base_batch = base["batch"]
-    probes: list[dict[str, Any]] = []
+    base_batch = base.batch
+    probes: list[Probe] = []
     lo, hi, best = 0, None, None
     base_fit = fits(base, device_type, limit_bytes)
     if base_fit is None:
-        return {"max_batch": None, "max_batch_probes": [],
-                "max_batch_limited_by": "no memory accounting for this strategy here"}
+        return Found(None, "no memory accounting for this strategy here")
     if base_fit:
         lo, best = base_batch, base
     else:
         hi = base_batch
     # A cold first step costs more than a warm one: budget probes with a margin.
-    per_sample_s = 1.5 * 2 * min(base["step_times_s"]) / base_batch
-    startup_s = max(0.0, base.get("wall_s", 0.0) - sum(base["step_times_s"]))
+    per_sample_s = 1.5 * 2 * min(base.step_times_s) / base_batch
+    startup_s = max(0.0, base.wall_s - sum(base.step_times_s))
     spent_s, limited_by = 0.0, "memory"
     predicted = _predict(base, device_type, limit_bytes)
     last = None
@@ -120,31 +127,28 @@ def search(base: dict[str, Any], probe: Callable[[int], dict[str, Any]], *, devi
             break
         on_probe(b, None)
         result = probe(b)
-        spent_s += result.get("wall_s", estimate_s)
+        spent_s += result.wall_s or estimate_s
         ok = fits(result, device_type, limit_bytes)
-        probes.append({"batch": b, "fits": ok, "resident_bytes": result.get("resident_bytes"),
-                       "cuda_peak_bytes": result.get("cuda_peak_bytes"),
-                       "peak_rss_delta_bytes": result.get("peak_rss_delta_bytes"),
-                       "step_s": _median(result["step_times_s"]),
-                       "reason": result.get("reason")})
+        probes.append(Probe(batch=b, fits=ok, resident_bytes=result.resident_bytes,
+                            cuda_peak_bytes=result.cuda_peak_bytes,
+                            peak_rss_delta_bytes=result.peak_rss_delta_bytes,
+                            step_s=result.median_step_s, reason=result.reason))
         on_probe(b, ok)
         last = b
         if ok is None:
-            limited_by = f"probe at batch {b} failed: {result.get('reason')}"
+            limited_by = f"probe at batch {b} failed: {result.reason}"
             break
         if ok:
             lo, best = b, result
         else:
             hi = b
-    out = {"max_batch": lo or None, "max_batch_limited_by": limited_by,
-           "max_batch_probes": probes, "max_batch_step_s": None,
-           "max_batch_tokens_per_s": None, "max_batch_samples_per_s": None}
-    if best is not None and best["step_times_s"]:
-        step_s = _median(best["step_times_s"])
-        out["max_batch_step_s"] = step_s
-        out["max_batch_samples_per_s"] = lo / step_s
-        if best.get("tokens_per_step"):
-            out["max_batch_tokens_per_s"] = best["tokens_per_step"] / step_s
+    out = Found(lo or None, limited_by, probes)
+    if best is not None and best.step_times_s:
+        step_s = best.median_step_s
+        out.max_batch_step_s = step_s
+        out.max_batch_samples_per_s = lo / step_s
+        if best.tokens_per_step:
+            out.max_batch_tokens_per_s = best.tokens_per_step / step_s
     if lo == 0:
-        out["max_batch_limited_by"] = "memory: not even batch 1 fits" if hi == 1 else limited_by
+        out.max_batch_limited_by = "memory: not even batch 1 fits" if hi == 1 else limited_by
     return out

@@ -18,9 +18,7 @@ Rules this module keeps (tests check them):
 """
 from __future__ import annotations
 
-import functools
 import itertools
-import json
 import logging
 import multiprocessing
 import os
@@ -31,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from offload.bench import measure
+from offload.bench.result import RunResult
 from offload.bench.spec import RunSpec
 
 __all__ = ["Workspace", "WorkerRunner", "GradChecker", "schedule"]
@@ -104,16 +103,17 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-@functools.lru_cache(maxsize=None)
-def _forkserver() -> multiprocessing.context.BaseContext:
+def _forkserver(preload: tuple[str, ...] = ()) -> multiprocessing.context.BaseContext:
     """Workers fork from a server that has imported torch and this package once.
 
     Importing torch takes 2-5 s on a small machine, per worker; the fork takes milliseconds.
     The server ran no computation, so each worker still starts with no allocator cache,
     no thread pool, no CUDA context and no runtime state: as fresh as a new interpreter.
+    `preload` adds modules (--hf: transformers' modeling module); they count only if this
+    call starts the server (one per process), which is the first run of a benchmark.
     """
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["offload.bench.worker"])
+    ctx.set_forkserver_preload(["offload.bench.worker", *preload])
     return ctx
 
 
@@ -127,13 +127,14 @@ def _log_tail(path: str, lines: int = 6) -> str:
 
 
 class WorkerRunner:
-    """Runs :func:`offload.bench.worker.child_entry` for one spec, returns its result dict."""
+    """Runs :func:`offload.bench.worker.child_entry` for one spec, returns its result."""
 
-    def __init__(self, ws: Workspace, timeout_s: float):
+    def __init__(self, ws: Workspace, timeout_s: float, preload: tuple[str, ...] = ()):
         self.ws = ws
         self.timeout_s = timeout_s
+        self.preload = preload
 
-    def run(self, spec: RunSpec, save_grads: bool = False) -> dict[str, Any]:
+    def run(self, spec: RunSpec, save_grads: bool = False) -> RunResult:
         from offload.bench.worker import child_entry
 
         spec_path, out_path, log_path, grads_path = self.ws.new_paths(spec.strategy)
@@ -142,8 +143,9 @@ class WorkerRunner:
         with open(spec_path, "w") as f:
             f.write(spec.to_json())
         t0 = time.perf_counter()
-        proc = _forkserver().Process(target=child_entry, name=f"offload-bench-{spec.strategy}",
-                                     args=(spec_path, out_path, log_path, _child_env()))
+        proc = _forkserver(self.preload).Process(
+            target=child_entry, name=f"offload-bench-{spec.strategy}",
+            args=(spec_path, out_path, log_path, _child_env()))
         proc.start()
         try:
             timed_out = self._wait(proc)
@@ -153,11 +155,11 @@ class WorkerRunner:
         wall_s = time.perf_counter() - t0
         left = self.ws.clear_nvme()
         result = self._read(spec, proc.exitcode, timed_out, out_path, log_path)
-        result["wall_s"] = wall_s
+        result.wall_s = wall_s
         if left:
             _log.warning("%s left %d file(s) in the NVMe directory: %s", spec.strategy,
                          len(left), left[:3])
-            result["nvme_leftover_files"] = len(left)
+            result.nvme_leftover_files = len(left)
         for path in (spec_path, out_path, log_path):
             _unlink(path)
         return result
@@ -172,22 +174,19 @@ class WorkerRunner:
                 _stop(proc)
                 return True
 
-    def _read(self, spec, returncode, timed_out, out_path, log_path) -> dict[str, Any]:
+    def _read(self, spec, returncode, timed_out, out_path, log_path) -> RunResult:
         if not timed_out and os.path.exists(out_path):
             with open(out_path) as f:
-                return json.load(f)
-        from offload.bench.worker import _empty_result
-
-        result = _empty_result(spec)
-        result["error"] = True
+                return RunResult.from_json(f.read())
+        result = RunResult(strategy=spec.strategy, batch=spec.batch, error=True)
         if timed_out:
-            result["reason"] = f"failed: worker timed out after {self.timeout_s:g} s " \
-                               "(raise --timeout-s)"
+            result.reason = f"failed: worker timed out after {self.timeout_s:g} s " \
+                            "(raise --timeout-s)"
         else:
             how = (f"killed by signal {-returncode}" if returncode < 0
                    else f"exit code {returncode}")
             tail = _log_tail(log_path)
-            result["reason"] = f"failed: worker {how}" + (f": {tail}" if tail else "")
+            result.reason = f"failed: worker {how}" + (f": {tail}" if tail else "")
         return result
 
 

@@ -26,12 +26,14 @@ class RunSpec:
     seed: int = 0
     gpt: dict | None = field(default=None)    # GPTConfig fields when the built-in GPT runs
     model: str | None = None                  # "module:factory" or "file.py:factory"
+    hf: dict | None = None                    # --hf: offload.bench.hf.HfModel.to_dict()
     input_shape: tuple[int, ...] | None = None  # per-sample shape for --model
     nvme_dir: str | None = None               # comma-separated, for the offload rows
     budget: str | None = None                 # passed to offload.activations(budget=) if set
     grads_path: str | None = None             # where to torch.save the checked gradients
     account: bool = True                      # run the (untimed) saved-bytes accounting pass
     explain: bool = False                     # return the auto plan as text
+    plugins: tuple[str, ...] = ()             # --plugin modules the worker imports first
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -41,6 +43,7 @@ class RunSpec:
         data = json.loads(text)
         if data.get("input_shape") is not None:
             data["input_shape"] = tuple(data["input_shape"])
+        data["plugins"] = tuple(data.get("plugins") or ())
         return cls(**data)
 
     def replace(self, **changes) -> "RunSpec":

@@ -8,18 +8,29 @@ still find a strategy unavailable (raise :class:`Unavailable`, or the runtime ra
 ``resident`` says how the worker accounts resident activation bytes for the strategy:
 ``"counted"`` (storages autograd saves, counted by a hook in an untimed pass), ``"recompute"``
 (what stays between forward and backward plus the largest block's recomputed set),
-``"stats"`` (the runtime's ``peak_resident_bytes``) or ``None`` (not known: peers on a GPU).
+``"stats"`` (the runtime's ``peak_resident_bytes``), ``"stats+block"`` (that plus the largest
+block's recomputed set, which the runtime's hooks do not see) or ``None`` (not known: peers
+on a GPU).
+
+The rows that checkpoint (``checkpoint``, ``ckpt+save_on_cpu``, and ``recompute`` through the
+runtime) all work on the blocks ``policy="recompute"`` picks: offload/schedule/blocks.py.
+
+More strategies can be registered (:func:`register`) by a module named with
+``offload-bench --plugin``; the tests register their test-only ones that way
+(tests/bench_test_strategies.py), so the shipped CLI has none.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from offload.bench.workload import Workload
+from offload.bench.workload import Workload, checkpointed, load_module
 
-__all__ = ["Strategy", "Unavailable", "STRATEGIES", "PUBLIC_STRATEGIES", "get"]
+__all__ = ["Strategy", "StepOutcome", "Unavailable", "PUBLIC_STRATEGIES", "register", "get",
+           "names", "load_plugins", "plugins"]
 
 
 class Unavailable(Exception):
@@ -36,7 +47,6 @@ class StepOutcome:
 class Strategy:
     name: str = ""
     description: str = ""
-    hidden: bool = False   # test-only strategies: accepted by --strategies, never listed
     extra_warmup: int = 0  # untimed steps it needs beyond --warmup
 
     def unavailable_reason(self, device: torch.device, nvme_dir: str | None) -> str | None:
@@ -60,113 +70,50 @@ class NoneStrategy(Strategy):
         return StepOutcome()
 
 
-def _nudge_one_grad(model: torch.nn.Module) -> None:
-    for p in model.parameters():
-        if p.grad is not None and p.grad.numel():
-            flat = p.grad.view(-1)
-            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype,
-                                                            device=flat.device))
-            return
+def _need_blocks(wl: Workload) -> None:
+    if not wl.blocks:
+        raise Unavailable("found no blocks to checkpoint in the model (blocks are the members "
+                          "of an nn.ModuleList / nn.Sequential of one layer class: "
+                          "offload/schedule/blocks.py)")
 
 
-class Corrupt(NoneStrategy):
-    """Test-only: `none` with one gradient element moved by one ulp after backward.
-
-    Exists so a test can prove the gradient check catches the smallest possible difference.
-    """
-
-    name = "corrupt"
-    description = "test only: none, then one gradient element nudged by one ulp"
-    hidden = True
-
-    def step(self, wl, nvme_dir, budget):
-        outcome = super().step(wl, nvme_dir, budget)
-        _nudge_one_grad(wl.model)
-        return outcome
-
-
-class CorruptEarly(NoneStrategy):
-    """Test-only: like `corrupt`, but only in the second step the worker runs (the first
-    timed one with --warmup 1); the last step is clean, so only a check of every step sees it.
-    """
-
-    name = "corrupt-early"
-    description = "test only: none, one gradient element nudged in the 2nd step only"
-    hidden = True
-
-    def __init__(self):
-        self._calls = 0  # one worker process per run: counts this run's steps
-
-    def step(self, wl, nvme_dir, budget):
-        outcome = super().step(wl, nvme_dir, budget)
-        self._calls += 1
-        if self._calls == 2:
-            _nudge_one_grad(wl.model)
-        return outcome
-
-
-class PooledArena(NoneStrategy):
-    """Test-only: `none` plus what the runtime's NVMe tier does on CPU: a staging arena taken
-    from offload/tiers/pool.py, its pages touched, handed back for the next step.
-
-    Exists so a test can prove the RSS peak counts memory kept between steps (the baseline
-    after the warm-up must not swallow it).
-    """
-
-    name = "pooled-arena"
-    description = "test only: none + a 64 MiB pooled arena touched every step"
-    hidden = True
-    ARENA_BYTES = 64 << 20
-
-    def unavailable_reason(self, device, nvme_dir):
-        from offload._ext import core_unavailable_reason
-
-        return core_unavailable_reason()
-
-    def step(self, wl, nvme_dir, budget):
-        from offload._ext import load_core
-        from offload.tiers import pool
-
-        core = load_core()
-        arena = pool.take("nvme-staging", ("bench-test", self.ARENA_BYTES),
-                          lambda: core.HostArena(self.ARENA_BYTES, pinned=False))
-        block = arena.allocate(self.ARENA_BYTES)
-        torch.frombuffer(block, dtype=torch.uint8).fill_(1)  # touch every page
-        del block
-        outcome = super().step(wl, nvme_dir, budget)
-        pool.give_back("nvme-staging", ("bench-test", self.ARENA_BYTES), arena)
-        return outcome
-
-
-class Crash(NoneStrategy):
-    """Test-only: the worker process dies (SIGKILL) in its first step, leaving debris behind
-    for the parent to clean up and report."""
-
-    name = "crash"
-    description = "test only: the worker is killed mid-step"
-    hidden = True
-
-    def step(self, wl, nvme_dir, budget):
-        import os
-        import signal
-
-        for d in filter(None, (nvme_dir or "").split(",")):
-            open(os.path.join(d, "debris"), "wb").close()  # what a crashed runtime could leave
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class Recompute(Strategy):
-    name = "recompute"
-    description = "torch.utils.checkpoint around every block (non-reentrant)"
+class Checkpoint(Strategy):
+    name = "checkpoint"
+    description = ("torch.utils.checkpoint (non-reentrant) around every block; block inputs "
+                   "stay in device memory")
 
     def resident(self, device):
         return "recompute"
 
     def step(self, wl, nvme_dir, budget):
-        if not wl.blocks:
-            raise Unavailable("found no blocks to checkpoint in the model (it needs an "
-                              "nn.ModuleList or nn.Sequential of layers)")
-        wl.loss(recompute=True).backward()
+        _need_blocks(wl)
+        with checkpointed(wl.blocks):
+            loss = wl.loss()
+        loss.backward()
+        return StepOutcome()
+
+
+class CheckpointSaveOnCpu(Strategy):
+    """What Hugging Face's `gradient_checkpointing_kwargs={"offload": True}` (transformers >=
+    5.17, `activation_checkpointing_enable(offload=True)`) does: each checkpoint call under
+    `save_on_cpu(pin_memory=True)`, so the block inputs go to pinned host RAM with a
+    synchronous copy on the compute stream and come back the same way in backward."""
+
+    name = "ckpt+save_on_cpu"
+    description = ("checkpoint every block under torch's save_on_cpu(pin_memory=True): "
+                   "Hugging Face's offload flag (synchronous copies)")
+
+    def resident(self, device):
+        # On CPU save_on_cpu keeps the tensors themselves: what stays is checkpoint's set.
+        return "recompute" if device.type == "cpu" else None
+
+    def step(self, wl, nvme_dir, budget):
+        _need_blocks(wl)
+        # Pinned memory needs an accelerator: on a CPU-only torch, pin_memory=True raises
+        # (as Hugging Face's flag does there), and the host is the device anyway.
+        with checkpointed(wl.blocks, save_on_cpu_pin_memory=wl.device.type == "cuda"):
+            loss = wl.loss()
+        loss.backward()
         return StepOutcome()
 
 
@@ -203,7 +150,9 @@ class Offload(Strategy):
         return kw
 
     def resident(self, device):
-        return "stats"
+        # Our hooks see what stays between forward and backward; a block being recomputed
+        # saves its own set inside checkpoint, where no outer hook looks.
+        return "stats+block" if self.policy == "recompute" else "stats"
 
     def unavailable_reason(self, device, nvme_dir):
         reason = _runtime_reason()
@@ -283,9 +232,13 @@ class TorchTune(Strategy):
         return StepOutcome()
 
 
-_ALL: list[Strategy] = [
+_BUILTIN: list[Strategy] = [
     NoneStrategy(),
-    Recompute(),
+    Checkpoint(),
+    Offload("recompute", "recompute", "offload.activations(policy=recompute): checkpoint every "
+            "block, its inputs to the tiers (host on a GPU, nvme on CPU) and prefetched back: "
+            "unsloth's approach", "nvme", "host"),
+    CheckpointSaveOnCpu(),
     Offload("offload-host", "offload", "offload.activations(tiers=host): pinned RAM "
             "(on CPU host IS the device: measures the hooks' cost)", "host", "host"),
     Offload("offload-nvme", "offload", "offload.activations(tiers=nvme): every activation "
@@ -294,15 +247,68 @@ _ALL: list[Strategy] = [
             "host / nvme / recompute per tensor", "nvme", "host,nvme"),
     SaveOnCpu(),
     TorchTune(),
-    Corrupt(),
-    CorruptEarly(),
-    PooledArena(),
-    Crash(),
 ]
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in _ALL}
-PUBLIC_STRATEGIES: list[str] = [s.name for s in _ALL if not s.hidden]
+# What `offload-bench` runs by default and lists in --help.
+PUBLIC_STRATEGIES: list[str] = [s.name for s in _BUILTIN]
+_REGISTRY: dict[str, Strategy] = {s.name: s for s in _BUILTIN}
+
+
+def register(strategy: Strategy) -> Strategy:
+    """Make `strategy` runnable by name (``--strategies NAME``); returns it.
+
+    Called by a plugin module at import (``offload-bench --plugin MODULE``), which the
+    parent and every worker run. Registering a name again replaces the earlier strategy.
+
+    Raises:
+        ValueError: the name is empty or is one of the built-in strategies.
+    """
+    if not strategy.name:
+        raise ValueError(f"register({strategy!r}): the strategy has no name")
+    if strategy.name in PUBLIC_STRATEGIES:
+        raise ValueError(f"register({strategy.name!r}): a built-in strategy has this name "
+                         f"(built-in: {', '.join(PUBLIC_STRATEGIES)}); choose another")
+    _REGISTRY[strategy.name] = strategy
+    return strategy
+
+
+def names() -> list[str]:
+    """Every runnable strategy: the built-in ones, then those plugins registered."""
+    return list(_REGISTRY)
 
 
 def get(name: str) -> Strategy:
-    return STRATEGIES[name]
+    """The strategy called `name`.
+
+    Raises:
+        KeyError: no such strategy (the message lists the known ones).
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown strategy {name!r} (choose from: {', '.join(names())})") \
+            from None
+
+
+def load_plugins(specs: list[str] | tuple[str, ...]) -> None:
+    """Run each plugin (``package.module`` or ``path/to/file.py``) so that it registers its
+    strategies; a module imported before runs again (see :func:`plugins`).
+
+    Raises:
+        ValueError: a plugin cannot be imported (the message names it and why).
+    """
+    for spec in specs:
+        load_module(spec, what=f"--plugin {spec!r}", fresh=True)
+
+
+@contextlib.contextmanager
+def plugins(specs: list[str] | tuple[str, ...]) -> Iterator[None]:
+    """The plugins' strategies are registered inside, and gone after: one benchmark's
+    ``--plugin`` does not change what the next one in this process accepts."""
+    saved = dict(_REGISTRY)
+    try:
+        load_plugins(specs)
+        yield
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(saved)

@@ -20,7 +20,6 @@ compares both against ``none``.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -32,28 +31,20 @@ from typing import Any
 import torch
 
 from offload.bench import measure
+from offload.bench.result import RunResult
 from offload.bench.spec import RunSpec
-from offload.bench.strategies import Unavailable, get
-from offload.bench.workload import Workload, build_workload
+from offload.bench.strategies import Unavailable, get, load_plugins
+from offload.bench.workload import Workload, block_names, build_workload, checkpointed
+from offload.schedule.blocks import block_type_key
 from offload.tiers.heap import torch_thp_enabled
 
-__all__ = ["run", "main"]
+__all__ = ["run", "main", "empty_result"]
 
 _log = logging.getLogger("offload")
 
 
-def _empty_result(spec: RunSpec) -> dict[str, Any]:
-    return {
-        "strategy": spec.strategy, "batch": spec.batch, "available": False, "reason": None,
-        "error": False, "oom": False, "step_times_s": [], "cuda_peak_bytes": None,
-        "peak_rss_delta_bytes": None, "resident_bytes": None, "saved_bytes": None,
-        "stats": None, "stats_steps": [], "tokens_per_step": None, "samples_per_step": None,
-        "plan": None, "device_name": None, "grads_path": None,
-        "cuda_total_bytes": None, "cuda_base_bytes": None, "warmup_rss_delta_bytes": None,
-        "pool_released_bytes": None, "resident_source": None, "nvme_direct": None,
-        "nvme_fs_types": None, "grad_hashes": [], "nondeterministic_op": None,
-        "torch_thp": torch_thp_enabled(),
-    }
+def empty_result(spec: RunSpec) -> RunResult:
+    return RunResult(strategy=spec.strategy, batch=spec.batch, torch_thp=torch_thp_enabled())
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -95,47 +86,56 @@ def _plan_text(ctx: Any) -> str | None:
     return None if plan is None else str(plan)
 
 
-def _account(spec: RunSpec, wl: Workload, kind: str | None, exclude: set[int]) -> tuple:
-    """(resident_bytes, saved_bytes) by counting saved storages in an untimed forward."""
+def _account(wl: Workload, kind: str | None, exclude: set[int]) -> tuple:
+    """(resident_bytes, saved_bytes) by counting saved storages in an untimed forward;
+    kind "block": (the largest block's recomputed set, None)."""
     if kind == "counted":
         counter = measure.SavedBytesCounter(exclude)  # (its __enter__ returns None)
         with counter:
             loss = wl.loss()
         del loss
         return counter.saved_bytes, counter.saved_bytes
-    if kind == "recompute":
+    if kind in ("recompute", "block"):
         # Between forward and backward, checkpoint keeps only what the outer hook sees (block
         # inputs, head, loss). In backward one block at a time is recomputed on top of that:
-        # add the largest block's saved set, counted by running each block plainly on the
-        # input it got.
-        inputs: list[tuple[torch.nn.Module, tuple, dict]] = []
+        # add the largest block's saved set, counted by running a block plainly on the input
+        # it got; once per block structure and input shapes, which fix that set.
+        inputs: dict[tuple, tuple[torch.nn.Module, tuple, dict]] = {}
 
         def capture(module, args, kwargs):
             detach = lambda v: v.detach() if isinstance(v, torch.Tensor) else v  # noqa: E731
-            inputs.append((module, tuple(map(detach, args)),
-                           {k: detach(v) for k, v in kwargs.items()}))
+            shapes = tuple(tuple(v.shape) for v in (*args, *kwargs.values())
+                           if isinstance(v, torch.Tensor))
+            inputs.setdefault((block_type_key(module), shapes), (
+                module, tuple(map(detach, args)), {k: detach(v) for k, v in kwargs.items()}))
 
         handles = [b.register_forward_pre_hook(capture, with_kwargs=True) for b in wl.blocks]
+        counter = measure.SavedBytesCounter(exclude)
         try:
-            counter = measure.SavedBytesCounter(exclude)
-            with counter:
-                loss = wl.loss(recompute=True)
-            del loss
+            if kind == "block":
+                with torch.no_grad():  # the inputs only
+                    wl.loss()
+            else:
+                with counter, checkpointed(wl.blocks):
+                    loss = wl.loss()
+                del loss
         finally:
             for h in handles:
                 h.remove()
         block_max = 0
-        for module, args, kwargs in inputs:
+        for module, args, kwargs in inputs.values():
             block_counter = measure.SavedBytesCounter(exclude)
             with block_counter, wl.autocast():
                 out = module(*args, **kwargs)
             del out
             block_max = max(block_max, block_counter.saved_bytes)
+        if kind == "block":
+            return block_max, None
         return counter.saved_bytes + block_max, counter.saved_bytes
     return None, None
 
 
-def _step(strategy, wl: Workload, spec: RunSpec, result: dict[str, Any], reset) -> Any:
+def _step(strategy, wl: Workload, spec: RunSpec, result: RunResult, reset) -> Any:
     """One training step; on CUDA, falls back to warn-only determinism if an op has none."""
     try:
         return strategy.step(wl, spec.nvme_dir, spec.budget)
@@ -145,18 +145,19 @@ def _step(strategy, wl: Workload, spec: RunSpec, result: dict[str, Any], reset) 
             raise
         # This model has an op with no deterministic CUDA kernel: run it anyway and say in
         # the row that the bit-exact check has a floor.
-        result["nondeterministic_op"] = str(exc).strip().splitlines()[0][:200]
+        result.nondeterministic_op = str(exc).strip().splitlines()[0][:200]
         torch.use_deterministic_algorithms(True, warn_only=True)
         reset()
         return strategy.step(wl, spec.nvme_dir, spec.budget)
 
 
-def _measure(spec: RunSpec, result: dict[str, Any]) -> None:
+def _measure(spec: RunSpec, result: RunResult) -> None:
     strategy = get(spec.strategy)
     device = torch.device(spec.device)
-    result["device_name"] = _setup_device(device)
+    result.device_name = _setup_device(device)
     wl = build_workload(spec)
-    result["tokens_per_step"], result["samples_per_step"] = wl.tokens_per_step, wl.samples_per_step
+    result.tokens_per_step, result.samples_per_step = wl.tokens_per_step, wl.samples_per_step
+    result.blocks = block_names(wl.model, wl.blocks)
     params = [p for p in wl.model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)  # allocated before the baseline: not activation memory
@@ -188,38 +189,37 @@ def _measure(spec: RunSpec, result: dict[str, Any]) -> None:
             elapsed_s = time.perf_counter() - t0
             if i < warmup:
                 continue
-            result["step_times_s"].append(elapsed_s)
-            result["stats_steps"].append(outcome.stats)
-            result["grad_hashes"].append(measure.grad_hashes(wl.model))  # untimed
+            result.step_times_s.append(elapsed_s)
+            result.stats_steps.append(outcome.stats)
+            result.grad_hashes.append(measure.grad_hashes(wl.model))  # untimed
             if outcome.nvme_direct is not None:
-                result["nvme_direct"] = outcome.nvme_direct
+                result.nvme_direct = outcome.nvme_direct
             if device.type == "cuda":
                 cuda_peaks.append(torch.cuda.max_memory_allocated(device) - base_bytes)
     finally:
         rss.stop()
-    result["warmup_rss_delta_bytes"] = rss.warmup_delta_bytes
-    if result["nvme_direct"] is not None:  # the nvme tier ran: where did its bytes go?
-        result["nvme_fs_types"] = [measure.fs_type(d) for d in spec.nvme_dir.split(",") if d]
-    result["pool_released_bytes"] = rss.released_bytes
-    result["available"] = True
-    result["peak_rss_delta_bytes"] = rss.peak_delta_bytes
-    result["cuda_peak_bytes"] = max(cuda_peaks) if cuda_peaks else None
+    result.warmup_rss_delta_bytes = rss.warmup_delta_bytes
+    if result.nvme_direct is not None:  # the nvme tier ran: where did its bytes go?
+        result.nvme_fs_types = [measure.fs_type(d) for d in spec.nvme_dir.split(",") if d]
+    result.pool_released_bytes = rss.released_bytes
+    result.available = True
+    result.peak_rss_delta_bytes = rss.peak_delta_bytes
+    result.cuda_peak_bytes = max(cuda_peaks) if cuda_peaks else None
     if device.type == "cuda":
-        result["cuda_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
-        result["cuda_base_bytes"] = base_bytes
-    result["stats"] = outcome.stats if outcome else None
+        result.cuda_total_bytes = torch.cuda.get_device_properties(device).total_memory
+        result.cuda_base_bytes = base_bytes
+    result.stats = outcome.stats if outcome else None
     if spec.explain:
-        result["plan"] = _plan_text(outcome.ctx if outcome else None)
+        result.plan = _plan_text(outcome.ctx if outcome else None)
     if spec.grads_path:
         measure.save_grads(wl.model, spec.grads_path)
-        result["grads_path"] = spec.grads_path
+        result.grads_path = spec.grads_path
     kind = strategy.resident(device)
-    if kind == "stats":
-        result["resident_source"] = "runtime peak_resident_bytes" + (
+    if kind in ("stats", "stats+block"):
+        result.resident_source = "runtime peak_resident_bytes" + (
             " + staging arena peak" if device.type == "cpu" else "")
-        stats = result["stats"] or {}
         per_step = []
-        for step_stats in result["stats_steps"]:  # the largest step, like the RSS peak
+        for step_stats in result.stats_steps:  # the largest step, like the RSS peak
             resident = (step_stats or {}).get("peak_resident_bytes")
             if resident is not None and device.type == "cpu":
                 # On CPU the NVMe tier's staging arena is RAM too, i.e. device memory: count
@@ -227,11 +227,15 @@ def _measure(spec: RunSpec, result: dict[str, Any]) -> None:
                 resident += step_stats.get("staging_peak_bytes") or 0
             if resident is not None:
                 per_step.append(resident)
-        result["resident_bytes"] = max(per_step) if per_step else None
-        result["saved_bytes"] = stats.get("saved_bytes")
+        result.resident_bytes = max(per_step) if per_step else None
+        result.saved_bytes = (result.stats or {}).get("saved_bytes")
+        if kind == "stats+block" and spec.account and result.resident_bytes is not None:
+            block_bytes, _ = _account(wl, "block", exclude)
+            result.resident_bytes += block_bytes
+            result.resident_source += " + largest recomputed block (untimed pass)"
     elif spec.account and kind is not None:
-        result["resident_bytes"], result["saved_bytes"] = _account(spec, wl, kind, exclude)
-        result["resident_source"] = RESIDENT_SOURCES[kind]
+        result.resident_bytes, result.saved_bytes = _account(wl, kind, exclude)
+        result.resident_source = RESIDENT_SOURCES[kind]
 
 
 # How each accounting kind (Strategy.resident) counts resident activation bytes; the row
@@ -251,27 +255,28 @@ def _drop_runtime_pool() -> None:
     empty_cache()
 
 
-def run(spec: RunSpec) -> dict[str, Any]:
+def run(spec: RunSpec) -> RunResult:
     """Measure `spec.strategy`; never raises for a failing strategy (the row says why)."""
     from offload.errors import ConfigError, ExtensionUnavailable
 
-    result = _empty_result(spec)
-    strategy = get(spec.strategy)
+    result = empty_result(spec)
     try:
+        load_plugins(spec.plugins)  # the strategies they register (strategies.register)
+        strategy = get(spec.strategy)
         reason = strategy.unavailable_reason(torch.device(spec.device), spec.nvme_dir)
         if reason:
             raise Unavailable(reason)
         _measure(spec, result)
     except (Unavailable, ConfigError, ExtensionUnavailable, ImportError) as exc:
-        result["available"], result["reason"] = False, str(exc) or type(exc).__name__
+        result.available, result.reason = False, str(exc) or type(exc).__name__
     except Exception as exc:  # any failure of the strategy becomes its row, not a crash
-        result["available"] = False
+        result.available = False
         if _is_oom(exc):
-            result["oom"] = True
-            result["reason"] = f"out of memory at batch {spec.batch}"
+            result.oom = True
+            result.reason = f"out of memory at batch {spec.batch}"
         else:
-            result["error"] = True
-            result["reason"] = f"failed: {type(exc).__name__}: {exc}"
+            result.error = True
+            result.reason = f"failed: {type(exc).__name__}: {exc}"
             traceback.print_exc()
     return result
 
@@ -314,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     tmp = out_path + ".part"
     with open(tmp, "w") as f:
-        json.dump(result, f)
+        f.write(result.to_json())
     os.replace(tmp, out_path)
-    return 1 if result["error"] else 0
+    return 1 if result.error else 0
 
 
 if __name__ == "__main__":

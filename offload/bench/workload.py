@@ -2,14 +2,16 @@
 
 Built-in: the GPT of :mod:`offload.models` (``loss = cross-entropy of next-token targets``).
 
+``--hf TYPE`` or ``--hf config.json``: a Hugging Face causal LM (:mod:`offload.bench.hf`),
+inputs ``input_ids`` and ``labels``, its own loss.
+
 ``--model module:factory`` (or ``path/to/file.py:factory``): ``factory()`` returns an
 ``nn.Module``; the input is ``torch.randn(batch, *input_shape)`` and the loss is
 ``output.float().pow(2).mean()`` (for a tuple/list output, of its first element). The loss is
 arbitrary but fixed, which is all a memory/time/gradient comparison needs.
 
-``recompute`` checkpoints "blocks": the GPT's layers; for ``--model``, the members of the
-module's largest ``nn.ModuleList`` (by parameter count), else the children of its largest
-``nn.Sequential``.
+The blocks the checkpointing rows wrap are the ones ``policy="recompute"`` picks
+(offload/schedule/blocks.py), for every kind of model.
 """
 from __future__ import annotations
 
@@ -27,8 +29,10 @@ from torch.utils.checkpoint import checkpoint
 
 from offload.bench.spec import RunSpec
 from offload.models import GPT, GPTConfig
+from offload.schedule.blocks import find_blocks
 
-__all__ = ["Workload", "build_workload", "load_factory", "find_blocks"]
+__all__ = ["Workload", "build_workload", "load_factory", "load_module", "checkpointed",
+           "block_names"]
 
 
 @dataclasses.dataclass
@@ -36,22 +40,51 @@ class Workload:
     """A model on its device plus a loss closure over one fixed batch."""
 
     model: nn.Module
-    blocks: list[nn.Module]           # what `recompute` checkpoints (may be empty)
+    blocks: list[nn.Module]           # what the checkpointing rows wrap (may be empty)
     device: torch.device
     autocast_dtype: torch.dtype | None
-    tokens_per_step: int | None       # GPT: batch * seq_len; None for --model
+    tokens_per_step: int | None       # GPT, --hf: batch * seq_len; None for --model
     samples_per_step: int
-    _forward_loss: Callable[[bool], torch.Tensor]
+    _forward_loss: Callable[[], torch.Tensor]
 
-    def loss(self, recompute: bool = False) -> torch.Tensor:
-        """Forward pass and loss; `recompute` checkpoints every block (saves only its input)."""
+    def loss(self) -> torch.Tensor:
+        """Forward pass and loss (a strategy wraps it in its own contexts)."""
         with self.autocast():
-            return self._forward_loss(recompute)
+            return self._forward_loss()
 
     def autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+
+def load_module(text: str, what: str, fresh: bool = False):
+    """Import ``package.module`` or ``path/to/file.py`` (what: the option, for messages).
+
+    A file is run anew at each call; a module is imported once, or run again with `fresh`
+    (a plugin registers its strategies when it runs).
+
+    Raises:
+        ValueError: it cannot be imported (the message names the value and the error).
+    """
+    try:
+        if text.endswith(".py"):
+            path = os.path.abspath(text)
+            mod_spec = importlib.util.spec_from_file_location("_offload_bench_user_module",
+                                                              path)
+            if mod_spec is None or not os.path.isfile(path):
+                raise ImportError(f"no such file: {path}")
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+            return module
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # `python -m` semantics: the cwd is importable
+        if fresh and text in sys.modules:
+            return importlib.reload(sys.modules[text])
+        return importlib.import_module(text)
+    except Exception as exc:  # the user's module may fail in any way; report it as such
+        raise ValueError(f"{what}: cannot import {text!r}: {type(exc).__name__}: {exc}") \
+            from exc
 
 
 def load_factory(spec: str) -> Callable[[], nn.Module]:
@@ -65,51 +98,42 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     if not sep or not module_name or not attr:
         raise ValueError(f"--model {spec!r}: expected MODULE:FACTORY or FILE.py:FACTORY, "
                          "e.g. --model mypkg.models:build")
-    try:
-        if module_name.endswith(".py"):
-            path = os.path.abspath(module_name)
-            mod_spec = importlib.util.spec_from_file_location("_offload_bench_user_model", path)
-            if mod_spec is None or not os.path.isfile(path):
-                raise ImportError(f"no such file: {path}")
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            if "" not in sys.path and os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())  # `python -m` semantics: the cwd is importable
-            module = importlib.import_module(module_name)
-    except Exception as exc:  # the user's module may fail in any way; report it as such
-        raise ValueError(f"--model {spec!r}: cannot import {module_name!r}: "
-                         f"{type(exc).__name__}: {exc}") from exc
+    module = load_module(module_name, what=f"--model {spec!r}")
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"--model {spec!r}: {module_name!r} has no callable {attr!r}")
     return factory
 
 
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated layers of `model` that `recompute` should checkpoint (see module doc)."""
-    def nparams(m: nn.Module) -> int:
-        return sum(p.numel() for p in m.parameters())
-
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if lists:
-        return list(max(lists, key=nparams))
-    seqs = [m for m in model.modules() if isinstance(m, nn.Sequential) and len(m) > 1]
-    if seqs:
-        return list(max(seqs, key=nparams))
-    return []
+def block_names(model: nn.Module, blocks: list[nn.Module]) -> list[str]:
+    """The module names of `blocks` inside `model` (for the row: which blocks ran)."""
+    names = {id(m): name for name, m in model.named_modules()}
+    return [names.get(id(b), type(b).__name__) for b in blocks]
 
 
 @contextlib.contextmanager
-def checkpointed(blocks: list[nn.Module]) -> Iterator[None]:
-    """Run each block under non-reentrant `torch.utils.checkpoint` while active."""
+def checkpointed(blocks: list[nn.Module],
+                 save_on_cpu_pin_memory: bool | None = None) -> Iterator[None]:
+    """Run each block under non-reentrant `torch.utils.checkpoint` while active.
+
+    Args:
+        save_on_cpu_pin_memory: None: plain checkpoint (the block inputs stay where they
+            are). A bool: each checkpoint call under `torch.autograd.graph.save_on_cpu`
+            with that `pin_memory`, as Hugging Face's `offload=True` does.
+    """
     originals = []
     for block in blocks:
         forward = block.forward
         originals.append((block, "forward" in block.__dict__, forward))
 
         def wrapped(*args, _forward=forward, **kwargs):
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            if save_on_cpu_pin_memory is None:
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)),
+                               "cpu")
+            with torch.autograd.graph.save_on_cpu(pin_memory=save_on_cpu_pin_memory,
+                                                  device_type=device_type):
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
         block.forward = wrapped  # instance attribute shadows the class method
     try:
@@ -132,16 +156,28 @@ def build_workload(spec: RunSpec) -> Workload:
     torch.manual_seed(spec.seed)
     # The batch comes from its own CPU generator: identical on every device and strategy.
     gen = torch.Generator().manual_seed(spec.seed + 1)
-    if spec.model is None:
+    tokens = None
+    if spec.hf is not None:
+        from offload.bench import hf
+
+        with torch.device(device):
+            model = hf.build(spec.hf)
+        seq = spec.hf["seq_len"]
+        ids = torch.randint(model.config.vocab_size, (spec.batch, seq), generator=gen).to(device)
+
+        def forward_loss() -> torch.Tensor:
+            return model(input_ids=ids, labels=ids).loss
+
+        tokens = spec.batch * seq
+    elif spec.model is None:
         cfg = GPTConfig(**(spec.gpt or {}))
         with torch.device(device):  # initialise in place: the GPU model is too big for a CPU detour
             model = GPT(cfg)
         idx, targets = model.example_batch(spec.batch, device=device, generator=gen)
 
-        def forward_loss(recompute: bool) -> torch.Tensor:
-            return model.loss(idx, targets, checkpoint_blocks=recompute)
+        def forward_loss() -> torch.Tensor:
+            return model.loss(idx, targets)
 
-        blocks = list(model.blocks)
         tokens = spec.batch * cfg.seq_len
     else:
         model = load_factory(spec.model)()
@@ -150,18 +186,14 @@ def build_workload(spec: RunSpec) -> Workload:
                              f"{type(model).__name__}, not a torch.nn.Module")
         model = model.to(device)
         x = torch.randn((spec.batch, *spec.input_shape), generator=gen).to(device)
-        blocks = find_blocks(model)
 
-        def forward_loss(recompute: bool) -> torch.Tensor:
-            ctx = checkpointed(blocks) if recompute else contextlib.nullcontext()
-            with ctx:
-                out = model(x)
+        def forward_loss() -> torch.Tensor:
+            out = model(x)
             if isinstance(out, (tuple, list)):
                 out = out[0]
             return out.float().pow(2).mean()
 
-        tokens = None
     model.train()
-    return Workload(model=model, blocks=blocks, device=device,
+    return Workload(model=model, blocks=find_blocks(model), device=device,
                     autocast_dtype=_autocast_dtype(spec), tokens_per_step=tokens,
                     samples_per_step=spec.batch, _forward_loss=forward_loss)

@@ -17,7 +17,9 @@ exit, and the step ends at autograd's end-of-backward callback (NOTE [End of ste
 offload/step.py). Works with a `Trainer` subclass that keeps Trainer's `training_step` (or
 calls `compute_loss_context_manager` around its forward), and under torchrun, where
 Trainer runs DDP through accelerate (examples/hf_trainer.py: bit-exact on 2 gloo ranks).
-Evaluation (no gradients) installs nothing.
+Evaluation (no gradients) installs nothing. TRL's `SFTTrainer` is such a subclass
+(examples/trl_sft.py: LoRA via peft, bit-exact); its own `activation_offloading=True` then
+has nothing left to move (ours are the innermost hooks), which the mixin logs once.
 
 An accelerate loop without Trainer needs no integration:
 
@@ -28,6 +30,7 @@ An accelerate loop without Trainer needs no integration:
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import torch
@@ -35,6 +38,8 @@ import torch
 from ..context import ActivationOffload, activations
 
 __all__ = ["OffloadTrainerMixin"]
+
+log = logging.getLogger("offload")
 
 
 class OffloadTrainerMixin:
@@ -55,6 +60,14 @@ class OffloadTrainerMixin:
         at first use)."""
         if self._offload_context is None:
             self._offload_context = activations(model=self.model, **self.offload_settings)
+            args = getattr(self, "args", None)
+            if self._offload_context.config.enabled \
+                    and getattr(args, "activation_offloading", False):
+                # TRL's hooks wrap training_step; ours, entered later around the forward, are
+                # innermost, so every saved tensor comes to us and none to them.
+                log.warning("offload: %s(activation_offloading=True) has no effect under "
+                            "OffloadTrainerMixin: offload moves every saved activation; set "
+                            "activation_offloading=False", type(args).__name__)
         return self._offload_context
 
     def compute_loss_context_manager(self):
