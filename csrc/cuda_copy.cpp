@@ -135,11 +135,6 @@ int stream_device(uintptr_t stream) {
   return device;
 }
 
-void set_device(int device) {
-  const cudart::Api& a = require("set_device");
-  check(a, a.SetDevice(device), "cudaSetDevice");
-}
-
 void enter_engine_thread(int device) {
   const cudart::Api& a = require("enter_engine_thread");
   check(a, a.SetDevice(device), "cudaSetDevice");
@@ -223,7 +218,6 @@ void* host_alloc_pinned(size_t, int*) { unavailable("pinned host memory"); }
 void host_free_pinned(void*, int) noexcept {}
 int current_device() { unavailable("current_device"); }
 int stream_device(uintptr_t) { unavailable("stream_device"); }
-void set_device(int) { unavailable("set_device"); }
 void enter_engine_thread(int) { unavailable("enter_engine_thread"); }
 bool stream_capturing(uintptr_t) { unavailable("stream_capturing"); }
 void copy_d2h(uintptr_t, uintptr_t, size_t, uintptr_t, uintptr_t) { unavailable("copy_d2h"); }

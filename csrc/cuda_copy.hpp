@@ -43,7 +43,6 @@ void host_free_pinned(void* ptr, int device) noexcept;
 int current_device();
 // Device a stream belongs to.
 int stream_device(uintptr_t stream);
-void set_device(int device);
 // For a thread of ours (engine, release or I/O thread) about to call the runtime for work on
 // `device`: makes `device` current (a thread that never set one would act on device 0 and
 // create a context there) and, once per thread, puts the thread in relaxed graph-capture

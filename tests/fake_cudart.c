@@ -54,6 +54,7 @@ struct CUevent_st {
   unsigned flags;
   long records;    /* records enqueued */
   long reached;    /* records the worker has run */
+  int destroyed;   /* destroyed with a record still queued: freed by the worker after it */
 };
 
 typedef struct Op {
@@ -93,7 +94,10 @@ static void* worker(void* arg) {
     pthread_mutex_lock(&mu);
     head = op->next;
     if (head == NULL) tail = NULL;
-    if (op->event != NULL && op->event->reached < op->record) op->event->reached = op->record;
+    if (op->event != NULL) {
+      if (op->event->reached < op->record) op->event->reached = op->record;
+      if (op->event->destroyed && op->event->reached >= op->event->records) free(op->event);
+    }
     finished++;
     free(op);
     pthread_cond_broadcast(&done_cv);
@@ -226,7 +230,9 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
   needs_device("cudaEventDestroy");
-  free(e);
+  pthread_mutex_lock(&mu);   /* like CUDA: legal with a record pending, freed once it ran */
+  if (e->reached < e->records) e->destroyed = 1; else free(e);
+  pthread_mutex_unlock(&mu);
   return kSuccess;
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
