@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -121,6 +122,25 @@ def _ckpt(layer, *args, sac=False):
     return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, **extra)
 
 
+# The values torch accepts as a deterministic cuBLAS workspace (it checks at every GEMM).
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+
+
+def deterministic_kernels() -> None:
+    """Strict deterministic kernels, so the rows can be compared bit for bit (with warn_only
+    the flash-attention backward stays non-deterministic, docs/benchmarks.md).
+
+    cuBLAS is deterministic only with a fixed workspace: torch refuses every GEMM under
+    use_deterministic_algorithms(True) unless CUBLAS_WORKSPACE_CONFIG says one, and cuBLAS
+    reads it when torch creates its handle, so it is set here, before anything starts CUDA.
+    """
+    config = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
+    if config not in DETERMINISTIC_CUBLAS:
+        raise SystemExit(f"gpu_pareto.py: CUBLAS_WORKSPACE_CONFIG={config!r} is not deterministic; "
+                         f"unset it or use one of {', '.join(DETERMINISTIC_CUBLAS)}")
+    torch.use_deterministic_algorithms(True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -138,16 +158,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if cuda:
+        deterministic_kernels()   # first: before CUDA starts
     dtype = torch.bfloat16 if cuda else torch.float32
     ffn = args.ffn or (int(8 * args.hidden / 3) + 255) // 256 * 256
-    if cuda:
-        try:
-            torch.use_deterministic_algorithms(True)
-        except Exception:  # noqa: BLE001 - older torch
-            pass
     torch.manual_seed(0)
-    model = LlamaStyle(args.vocab, args.hidden, args.layers, args.heads, ffn, args.seq)
-    model = model.to(device=device, dtype=dtype)
+    with device:   # initialized where it runs: a billion parameters take seconds on a CPU
+        model = LlamaStyle(args.vocab, args.hidden, args.layers, args.heads, ffn, args.seq)
+    model = model.to(dtype=dtype)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device,
                         generator=torch.Generator().manual_seed(1) if not cuda else None)
     for prm in model.parameters():

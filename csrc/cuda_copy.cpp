@@ -3,6 +3,7 @@
 #include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <thread>
 
 #ifdef OFFLOAD_WITH_CUDA
 #include "cudart.hpp"
@@ -91,16 +92,31 @@ RuntimeInfo runtime_info() {
   return info;
 }
 
-void* host_alloc_pinned(size_t nbytes) {
+void* host_alloc_pinned(size_t nbytes, int* device) {
   const cudart::Api& a = require("pinned host memory");
+  check(a, a.GetDevice(device), "cudaGetDevice");
   void* ptr = nullptr;
   // Portable: the arena serves every device of the process, not only the current one.
   check(a, a.HostAlloc(&ptr, nbytes, cudart::kHostAllocPortable), "cudaHostAlloc");
   return ptr;
 }
 
-void host_free_pinned(void* ptr) noexcept {
-  if (const cudart::Api* a = cudart::api(nullptr)) a->FreeHost(ptr);
+void host_free_pinned(void* ptr, int device) noexcept {
+  const cudart::Api* a = cudart::api(nullptr);
+  if (a == nullptr) return;
+  // A thread per arena freed (rare; cudaFreeHost itself costs far more): only a thread of
+  // our own can set the device without changing, or having to restore, anyone's current one.
+  auto free_on_device = [a, ptr, device] {
+    a->SetDevice(device);
+    a->FreeHost(ptr);
+    a->GetLastError();
+  };
+  try {
+    std::thread(free_on_device).join();
+  } catch (...) {  // no thread to be had: free here, on whatever device is current
+    a->FreeHost(ptr);
+    a->GetLastError();
+  }
 }
 
 int current_device() {
@@ -119,9 +135,23 @@ int stream_device(uintptr_t stream) {
   return device;
 }
 
-void set_device(int device) {
-  const cudart::Api& a = require("set_device");
+void enter_engine_thread(int device) {
+  const cudart::Api& a = require("enter_engine_thread");
   check(a, a.SetDevice(device), "cudaSetDevice");
+  thread_local bool relaxed = false;
+  if (!relaxed) {
+    auto mode = cudart::kStreamCaptureModeRelaxed;
+    check(a, a.ThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+    relaxed = true;
+  }
+}
+
+bool stream_capturing(uintptr_t stream) {
+  const cudart::Api& a = require("stream_capturing");
+  auto status = cudart::kStreamCaptureStatusNone;
+  check(a, a.StreamIsCapturing(reinterpret_cast<cudart::Stream>(stream), &status),
+        "cudaStreamIsCapturing");
+  return status != cudart::kStreamCaptureStatusNone;
 }
 
 void copy_d2h(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, uintptr_t event) {
@@ -153,7 +183,8 @@ void stream_synchronize_noexcept(uintptr_t stream) noexcept {
 uintptr_t record_private_event(uintptr_t stream) {
   const cudart::Api& a = require("record_private_event");
   cudart::Event event = nullptr;
-  check(a, a.EventCreateWithFlags(&event, cudart::kEventDisableTiming), "cudaEventCreateWithFlags");
+  check(a, a.EventCreateWithFlags(&event, cudart::kEventBlockingSync | cudart::kEventDisableTiming),
+        "cudaEventCreateWithFlags");
   cudart::Error err = a.EventRecord(event, reinterpret_cast<cudart::Stream>(stream));
   if (err != cudart::kSuccess) {
     a.EventDestroy(event);
@@ -183,11 +214,12 @@ std::string unusable_reason() {
   return "offload._C was built without its CUDA paths (OFFLOAD_BUILD_CUDA=0)";
 }
 RuntimeInfo runtime_info() { return {}; }
-void* host_alloc_pinned(size_t) { unavailable("pinned host memory"); }
-void host_free_pinned(void*) noexcept {}
+void* host_alloc_pinned(size_t, int*) { unavailable("pinned host memory"); }
+void host_free_pinned(void*, int) noexcept {}
 int current_device() { unavailable("current_device"); }
 int stream_device(uintptr_t) { unavailable("stream_device"); }
-void set_device(int) { unavailable("set_device"); }
+void enter_engine_thread(int) { unavailable("enter_engine_thread"); }
+bool stream_capturing(uintptr_t) { unavailable("stream_capturing"); }
 void copy_d2h(uintptr_t, uintptr_t, size_t, uintptr_t, uintptr_t) { unavailable("copy_d2h"); }
 void copy_h2d(uintptr_t, uintptr_t, size_t, uintptr_t, uintptr_t) { unavailable("copy_h2d"); }
 void event_synchronize(uintptr_t) { unavailable("event_synchronize"); }

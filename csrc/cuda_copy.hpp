@@ -30,15 +30,28 @@ struct RuntimeInfo {
 };
 RuntimeInfo runtime_info();
 
-// Page-locked host memory for the arena (one call per arena, never per tensor).
-void* host_alloc_pinned(size_t nbytes);
-void host_free_pinned(void* ptr) noexcept;
+// Page-locked host memory for the arena (one call per arena, never per tensor), allocated
+// in the calling thread's current device's context (`*device` receives that device).
+void* host_alloc_pinned(size_t nbytes, int* device);
+// Frees it on a short-lived thread of its own that makes `device` current first: the
+// caller may be any thread (the last owner of an arena can be an I/O worker, the release
+// thread or a Python thread), and neither a context on another GPU nor a change to the
+// caller's current device may come of it. Errors are ignored.
+void host_free_pinned(void* ptr, int device) noexcept;
 
 // Device of the calling thread (the runtime follows a context made current by torch).
 int current_device();
 // Device a stream belongs to.
 int stream_device(uintptr_t stream);
-void set_device(int device);
+// For a thread of ours (engine, release or I/O thread) about to call the runtime for work on
+// `device`: makes `device` current (a thread that never set one would act on device 0 and
+// create a context there) and, once per thread, puts the thread in relaxed graph-capture
+// mode, so its waits on our own events stay legal, and leave a capture intact, while another
+// thread captures a CUDA graph in global mode.
+void enter_engine_thread(int device);
+// Whether `stream` is capturing a CUDA graph (work queued on it would be recorded into the
+// graph, not run).
+bool stream_capturing(uintptr_t stream);
 
 // cudaMemcpyAsync on `stream`, then cudaEventRecord(event, stream) when event != 0.
 void copy_d2h(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, uintptr_t event);
@@ -51,7 +64,9 @@ void record_event(uintptr_t event, uintptr_t stream);
 void stream_synchronize_noexcept(uintptr_t stream) noexcept;
 
 // A private event marking "everything queued on `stream` so far"; lets the store keep
-// a pinned block alive until an H2D copy from it has finished on the device.
+// a pinned block alive until an H2D copy from it has finished on the device. Created with
+// cudaEventBlockingSync (the release thread that waits on it sleeps instead of spinning a
+// core, as for the D2H events of cuda_streams.py Note 4) and without timing.
 uintptr_t record_private_event(uintptr_t stream);
 void destroy_event(uintptr_t event) noexcept;
 

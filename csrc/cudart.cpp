@@ -63,10 +63,12 @@ std::unique_ptr<Api> resolve(const std::string& path, std::string* why) {
   bind(lib, "cudaEventRecord", a->EventRecord, &missing);
   bind(lib, "cudaEventSynchronize", a->EventSynchronize, &missing);
   bind(lib, "cudaStreamSynchronize", a->StreamSynchronize, &missing);
+  bind(lib, "cudaStreamIsCapturing", a->StreamIsCapturing, &missing);
+  bind(lib, "cudaThreadExchangeStreamCaptureMode", a->ThreadExchangeStreamCaptureMode, &missing);
   bind(lib, "cudaStreamGetDevice", a->StreamGetDevice, nullptr);  // optional
   if (!missing.empty()) {
     *why = "the CUDA runtime " + path + " lacks " + missing +
-           " (a CUDA runtime of version 10 or newer is needed)";
+           " (a CUDA runtime of version 10.1 or newer is needed)";
     dlclose(lib);
     return nullptr;
   }

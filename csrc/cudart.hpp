@@ -13,8 +13,11 @@
 //   device with cudaSetDevice exactly as torch's own threads do; with the driver API each
 //   engine thread would need our own context bookkeeping (cuCtxSetCurrent of the stream's
 //   context), which nothing here could test without a GPU.
-// - The signatures and constants below have not changed since CUDA 10; a test compiles
+// - The signatures and constants below have not changed since CUDA 10.1; a test compiles
 //   them against the toolkit's cuda_runtime_api.h wherever one is installed.
+// Graph capture: an engine thread puts itself in relaxed capture mode (cuda_copy.hpp,
+// enter_engine_thread), so that its waits on our own events stay legal while another thread
+// captures a CUDA graph in global mode (and do not invalidate that capture).
 // A runtime loaded after the first look (torch linked statically, runtime loaded by hand
 // with ctypes) is found at the next call: only success is cached.
 #pragma once
@@ -30,9 +33,14 @@ using Error = int;  // cudaError_t: an enum, int-sized in every ABI we build for
 using Stream = CUstream_st*;
 using Event = CUevent_st*;
 enum MemcpyKind : int { kMemcpyHostToDevice = 1, kMemcpyDeviceToHost = 2 };
+enum StreamCaptureStatus : int { kStreamCaptureStatusNone = 0, kStreamCaptureStatusActive = 1,
+                                 kStreamCaptureStatusInvalidated = 2 };
+enum StreamCaptureMode : int { kStreamCaptureModeGlobal = 0, kStreamCaptureModeThreadLocal = 1,
+                               kStreamCaptureModeRelaxed = 2 };
 
 constexpr Error kSuccess = 0;
 constexpr unsigned kHostAllocPortable = 0x01;
+constexpr unsigned kEventBlockingSync = 0x01;
 constexpr unsigned kEventDisableTiming = 0x02;
 
 // Function pointers into the loaded runtime (member names drop the `cuda` prefix).
@@ -52,6 +60,8 @@ struct Api {
   Error (*EventRecord)(Event, Stream);
   Error (*EventSynchronize)(Event);
   Error (*StreamSynchronize)(Stream);
+  Error (*StreamIsCapturing)(Stream, StreamCaptureStatus*);
+  Error (*ThreadExchangeStreamCaptureMode)(StreamCaptureMode*);
   Error (*StreamGetDevice)(Stream, int*);  // CUDA >= 12.8 only; nullptr before
 
   std::string path;  // the library the pointers come from

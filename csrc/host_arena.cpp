@@ -15,7 +15,7 @@ namespace offload {
 
 HostMemory::HostMemory(uint64_t nbytes, bool pinned) : nbytes_(nbytes), pinned_(pinned) {
   if (pinned) {
-    data_ = static_cast<char*>(cuda::host_alloc_pinned(nbytes));
+    data_ = static_cast<char*>(cuda::host_alloc_pinned(nbytes, &device_));
     // A forked child (a DataLoader worker) must not keep these pages after the parent frees
     // them; it cannot use CUDA anyway, so it gets no mapping at all. Advice only.
     madvise(data_, align_up(nbytes, static_cast<uint64_t>(sysconf(_SC_PAGESIZE))), MADV_DONTFORK);
@@ -44,7 +44,7 @@ HostMemory::HostMemory(uint64_t nbytes, bool pinned) : nbytes_(nbytes), pinned_(
 HostMemory::~HostMemory() {
   if (data_ == nullptr) return;
   if (pinned_)
-    cuda::host_free_pinned(data_);
+    cuda::host_free_pinned(data_, device_);
   else
     munmap(data_, nbytes_);
 }

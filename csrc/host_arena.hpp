@@ -30,6 +30,7 @@ class HostMemory {
   char* data_ = nullptr;
   uint64_t nbytes_ = 0;
   bool pinned_ = false;
+  int device_ = 0;  // pinned: the device whose context allocated it (freed there)
 };
 
 class HostArena;

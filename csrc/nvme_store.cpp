@@ -268,7 +268,7 @@ std::shared_ptr<IoRequest> NvmeStore::write_after_event(const Extent& extent,
   // and no write queues behind a prefetch's H2D wait (those have the release thread).
   waiter->submit([engine, request, chunks, event, device] {
     try {
-      cuda::set_device(device);
+      cuda::enter_engine_thread(device);
       cuda::event_synchronize(event);  // the D2H copy into the block has landed
       dispatch(*engine, *request, std::move(*chunks));
     } catch (...) {
@@ -288,12 +288,19 @@ std::shared_ptr<IoRequest> NvmeStore::read_then_h2d(const Extent& extent, const 
     throw InvalidArgument("read_then_h2d: nbytes=" + std::to_string(nbytes) +
                           " exceeds the block's " + std::to_string(block.nbytes()) + " bytes");
   if (dst_ptr == 0 && nbytes > 0) throw InvalidArgument("read_then_h2d: dst_ptr is 0 (null)");
+  // Work queued on a capturing stream is recorded into the graph, not run: the copy would
+  // never happen, and the wait for its event would be illegal.
+  if (cuda::stream_capturing(stream))
+    throw std::runtime_error(
+        "read_then_h2d: the stream is capturing a CUDA graph; a copy chained behind an NVMe "
+        "read cannot be part of a graph (capture outside offload.activations(), or wrap the "
+        "captured region in offload.no_offload())");
   const int device = cuda::stream_device(stream);
   std::shared_ptr<HostRegion> region = block.region();
   std::shared_ptr<ThreadPool> releaser = stager(Stager::kRelease);
   Prepared p = prepare(extent, region->data(), nbytes, region->capacity_bytes(), false, region);
   p.request->on_success([region, dst_ptr, nbytes, stream, event, device, releaser] {
-    cuda::set_device(device);
+    cuda::enter_engine_thread(device);  // an I/O worker thread
     // A refused copy queues nothing: its error goes to the caller as it is.
     cuda::copy_h2d(dst_ptr, reinterpret_cast<uintptr_t>(region->data()), nbytes, stream, 0);
     // The copy is only queued: keep the pinned block alive until the device has read it,
@@ -302,14 +309,19 @@ std::shared_ptr<IoRequest> NvmeStore::read_then_h2d(const Extent& extent, const 
     try {
       if (event != 0) cuda::record_event(event, stream);
       done = cuda::record_private_event(stream);
-      releaser->submit([region, done] {
+      releaser->submit([region, done, device] {
         try {
-          cuda::event_synchronize(done);
+          cuda::enter_engine_thread(device);
+        } catch (...) {
+          // Still wait below: letting go of the block before the copy read it is worse.
+        }
+        try {
+          cuda::event_synchronize(done);  // blocking-sync event: this thread sleeps
         } catch (...) {
           // A failed stream surfaces to the caller through its own event; nothing to add.
         }
         cuda::destroy_event(done);
-      });
+      });  // `region` goes on this thread: the arena's memory may be freed here
     } catch (...) {
       // The copy is queued, nothing marks its end, and the request lets go of the block
       // when this throws: wait for the stream before the arena can hand the memory out.

@@ -111,6 +111,17 @@ reuse on the stream it was allocated on: with a new prefetch stream each step (t
 out its pool's 32 streams in turn) each step's reloads took fresh blocks, and reserved memory
 grew step after step. Two contexts alive at once share the streams: their copies then queue
 behind each other, while each CopyStreams still tracks only its own events.
+
+Note 14 (CUDA graph capture): while the current stream captures a graph, work queued on it,
+or on a stream that waits on an event recorded in the capture, is recorded into the graph
+instead of running, and (in the default global capture mode) an event query or wait on the
+host is refused and invalidates the capture. Offloading a captured step cannot work: the
+copies would run only at replay, into blocks the arena has long reused. So every entry point
+that queues a copy or waits raises :class:`GraphCaptureError` first (naming the way out), and
+``poll`` (which only queries) does nothing while the stream captures, so a captured region
+under ``offload.no_offload()`` stays legal. The engine's threads wait on our own events in
+relaxed capture mode (csrc/cuda_copy.hpp ``enter_engine_thread``), so a capture on the
+training thread neither fails their waits nor is invalidated by them.
 """
 from __future__ import annotations
 
@@ -122,11 +133,11 @@ from typing import Any, Callable
 
 import torch
 
-from offload.errors import UsedAfterCloseError
+from offload.errors import OffloadError, UsedAfterCloseError
 from offload.trace import NULL_RECORDER, NullRecorder, TraceRecorder
 
 __all__ = ["CopyStreams", "D2HTicket", "H2DTicket", "CopyStats", "SharedReload",
-           "DEFAULT_MAX_INFLIGHT_BYTES"]
+           "DEFAULT_MAX_INFLIGHT_BYTES", "GraphCaptureError", "refuse_graph_capture"]
 
 _log = logging.getLogger("offload")
 
@@ -134,6 +145,21 @@ DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
 
 _streams_lock = threading.Lock()
 _streams: dict[torch.device, tuple] = {}   # Note 13
+
+
+class GraphCaptureError(OffloadError, RuntimeError):
+    """Offloaded tensors were to be moved while the current CUDA stream captures a graph."""
+
+
+def refuse_graph_capture(what: str, capturing: bool) -> None:
+    """Raise GraphCaptureError for `what` (the call, for the message) when `capturing` (Note 14)."""
+    if capturing:
+        raise GraphCaptureError(
+            f"offload: {what} was called while the current CUDA stream is capturing a CUDA "
+            "graph; saved tensors cannot be offloaded inside a captured region (their copies "
+            "and the waits for them would be recorded into the graph instead of running). "
+            "Capture the graph outside offload.activations(), or wrap the captured region in "
+            "offload.no_offload()")
 
 
 def after_fork_in_child() -> None:
@@ -166,6 +192,9 @@ class _TorchCuda:
 
     def current_stream(self, device):
         return torch.cuda.current_stream(device)
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
     def new_event(self, timing: bool, blocking: bool = False):
         return torch.cuda.Event(enable_timing=timing, blocking=blocking)
@@ -355,8 +384,9 @@ class H2DTicket:
         Raises:
             StorageError: the chained NVMe read failed.
         """
-        self._wait_io()
         backend = self._owner._backend
+        refuse_graph_capture("H2DTicket.tensor_for_use()", backend.capturing())   # Note 14
+        self._wait_io()
         consumer = backend.current_stream(self._owner.device)
         backend.wait_event(consumer, self.event)   # Note 7
         backend.record_stream(self._dst, consumer)  # Note 6
@@ -440,10 +470,11 @@ class CopyStreams:
             ValueError: ``src`` is not contiguous, empty, or on another device, or ``block``
                 is too small.
         """
+        b = self._backend
+        refuse_graph_capture("CopyStreams.offload()", b.capturing())   # Note 14
         src = self._bytes_of(src)
         nbytes = src.numel()
         host = self._host_view(block, nbytes, "offload")
-        b = self._backend
         with self._lock:
             self._check_open()
             self._sweep()
@@ -480,8 +511,9 @@ class CopyStreams:
             nbytes: How many bytes to copy.
             after: The D2H that filled ``block``, if it may not have finished (Note 5).
         """
-        host = self._host_view(block, nbytes, "reload")
         b = self._backend
+        refuse_graph_capture("CopyStreams.reload()", b.capturing())   # Note 14
+        host = self._host_view(block, nbytes, "reload")
         with self._lock:
             self._check_open()
             self._sweep()
@@ -516,6 +548,7 @@ class CopyStreams:
         GPU copy time is not measured on this path.
         """
         b = self._backend
+        refuse_graph_capture("CopyStreams.reload_chained()", b.capturing())   # Note 14
         with self._lock:
             self._check_open()
             self._sweep()
@@ -532,7 +565,11 @@ class CopyStreams:
 
     # ---------------------------------------------------------------- bookkeeping
     def poll(self) -> None:
-        """Let go of what finished copies held (cheap: one event query per pending copy)."""
+        """Let go of what finished copies held (cheap: one event query per pending copy).
+
+        Does nothing while the current stream captures a CUDA graph (Note 14)."""
+        if self._backend.capturing():
+            return
         with self._lock:
             self._sweep()
 
@@ -543,6 +580,8 @@ class CopyStreams:
             StorageError: a chained NVMe read failed (the first error, after waiting for all).
         """
         error = None
+        if self._d2h or self._h2d or self._chained:
+            refuse_graph_capture("CopyStreams.drain()", self._backend.capturing())   # Note 14
         with self._lock:
             for p in list(self._d2h) + list(self._h2d) + list(self._chained):
                 try:
@@ -645,6 +684,8 @@ class CopyStreams:
     def _poll_one(self, p: _Pending) -> bool:
         if p.complete:
             return True
+        if self._backend.capturing():   # Note 14: no query; it has not been seen done
+            return False
         with self._lock:
             if not p.complete and (p.future is None or p.future.done()) \
                     and self._backend.query(p.event):
@@ -654,6 +695,8 @@ class CopyStreams:
     def _wait_one(self, p: _Pending, counter: str) -> float:
         if p.complete:
             return 0.0
+        refuse_graph_capture(f"{'D2HTicket' if p.kind == 'd2h' else 'H2DTicket'}.wait()",
+                             self._backend.capturing())   # Note 14
         t0 = self._now()
         with self._lock:
             self._wait_pending(p)

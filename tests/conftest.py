@@ -12,6 +12,8 @@ import torch
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "cuda_toolkit: checks against the CUDA toolkit's headers; "
+                            "runs wherever they are installed, and with the cuda tests on a GPU")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
     config.addinivalue_line("markers", "trials: an auto test that lets the plan be measured against the pure strategies")
 

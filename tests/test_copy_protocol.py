@@ -9,6 +9,8 @@ from __future__ import annotations
 import gc
 import logging
 import random
+import threading
+import types
 import weakref
 from collections import deque
 
@@ -16,10 +18,11 @@ import pytest
 import torch
 
 from offload import cuda_streams
-from offload.cuda_streams import CopyStreams
+from offload.cuda_streams import CopyStreams, GraphCaptureError
+from offload.tiers.base import sync_d2h, sync_h2d
 from offload.tiers.nvme_device import read_then_h2d, write_after_d2h
 from offload.trace import TraceRecorder
-from sim_gpu import SimArena, SimGpu, SimStore
+from sim_gpu import CAPTURE_REFUSED, SimAllocator, SimArena, SimGpu, SimStore
 
 SEEDS = range(40)
 
@@ -29,7 +32,8 @@ def _pattern(i):
     return 1 + (i * 37) % 250
 
 
-def run_step(seed, n_tensors=24, sizes=(16, 32, 48), prefetch_depth=3, copies_kwargs=None):
+def run_step(seed, n_tensors=24, sizes=(16, 32, 48), prefetch_depth=3, copies_kwargs=None,
+             distinct=False):
     """A forward that offloads many small tensors and a backward that reloads them.
 
     Every hazard the Notes guard against is provoked: the producer kernel is still queued
@@ -38,6 +42,8 @@ def run_step(seed, n_tensors=24, sizes=(16, 32, 48), prefetch_depth=3, copies_kw
     compute read is queued and the next reload reuses its block (6), the compute read is
     queued right away (7). (For Note 8 see `run_block_reuse`: here the stream order
     around a reused block makes that race too rare to show.)
+
+    With `distinct`, tensor i has size sizes[i] (give each its own), else a random choice.
 
     Returns:
         list of (expected bytes, bytes the compute stream read) per tensor.
@@ -48,7 +54,7 @@ def run_step(seed, n_tensors=24, sizes=(16, 32, 48), prefetch_depth=3, copies_kw
     rng = random.Random(seed + 1000)
     saved = []
     for i in range(n_tensors):
-        n = rng.choice(sizes)
+        n = sizes[i] if distinct else rng.choice(sizes)
         x = sim.empty(n, None, sim.compute)
         sim.fill(x, _pattern(i))                # the producing kernel, still queued
         block = arena.allocate(n)
@@ -163,6 +169,92 @@ def test_round_trip_is_exact_in_every_interleaving(seed):
     assert run_block_reuse(seed)
 
 
+def test_the_simulated_allocator_rounds_splits_and_reuses_across_sizes_like_torchs():
+    alloc = SimAllocator(64 << 20)
+    s1, s2 = object(), object()
+    a, b = alloc.allocate(1, s1), alloc.allocate(1000, s1)
+    assert (a, b) == (0, 512)                     # 512-byte rounding, split off one segment
+    alloc.release(a)
+    alloc.release(b)                              # merged back into the whole 2 MiB segment
+    assert alloc.allocate(1500, s1) == 0          # a freed block serves another size
+    assert alloc.allocate(100, s2) == 2 << 20     # another stream: a segment of its own
+    big = alloc.allocate(3 << 20, s1)             # large pool: a 20 MiB segment ...
+    assert alloc.allocate(5 << 20, s1) == big + (3 << 20)   # ... split (more than 1 MiB left)
+
+
+def test_the_simulated_gpu_has_a_current_stream_per_thread_and_pins_only_its_arena():
+    sim = SimGpu(0)
+    other = sim.new_stream(None)
+    seen = []
+
+    def device_thread():
+        seen.append(sim.current)
+        sim.current = other
+        seen.append(sim.current)
+
+    t = threading.Thread(target=device_thread)
+    t.start()
+    t.join()
+    assert seen == [sim.compute, other] and sim.current is sim.compute
+    pinned = torch.frombuffer(SimArena(sim).allocate(16), dtype=torch.uint8)
+    assert sim.is_pinned(pinned) and not sim.is_pinned(torch.zeros(16, dtype=torch.uint8))
+
+
+def run_backward_on_a_thread(seed, n=64, count=6):
+    """Forward on this thread (compute stream); backward on another thread whose current
+    stream is its own, as autograd runs a node on its device thread with the stream the
+    node's forward ran on current."""
+    sim = SimGpu(seed)
+    arena = SimArena(sim)
+    copies = CopyStreams(_backend=sim)
+    node_stream = sim.new_stream(None)
+    saved = []
+    for i in range(count):
+        x = sim.empty(n, None, sim.compute)
+        sim.fill(x, _pattern(i))
+        block = arena.allocate(n)
+        saved.append((copies.offload(x, block), block, i))
+        del x
+        sim.run_some()
+    results = []
+
+    def backward():
+        sim.current = node_stream
+        while saved:
+            ticket, block, i = saved.pop()
+            t = copies.reload(block, n, after=ticket).tensor_for_use()
+            out: list = []
+            sim.read(t, out)                    # on this thread's current stream
+            del t, ticket, block
+            results.append((bytes([_pattern(i)]) * n, out))
+            sim.run_some()
+
+    worker = threading.Thread(target=backward)
+    worker.start()
+    worker.join()
+    assert sim.current is sim.compute           # the forward thread's stream is unchanged
+    copies.close()
+    sim.finish()
+    return all(want == got[0] for want, got in results)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:10])
+def test_backward_on_autograd_device_thread_is_exact(seed):
+    assert run_backward_on_a_thread(seed)
+
+
+def test_note7_a_consumer_stream_taken_on_the_forward_thread_reads_early(monkeypatch):
+    real_init = CopyStreams.__init__
+
+    def init(copies, *a, **kw):                 # the consumer resolved once, on the wrong thread
+        real_init(copies, *a, **kw)
+        forward = copies._backend.current_stream(copies.device)
+        copies._backend.current_stream = lambda device: forward
+
+    monkeypatch.setattr(CopyStreams, "__init__", init)
+    assert not all(run_backward_on_a_thread(seed) for seed in SEEDS)
+
+
 def test_simulated_gpu_catches_a_plain_race():
     """Sanity check of the simulator itself: an unordered copy+read is caught."""
     caught = 0
@@ -229,6 +321,16 @@ def test_note5_without_waiting_for_the_d2h_the_h2d_reads_too_early(monkeypatch):
 def test_note6_without_record_stream_the_next_reload_reuses_a_block_in_use(monkeypatch):
     assert _detected(lambda mp: mp.setattr(SimGpu, "record_stream", lambda *a: None),
                      monkeypatch) > 0
+
+
+def test_note6_is_caught_when_no_two_tensors_have_the_same_size(monkeypatch):
+    """The caching allocator hands a freed block to the next request of another size (it
+    rounds and splits), so a reload freed too early is overwritten by the next reload even
+    when every tensor has its own size."""
+    sizes = tuple(range(16, 16 + 24 * 20, 20))
+    assert all(_exact(seed, sizes=sizes, distinct=True) for seed in SEEDS[:8])
+    monkeypatch.setattr(SimGpu, "record_stream", lambda *a: None)
+    assert any(not _exact(seed, sizes=sizes, distinct=True) for seed in SEEDS)
 
 
 def test_note7_without_the_consumer_wait_backward_reads_before_the_h2d(monkeypatch):
@@ -397,6 +499,60 @@ def test_chained_read_error_surfaces_in_tensor_for_use_and_is_swept():
     copies.close()
 
 
+# --------------------------------------------------------------------------- graph capture (Note 14)
+def test_note14_moving_tensors_under_graph_capture_raises_and_leaves_the_capture_intact():
+    """Under capture a copy would be recorded into the graph, not run, and every wait or
+    query of an event is refused by CUDA (and invalidates the capture). Each entry point
+    that copies or waits says so, naming the way out, before it touches CUDA; `poll` and
+    `done()` only skip their queries, so a captured region under no_offload() stays legal."""
+    sim, arena, copies = _copies()
+    x = sim.empty(64, None, sim.compute)
+    sim.fill(x, 3)
+    block = arena.allocate(64)
+    before = copies.offload(x, block)            # in flight when the capture starts
+    store = SimStore(sim)
+    store.data["e"] = b"\x2a" * 64
+    chained = read_then_h2d(copies, store, "e", arena.allocate(64), 64)
+    store.progress()
+    sim.begin_capture()
+    y = sim.empty(64, None, sim.compute)
+    calls = {"offload": lambda: copies.offload(y, arena.allocate(64)),
+             "reload": lambda: copies.reload(block, 64, after=before),
+             "reload_chained": lambda: read_then_h2d(copies, store, "e", arena.allocate(64), 64),
+             "tensor_for_use": chained.tensor_for_use,
+             "wait": before.wait,
+             "drain": copies.drain}
+    for name, call in calls.items():
+        with pytest.raises(GraphCaptureError, match=r"is capturing a CUDA graph; .*Capture the "
+                                                    r"graph outside offload.activations\(\), or "
+                                                    r"wrap the captured region in "
+                                                    r"offload.no_offload\(\)"):
+            call()
+    copies.poll()
+    assert not before.done() and not chained.done()
+    assert sim.end_capture() is False and sim.captured_ops == 0
+    assert before.wait() >= 0 and chained.tensor_for_use() is not None
+    copies.close()
+    sim.finish()
+
+
+def test_note14_the_simulated_gpu_refuses_a_query_during_capture():
+    sim, arena, copies = _copies()
+    ev = sim.new_event(False)
+    sim.begin_capture()
+    with pytest.raises(RuntimeError, match=CAPTURE_REFUSED):
+        sim.query(ev)
+    assert sim.end_capture() is True             # invalidated
+
+
+def test_note14_blocking_copies_refuse_a_capture_too(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(GraphCaptureError, match="a blocking device-to-host copy was called"):
+        sync_d2h(types.SimpleNamespace(is_cuda=True), None, None)
+    with pytest.raises(GraphCaptureError, match="a blocking host-to-device copy was called"):
+        sync_h2d(torch.zeros(4, dtype=torch.uint8), torch.device("cuda", 0), None)
+
+
 # --------------------------------------------------------------------------- write-behind, back-pressure
 def test_write_behind_keeps_the_event_until_the_write_is_done():
     sim = SimGpu(0)
@@ -538,8 +694,9 @@ def test_cpu_device_is_rejected_by_the_torch_backend():
 
 
 def test_unpinned_blocks_warn_once(caplog):
-    sim, arena, copies = _copies()
-    sim.pinned = False
+    sim = SimGpu(0)
+    arena = SimArena(sim, pinned=False)
+    copies = CopyStreams(_backend=sim)
     with caplog.at_level(logging.WARNING, logger="offload"):
         for _ in range(3):
             copies.reload(arena.allocate(16), 16)

@@ -16,12 +16,12 @@ import glob
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from fake_runtime import compiler, fake_cudart, prelude, run  # noqa: F401 (fixture)
 from offload._ext import load_core
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,47 +32,9 @@ pytestmark = pytest.mark.skipif(not C.cuda_compiled,
                                 reason="offload._C built with OFFLOAD_BUILD_CUDA=0")
 
 
-def _compiler(kind: str) -> str:
-    for name in (("cc", "gcc") if kind == "c" else ("c++", "g++")):
-        if shutil.which(name):
-            return name
-    pytest.skip(f"no {kind} compiler on this machine")
-
-
-@pytest.fixture(scope="module")
-def fake_cudart(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("fake-cudart") / "libcudart.so.99"
-    subprocess.run([_compiler("c"), "-shared", "-fPIC", "-O1", "-o", str(out),
-                    os.path.join(HERE, "fake_cudart.c")], check=True)
-    return str(out)
-
-
-def _run(script: str, env: dict | None = None) -> str:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
-
-
-def _prelude(load_first: str | None = None) -> str:
-    """Imports for a check script; `load_first` is loaded before torch, so that it comes
-    before a CUDA torch's own runtime among the loaded libraries (the core takes the first)."""
-    first = f"fake = ctypes.CDLL({load_first!r})" if load_first else ""
-    return f"""
-    import ctypes, gc, os, sys, tempfile
-    {first}
-    import torch
-    from offload._ext import load_core
-    C = load_core()
-    def counter(lib, name):
-        return ctypes.c_long.in_dll(lib, name).value
-"""
-
-
 @pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA torch loads its runtime")
 def test_without_a_loaded_runtime_the_core_says_so_and_finds_one_loaded_later(fake_cudart):
-    out = _run(_prelude() + f"""
+    out = run(prelude() + f"""
     assert C.cuda_compiled and C.build_flavour == "cuda-dlopen"
     assert not C.cuda_usable() and C.cuda_runtime() is None
     print(C.cuda_unusable_reason())
@@ -97,40 +59,43 @@ def test_without_a_loaded_runtime_the_core_says_so_and_finds_one_loaded_later(fa
 
 def test_pinned_arena_copies_and_chained_store_io_run_through_the_loaded_runtime(
         fake_cudart, nvme_dir):
-    _run(_prelude(fake_cudart) + f"""
+    run(prelude(fake_cudart) + f"""
     assert C.cuda_usable() and C.cuda_unusable_reason() == ""
     arena = C.HostArena(1 << 20)                  # pinned=None: CUDA is usable
-    assert arena.pinned and counter(fake, "fake_host_allocs") == 1
+    assert arena.pinned and counter("fake_host_allocs") == 1
 
     src = torch.arange(1000, dtype=torch.int32)
     dst = torch.zeros_like(src)
     C.copy_d2h(dst.data_ptr(), src.data_ptr(), 4000, 0, 0)
-    assert torch.equal(dst, src) and counter(fake, "fake_memcpy_bytes") == 4000
+    assert fake.cudaStreamSynchronize(None) == 0   # the copy is asynchronous
+    assert torch.equal(dst, src) and counter("fake_memcpy_bytes") == 4000
 
     # device -> pinned block -> NVMe after the D2H event, and NVMe -> pinned -> "device"
     event = ctypes.c_void_p()
-    fake.cudaEventCreateWithFlags(ctypes.byref(event), 2)
+    fake.cudaEventCreateWithFlags(ctypes.byref(event), 1 | 2)   # blocking, as Note 4's
     store = C.NvmeStore([{nvme_dir!r}], 1 << 20)
     block = arena.allocate(4000)
-    torch.frombuffer(block, dtype=torch.uint8)[:4000].copy_(src.view(torch.uint8))
+    C.copy_d2h(block.ptr, src.data_ptr(), 4000, 7, event.value)
     extent = store.allocate(4000)
     assert store.write_after_event(extent, block, event.value).wait() == 4000
-    assert counter(fake, "fake_event_syncs") >= 1
+    assert counter("fake_event_syncs") >= 1
     out = torch.zeros(1000, dtype=torch.int32)
     block2 = arena.allocate(4000)
     store.read_then_h2d(extent, block2, out.data_ptr(), 4000, 12345, event.value).wait()
+    assert fake.cudaEventSynchronize(event) == 0   # recorded behind the H2D (Note 7)
     assert torch.equal(out, src), out[:8]
     del block, block2, extent
     store.close()
     gc.collect()
     del arena
     gc.collect()
-    assert counter(fake, "fake_host_frees") == 1
+    assert counter("fake_host_frees") == 1
+    check_engine_threads()
     """)
 
 
 def test_runtime_errors_name_the_call_and_are_cleared_from_the_runtime(fake_cudart, nvme_dir):
-    out = _run(_prelude(fake_cudart) + f"""
+    out = run(prelude(fake_cudart) + f"""
     src = torch.arange(16, dtype=torch.uint8)
     try:
         C.copy_h2d(src.data_ptr(), src.data_ptr(), 16, 0, 0)
@@ -152,7 +117,7 @@ def test_runtime_errors_name_the_call_and_are_cleared_from_the_runtime(fake_cuda
 
 
 def test_no_device_is_a_reason_not_an_error(fake_cudart):
-    out = _run(_prelude(fake_cudart) + """
+    out = run(prelude(fake_cudart, device=None) + """
     print(C.cuda_usable(), C.cuda_unusable_reason())
     print(C.HostArena(1 << 20).pinned)
     try:
@@ -189,7 +154,7 @@ def _toolkit_include() -> str | None:
 @pytest.mark.skipif(_toolkit_runtime() is None, reason="no CUDA toolkit runtime installed here")
 def test_the_toolkits_own_runtime_resolves_and_explains_a_missing_driver():
     path = _toolkit_runtime()
-    out = _run(_prelude(path) + f"""
+    out = run(prelude(path, device=None) + f"""
     rt = C.cuda_runtime()
     assert rt is not None and rt["runtime_version"] >= 10000, rt
     assert rt["path"] == {path!r} or (torch.version.cuda and "libcudart.so" in rt["path"]), rt
@@ -200,6 +165,9 @@ def test_the_toolkits_own_runtime_resolves_and_explains_a_missing_driver():
         assert reason.startswith(("cudaGetDeviceCount failed: ", "no CUDA device found")), reason
 
 
+# cuda_toolkit: the GPU check (benchmarks/gpu_check.sh) selects it with the cuda tests, so the
+# machine whose runtime the declarations meet checks them against its own headers too.
+@pytest.mark.cuda_toolkit
 @pytest.mark.skipif(_toolkit_include() is None, reason="no CUDA toolkit headers installed here")
 def test_our_declarations_match_the_toolkit_headers(tmp_path):
     check = tmp_path / "check.cpp"
@@ -212,6 +180,8 @@ def test_our_declarations_match_the_toolkit_headers(tmp_path):
         template <class T> struct Ours { using type = T; };
         template <> struct Ours<cudaError_t> { using type = rt::Error; };
         template <> struct Ours<cudaMemcpyKind> { using type = rt::MemcpyKind; };
+        template <> struct Ours<cudaStreamCaptureStatus*> { using type = rt::StreamCaptureStatus*; };
+        template <> struct Ours<cudaStreamCaptureMode*> { using type = rt::StreamCaptureMode*; };
         template <class F> struct Sig;
         template <class R, class... A> struct Sig<R(A...)> {
           using type = typename Ours<R>::type (*)(typename Ours<A>::type...);
@@ -233,6 +203,8 @@ def test_our_declarations_match_the_toolkit_headers(tmp_path):
         SAME(cudaEventRecord, EventRecord)
         SAME(cudaEventSynchronize, EventSynchronize)
         SAME(cudaStreamSynchronize, StreamSynchronize)
+        SAME(cudaStreamIsCapturing, StreamIsCapturing)
+        SAME(cudaThreadExchangeStreamCaptureMode, ThreadExchangeStreamCaptureMode)
         SAME(cudaStreamGetDevice, StreamGetDevice)
         static_assert(sizeof(cudaError_t) == sizeof(rt::Error));
         static_assert(sizeof(cudaMemcpyKind) == sizeof(rt::MemcpyKind));
@@ -242,15 +214,24 @@ def test_our_declarations_match_the_toolkit_headers(tmp_path):
         static_assert(int(cudaMemcpyDeviceToHost) == rt::kMemcpyDeviceToHost);
         static_assert(cudaHostAllocPortable == rt::kHostAllocPortable);
         static_assert(cudaEventDisableTiming == rt::kEventDisableTiming);
+        static_assert(cudaEventBlockingSync == rt::kEventBlockingSync);
+        static_assert(sizeof(cudaStreamCaptureStatus) == sizeof(rt::StreamCaptureStatus));
+        static_assert(sizeof(cudaStreamCaptureMode) == sizeof(rt::StreamCaptureMode));
+        static_assert(int(cudaStreamCaptureStatusNone) == rt::kStreamCaptureStatusNone);
+        static_assert(int(cudaStreamCaptureStatusActive) == rt::kStreamCaptureStatusActive);
+        static_assert(int(cudaStreamCaptureStatusInvalidated) == rt::kStreamCaptureStatusInvalidated);
+        static_assert(int(cudaStreamCaptureModeGlobal) == rt::kStreamCaptureModeGlobal);
+        static_assert(int(cudaStreamCaptureModeThreadLocal) == rt::kStreamCaptureModeThreadLocal);
+        static_assert(int(cudaStreamCaptureModeRelaxed) == rt::kStreamCaptureModeRelaxed);
     """))
-    proc = subprocess.run([_compiler("c++"), "-std=c++17", "-fsyntax-only", "-I", _toolkit_include(),
+    proc = subprocess.run([compiler("c++"), "-std=c++17", "-fsyntax-only", "-I", _toolkit_include(),
                            "-I", os.path.join(REPO, "csrc"), str(check)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_a_found_runtime_that_cannot_run_is_named_when_the_context_is_built(fake_cudart):
-    out = _run(_prelude(fake_cudart) + """
+    out = run(prelude(fake_cudart, device=None) + """
     import offload
     torch.cuda.is_available = lambda: True   # torch sees a GPU; the runtime found has none
     try:

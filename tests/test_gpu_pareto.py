@@ -26,3 +26,40 @@ def test_pareto_script_smoke(tmp_path):
                          "sac-matmul"}
     assert all(r["bit_exact"] for r in rows.values()), {k: r["bit_exact"] for k, r in rows.items()}
     assert "| auto-15 |" in run.stdout and "auto plan at budget 15%" in run.stdout
+
+
+def test_pareto_script_sets_a_deterministic_cublas_workspace_before_cuda_starts(tmp_path):
+    """Strict deterministic kernels make torch refuse every cuBLAS GEMM unless
+    CUBLAS_WORKSPACE_CONFIG names a fixed workspace: the script, run on its own (not by
+    offload-bench's runner, which sets it for its workers), must set it before CUDA starts.
+    The model's construction, the first thing that touches the device, is where it looks."""
+    probe = """
+import os, sys, torch
+sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+import gpu_pareto
+
+class Seen(Exception):
+    pass
+
+def first_cuda_work(*args, **kwargs):
+    print(os.environ.get("CUBLAS_WORKSPACE_CONFIG"), torch.are_deterministic_algorithms_enabled(),
+          torch.is_deterministic_algorithms_warn_only_enabled())
+    raise Seen
+
+gpu_pareto.LlamaStyle = first_cuda_work
+try:
+    gpu_pareto.main(["--device", "cuda"])
+except Seen:
+    pass
+"""
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    run = subprocess.run([sys.executable, "-c", probe, ROOT], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == [":4096:8", "True", "False"]
+
+    run = subprocess.run([sys.executable, "-c", probe, ROOT], capture_output=True, text=True,
+                         timeout=120, env=dict(env, CUBLAS_WORKSPACE_CONFIG=":0:0"))
+    assert run.returncode == 1 and run.stdout == ""
+    assert "CUBLAS_WORKSPACE_CONFIG=':0:0' is not deterministic; unset it or use one of " \
+           ":4096:8, :16:8" in run.stderr

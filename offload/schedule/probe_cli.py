@@ -4,8 +4,9 @@
     offload-probe --refresh --nvme-dir /mnt/nvme0
     offload-probe --json figures.json
 
-Ceilings: the PCIe link's theoretical rate per direction from NVML (generation x width;
-needs the optional `nvidia-ml-py`, `pip install 'offload[gpu]'`), host RAM from psutil, the
+Ceilings: the PCIe link's theoretical rate per direction from NVML (generation x width of
+the GPU found by its PCI bus id; needs the optional `nvidia-ml-py`,
+`pip install 'offload[gpu]'`), host RAM from psutil, the
 NVMe directory's file system, device and free space from psutil. Settings come from the
 OFFLOAD_* variables like in a training run; the options override them.
 """
@@ -17,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["main", "pcie_ceiling", "pcie_gbps"]
+__all__ = ["main", "pci_bus_id", "pcie_ceiling", "pcie_gbps"]
 
 # Transfer rate per lane in GT/s and the line encoding's payload share, by PCIe generation.
 _PCIE_GTS = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
@@ -32,16 +33,39 @@ def pcie_gbps(generation: int, width: int) -> float | None:
     return gts * width * encoding / 8
 
 
+def pci_bus_id(device_index: int) -> str | None:
+    """The PCI address ("domain:bus:device.0", NVML's format) of torch's CUDA device
+    `device_index`, or None when torch does not report it."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device_index)
+    try:
+        domain, bus, dev = props.pci_domain_id, props.pci_bus_id, props.pci_device_id
+    except AttributeError:
+        return None
+    return f"{domain:04x}:{bus:02x}:{dev:02x}.0"
+
+
 def pcie_ceiling(device_index: int) -> tuple[str, float | None]:
-    """(description, GB/s per direction) of the GPU's current PCIe link, via NVML."""
+    """(description, GB/s per direction) of the PCIe link of torch's CUDA device
+    `device_index`, via NVML.
+
+    NVML numbers every GPU of the machine in PCI order; torch numbers the visible ones
+    (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER): the GPU is found by its PCI bus id, never
+    by torch's index.
+    """
     try:
         import pynvml  # the `gpu` extra (nvidia-ml-py); imported only here
     except ImportError:
         return "unknown (pip install 'offload[gpu]' for nvidia-ml-py)", None
+    bus_id = pci_bus_id(device_index)
+    if bus_id is None:
+        return ("unknown (torch reports no PCI bus id for cuda:"
+                f"{device_index}, so its NVML device cannot be told apart)"), None
     try:
         pynvml.nvmlInit()
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id.encode())
             gen = pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle)
             width = pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle)
             max_gen = pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle)
@@ -49,9 +73,9 @@ def pcie_ceiling(device_index: int) -> tuple[str, float | None]:
         finally:
             pynvml.nvmlShutdown()
     except Exception as exc:  # NVML errors are their own class tree; report, don't fail
-        return f"unknown (NVML: {exc})", None
+        return f"unknown (NVML, GPU at {bus_id}: {exc})", None
     rate = pcie_gbps(gen, width)
-    text = f"PCIe gen {gen} x{width} (max gen {max_gen} x{max_width})"
+    text = f"PCIe gen {gen} x{width} (max gen {max_gen} x{max_width}) at {bus_id}"
     # An idle GPU may train its link down to save power: report the current one.
     return text, rate
 

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from ..cuda_streams import refuse_graph_capture
+
 __all__ = ["Tier", "Payload", "sync_d2h", "sync_h2d"]
 
 
@@ -115,6 +117,8 @@ def sync_d2h(src: torch.Tensor, dst: torch.Tensor, stats) -> None:
     A blocking `copy_` returns only when the bytes are on the host, so the caller may free
     the source right after it (no event needed).
     """
+    if src.is_cuda:   # cuda_streams Note 14: a clear error instead of CUDA's mid-copy
+        refuse_graph_capture("a blocking device-to-host copy", torch.cuda.is_current_stream_capturing())
     start = time.perf_counter()
     dst.copy_(src)
     stats.d2h_clock.add(time.perf_counter() - start)
@@ -123,6 +127,8 @@ def sync_d2h(src: torch.Tensor, dst: torch.Tensor, stats) -> None:
 
 def sync_h2d(src: torch.Tensor, device: torch.device, stats) -> torch.Tensor:
     """Blocking host-to-device copy of a flat uint8 buffer; complete when it returns."""
+    if device.type == "cuda":   # cuda_streams Note 14
+        refuse_graph_capture("a blocking host-to-device copy", torch.cuda.is_current_stream_capturing())
     start = time.perf_counter()
     out = torch.empty(src.numel(), dtype=torch.uint8, device=device)
     out.copy_(src)
