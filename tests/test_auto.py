@@ -181,19 +181,63 @@ def test_one_info_line_per_plan_and_explain(nvme_dir, caplog):
     ctx.close()
 
 
-def test_new_shapes_replan_bit_exact(nvme_dir, caplog):
+def test_new_shapes_get_a_plan_of_their_own_bit_exact(nvme_dir, caplog):
+    """A new shape class is profiled at its first step and planned; going back to a shape
+    seen before runs its plan again, without a new profile (session NOTE [Shape classes])."""
     model, loss_fn = small_gpt(seq=32)
     idx_short = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
     short = lambda: model.loss(idx_short, idx_short)  # noqa: E731
     settings = _settings(nvme_dir, SLOW)
     with caplog.at_level(logging.INFO, logger="offload"):
         assert compare_steps(model, loss_fn, 3, **settings)[0] is None   # plan for seq 32
+        long_plan = compare_steps(model, loss_fn, 1, **settings)[1].plan
         differs, ctx = compare_steps(model, short, 4, **settings)        # seq 16
-    assert differs is None
-    assert "other shapes than planned" in caplog.text
+        assert differs is None
+        assert ctx.plan is not long_plan and ctx.plan.signatures[0][0][0][0] == (2, 16, 64)
+        differs, back = compare_steps(model, loss_fn, 2, **settings)     # seq 32 again
+    assert differs is None and back.plan is long_plan
     lines = [r.getMessage() for r in caplog.records if "auto plan" in r.getMessage()]
-    assert len(lines) == 2 and "other shapes" in lines[1]
-    assert ctx.plan.signatures[0][0][0][0] == (2, 16, 64)
+    assert len(lines) == 2 and "new shapes: block input (2, 16, 64)" in lines[1]
+    assert "other shapes than planned" not in caplog.text
+    ctx.close()
+
+
+class _Widening(nn.Module):
+    """Three blocks; with `widen` the last one sees four more rows than the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(),
+                                                  nn.Linear(64, 32)) for _ in range(3))
+        self.widen = False
+
+    def forward(self, x):
+        rows = x.shape[0]
+        for i, block in enumerate(self.blocks):
+            if i == 2 and self.widen:
+                x = torch.cat([x, x[:4]])
+            x = x + block(x)
+        return x[:rows].pow(2).mean()
+
+
+def test_shapes_changing_within_a_step_fall_back_then_replan(nvme_dir, caplog):
+    """A later block called with other shapes than its class's plan within one step (the
+    first block's shapes as planned): the rest of that step runs checkpointed, bit-exact,
+    and the class profiles again at its next step."""
+    model = _Widening()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    loss_fn = lambda: model(x)  # noqa: E731
+    settings = _settings(nvme_dir, SLOW)
+    assert compare_steps(model, loss_fn, 3, **settings)[0] is None
+    model.widen = True
+    with caplog.at_level(logging.INFO, logger="offload"):
+        differs, ctx = compare_steps(model, loss_fn, 3, **settings)
+    assert differs is None
+    assert "block 2 was called with other shapes than planned for" in caplog.text
+    lines = [r.getMessage() for r in caplog.records if "auto plan" in r.getMessage()]
+    assert len(lines) == 1 and "other shapes" in lines[0]
+    assert ctx.plan.signatures[2][0][0][0] == (20, 32)
     ctx.close()
 
 

@@ -150,6 +150,10 @@ class Plan:
     pending: list = field(default_factory=list)
     mode: str = "plan"
     measured: dict = field(default_factory=dict)
+    # (region, ordinal) -> bytes profiled there: a storage of another size at that key is
+    # not the one planned for (moved, memory-safe), e.g. before the step's shapes are known.
+    item_bytes: dict = field(default_factory=dict)
+    _stand_in: dict = field(default_factory=dict, repr=False)
 
     @property
     def settled(self) -> bool:
@@ -179,6 +183,18 @@ class Plan:
     def block_plan(self, index: int) -> BlockPlan | None:
         key = self.block_type.get(index)
         return None if key is None else self.blocks[key]
+
+    def stand_in(self, index: int, type_key: tuple) -> int | None:
+        """The profiled block whose decisions block `index` uses: itself when profiled; else
+        the nearest profiled block of its type (a block the profiled step skipped, layer
+        drop); None when no block of its type was profiled."""
+        if index in self.signatures:
+            return index
+        if index not in self._stand_in:
+            same = [i for i, key in self.block_type.items() if key == type_key]
+            self._stand_in[index] = min(same, key=lambda i: (abs(i - index), i)) \
+                if same else None
+        return self._stand_in[index]
 
     def summary(self) -> str:
         p = self.prediction
@@ -461,6 +477,10 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams) -> Plan:
         notes.append(f"the budget cannot be met: {format_bytes(pred.fixed_bytes)} stay on the "
                      "device whatever the plan does (below OFFLOAD_MIN_BYTES, no_offload(), or "
                      "held by a checkpoint's closure)")
+    opaque = sorted({b.type_name for b in profile.blocks if b.opaque})
+    if opaque:
+        notes.append(f"{', '.join(opaque)}: compiled with torch.compile, so run whole (as they "
+                     "are, or checkpointed); per-op recompute cannot see inside compiled code")
     plan = _assemble(profile, figures, params, infos, items, pred, targets, recompute_sets,
                      per_instance_s, notes)
     plan.alternatives, plan.trials = alternatives, trials
@@ -507,7 +527,7 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
 
 def _assemble(profile, figures, params, infos, items, pred, targets, recompute_sets,
               per_instance_s, notes) -> Plan:
-    item_targets, op_targets, input_targets = {}, {}, {}
+    item_targets, op_targets, input_targets, item_bytes = {}, {}, {}, {}
     decided = []
     blocks, block_type, signatures = {}, {}, {}
     info_of = {}
@@ -551,6 +571,7 @@ def _assemble(profile, figures, params, infos, items, pred, targets, recompute_s
                 input_targets[(it.block, it.input_index)] = target
             continue
         item_targets[it.key] = target
+        item_bytes[it.key] = it.nbytes
         if it.input_index is not None:
             input_targets[(it.block, it.input_index)] = target
     # A storage the search kept whose op moves: it moves too (the prediction follows, so
@@ -573,7 +594,8 @@ def _assemble(profile, figures, params, infos, items, pred, targets, recompute_s
                "blocks": len(profile.blocks)}
     return Plan(item_targets, op_targets, input_targets, blocks, block_type, pred, params,
                 figures, summary, signatures, notes, decided,
-                _readahead(profile, figures, params, per_block, largest, pred.recompute_s))
+                _readahead(profile, figures, params, per_block, largest, pred.recompute_s),
+                item_bytes=item_bytes)
 
 
 # A block's reads are slow next to its backward when they take more than this share of it.

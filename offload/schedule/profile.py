@@ -24,11 +24,12 @@ import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from . import clock
 from .recompute import IGNORED_OPS, block_inputs, op_name, storable_op
 
 __all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler",
@@ -88,6 +89,7 @@ class BlockRecord:
     signature: tuple
     ops: list[OpRecord] = field(default_factory=list)
     forward_s: float = 0.0
+    opaque: bool = False   # compiled: ran whole, no op seen (BlockProfiler.run)
 
 
 @dataclass
@@ -126,22 +128,25 @@ class Profile:
 
 
 class _Timer:
-    """Op timing: the host clock on CPU; CUDA events on a GPU, resolved after the step."""
+    """Op timing: the host clock on CPU; CUDA events on a GPU, resolved after the step
+    (offload/schedule/clock.py: every pair waited for before it is read, as a block may run
+    ops on a stream of its own)."""
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, new_event: Callable[[], Any] | None = None) -> None:
         self.cuda = device_type == "cuda"
+        self._new_event = new_event or clock.cuda_event
         self._pending: list[tuple[OpRecord, Any, Any, str]] = []
 
     def start(self):
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = self._new_event()
             ev.record()
             return ev
         return time.perf_counter()
 
     def stop(self, record: OpRecord, start, field_name: str = "time_s") -> None:
         if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
+            end = self._new_event()
             end.record()
             self._pending.append((record, start, end, field_name))
         else:
@@ -149,12 +154,10 @@ class _Timer:
                     getattr(record, field_name) + time.perf_counter() - start)
 
     def resolve(self) -> None:
-        if self._pending:
-            self._pending[-1][2].synchronize()
-        for record, start, end, field_name in self._pending:
+        pending, self._pending = self._pending, []
+        for record, start, end, field_name in pending:
             setattr(record, field_name,
-                    getattr(record, field_name) + start.elapsed_time(end) / 1e3)
-        self._pending.clear()
+                    getattr(record, field_name) + clock.elapsed_s(start, end))
 
 
 class _ProfileMode(TorchDispatchMode):
@@ -209,8 +212,9 @@ class BlockProfiler:
     """Collects BlockRecords during the profile step; the placement asks it who made a
     storage (`producer_of`)."""
 
-    def __init__(self, device_type: str = "cpu") -> None:
-        self.timer = _Timer(device_type)
+    def __init__(self, device_type: str = "cpu", new_event: Callable[[], Any] | None = None
+                 ) -> None:
+        self.timer = _Timer(device_type, new_event)
         self.blocks: list[BlockRecord] = []
         self.overhead_s = 0.0
         self.chains: list[tuple[OpRecord, OpRecord]] = []  # (maker, in-place op on its output)
@@ -236,18 +240,31 @@ class BlockProfiler:
             return None, entry[1]
         return None, None
 
-    def run(self, index: int, type_key: tuple, type_name: str, forward, args, kwargs, hooks):
+    def run(self, index: int, type_key: tuple, type_name: str, forward, args, kwargs, hooks,
+            opaque: bool = False):
         """Run one block's forward under the profiling mode.
 
         Our hooks' own bookkeeping (a storage view, the version sentinel) would run under
         the mode too and read as ops of the block: the block's saves go through the same
         hooks pushed once more, innermost, with the mode switched off around them.
+
+        An `opaque` block (compiled with torch.compile) runs as it is: a dispatch mode
+        around compiled code makes dynamo trace our hooks, and the ops it would see are
+        not the ones the compiled block runs; its record has no ops, so the plan runs it
+        whole (as it is or checkpointed), never per op.
         """
         def pack(t):
             with _disable_current_modes():
                 return hooks.pack(t)
 
-        block = BlockRecord(index, type_key, type_name, signature(args, kwargs))
+        block = BlockRecord(index, type_key, type_name, signature(args, kwargs), opaque=opaque)
+        if opaque:
+            t0 = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                block.forward_s = time.perf_counter() - t0
+                self.blocks.append(block)
         self._makers.clear()
         self._inputs = {id(a.untyped_storage()): (weakref.ref(a.untyped_storage()), i)
                         for i, a in reversed(list(enumerate(block_inputs(args, kwargs))))}

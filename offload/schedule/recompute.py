@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from ..placement import Decision
+from .buffers import guard_buffers
 
 __all__ = ["run_block", "checkpoint_block", "block_inputs", "storable_op", "IGNORED_OPS",
            "op_name"]
@@ -180,12 +181,14 @@ def block_inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
 
 
-def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=None) -> Any:
+def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=None,
+                     block: torch.nn.Module | None = None) -> Any:
     """Non-reentrant checkpoint of `forward(*args, **kwargs)` with every tensor argument,
     also those inside keyword arguments (Hugging Face passes rotary tables and masks that
     way), handed to checkpoint positionally: checkpoint saves positional inputs through the
     saved-tensor hooks (so ours place them), while it would hold keyword ones in a closure,
-    out of our reach."""
+    out of our reach. `block` is the module `forward` belongs to: its buffers stay exact
+    across the re-run (offload/schedule/buffers.py)."""
     leaves, spec = tree_flatten((args, kwargs))
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     if len(where) == len(args) and all(isinstance(a, torch.Tensor) for a in args) \
@@ -201,20 +204,22 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
             a, kw = tree_unflatten(full, spec)
             return forward(*a, **kw)
     extra = {} if context_fn is None else {"context_fn": context_fn}
-    return checkpoint(call, *tensors, use_reentrant=False, **extra)
+    return checkpoint(guard_buffers(block, call), *tensors, use_reentrant=False, **extra)
 
 
 def run_block(forward: Callable, args: tuple, kwargs: dict,
-              store: Callable[[tuple], Decision | None], hooks, placement) -> Any:
+              store: Callable[[tuple], Decision | None], hooks, placement,
+              block: torch.nn.Module | None = None) -> Any:
     """`forward(*args, **kwargs)` under non-reentrant checkpoint with per-op storing.
 
     Args:
         store: op_id -> Decision for outputs to keep / move, None to recompute.
         hooks: the context's OffloadHooks (pack / unpack).
         placement: has `forced(decision)`, a context manager making the next pack use it.
+        block: the module `forward` belongs to (its buffers, see checkpoint_block).
     """
     def context_fn():
         stash: dict = {}
         return _Store(stash, store, hooks, placement), _Replay(stash, hooks)
 
-    return checkpoint_block(forward, args, kwargs, context_fn)
+    return checkpoint_block(forward, args, kwargs, context_fn, block)
