@@ -290,6 +290,66 @@ def test_a_stored_output_changed_in_place_later_raises_not_silently(target, nvme
             out.backward()
 
 
+@pytest.mark.parametrize("where", [0, 1])
+def test_an_op_is_stored_only_at_the_position_the_plan_saw_it(where, nvme_dir):
+    """Rule 5: the same op id at another position of the block's op sequence is not the op
+    the plan saw; its output is not stored (it re-runs), and the gradients stay exact."""
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def fn(t):
+        return torch.relu(lin(t)).sum()
+
+    fn(x).backward()
+    want = x.grad.clone()
+    x.grad = None
+    with offload.activations(model=lin, policy="auto", min_bytes=0, tiers="nvme",
+                             nvme_dir=nvme_dir, probe=SLOW) as ctx:
+        decision = ctx._hooks.placement.target("nvme")
+        store = lambda op: decision if op[0] == "aten.addmm.default" else None  # noqa: E731
+        before = ctx.stats.packed_tensors
+        out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.placement,
+                        positions={("aten.addmm.default", 0): where})
+        packed = ctx.stats.packed_tensors - before
+        out.backward()
+    assert torch.equal(x.grad, want)
+    # The input (checkpoint saves it through our hooks), plus the stored output if stored.
+    assert packed == (2 if where == 1 else 1)  # addmm is the second op, after t()
+
+
+class _Recurrent(nn.Module):
+    """Two GRU layers: the first gets a non-contiguous input (an embedding's output,
+    transposed inside nn.GRU), so its `linear` runs other ops than the second's and every
+    later op id shifts; the CPU cell changes its gates in place through `unsafe_split`, an
+    alias autograd does not track."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList(nn.GRU(32, 32, batch_first=True) for _ in range(2))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)[0]
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+
+def test_blocks_of_one_type_that_ran_other_ops_are_planned_apart(nvme_dir):
+    """Before: the first GRU's op table stood for both; the second's stored an op output its
+    cell changed in place later (unseen by autograd): wrong gradients in most runs."""
+    model = _Recurrent()
+    ids = torch.randint(0, 64, (2, 15), generator=torch.Generator().manual_seed(1))
+    differs, ctx = compare_steps(model, lambda: model(ids), 8,
+                                 **_settings(nvme_dir, SLOW, budget="30%"))
+    assert len(ctx.plan.blocks) == 2, ctx.plan   # one entry per op sequence
+    assert "GRU (op sequence 2)" in str(ctx.plan)
+    assert differs is None, f"gradients differ at step {differs}"
+    ctx.close()
+
+
 def test_backward_after_the_block_exits(nvme_dir):
     """`with ctx: loss = model(x)` then `loss.backward()` outside: blocks are unwrapped at
     exit, checkpoint's recompute and the stored outputs still work, the plan is made when

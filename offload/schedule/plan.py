@@ -113,6 +113,8 @@ class BlockPlan:
     recompute: frozenset = frozenset()   # op ids re-run (per-op mode); empty: plain
     rows: list[OpRow] = field(default_factory=list)
     recompute_s: float = 0.0             # per instance, dispatch cost included
+    # op id -> its position in the profiled op sequence (recompute.py Rule 5)
+    positions: dict = field(default_factory=dict)
 
     @property
     def per_op(self) -> bool:
@@ -191,7 +193,8 @@ class Plan:
         if index in self.signatures:
             return index
         if index not in self._stand_in:
-            same = [i for i, key in self.block_type.items() if key == type_key]
+            same = [i for i, key in self.block_type.items()   # any op sequence of the type
+                    if key[:len(type_key)] == type_key]
             self._stand_in[index] = min(same, key=lambda i: (abs(i - index), i)) \
                 if same else None
         return self._stand_in[index]
@@ -315,7 +318,10 @@ def _type_infos(profile: Profile, items: list[ItemRecord]) -> list[_TypeInfo]:
         free = [o for o in producers if not by_id[o].not_storable]
         # Cheapest recompute per byte first; ties by op id (deterministic).
         free.sort(key=lambda o: ((by_id[o].time_s + by_id[o].chain_s) / max(saved[o], 1), o))
-        infos.append(_TypeInfo(type_key, records[0].type_name, [b.index for b in records],
+        name = records[0].type_name
+        if type_key != records[0].type_key:   # profile.py NOTE [Op identity]
+            name += f" ({type_key[-1][0]} {type_key[-1][1] + 1})"
+        infos.append(_TypeInfo(type_key, name, [b.index for b in records],
                                ops, saved, forced + free, len(forced)))
     return infos
 
@@ -547,7 +553,8 @@ def _assemble(profile, figures, params, infos, items, pred, targets, recompute_s
                 decision = "re-run"
             rows.append(OpRow(op, saved, decision, rank.get(op.op_id)))
         blocks[info.type_key] = BlockPlan(info.type_key, info.name, info.instances, rset, rows,
-                                          per_instance_s[info.type_key])
+                                          per_instance_s[info.type_key],
+                                          {op.op_id: i for i, op in enumerate(info.ops)})
         for index in info.instances:
             block_type[index] = info.type_key
             info_of[index] = info

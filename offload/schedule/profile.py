@@ -15,7 +15,11 @@ GPU every op is bracketed by two CUDA events, read once after the step.
 NOTE [Op identity] An op inside a block is `(op name, n)`: its n-th call in that block's
 forward, as offload/schedule/recompute.py counts them (Rule 3 there), so a profiled op and
 the op the recompute replays are the same key. Blocks of one type (blocks.block_type_key)
-run the same op sequence; the profile checks that and the plan uses their median times.
+usually run the same op sequence, and the plan uses their median times; instances whose
+sequence differs (data-dependent: a non-contiguous input makes `linear` clone + mm + add
+instead of one addmm, and shifts every later id) are planned apart (`block_types`), and the
+recompute stores an op's output only where the op comes at the position the plan saw it
+(recompute.py Rule 5).
 """
 from __future__ import annotations
 
@@ -105,19 +109,25 @@ class Profile:
     items: list[ItemRecord]
 
     def block_types(self) -> dict[tuple, list[BlockRecord]]:
-        out: dict[tuple, list[BlockRecord]] = defaultdict(list)
+        """Blocks planned together: one type that ran one op sequence (NOTE [Op identity]).
+        A type's first sequence is keyed by its type key, any other by the type key plus
+        ("op sequence", n)."""
+        out: dict[tuple, list[BlockRecord]] = {}
+        sequences: dict[tuple, list[tuple]] = defaultdict(list)
         for b in self.blocks:
-            out[b.type_key].append(b)
-        return dict(out)
+            seq = tuple(o.op_id for o in b.ops)
+            seen = sequences[b.type_key]
+            if seq not in seen:
+                seen.append(seq)
+            n = seen.index(seq)
+            out.setdefault(b.type_key if n == 0 else b.type_key + (("op sequence", n),),
+                           []).append(b)
+        return out
 
     def op_table(self, type_key: tuple) -> list[OpRecord]:
-        """The ops of one block type, times the median over its instances."""
+        """The ops of one entry of `block_types`, times the median over its instances."""
         records = self.block_types()[type_key]
         first = records[0].ops
-        if any([o.op_id for o in r.ops] != [o.op_id for o in first] for r in records):
-            # Same parameters, different op sequence (data-dependent control flow): the
-            # first instance stands for all; the recompute checks op ids as it replays.
-            records = records[:1]
         out = []
         for i, op in enumerate(first):
             out.append(OpRecord(

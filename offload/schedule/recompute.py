@@ -36,6 +36,13 @@ own: the pack runs with that key switched back on. Each stored entry is dropped 
 recompute took it, so its tier space returns during the backward of its block; a second
 backward (retain_graph) finds none and recomputes every op, which is plain checkpointing
 and replays exactly too.
+
+Rule 5 (the op the plan saw). An op's output is stored only when the op comes at the
+position in the block's op sequence where the profile saw it (`positions`): a block whose
+ops differ from the profiled ones (another input layout, a block standing in for one the
+profile did not run) could otherwise store an output that a later op changes in place
+through an alias autograd does not track (the CPU GRU cell's `unsafe_split`), which no
+version check catches. Not storing is always safe: the op re-runs.
 """
 from __future__ import annotations
 
@@ -100,12 +107,14 @@ class _Store(TorchDispatchMode):
     """Forward: run every op; hand the chosen outputs to our hooks."""
 
     def __init__(self, stash: dict, store: Callable[[tuple], Decision | None],
-                 hooks, placement) -> None:
+                 hooks, placement, positions: dict | None = None) -> None:
         super().__init__()
         self.stash = stash
         self.store = store
         self.hooks = hooks
         self.placement = placement
+        self.positions = positions
+        self.position = 0
         self.counter: dict[Any, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -115,9 +124,14 @@ class _Store(TorchDispatchMode):
             return out
         n = self.counter[func]
         self.counter[func] = n + 1
-        decision = self.store((op_name(func), n))
+        position = self.position
+        self.position = position + 1
+        op_id = (op_name(func), n)
+        decision = self.store(op_id)
         if decision is None or storable_op(func) is not None:
             return out
+        if self.positions is not None and self.positions.get(op_id) != position:
+            return out  # Rule 5
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not all(type(o) is torch.Tensor for o in outs if isinstance(o, torch.Tensor)):
             return out  # Rule 1: subclasses re-run
@@ -209,7 +223,7 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
 
 def run_block(forward: Callable, args: tuple, kwargs: dict,
               store: Callable[[tuple], Decision | None], hooks, placement,
-              block: torch.nn.Module | None = None) -> Any:
+              block: torch.nn.Module | None = None, positions: dict | None = None) -> Any:
     """`forward(*args, **kwargs)` under non-reentrant checkpoint with per-op storing.
 
     Args:
@@ -217,9 +231,10 @@ def run_block(forward: Callable, args: tuple, kwargs: dict,
         hooks: the context's OffloadHooks (pack / unpack).
         placement: has `forced(decision)`, a context manager making the next pack use it.
         block: the module `forward` belongs to (its buffers, see checkpoint_block).
+        positions: op_id -> position in the profiled op sequence (Rule 5); None: no check.
     """
     def context_fn():
         stash: dict = {}
-        return _Store(stash, store, hooks, placement), _Replay(stash, hooks)
+        return _Store(stash, store, hooks, placement, positions), _Replay(stash, hooks)
 
     return checkpoint_block(forward, args, kwargs, context_fn, block)

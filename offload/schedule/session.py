@@ -381,7 +381,8 @@ class AutoSession(Session):
                 name = targets.get((stand_in, op_id))
                 return None if name is None else placement.target(name, moved)
 
-            return run_block(forward, args, kwargs, store, hooks, placement, block)
+            return run_block(forward, args, kwargs, store, hooks, placement, block,
+                             bp.positions)
         finally:
             placement.enter_region(("after", index))
 
