@@ -14,7 +14,8 @@ import offload
 from offload.models import GPT, GPTConfig
 
 __all__ = ["small_gpt", "compare_steps", "hf_gpt2", "hf_llama", "RandomBlock", "RandomStack",
-           "random_stack"]
+           "random_stack", "SharedLayers", "module_state", "first_difference",
+           "train_side_by_side"]
 
 
 def small_gpt(layers: int = 3, hidden: int = 64, seq: int = 32, dropout: float = 0.1):
@@ -76,6 +77,36 @@ class RandomStack(nn.Module):
         for b in self.blocks:
             x = b(x)
         return x
+
+
+class _Layer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.tanh(self.up(self.norm(x)))))
+
+
+class SharedLayers(nn.Module):
+    """ALBERT-style weight sharing: one layer object at every position of the stack."""
+
+    def __init__(self, positions: int = 4, d: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, d)
+        layer = _Layer(d)
+        self.layers = nn.ModuleList([layer] * positions)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).pow(2).mean()
 
 
 def random_stack():

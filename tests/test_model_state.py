@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from schedule_models import module_state, train_side_by_side
+from schedule_models import SharedLayers, module_state, train_side_by_side
 
 from offload.schedule import plan as plan_mod
 
@@ -30,41 +30,11 @@ def _settings(policy, nvme_dir, **kw):
 
 
 # ---------------------------------------------------------------- shared layers
-class Layer(nn.Module):
-    def __init__(self, d: int = 16) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 2 * d)
-        self.down = nn.Linear(2 * d, d)
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x):
-        return x + self.drop(self.down(torch.tanh(self.up(self.norm(x)))))
-
-
-class Shared(nn.Module):
-    """ALBERT-style weight sharing: one layer object at every position."""
-
-    def __init__(self, positions: int = 4, d: int = 16) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Linear(8, d)
-        layer = Layer(d)
-        self.layers = nn.ModuleList([layer] * positions)
-        self.head = nn.Linear(d, 1)
-
-    def forward(self, x):
-        x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x).pow(2).mean()
-
-
 @pytest.mark.parametrize("policy", ["recompute", "auto"])
 def test_a_shared_layer_is_wrapped_once_and_unwrapped_at_every_exit(policy, nvme_dir):
     """Before: three more wrappers per step stayed on the layer, a RecursionError near step
     160. Every step here checks the model carries nothing of ours after the exit."""
-    model = Shared()
+    model = SharedLayers()
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
     layer = model.layers[0]
     real = layer.forward.__func__
