@@ -72,10 +72,12 @@ class _Guard:
     def __init__(self, info: _Slots) -> None:
         self.info = info
         slots = info.slots
-        self.before = [(m._buffers[n], m._buffers[n]._version) for m, n in slots]
+        self.before = [(b, None if b is None else b._version)
+                       for b in (m._buffers.get(n) for m, n in slots)]
         copy = range(len(slots)) if info.changing is None else info.changing
         with torch.no_grad(), _disable_current_modes():
-            self.copies = {i: self.before[i][0].detach().clone() for i in copy}
+            self.copies = {i: self.before[i][0].detach().clone() for i in copy
+                           if self.before[i][0] is not None}
         self.swap: list[int] = []
         self.calls = 0
 
@@ -95,7 +97,7 @@ class _Guard:
         for i, (module, name) in enumerate(slots):
             buf, version = self.before[i]
             now = module._buffers.get(name)
-            if now is not buf or buf._version != version:
+            if now is not buf or (buf is not None and buf._version != version):
                 changed.add(i)
         if info.changing is None:  # rule 1: the first call compares values too
             with torch.no_grad(), _disable_current_modes():
@@ -121,7 +123,7 @@ class _Guard:
                 start = self.copies.get(i)
                 if start is None:   # a change first seen in this call: its start is lost
                     start = self.before[i][0] if now is not self.before[i][0] else now
-                module._buffers[name] = start.detach().clone()
+                module._buffers[name] = None if start is None else start.detach().clone()
         try:
             return fn(*args)
         finally:
