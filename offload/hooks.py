@@ -226,6 +226,7 @@ class OffloadHooks:
         self._queued_task = -1
         self.idle_since_s: float | None = None  # when the last record holding space died
         self.first_unpack_s: float | None = None  # where the backward starts (trace, bounce)
+        self.on_first_unpack = None  # auto marks the device clock there (schedule/session.py)
         self._stored = 0  # storages decided so far: their position is the BouncePlan key
         # [key, nbytes, pack_s, unpack_s] per moved or bounce-kept storage (BouncePlan)
         self.timings: list[list] = []
@@ -388,6 +389,8 @@ class OffloadHooks:
             # when the end of the forward stayed on the device (the don't-bounce plan,
             # auto's plan), the link would otherwise idle while backward works through it.
             self.prefetcher.start()
+            if self.on_first_unpack is not None:
+                self.on_first_unpack()
         if self.on_backward_end is not None:
             task = _graph_task_id()
             if task != self._queued_task and task >= 0:

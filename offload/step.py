@@ -15,11 +15,19 @@ trace) runs at one of these defined points, never from a destructor:
 
 A saved tensor dying only updates counters (hooks.py `_record_freed`); that may happen on
 any thread, under the hooks' lock, so nothing that waits or writes files may run there.
+
+NOTE [Training step] What `auto` learns from a step's time (its profile, its trials) comes
+only from a training step: one that ran a forward and a backward and ended at point 1 or 2
+(its graph freed by its own backward), during which torch.compile compiled nothing. An eval
+block (`torch.no_grad()` inside: no backward), a graph kept with `retain_graph` (ends at
+point 3, whenever it is dropped) and a compiling step would all book a time that is not the
+step's.
 """
 from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -52,8 +60,10 @@ class Step:
         self.copies: dict[torch.device, Any] = {}  # CopyStreams per CUDA device
         self.start_s = time.perf_counter()
         self.exit_s: float | None = None
-        # Run after the tiers closed, with (stats, hooks, end_s): `auto` plans here.
+        # Run after the tiers closed, with (stats, hooks, end_s, training): `auto` plans
+        # here (NOTE [Training step] says what `training` means).
         self.after_finish: list = []
+        self._compiled_at_start = _dynamo_frames()
         self._finished = False
         self._lock = threading.Lock()  # finish runs once, from whichever point comes first
 
@@ -94,7 +104,7 @@ class Step:
         for tier in self.tiers.values():
             tier.poll()
         if self.hooks.live_records == 0:
-            self.finish(self.exit_s)
+            self.finish(self.exit_s, timed=True)
             return
         # Backward runs after the block: the tiers stay open for it.
         log.debug("offload: %d stored storages outlive the block; the step ends when they "
@@ -106,7 +116,7 @@ class Step:
     def _backward_ended(self) -> None:
         """Autograd's end-of-backward callback (NOTE [End of step], point 2)."""
         if self.hooks.live_records == 0:
-            self.finish(time.perf_counter())
+            self.finish(time.perf_counter(), timed=True)
 
     def finish_if_idle(self) -> bool:
         """Finish a pending step whose saved tensors are all gone (point 3)."""
@@ -116,8 +126,9 @@ class Step:
         self.finish(hooks.idle_since_s or time.perf_counter())
         return True
 
-    def finish(self, end_s: float) -> None:
-        """Close the tiers (clean resources back to the pool), learn, write the trace."""
+    def finish(self, end_s: float, timed: bool = False) -> None:
+        """Close the tiers (clean resources back to the pool), learn, write the trace.
+        `timed`: `end_s` is the end of the step's own backward (points 1 and 2)."""
         with self._lock:
             if self._finished:
                 return
@@ -130,9 +141,11 @@ class Step:
             self._learn_bounce()
         except Exception:  # a planning problem must never fail the training step
             log.exception("offload: could not update the bounce plan")
+        training = timed and self.hooks.first_unpack_s is not None \
+            and _dynamo_frames() == self._compiled_at_start   # NOTE [Training step]
         for learn in self.after_finish:
             try:
-                learn(self.stats, self.hooks, end_s)
+                learn(self.stats, self.hooks, end_s, training)
             except Exception:  # same: the step itself went through
                 log.exception("offload: could not plan the next step (OFFLOAD_POLICY=auto)")
         self._write_trace(end_s)
@@ -179,6 +192,12 @@ class Step:
         except OSError as exc:
             log.warning("offload: could not write the trace to %s: %s (OFFLOAD_TRACE)",
                         self.config.trace, exc)
+
+
+def _dynamo_frames() -> int:
+    """Frames torch.compile has compiled so far in this process (0 before it is used)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils.counters["frames"]["total"] if utils is not None else 0
 
 
 def finish_pending() -> int:

@@ -14,7 +14,8 @@ import offload
 from offload.models import GPT, GPTConfig
 
 __all__ = ["small_gpt", "compare_steps", "hf_gpt2", "hf_llama", "RandomBlock", "RandomStack",
-           "random_stack"]
+           "random_stack", "SharedLayers", "module_state", "first_difference",
+           "train_side_by_side"]
 
 
 def small_gpt(layers: int = 3, hidden: int = 64, seq: int = 32, dropout: float = 0.1):
@@ -78,6 +79,36 @@ class RandomStack(nn.Module):
         return x
 
 
+class _Layer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.tanh(self.up(self.norm(x)))))
+
+
+class SharedLayers(nn.Module):
+    """ALBERT-style weight sharing: one layer object at every position of the stack."""
+
+    def __init__(self, positions: int = 4, d: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, d)
+        layer = _Layer(d)
+        self.layers = nn.ModuleList([layer] * positions)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).pow(2).mean()
+
+
 def random_stack():
     torch.manual_seed(0)
     model = RandomStack()
@@ -108,4 +139,72 @@ def compare_steps(model: nn.Module, loss_fn, steps: int, **settings) -> tuple:
         if len(grads) != len(reference[step]) or \
                 not all(torch.equal(a, b) for a, b in zip(grads, reference[step])):
             return step, ctx
+    return None, ctx
+
+
+# ---------------------------------------------------------------- training side by side
+def module_state(model: nn.Module) -> dict:
+    """What a module carries besides its tensors: attribute names and hook counts per
+    submodule (a wrapper left on a module, a hook not removed, shows here)."""
+    return {name: sorted((k, len(v) if isinstance(v, dict) else None)
+                         for k, v in vars(m).items())
+            for name, m in model.named_modules(remove_duplicate=False)}
+
+
+def tensors_of(model: nn.Module) -> dict:
+    return {**{f"param {n}": p for n, p in model.named_parameters()},
+            **{f"buffer {n}": b for n, b in model.named_buffers()}}
+
+
+def first_difference(a: nn.Module, b: nn.Module, grads: bool = False) -> str | None:
+    """Name of the first parameter (or its gradient) or buffer that differs bit for bit."""
+    ta, tb = tensors_of(a), tensors_of(b)
+    if ta.keys() != tb.keys():
+        return "the models' tensors have other names"
+    for name, x in ta.items():
+        y = tb[name]
+        if grads:
+            if name.startswith("param") and x.requires_grad and \
+                    ((x.grad is None) != (y.grad is None)
+                     or (x.grad is not None and not torch.equal(x.grad, y.grad))):
+                return f"grad of {name}"
+        elif not torch.equal(x, y):
+            return name
+    return None
+
+
+def train_side_by_side(model: nn.Module, loss_fn, steps: int, settings: dict,
+                       lr: float = 1e-3, each=None) -> tuple:
+    """Train a copy of `model` plainly and `model` inside a fresh offload context per step,
+    AdamW, the same seed per step (dropout masks); stop at the first step whose gradients,
+    weights or buffers differ bit for bit.
+
+    `loss_fn(model)` runs the forward; `each(step, ctx)` checks more after each step.
+    Returns (first differing step and what, or None; the last context)."""
+    import copy
+
+    plain = copy.deepcopy(model)
+    before = module_state(model)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr)
+            for m in (plain, model)]
+    ctx = None
+    for step in range(steps):
+        for m, opt in zip((plain, model), opts):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + step)
+            if m is plain:
+                loss_fn(m).backward()
+            else:
+                ctx = offload.activations(model=m, **settings)
+                with ctx:
+                    loss_fn(m).backward()
+        what = first_difference(plain, model, grads=True)
+        for opt in opts:
+            opt.step()
+        what = what or first_difference(plain, model)
+        if what is not None:
+            return (step, what), ctx
+        assert module_state(model) == before, f"step {step}: offload left something on the model"
+        if each is not None:
+            each(step, ctx)
     return None, ctx

@@ -181,19 +181,63 @@ def test_one_info_line_per_plan_and_explain(nvme_dir, caplog):
     ctx.close()
 
 
-def test_new_shapes_replan_bit_exact(nvme_dir, caplog):
+def test_new_shapes_get_a_plan_of_their_own_bit_exact(nvme_dir, caplog):
+    """A new shape class is profiled at its first step and planned; going back to a shape
+    seen before runs its plan again, without a new profile (session NOTE [Shape classes])."""
     model, loss_fn = small_gpt(seq=32)
     idx_short = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
     short = lambda: model.loss(idx_short, idx_short)  # noqa: E731
     settings = _settings(nvme_dir, SLOW)
     with caplog.at_level(logging.INFO, logger="offload"):
         assert compare_steps(model, loss_fn, 3, **settings)[0] is None   # plan for seq 32
+        long_plan = compare_steps(model, loss_fn, 1, **settings)[1].plan
         differs, ctx = compare_steps(model, short, 4, **settings)        # seq 16
-    assert differs is None
-    assert "other shapes than planned" in caplog.text
+        assert differs is None
+        assert ctx.plan is not long_plan and ctx.plan.signatures[0][0][0][0] == (2, 16, 64)
+        differs, back = compare_steps(model, loss_fn, 2, **settings)     # seq 32 again
+    assert differs is None and back.plan is long_plan
     lines = [r.getMessage() for r in caplog.records if "auto plan" in r.getMessage()]
-    assert len(lines) == 2 and "other shapes" in lines[1]
-    assert ctx.plan.signatures[0][0][0][0] == (2, 16, 64)
+    assert len(lines) == 2 and "new shapes: block input (2, 16, 64)" in lines[1]
+    assert "other shapes than planned" not in caplog.text
+    ctx.close()
+
+
+class _Widening(nn.Module):
+    """Three blocks; with `widen` the last one sees four more rows than the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(),
+                                                  nn.Linear(64, 32)) for _ in range(3))
+        self.widen = False
+
+    def forward(self, x):
+        rows = x.shape[0]
+        for i, block in enumerate(self.blocks):
+            if i == 2 and self.widen:
+                x = torch.cat([x, x[:4]])
+            x = x + block(x)
+        return x[:rows].pow(2).mean()
+
+
+def test_shapes_changing_within_a_step_fall_back_then_replan(nvme_dir, caplog):
+    """A later block called with other shapes than its class's plan within one step (the
+    first block's shapes as planned): the rest of that step runs checkpointed, bit-exact,
+    and the class profiles again at its next step."""
+    model = _Widening()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    loss_fn = lambda: model(x)  # noqa: E731
+    settings = _settings(nvme_dir, SLOW)
+    assert compare_steps(model, loss_fn, 3, **settings)[0] is None
+    model.widen = True
+    with caplog.at_level(logging.INFO, logger="offload"):
+        differs, ctx = compare_steps(model, loss_fn, 3, **settings)
+    assert differs is None
+    assert "block 2 was called with other shapes than planned for" in caplog.text
+    lines = [r.getMessage() for r in caplog.records if "auto plan" in r.getMessage()]
+    assert len(lines) == 1 and "other shapes" in lines[0]
+    assert ctx.plan.signatures[2][0][0][0] == (20, 32)
     ctx.close()
 
 
@@ -244,6 +288,66 @@ def test_a_stored_output_changed_in_place_later_raises_not_silently(target, nvme
         out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.placement)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.backward()
+
+
+@pytest.mark.parametrize("where", [0, 1])
+def test_an_op_is_stored_only_at_the_position_the_plan_saw_it(where, nvme_dir):
+    """Rule 5: the same op id at another position of the block's op sequence is not the op
+    the plan saw; its output is not stored (it re-runs), and the gradients stay exact."""
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def fn(t):
+        return torch.relu(lin(t)).sum()
+
+    fn(x).backward()
+    want = x.grad.clone()
+    x.grad = None
+    with offload.activations(model=lin, policy="auto", min_bytes=0, tiers="nvme",
+                             nvme_dir=nvme_dir, probe=SLOW) as ctx:
+        decision = ctx._hooks.placement.target("nvme")
+        store = lambda op: decision if op[0] == "aten.addmm.default" else None  # noqa: E731
+        before = ctx.stats.packed_tensors
+        out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.placement,
+                        positions={("aten.addmm.default", 0): where})
+        packed = ctx.stats.packed_tensors - before
+        out.backward()
+    assert torch.equal(x.grad, want)
+    # The input (checkpoint saves it through our hooks), plus the stored output if stored.
+    assert packed == (2 if where == 1 else 1)  # addmm is the second op, after t()
+
+
+class _Recurrent(nn.Module):
+    """Two GRU layers: the first gets a non-contiguous input (an embedding's output,
+    transposed inside nn.GRU), so its `linear` runs other ops than the second's and every
+    later op id shifts; the CPU cell changes its gates in place through `unsafe_split`, an
+    alias autograd does not track."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList(nn.GRU(32, 32, batch_first=True) for _ in range(2))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)[0]
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+
+def test_blocks_of_one_type_that_ran_other_ops_are_planned_apart(nvme_dir):
+    """Before: the first GRU's op table stood for both; the second's stored an op output its
+    cell changed in place later (unseen by autograd): wrong gradients in most runs."""
+    model = _Recurrent()
+    ids = torch.randint(0, 64, (2, 15), generator=torch.Generator().manual_seed(1))
+    differs, ctx = compare_steps(model, lambda: model(ids), 8,
+                                 **_settings(nvme_dir, SLOW, budget="30%"))
+    assert len(ctx.plan.blocks) == 2, ctx.plan   # one entry per op sequence
+    assert "GRU (op sequence 2)" in str(ctx.plan)
+    assert differs is None, f"gradients differ at step {differs}"
+    ctx.close()
 
 
 def test_backward_after_the_block_exits(nvme_dir):

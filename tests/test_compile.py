@@ -110,3 +110,101 @@ def test_the_context_installs_no_global_module_hook(nvme_dir):
         during = (dict(nn_module._global_forward_pre_hooks),
                   dict(nn_module._global_forward_hooks))
     assert during == before
+
+
+# ---------------------------------------------------------------- recompute / auto
+SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(64, 128)
+        self.blocks = nn.ModuleList(Block(128) for _ in range(2))
+        self.out = nn.Linear(128, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).pow(2).mean()
+
+
+def _train(model, fn, steps, settings=None):
+    """AdamW steps with dropout (seeded per step); the losses and the last context."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, ctx = [], None
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        x = torch.randn(32, 64)
+        if settings is None:
+            loss = fn(x)
+            loss.backward()
+        else:
+            with offload.activations(model=model, **settings) as ctx:
+                loss = fn(x)
+                loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+    return losses, ctx
+
+
+@pytest.fixture
+def _auto_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_recompute_and_auto_on_a_compiled_model_match_it_bit_for_bit(
+        backend, policy, nvme_dir, _auto_env, caplog):
+    """A compiled model trains under `recompute` / `auto` exactly as the same compiled model
+    without offload (dropout included), in one graph: the block wrappers are transparent to
+    dynamo (blocks.py NOTE [Wrapping], rule 3), so none of our Python is traced. Before: a
+    crash in dynamo (checkpoint with a context_fn, our hooks traced)."""
+    import copy
+    import logging
+
+    model = Stack()
+    reference = copy.deepcopy(model)
+    plain, ours = CountingBackend(backend), CountingBackend(backend)
+    settings = dict(policy=policy, tiers="nvme", nvme_dir=nvme_dir, min_bytes=0, probe=SLOW)
+    with caplog.at_level(logging.INFO, logger="offload"):
+        got, ctx = _train(model, torch.compile(model, backend=ours), 6, settings)
+    want, _ = _train(reference, torch.compile(reference, backend=plain), 6)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+    assert ours.compiles == plain.compiles == 1
+    assert ctx.stats.nvme_bytes > 0
+    said = [r.getMessage() for r in caplog.records if "no block ran through offload" in
+            r.getMessage()]
+    assert len(said) == 1, said   # said once, not per step
+    if policy == "auto":
+        assert ctx.plan is not None and "no block ran through offload" in str(ctx.plan)
+        assert ctx.plan.prediction.recomputed_bytes == 0
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_auto_runs_compiled_blocks_whole(backend, nvme_dir, _auto_env):
+    """Blocks compiled one by one: `auto` profiles them without a dispatch mode (which made
+    dynamo trace our hooks: a crash) and runs them whole, as they are or checkpointed
+    (that re-runs the same compiled code: bit-exact); `ctx.plan` says why."""
+    import copy
+
+    model = Stack()
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        for i in range(2):
+            m.blocks[i] = torch.compile(m.blocks[i], backend=backend)
+    settings = dict(policy="auto", tiers="nvme", nvme_dir=nvme_dir, min_bytes=0, probe=SLOW)
+    got, ctx = _train(model, model, 6, settings)
+    want, _ = _train(reference, reference, 6)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+    plan = ctx.plan
+    assert plan is not None and not any(bp.per_op for bp in plan.blocks.values())
+    assert "compiled with torch.compile, so run whole" in str(plan)
+    assert ctx.stats.nvme_bytes > 0

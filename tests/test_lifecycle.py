@@ -92,10 +92,10 @@ def finish_calls(monkeypatch):
     calls = []
     original = step_module.Step.finish
 
-    def spy(self, end_s):
+    def spy(self, end_s, **kwargs):
         frames = [f.function for f in inspect.stack()]
         calls.append({"in_del": "__del__" in frames, "thread": threading.current_thread()})
-        return original(self, end_s)
+        return original(self, end_s, **kwargs)
 
     monkeypatch.setattr(step_module.Step, "finish", spy)
     return calls

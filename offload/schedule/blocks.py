@@ -16,9 +16,21 @@ reentrant: its forward runs without grad), Hugging Face's gradient checkpointing
 called while a backward pass runs is a reentrant checkpoint recomputing it: as is, too.
 This is how a user's checkpointed block is never wrapped twice.
 
-The wrappers are instance attributes shadowing `forward` (no process-wide hook: see
-tensor_meta's note on torch.compile), installed at context entry and removed at exit; a
-forward the user had set on the instance is put back as it was.
+NOTE [Wrapping] The wrappers are instance attributes shadowing `forward` (no process-wide
+hook: see tensor_meta's note on torch.compile), installed at context entry and removed at
+exit; a forward the user had set on the instance is put back as it was. Rules:
+
+1. One wrapper per module object, however often the module is listed: a layer shared by
+   several positions (ALBERT-style `nn.ModuleList([layer] * 4)`) is wrapped once, and its
+   k-th call in the step stands for its k-th position (cyclically), so the plan still sees
+   every position. Wrapping it once per position stacked wrappers that exit could not all
+   undo: they piled up step after step until Python's recursion limit.
+2. Exit puts back exactly what entry found and leaves nothing else on the module (no
+   attribute, no hook); a forward someone else set meanwhile is left alone.
+3. Under torch.compile's tracing a wrapper is transparent: the block is traced as the user
+   wrote it, so the compiled graph is the one the model compiles to without offload, and
+   none of our Python (checkpoint, dispatch modes, hook bookkeeping) is traced into it.
+   What that graph saves for backward goes through the saved-tensor hooks like any tensor.
 """
 from __future__ import annotations
 
@@ -117,7 +129,8 @@ def ours_innermost(pack: Callable) -> bool:
 
 
 class BlockWrappers:
-    """Shadow each block's `forward` with `run(index, forward, args, kwargs)` while active.
+    """Shadow each block's `forward` with `run(index, forward, args, kwargs)` while active
+    (NOTE [Wrapping]).
 
     Example:
         >>> wrappers = BlockWrappers(blocks, run)
@@ -129,24 +142,48 @@ class BlockWrappers:
                  run: Callable[[int, Callable, tuple, dict], Any]) -> None:
         self.blocks = list(blocks)
         self._run = run
-        self._saved: list[tuple[nn.Module, bool, Any]] = []
+        # (block, had its own forward, that forward, our wrapper) per module object
+        self._saved: list[tuple[nn.Module, bool, Any, Callable]] = []
 
     def __enter__(self) -> "BlockWrappers":
+        positions: dict[int, tuple[nn.Module, list[int]]] = {}
         for index, block in enumerate(self.blocks):
+            positions.setdefault(id(block), (block, []))[1].append(index)
+        for block, where in positions.values():  # Rule 1: once per module object
             own = "forward" in block.__dict__
-            forward = block.forward  # bound method, or the user's own instance attribute
-            self._saved.append((block, own, block.__dict__.get("forward")))
-
-            def wrapper(*args, _index=index, _forward=forward, **kwargs):
-                return self._run(_index, _forward, args, kwargs)
-
-            block.forward = wrapper
+            wrapper = _wrapper(block.forward, where, self._run)
+            self._saved.append((block, own, block.__dict__.get("forward"), wrapper))
+            block.__dict__["forward"] = wrapper
         return self
 
     def __exit__(self, *exc) -> None:
         saved, self._saved = self._saved, []
-        for block, own, forward in saved:
+        for block, own, forward, wrapper in reversed(saved):  # Rule 2
+            if block.__dict__.get("forward") is not wrapper:
+                continue  # replaced by someone else meanwhile: theirs now
             if own:
-                block.forward = forward
+                block.__dict__["forward"] = forward
             else:
-                block.__dict__.pop("forward", None)
+                del block.__dict__["forward"]
+
+
+def _wrapper(forward: Callable, where: list[int], run: Callable) -> Callable:
+    """The forward that replaces a block's while a context is active (NOTE [Wrapping])."""
+    is_compiling = torch.compiler.is_compiling
+    if len(where) == 1:
+        index = where[0]
+
+        def wrapper(*args, **kwargs):
+            if is_compiling():  # Rule 3
+                return forward(*args, **kwargs)
+            return run(index, forward, args, kwargs)
+        return wrapper
+    calls = [0]
+
+    def shared(*args, **kwargs):
+        if is_compiling():  # Rule 3
+            return forward(*args, **kwargs)
+        k = calls[0]  # Rule 1: the k-th call stands for the k-th position
+        calls[0] = k + 1
+        return run(where[k % len(where)], forward, args, kwargs)
+    return shared

@@ -113,6 +113,8 @@ class BlockPlan:
     recompute: frozenset = frozenset()   # op ids re-run (per-op mode); empty: plain
     rows: list[OpRow] = field(default_factory=list)
     recompute_s: float = 0.0             # per instance, dispatch cost included
+    # op id -> its position in the profiled op sequence (recompute.py Rule 5)
+    positions: dict = field(default_factory=dict)
 
     @property
     def per_op(self) -> bool:
@@ -150,6 +152,10 @@ class Plan:
     pending: list = field(default_factory=list)
     mode: str = "plan"
     measured: dict = field(default_factory=dict)
+    # (region, ordinal) -> bytes profiled there: a storage of another size at that key is
+    # not the one planned for (moved, memory-safe), e.g. before the step's shapes are known.
+    item_bytes: dict = field(default_factory=dict)
+    _stand_in: dict = field(default_factory=dict, repr=False)
 
     @property
     def settled(self) -> bool:
@@ -179,6 +185,19 @@ class Plan:
     def block_plan(self, index: int) -> BlockPlan | None:
         key = self.block_type.get(index)
         return None if key is None else self.blocks[key]
+
+    def stand_in(self, index: int, type_key: tuple) -> int | None:
+        """The profiled block whose decisions block `index` uses: itself when profiled; else
+        the nearest profiled block of its type (a block the profiled step skipped, layer
+        drop); None when no block of its type was profiled."""
+        if index in self.signatures:
+            return index
+        if index not in self._stand_in:
+            same = [i for i, key in self.block_type.items()   # any op sequence of the type
+                    if key[:len(type_key)] == type_key]
+            self._stand_in[index] = min(same, key=lambda i: (abs(i - index), i)) \
+                if same else None
+        return self._stand_in[index]
 
     def summary(self) -> str:
         p = self.prediction
@@ -299,7 +318,10 @@ def _type_infos(profile: Profile, items: list[ItemRecord]) -> list[_TypeInfo]:
         free = [o for o in producers if not by_id[o].not_storable]
         # Cheapest recompute per byte first; ties by op id (deterministic).
         free.sort(key=lambda o: ((by_id[o].time_s + by_id[o].chain_s) / max(saved[o], 1), o))
-        infos.append(_TypeInfo(type_key, records[0].type_name, [b.index for b in records],
+        name = records[0].type_name
+        if type_key != records[0].type_key:   # profile.py NOTE [Op identity]
+            name += f" ({type_key[-1][0]} {type_key[-1][1] + 1})"
+        infos.append(_TypeInfo(type_key, name, [b.index for b in records],
                                ops, saved, forced + free, len(forced)))
     return infos
 
@@ -461,6 +483,10 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams) -> Plan:
         notes.append(f"the budget cannot be met: {format_bytes(pred.fixed_bytes)} stay on the "
                      "device whatever the plan does (below OFFLOAD_MIN_BYTES, no_offload(), or "
                      "held by a checkpoint's closure)")
+    opaque = sorted({b.type_name for b in profile.blocks if b.opaque})
+    if opaque:
+        notes.append(f"{', '.join(opaque)}: compiled with torch.compile, so run whole (as they "
+                     "are, or checkpointed); per-op recompute cannot see inside compiled code")
     plan = _assemble(profile, figures, params, infos, items, pred, targets, recompute_sets,
                      per_instance_s, notes)
     plan.alternatives, plan.trials = alternatives, trials
@@ -507,7 +533,7 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
 
 def _assemble(profile, figures, params, infos, items, pred, targets, recompute_sets,
               per_instance_s, notes) -> Plan:
-    item_targets, op_targets, input_targets = {}, {}, {}
+    item_targets, op_targets, input_targets, item_bytes = {}, {}, {}, {}
     decided = []
     blocks, block_type, signatures = {}, {}, {}
     info_of = {}
@@ -527,7 +553,8 @@ def _assemble(profile, figures, params, infos, items, pred, targets, recompute_s
                 decision = "re-run"
             rows.append(OpRow(op, saved, decision, rank.get(op.op_id)))
         blocks[info.type_key] = BlockPlan(info.type_key, info.name, info.instances, rset, rows,
-                                          per_instance_s[info.type_key])
+                                          per_instance_s[info.type_key],
+                                          {op.op_id: i for i, op in enumerate(info.ops)})
         for index in info.instances:
             block_type[index] = info.type_key
             info_of[index] = info
@@ -551,6 +578,7 @@ def _assemble(profile, figures, params, infos, items, pred, targets, recompute_s
                 input_targets[(it.block, it.input_index)] = target
             continue
         item_targets[it.key] = target
+        item_bytes[it.key] = it.nbytes
         if it.input_index is not None:
             input_targets[(it.block, it.input_index)] = target
     # A storage the search kept whose op moves: it moves too (the prediction follows, so
@@ -573,7 +601,8 @@ def _assemble(profile, figures, params, infos, items, pred, targets, recompute_s
                "blocks": len(profile.blocks)}
     return Plan(item_targets, op_targets, input_targets, blocks, block_type, pred, params,
                 figures, summary, signatures, notes, decided,
-                _readahead(profile, figures, params, per_block, largest, pred.recompute_s))
+                _readahead(profile, figures, params, per_block, largest, pred.recompute_s),
+                item_bytes=item_bytes)
 
 
 # A block's reads are slow next to its backward when they take more than this share of it.

@@ -15,7 +15,11 @@ GPU every op is bracketed by two CUDA events, read once after the step.
 NOTE [Op identity] An op inside a block is `(op name, n)`: its n-th call in that block's
 forward, as offload/schedule/recompute.py counts them (Rule 3 there), so a profiled op and
 the op the recompute replays are the same key. Blocks of one type (blocks.block_type_key)
-run the same op sequence; the profile checks that and the plan uses their median times.
+usually run the same op sequence, and the plan uses their median times; instances whose
+sequence differs (data-dependent: a non-contiguous input makes `linear` clone + mm + add
+instead of one addmm, and shifts every later id) are planned apart (`block_types`), and the
+recompute stores an op's output only where the op comes at the position the plan saw it
+(recompute.py Rule 5).
 """
 from __future__ import annotations
 
@@ -24,11 +28,12 @@ import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from . import clock
 from .recompute import IGNORED_OPS, block_inputs, op_name, storable_op
 
 __all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler",
@@ -88,6 +93,7 @@ class BlockRecord:
     signature: tuple
     ops: list[OpRecord] = field(default_factory=list)
     forward_s: float = 0.0
+    opaque: bool = False   # compiled: ran whole, no op seen (BlockProfiler.run)
 
 
 @dataclass
@@ -103,19 +109,25 @@ class Profile:
     items: list[ItemRecord]
 
     def block_types(self) -> dict[tuple, list[BlockRecord]]:
-        out: dict[tuple, list[BlockRecord]] = defaultdict(list)
+        """Blocks planned together: one type that ran one op sequence (NOTE [Op identity]).
+        A type's first sequence is keyed by its type key, any other by the type key plus
+        ("op sequence", n)."""
+        out: dict[tuple, list[BlockRecord]] = {}
+        sequences: dict[tuple, list[tuple]] = defaultdict(list)
         for b in self.blocks:
-            out[b.type_key].append(b)
-        return dict(out)
+            seq = tuple(o.op_id for o in b.ops)
+            seen = sequences[b.type_key]
+            if seq not in seen:
+                seen.append(seq)
+            n = seen.index(seq)
+            out.setdefault(b.type_key if n == 0 else b.type_key + (("op sequence", n),),
+                           []).append(b)
+        return out
 
     def op_table(self, type_key: tuple) -> list[OpRecord]:
-        """The ops of one block type, times the median over its instances."""
+        """The ops of one entry of `block_types`, times the median over its instances."""
         records = self.block_types()[type_key]
         first = records[0].ops
-        if any([o.op_id for o in r.ops] != [o.op_id for o in first] for r in records):
-            # Same parameters, different op sequence (data-dependent control flow): the
-            # first instance stands for all; the recompute checks op ids as it replays.
-            records = records[:1]
         out = []
         for i, op in enumerate(first):
             out.append(OpRecord(
@@ -126,22 +138,25 @@ class Profile:
 
 
 class _Timer:
-    """Op timing: the host clock on CPU; CUDA events on a GPU, resolved after the step."""
+    """Op timing: the host clock on CPU; CUDA events on a GPU, resolved after the step
+    (offload/schedule/clock.py: every pair waited for before it is read, as a block may run
+    ops on a stream of its own)."""
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, new_event: Callable[[], Any] | None = None) -> None:
         self.cuda = device_type == "cuda"
+        self._new_event = new_event or clock.cuda_event
         self._pending: list[tuple[OpRecord, Any, Any, str]] = []
 
     def start(self):
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = self._new_event()
             ev.record()
             return ev
         return time.perf_counter()
 
     def stop(self, record: OpRecord, start, field_name: str = "time_s") -> None:
         if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
+            end = self._new_event()
             end.record()
             self._pending.append((record, start, end, field_name))
         else:
@@ -149,12 +164,10 @@ class _Timer:
                     getattr(record, field_name) + time.perf_counter() - start)
 
     def resolve(self) -> None:
-        if self._pending:
-            self._pending[-1][2].synchronize()
-        for record, start, end, field_name in self._pending:
+        pending, self._pending = self._pending, []
+        for record, start, end, field_name in pending:
             setattr(record, field_name,
-                    getattr(record, field_name) + start.elapsed_time(end) / 1e3)
-        self._pending.clear()
+                    getattr(record, field_name) + clock.elapsed_s(start, end))
 
 
 class _ProfileMode(TorchDispatchMode):
@@ -209,8 +222,9 @@ class BlockProfiler:
     """Collects BlockRecords during the profile step; the placement asks it who made a
     storage (`producer_of`)."""
 
-    def __init__(self, device_type: str = "cpu") -> None:
-        self.timer = _Timer(device_type)
+    def __init__(self, device_type: str = "cpu", new_event: Callable[[], Any] | None = None
+                 ) -> None:
+        self.timer = _Timer(device_type, new_event)
         self.blocks: list[BlockRecord] = []
         self.overhead_s = 0.0
         self.chains: list[tuple[OpRecord, OpRecord]] = []  # (maker, in-place op on its output)
@@ -236,18 +250,31 @@ class BlockProfiler:
             return None, entry[1]
         return None, None
 
-    def run(self, index: int, type_key: tuple, type_name: str, forward, args, kwargs, hooks):
+    def run(self, index: int, type_key: tuple, type_name: str, forward, args, kwargs, hooks,
+            opaque: bool = False):
         """Run one block's forward under the profiling mode.
 
         Our hooks' own bookkeeping (a storage view, the version sentinel) would run under
         the mode too and read as ops of the block: the block's saves go through the same
         hooks pushed once more, innermost, with the mode switched off around them.
+
+        An `opaque` block (compiled with torch.compile) runs as it is: a dispatch mode
+        around compiled code makes dynamo trace our hooks, and the ops it would see are
+        not the ones the compiled block runs; its record has no ops, so the plan runs it
+        whole (as it is or checkpointed), never per op.
         """
         def pack(t):
             with _disable_current_modes():
                 return hooks.pack(t)
 
-        block = BlockRecord(index, type_key, type_name, signature(args, kwargs))
+        block = BlockRecord(index, type_key, type_name, signature(args, kwargs), opaque=opaque)
+        if opaque:
+            t0 = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                block.forward_s = time.perf_counter() - t0
+                self.blocks.append(block)
         self._makers.clear()
         self._inputs = {id(a.untyped_storage()): (weakref.ref(a.untyped_storage()), i)
                         for i, a in reversed(list(enumerate(block_inputs(args, kwargs))))}

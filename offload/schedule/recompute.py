@@ -36,6 +36,13 @@ own: the pack runs with that key switched back on. Each stored entry is dropped 
 recompute took it, so its tier space returns during the backward of its block; a second
 backward (retain_graph) finds none and recomputes every op, which is plain checkpointing
 and replays exactly too.
+
+Rule 5 (the op the plan saw). An op's output is stored only when the op comes at the
+position in the block's op sequence where the profile saw it (`positions`): a block whose
+ops differ from the profiled ones (another input layout, a block standing in for one the
+profile did not run) could otherwise store an output that a later op changes in place
+through an alias autograd does not track (the CPU GRU cell's `unsafe_split`), which no
+version check catches. Not storing is always safe: the op re-runs.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from ..placement import Decision
+from .buffers import guard_buffers
 
 __all__ = ["run_block", "checkpoint_block", "block_inputs", "storable_op", "IGNORED_OPS",
            "op_name"]
@@ -99,12 +107,14 @@ class _Store(TorchDispatchMode):
     """Forward: run every op; hand the chosen outputs to our hooks."""
 
     def __init__(self, stash: dict, store: Callable[[tuple], Decision | None],
-                 hooks, placement) -> None:
+                 hooks, placement, positions: dict | None = None) -> None:
         super().__init__()
         self.stash = stash
         self.store = store
         self.hooks = hooks
         self.placement = placement
+        self.positions = positions
+        self.position = 0
         self.counter: dict[Any, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -114,9 +124,14 @@ class _Store(TorchDispatchMode):
             return out
         n = self.counter[func]
         self.counter[func] = n + 1
-        decision = self.store((op_name(func), n))
+        position = self.position
+        self.position = position + 1
+        op_id = (op_name(func), n)
+        decision = self.store(op_id)
         if decision is None or storable_op(func) is not None:
             return out
+        if self.positions is not None and self.positions.get(op_id) != position:
+            return out  # Rule 5
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not all(type(o) is torch.Tensor for o in outs if isinstance(o, torch.Tensor)):
             return out  # Rule 1: subclasses re-run
@@ -180,12 +195,14 @@ def block_inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
 
 
-def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=None) -> Any:
+def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=None,
+                     block: torch.nn.Module | None = None) -> Any:
     """Non-reentrant checkpoint of `forward(*args, **kwargs)` with every tensor argument,
     also those inside keyword arguments (Hugging Face passes rotary tables and masks that
     way), handed to checkpoint positionally: checkpoint saves positional inputs through the
     saved-tensor hooks (so ours place them), while it would hold keyword ones in a closure,
-    out of our reach."""
+    out of our reach. `block` is the module `forward` belongs to: its buffers stay exact
+    across the re-run (offload/schedule/buffers.py)."""
     leaves, spec = tree_flatten((args, kwargs))
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     if len(where) == len(args) and all(isinstance(a, torch.Tensor) for a in args) \
@@ -201,20 +218,23 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
             a, kw = tree_unflatten(full, spec)
             return forward(*a, **kw)
     extra = {} if context_fn is None else {"context_fn": context_fn}
-    return checkpoint(call, *tensors, use_reentrant=False, **extra)
+    return checkpoint(guard_buffers(block, call), *tensors, use_reentrant=False, **extra)
 
 
 def run_block(forward: Callable, args: tuple, kwargs: dict,
-              store: Callable[[tuple], Decision | None], hooks, placement) -> Any:
+              store: Callable[[tuple], Decision | None], hooks, placement,
+              block: torch.nn.Module | None = None, positions: dict | None = None) -> Any:
     """`forward(*args, **kwargs)` under non-reentrant checkpoint with per-op storing.
 
     Args:
         store: op_id -> Decision for outputs to keep / move, None to recompute.
         hooks: the context's OffloadHooks (pack / unpack).
         placement: has `forced(decision)`, a context manager making the next pack use it.
+        block: the module `forward` belongs to (its buffers, see checkpoint_block).
+        positions: op_id -> position in the profiled op sequence (Rule 5); None: no check.
     """
     def context_fn():
         stash: dict = {}
-        return _Store(stash, store, hooks, placement), _Replay(stash, hooks)
+        return _Store(stash, store, hooks, placement, positions), _Replay(stash, hooks)
 
-    return checkpoint_block(forward, args, kwargs, context_fn)
+    return checkpoint_block(forward, args, kwargs, context_fn, block)

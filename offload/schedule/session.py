@@ -3,21 +3,38 @@
 
 `recompute`: every block (offload/schedule/blocks.py) runs under non-reentrant
 `torch.utils.checkpoint`; what the outer hooks see (block inputs, tensors outside blocks)
-goes to OFFLOAD_TIERS like under `offload`.
+goes to OFFLOAD_TIERS like under `offload`. Buffers stay exact across the re-run
+(offload/schedule/buffers.py); under torch.compile blocks run as compiled (blocks.py NOTE
+[Wrapping], rule 3).
 
 `auto`: a state that outlives the context (one per model and settings, like the offload
 policy's BouncePlan) goes through
-  0. warm-up: the first step runs like `offload` (blocks as they are, every eligible
-     storage moved): first calls of kernels and first touches of memory would make a
-     profile of it read several times the steady step;
-  1. profile: the next step does the same and records (profile.py); at its end the
-     probe's figures and the profile make the plan (plan.py), logged in one INFO line;
+  0. warm-up: the first training step runs like `offload` (blocks as they are, every
+     eligible storage moved): first calls of kernels and first touches of memory would
+     make a profile of it read several times the steady step;
+  1. profile: the first step of each shape class after it does the same and records
+     (profile.py); at its end the probe's figures and the profile make the class's plan
+     (plan.py), logged in one INFO line;
   2. planned steps: blocks run as they are or with per-op recompute (recompute.py); every
      storage the hooks see gets the plan's keep / host / nvme (`SchedulePlacement.decide`,
      the single decision point);
-  3. re-plan: a block called with other shapes than planned finishes that step safely
-     (checkpointed, inputs moved; it is also the new shapes' warm-up) and the next step
-     profiles again (logged).
+  3. re-plan: a block called with other shapes than its class's plan (the shapes changed
+     within a step) finishes that step safely (it and the blocks after it checkpointed,
+     inputs moved) and the class profiles again at its next step (logged).
+Only training steps count (step.py NOTE [Training step]): an eval block, a graph kept past
+its step or a compiling step neither profiles, nor warms up, nor books a trial.
+
+NOTE [Shape classes] A step's shape class is the signature (shapes, dtypes) of its first
+block call; each class gets its own plan, kept across steps (the MAX_PLANS most recently
+run), so a run whose lengths vary (unpadded batches) profiles each length once and plans
+from then on. Until the first block call the class is not known: the storages saved before
+it follow the plan of the latest step's class where their size is the one planned for, else
+move (memory-safe), and are recorded in case this step turns out to profile. A block the
+profiled step did not run (layer drop) uses the decisions of the nearest profiled block of
+its type (`Plan.stand_in`), with what that one keeps moved instead (memory-safe). A step in
+which no block ran through us (a torch.compile'd model: blocks.py NOTE [Wrapping], rule 3)
+is its own class, planned keep / host / nvme per saved tensor with nothing recomputed
+(said once, and in `ctx.plan`).
 
 NOTE [Trials]. A plan is a prediction. When a whole-block strategy (plan.py PURE:
 `offload`, `checkpoint`) is predicted within TRIAL_MARGIN of it (`Plan.trials`), the planned steps
@@ -26,14 +43,16 @@ steps after run whichever had the fastest step (best of its rounds; a pure strat
 beat the plan by TRIAL_WIN, so noise does not flip it). The measured seconds and the
 choice are in `ctx.plan` (`mode`, `measured`; one INFO line). Every candidate is bit-exact
 and keeps no more than the plan, so a trial step costs time at most, never memory or
-correctness. A re-plan measures again.
+correctness. A re-plan measures again. Steps are timed on the device's clock
+(offload/schedule/clock.py): on CUDA the host's is launch time.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
+import sys
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -41,15 +60,22 @@ import torch
 from ..config import Config
 from ..errors import ConfigError
 from ..hooks import no_offload_active
-from ..placement import Decision, Placement, TensorInfo
+from ..placement import Placement
 from .blocks import BlockWrappers, block_type_key, find_blocks, ours_innermost
-from .profile import BlockProfiler, ItemRecord, Profile, signature
+from .clock import clock_for
+from .placement import SchedulePlacement
+from .profile import BlockProfiler, Profile, signature
 from .plan import PURE, TRIAL_MARGIN
 from .recompute import block_inputs, checkpoint_block
 
-__all__ = ["Session", "start_session", "SchedulePlacement"]
+__all__ = ["Session", "start_session", "SchedulePlacement", "MAX_PLANS"]
 
 log = logging.getLogger("offload")
+
+MAX_PLANS = 32   # shape classes whose plans are kept (NOTE [Shape classes])
+
+_NO_BLOCK = None          # the shape class of a step in which no block ran through us
+_UNKNOWN = ("unknown",)   # this step's class before its first block call
 
 
 class Session:
@@ -69,7 +95,7 @@ class Session:
     def exit(self) -> None:
         pass
 
-    def step_done(self, stats, hooks, end_s: float) -> None:
+    def step_done(self, stats, hooks, end_s: float, training: bool = True) -> None:
         pass
 
 
@@ -107,24 +133,41 @@ def _holds_cache(args: tuple, kwargs: dict, session: Session) -> bool:
     return False
 
 
+# Blocks whose "no block ran through offload" was said once (first block of the list).
+_said_unrun: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+_UNRUN = ("no block ran through offload in a training step (a torch.compile'd model runs its "
+          "blocks inside the compiled graph, as it compiles without offload; blocks the model "
+          "checkpoints itself are its own)")
+
+
+def _say_unrun_once(blocks: list, policy: str, consequence: str) -> None:
+    if blocks and blocks[0] not in _said_unrun:
+        _said_unrun.add(blocks[0])
+        log.info("offload: %s: %s; %s", policy, _UNRUN, consequence)
+
+
 class RecomputeSession(Session):
     def __init__(self, config: Config, blocks: list) -> None:
         super().__init__(config)
         self.blocks = blocks
         self._wrappers: BlockWrappers | None = None
+        self._ran = 0
 
     def placement(self, bounce) -> Placement:
         return Placement(self.config, bounce, moves=True)
 
     def enter(self, hooks, start_s: float) -> None:
         pack = hooks.pack
+        self._ran = 0
 
         def run(index, forward, args, kwargs):
             if not ours_innermost(pack) or no_offload_active():  # blocks NOTE [Whose block]
                 return forward(*args, **kwargs)
             if _holds_cache(args, kwargs, self):
                 return forward(*args, **kwargs)
-            return checkpoint_block(forward, args, kwargs)
+            self._ran += 1
+            return checkpoint_block(forward, args, kwargs, block=self.blocks[index])
 
         self._wrappers = BlockWrappers(self.blocks, run).__enter__()
 
@@ -133,17 +176,40 @@ class RecomputeSession(Session):
             self._wrappers.__exit__(None, None, None)
             self._wrappers = None
 
+    def step_done(self, stats, hooks, end_s: float, training: bool = True) -> None:
+        if training and not self._ran:
+            _say_unrun_once(self.blocks, "recompute", "what the step saved went to "
+                            "OFFLOAD_TIERS and nothing was recomputed")
+
 
 # ---------------------------------------------------------------------------- auto
 class _AutoState:
-    """What `auto` carries from one step to the next."""
+    """What `auto` carries from one step to the next: a plan per shape class."""
 
     def __init__(self) -> None:
-        self.plan = None
-        self.profile = None  # the step the plan was made from (re-plan with other figures)
-        self.warm = False   # a step ran since the last (re)start: the next one may profile
-        self.replan_reason: str | None = "first profile"
+        self.plans: OrderedDict = OrderedDict()   # class -> Plan, least recently run first
+        self.profile = None  # the latest profile (re-plan it with other figures)
+        self.warm = False    # a training step ran: from now on a class without plan profiles
+        self.last = _NO_BLOCK  # the class of the latest step that ran or made a plan
+        self.reasons: dict = {}  # class -> why it profiles again (in its plan's log line)
         self.lock = threading.Lock()
+
+    @property
+    def plan(self):
+        """The plan of the latest step's class (`ctx.plan`)."""
+        return self.plans.get(self.last)
+
+    @plan.setter
+    def plan(self, plan) -> None:
+        self.plans[self.last] = plan
+
+    def ran(self, key) -> None:
+        """`key`'s plan ran (or was made) now; keep the MAX_PLANS most recent."""
+        self.last = key
+        if key in self.plans:
+            self.plans.move_to_end(key)
+        while len(self.plans) > MAX_PLANS:
+            self.plans.popitem(last=False)
 
 
 _states: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -160,81 +226,21 @@ def _auto_state(model, config: Config, blocks: list) -> _AutoState:
         return _states.setdefault(model, {}).setdefault(key, _AutoState())
 
 
-class SchedulePlacement(Placement):
-    """`auto`'s decision point: the profile step moves every eligible storage and records
-    it; planned steps look each storage up in the plan by where it was saved."""
+def _compiled(block: torch.nn.Module) -> bool:
+    """A block that is a torch.compile'd module of its own (or whose forward is compiled):
+    its ops run inside compiled code our dispatch modes cannot see into."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    if frames is not None and isinstance(block, frames.OptimizedModule):
+        return True
+    return getattr(block.forward, "_torchdynamo_orig_callable", None) is not None
 
-    def __init__(self, config: Config, session: "AutoSession") -> None:
-        super().__init__(config, None, moves=True)
-        self.session = session
-        self.region: tuple = ("after", -1)
-        self.ordinal = 0
-        self._forced: Decision | None = None
-        self._inputs: dict[int, int] = {}      # storage id -> positional input (checkpoint)
-        self._decisions: dict[str, Decision] = {}
-        self.items: list[ItemRecord] = []
-        self.unplanned = 0
 
-    @contextlib.contextmanager
-    def forced(self, decision: Decision):
-        """The next pack uses `decision` (a stored op output, recompute.py)."""
-        self._forced = decision
-        try:
-            yield
-        finally:
-            self._forced = None
-
-    def enter_region(self, region: tuple, inputs: dict[int, int] | None = None) -> None:
-        self.region, self.ordinal = region, 0
-        self._inputs = inputs or {}
-
-    def target(self, name: str) -> Decision:
-        """Decision for a plan target: "keep" or a tier (then the tiers after it to spill)."""
-        decision = self._decisions.get(name)
-        if decision is None:
-            if name == "keep":
-                decision = Decision((), "plan: keep")
-            else:
-                tiers = self.config.tiers
-                decision = Decision(tiers[tiers.index(name):] if name in tiers else tiers,
-                                    f"plan: {name}")
-            self._decisions[name] = decision
-        return decision
-
-    def decide(self, info: TensorInfo) -> Decision:
-        if self._forced is not None:
-            return self._forced
-        ordinal = self.ordinal
-        self.ordinal += 1
-        base = super().decide(info)  # no_offload, small: kept whatever the plan says
-        eligible = not base.keep
-        session = self.session
-        if session.profiler is not None:
-            producer, input_index = (None, None)
-            if info.storage is not None and self.region[0] == "block":
-                producer, input_index = session.profiler.producer_of(info.storage)
-            self.items.append(ItemRecord(self.region, ordinal, info.nbytes, info.key, eligible,
-                                         producer, input_index))
-            return base
-        if not eligible:
-            return base
-        plan = session.plan
-        if plan is None or session.mode != "plan":
-            # A whole-block strategy (NOTE [Trials]) moves every eligible storage, but
-            # those of the blocks `checkpoint` runs as they are within the budget.
-            if session.mode == "checkpoint" and self.region[0] == "block" \
-                    and self.region[1] in plan.checkpoint_keeps:
-                return self.target("keep")
-            return base
-        block = self.region[1] if self.region[0] == "block" else None
-        if block is not None and info.storage is not None and id(info.storage) in self._inputs:
-            name = plan.input_targets.get((block, self._inputs[id(info.storage)]))
-        else:
-            name = plan.item_targets.get((self.region, ordinal))
-        if name is None:
-            self.unplanned += 1
-            return base  # not in the plan (another step shape): move it, memory-safe
-        return self.target(name)
+def _shapes(key) -> str:
+    """A shape class for a log line: its first tensor argument's shape."""
+    for sig in (key or ((),))[0]:
+        if sig is not None:
+            return f"block input {tuple(sig[0])}"
+    return "other block inputs"
 
 
 class AutoSession(Session):
@@ -244,6 +250,7 @@ class AutoSession(Session):
         self.state = state
         self.blocks = blocks
         self.types = [block_type_key(b) for b in blocks]
+        self.opaque = [_compiled(b) for b in blocks]
         self.profiler: BlockProfiler | None = None
         self._placement: SchedulePlacement | None = None
         self._wrappers: BlockWrappers | None = None
@@ -251,15 +258,27 @@ class AutoSession(Session):
         self._start_s = 0.0
         self._fallback: str | None = None
         self._capacity: dict[str, int] = {}
+        self.key = _UNKNOWN      # this step's shape class (NOTE [Shape classes])
+        self.current = None      # the plan this step runs (None: warm-up or profile)
+        self._profiling = False
         self.mode = "plan"   # what this step runs: the plan or a PURE strategy (Trials)
         # The compute device: the model's (CPU without parameters to tell).
         owners = ([model] if model is not None else []) + list(blocks)
         first = next((p for m in owners for p in m.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")
+        self._clock = clock_for(self._device.type)
+        self._t0: Any = None
+        self._t_backward: Any = None
 
     @property
     def plan(self):
         return self.state.plan
+
+    @property
+    def recording(self) -> bool:
+        """Whether the placement records every storage: a profile, or a step whose class
+        is not known yet (it may turn out to profile)."""
+        return self._profiling or self.key is _UNKNOWN
 
     def placement(self, bounce) -> Placement:
         self._placement = SchedulePlacement(self.config, self)
@@ -267,23 +286,21 @@ class AutoSession(Session):
 
     def enter(self, hooks, start_s: float) -> None:
         self._hooks, self._start_s = hooks, start_s
+        self._t0, self._t_backward = self._clock.mark(start_s), None
+        hooks.on_first_unpack = self._backward_starts
         self._fallback = None
+        self.profiler, self._profiling, self.key = None, False, _UNKNOWN
         # Tiers are open now (closed again before step_done): note what they may hold.
         self._capacity = {name: tier.capacity_bytes for name, tier in hooks.tiers.items()}
-        plan = self.state.plan
-        self.mode = "plan" if plan is None else plan.running   # NOTE [Trials]
-        if self.mode == "plan" and plan is not None \
-                and plan.readahead_bytes > hooks.prefetcher.budget_bytes:
-            hooks.prefetcher.budget_bytes = plan.readahead_bytes  # see Plan.readahead_bytes
-        if self.state.plan is None and self.state.warm:
-            self.profiler = BlockProfiler(self._device.type)
-        elif self.state.plan is None:
+        state = self.state
+        self._use(state.plan)   # until the first block call tells the class
+        if not state.warm:
             BlockProfiler.prime()  # the warm-up step pays for it
             if not self.blocks:
                 log.info("offload: auto found no repeated blocks (pass model= or blocks=); "
                          "planning keep / host / nvme for every saved tensor, no recompute")
-        else:
-            self.profiler = None
+        if not self.blocks:
+            self._choose(_NO_BLOCK)
         self._wrappers = BlockWrappers(self.blocks, self._run).__enter__()
 
     def exit(self) -> None:
@@ -291,77 +308,122 @@ class AutoSession(Session):
             self._wrappers.__exit__(None, None, None)
             self._wrappers = None
 
+    def _backward_starts(self) -> None:
+        self._t_backward = self._clock.mark(self._hooks.first_unpack_s)
+
+    def _use(self, plan) -> None:
+        self.current = plan
+        self.mode = "plan" if plan is None else plan.running   # NOTE [Trials]
+        prefetcher = self._hooks.prefetcher
+        if self.mode == "plan" and plan is not None \
+                and plan.readahead_bytes > prefetcher.budget_bytes:
+            prefetcher.budget_bytes = plan.readahead_bytes  # see Plan.readahead_bytes
+
+    def _choose(self, key) -> None:
+        """The step's class is known: run its plan, or profile it (after the warm-up)."""
+        self.key = key
+        plan = self.state.plans.get(key)
+        if plan is not None:
+            self._use(plan)
+        else:
+            self._use(None)
+            self._profiling = self.state.warm
+            if self._profiling and key is not _NO_BLOCK:
+                self.profiler = BlockProfiler(self._device.type)
+        if not self.recording:
+            self._placement.items.clear()
+
     def _run(self, index: int, forward, args: tuple, kwargs: dict):
         hooks, placement = self._hooks, self._placement
         if not ours_innermost(hooks.pack) or no_offload_active():  # blocks NOTE [Whose block]
             return forward(*args, **kwargs)
+        sig = signature(args, kwargs)
+        if self.key is _UNKNOWN:
+            self._choose(sig)
+        plan = self.current
+        stand_in = index if plan is None else plan.stand_in(index, self.types[index])
         inputs = {id(a.untyped_storage()): i
                   for i, a in reversed(list(enumerate(block_inputs(args, kwargs))))}
-        placement.enter_region(("block", index), inputs)
+        placement.enter_region(("block", index), inputs, stand_in)
+        block = self.blocks[index]
         try:
             if self.profiler is not None:
-                return self.profiler.run(index, self.types[index],
-                                         type(self.blocks[index]).__name__, forward, args,
-                                         kwargs, hooks)
-            plan = self.state.plan
+                return self.profiler.run(index, self.types[index], type(block).__name__,
+                                         forward, args, kwargs, hooks, self.opaque[index])
             if plan is None:  # the warm-up step (session doc, 0)
                 return forward(*args, **kwargs)
-            if self._fallback is None and plan.signatures.get(index) != signature(args, kwargs):
+            if self._fallback is None and (stand_in is None
+                                           or plan.signatures.get(stand_in) != sig):
                 self._fallback = (f"block {index} was called with other shapes than planned "
                                   "for")
-                log.info("offload: auto: %s; this step checkpoints its blocks, the next one "
-                         "profiles and plans again", self._fallback)
-            bp = plan.block_plan(index)
+                log.info("offload: auto: %s; it and the blocks after it run checkpointed "
+                         "this step, and its shape class profiles again", self._fallback)
             if _holds_cache(args, kwargs, self):
                 return forward(*args, **kwargs)
             if self.mode == "checkpoint":
                 if index in plan.checkpoint_keeps and self._fallback is None:
                     return forward(*args, **kwargs)
-                return checkpoint_block(forward, args, kwargs)
+                return checkpoint_block(forward, args, kwargs, block=block)
+            bp = plan.block_plan(stand_in)
             if self._fallback is not None or bp is None:
-                return checkpoint_block(forward, args, kwargs)
-            if self.mode == "offload":
-                return forward(*args, **kwargs)
-            if not bp.per_op:
+                return checkpoint_block(forward, args, kwargs, block=block)
+            if self.mode == "offload" or not bp.per_op:
                 return forward(*args, **kwargs)
             from .recompute import run_block
 
             targets = plan.op_targets
             rset = bp.recompute
+            moved = stand_in != index
 
             def store(op_id):
                 if op_id in rset:
                     return None
-                name = targets.get((index, op_id))
-                return None if name is None else placement.target(name)
+                name = targets.get((stand_in, op_id))
+                return None if name is None else placement.target(name, moved)
 
-            return run_block(forward, args, kwargs, store, hooks, placement)
+            return run_block(forward, args, kwargs, store, hooks, placement, block,
+                             bp.positions)
         finally:
             placement.enter_region(("after", index))
 
-    def step_done(self, stats, hooks, end_s: float) -> None:
+    def step_done(self, stats, hooks, end_s: float, training: bool = True) -> None:
+        hooks.on_first_unpack = None
         state = self.state
+        if not training:   # step.py NOTE [Training step]
+            if self._profiling or self.key is _UNKNOWN:
+                log.debug("offload: auto: not a training step; not profiled or timed")
+            return
+        ran, mode = self.current, self.mode
+        if self.key is _UNKNOWN:   # no block ran through us (NOTE [Shape classes])
+            self._choose(_NO_BLOCK)
+        key = self.key
         if self._fallback is not None:
             with state.lock:
-                state.plan, state.replan_reason, state.warm = None, self._fallback, True
+                state.plans.pop(key, None)
+                state.reasons[key] = self._fallback
             return
         if not state.warm:
             state.warm = True
             return
-        if self.profiler is None:
-            if self._placement is not None and self._placement.unplanned:
-                log.debug("offload: auto: %d saved storages were not in the plan (moved)",
-                          self._placement.unplanned)
-            plan = state.plan
-            if plan is not None:
-                with state.lock:
-                    settled = plan.trial_done(self.mode, end_s - self._start_s)
-                if settled:
-                    log.info("offload: auto: measured step %s; running %s", ", ".join(
-                        f"{m} {min(t):.3g} s" for m, t in plan.measured.items()),
-                        "the plan" if plan.mode == "plan"
-                        else f"{plan.mode} ({PURE[plan.mode]})")
+        if self._profiling:
+            self._make_plan(key, stats, hooks, end_s)
             return
+        plan = state.plans.get(key)
+        if plan is None or plan is not ran:
+            return
+        if self._placement is not None and self._placement.unplanned:
+            log.debug("offload: auto: %d saved storages were not in the plan (moved)",
+                      self._placement.unplanned)
+        with state.lock:
+            state.ran(key)
+            settled = plan.pending and plan.trial_done(
+                mode, self._clock.seconds(self._t0, self._clock.mark(end_s)))
+        if settled:
+            log.info("offload: auto: measured step %s; running %s", ", ".join(
+                f"{m} {min(t):.3g} s" for m, t in plan.measured.items()),
+                "the plan" if plan.mode == "plan" else f"{plan.mode} ({PURE[plan.mode]})")
+
+    def _make_plan(self, key, stats, hooks, end_s: float) -> None:
         profile = self._profile(stats, hooks, end_s)
         if profile is None:
             return
@@ -370,18 +432,28 @@ class AutoSession(Session):
 
         figures = figures_for(self.config, profile.device)
         plan = make_plan(profile, figures, self._params(profile))
+        if key is _NO_BLOCK and self.blocks:
+            plan.notes.append(f"{_UNRUN}: planned keep / host / nvme per saved tensor, "
+                              "nothing recomputed")
+            _say_unrun_once(self.blocks, "auto", "planning keep / host / nvme per saved "
+                            "tensor, nothing recomputed")
+        state = self.state
         with state.lock:
-            reason, state.plan, state.replan_reason = state.replan_reason, plan, None
+            reason = state.reasons.pop(key, None) or (
+                "first profile" if not state.plans else f"new shapes: {_shapes(key)}")
+            state.plans[key] = plan
             state.profile = profile
+            state.ran(key)
         log.info("offload: auto plan (%s): %s", reason, plan.summary())
         if plan.trials:
             log.info("offload: auto: measuring the plan against %s (predicted within %.0f%%)",
                      ", ".join(plan.trials), 100 * TRIAL_MARGIN)
 
     def _profile(self, stats, hooks, end_s: float) -> Profile | None:
-        blocks = self.profiler.finish()
-        overhead_s = self.profiler.overhead_s  # the profiler's own Python, not the model's
-        self.profiler = None
+        profiler, self.profiler = self.profiler, None
+        blocks = profiler.finish() if profiler is not None else []
+        # The profiler's own Python, not the model's (host time: the device does not wait)
+        overhead_s = profiler.overhead_s if profiler is not None else 0.0
         items = self._placement.items
         timing = {t[0]: t for t in hooks.timings}
         for it in items:
@@ -389,14 +461,17 @@ class AutoSession(Session):
             if t is not None:
                 it.pack_s = t[2] - self._start_s
                 it.unpack_s = None if t[3] is None else t[3] - self._start_s
-        first_unpack = hooks.first_unpack_s
-        if first_unpack is None:
+        clock = self._clock
+        if self._t_backward is None:
             log.info("offload: auto: the profiled step ran no backward inside the context's "
                      "lifetime; profiling again next step")
             return None
-        forward_s = max(first_unpack - self._start_s - stats.stall_forward_s - overhead_s,
-                        1e-6)
-        backward_s = max(end_s - first_unpack - stats.stall_backward_s, 1e-6)
+        forward_s = clock.seconds(self._t0, self._t_backward)
+        backward_s = clock.seconds(self._t_backward, clock.mark(end_s))
+        if not clock.device:
+            forward_s -= overhead_s
+        forward_s = max(forward_s - stats.stall_forward_s, 1e-6)
+        backward_s = max(backward_s - stats.stall_backward_s, 1e-6)
         return Profile(self._device, forward_s, backward_s, stats.saved_bytes, blocks, items)
 
     def _params(self, profile: Profile):

@@ -1,0 +1,143 @@
+"""Buffers a block changes in its forward, kept exact when the block is run again.
+
+NOTE [Buffers in a re-run] `recompute` and `auto` re-run blocks in backward (checkpoint's
+recompute). A block that changes a buffer in its forward (BatchNorm's running statistics
+and `num_batches_tracked` in train mode, any module counting its calls) would change it
+again in the re-run: BatchNorm statistics updated twice a step, silently, with the
+gradients still right. The user never asked for checkpointing, so the runtime must leave
+the model's state exactly as plain training does. Rules:
+
+1. Before a block's checkpointed forward, its buffers are noted (object and version
+   counter) and those known to change are copied. A module is known to change its buffers
+   after its first call: that call copies all of them and compares values afterwards, as
+   BatchNorm's kernel writes its running statistics without bumping their version counter.
+   Every later call still catches a change through the version counter or a buffer
+   replaced by another object.
+2. The re-run runs on copies: every buffer of a module that changed any (all of its
+   buffers: BatchNorm counts batches by version but writes statistics without one) is
+   swapped for a copy of its value from before the forward (rule 1), so the re-run computes
+   what the forward computed; afterwards the module gets back the very buffers it had
+   before the re-run. Whatever the re-run writes lands in copies that are dropped.
+3. The copies are taken outside our dispatch modes (recompute.py counts ops by position:
+   a copy must not shift the ids of the block's own ops).
+
+What it costs: nothing for blocks without buffers; a look at each buffer's version per
+call; a copy of the changing modules' buffers per call (BatchNorm: a few vectors); one
+copy and compare of every buffer at a module's first call.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["guard_buffers"]
+
+
+class _Slots:
+    """A block's buffers as (owning module, name), and what its calls showed."""
+
+    __slots__ = ("slots", "owner_of", "changing")
+
+    def __init__(self, block: nn.Module) -> None:
+        self.slots: list[tuple[nn.Module, str]] = []
+        for module in block.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    self.slots.append((module, name))
+        # Slot -> all slots of its module (rule 2).
+        by_module: dict[int, list[int]] = {}
+        for i, (module, _) in enumerate(self.slots):
+            by_module.setdefault(id(module), []).append(i)
+        self.owner_of = [by_module[id(module)] for module, _ in self.slots]
+        self.changing: set[int] | None = None   # None until the first call (rule 1)
+
+
+_known: "weakref.WeakKeyDictionary[nn.Module, _Slots]" = weakref.WeakKeyDictionary()
+
+
+def _slots_of(block: nn.Module) -> _Slots:
+    slots = _known.get(block)
+    if slots is None:
+        slots = _known[block] = _Slots(block)
+    return slots
+
+
+class _Guard:
+    """One checkpointed call of a block: the forward notes, the re-runs swap (module doc)."""
+
+    def __init__(self, info: _Slots) -> None:
+        self.info = info
+        slots = info.slots
+        self.before = [(b, None if b is None else b._version)
+                       for b in (m._buffers.get(n) for m, n in slots)]
+        copy = range(len(slots)) if info.changing is None else info.changing
+        with torch.no_grad(), _disable_current_modes():
+            self.copies = {i: self.before[i][0].detach().clone() for i in copy
+                           if self.before[i][0] is not None}
+        self.swap: list[int] = []
+        self.calls = 0
+
+    def wrap(self, fn: Callable) -> Callable:
+        def run(*args):
+            self.calls += 1
+            if self.calls == 1:
+                out = fn(*args)
+                self._forward_done()
+                return out
+            return self._rerun(fn, args)
+        return run
+
+    def _forward_done(self) -> None:
+        info, slots = self.info, self.info.slots
+        changed = set()
+        for i, (module, name) in enumerate(slots):
+            buf, version = self.before[i]
+            now = module._buffers.get(name)
+            if now is not buf or (buf is not None and buf._version != version):
+                changed.add(i)
+        if info.changing is None:  # rule 1: the first call compares values too
+            with torch.no_grad(), _disable_current_modes():
+                for i, copy in self.copies.items():
+                    now = slots[i][0]._buffers.get(slots[i][1])
+                    if i not in changed and now is not None and not torch.equal(copy, now):
+                        changed.add(i)
+        whole = {j for i in changed for j in info.owner_of[i]}   # rule 2
+        info.changing = whole if info.changing is None else info.changing | whole
+        for i in list(self.copies):
+            if i not in info.changing:
+                del self.copies[i]  # never changes: the re-run may use the buffer itself
+        self.swap = sorted(whole | set(self.copies))
+
+    def _rerun(self, fn: Callable, args: tuple) -> Any:
+        if not self.swap:
+            return fn(*args)
+        slots = self.info.slots
+        current = [(slots[i][0], slots[i][1], slots[i][0]._buffers.get(slots[i][1]))
+                   for i in self.swap]
+        with torch.no_grad(), _disable_current_modes():  # rule 3
+            for i, (module, name, now) in zip(self.swap, current):
+                start = self.copies.get(i)
+                if start is None:   # a change first seen in this call: its start is lost
+                    start = self.before[i][0] if now is not self.before[i][0] else now
+                module._buffers[name] = None if start is None else start.detach().clone()
+        try:
+            return fn(*args)
+        finally:
+            for module, name, now in current:
+                module._buffers[name] = now
+
+
+def guard_buffers(block: nn.Module | None, fn: Callable) -> Callable:
+    """`fn` (the function checkpoint runs, forward then re-runs) with `block`'s buffers kept
+    exact across its re-runs (NOTE [Buffers in a re-run]); `fn` itself for a block without
+    buffers."""
+    if block is None:
+        return fn
+    info = _slots_of(block)
+    if not info.slots:
+        return fn
+    return _Guard(info).wrap(fn)

@@ -1,0 +1,122 @@
+"""`auto`'s decision point: keep, host or nvme for every storage the hooks are asked about.
+
+The profile step (and a step whose shape class is not known yet: session.py NOTE [Shape
+classes]) records each storage: where in the step it was saved (region and ordinal: the key
+the plan is looked up by), its size, and which op of which block made it. Planned steps look
+each storage up in the plan by that key; a storage the plan does not know, or of another
+size than the one planned for, moves (memory-safe).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+from ..config import Config
+from ..placement import Decision, Placement, TensorInfo
+from .profile import ItemRecord
+
+if TYPE_CHECKING:
+    from .session import AutoSession
+
+__all__ = ["SchedulePlacement"]
+
+
+class SchedulePlacement(Placement):
+    """`auto`'s decision point: a profile (and a step whose shape class is not known yet)
+    records every storage it is asked about; planned steps look each storage up in the
+    plan by where it was saved."""
+
+    def __init__(self, config: Config, session: "AutoSession") -> None:
+        super().__init__(config, None, moves=True)
+        self.session = session
+        self.region: tuple = ("after", -1)
+        self.ordinal = 0
+        self._forced: Decision | None = None
+        self._inputs: dict[int, int] = {}      # storage id -> positional input (checkpoint)
+        self._stand_in: int | None = None      # the planned block this one's lookups use
+        self._decisions: dict[tuple, Decision] = {}
+        self.items: list[ItemRecord] = []
+        self.unplanned = 0
+
+    @contextlib.contextmanager
+    def forced(self, decision: Decision):
+        """The next pack uses `decision` (a stored op output, recompute.py)."""
+        self._forced = decision
+        try:
+            yield
+        finally:
+            self._forced = None
+
+    def enter_region(self, region: tuple, inputs: dict[int, int] | None = None,
+                     stand_in: int | None = None) -> None:
+        self.region, self.ordinal = region, 0
+        self._inputs = inputs or {}
+        self._stand_in = stand_in
+
+    def target(self, name: str, moved: bool = False) -> Decision:
+        """Decision for a plan target: "keep" or a tier (then the tiers after it to spill).
+        `moved`: a decision borrowed from another block (NOTE [Shape classes]): keep moves."""
+        if moved and name == "keep" and self.config.tiers:
+            name = self.config.tiers[0]
+        decision = self._decisions.get(name)
+        if decision is None:
+            if name == "keep":
+                decision = Decision((), "plan: keep")
+            else:
+                tiers = self.config.tiers
+                decision = Decision(tiers[tiers.index(name):] if name in tiers else tiers,
+                                    f"plan: {name}")
+            self._decisions[name] = decision
+        return decision
+
+    def decide(self, info: TensorInfo) -> Decision:
+        if self._forced is not None:
+            return self._forced
+        ordinal = self.ordinal
+        self.ordinal += 1
+        base = super().decide(info)  # no_offload, small: kept whatever the plan says
+        eligible = not base.keep
+        session = self.session
+        region = self.region
+        if session.recording:
+            producer, input_index = (None, None)
+            if info.storage is not None and region[0] == "block" \
+                    and session.profiler is not None:
+                producer, input_index = session.profiler.producer_of(info.storage)
+            self.items.append(ItemRecord(region, ordinal, info.nbytes, info.key, eligible,
+                                         producer, input_index))
+        if not eligible:
+            return base
+        plan = session.current
+        if plan is None:
+            return base   # warm-up, profile: every eligible storage moves
+        if session.mode != "plan":
+            # A whole-block strategy (NOTE [Trials]) moves every eligible storage, but
+            # those of the blocks `checkpoint` runs as they are within the budget.
+            if session.mode == "checkpoint" and region[0] == "block" \
+                    and region[1] in plan.checkpoint_keeps:
+                return self.target("keep")
+            return base
+        moved = False
+        if region[0] == "block":
+            block = self._stand_in
+            moved = block != region[1]
+            if block is None:
+                name = None
+            elif info.storage is not None and id(info.storage) in self._inputs:
+                name = plan.input_targets.get((block, self._inputs[id(info.storage)]))
+            else:
+                name = self._item(plan, (("block", block), ordinal), info.nbytes)
+        else:
+            name = self._item(plan, (region, ordinal), info.nbytes)
+        if name is None:
+            self.unplanned += 1
+            return base  # not in the plan (another step shape): move it, memory-safe
+        return self.target(name, moved)
+
+    @staticmethod
+    def _item(plan, key: tuple, nbytes: int) -> str | None:
+        name = plan.item_targets.get(key)
+        if name is None or plan.item_bytes.get(key, nbytes) != nbytes:
+            return None   # another storage than the one planned for (NOTE [Shape classes])
+        return name

@@ -1,0 +1,154 @@
+"""`recompute` and `auto` leave the model as plain training does: a layer shared by several
+positions is wrapped once and unwrapped at every exit (blocks.py NOTE [Wrapping]), and
+buffers a block changes in its forward are changed once per call, not again by the re-run
+(buffers.py NOTE [Buffers in a re-run]). Weights, gradients and buffers bit-exact against
+plain training with AdamW."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from schedule_models import SharedLayers, module_state, train_side_by_side
+
+from offload.schedule import plan as plan_mod
+
+SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
+
+
+@pytest.fixture(autouse=True)
+def _setup(tmp_path, monkeypatch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models on a busy 2-core machine (see test_auto.py)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(plan_mod, "TRIAL_MARGIN", -1.0)  # what the plan does, not trials
+    yield
+    torch.set_num_threads(threads)
+
+
+def _settings(policy, nvme_dir, **kw):
+    return dict(policy=policy, tiers="nvme", nvme_dir=nvme_dir, min_bytes=0, probe=SLOW, **kw)
+
+
+# ---------------------------------------------------------------- shared layers
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_shared_layer_is_wrapped_once_and_unwrapped_at_every_exit(policy, nvme_dir):
+    """Before: three more wrappers per step stayed on the layer, a RecursionError near step
+    160. Every step here checks the model carries nothing of ours after the exit."""
+    model = SharedLayers()
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    layer = model.layers[0]
+    real = layer.forward.__func__
+
+    def own(self, *args):
+        return real(self, *args)
+
+    layer.forward = own.__get__(layer)   # a forward of the user's, set on the instance
+    user_forward = layer.forward
+    state = module_state(model)
+
+    def each(step, ctx):
+        assert layer.__dict__["forward"] is user_forward
+        assert module_state(model) == state
+
+    differs, ctx = train_side_by_side(model, lambda m: m(x), 200, _settings(policy, nvme_dir),
+                                      each=each)
+    assert differs is None, f"differs at step {differs}"
+    assert ctx.stats.nvme_bytes > 0
+    if policy == "auto":   # every position planned, one block type
+        assert sorted(ctx.plan.signatures) == [0, 1, 2, 3] and len(ctx.plan.blocks) == 1
+    ctx.close()
+
+
+# ---------------------------------------------------------------- buffers
+class Basic(nn.Module):
+    """A ResNet basic block: its BatchNorms change their running statistics in forward."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c, momentum=None)   # cumulative: counts its batches
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.conv2(self.drop(torch.relu(self.bn1(self.conv1(x)))))))
+
+
+class CountsInPlace(nn.Module):
+    """A buffer changed in place in forward, and the output depends on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return x * (1 + 0.01 * self.calls)
+
+
+class CountsByAssignment(nn.Module):
+    """A buffer replaced by a new tensor in forward (no in-place change to see)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return x * (1 + 0.01 * self.calls)
+
+
+class Stage(nn.Module):
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.basic = Basic(c)
+        self.inplace = CountsInPlace()
+        self.assigned = CountsByAssignment()
+
+    def forward(self, x):
+        return self.assigned(self.inplace(self.basic(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.stages = nn.Sequential(*[Stage() for _ in range(3)])
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.head(self.stages(self.stem(x)).mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_buffers_change_once_per_forward_as_in_plain_training(policy, nvme_dir):
+    """Before: BatchNorm statistics updated twice a step (num_batches_tracked 2 vs 1 after
+    one step) and a counter's re-run computing with the counter already advanced."""
+    model = Net()
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 5, (4,), generator=torch.Generator().manual_seed(2))
+    loss = lambda m: nn.functional.cross_entropy(m(x), y)  # noqa: E731
+    differs, ctx = train_side_by_side(model, loss, 8, _settings(policy, nvme_dir))
+    assert differs is None, f"differs at step {differs}"
+    stage = model.stages[0]
+    assert stage.basic.bn1.num_batches_tracked.item() == 8
+    assert stage.inplace.calls.item() == 8 and stage.assigned.calls.item() == 8
+    if policy == "auto":   # the slow link: re-runs ops, so the buffers were at stake
+        assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+    ctx.close()
+
+
+def test_a_shared_batchnorm_block_counts_every_position_once(nvme_dir):
+    """The two mechanisms together: a block with BatchNorm shared by three positions, each
+    call updating the statistics from where the previous one left them."""
+    torch.manual_seed(0)
+    block = Stage()
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Sequential(*[block] * 3))
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    differs, ctx = train_side_by_side(model, lambda m: m(x).pow(2).mean(), 4,
+                                      _settings("recompute", nvme_dir, blocks=[block] * 3))
+    assert differs is None, f"differs at step {differs}"
+    assert block.basic.bn1.num_batches_tracked.item() == 12
+    ctx.close()
