@@ -174,7 +174,7 @@ def first_difference(a: nn.Module, b: nn.Module, grads: bool = False) -> str | N
 
 
 def train_side_by_side(model: nn.Module, loss_fn, steps: int, settings: dict,
-                       lr: float = 1e-3, each=None) -> tuple:
+                       lr: float = 1e-3, each=None, pass_model: bool = True) -> tuple:
     """Train a copy of `model` plainly and `model` inside a fresh offload context per step,
     AdamW, the same seed per step (dropout masks); stop at the first step whose gradients,
     weights or buffers differ bit for bit.
@@ -195,7 +195,7 @@ def train_side_by_side(model: nn.Module, loss_fn, steps: int, settings: dict,
             if m is plain:
                 loss_fn(m).backward()
             else:
-                ctx = offload.activations(model=m, **settings)
+                ctx = offload.activations(model=m if pass_model else None, **settings)
                 with ctx:
                     loss_fn(m).backward()
         what = first_difference(plain, model, grads=True)

@@ -9,8 +9,8 @@ accumulates shows only then). Small configs built from code, nothing downloaded.
 `auto` runs with a slow link and a 30% budget: its plans recompute ops per block (the
 dispatch modes, stored op outputs, the RNG replay) and move or keep the rest.
 
-The LoRA model is given as `model=`: without it the frozen base weights are not yet told
-from activations (issue 17, item 4, handled elsewhere).
+`recompute` and `auto` find their blocks through `model=`; LoRA also runs under `offload`
+without it (frozen base weights are recognised by what they are: tests/test_weights.py).
 """
 from __future__ import annotations
 
@@ -204,13 +204,13 @@ ZOO = {f.__name__: f for f in (gpt2, llama, qwen2, bert, t5, vit, lora_llama, re
                               albert_style, gru_lm)}
 
 
-def _run(name: str, policy: str, nvme_dir: str, steps: int) -> None:
+def _run(name: str, policy: str, nvme_dir: str, steps: int, pass_model: bool = True) -> None:
     model, loss = ZOO[name]()
     settings = dict(policy=policy, tiers="nvme", nvme_dir=nvme_dir, min_bytes=0,
                     nvme_bytes="256MiB")
     if policy == "auto":
         settings.update(probe=SLOW, budget="30%")
-    differs, ctx = train_side_by_side(model, loss, steps, settings)
+    differs, ctx = train_side_by_side(model, loss, steps, settings, pass_model=pass_model)
     assert differs is None, f"{name} under {policy}: differs at step {differs}"
     assert ctx.stats.nvme_bytes > 0, f"{name} under {policy}: nothing moved"
     if policy == "auto":
@@ -228,3 +228,7 @@ def test_zoo(name, policy, nvme_dir):
 def test_zoo_200_steps(nvme_dir):
     """BatchNorm statistics under per-op recompute, 200 steps: nothing drifts or piles up."""
     _run("resnet", "auto", nvme_dir, 200)
+
+
+def test_zoo_lora_without_model(nvme_dir):
+    _run("lora_llama", "offload", nvme_dir, STEPS, pass_model=False)
