@@ -132,7 +132,7 @@ bandwidth() {
   "$PY" - <<'EOF'
 import json, statistics, time
 import torch
-from offload.cuda_streams import CopyStreams
+from offload.tiers.copies import CopyStreams
 
 MiB = 1 << 20
 N = 256 * MiB
@@ -241,7 +241,7 @@ smoke() {
 import json, os, time
 import torch
 import offload
-from offload.models import GPT, GPTConfig
+from offload.bench.models import GPT, GPTConfig
 
 torch.backends.cuda.matmul.allow_tf32 = False
 cfg = GPTConfig(hidden=256, layers=4, heads=4, seq_len=256, dropout=0.0)

@@ -44,13 +44,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offload._ext import load_core  # noqa: E402
 
-from offload.sizes import parse_size as _parse_size  # noqa: E402
+from offload.util.sizes import parse_size as _parse_size  # noqa: E402
 
 MiB = 1 << 20
 
 
 def parse_size(text: str) -> int:
-    """'1GiB' / '512MiB' / '1048576' -> bytes (offload.sizes' syntax, no percentages)."""
+    """'1GiB' / '512MiB' / '1048576' -> bytes (offload.util.sizes' syntax, no percentages)."""
     try:
         return _parse_size(text).nbytes
     except ValueError as exc:

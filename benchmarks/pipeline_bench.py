@@ -48,7 +48,7 @@ def run_one(variant: str, args) -> dict:
 
     import offload
     from offload.bench.measure import grad_hashes
-    from offload.models import GPT, GPTConfig
+    from offload.bench.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     cfg = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq_len=args.seq)

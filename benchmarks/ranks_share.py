@@ -32,7 +32,7 @@ import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from offload.sizes import format_bytes, parse_size  # noqa: E402
+from offload.util.sizes import format_bytes, parse_size  # noqa: E402
 
 MiB = 1 << 20
 LINE = re.compile(r"rank (\d+)/\d+ .*host capacity ([\d.]+) MiB, nvme capacity ([\d.]+) MiB")

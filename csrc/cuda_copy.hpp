@@ -66,7 +66,7 @@ void stream_synchronize_noexcept(uintptr_t stream) noexcept;
 // A private event marking "everything queued on `stream` so far"; lets the store keep
 // a pinned block alive until an H2D copy from it has finished on the device. Created with
 // cudaEventBlockingSync (the release thread that waits on it sleeps instead of spinning a
-// core, as for the D2H events of cuda_streams.py Note 4) and without timing.
+// core, as for the D2H events of copies.py Note 4) and without timing.
 uintptr_t record_private_event(uintptr_t stream);
 void destroy_event(uintptr_t event) noexcept;
 

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from support import check_weights, example_parser
-from offload.models import GPT, GPTConfig
+from offload.bench.models import GPT, GPTConfig
 
 
 def forward(model: GPT, idx: torch.Tensor, every: int) -> torch.Tensor:

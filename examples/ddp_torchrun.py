@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import offload
-from offload.models import GPT, GPTConfig
+from offload.bench.models import GPT, GPTConfig
 from support import check_weights, example_parser, rank_dirs, say, torchrun_device
 
 

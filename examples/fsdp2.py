@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 import offload
-from offload.models import GPT, GPTConfig
+from offload.bench.models import GPT, GPTConfig
 from support import check_weights, example_parser, rank_dirs, say, torchrun_device
 
 

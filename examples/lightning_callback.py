@@ -18,7 +18,7 @@ import torch
 import offload
 from support import check_weights, example_parser
 from offload.integrations.lightning import OffloadCallback
-from offload.models import GPT, GPTConfig
+from offload.bench.models import GPT, GPTConfig
 
 
 class LitGPT(pl.LightningModule):

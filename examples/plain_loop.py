@@ -17,7 +17,7 @@ import torch
 
 import offload
 from support import check_weights, example_parser
-from offload.models import GPT, GPTConfig
+from offload.bench.models import GPT, GPTConfig
 
 
 def train(args, nvme_dir: str | None) -> list[torch.Tensor]:

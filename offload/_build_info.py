@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from . import _ext, gpu_support
+from . import _ext
+from .util import gpu_support
 from ._version import __version__
 
 __all__ = ["build_info", "summary"]

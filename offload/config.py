@@ -17,16 +17,17 @@ import shutil
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
-from . import logs
+from .util import logs
+from . import tiers as tier_registry
 from .errors import ConfigError
-from .memory_limits import available_memory
-from .ranks import Ranks, agreed_total
+from .util.memory_limits import available_memory
+from .util.ranks import Ranks, agreed_total
 from .schedule.figures import ProbeSetting, parse_probe_setting
-from .sizes import SizeSpec, format_bytes, parse_size
+from .util.sizes import SizeSpec, format_bytes, parse_size
 
 __all__ = ["Config", "TIERS", "POLICIES", "env_table_markdown"]
 
-TIERS = ("host", "nvme")
+TIERS = tier_registry.names()  # fastest first
 POLICIES = ("keep", "offload", "recompute", "auto")
 CPU_HEAP_MODES = ("reuse", "release")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -156,7 +157,7 @@ class Config:
             "ui.perfetto.dev. Its directory must exist.")
     # Where each value came from ("OFFLOAD_TIERS='a'" or "tiers='a'"), for error messages.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
-    # The launcher's RANK / LOCAL_WORLD_SIZE ... (offload/ranks.py), read with the knobs.
+    # The launcher's RANK / LOCAL_WORLD_SIZE ... (offload/util/ranks.py), read with the knobs.
     ranks: Ranks = field(default_factory=Ranks, compare=False, repr=False)
 
     # ---------------------------------------------------------------- construction
@@ -325,7 +326,7 @@ class Config:
 
     def apply_log_level(self) -> None:
         """Set the `offload` logger's level from OFFLOAD_LOG (kept when unset) and which
-        ranks log INFO lines from OFFLOAD_LOG_RANKS (offload/logs.py)."""
+        ranks log INFO lines from OFFLOAD_LOG_RANKS (offload/util/logs.py)."""
         logs.configure(self.log, self.log_ranks)
 
 
@@ -335,6 +336,12 @@ def _knobs():
 
 
 _warned_once: set[str] = set()
+
+
+def forget_warnings() -> None:
+    """Say the once-per-process warnings again (offload.process.reset)."""
+    _warned_once.clear()
+    _warned_unknown.clear()
 
 
 def _warn_once(key: str, message: str) -> None:

@@ -21,21 +21,22 @@ from typing import Any
 
 import torch
 
-from . import hook_stack
+from . import process
 from .config import Config
 from .errors import OffloadError
-from .gpu_support import may_see_cuda_tensors, require_gpu_paths
-from .hooks import OffloadHooks, _set_no_offload_depth, no_offload_depth
-from .placement import BouncePlan, plan_for
-from .prefetch import Prefetcher
+from .runtime import hook_stack
+from .runtime.hooks import OffloadHooks
+from .runtime.no_offload import no_offload
+from .runtime.prefetch import Prefetcher
+from .runtime.round_trip import RoundTripPlan, plan_for
+from .runtime.step import Step, close_tiers, finish_pending
+from .runtime.tensor_meta import ParamStorages
 from .schedule.session import Session, start_session
-from .stats import Stats
-from .step import Step, close_tiers, finish_pending
-from .tensor_meta import ParamStorages
-from .tiers import nvme_space, pool
+from .tiers import open_tiers
 from .tiers.base import Tier
-from .tiers.host import HostTier
-from .trace import TraceRecorder
+from .util.gpu_support import may_see_cuda_tensors, require_gpu_paths
+from .util.stats import Stats
+from .util.trace import TraceRecorder
 
 __all__ = ["activations", "ActivationOffload", "no_offload", "empty_cache"]
 
@@ -94,10 +95,10 @@ class ActivationOffload:
             require_gpu_paths(f"offload.activations(tiers={','.join(config.tiers)!r})")
         self.config = config
         self.model = model
-        self._step: Step | None = None       # the latest block's (offload/step.py)
+        self._step: Step | None = None       # the latest block's (offload/runtime/step.py)
         self._steps: weakref.WeakSet[Step] = weakref.WeakSet()  # every one not yet freed
         self._hook_thread: int | None = None
-        self._bounce = BouncePlan()  # learned across the steps of this context (no model=)
+        self._round_trip = RoundTripPlan()  # learned across this context's steps (no model=)
         # recompute / auto: blocks and the plan (offload/schedule/session.py); a disabled
         # context looks for no block and wraps nothing.
         self._schedule = start_session(config, model, blocks) if config.enabled \
@@ -140,19 +141,20 @@ class ActivationOffload:
         stats = Stats()
         if config.trace is not None:
             stats.trace = TraceRecorder()
-        step = Step(config, stats)
-        step.tiers = tiers = self._open_tiers(step) if config.policy != "keep" else {}
+        round_trip = None
+        if config.policy == "offload":
+            round_trip = plan_for(self.model, (config.tiers, config.min_bytes)) \
+                or self._round_trip
+        step = Step(config, stats, round_trip)
+        step.tiers = tiers = open_tiers(config, stats, step.copy_streams) \
+            if config.policy != "keep" else {}
         try:
             params = ParamStorages()
             if self.model is not None:
                 params.add_module(self.model)
-            bounce = None
-            if config.policy == "offload":
-                bounce = plan_for(self.model, (config.tiers, config.min_bytes)) \
-                    or self._bounce
-            step.hooks = OffloadHooks(self._schedule.placement(bounce), tiers, stats,
+            step.hooks = OffloadHooks(self._schedule.placement(round_trip), tiers, step.ledger,
                                       Prefetcher(config.prefetch_bytes, stats), params,
-                                      config.strict)
+                                      config.strict, config.min_bytes, step.timings)
             self._schedule.enter(step.hooks, step.start_s)
             step.after_finish.append(self._schedule.step_done)
             self._hook_thread = hook_stack.install(step.hooks)
@@ -184,34 +186,6 @@ class ActivationOffload:
         step.exited()
         log.info("offload: %s", step.stats.summary())  # from OFFLOAD_LOG_RANKS only (logs.py)
         return False
-
-    def _open_tiers(self, step: Step) -> dict[str, Tier]:
-        config, tiers = self.config, {}
-        try:
-            for name in config.tiers:
-                if name == "host":
-                    capacity, step.stats.host_capacity_source = config.host_capacity()
-                    tiers[name] = HostTier(capacity, step.stats,
-                                           capacity_key=config.host_bytes,
-                                           copies=step.copy_streams)
-                elif name == "nvme":
-                    from ._ext import load_core
-                    from .tiers.nvme import NvmeTier
-
-                    tiers[name] = NvmeTier(
-                        config.nvme_dir, config.nvme_capacity_bytes,
-                        workers=config.io_workers, staging_bytes=config.staging_bytes,
-                        cpu_heap=config.cpu_heap, checksum=config.nvme_checksum,
-                        max_bytes_per_s=config.nvme_max_bw,
-                        stats=step.stats, core=load_core(), capacity_key=config.nvme_bytes,
-                        copies=step.copy_streams)
-        except BaseException:
-            for tier in tiers.values():
-                tier.close(reuse=False)
-            raise
-        for name, tier in tiers.items():
-            setattr(step.stats, f"{name}_capacity_bytes", tier.capacity_bytes)
-        return tiers
 
     def close(self) -> None:
         """Free the tiers of every step of this context now, even if saved tensors still
@@ -254,25 +228,4 @@ def empty_cache() -> None:
     Like `torch.cuda.empty_cache()`: nothing in use is touched. A store a live context still
     uses stays open and closes when that context is done with it.
     """
-    finish_pending()
-    pool.clear()
-    nvme_space.close_idle()
-
-
-@contextlib.contextmanager
-def no_offload():
-    """A region whose saved tensors stay where they are (counted as kept).
-
-    Nests, and works as a decorator. Outside `offload.activations()` it does nothing.
-
-    Example:
-        >>> with offload.activations():
-        ...     with offload.no_offload():
-        ...         y = small_head(x)       # saved tensors of this region stay on the device
-    """
-    depth = no_offload_depth()
-    _set_no_offload_depth(depth + 1)
-    try:
-        yield
-    finally:
-        _set_no_offload_depth(depth)
+    process.empty_cache()

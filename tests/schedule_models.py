@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import offload
-from offload.models import GPT, GPTConfig
+from offload.bench.models import GPT, GPTConfig
 
 __all__ = ["small_gpt", "compare_steps", "hf_gpt2", "hf_llama", "RandomBlock", "RandomStack",
            "random_stack", "SharedLayers", "module_state", "first_difference",

@@ -10,7 +10,7 @@ import torch.nn as nn
 from schedule_models import compare_steps, hf_gpt2, hf_llama, random_stack, small_gpt
 
 import offload
-from offload.models import MLP, ConvNet
+from offload.bench.models import MLP, ConvNet
 from offload.schedule import plan as plan_mod
 from offload.schedule import recompute as recompute_mod
 from offload.schedule.recompute import run_block

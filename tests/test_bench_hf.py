@@ -63,7 +63,7 @@ def test_config_json_as_written(tmp_path, nvme_dir, monkeypatch):
 
 def test_type_is_sized_for_the_machine_in_the_familys_proportions():
     from offload.bench import hf
-    from offload.models import gpt_for_machine
+    from offload.bench.models import gpt_for_machine
 
     size = dict(vars(gpt_for_machine("cpu")[0]))
     llama = hf.resolve("llama", size, None)

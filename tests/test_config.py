@@ -11,7 +11,7 @@ from mounts import mounted
 import offload
 from offload.config import Config, env_table_markdown
 from offload.errors import ConfigError
-from offload.sizes import SizeSpec, format_bytes, parse_size
+from offload.util.sizes import SizeSpec, format_bytes, parse_size
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 
@@ -290,7 +290,7 @@ def test_env_table_lists_every_knob():
     from dataclasses import fields
 
     # Every field is a setting with an env var, except where values came from and the
-    # launcher's rank variables (not ours: offload/ranks.py).
+    # launcher's rank variables (not ours: offload/util/ranks.py).
     knobs = [f for f in fields(Config) if f.name not in ("sources", "ranks")]
     for f in knobs:
         assert f"`{f.metadata['env']}`" in table

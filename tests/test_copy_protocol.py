@@ -1,6 +1,6 @@
 """CopyStreams' stream protocol, on the simulated GPU of tests/sim_gpu.py (CPU only).
 
-Each numbered Note of offload/cuda_streams.py has a test that removes its sync and shows the
+Each numbered Note of offload/tiers/copies.py has a test that removes its sync and shows the
 scenario then yields wrong bytes for some seed, while the intact code is exact for all
 seeds. The simulator's random interleavings are seeded: every run is the same.
 """
@@ -17,11 +17,11 @@ from collections import deque
 import pytest
 import torch
 
-from offload import cuda_streams
-from offload.cuda_streams import CopyStreams, GraphCaptureError
+from offload.tiers import copies as cuda_streams
+from offload.tiers.copies import CopyStreams, GraphCaptureError
 from offload.tiers.base import sync_d2h, sync_h2d
 from offload.tiers.nvme_device import read_then_h2d, write_after_d2h
-from offload.trace import TraceRecorder
+from offload.util.trace import TraceRecorder
 from sim_gpu import CAPTURE_REFUSED, SimAllocator, SimArena, SimGpu, SimStore
 
 SEEDS = range(40)

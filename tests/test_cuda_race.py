@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 import offload
-from offload import cuda_streams
+from offload.tiers import copies as cuda_streams
 
 pytestmark = pytest.mark.cuda
 
@@ -90,7 +90,7 @@ def _run(settings: dict | None, steps: int = STEPS):
         grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()
         torch.cuda.synchronize()
-        # Blocks freed after record_stream (cuda_streams Notes 6, 12) count as allocated until
+        # Blocks freed after record_stream (copies Notes 6, 12) count as allocated until
         # the allocator polls their events; empty_cache waits for those events. What is left
         # is memory some live tensor holds.
         torch.cuda.empty_cache()
@@ -185,7 +185,7 @@ class SideBranchLayer(nn.Module):
 
     `h` is saved by tanh and by `h * w_main` on the current stream, and by `h * w_side` on
     `side`. Autograd runs each backward node on its forward's stream, so the runtime loads
-    `h` once and serves it to both streams (cuda_streams Note 12).
+    `h` once and serves it to both streams (copies Note 12).
     """
 
     def __init__(self, width: int):

@@ -1,6 +1,6 @@
 """Resources that live across steps, on a real GPU (conftest skips `cuda` tests elsewhere).
 
-Streams and pinned arenas are made once and reused by every step (cuda_streams Note 13,
+Streams and pinned arenas are made once and reused by every step (copies Note 13,
 tiers/pool.py), so over 40 steps the caching allocator's reserved memory stays flat after
 the first steps. A run that makes a new prefetch stream per step (as each step did before)
 shows the test can see the difference: reserved memory then grows by about one step's
@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import offload
-from offload import cuda_streams
+from offload.tiers import copies as cuda_streams
 from offload._ext import load_core
 
 pytestmark = pytest.mark.cuda

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.cuda_streams import CopyStreams
+from offload.tiers.copies import CopyStreams
 
 
 def _pinned_blocks():

@@ -21,7 +21,7 @@ import offload
 from distributed import run_ranks
 from mounts import free_bytes
 from offload._ext import core_available
-from offload.models import GPT, GPTConfig
+from offload.bench.models import GPT, GPTConfig
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not core_available(), reason="offload._C unavailable")]
@@ -135,7 +135,7 @@ def _fsdp2_frozen_worker() -> dict:
     saves views of them (`weight.t()`). None of those may be moved."""
     from torch.distributed.fsdp import fully_shard
 
-    from offload.hooks import OffloadHooks
+    from offload.runtime.hooks import OffloadHooks
 
     moved_weights = []
     original = OffloadHooks._store

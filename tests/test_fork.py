@@ -1,4 +1,4 @@
-"""Fork safety (offload/fork.py): a forked child holds none of our slab files or arena pages,
+"""Fork safety (offload/process.py): a forked child holds none of our slab files or arena pages,
 so what the parent frees is freed while the child lives; a child that runs a step opens its
 own store.
 """

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import offload
-from offload import _ext, gpu_support
+from offload import _ext
+from offload.util import gpu_support
 from offload._build_info import summary
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.stats import Stats
+from offload.util.stats import Stats
 from offload.tiers.host import HostTier, _PinnedPayload
 
 CUDA = torch.device("cuda", 0)   # only a label: nothing runs on it
@@ -57,56 +57,58 @@ def _tier():
     return HostTier(1 << 20, Stats(), copies=provider), copies, seen
 
 
-def _pinned(tier, host, copies=None, d2h=None):
+def _pinned(tier, host, d2h=None):
     """A payload as HostTier.store makes it for a CUDA source (the tier counts its bytes)."""
     tier._used_bytes += host.numel()
-    return _PinnedPayload(host, CUDA, tier._stats, tier._released, copies, d2h)
+    payload = _PinnedPayload(host, CUDA, d2h)
+    tier._live.add(payload)
+    return payload
 
 
 def test_prefetch_reloads_after_the_d2h_and_fetch_hands_the_ticket_to_the_stream():
     tier, copies, seen = _tier()
     host = torch.arange(64, dtype=torch.uint8)
     d2h = _D2H(None)
-    p = _pinned(tier, host, copies, d2h)
-    assert p.prefetchable and not p.prefetched
-    assert p.prefetch() and p.prefetched
-    assert not p.prefetch()                       # one reload per use
+    p = _pinned(tier, host, d2h)
+    assert tier.prefetchable(p) and not tier.prefetched(p)
+    assert tier.prefetch(p) and tier.prefetched(p)
+    assert not tier.prefetch(p)                   # one reload per use
     assert copies.log == [("reload", 64, d2h)]    # Note 5: ordered after the D2H
-    out = p.fetch()
+    out = tier.fetch(p)
     assert torch.equal(out, host) and copies.log[-1] == "tensor_for_use"
-    assert not p.prefetched
-    p.fetch()                                     # retain_graph: loads again
+    assert not tier.prefetched(p)
+    tier.fetch(p)                                 # retain_graph: loads again
     assert [e for e in copies.log if e != "tensor_for_use"] == [("reload", 64, d2h)] * 2
 
 
 def test_fetch_uses_the_source_while_its_d2h_is_pending():
     tier, copies, _ = _tier()
     src = torch.full((32,), 7, dtype=torch.uint8)
-    p = _pinned(tier, torch.zeros(32, dtype=torch.uint8), copies, _D2H(src))
-    assert p.fetch() is src
-    assert copies.log == [] and tier._stats.bounce_hits == 1
+    p = _pinned(tier, torch.zeros(32, dtype=torch.uint8), _D2H(src))
+    assert tier.fetch(p) is src
+    assert copies.log == [] and tier._stats.pending_copy_hits == 1
 
 
 def test_release_frees_the_space_and_refuses_later_use():
     tier, copies, _ = _tier()
-    p = _pinned(tier, torch.zeros(32, dtype=torch.uint8), copies, _D2H(None))
+    p = _pinned(tier, torch.zeros(32, dtype=torch.uint8), _D2H(None))
     assert tier.used_bytes == 32
-    p.prefetch()
-    p.release()
-    p.release()
-    assert tier.used_bytes == 0 and p.released and not p.prefetched
-    assert not p.prefetch()
+    tier.prefetch(p)
+    tier.release(p)
+    tier.release(p)
+    assert tier.used_bytes == 0 and tier.released(p) and not tier.prefetched(p)
+    assert not tier.prefetch(p)
 
 
 def test_without_copystreams_the_payload_is_not_prefetchable():
     tier = HostTier(1 << 20, Stats())
     p = _pinned(tier, torch.zeros(8, dtype=torch.uint8))
-    assert not p.prefetchable and not p.prefetch()
+    assert not tier.prefetchable(p) and not tier.prefetch(p)
 
 
 def test_a_cpu_run_never_creates_copy_streams(nvme_dir, monkeypatch):
     import offload
-    from offload import cuda_streams
+    from offload.tiers import copies as cuda_streams
 
     def boom(*a, **k):
         raise AssertionError("CopyStreams made on a CPU-only run")
@@ -121,7 +123,7 @@ def test_a_cpu_run_never_creates_copy_streams(nvme_dir, monkeypatch):
 
 def test_closing_a_step_folds_copy_stats_into_its_stats():
     import offload
-    from offload.cuda_streams import CopyStats
+    from offload.tiers.copies import CopyStats
 
     class FakeCopies:
         def __init__(self):
@@ -133,8 +135,8 @@ def test_closing_a_step_folds_copy_stats_into_its_stats():
         def close(self):
             self.closed = True
 
-    from offload.stats import Stats
-    from offload.step import Step
+    from offload.util.stats import Stats
+    from offload.runtime.step import Step
 
     step = Step(offload.Config.from_env(env={}, policy="keep"), Stats())
     fake = FakeCopies()

@@ -1,5 +1,5 @@
 """In-place changes to saved tensors raise autograd's own error on every tier (NOTE [Version
-check] in offload/version_check.py), word for word, whatever the saved tensor's lifetime.
+check] in offload/runtime/version_check.py), word for word, whatever the saved tensor's lifetime.
 
 Each case is a forward that changes a saved tensor in place the way user code does; plain
 autograd raises for all of them. The reference message comes from plain autograd on the
@@ -170,7 +170,7 @@ def test_no_change_gives_bit_exact_gradients(tiers, nvme_dir):
 
 def test_sentinel_holds_no_storage():
     """The version sentinel follows the counter but does not keep the activation alive."""
-    from offload.version_check import version_sentinel
+    from offload.runtime.version_check import version_sentinel
 
     t = torch.randn(1 << 20) * 2
     ref = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())  # to watch the bytes
@@ -186,7 +186,7 @@ def test_sentinel_holds_no_storage():
 
 def test_data_change_is_invisible_as_in_autograd():
     """`.data` bypasses the version counter, for autograd and for us alike (README)."""
-    from offload.version_check import version_sentinel
+    from offload.runtime.version_check import version_sentinel
 
     t = torch.randn(10) * 2
     sentinel = version_sentinel(t)

@@ -156,7 +156,7 @@ def _lightning_train(tmp_path, callbacks, fail_at: int | None = None):
     class Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            from offload.models import GPT, GPTConfig
+            from offload.bench.models import GPT, GPTConfig
 
             torch.manual_seed(0)
             self.gpt = GPT(GPTConfig(vocab_size=128, hidden=64, layers=2, heads=4, seq_len=32))

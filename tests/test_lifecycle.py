@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-from offload import step as step_module
+from offload.runtime import step as step_module
 from offload.errors import UsedAfterCloseError
 
 _autograd = torch._C._autograd

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from offload.memory_limits import available_memory
+from offload.util.memory_limits import available_memory
 
 GiB = 1 << 30
 

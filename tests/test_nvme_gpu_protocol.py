@@ -10,6 +10,7 @@ the producer kernels wrote, and leave nothing held.
 """
 from __future__ import annotations
 
+import ctypes
 import random
 
 import numpy as np
@@ -18,8 +19,8 @@ import torch
 
 import offload
 from offload._ext import load_core
-from offload.cuda_streams import CopyStreams
-from offload.stats import Stats
+from offload.tiers.copies import CopyStreams
+from offload.util.stats import Stats
 from offload.tiers.nvme import NvmeTier
 from sim_gpu import SimArena, SimFuture, SimGpu, SimStore
 
@@ -34,10 +35,27 @@ class _CudaLabel(torch.Tensor):
         return CUDA
 
 
-def _as_cuda(t: torch.Tensor) -> torch.Tensor:
-    view = torch.Tensor._make_subclass(_CudaLabel, t)
-    view.sim_block = t   # the simulator frees a block when the tensor it made dies
-    return view
+def _flat_of_simulated(storage: torch.UntypedStorage) -> torch.Tensor:
+    """tiers.base.flat_bytes for the simulated device: the bytes, labelled CUDA (the tier
+    hands them to CopyStreams, which checks the device)."""
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return torch.Tensor._make_subclass(_CudaLabel, flat)
+
+
+@pytest.fixture(autouse=True)
+def _simulated_flat_bytes(monkeypatch):
+    from offload.tiers import nvme
+
+    monkeypatch.setattr(nvme, "flat_bytes", _flat_of_simulated)
+
+
+def _own_storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """A storage of just `t`'s bytes in the simulated device memory (the runtime hands tiers
+    storages; a simulated block is a slice of one big buffer). It keeps `t`, and so the
+    simulator's block, alive as long as it lives."""
+    buffer = (ctypes.c_uint8 * t.numel()).from_address(t.data_ptr())
+    buffer.sim_block = t
+    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
 
 
 class _Sim(SimGpu):
@@ -142,7 +160,7 @@ def run_step(seed, nvme_dir, n_tensors=16, sizes=(64, 96, 160), prefetch_depth=3
         n = rng.choice(sizes)
         x = sim.empty(n, None, sim.compute)
         sim.fill(x, _pattern(i))                    # the producing kernel, still queued
-        payload = tier.store(_as_cuda(x))
+        payload = tier.store(_own_storage(x), CUDA)
         assert payload is not None
         del x                                       # autograd keeps only the payload
         scratch = sim.empty(n, None, sim.compute)
@@ -157,14 +175,14 @@ def run_step(seed, nvme_dir, n_tensors=16, sizes=(64, 96, 160), prefetch_depth=3
     while saved or ahead:
         while saved and len(ahead) < prefetch_depth:
             payload, n, i = saved.pop()
-            payload.prefetch()
+            tier.prefetch(payload)
             ahead.append((payload, n, i))
         payload, n, i = ahead.pop(0)
-        t = payload.fetch()                         # the consumer stream waits on the H2D
+        t = tier.fetch(payload)                     # the consumer stream waits on the H2D
         out: list = []
         sim.read(t, out)                            # the backward kernel
         del t
-        payload.release()
+        tier.release(payload)
         results.append((bytes([_pattern(i)]) * n, out))
         sim.run_some()
     tier.drain()

@@ -6,15 +6,14 @@ import gc
 import pytest
 import torch
 
-from offload.prefetch import Prefetcher
-from offload.stats import BusyClock, Stats
-from offload.tensor_meta import ParamStorages, StorageIndex, rebuild, view_meta
+from offload.runtime.prefetch import Prefetcher
+from offload.util.stats import BusyClock, Stats
+from offload.runtime.tensor_meta import ParamStorages, StorageIndex, rebuild, view_meta
 from offload.tiers.base import Payload
 
 
 class FakePayload(Payload):
     __slots__ = ("log", "_started", "_released", "name")
-    prefetchable = True
 
     def __init__(self, name: int, nbytes: int, log: list):
         super().__init__(nbytes, torch.device("cpu"))
@@ -44,20 +43,40 @@ class FakePayload(Payload):
         self._released = True
 
 
+class FakeTier:
+    """Hands the prefetcher's calls to the fake payloads' own (a tier owns them in the
+    runtime: tiers/base.py NOTE [One owner])."""
+
+    def prefetched(self, p):
+        return p.prefetched
+
+    def released(self, p):
+        return p.released
+
+    def prefetch(self, p):
+        return p.prefetch()
+
+    def fetch(self, p):
+        return p.fetch()
+
+
+TIER = FakeTier()
+
+
 def make(n: int, nbytes: int, budget: int):
     log: list = []
     stats = Stats()
     pf = Prefetcher(budget, stats)
     payloads = [FakePayload(i, nbytes, log) for i in range(n)]
     for p in payloads:
-        pf.register(p)
+        pf.register(TIER, p)
     return pf, payloads, log, stats
 
 
 def test_reverse_order_reads_ahead_within_budget():
     pf, ps, log, stats = make(8, 100, budget=250)
     for p in reversed(ps):
-        pf.fetch(p)
+        pf.fetch(TIER, p)
         inflight = sum(1 for q in ps if q.prefetched)
         assert inflight * 100 <= 300  # budget, plus at most the one that crossed it
     loads = [name for kind, name in log if kind == "load"]
@@ -70,20 +89,20 @@ def test_reverse_order_reads_ahead_within_budget():
 
 def test_budget_smaller_than_one_payload_still_reads_ahead_one():
     pf, ps, log, _ = make(4, 1000, budget=10)
-    pf.fetch(ps[3])
+    pf.fetch(TIER, ps[3])
     assert ps[2].prefetched and not ps[1].prefetched
 
 
 def test_out_of_order_fetch_jumps_the_cursor_and_loads_on_demand():
     pf, ps, log, stats = make(10, 100, budget=200)
-    pf.fetch(ps[9])                 # own load, read-ahead 8, 7 (budget full)
-    pf.fetch(ps[3])                 # backward jumped: own load; the cursor moves below 3
+    pf.fetch(TIER, ps[9])                 # own load, read-ahead 8, 7 (budget full)
+    pf.fetch(TIER, ps[3])                 # backward jumped: own load; the cursor moves below 3
     assert not ps[2].prefetched     # ... but 8 and 7 still hold the budget
-    pf.fetch(ps[8])                 # a hit; frees budget: read-ahead continues at 2
+    pf.fetch(TIER, ps[8])                 # a hit; frees budget: read-ahead continues at 2
     assert ps[2].prefetched and not ps[6].prefetched
-    pf.fetch(ps[7])
+    pf.fetch(TIER, ps[7])
     assert ps[1].prefetched
-    pf.fetch(ps[5])                 # skipped by the cursor: loaded on demand (a miss)
+    pf.fetch(TIER, ps[5])                 # skipped by the cursor: loaded on demand (a miss)
     assert stats.prefetch_misses == 3 and stats.prefetch_hits == 2
     assert [n for kind, n in log if kind == "use"] == [9, 3, 8, 7, 5]
 
@@ -91,11 +110,11 @@ def test_out_of_order_fetch_jumps_the_cursor_and_loads_on_demand():
 def test_released_payloads_are_skipped_and_stop_counting():
     pf, ps, log, _ = make(6, 100, budget=200)
     ps[4].release()
-    pf.fetch(ps[5])
+    pf.fetch(TIER, ps[5])
     assert not ps[4].prefetched and ps[3].prefetched and ps[2].prefetched
     ps[3].release()
     ps[3]._started = False          # a released payload no longer holds read memory
-    pf.fetch(ps[2])
+    pf.fetch(TIER, ps[2])
     assert ps[1].prefetched and pf.inflight_bytes == 200   # 3 is still counted ...
     pf._prune()
     assert pf.inflight_bytes == 100                        # ... until the next prune

@@ -1,4 +1,4 @@
-"""Processes sharing a host (offload/ranks.py, offload/logs.py) and `enabled=False`.
+"""Processes sharing a host (offload/util/ranks.py, offload/util/logs.py) and `enabled=False`.
 
 - a `%` capacity is divided among LOCAL_WORLD_SIZE processes; a size is per process;
 - `ctx.stats` reports the capacities each tier got;
@@ -15,11 +15,11 @@ import torch
 
 import offload
 from offload import config as config_module
-from offload import logs
+from offload.util import logs
 from offload._ext import core_available
 from offload.config import Config
 from offload.errors import ConfigError
-from offload.ranks import Ranks
+from offload.util.ranks import Ranks
 from offload.tiers import nvme_space
 
 GiB = 1 << 30
@@ -249,7 +249,7 @@ def test_disabled_installs_nothing(how, monkeypatch):
 def test_disabled_scheduler_policies_wrap_nothing(policy):
     """Without model= `recompute` raises ConfigError (no blocks); disabled, nothing is looked
     for, and a model's blocks run as they are."""
-    from offload.models import GPT, GPTConfig
+    from offload.bench.models import GPT, GPTConfig
 
     offload.activations(enabled=False, policy=policy)  # no ConfigError
     model = GPT(GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16))

@@ -10,7 +10,7 @@ from schedule_models import compare_steps, hf_gpt2, hf_llama, small_gpt
 
 import offload
 from offload.errors import ConfigError
-from offload.models import MLP, ConvNet
+from offload.bench.models import MLP, ConvNet
 from offload.schedule import recompute as recompute_mod, session as session_mod
 from offload.schedule.blocks import BlockWrappers, find_blocks
 

@@ -22,7 +22,7 @@ import pytest
 WORKER = r"""
 import json, resource, sys, time, torch
 import offload
-from offload.models import GPT, gpt_for_machine
+from offload.bench.models import GPT, gpt_for_machine
 
 variant, batch, nvme_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)

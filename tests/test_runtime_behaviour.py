@@ -12,7 +12,7 @@ import torch
 
 import offload
 from offload.errors import ConfigError, TierFullError
-from offload.models import GPT, ConvNet, GPTConfig
+from offload.bench.models import GPT, ConvNet, GPTConfig
 
 try:
     from offload._ext import load_core
@@ -104,19 +104,19 @@ def test_parameters_buffers_and_their_views_never_move(nvme_dir, with_model):
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     buffer_storages = {b.untyped_storage().data_ptr() for b in model.buffers()}
     seen = []
-    orig_store = offload.hooks.OffloadHooks._store
+    orig_store = offload.runtime.hooks.OffloadHooks._store
 
     def spy(self, t, storage, *rest):
         seen.append(storage.data_ptr())
         return orig_store(self, t, storage, *rest)
 
-    offload.hooks.OffloadHooks._store = spy
+    offload.runtime.hooks.OffloadHooks._store = spy
     try:
         with offload.activations(tiers="host", min_bytes=0,
                                  model=model if with_model else None) as ctx:
             model(x).sum().backward()
     finally:
-        offload.hooks.OffloadHooks._store = orig_store
+        offload.runtime.hooks.OffloadHooks._store = orig_store
     # Parameters and views of them are recognised without model= (leaves needing grad);
     # buffers (BatchNorm statistics) only through it: no process-wide module hook.
     assert seen and not (set(seen) & param_storages)
@@ -233,7 +233,7 @@ def test_no_offload_region_keeps():
     with offload.no_offload():            # harmless outside a context, nests
         with offload.no_offload():
             pass
-    assert not offload.hooks.no_offload_active()
+    assert not offload.runtime.hooks.no_offload_active()
 
 
 def test_min_bytes_and_keep_policy():
@@ -279,8 +279,8 @@ def test_repeated_steps_do_not_grow(nvme_dir):
         assert s.nvme_read_bytes >= s.nvme_bytes
         assert ctx._hooks.live_records == 0
         assert s.staging_peak_bytes <= 2 << 20   # bounded by OFFLOAD_STAGING_BYTES
-        peaks.append((s.peak_resident_bytes, s.bounce_kept_bytes))
-    # Identical steps must not grow. Step 1 has no bounce plan; later steps may keep a few
+        peaks.append((s.peak_resident_bytes, s.round_trip_kept_bytes))
+    # Identical steps must not grow. Step 1 has no round-trip plan; later steps may keep a few
     # storages that would bounce (chosen from measured timings, so the choice can vary from
     # step to step) and may exceed step 1's resident peak by at most those bytes.
     first_peak, first_kept = peaks[0]

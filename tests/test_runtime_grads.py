@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import offload
-from offload.models import GPT, ConvNet, GPTConfig, MLP
+from offload.bench.models import GPT, ConvNet, GPTConfig, MLP
 
 HAVE_CORE = True
 try:
@@ -148,8 +148,8 @@ def test_offload_is_bit_exact(name, tiers, bf16, nvme_dir):
     assert_same(baseline(name, steps, bf16=bf16), got[:2])
     assert_moved(got[2], tiers)
     for s in got[2]:
-        # Everything eligible moved: no model=, so no bounce plan keeps anything.
-        assert s.kept_bytes == 0 and s.bounce_kept_bytes == 0
+        # Everything eligible moved: no model=, so no round-trip plan keeps anything.
+        assert s.kept_bytes == 0 and s.round_trip_kept_bytes == 0
 
 
 @pytest.mark.parametrize("tiers", ["host", "nvme"])
@@ -191,25 +191,25 @@ def test_twenty_steps_gpt_bf16_nvme(nvme_dir):
 
 
 @pytest.mark.parametrize("name", ["gpt", "convnet"])
-def test_model_given_learns_a_keep_plan_and_stays_bit_exact(name, nvme_dir, monkeypatch):
-    """With model= the bounce plan is shared across steps: from the second step on it keeps
+def test_model_given_learns_a_round_trip_plan_and_stays_bit_exact(name, nvme_dir, monkeypatch):
+    """With model= the round-trip plan is shared across steps: from the second step on it keeps
     what would bounce (placement.py). Twelve steps with that plan active, and the moves.
 
     The plan comes from measured speeds and gaps; on these tiny models whether anything
     bounces at full disk speed depends on the machine's load (CI saw an empty plan). The
     measured link is made slow (1 MB/s each way, as test_bounce_placement does), so the end
     of the forward bounces on any machine and the keep plan is exercised every step."""
-    from offload.stats import Stats
+    from offload.util.stats import Stats
 
     monkeypatch.setattr(Stats, "nvme_write_gbps", property(lambda self: 0.001))
     monkeypatch.setattr(Stats, "nvme_read_gbps", property(lambda self: 0.001))
     got = train(name, 12, _kwargs("nvme", 0, nvme_dir), pass_model=True)
     assert_same(baseline(name, 12), got[:2])
     assert_moved(got[2], "nvme")
-    assert got[2][0].bounce_kept_bytes == 0                  # nothing learned yet
-    assert all(s.bounce_kept_bytes > 0 for s in got[2][1:]), "the keep plan stayed empty"
+    assert got[2][0].round_trip_kept_bytes == 0                  # nothing learned yet
+    assert all(s.round_trip_kept_bytes > 0 for s in got[2][1:]), "the keep plan stayed empty"
     for s in got[2]:
-        assert s.kept_bytes == s.bounce_kept_bytes
+        assert s.kept_bytes == s.round_trip_kept_bytes
 
 
 # ---------------------------------------------------------------- torch.utils.checkpoint

@@ -4,7 +4,7 @@ no test can catch being removed is not tested.
 | mechanism | its check | sabotage here |
 |---|---|---|
 | store close (slab descriptors) | conftest `nvme_dir` teardown: `descriptors_into` | stores never closed |
-| the version check | tests/test_inplace.py (autograd's error) | `_Packed.check_version` a no-op |
+| the version check | tests/test_inplace.py (autograd's error) | `check_version` of every saved kind a no-op |
 | the fork handler | tests/test_fork.py (the child's descriptors) | child keeps inherited stores |
 | the checksum on read | tests/test_storage_errors.py | checksums off (there) |
 | each stream wait / record_stream | tests/test_copy_protocol.py `test_noteN_without_...` | (there) |
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import offload
+import offload.tiers
 from offload.tiers import nvme_space
 from conftest import descriptors_into
 from test_inplace import relu_inplace
@@ -59,9 +60,10 @@ def test_sabotage_store_close_is_caught_by_the_descriptor_check(nvme_dir, monkey
 
 
 def test_sabotage_version_check_lets_the_reproducer_train_on(nvme_dir, monkeypatch):
-    from offload.hooks import _Packed
+    from offload.runtime.records import Kept, Moved
 
-    monkeypatch.setattr(_Packed, "check_version", lambda self: None)
+    for cls in (Kept, Moved):
+        monkeypatch.setattr(cls, "check_version", lambda self: None)
     x = torch.randn(64, 256, requires_grad=True)
     with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
         relu_inplace(x).backward()     # test_inplace expects autograd's error here
@@ -91,10 +93,10 @@ def test_sabotage_fork_handler_leaves_the_slab_open_in_the_child(nvme_dir, monke
 def test_sabotage_untracked_alias_detection_gives_a_chunk_anothers_bytes(monkeypatch):
     import test_untracked_aliases as t
 
-    from offload import hooks
+    from offload.runtime import hooks
 
     monkeypatch.setattr(hooks, "untracked_alias", lambda t, storage: False)
-    monkeypatch.setattr(offload.context, "HostTier", t._timed_copy_tier(at_pack=True))
+    monkeypatch.setitem(offload.tiers.REGISTRY, "host", t._timed_copy_tier(at_pack=True))
     ref, _ = t._synthetic_grads(None)
     got, _ = t._synthetic_grads({"tiers": "host", "min_bytes": 0})
     assert not all(torch.equal(a, b) for a, b in zip(ref, got)), \
@@ -105,7 +107,7 @@ def test_sabotage_without_the_private_copy_a_chunk_moves_its_whole_storage(monke
                                                                              nvme_dir):
     import test_untracked_aliases as t
 
-    from offload import hooks
+    from offload.runtime import hooks
 
     monkeypatch.setattr(hooks, "snapshot", lambda x: x.detach())
     _, ctx = t._synthetic_grads({"tiers": "nvme", "nvme_dir": nvme_dir, "min_bytes": 0})

@@ -85,8 +85,8 @@ def test_disk_full_mid_step_raises_storage_error_and_the_next_step_works():
 def _corrupt_one_payload(ctx):
     tier = ctx.tiers["nvme"]
     tier.drain()                                   # every write has landed
-    record = max(ctx._hooks._live, key=lambda r: r.nbytes)
-    tier._store._corrupt_for_test(record.payload.extent, record.nbytes // 2)
+    payload = max(tier._live, key=lambda p: p.nbytes)
+    tier._store._corrupt_for_test(payload.extent, payload.nbytes // 2)
 
 
 def test_a_corrupted_read_fails_loudly_in_backward_with_checksums(nvme_dir):

@@ -14,7 +14,7 @@ import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
 import offload
-from offload import subclasses
+from offload.runtime import subclasses
 
 TIERS = ["host", "nvme", "host,nvme"]
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 import offload
 from offload.config import Config, env_table_markdown
 from offload.errors import ConfigError
-from offload.stats import Stats
+from offload.util.stats import Stats
 
 
 def _model():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.stats import Stats
+from offload.util.stats import Stats
 from offload.tiers import host as host_mod
 from offload.tiers import pool
 
@@ -86,12 +86,23 @@ def test_pool_one_slot_per_kind_evicts_and_closes():
 def test_host_tier_on_cpu_holds_references_and_counts_capacity():
     stats = Stats()
     tier = host_mod.HostTier(1000, stats)
-    flat = torch.arange(600, dtype=torch.uint8)
-    p = tier.store(flat)
-    assert p is not None and p.resident and p.fetch() is flat and tier.used_bytes == 600
-    assert tier.store(torch.zeros(600, dtype=torch.uint8)) is None   # full: spill
-    p.release()
-    p.release()                                                      # idempotent
-    assert tier.used_bytes == 0
+    storage = torch.arange(600, dtype=torch.uint8).untyped_storage()
+    p = tier.store(storage, storage.device)
+    assert p is not None and p.resident and tier.used_bytes == 600
+    assert tier.fetch(p).data_ptr() == storage.data_ptr()           # a reference, no copy
+    full = torch.zeros(600, dtype=torch.uint8).untyped_storage()
+    assert tier.store(full, full.device) is None                    # full: spill
+    tier.release(p)
+    tier.release(p)                                                  # idempotent
+    assert tier.used_bytes == 0 and tier.released(p)
     with pytest.raises(RuntimeError, match="after release"):
-        p.fetch()
+        tier.fetch(p)
+
+
+def test_abort_frees_every_payload_at_once():
+    tier = host_mod.HostTier(1000, Stats())
+    storages = [torch.zeros(100, dtype=torch.uint8).untyped_storage() for _ in range(3)]
+    ps = [tier.store(s, s.device) for s in storages]
+    assert tier.used_bytes == 300
+    tier.abort()
+    assert tier.used_bytes == 0 and all(tier.released(p) for p in ps)

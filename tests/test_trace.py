@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from offload import trace
-from offload.trace import NULL_RECORDER, TraceRecorder, recorder_from_env
+from offload.util import trace
+from offload.util.trace import NULL_RECORDER, TraceRecorder, recorder_from_env
 
 
 class FakeClock:

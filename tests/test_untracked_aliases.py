@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 import offload
+import offload.tiers
 from offload.tiers.base import Payload
 from offload.tiers.host import HostTier
 
@@ -178,21 +179,13 @@ def test_a_saved_unsafe_chunk_comes_back_as_saved(tiers, nvme_dir):
 class _CopyPayload(Payload):
     """A CPU storage's bytes copied by a tier at a chosen moment (see _TimedCopyTier)."""
 
-    __slots__ = ("_source", "_copy", "_on_release")
+    __slots__ = ("source", "copy")
 
-    def __init__(self, flat: torch.Tensor, at_pack: bool, on_release) -> None:
-        super().__init__(flat.numel(), flat.device)
-        self._on_release = on_release
-        self._copy = flat.clone() if at_pack else None
-        self._source = None if at_pack else flat   # read only when backward fetches
-
-    def fetch(self) -> torch.Tensor:
-        return self._copy if self._copy is not None else self._source.clone()
-
-    def release(self) -> None:
-        if self._source is not None or self._copy is not None:
-            self._source = self._copy = None
-            self._on_release(self.nbytes)
+    def __init__(self, storage: torch.UntypedStorage, device, at_pack: bool) -> None:
+        super().__init__(storage.nbytes(), device)
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self.copy = flat.clone() if at_pack else None
+        self.source = None if at_pack else flat   # read only when backward fetches
 
 
 def _timed_copy_tier(at_pack: bool):
@@ -201,17 +194,31 @@ def _timed_copy_tier(at_pack: bool):
         the copy taken at one extreme: at pack (the fastest D2H) or at fetch (the
         slowest; reads the storage as late as anything could)."""
 
-        def store(self, flat):
-            if self._used_bytes + flat.numel() > self._capacity_bytes:
+        def store(self, storage, device):
+            if self._used_bytes + storage.nbytes() > self._capacity_bytes:
                 return None
-            self._used_bytes += flat.numel()
-            return _CopyPayload(flat, at_pack, self._released)
+            self._used_bytes += storage.nbytes()
+            return _CopyPayload(storage, device, at_pack)
+
+        def prefetchable(self, payload):
+            return False
+
+        def released(self, payload):
+            return payload.source is None and payload.copy is None
+
+        def fetch(self, payload):
+            return payload.copy if payload.copy is not None else payload.source.clone()
+
+        def release(self, payload):
+            if not self.released(payload):
+                payload.source = payload.copy = None
+                self._used_bytes -= payload.nbytes
     return _TimedCopyTier
 
 
 @pytest.mark.parametrize("at_pack", [True, False], ids=["copy-at-pack", "copy-at-fetch"])
 def test_a_copying_host_tier_returns_what_was_saved_whenever_it_copies(at_pack, monkeypatch):
-    monkeypatch.setattr(offload.context, "HostTier", _timed_copy_tier(at_pack))
+    monkeypatch.setitem(offload.tiers.REGISTRY, "host", _timed_copy_tier(at_pack))
     ref, _ = _synthetic_grads(None)
     got, ctx = _synthetic_grads({"tiers": "host", "min_bytes": 0})
     assert ctx.stats.host_bytes > 0

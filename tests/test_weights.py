@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import offload
-from offload.hooks import OffloadHooks
+from offload.runtime.hooks import OffloadHooks
 
 
 @contextlib.contextmanager
@@ -89,7 +89,7 @@ def test_frozen_weights_train_exactly_without_model(nvme_dir):
 
 
 def test_a_frozen_parameter_view_is_a_weight():
-    from offload.tensor_meta import is_weight
+    from offload.runtime.tensor_meta import is_weight
 
     w = nn.Parameter(torch.randn(4, 4), requires_grad=False)
     assert is_weight(w) and is_weight(w.t()) and is_weight(w[1:])

@@ -24,7 +24,7 @@ from offload.bench.rows import Meta, Row
 from offload.bench.runner import GradChecker, WorkerRunner, Workspace, schedule
 from offload.bench.spec import RunSpec
 from offload.bench.strategies import PUBLIC_STRATEGIES
-from offload.models import GPTConfig
+from offload.bench.models import GPTConfig
 
 if TYPE_CHECKING:  # rich is imported when main() runs: a missing one gets a clear message
     from rich.console import Console
@@ -170,8 +170,8 @@ def _nvme_bases(arg: str | None, parser) -> list[str]:
 def _resolve(args, parser) -> Settings:
     import torch
 
-    from offload.models import gpt_for_machine
-    from offload.sizes import parse_size
+    from offload.bench.models import gpt_for_machine
+    from offload.util.sizes import parse_size
 
     strategies = _parse_strategies(args.strategies, parser)
     if args.explain and "auto" not in strategies:

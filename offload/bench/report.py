@@ -5,7 +5,7 @@ import os
 from typing import TYPE_CHECKING
 
 from offload.bench.rows import Row, to_json
-from offload.sizes import format_bytes
+from offload.util.sizes import format_bytes
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -17,7 +17,7 @@ from typing import Any
 
 from offload.bench.measure import RAM_FS_TYPES
 from offload.bench.result import RunResult
-from offload.sizes import format_bytes
+from offload.util.sizes import format_bytes
 
 __all__ = ["Row", "Meta", "Probe", "ROW_FIELDS", "SCHEMA", "SCHEMA_VERSION", "make_row",
            "add_relative", "to_json", "from_json", "STATS_FIELDS", "RATE_FIELDS"]

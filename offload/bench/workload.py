@@ -1,6 +1,6 @@
 """The model, the fixed batch and the loss a worker trains on.
 
-Built-in: the GPT of :mod:`offload.models` (``loss = cross-entropy of next-token targets``).
+Built-in: the GPT of :mod:`offload.bench.models` (``loss = cross-entropy of next-token targets``).
 
 ``--hf TYPE`` or ``--hf config.json``: a Hugging Face causal LM (:mod:`offload.bench.hf`),
 inputs ``input_ids`` and ``labels``, its own loss.
@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from offload.bench.spec import RunSpec
-from offload.models import GPT, GPTConfig
+from offload.bench.models import GPT, GPTConfig
 from offload.schedule.blocks import find_blocks
 
 __all__ = ["Workload", "build_workload", "load_factory", "load_module", "checkpointed",

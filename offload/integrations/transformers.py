@@ -14,7 +14,7 @@
 backward (`accelerator.backward`) right after it; the mixin adds the offload context to
 that manager. So the context covers each micro-batch's forward, its backward runs after the
 exit, and the step ends at autograd's end-of-backward callback (NOTE [End of step] in
-offload/step.py). Works with a `Trainer` subclass that keeps Trainer's `training_step` (or
+offload/runtime/step.py). Works with a `Trainer` subclass that keeps Trainer's `training_step` (or
 calls `compute_loss_context_manager` around its forward), and under torchrun, where
 Trainer runs DDP through accelerate (examples/hf_trainer.py: bit-exact on 2 gloo ranks).
 Evaluation (no gradients) installs nothing. TRL's `SFTTrainer` is such a subclass

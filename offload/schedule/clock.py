@@ -9,7 +9,7 @@ each is synchronized before it is read (an event of a side stream is not done be
 later event of another stream is).
 
 `new_event` is the seam tests replace with a fake device clock (tests/test_clock.py), as
-offload/cuda_streams.py's `_TorchCuda` is for the copy paths.
+offload/tiers/copies.py's `_TorchCuda` is for the copy paths.
 """
 from __future__ import annotations
 

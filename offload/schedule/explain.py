@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from ..sizes import format_bytes
+from ..util.sizes import format_bytes
 from .plan import Plan, _rates
 
 __all__ = ["render"]

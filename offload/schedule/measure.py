@@ -118,8 +118,8 @@ def nvme_figures(dirs: tuple[str, ...], workers: int, core: Any) -> dict[str, fl
 
 
 def pcie_figures(device: torch.device, core: Any) -> dict[str, float]:
-    """Pinned copies through our copy path (offload/cuda_streams.py's CopyStreams)."""
-    from ..cuda_streams import CopyStreams
+    """Pinned copies through our copy path (offload/tiers/copies.py's CopyStreams)."""
+    from ..tiers.copies import CopyStreams
 
     big, small, count = 256 << 20, 1 << 20, 32
     arena = core.HostArena(big, pinned=True)

@@ -12,7 +12,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from ..config import Config
-from ..placement import Decision, Placement, TensorInfo
+from ..runtime.placement import Decision, Placement, TensorInfo
 from .profile import ItemRecord
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ Cost model (seconds added to the profiled compute time `F + B`, forward + backwa
   w + r - ETA (F + B'))`. GPU: the same for the disk with the nvme bytes, and PCIe both
   ways with host + nvme bytes: `max(0, out - ETA F) + max(0, in - ETA B')`; the larger of
   the two stalls counts. Each transfer also costs its issue time on the host (probe).
-* don't bounce (what offload/bounce.py decides for the offload policy, folded in here): a
+* don't bounce (what offload/runtime/round_trip.py decides for the offload policy, folded in here): a
   storage whose measured pack→unpack gap is shorter than `SAFETY` round trips cannot hide
   its transfer, alone or once the transfers queue behind each other (bounce.py's queue
   simulation); moving it costs the whole round trip.
@@ -45,7 +45,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from ..sizes import format_bytes
+from ..util.sizes import format_bytes
 from .figures import Figures
 from .profile import ItemRecord, OpRecord, Profile
 
@@ -61,7 +61,7 @@ PURE = {"offload": "every eligible storage moved, blocks as they are",
 log = logging.getLogger("offload")
 
 ETA = 0.8      # share of compute that transfers may hide behind (DESIGN cost model)
-SAFETY = 1.5   # a moved storage's gap must hold this many round trips (offload/bounce.py)
+SAFETY = 1.5   # a moved storage's gap must hold this many round trips (offload/runtime/round_trip.py)
 # A pure strategy predicted within this share of the plan is measured against it (module
 # doc): the predictions missed by 6-9 % on the dev VM (helper runs of issue 11, and the
 # 300 MB/s run above), so 15 % leaves room for a miss on either side.
@@ -266,8 +266,8 @@ def _gap_s(item: ItemRecord) -> float:
 def _queued_bounces(remaining: list[ItemRecord], targets: dict, out_bps: float,
                     in_bps: float) -> float:
     """Round trips of moved storages that bounce once the transfers queue behind each
-    other (offload/bounce.py simulates the queues): their whole round trip is exposed."""
-    from ..bounce import LinkSpeed, TensorTiming, keep_on_device
+    other (offload/runtime/round_trip.py simulates the queues): their whole round trip is exposed."""
+    from ..runtime.round_trip import LinkSpeed, TensorTiming, keep_on_device
 
     timed = [it for it in remaining if it.key in targets and it.pack_s is not None]
     if not timed or out_bps <= 0 or in_bps <= 0:

@@ -16,7 +16,7 @@ re-runs for free). Ops with non-tensor or non-plain-tensor outputs re-run too. A
 output that the forward later changes in place would come back changed: the plan never
 stores those (the profile sees it: offload/schedule/profile.py), and if one is changed
 anyway, the unpack raises autograd's in-place error (NOTE [Version check] in
-offload/version_check.py) instead of returning wrong values.
+offload/runtime/version_check.py) instead of returning wrong values.
 
 Rule 2 (random ops replay exactly). checkpoint restores the RNG state at the block's start
 before recomputing. A stored random op (dropout as one op, attention with dropout) does
@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from ..placement import Decision
+from ..runtime.placement import Decision
 from .buffers import guard_buffers
 
 __all__ = ["run_block", "checkpoint_block", "block_inputs", "storable_op", "IGNORED_OPS",

@@ -59,8 +59,8 @@ import torch
 
 from ..config import Config
 from ..errors import ConfigError
-from ..hooks import no_offload_active
-from ..placement import Placement
+from ..runtime.no_offload import no_offload_active
+from ..runtime.placement import Placement
 from .blocks import BlockWrappers, block_type_key, find_blocks, ours_innermost
 from .clock import clock_for
 from .placement import SchedulePlacement

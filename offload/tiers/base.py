@@ -1,82 +1,92 @@
-"""The tier interface: a tier stores and loads a flat byte payload.
+"""The tier interface: a tier stores and loads flat byte payloads.
 
-The hook layer (offload/hooks.py) turns tensors into flat uint8 payloads (one per storage)
-and back, so a tier never sees dtypes, shapes or views. A tier is chosen per storage by
-offload/placement.py; spilling to the next tier happens when `store` returns None.
+The runtime (offload/runtime/) turns tensors into flat uint8 payloads (one per storage) and
+back, so a tier never sees dtypes, shapes or views. A tier is chosen per storage by
+offload/runtime/placement.py; spilling to the next tier happens when `store` returns None.
 
-Life of a payload: `store` (forward; may copy asynchronously) → optional `prefetch` (starts
-the load early, called by offload/prefetch.py) → `fetch` (backward; waits only for this
-payload) → `release` (when autograd frees the last saved tensor of the storage). `release`
-must never block on I/O: a tier defers freeing space that an in-flight transfer still uses.
+Life of a payload, every step a call of the tier's (NOTE [One owner]): `store` (forward; may
+copy asynchronously) → optional `prefetch` (starts the load early: the prefetcher) → `fetch`
+(backward; waits only for this payload) → `release` (when autograd frees the last saved
+tensor of the storage). `release` never blocks on I/O: a tier defers freeing space that an
+in-flight transfer still uses.
+
+NOTE [One owner] A payload is the tier's handle for one storage's bytes: it calls nothing.
+The tier owns every transfer and every byte of capacity; the runtime hands the payload back
+to the tier's methods (`tier.fetch(payload)`), and nothing a tier does calls back into the
+runtime. Tiers register here by name (`offload.tiers.open_tiers`); their name, capacity and
+figures (`report`) are theirs.
 """
 from __future__ import annotations
 
 import abc
 import time
+from typing import Any, Callable
 
 import torch
 
-from ..cuda_streams import refuse_graph_capture
+from .copies import refuse_graph_capture
 
-__all__ = ["Tier", "Payload", "sync_d2h", "sync_h2d"]
+__all__ = ["Tier", "Payload", "flat_bytes", "sync_d2h", "sync_h2d"]
 
 
-class Payload(abc.ABC):
-    """One storage's bytes held by a tier."""
+class Payload:
+    """One storage's bytes held by a tier (its handle; see NOTE [One owner])."""
 
-    __slots__ = ("nbytes", "device", "order_pos", "__weakref__")
+    __slots__ = ("nbytes", "device", "__weakref__")
 
     #: True when the bytes still occupy the compute device's memory (see Tier.resident).
     resident = False
-    #: True when `prefetch` starts a real transfer (the prefetcher tracks such payloads).
-    prefetchable = False
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = nbytes
         self.device = device  # where the bytes came from and must go back to
-        self.order_pos = -1   # position in pack order, set by the prefetcher
-
-    def prefetch(self) -> bool:
-        """Start bringing the bytes back without waiting; True if a transfer was started."""
-        return False
-
-    @property
-    def prefetched(self) -> bool:
-        """Whether a load is in flight or done (so `fetch` will not start one)."""
-        return False
-
-    @property
-    def released(self) -> bool:
-        return False
-
-    @abc.abstractmethod
-    def fetch(self) -> torch.Tensor:
-        """The bytes as a 1-D uint8 tensor on `device`; waits for this payload only.
-
-        The returned tensor owns (keeps alive) whatever memory holds the bytes; the payload
-        drops its own reference, so the memory returns when the caller drops the tensor.
-        May be called more than once (retain_graph): it then loads again.
-        """
-
-    @abc.abstractmethod
-    def release(self) -> None:
-        """Free the tier's space; idempotent; never waits for I/O."""
 
 
 class Tier(abc.ABC):
     """A place for payloads with a capacity. `store` returns None when it is full."""
 
     name: str = "?"
-    #: True when stored bytes still occupy the compute device's memory (the host tier on a
-    #: CPU-only run: there the device *is* host RAM).
-    resident: bool = False
+
+    @classmethod
+    @abc.abstractmethod
+    def open(cls, config, stats, copies: Callable[[torch.device], Any]) -> "Tier":
+        """The tier for one step, from the settings (`config`), the step's `stats` and its
+        CopyStreams provider (`copies(device)`, for CUDA sources)."""
 
     @abc.abstractmethod
-    def store(self, flat: torch.Tensor) -> Payload | None:
-        """Take a copy of (or a reference to) the bytes of `flat` (1-D uint8, any device).
+    def store(self, storage: torch.UntypedStorage, device: torch.device) -> Payload | None:
+        """Take a copy of (or a reference to) the bytes of `storage`, which lives on `device`.
 
         Returns None when the tier has no room; the caller spills to the next tier.
         """
+
+    def prefetchable(self, payload: Payload) -> bool:
+        """Whether `prefetch` would start a real transfer (the prefetcher tracks those)."""
+        return False
+
+    def prefetch(self, payload: Payload) -> bool:
+        """Start bringing the bytes back without waiting; True if a transfer was started."""
+        return False
+
+    def prefetched(self, payload: Payload) -> bool:
+        """Whether a load is in flight or done (so `fetch` will not start one)."""
+        return False
+
+    def released(self, payload: Payload) -> bool:
+        return False
+
+    @abc.abstractmethod
+    def fetch(self, payload: Payload) -> torch.Tensor:
+        """The bytes as a 1-D uint8 tensor on the payload's device; waits for it only.
+
+        The returned tensor owns (keeps alive) whatever memory holds the bytes; the tier
+        drops its own reference, so the memory returns when the caller drops the tensor.
+        May be called more than once (retain_graph): it then loads again.
+        """
+
+    @abc.abstractmethod
+    def release(self, payload: Payload) -> None:
+        """Free the payload's space; idempotent; never waits for I/O."""
 
     @property
     @abc.abstractmethod
@@ -92,7 +102,7 @@ class Tier(abc.ABC):
 
     def usage_text(self) -> str:
         """How full the tier is, for messages ("host 1 GiB of 8 GiB used")."""
-        from ..sizes import format_bytes
+        from ..util.sizes import format_bytes
 
         return (f"{self.name} {format_bytes(self.used_bytes)} of "
                 f"{format_bytes(self.capacity_bytes)} used")
@@ -103,6 +113,14 @@ class Tier(abc.ABC):
     def drain(self) -> None:
         """Wait for every transfer in flight (end of step, before closing)."""
 
+    def abort(self) -> None:
+        """Free every payload now (the step failed): a later `fetch` of one raises
+        UsedAfterCloseError, `released` says so."""
+
+    def report(self, stats) -> None:
+        """Put the tier's end-of-step figures into `stats` (space still used, peaks)."""
+        stats.tier(self.name).exit_used_bytes = self.used_bytes
+
     def close(self, reuse: bool = True) -> None:
         """Free every resource; payloads still alive afterwards fail on `fetch`.
 
@@ -111,13 +129,18 @@ class Tier(abc.ABC):
         """
 
 
+def flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The storage's bytes as a 1-D uint8 tensor (zero-copy, keeps the storage alive)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 def sync_d2h(src: torch.Tensor, dst: torch.Tensor, stats) -> None:
     """Blocking device-to-host copy, the fallback when no CopyStreams exist.
 
     A blocking `copy_` returns only when the bytes are on the host, so the caller may free
     the source right after it (no event needed).
     """
-    if src.is_cuda:   # cuda_streams Note 14: a clear error instead of CUDA's mid-copy
+    if src.is_cuda:   # copies Note 14: a clear error instead of CUDA's mid-copy
         refuse_graph_capture("a blocking device-to-host copy", torch.cuda.is_current_stream_capturing())
     start = time.perf_counter()
     dst.copy_(src)
@@ -127,7 +150,7 @@ def sync_d2h(src: torch.Tensor, dst: torch.Tensor, stats) -> None:
 
 def sync_h2d(src: torch.Tensor, device: torch.device, stats) -> torch.Tensor:
     """Blocking host-to-device copy of a flat uint8 buffer; complete when it returns."""
-    if device.type == "cuda":   # cuda_streams Note 14
+    if device.type == "cuda":   # copies Note 14
         refuse_graph_capture("a blocking host-to-device copy", torch.cuda.is_current_stream_capturing())
     start = time.perf_counter()
     out = torch.empty(src.numel(), dtype=torch.uint8, device=device)

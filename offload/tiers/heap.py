@@ -139,7 +139,7 @@ class HeapSettings:
 
     @classmethod
     def after_fork_in_child(cls) -> None:
-        """A forked child is not in a step: back to glibc's normal trimming (offload/fork.py)."""
+        """A forked child is not in a step: back to glibc's normal trimming (offload/process.py)."""
         cls._lock = threading.Lock()
         if cls._holders > 0 and _MALLOPT is not None:
             _MALLOPT(_M_TRIM_THRESHOLD, AFTER_TRIM_THRESHOLD_BYTES)

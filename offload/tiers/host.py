@@ -9,7 +9,7 @@ Pinned memory is allocated in chunks of `PINNED_CHUNK_BYTES` as the tier fills (
 pinned allocation per tensor, and not the whole capacity up front: the default capacity is
 half the RAM, and pinning 64 GiB at the first tensor would stall the step for seconds); the
 chunks are kept across steps (pool.py).
-With a `copies` provider (the context's CopyStreams per device, offload/cuda_streams.py) the
+With a `copies` provider (the context's CopyStreams per device, offload/tiers/copies.py) the
 copies are asynchronous: `store` starts the D2H on the offload stream and returns (Notes 1-3
 there: the producer's event, the source and the pinned block are held by the pending copy);
 `prefetch` starts the H2D on the prefetch stream, ordered after the D2H (Note 5); `fetch`
@@ -26,9 +26,9 @@ from typing import Callable, Hashable
 import torch
 
 from ..errors import UsedAfterCloseError
-from ..stats import Stats
+from ..util.stats import Stats
 from . import pool
-from .base import Payload, Tier, sync_d2h, sync_h2d
+from .base import Payload, Tier, flat_bytes, sync_d2h, sync_h2d
 
 __all__ = ["HostTier"]
 
@@ -40,91 +40,27 @@ PINNED_CHUNK_BYTES = 1 << 30
 class _RefPayload(Payload):
     """A CPU storage's bytes, held by reference (device == host)."""
 
-    __slots__ = ("_flat", "_on_release")
+    __slots__ = ("storage",)
 
     resident = True  # host RAM is the device's memory on a CPU-only run
 
-    def __init__(self, flat: torch.Tensor, on_release: Callable[[int], None]) -> None:
-        super().__init__(flat.numel(), flat.device)
-        self._flat = flat
-        self._on_release = on_release  # the tier's capacity accounting
-
-    @property
-    def prefetched(self) -> bool:
-        return True
-
-    def fetch(self) -> torch.Tensor:
-        if self._flat is None:
-            raise UsedAfterCloseError("offload: host payload used after release")
-        return self._flat
-
-    def release(self) -> None:
-        if self._flat is not None:
-            self._flat = None
-            self._on_release(self.nbytes)
+    def __init__(self, storage: torch.UntypedStorage, nbytes: int,
+                 device: torch.device) -> None:
+        super().__init__(nbytes, device)
+        self.storage: torch.UntypedStorage | None = storage
 
 
 class _PinnedPayload(Payload):
-    """A CUDA storage's bytes copied into pinned host memory.
+    """A CUDA storage's bytes copied into pinned host memory, and its transfers: the D2H
+    ticket, the H2D ticket of a reload (the tier starts and uses them: NOTE [One owner])."""
 
-    Owns its transfers (the D2H ticket, the H2D ticket of a reload) and the pinned view; the
-    tier only hands it the CopyStreams to use and counts its capacity.
-    """
+    __slots__ = ("host", "d2h", "h2d")
 
-    __slots__ = ("_host", "_copies", "_stats", "_on_release", "_d2h", "_h2d")
-
-    def __init__(self, host: torch.Tensor, device: torch.device, stats: Stats,
-                 on_release: Callable[[int], None], copies=None, d2h=None) -> None:
+    def __init__(self, host: torch.Tensor, device: torch.device, d2h=None) -> None:
         super().__init__(host.numel(), device)
-        self._host = host  # uint8 view of a pinned arena block (keeps the block alive)
-        self._copies = copies  # CopyStreams of `device` (None: copied synchronously)
-        self._stats = stats
-        self._on_release = on_release
-        self._d2h = d2h    # D2HTicket of the async copy (None: copied synchronously)
-        self._h2d = None   # H2DTicket started by prefetch, not yet used
-
-    @property
-    def prefetchable(self) -> bool:  # an async reload is worth starting early
-        return self._d2h is not None
-
-    @property
-    def prefetched(self) -> bool:
-        return self._h2d is not None
-
-    @property
-    def released(self) -> bool:
-        return self._host is None
-
-    def prefetch(self) -> bool:
-        if self._h2d is not None or self._host is None or self._d2h is None:
-            return False
-        self._h2d = self._reload()
-        return True
-
-    def fetch(self) -> torch.Tensor:
-        if self._host is None:
-            raise UsedAfterCloseError("offload: host payload used after release")
-        if self._d2h is None:
-            return sync_h2d(self._host, self.device, self._stats)
-        held = self._d2h.device_tensor_if_held()
-        if held is not None:  # needed again before its D2H finished: no copy back
-            self._stats.bounce_hits += 1
-            return held
-        if self._h2d is None:
-            self._h2d = self._reload()
-        ticket, self._h2d = self._h2d, None
-        return ticket.tensor_for_use()  # the current stream waits on the GPU (Notes 6, 7)
-
-    def release(self) -> None:
-        if self._host is not None:
-            # The block returns to the arena with its last view; a pending copy holds its
-            # own references (cuda_streams Notes 3, 8), so dropping ours never races.
-            self._host = self._d2h = self._h2d = self._copies = None
-            self._on_release(self.nbytes)
-
-    def _reload(self):
-        # Note 5 (cuda_streams.py): `after` orders the H2D after a D2H not yet seen done.
-        return self._copies.reload(self._host, self.nbytes, after=self._d2h)
+        self.host: torch.Tensor | None = host  # uint8 view of a pinned arena block
+        self.d2h = d2h     # D2HTicket of the async copy (None: copied synchronously)
+        self.h2d = None    # H2DTicket started by prefetch, not yet used
 
 
 class HostTier(Tier):
@@ -144,7 +80,15 @@ class HostTier(Tier):
         self._used_bytes = 0
         self._stats = stats
         self._arenas: list | None = None  # pinned HostArena chunks, taken from the pool lazily
+        self._live: set[Payload] = set()  # stored, not yet released (abort frees them)
         self._closed = False
+
+    @classmethod
+    def open(cls, config, stats: Stats, copies) -> "HostTier":
+        capacity, source = config.host_capacity()
+        figures = stats.tier(cls.name)
+        figures.capacity_bytes, figures.capacity_source = capacity, source
+        return cls(capacity, stats, capacity_key=config.host_bytes, copies=copies)
 
     @property
     def closed(self) -> bool:
@@ -158,26 +102,84 @@ class HostTier(Tier):
     def used_bytes(self) -> int:
         return self._used_bytes
 
-    def store(self, flat: torch.Tensor) -> Payload | None:
-        nbytes = flat.numel()
+    # ---------------------------------------------------------------- store / load
+    def store(self, storage: torch.UntypedStorage, device: torch.device) -> Payload | None:
+        nbytes = storage.nbytes()
         if self._used_bytes + nbytes > self._capacity_bytes:
             return None
-        if flat.device.type == "cpu":
-            payload: Payload = _RefPayload(flat, self._released)
+        if device.type != "cuda":
+            payload: Payload = _RefPayload(storage, nbytes, device)
         else:
+            flat = flat_bytes(storage)
             host = self._allocate_pinned(nbytes)
             if host is None:
                 return None
             if self._copies is not None:
-                copies = self._copies(flat.device)
-                ticket = copies.offload(flat, host)  # returns at once
-                payload = _PinnedPayload(host, flat.device, self._stats, self._released,
-                                         copies, ticket)
+                ticket = self._copies(device).offload(flat, host)  # returns at once
+                payload = _PinnedPayload(host, device, ticket)
             else:
                 sync_d2h(flat, host, self._stats)
-                payload = _PinnedPayload(host, flat.device, self._stats, self._released)
+                payload = _PinnedPayload(host, device)
         self._used_bytes += nbytes
+        self._live.add(payload)
         return payload
+
+    def prefetchable(self, payload: Payload) -> bool:
+        # An async reload is worth starting early; a CPU reference or a sync copy is not.
+        return type(payload) is _PinnedPayload and payload.d2h is not None
+
+    def prefetched(self, payload: Payload) -> bool:
+        return type(payload) is _RefPayload or payload.h2d is not None
+
+    def released(self, payload: Payload) -> bool:
+        return (payload.storage if type(payload) is _RefPayload else payload.host) is None
+
+    def prefetch(self, payload: Payload) -> bool:
+        if not self.prefetchable(payload) or payload.h2d is not None or payload.host is None:
+            return False
+        payload.h2d = self._reload(payload)
+        return True
+
+    def fetch(self, payload: Payload) -> torch.Tensor:
+        if type(payload) is _RefPayload:
+            if payload.storage is None:
+                raise UsedAfterCloseError("offload: host payload used after release")
+            return flat_bytes(payload.storage)
+        if payload.host is None:
+            raise UsedAfterCloseError("offload: host payload used after release")
+        if payload.d2h is None:
+            return sync_h2d(payload.host, payload.device, self._stats)
+        held = payload.d2h.device_tensor_if_held()
+        if held is not None:  # needed again before its D2H finished: no copy back
+            self._stats.pending_copy_hits += 1
+            return held
+        if payload.h2d is None:
+            payload.h2d = self._reload(payload)
+        ticket, payload.h2d = payload.h2d, None
+        return ticket.tensor_for_use()  # the current stream waits on the GPU (Notes 6, 7)
+
+    def release(self, payload: Payload) -> None:
+        if type(payload) is _RefPayload:
+            if payload.storage is None:
+                return
+            payload.storage = None
+        else:
+            if payload.host is None:
+                return
+            # The block returns to the arena with its last view; a pending copy holds its
+            # own references (copies Notes 3, 8), so dropping ours never races.
+            payload.host = payload.d2h = payload.h2d = None
+        self._used_bytes -= payload.nbytes
+        self._live.discard(payload)
+
+    def abort(self) -> None:
+        for payload in list(self._live):
+            self.release(payload)
+
+    def _reload(self, payload: _PinnedPayload):
+        # Note 5 (copies.py): `after` orders the H2D after a D2H not yet seen done.
+        return self._copies(payload.device).reload(payload.host, payload.nbytes,
+                                                   after=payload.d2h)
 
     def _allocate_pinned(self, nbytes: int) -> torch.Tensor | None:
         if self._arenas is None:
@@ -197,9 +199,6 @@ class HostTier(Tier):
         self._arenas.append(arena)
         block = arena.allocate(nbytes)
         return torch.frombuffer(block, dtype=torch.uint8) if block is not None else None
-
-    def _released(self, nbytes: int) -> None:
-        self._used_bytes -= nbytes
 
     def close(self, reuse: bool = True) -> None:
         # Blocks still viewed by live tensors keep their memory; such an arena goes away

@@ -42,18 +42,17 @@ never used) goes to a deferred list, dropped when `poll` sees it done. `release`
 
 CUDA sources (with the context's CopyStreams and a CUDA build of the extension): `store`
 starts the D2H into a pinned staging block on the offload stream and chains the write after
-its event in the engine (nvme_device.write_after_d2h, cuda_streams Notes 1-4): the forward
+its event in the engine (nvme_device.write_after_d2h, copies Notes 1-4): the forward
 never waits for the copy or the disk. `prefetch` chains read → H2D on the prefetch stream in
 the engine (nvme_device.read_then_h2d, Notes 6-10); `fetch` makes the consuming stream wait
 on the H2D's event. A tensor needed again while its D2H is still pending is served from the source
 (`device_tensor_if_held`). Without CopyStreams, or with a CPU-only build of the extension,
 the copies are synchronous `copy_` calls (`sync_d2h` / `_copy_in`).
 
-NOTE [One owner] The tier owns every transfer: a `_Write` and a `_Read` per payload in flight,
-kept in its queues, with the memory each must keep alive and its clock. A payload holds its
-extent and *references* to its current `_Write` / `_Read` (set only by the tier) and turns
-`prefetch` / `fetch` / `release` into calls of the tier's public methods; neither looks into
-the other's private state.
+NOTE [One owner] (tiers/base.py) The tier owns every transfer: a `_Write` and a `_Read` per
+payload in flight, kept in its queues, with the memory each must keep alive and its clock.
+A payload holds its extent and *references* to its current `_Write` / `_Read`, set and
+cleared only by the tier; it calls nothing.
 """
 from __future__ import annotations
 
@@ -66,9 +65,9 @@ from typing import Any, Callable, Hashable
 import torch
 
 from ..errors import UsedAfterCloseError
-from ..sizes import format_bytes
-from ..stats import Stats
-from .base import Payload, Tier, sync_d2h, sync_h2d
+from ..util.sizes import format_bytes
+from ..util.stats import Stats
+from .base import Payload, Tier, flat_bytes, sync_d2h, sync_h2d
 from . import nvme_device, nvme_space, pool
 from .heap import HeapSettings
 
@@ -131,47 +130,18 @@ class _Read:
 
 
 class _NvmePayload(Payload):
-    """An extent in the store; its transfers are the tier's (NOTE [One owner])."""
+    """An extent in the store and the transfers in flight for it, which the tier sets and
+    clears (NOTE [One owner]): the payload itself calls nothing."""
 
-    __slots__ = ("_tier", "extent", "phase", "write", "read", "_released")
+    __slots__ = ("extent", "phase", "write", "read", "released")
 
-    prefetchable = True
-
-    def __init__(self, tier: "NvmeTier", extent, nbytes: int, device: torch.device,
-                 phase: int) -> None:
+    def __init__(self, extent, nbytes: int, device: torch.device, phase: int) -> None:
         super().__init__(nbytes, device)
-        self._tier = tier
         self.extent = extent
         self.phase = phase      # NOTE [Phase]
-        self.write: _Write | None = None   # set by the tier
-        self.read: _Read | None = None     # set by the tier
-        self._released = False
-
-    @property
-    def prefetched(self) -> bool:
-        return self.read is not None
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def prefetch(self) -> bool:
-        if self.read is not None:
-            return False
-        self._tier.start_read(self)
-        return True
-
-    def fetch(self) -> torch.Tensor:
-        if self._released:
-            raise UsedAfterCloseError("offload: a saved tensor was used after its offload.activations() "
-                               "context released it (the block exited with an exception, or "
-                               "backward ran after the context was closed)")
-        return self._tier.fetch(self)
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._tier.release(self)
+        self.write: _Write | None = None
+        self.read: _Read | None = None
+        self.released = False
 
 
 class NvmeTier(Tier):
@@ -231,8 +201,11 @@ class NvmeTier(Tier):
                         "it, or drop 'nvme' from OFFLOAD_TIERS)", ", ".join(self._dirs),
                         format_bytes(room[0]) if room else "?", format_bytes(MIN_STORE_BYTES))
         self._own_bytes = 0  # this tier's share of the store (others may use it too)
+        self._live: set[_NvmePayload] = set()  # stored, not yet released (abort frees them)
         self._writes: collections.deque[_NvmePayload] = collections.deque()  # write order
-        self._reads: set[_Read] = set()              # reads whose completion is not yet seen
+        # Reads whose completion is not yet seen, in submission order (the engine serves them
+        # first in, first out, so poll looks at the oldest ones only).
+        self._reads: dict[_Read, None] = {}
         self._deferred: list[_Read] = []             # see NOTE [Deferred free]
         self._direct_inflight = 0                    # bytes of write_ptr sources held
         self._direct_cap = max(staging_bytes, 1)
@@ -254,6 +227,23 @@ class NvmeTier(Tier):
         # (plus any other context's bounced bytes in the meantime).
         self._bounced_at_open = self._store.bytes_bounced
         self._alignment = max(self._store.alignment, core.DEFAULT_ALIGNMENT)
+
+    @classmethod
+    def open(cls, config, stats: Stats, copies) -> "NvmeTier":
+        from .._ext import load_core
+
+        tier = cls(config.nvme_dir, config.nvme_capacity_bytes, workers=config.io_workers,
+                   staging_bytes=config.staging_bytes, cpu_heap=config.cpu_heap,
+                   checksum=config.nvme_checksum, max_bytes_per_s=config.nvme_max_bw,
+                   stats=stats, core=load_core(), capacity_key=config.nvme_bytes,
+                   copies=copies)
+        stats.tier(cls.name).capacity_bytes = tier.capacity_bytes
+        return tier
+
+    def report(self, stats: Stats) -> None:
+        super().report(stats)
+        stats.staging_peak_bytes = self.arena_peak_bytes
+        stats.exit_staging_used_bytes = self.arena_used_bytes
 
     # ---------------------------------------------------------------- properties
     @property
@@ -293,42 +283,45 @@ class NvmeTier(Tier):
         return list(self._store.paths) if self._store is not None else []
 
     # ---------------------------------------------------------------- write path
-    def store(self, flat: torch.Tensor) -> Payload | None:
+    def store(self, storage: torch.UntypedStorage, device: torch.device) -> Payload | None:
         if self._closed:
             raise UsedAfterCloseError("offload: nvme tier used after close")
         if self._store is None:
             return None  # no room at all (see __init__)
-        nbytes = flat.numel()
-        on_cpu = flat.device.type == "cpu"
-        chained = self._copies is not None and flat.device.type == "cuda"
+        nbytes = storage.nbytes()
+        on_cpu = device.type != "cuda"
+        chained = self._copies is not None and not on_cpu
         if on_cpu:
             self._heap.acquire()  # heap.py: CPU RAM is freed and reused during the step
         self.poll()
         block = self._arena.allocate(nbytes) if chained else None
         if chained and block is None and nbytes <= self._arena.capacity_bytes:
             block = self._wait_for_staging(nbytes)
-        phase = self._phase_of(flat.data_ptr()) if on_cpu else 0
+        address = storage.data_ptr()
+        phase = self._phase_of(address) if on_cpu else 0
         extent = self._store.allocate(nbytes, phase)
         if extent is None:
             return None  # full (or too fragmented): the caller spills to the next tier
-        payload = _NvmePayload(self, extent, nbytes, flat.device, phase)
+        payload = _NvmePayload(extent, nbytes, device, phase)
         write = _Write(nbytes)
-        source = flat  # written in place (NOTE [Phase])
+        source = storage  # written in place (NOTE [Phase])
         if block is None and not on_cpu:  # no CopyStreams, or no staging space
             source = self._host_buffer(nbytes, 0)
-            sync_d2h(flat, source, self._stats)
+            sync_d2h(flat_bytes(storage), source, self._stats)
+            address = source.data_ptr()
         if block is not None:
-            ticket = self._copies(flat.device).offload(flat, block)  # returns at once
+            ticket = self._copies(device).offload(flat_bytes(storage), block)  # returns at once
             write.future = nvme_device.write_after_d2h(self._store, extent, ticket)
             write.d2h = ticket
-            del block  # the copy and the engine hold it (cuda_streams Notes 3, 4)
+            del block  # the copy and the engine hold it (copies Notes 3, 4)
         else:
             self._wait_for_direct_room(nbytes)
             write.source = source  # NOTE [Deferred free]: must outlive the write
-            write.future = self._store.write_ptr(extent, source.data_ptr(), nbytes)
+            write.future = self._store.write_ptr(extent, address, nbytes)
             write.direct_bytes = nbytes
             self._direct_inflight += nbytes
         self._own_bytes += nbytes  # from here on `release` gives it back
+        self._live.add(payload)
         write.start_s = time.perf_counter()
         payload.write = write
         self._writes.append(payload)
@@ -389,8 +382,23 @@ class NvmeTier(Tier):
         self._stats.nvme_written_bytes += moved
 
     # ---------------------------------------------------------------- read path
+    def prefetchable(self, payload: _NvmePayload) -> bool:
+        return True
+
+    def prefetched(self, payload: _NvmePayload) -> bool:
+        return payload.read is not None
+
+    def released(self, payload: _NvmePayload) -> bool:
+        return payload.released
+
+    def prefetch(self, payload: _NvmePayload) -> bool:
+        if payload.read is not None or payload.released:
+            return False
+        self.start_read(payload)
+        return True
+
     def start_read(self, payload: _NvmePayload) -> None:
-        """Start loading `payload` (its `prefetch`, or `fetch` when nothing was prefetched)."""
+        """Start loading `payload` (its prefetch, or its fetch when nothing was prefetched)."""
         if self._closed:
             raise UsedAfterCloseError("offload: nvme tier used after close")
         self.in_backward = True
@@ -406,7 +414,7 @@ class NvmeTier(Tier):
             and payload.device.type == "cuda" and phase == 0
         if gpu:
             # read → H2D chained in the engine; the ticket holds block and destination
-            # until the copy is done (cuda_streams Notes 8, 9).
+            # until the copy is done (copies Notes 8, 9).
             read = _Read(nbytes, nvme_device.read_then_h2d(
                 self._copies(payload.device), self._store, payload.extent, block, nbytes),
                 None, True)
@@ -418,15 +426,21 @@ class NvmeTier(Tier):
             read = _Read(nbytes, self._store.read_ptr(payload.extent, buf.data_ptr(), nbytes),
                          buf, False)
         payload.read = read
-        self._reads.add(read)
+        self._reads[read] = None
         if len(self._reads) > self._stats.peak_reads_inflight:
             self._stats.peak_reads_inflight = len(self._reads)
 
     def fetch(self, payload: _NvmePayload) -> torch.Tensor:
-        """The payload's bytes on its device (its `fetch`): waits for this payload's read only."""
+        """The payload's bytes on its device: waits for this payload's read only."""
+        if payload.released:
+            raise UsedAfterCloseError(
+                "offload: a saved tensor was used after its offload.activations() context "
+                "released it (the block exited with an exception, or backward ran after the "
+                "context was closed)")
+        self.poll()  # retire landed writes first: their memory goes back sooner
         held = payload.write.device_tensor_if_held() if payload.write is not None else None
         if held is not None:  # needed again before its D2H finished: no read at all
-            self._stats.bounce_hits += 1
+            self._stats.pending_copy_hits += 1
             return held
         if payload.read is None:
             self.start_read(payload)
@@ -434,7 +448,7 @@ class NvmeTier(Tier):
         start = time.perf_counter()
         try:
             # GPU: waits on the host only for the engine's read + H2D submission; the current
-            # stream then waits on the H2D event on the GPU (cuda_streams Note 7). CopyStreams
+            # stream then waits on the H2D event on the GPU (copies Note 7). CopyStreams
             # counts that wait itself (h2d_wait_s, folded in at context exit, and the trace):
             # counted here too, a step's stall could exceed the step.
             result = read.future.tensor_for_use() if read.gpu else read.future.wait()
@@ -454,7 +468,7 @@ class NvmeTier(Tier):
     def _observe_read(self, read: _Read) -> None:
         if not read.observed:
             read.observed = True
-            self._reads.discard(read)
+            self._reads.pop(read, None)
             end_s = _end_s(read.future)
             self._stats.read_clock.add_interval(read.start_s, end_s)
             self._stats.trace.add(f"read {read.nbytes} B", "nvme read", read.start_s, end_s,
@@ -487,13 +501,22 @@ class NvmeTier(Tier):
         writes = self._writes
         while writes and (writes[0].write is None or writes[0].write.future.done()):
             self._retire_write(writes.popleft())
-        for read in [r for r in self._reads if r.future.done()]:
+        done = []
+        for read in self._reads:
+            if not read.future.done():
+                break
+            done.append(read)
+        for read in done:
             self._observe_read(read)
         if self._deferred:
             self._reap_deferred(wait=False)
 
     def release(self, payload: _NvmePayload) -> None:
-        """Give the payload's extent back at once (its `release`); never waits for I/O."""
+        """Give the payload's extent back at once; never waits for I/O."""
+        if payload.released:
+            return
+        payload.released = True
+        self._live.discard(payload)
         if self._closed:
             return
         self._own_bytes -= payload.nbytes
@@ -527,6 +550,10 @@ class NvmeTier(Tier):
         while self._writes:
             self._retire_write(self._writes.popleft())
         self._reap_deferred(wait=True)
+
+    def abort(self) -> None:
+        for payload in list(self._live):
+            self.release(payload)
 
     def close(self, reuse: bool = True) -> None:
         """Close: wait for this tier's own I/O, then let go of the shared store (kept open

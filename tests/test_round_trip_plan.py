@@ -1,4 +1,4 @@
-"""Don't bounce, in the runtime: the previous step's measured gaps decide what stays put."""
+"""The round-trip plan, in the runtime: the previous step's measured gaps decide what stays put."""
 from __future__ import annotations
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 import offload
-from offload.bounce import LinkSpeed, TensorTiming
-from offload.placement import BouncePlan, plan_for
+from offload.runtime.round_trip import LinkSpeed, TensorTiming
+from offload.runtime.round_trip import RoundTripPlan, plan_for
 from offload.tiers.pool import clear
 
 from offload._ext import core_available
@@ -22,10 +22,10 @@ def test_plan_keeps_the_shortest_gaps_up_to_the_cap():
                TensorTiming((1, 10**6), 10**6, 0.001, 0.900),
                TensorTiming((2, 10**6), 10**6, 0.002, 0.0035),
                TensorTiming((3, 10**6), 10**6, 0.003, 0.0031)]
-    plan = BouncePlan(max_fraction=1.0)
+    plan = RoundTripPlan(max_fraction=1.0)
     plan.learn(timings, link)
     assert plan.keep == {(2, 10**6), (3, 10**6)}
-    capped = BouncePlan(max_fraction=0.25)   # room for one: the shortest gap
+    capped = RoundTripPlan(max_fraction=0.25)   # room for one: the shortest gap
     capped.learn(timings, link)
     assert capped.keep == {(3, 10**6)}
     capped.learn(timings, None)              # nothing measured: keep nothing
@@ -48,8 +48,8 @@ def _gpt_step(model, idx, tgt, **kw):
 
 @needs_core
 def test_second_step_keeps_the_end_of_the_forward_and_stays_exact(nvme_dir, monkeypatch):
-    from offload.models import GPT, GPTConfig
-    from offload.stats import Stats
+    from offload.bench.models import GPT, GPTConfig
+    from offload.util.stats import Stats
 
     # The plan learns from the speeds the step measured; on this tiny model the disk is so
     # fast relative to the gaps that whether anything bounces depends on machine load. A
@@ -68,7 +68,7 @@ def test_second_step_keeps_the_end_of_the_forward_and_stays_exact(nvme_dir, monk
     torch.manual_seed(1)
     first, g1 = _gpt_step(model, idx, tgt, **kw)
     plan = plan_for(model, (("nvme",), 0))
-    assert first.bounce_kept_bytes == 0 and plan.link is not None
+    assert first.round_trip_kept_bytes == 0 and plan.link is not None
     assert plan.keep  # the loss's tensors are needed again at once: they bounce
     keep = set(plan.keep)   # what step 2 will use (step 2 then learns again)
     torch.manual_seed(1)
@@ -76,8 +76,8 @@ def test_second_step_keeps_the_end_of_the_forward_and_stays_exact(nvme_dir, monk
     assert all(torch.equal(a, b) for a, b in zip(ref, g1))
     assert all(torch.equal(a, b) for a, b in zip(ref, g2))
     # Kept exactly what the plan named, within its cap, as kept bytes.
-    assert second.bounce_kept_bytes == sum(n for _, n in keep)
-    assert second.bounce_kept_bytes <= 0.1 * first.nvme_bytes
-    assert second.kept_bytes >= second.bounce_kept_bytes
-    assert second.nvme_bytes == first.nvme_bytes - second.bounce_kept_bytes
+    assert second.round_trip_kept_bytes == sum(n for _, n in keep)
+    assert second.round_trip_kept_bytes <= 0.1 * first.nvme_bytes
+    assert second.kept_bytes >= second.round_trip_kept_bytes
+    assert second.nvme_bytes == first.nvme_bytes - second.round_trip_kept_bytes
     clear()

@@ -29,7 +29,7 @@ import socket
 import sys
 from typing import Callable, Mapping, NamedTuple
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["Ranks", "current_rank", "agreed_total"]
 

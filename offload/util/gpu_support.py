@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from . import _ext
-from .errors import ConfigError
+from .. import _ext
+from ..errors import ConfigError
 
 __all__ = ["GpuStatus", "status", "require_gpu_paths", "may_see_cuda_tensors"]
 

@@ -1,4 +1,4 @@
-"""Don't-bounce decisions from measured timings (pure logic, CPU)."""
+"""Round-trip decisions (keep what would not pay off) from measured timings (pure logic, CPU)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from offload.bounce import LinkSpeed, TensorTiming, free_windows, keep_on_device, pays_off
+from offload.runtime.round_trip import LinkSpeed, TensorTiming, free_windows, keep_on_device, pays_off
 
 MiB = 1 << 20
 

@@ -134,7 +134,7 @@ from typing import Any, Callable
 import torch
 
 from offload.errors import OffloadError, UsedAfterCloseError
-from offload.trace import NULL_RECORDER, NullRecorder, TraceRecorder
+from offload.util.trace import NULL_RECORDER, NullRecorder, TraceRecorder
 
 __all__ = ["CopyStreams", "D2HTicket", "H2DTicket", "CopyStats", "SharedReload",
            "DEFAULT_MAX_INFLIGHT_BYTES", "GraphCaptureError", "refuse_graph_capture"]
@@ -167,6 +167,12 @@ def after_fork_in_child() -> None:
     global _streams_lock
     _streams_lock = threading.Lock()
     _streams.clear()
+
+
+def forget_streams() -> None:
+    """Forget the process's copy streams (offload.process.reset); the next step makes new."""
+    with _streams_lock:
+        _streams.clear()
 
 
 class _TorchCuda:
@@ -418,7 +424,7 @@ class CopyStreams:
             waits for the oldest (Note 11).
         timing: Time each copy with CUDA events (achieved GB/s in ``stats``; needed for the
             trace's d2h/h2d tracks).
-        trace: Recorder for copy spans and stalls (:data:`offload.trace.NULL_RECORDER`: off).
+        trace: Recorder for copy spans and stalls (:data:`offload.util.trace.NULL_RECORDER`: off).
 
     Example:
         >>> copies = CopyStreams(torch.device("cuda"))

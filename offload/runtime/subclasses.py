@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["Flattened", "flatten", "kind_name", "unmoved_bytes", "note_unmoved", "TRACING_TYPES"]
+__all__ = ["Flattened", "flatten", "kind_name", "unmoved_bytes", "note_unmoved", "TRACING_TYPES",
+           "forget_warnings"]
 
 log = logging.getLogger("offload")
 
@@ -105,13 +106,19 @@ def unmoved_bytes(t: torch.Tensor) -> int:
         return 0
 
 
+def forget_warnings() -> None:
+    """Warn about every type again (offload.process.reset)."""
+    with _warned_lock:
+        _warned.clear()
+
+
 def note_unmoved(type_name: str, nbytes: int, count: int) -> None:
     """One warning per type per process: what stayed and why."""
     with _warned_lock:
         if type_name in _warned:
             return
         _warned.add(type_name)
-    from .sizes import format_bytes
+    from ..util.sizes import format_bytes
 
     log.warning("offload: %d saved tensor(s) of type %s (%s) stayed where they are: the runtime "
                 "moves plain strided CPU/CUDA tensors and traceable wrapper subclasses (their "

@@ -13,47 +13,51 @@ import threading
 
 import torch
 
-from .stats import Stats
-from .tiers.base import Payload
+from ..tiers.base import Payload, Tier
+from ..util.stats import Stats
 
 __all__ = ["Prefetcher"]
 
 
 class Prefetcher:
+    """Read-ahead over the payloads of tiers whose reloads are worth starting early."""
+
     def __init__(self, budget_bytes: int, stats: Stats) -> None:
         self.budget_bytes = budget_bytes
         self._stats = stats
-        # Pack order. Strong references are fine: a payload object is small and released
-        # payloads (their space already freed) are skipped; the list dies with the step.
-        self._order: list[Payload] = []
+        # Pack order, (tier, payload) each. Strong references are fine: a payload object is
+        # small and released payloads (their space already freed) are skipped; the list
+        # dies with the step.
+        self._order: list[tuple[Tier, Payload]] = []
+        self._position: dict[int, int] = {}       # id(payload) -> its place in `_order`
         self._cursor: int | None = None           # next position to prefetch (walking down)
         self._inflight: dict[int, Payload] = {}   # order position -> prefetched, not fetched
         self._inflight_bytes = 0
         self._lock = threading.Lock()  # unpack may run on autograd's device threads
 
-    def register(self, payload: Payload) -> None:
+    def register(self, tier: Tier, payload: Payload) -> None:
         """Remember a prefetchable payload's place in pack order."""
-        payload.order_pos = len(self._order)
-        self._order.append(payload)
+        self._position[id(payload)] = len(self._order)
+        self._order.append((tier, payload))
 
     @property
     def inflight_bytes(self) -> int:
         return self._inflight_bytes
 
-    def fetch(self, payload: Payload) -> torch.Tensor:
+    def fetch(self, tier: Tier, payload: Payload) -> torch.Tensor:
         """Load `payload` (waiting only for it) after queueing read-ahead behind it."""
         with self._lock:
-            pos = payload.order_pos
+            pos = self._position.get(id(payload), -1)
             if pos >= 0:
-                if payload.prefetched:
+                if tier.prefetched(payload):
                     self._stats.prefetch_hits += 1
                 else:
                     self._stats.prefetch_misses += 1
-                    payload.prefetch()
+                    tier.prefetch(payload)
                 if self._inflight.pop(pos, None) is not None:
                     self._inflight_bytes -= payload.nbytes
                 self._top_up(pos)
-        return payload.fetch()
+        return tier.fetch(payload)
 
     def start(self) -> None:
         """Backward began: start reading ahead from the last payload packed (if the cursor
@@ -69,12 +73,13 @@ class Prefetcher:
             self._prune()
         while self._cursor >= 0 and (self._inflight_bytes < self.budget_bytes
                                      or not self._inflight):
-            p = self._order[self._cursor]
+            tier, p = self._order[self._cursor]
+            at = self._cursor
             self._cursor -= 1
-            if p.prefetched or p.released:
+            if tier.prefetched(p) or tier.released(p):
                 continue
-            p.prefetch()
-            self._inflight[p.order_pos] = p
+            tier.prefetch(p)
+            self._inflight[at] = p
             self._inflight_bytes += p.nbytes
         if self._inflight_bytes > self._stats.peak_prefetch_bytes:
             self._stats.peak_prefetch_bytes = self._inflight_bytes
@@ -83,11 +88,13 @@ class Prefetcher:
         # A prefetched payload released before its fetch (its saved tensor was never
         # needed) no longer holds read memory: stop counting it.
         for pos, p in list(self._inflight.items()):
-            if p.released or not p.prefetched:
+            tier = self._order[pos][0]
+            if tier.released(p) or not tier.prefetched(p):
                 del self._inflight[pos]
                 self._inflight_bytes -= p.nbytes
 
     def clear(self) -> None:
         self._order.clear()
+        self._position.clear()
         self._inflight.clear()
         self._inflight_bytes = 0

@@ -2,7 +2,7 @@
 and the throughput each path achieved. `Stats.as_dict()` is plain JSON.
 
 The field names are read by the benchmark (keep them): saved_bytes, kept_bytes, host_bytes,
-nvme_bytes, peak_resident_bytes, nvme_written_bytes, nvme_read_bytes, stall_s, d2h_gbps,
+nvme_bytes (a tier's figures: TierStats), peak_resident_bytes, nvme_written_bytes, nvme_read_bytes, stall_s, d2h_gbps,
 h2d_gbps, nvme_write_gbps, nvme_read_gbps, packed_tensors.
 
 Pipeline telemetry: `stall_s` (and its forward / backward split) is the time the training
@@ -19,7 +19,7 @@ from typing import Any
 
 from .trace import NULL_RECORDER
 
-__all__ = ["Stats", "BusyClock"]
+__all__ = ["Stats", "TierStats", "BusyClock"]
 
 
 class BusyClock:
@@ -71,6 +71,31 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 @dataclass
+class TierStats:
+    """One tier's figures for a step (the tier's own: tiers/base.py NOTE [One owner])."""
+
+    bytes: int = 0               # activation bytes stored in the tier (unique storages)
+    capacity_bytes: int = 0      # what this process's tier may hold; a percentage is divided
+    #                              among the local ranks (ranks.py NOTE [Host share]); nvme:
+    #                              the process's budget, shared by its contexts
+    capacity_source: str = ""    # what a percentage was taken of ("50% of cgroup v2 /job
+    #                              (limit 2 GiB, ...)": util/memory_limits.py)
+    exit_used_bytes: int = 0     # space still used when the tiers closed: 0 after a step
+    #                              whose backward ran (no growth)
+
+
+_NO_TIER = TierStats()
+# The names of the registered tiers (offload/tiers/__init__.py sets them): every Stats lists
+# their figures, opened or not, so the JSON keeps one shape.
+TIER_NAMES: list[tuple] = [()]
+# (prefix, suffix, TierStats attribute) of the flat names.
+_TIER_FIELDS = (("exit_", "_used_bytes", "exit_used_bytes"),
+                ("", "_capacity_source", "capacity_source"),
+                ("", "_capacity_bytes", "capacity_bytes"),
+                ("", "_bytes", "bytes"))
+
+
+@dataclass
 class Stats:
     """Counters for one `with offload.activations()` block (one training step).
 
@@ -80,9 +105,8 @@ class Stats:
     """
 
     saved_bytes: int = 0          # activation bytes autograd saved (unique storages, no params)
-    kept_bytes: int = 0           # ... of which stayed where they were
-    host_bytes: int = 0           # ... of which went to the host tier
-    nvme_bytes: int = 0           # ... of which went to the nvme tier
+    kept_bytes: int = 0           # ... of which stayed where they were; the rest went to the
+    #                               tiers: `{tier}_bytes` (host_bytes, nvme_bytes), see TierStats
     param_bytes: int = 0          # parameter/buffer storages autograd saved (never moved)
     peak_resident_bytes: int = 0  # peak of saved activation bytes resident on the device
     nvme_written_bytes: int = 0
@@ -105,21 +129,14 @@ class Stats:
     peak_reads_inflight: int = 0  # deepest queue of NVMe reads issued, not yet seen done
     peak_d2h_inflight: int = 0    # deepest queue of D2H copies (CUDA)
     peak_h2d_inflight: int = 0    # deepest queue of H2D copies (CUDA)
-    bounce_kept_bytes: int = 0    # bytes kept because offloading them would bounce (bounce.py)
+    round_trip_kept_bytes: int = 0  # kept: moving them out and back would not pay off
+    #                                 (runtime/round_trip.py)
     backward_kept_bytes: int = 0  # bytes saved while a backward ran (reentrant checkpoint's
     #                               recompute, double backward): used at once, never moved
-    bounce_hits: int = 0          # unpacks served from the source while its D2H was pending
+    pending_copy_hits: int = 0    # unpacks served from the source while its D2H was pending
     step_s: float = 0.0           # wall time of the block
-    host_capacity_bytes: int = 0  # what this process's host tier may hold (0: not in
-    #                               OFFLOAD_TIERS); a percentage is divided among the
-    nvme_capacity_bytes: int = 0  # local ranks (ranks.py NOTE [Host share]); nvme: the
-    #                               process's budget, shared by its contexts
-    host_capacity_source: str = ""  # what the host capacity was taken of ("50% of cgroup
-    #                                 v2 /job (limit 2 GiB, ...)": memory_limits.py)
     staging_peak_bytes: int = 0   # peak use of the nvme tier's staging arena
-    exit_host_used_bytes: int = 0     # tier space still used when the tiers closed:
-    exit_nvme_used_bytes: int = 0     # 0 after a step whose backward ran (no growth)
-    exit_staging_used_bytes: int = 0
+    exit_staging_used_bytes: int = 0  # staging arena still used when the tiers closed
     # Saved tensors left where they are because the runtime cannot move their type (sparse,
     # nested, quantized, a subclass that cannot be flattened: subclasses.py), by type name.
     unmoved_tensors_by_type: dict = field(default_factory=dict)
@@ -136,6 +153,30 @@ class Stats:
     gpu_h2d_busy_s: float = field(default=0.0, repr=False)
     # Chrome-trace recorder of the step (OFFLOAD_TRACE); the disabled one costs nothing.
     trace: Any = field(default=NULL_RECORDER, repr=False, compare=False)
+    # Each tier's own figures (TierStats), by the tier's name; as_dict() lists them under
+    # `{tier}_bytes`, `{tier}_capacity_bytes`, `{tier}_capacity_source`,
+    # `exit_{tier}_used_bytes` for every tier in `tier_names` (the registry's).
+    tiers: dict = field(default_factory=dict, repr=False, compare=False)
+    tier_names: tuple = field(default_factory=lambda: TIER_NAMES[0], repr=False, compare=False)
+
+    def tier(self, name: str) -> "TierStats":
+        """The figures of tier `name` (made at first use)."""
+        figures = self.tiers.get(name)
+        if figures is None:
+            figures = self.tiers[name] = TierStats()
+        return figures
+
+    def __getattr__(self, name: str):
+        # `host_bytes`, `nvme_capacity_bytes`, `exit_host_used_bytes`: a tier's figures by
+        # the flat names the JSON and older code use (0 / "" for a tier not opened).
+        for prefix, suffix, attr in _TIER_FIELDS:
+            if name.startswith(prefix) and name.endswith(suffix) and \
+                    len(name) > len(prefix) + len(suffix):
+                tier = name[len(prefix):len(name) - len(suffix)]
+                known = self.__dict__.get("tiers", {})
+                if tier in known or tier in self.__dict__.get("tier_names", ()):
+                    return getattr(known.get(tier, _NO_TIER), attr)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------ updates
     def add_resident(self, nbytes: int) -> None:
@@ -217,6 +258,12 @@ class Stats:
         """Plain JSON-able dict: every counter plus the derived GB/s figures."""
         # repr=False marks the internal fields (clocks, the running resident count).
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        for name in dict.fromkeys(self.tier_names + tuple(self.tiers)):
+            figures = self.tiers.get(name, _NO_TIER)
+            out[f"{name}_bytes"] = figures.bytes
+            out[f"{name}_capacity_bytes"] = figures.capacity_bytes
+            out[f"{name}_capacity_source"] = figures.capacity_source
+            out[f"exit_{name}_used_bytes"] = figures.exit_used_bytes
         for name in ("d2h_gbps", "h2d_gbps", "nvme_write_gbps", "nvme_read_gbps",
                      "io_busy_s", "overlap_fraction", "stall_fraction"):
             out[name] = round(getattr(self, name), 4)
@@ -227,12 +274,15 @@ class Stats:
     def summary(self) -> str:
         """One log line for OFFLOAD_LOG=INFO."""
         gib = 1 << 30
-        return (f"saved {self.saved_bytes / gib:.3f} GiB (kept {self.kept_bytes / gib:.3f}, "
-                f"host {self.host_bytes / gib:.3f}, nvme {self.nvme_bytes / gib:.3f}); "
+        tiers = "".join(f", {name} {figures.bytes / gib:.3f}"
+                        for name, figures in self.tiers.items())
+        return (f"saved {self.saved_bytes / gib:.3f} GiB (kept {self.kept_bytes / gib:.3f}"
+                f"{tiers}); "
                 f"peak resident {self.peak_resident_bytes / gib:.3f} GiB; "
                 f"nvme w/r {self.nvme_write_gbps:.2f}/{self.nvme_read_gbps:.2f} GB/s; "
                 f"stall {self.stall_s:.3f} s of {self.step_s:.3f} s "
                 f"({self.overlap_fraction:.0%} of I/O hidden); "
                 f"{self.packed_tensors} tensors"
-                + (f"; host capacity {self.host_capacity_bytes / gib:.3f} GiB "
-                   f"({self.host_capacity_source})" if self.host_capacity_source else ""))
+                + "".join(f"; {name} capacity {figures.capacity_bytes / gib:.3f} GiB "
+                          f"({figures.capacity_source})"
+                          for name, figures in self.tiers.items() if figures.capacity_source))

@@ -1,14 +1,17 @@
-"""Don't bounce: keep a tensor where it is when moving it out and back cannot free memory.
+"""The round-trip plan: keep a storage where it is when moving it out and back cannot free
+memory.
 
 A tensor saved near the end of the forward is needed again near the start of the backward.
 Offloading it costs the copy out plus the copy back, and the device memory is only free
 between the end of the first and the start of the second. When that window is short or
-negative the tensor "bounces": both copies are paid, nothing is saved, and backward may
-stall on it. This module decides from *measured* times (a previous step's pack/unpack clock
-and the transfer speeds seen on this machine), never from a fixed count of layers.
+negative, both copies are paid, nothing is saved, and backward may stall on it. This module
+decides from *measured* times (a previous step's pack/unpack clock and the transfer speeds
+seen on this machine), never from a fixed count of layers.
 
 The same logic serves every tier: on a GPU "out" is D2H and "in" is H2D; on a CPU-only run
-with NVMe, "out" is the SSD write and "in" the read. Pure Python, no torch.
+with NVMe, "out" is the SSD write and "in" the read. `RoundTripPlan` learns it from one step
+for the next; storages are recognised by (pack position, size), so a step that saves
+something else than the last one only loses the benefit, never correctness.
 
 Example:
     >>> link = LinkSpeed(out_bytes_per_s=50e9, in_bytes_per_s=50e9)
@@ -20,11 +23,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Hashable, Iterable
+from typing import Any, Hashable, Iterable
 
-__all__ = ["LinkSpeed", "TensorTiming", "pays_off", "free_windows", "keep_on_device"]
+from ..util import per_model
+from ..util.constants import ROUND_TRIP_MAX_KEPT_FRACTION, ROUND_TRIP_SAFETY
 
-DEFAULT_SAFETY = 1.5
+__all__ = ["LinkSpeed", "TensorTiming", "pays_off", "free_windows", "keep_on_device",
+           "RoundTripPlan", "plan_for"]
+
+DEFAULT_SAFETY = ROUND_TRIP_SAFETY
 
 
 @dataclass(frozen=True)
@@ -166,3 +173,46 @@ def _check_safety(safety: float) -> None:
     if not safety >= 1.0:
         raise ValueError(f"safety={safety!r}: must be >= 1 (the round trip has to fit into "
                          "the pack-to-unpack gap at least once)")
+
+
+class RoundTripPlan:
+    """Storages to keep in the next step because their round trip would not pay off.
+
+    Kept bytes are capped at `max_fraction` of the moved bytes: the measured speeds are
+    lower bounds (completion seen when polled), so the plan errs towards keeping, and
+    keeping costs device memory.
+    """
+
+    def __init__(self, safety: float = ROUND_TRIP_SAFETY,
+                 max_fraction: float = ROUND_TRIP_MAX_KEPT_FRACTION) -> None:
+        self.safety = safety
+        self.max_fraction = max_fraction
+        self.keep: frozenset = frozenset()
+        self.link: LinkSpeed | None = None
+
+    def learn(self, timings: Iterable[TensorTiming], link: LinkSpeed | None) -> None:
+        """Plan the next step from this step's moved storages and measured speeds."""
+        timings = list(timings)
+        self.link = link
+        if link is None or not timings:
+            self.keep = frozenset()
+            return
+        keep = keep_on_device(timings, link, safety=self.safety)
+        # Shortest pack → unpack gaps first, up to the cap.
+        budget = self.max_fraction * sum(t.nbytes for t in timings)
+        chosen, total = set(), 0
+        for t in sorted((t for t in timings if t.key in keep), key=_gap_s):
+            if total + t.nbytes > budget:
+                continue   # a smaller one with a longer gap may still fit
+            chosen.add(t.key)
+            total += t.nbytes
+        self.keep = frozenset(chosen)
+
+
+def plan_for(model: Any, key: Hashable) -> RoundTripPlan | None:
+    """The plan shared by the contexts of one model's training loop (same settings `key`),
+    so a fresh `offload.activations(model=...)` per step still learns from the previous
+    step; it dies with the model. None without a model (the context then keeps its own)."""
+    if model is None:
+        return None
+    return per_model.state_for(model, ("round_trip", key), RoundTripPlan)

@@ -34,12 +34,13 @@ from typing import Any
 
 import torch
 
-from .bounce import LinkSpeed, TensorTiming
-from .config import Config
+from ..config import Config
+from ..tiers.base import Tier
+from ..util.stats import Stats
 from .hooks import OffloadHooks
-from .stats import Stats
+from .records import Ledger
+from .round_trip import LinkSpeed, RoundTripPlan, TensorTiming
 from .subclasses import note_unmoved
-from .tiers.base import Tier
 
 __all__ = ["Step", "close_tiers", "finish_pending"]
 
@@ -52,11 +53,17 @@ _pending: set["Step"] = set()  # exited steps whose saved tensors were still ali
 class Step:
     """The state of one block; `ActivationOffload` makes one per `__enter__`."""
 
-    def __init__(self, config: Config, stats: Stats) -> None:
+    def __init__(self, config: Config, stats: Stats,
+                 round_trip: RoundTripPlan | None = None) -> None:
         self.config = config
         self.stats = stats
         self.tiers: dict[str, Tier] = {}
         self.hooks: OffloadHooks | None = None
+        self.ledger = Ledger(stats)
+        # The plan this step keeps by (learned from the steps before) and updates for the
+        # next; the hooks append each moved storage's [key, nbytes, pack_s, unpack_s].
+        self.round_trip = round_trip
+        self.timings: list[list] = []
         self.copies: dict[torch.device, Any] = {}  # CopyStreams per CUDA device
         self.start_s = time.perf_counter()
         self.exit_s: float | None = None
@@ -73,7 +80,7 @@ class Step:
         but a CPU-only run must never touch torch.cuda)."""
         copies = self.copies.get(device)
         if copies is None:
-            from .cuda_streams import CopyStreams
+            from ..tiers.copies import CopyStreams
 
             # Source bytes held by pending D2H copies: the module's default (1 GiB) bounds
             # device memory kept for copies without throttling a ~50 GB/s link.
@@ -103,27 +110,27 @@ class Step:
             note_unmoved(name, self.stats.unmoved_bytes_by_type[name], count)
         for tier in self.tiers.values():
             tier.poll()
-        if self.hooks.live_records == 0:
+        if self.ledger.live_records == 0:
             self.finish(self.exit_s, timed=True)
             return
         # Backward runs after the block: the tiers stay open for it.
         log.debug("offload: %d stored storages outlive the block; the step ends when they "
-                  "are freed", self.hooks.live_records)
+                  "are freed", self.ledger.live_records)
         with _pending_lock:
             _pending.add(self)
         self.hooks.on_backward_end = self._backward_ended
 
     def _backward_ended(self) -> None:
         """Autograd's end-of-backward callback (NOTE [End of step], point 2)."""
-        if self.hooks.live_records == 0:
+        if self.ledger.live_records == 0:
             self.finish(time.perf_counter(), timed=True)
 
     def finish_if_idle(self) -> bool:
         """Finish a pending step whose saved tensors are all gone (point 3)."""
-        hooks = self.hooks
-        if hooks.live_records:
+        ledger = self.ledger
+        if ledger.live_records:
             return False
-        self.finish(hooks.idle_since_s or time.perf_counter())
+        self.finish(ledger.idle_since_s or time.perf_counter())
         return True
 
     def finish(self, end_s: float, timed: bool = False) -> None:
@@ -138,9 +145,9 @@ class Step:
         self.hooks.on_backward_end = None
         close_tiers(self.tiers, self.stats, before=self.close_copies)
         try:
-            self._learn_bounce()
+            self._learn_round_trip()
         except Exception:  # a planning problem must never fail the training step
-            log.exception("offload: could not update the bounce plan")
+            log.exception("offload: could not update the round-trip plan")
         training = timed and self.hooks.first_unpack_s is not None \
             and _dynamo_frames() == self._compiled_at_start   # NOTE [Training step]
         for learn in self.after_finish:
@@ -158,12 +165,12 @@ class Step:
             _pending.discard(self)
         if self.hooks is not None:
             self.hooks.on_backward_end = None
-            self.hooks.release_all()
+        for tier in self.tiers.values():
+            tier.abort()  # every payload freed now; a later unpack says so
         close_tiers(self.tiers, self.stats, reuse=False, before=self.close_copies)
 
-    def _learn_bounce(self) -> None:
-        placement = self.hooks.placement
-        if placement.bounce is None:
+    def _learn_round_trip(self) -> None:
+        if self.round_trip is None:
             return
         s = self.stats
         # Speeds of the path the bytes took (see Stats.BusyClock).
@@ -172,7 +179,7 @@ class Step:
             link = LinkSpeed(s.nvme_write_gbps * 1e9, s.nvme_read_gbps * 1e9)
         elif s.d2h_bytes and s.d2h_gbps > 0 and s.h2d_gbps > 0:
             link = LinkSpeed(s.d2h_gbps * 1e9, s.h2d_gbps * 1e9)
-        placement.bounce.learn((TensorTiming(*t) for t in self.hooks.timings), link)
+        self.round_trip.learn((TensorTiming(*t) for t in self.timings), link)
 
     def _write_trace(self, end_s: float) -> None:
         """Add the compute spans and write OFFLOAD_TRACE (never fails the step)."""
@@ -231,10 +238,7 @@ def close_tiers(tiers: dict[str, Tier], stats: Stats, reuse: bool = True, before
         try:
             if reuse:  # after an exception nobody needs the writes in flight: no waiting
                 tier.drain()
-            if name == "nvme":
-                stats.staging_peak_bytes = tier.arena_peak_bytes
-                stats.exit_staging_used_bytes = tier.arena_used_bytes
-            setattr(stats, f"exit_{name}_used_bytes", tier.used_bytes)
+            tier.report(stats)
         except Exception:
             log.exception("offload: error while draining the %s tier", name)
             reuse = False

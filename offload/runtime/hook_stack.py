@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from .errors import OffloadError
+from ..errors import OffloadError
 
 __all__ = ["install", "remove"]
 

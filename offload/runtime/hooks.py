@@ -1,0 +1,282 @@
+"""The saved-tensor hooks: pack (forward) and unpack (backward), and nothing else.
+
+A saved tensor walks one way: `pack` → `Placement.decide` → a tier's `store` → the C++
+engine; and back: `unpack` → its record's `load` → the prefetcher / the tier's `fetch`.
+Each object hands its result down and returns (records.py NOTE [Record lifetime]).
+
+What pack does, cheapest first (every saved tensor pays the first lines):
+
+1. A plain tensor below OFFLOAD_MIN_BYTES that an op just made stays: an alias and its
+   version (`SmallKept`), counted once per storage by the step's ledger.
+2. Weights (by what they are, or `model=`'s) stay and are counted apart.
+3. Anything else is stored once per storage and version (tensor_meta NOTE [Storage identity],
+   NOTE [Versions], NOTE [Untracked aliases]): the placement decides keep or which tiers, a
+   tier takes the bytes, and each saved tensor gets a `Moved` (view layout + sentinel) or a
+   `Kept` pointing at that record.
+4. Other types: subclasses move through their inner tensors (NOTE [Subclasses]); the rest
+   stays and is counted by type.
+
+NOTE [Version check] lives in version_check.py: every saved tensor holds an alias or a
+sentinel sharing its version counter, and unpack raises autograd's own error when it moved.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from ..errors import TierFullError
+from ..util.sizes import format_bytes
+from .no_offload import no_offload_active
+from .placement import Placement, TensorInfo
+from .records import Kept, Ledger, Moved, PackedSubclass, Record, SmallKept
+from .subclasses import TRACING_TYPES, flatten, kind_name, unmoved_bytes
+from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable, snapshot,
+                          untracked_alias, view_meta)
+from .version_check import SavedOrigin, version_sentinel
+
+__all__ = ["OffloadHooks"]
+
+log = logging.getLogger("offload")
+
+# The id of the backward running on this thread, -1 outside one (torch >= 2.0).
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_Tensor = torch.Tensor
+
+
+def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The storage's bytes as a 1-D uint8 tensor (zero-copy, keeps the storage alive)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class OffloadHooks:
+    """pack / unpack for `torch.autograd.graph.saved_tensors_hooks`.
+
+    Args:
+        placement: Decides keep or which tiers, per stored storage.
+        tiers: The step's open tiers, by name (a decision names them).
+        ledger: The step's account of what saved tensors hold (records.py).
+        prefetcher: Reads ahead of backward for tiers whose reloads are worth starting early.
+        params: `model=`'s parameters and buffers.
+        timings: Where moved (and round-trip-kept) storages' pack → unpack times go
+            (the step's round-trip plan learns from them).
+    """
+
+    def __init__(self, placement: Placement, tiers: dict, ledger: Ledger, prefetcher,
+                 params: ParamStorages, strict: bool, min_bytes: int,
+                 timings: list | None = None) -> None:
+        self.placement = placement
+        self.tiers = tiers
+        self.ledger = ledger
+        self.stats = ledger.stats
+        self.prefetcher = prefetcher
+        self.params = params
+        self.strict = strict
+        self._min_bytes = min_bytes
+        self.index = StorageIndex()
+        self._param_ids: set[int] = set()
+        self._warned_full = False
+        self._lock = threading.RLock()
+        self._stored = 0  # storages decided so far: their position is the round-trip key
+        self.timings: list[list] = timings if timings is not None else []
+        # Set by the step (NOTE [End of step] in step.py): called at the end of every
+        # backward that unpacked a moved tensor, once the block has exited.
+        self.on_backward_end = None
+        self._queued_task = -1
+        self.first_unpack_s: float | None = None  # where the backward starts
+        self.on_first_unpack = None  # auto marks the device clock there (schedule/session.py)
+
+    # ---------------------------------------------------------------- pack
+    def pack(self, t: torch.Tensor):
+        stats = self.stats
+        stats.packed_tensors += 1
+        version = t._version
+        if type(t) is _Tensor:
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            # 1: a small activation an op just made (a view or a grad_fn-less leaf may be a
+            # weight: step 2 tells). `nbytes` > 0: an empty storage has nothing to keep.
+            if nbytes < self._min_bytes and t.grad_fn is not None and t._base is None \
+                    and t.layout is torch.strided:
+                key = id(storage)
+                self.ledger.small_saved(key, nbytes)
+                return SmallKept(t.detach(), version, SavedOrigin(t), self.ledger, key)
+        origin = SavedOrigin(t)  # now: an in-place op would rewrite t.grad_fn
+        if not movable(t):
+            return self._pack_other(t, version, origin)
+        return self._pack_plain(t, version, origin)
+
+    def _pack_plain(self, t: torch.Tensor, version: int, origin: SavedOrigin):
+        stats = self.stats
+        storage = t.untyped_storage()
+        if self.params.is_param(t, storage):  # 2
+            stats.param_tensors += 1
+            if id(storage) not in self._param_ids:
+                self._param_ids.add(id(storage))
+                stats.param_bytes += storage.nbytes()
+            return Kept(t.detach(), version, origin)
+        # A save inside no_offload() or during a backward must stay even if the same
+        # storage was moved earlier in the step, so it neither reuses nor enters the index.
+        in_backward = _graph_task_id() >= 0
+        keep_here = in_backward or no_offload_active()
+        # tensor_meta NOTE [Untracked aliases]: such a tensor dedups by its exact layout.
+        layout = layout_key(t) if untracked_alias(t, storage) else None
+        with self._lock:
+            record = None if keep_here else self.index.lookup(storage, version, layout)
+            if record is None:
+                record = self._store(t, storage, in_backward, layout is not None)
+                if not keep_here:
+                    self.index.add(storage, version, record, layout)
+        if record.payload is None:
+            return Kept(t.detach(), version, origin, record)
+        stats.offloaded_tensors += 1
+        if record.meta is not None:  # a snapshot: its own layout
+            return Moved(record, record.meta, version, version_sentinel(t), origin)
+        if record.resident:
+            # The payload *is* the tensor's storage (host tier on a CPU run): holding an
+            # alias of it costs nothing and carries its version counter.
+            return Kept(t.detach(), version, origin, record)
+        return Moved(record, view_meta(t), version, version_sentinel(t), origin)
+
+    def _pack_other(self, t: torch.Tensor, version: int, origin: SavedOrigin):
+        """A tensor our byte round trip cannot hold as it is (subclasses NOTE [Subclasses])."""
+        if is_weight(t):  # a DTensor / quantized weight: never moved, like any parameter
+            self.stats.param_tensors += 1
+            return Kept(t.detach(), version, origin)
+        flat = flatten(t)
+        if flat is not None:
+            inner = [self._pack_plain(x, x._version, SavedOrigin(x)) if movable(x)
+                     else (self._pack_other(x, x._version, SavedOrigin(x))
+                           if isinstance(x, torch.Tensor) else x) for x in flat.inner]
+            return PackedSubclass(flat, inner, version, flat.sentinel(t), origin)
+        name = kind_name(t)
+        if name not in TRACING_TYPES:
+            self._count_unmoved(t, name)
+        return Kept(t.detach(), version, origin)
+
+    def _count_unmoved(self, t: torch.Tensor, name: str) -> None:
+        nbytes = unmoved_bytes(t)
+        stats = self.stats
+        stats.unmoved_tensors_by_type[name] = stats.unmoved_tensors_by_type.get(name, 0) + 1
+        stats.unmoved_bytes_by_type[name] = stats.unmoved_bytes_by_type.get(name, 0) + nbytes
+        stats.saved_bytes += nbytes
+        stats.kept_bytes += nbytes
+
+    def _store(self, t: torch.Tensor, storage: torch.UntypedStorage, in_backward: bool,
+               untracked: bool) -> Record:
+        """Decide where one storage goes and put it there (3)."""
+        stats = self.stats
+        # An untracked alias is moved as a private copy of its own elements (tensor_meta
+        # NOTE [Untracked aliases]): a tier must never read its storage after pack returns.
+        nbytes = t.nbytes if untracked else storage.nbytes()
+        key = (self._stored, nbytes)
+        self._stored += 1
+        placement = self.placement
+        decision = placement.decide(TensorInfo(nbytes, no_offload_active(), in_backward, key,
+                                               storage))
+        round_trip_kept = decision is placement.round_trip_decision
+        if round_trip_kept:
+            stats.round_trip_kept_bytes += nbytes
+        elif decision is placement.backward_decision:
+            stats.backward_kept_bytes += nbytes
+        tier = payload = meta = None
+        if not decision.keep:
+            if untracked:
+                copy = snapshot(t)
+                meta = view_meta(copy)
+                storage = copy.untyped_storage()
+            nbytes = storage.nbytes()
+            device = storage.device
+            for i, name in enumerate(decision.targets):
+                tier = self.tiers[name]
+                payload = tier.store(storage, device)
+                if payload is not None:
+                    if i:
+                        stats.spilled_bytes += nbytes
+                    break
+            if payload is None:
+                tier = meta = None
+                self._all_full(nbytes, decision.targets)
+        resident = payload is None or payload.resident
+        prefetcher = None
+        if payload is not None and tier.prefetchable(payload):
+            prefetcher = self.prefetcher
+            prefetcher.register(tier, payload)
+        record = Record(tier, payload, nbytes, resident, meta, self.ledger, prefetcher)
+        if payload is not None or round_trip_kept:
+            # A storage the plan kept is timed too: otherwise the next plan, learning from
+            # moved storages only, forgets it and moves it again (keep/move every other step).
+            record.timing = [key, nbytes, time.perf_counter(), None]
+            self.timings.append(record.timing)
+        stats.unique_storages += 1
+        stats.saved_bytes += nbytes
+        if tier is None:
+            stats.kept_bytes += nbytes
+        else:
+            stats.tier(tier.name).bytes += nbytes
+        return record
+
+    def _all_full(self, nbytes: int, targets: tuple[str, ...]) -> None:
+        usage = ", ".join(self.tiers[name].usage_text() for name in targets)
+        if self.strict:
+            raise TierFullError(
+                f"offload: every tier is full ({usage}) and OFFLOAD_STRICT=1, so a "
+                f"{format_bytes(nbytes)} activation cannot be placed (raise OFFLOAD_HOST_BYTES / "
+                "OFFLOAD_NVME_BYTES, add a tier to OFFLOAD_TIERS, or unset OFFLOAD_STRICT to "
+                "keep such tensors on the device)")
+        self.stats.full_kept_bytes += nbytes
+        if not self._warned_full:
+            self._warned_full = True
+            log.warning("offload: every tier is full (%s); a %s activation stays on the "
+                        "device, and so will every later one that does not fit (smaller ones "
+                        "still move while there is room; ctx.stats.full_kept_bytes counts "
+                        "what stayed). Raise OFFLOAD_HOST_BYTES / OFFLOAD_NVME_BYTES or add a "
+                        "tier; OFFLOAD_STRICT=1 makes this an error", usage,
+                        format_bytes(nbytes))
+
+    # ---------------------------------------------------------------- unpack
+    def unpack(self, packed) -> torch.Tensor:
+        if type(packed) is SmallKept:
+            packed.check_version()  # NOTE [Version check]
+            return packed.tensor
+        if self.first_unpack_s is None:
+            self._backward_starts()
+        if self.on_backward_end is not None:
+            task = _graph_task_id()
+            if task != self._queued_task and task >= 0:
+                # Once per backward: step.py NOTE [End of step], point 2.
+                self._queued_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        cls = type(packed)
+        if cls is Moved:
+            return packed.unpack(self._lock)
+        if cls is PackedSubclass:
+            packed.check_version()  # the outer tensor's counter (NOTE [Subclasses])
+            inner = [self.unpack(x) if isinstance(x, (Kept, Moved, PackedSubclass)) else x
+                     for x in packed.inner]
+            return packed.flat.rebuild(inner)
+        return packed.unpack()  # Kept
+
+    def _backward_starts(self) -> None:
+        self.first_unpack_s = time.perf_counter()
+        # Read-ahead starts with the backward, not at the first moved payload's fetch:
+        # when the end of the forward stayed on the device (the round-trip plan, auto's
+        # plan), the link would otherwise idle while backward works through it.
+        self.prefetcher.start()
+        if self.on_first_unpack is not None:
+            self.on_first_unpack()
+
+    def _backward_ended(self) -> None:
+        callback = self.on_backward_end
+        if callback is not None:
+            callback()
+
+    @property
+    def live_records(self) -> int:
+        return self.ledger.live_records
+
+    @property
+    def idle_since_s(self) -> float | None:
+        return self.ledger.idle_since_s

@@ -1,0 +1,45 @@
+"""`offload.no_offload()`: a region whose saved tensors stay where they are.
+
+The depth is per thread (saved-tensor hooks are per thread too); pack reads it once per
+stored storage.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+__all__ = ["no_offload", "no_offload_active", "no_offload_depth"]
+
+
+class _Depth(threading.local):
+    depth = 0  # class default: no AttributeError on threads that never set it
+
+
+_local = _Depth()
+
+
+def no_offload_depth() -> int:
+    return _local.depth
+
+
+def no_offload_active() -> bool:
+    return _local.depth > 0
+
+
+@contextlib.contextmanager
+def no_offload():
+    """A region whose saved tensors stay where they are (counted as kept).
+
+    Nests, and works as a decorator. Outside `offload.activations()` it does nothing.
+
+    Example:
+        >>> with offload.activations():
+        ...     with offload.no_offload():
+        ...         y = small_head(x)       # saved tensors of this region stay on the device
+    """
+    depth = _local.depth
+    _local.depth = depth + 1
+    try:
+        yield
+    finally:
+        _local.depth = depth

@@ -1,0 +1,276 @@
+"""What autograd holds for each saved tensor, and what the runtime holds for each storage.
+
+* `Kept`: a saved tensor that stays where it is: a `detach()`ed alias (same storage, same
+  version counter) plus what autograd's error message needs (NOTE [Version check] in
+  version_check.py). The alias, not the tensor: an output saved by its own node would tie
+  a cycle the garbage collector cannot see (node -> Kept -> tensor -> grad_fn -> node), and a
+  graph dropped without backward would never be freed. Autograd rebuilds the autograd
+  metadata of whatever unpack returns.
+* `Moved`: a saved tensor whose storage went to a tier: its `Record`, the view layout to
+  rebuild and a zero-byte sentinel sharing its version counter.
+* `Record`: one stored storage (views share it: tensor_meta NOTE [Storage identity]).
+* `Ledger`: the step's account of what its records and kept tensors hold.
+
+NOTE [Record lifetime] A record lives exactly as long as some saved tensor of it lives, i.e.
+as long as autograd holds it. Its `__del__` gives the payload back to its tier: with
+backward freeing saved tensors as it goes, tier space returns during backward and usage is
+back to zero when backward ends. With retain_graph the records survive and a second
+backward loads again. When the step is aborted (the block raised) its tiers are closed;
+a later unpack of such a record raises UsedAfterCloseError. Every call a record makes goes
+down (its tier, the prefetcher, the ledger); nothing it does calls the hooks that made it.
+
+NOTE [Unpack cache] Several saved tensors of one storage are unpacked at different times.
+The loaded bytes stay referenced by the record while some of its saved tensors have not been
+unpacked yet (so the storage is read once), then only weakly. A reloaded CUDA storage may
+be unpacked on several streams (autograd runs each node on its forward's stream): every
+stream after the first waits for the first one's hand-off (copies Note 12).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+
+import torch
+
+from ..errors import UsedAfterCloseError
+from ..tiers.copies import SharedReload
+from .tensor_meta import ViewMeta, rebuild
+from .version_check import SavedOrigin, version_error
+
+__all__ = ["Ledger", "Record", "Kept", "SmallKept", "Moved", "PackedSubclass"]
+
+
+class Ledger:
+    """What a step's saved tensors hold: live records with tier space, resident bytes.
+
+    Records and kept tensors report here as they come and go, on whatever thread autograd
+    drops them (its device threads too): every update is under `lock`.
+    """
+
+    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "small")
+
+    def __init__(self, stats) -> None:
+        self.stats = stats
+        self.lock = threading.Lock()
+        self.live_records = 0      # records holding tier space (the step ends at 0)
+        self.idle_since_s: float | None = None
+        # Storages below OFFLOAD_MIN_BYTES that stay: id -> [saved tensors alive, nbytes].
+        # The id is safe: every entry's storage is held by a live alias until its count
+        # drops to 0 and the entry goes.
+        self.small: dict[int, list] = {}
+
+    def record_made(self, record: "Record") -> None:
+        with self.lock:
+            if record.resident:
+                self.stats.add_resident(record.nbytes)
+            if record.payload is not None:
+                self.live_records += 1
+
+    def record_freed(self, record: "Record") -> None:
+        with self.lock:
+            if record.resident:
+                self.stats.resident_bytes -= record.nbytes
+            if record.payload is not None:
+                record.tier.release(record.payload)
+                self.live_records -= 1
+                if self.live_records == 0:
+                    # Only noted: the step ends at a defined point (step.py NOTE [End of step]).
+                    self.idle_since_s = time.perf_counter()
+
+    def small_saved(self, key: int, nbytes: int) -> None:
+        """A small storage saved (again): counted once while any save of it lives."""
+        with self.lock:
+            entry = self.small.get(key)
+            if entry is not None:
+                entry[0] += 1
+                return
+            self.small[key] = [1, nbytes]
+            stats = self.stats
+            stats.unique_storages += 1
+            stats.saved_bytes += nbytes
+            stats.kept_bytes += nbytes
+            stats.add_resident(nbytes)
+
+    def small_freed(self, key: int) -> None:
+        with self.lock:
+            entry = self.small[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self.small[key]
+                self.stats.resident_bytes -= entry[1]
+
+
+class Record:
+    """One stored storage: where its bytes are (tier and payload; none when kept)."""
+
+    __slots__ = ("tier", "payload", "nbytes", "resident", "meta", "ledger", "prefetcher",
+                 "handles_left", "cache", "cache_ref", "cache_offset", "shared", "timing",
+                 "__weakref__")
+
+    def __init__(self, tier, payload, nbytes: int, resident: bool, meta: ViewMeta | None,
+                 ledger: Ledger, prefetcher) -> None:
+        self.tier = tier              # None when kept
+        self.payload = payload
+        self.nbytes = nbytes
+        self.resident = resident
+        # A snapshot's layout (tensor_meta NOTE [Untracked aliases]): the payload holds only
+        # those elements, so every save deduped onto this record rebuilds with it.
+        self.meta = meta
+        self.ledger = ledger
+        self.prefetcher = prefetcher  # set when the tier's reloads are worth starting early
+        self.handles_left = 0         # saved tensors of this record not yet unpacked
+        self.cache = None             # strong reference to the loaded storage (NOTE [Unpack cache])
+        self.cache_ref = None         # weak reference to it
+        self.cache_offset = 0
+        self.shared: SharedReload | None = None  # a CUDA storage's streams (NOTE [Unpack cache])
+        self.timing: list | None = None  # [key, nbytes, pack_s, unpack_s] (round_trip.py)
+        ledger.record_made(self)
+
+    def load(self) -> tuple[torch.UntypedStorage, int]:
+        """The storage's bytes (loading them at most once while they are needed)."""
+        storage = self.cache if self.cache is not None else \
+            (self.cache_ref() if self.cache_ref is not None else None)
+        if storage is None:
+            if self.tier.released(self.payload) or self.tier.closed:
+                raise UsedAfterCloseError(
+                    "offload: a saved tensor was used after its offload.activations() context "
+                    "released it (the block exited with an exception, or the context's close() "
+                    "ran before this backward); run backward before closing the context")
+            timing = self.timing
+            if timing is not None and timing[3] is None:
+                timing[3] = time.perf_counter()
+            if self.prefetcher is not None:
+                flat = self.prefetcher.fetch(self.tier, self.payload)
+            else:
+                flat = self.tier.fetch(self.payload)
+            storage, self.cache_offset = flat.untyped_storage(), flat.storage_offset()
+            self.cache_ref = weakref.ref(storage)
+            self.shared = SharedReload(storage.device) if storage.device.type == "cuda" else None
+        elif self.shared is not None:
+            self.shared.use_on_current_stream(storage, self.cache_offset)  # copies Note 12
+        if self.handles_left > 1:
+            self.cache = storage
+        return storage, self.cache_offset
+
+    def handle_done(self) -> None:
+        self.handles_left -= 1
+        if self.handles_left <= 0:
+            self.cache = None
+
+    def __del__(self) -> None:
+        try:
+            self.ledger.record_freed(self)
+        except Exception:  # interpreter shutdown or a closed tier: nothing left to free
+            pass
+
+
+class Kept:
+    """A saved tensor that stays where it is (see the module doc)."""
+
+    __slots__ = ("tensor", "version", "origin", "record")
+
+    def __init__(self, tensor: torch.Tensor, version: int, origin: SavedOrigin,
+                 record: Record | None = None) -> None:
+        self.tensor = tensor          # a detach()ed alias: same storage, same version counter
+        self.version = version
+        self.origin = origin          # for autograd's message
+        self.record = record          # the storage's record, when it has one (dedup, timing)
+
+    def check_version(self) -> None:
+        """NOTE [Version check]: raise autograd's error if the tensor changed since pack."""
+        tensor = self.tensor
+        seen = tensor._version
+        if seen != self.version:
+            raise version_error(tensor.dtype, tensor.device, tensor.shape, self.origin,
+                                self.version, seen)
+
+    def unpack(self) -> torch.Tensor:
+        self.check_version()
+        record = self.record
+        if record is not None:
+            timing = record.timing
+            if timing is not None and timing[3] is None:
+                timing[3] = time.perf_counter()
+        return self.tensor
+
+
+class SmallKept(Kept):
+    """A saved tensor below OFFLOAD_MIN_BYTES: the step's ledger counts its storage once
+    while any save of it lives (no record: the fast path)."""
+
+    __slots__ = ("ledger", "key")
+
+    def __init__(self, tensor: torch.Tensor, version: int, origin: SavedOrigin, ledger: Ledger,
+                 key: int) -> None:
+        self.tensor = tensor
+        self.version = version
+        self.origin = origin
+        self.record = None
+        self.ledger = ledger
+        self.key = key
+
+    def __del__(self) -> None:
+        try:
+            self.ledger.small_freed(self.key)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class Moved:
+    """A saved tensor whose storage went to a tier (see the module doc)."""
+
+    __slots__ = ("record", "meta", "version", "sentinel", "origin", "unpacked")
+
+    def __init__(self, record: Record, meta: ViewMeta, version: int, sentinel: torch.Tensor,
+                 origin: SavedOrigin) -> None:
+        self.record = record
+        self.meta = meta
+        self.version = version
+        self.sentinel = sentinel      # zero bytes; shares the saved tensor's version counter
+        self.origin = origin
+        self.unpacked = False
+        record.handles_left += 1
+
+    def check_version(self) -> None:
+        seen = self.sentinel._version
+        if seen != self.version:
+            raise version_error(self.meta.dtype, self.sentinel.device, self.meta.size,
+                                self.origin, self.version, seen)
+
+    def unpack(self, lock) -> torch.Tensor:
+        self.check_version()  # NOTE [Version check]
+        with lock:
+            storage, offset = self.record.load()
+        out = rebuild(storage, offset, self.meta)
+        if not self.unpacked:
+            self.unpacked = True
+            self.record.handle_done()
+        return out
+
+    def __del__(self) -> None:
+        if not self.unpacked:
+            self.unpacked = True
+            self.record.handle_done()
+
+
+class PackedSubclass:
+    """What autograd holds for a saved wrapper subclass: its inner tensors, packed each
+    (subclasses NOTE [Subclasses])."""
+
+    __slots__ = ("flat", "inner", "version", "sentinel", "origin")
+
+    def __init__(self, flat, inner: list, version: int, sentinel: torch.Tensor,
+                 origin: SavedOrigin) -> None:
+        self.flat = flat
+        flat.inner = None  # the inner tensors live on only as `inner`'s packed entries
+        self.inner = inner
+        self.version = version
+        self.sentinel = sentinel
+        self.origin = origin
+
+    def check_version(self) -> None:
+        seen = self.sentinel._version
+        if seen != self.version:
+            raise version_error(self.sentinel.dtype, self.sentinel.device, self.flat.size,
+                                self.origin, self.version, seen)
