@@ -145,6 +145,21 @@ void bind_store(py::module_& m) {
              const uint64_t n = non_negative(nbytes, "write_ptr: nbytes");
              return submit([&] { return s.write_ptr(e, ptr, n); });
            }, py::arg("extent"), py::arg("ptr"), py::arg("nbytes"))
+      .def("write_ptr_many", [](Store& s, const std::vector<std::shared_ptr<Extent>>& extents,
+                                const std::vector<uintptr_t>& ptrs,
+                                const std::vector<int64_t>& nbytes) {
+             std::vector<const Extent*> e;
+             e.reserve(extents.size());
+             for (const auto& x : extents) {
+               if (!x) throw InvalidArgument("write_ptr_many: an extent is None");
+               e.push_back(x.get());
+             }
+             std::vector<uint64_t> n;
+             n.reserve(nbytes.size());
+             for (int64_t v : nbytes) n.push_back(non_negative(v, "write_ptr_many: nbytes"));
+             return s.write_ptr_many(e, ptrs, n);
+           }, py::arg("extents"), py::arg("ptrs"), py::arg("nbytes"),
+           "Several write_ptr in one hand-off to the engine; their IoFutures, in order.")
       .def("read_ptr", [](Store& s, const Extent& e, uintptr_t ptr, int64_t nbytes) {
              const uint64_t n = non_negative(nbytes, "read_ptr: nbytes");
              return submit([&] { return s.read_ptr(e, ptr, n); });

@@ -235,6 +235,42 @@ std::shared_ptr<IoRequest> NvmeStore::write_ptr(const Extent& extent, uintptr_t 
   return submit(extent, reinterpret_cast<char*>(ptr), nbytes, nbytes, true, nullptr);
 }
 
+std::vector<std::shared_ptr<IoRequest>> NvmeStore::write_ptr_many(
+    const std::vector<const Extent*>& extents, const std::vector<uintptr_t>& ptrs,
+    const std::vector<uint64_t>& nbytes) {
+  if (extents.size() != ptrs.size() || extents.size() != nbytes.size())
+    throw InvalidArgument("write_ptr_many: extents, ptrs and nbytes differ in length (" +
+                          std::to_string(extents.size()) + ", " + std::to_string(ptrs.size()) +
+                          ", " + std::to_string(nbytes.size()) + ")");
+  std::vector<Prepared> prepared;
+  prepared.reserve(extents.size());
+  size_t total_chunks = 0;
+  try {
+    for (size_t i = 0; i < extents.size(); ++i) {
+      char* mem = reinterpret_cast<char*>(ptrs[i]);
+      prepared.push_back(prepare(*extents[i], mem, nbytes[i], nbytes[i], true, nullptr));
+      total_chunks += prepared.back().chunks.size();
+    }
+  } catch (...) {
+    // Nothing was submitted: the requests made so far end now, so close() does not wait
+    // for them (they are counted as in flight from their construction).
+    for (auto& p : prepared) p.request->complete(std::current_exception());
+    throw;
+  }
+  std::vector<std::shared_ptr<IoRequest>> requests;
+  requests.reserve(prepared.size());
+  std::vector<Chunk> chunks;
+  chunks.reserve(total_chunks);
+  for (auto& p : prepared) {
+    requests.push_back(p.request);
+    if (p.chunks.empty())
+      p.request->complete(nullptr);
+    for (auto& c : p.chunks) chunks.push_back(std::move(c));
+  }
+  if (!chunks.empty()) engine_->submit(std::move(chunks));
+  return requests;
+}
+
 std::shared_ptr<IoRequest> NvmeStore::read_ptr(const Extent& extent, uintptr_t ptr,
                                                uint64_t nbytes) {
   return submit(extent, reinterpret_cast<char*>(ptr), nbytes, nbytes, false, nullptr);

@@ -91,6 +91,11 @@ class NvmeStore {
   std::shared_ptr<IoRequest> write(const Extent& extent, const HostBlock& block);
   std::shared_ptr<IoRequest> read(const Extent& extent, const HostBlock& block);
   std::shared_ptr<IoRequest> write_ptr(const Extent& extent, uintptr_t ptr, uint64_t nbytes);
+  // Several write_ptr at once: one hand-off to the engine (one lock, one wake-up) for all.
+  // Validates every write before submitting any; returns their requests in order.
+  std::vector<std::shared_ptr<IoRequest>> write_ptr_many(
+      const std::vector<const Extent*>& extents, const std::vector<uintptr_t>& ptrs,
+      const std::vector<uint64_t>& nbytes);
   std::shared_ptr<IoRequest> read_ptr(const Extent& extent, uintptr_t ptr, uint64_t nbytes);
   std::shared_ptr<IoRequest> write_after_event(const Extent& extent, const HostBlock& block,
                                                uintptr_t event);

@@ -14,7 +14,6 @@ hooks) and the original exception propagates unchanged.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from typing import Any
@@ -154,7 +153,7 @@ class ActivationOffload:
                 params.add_module(self.model)
             step.hooks = OffloadHooks(self._schedule.placement(round_trip), tiers, step.ledger,
                                       Prefetcher(config.prefetch_bytes, stats), params,
-                                      config.strict, config.min_bytes, step.timings)
+                                      config.strict, config.min_bytes, step.timeline)
             self._schedule.enter(step.hooks, step.start_s)
             step.after_finish.append(self._schedule.step_done)
             self._hook_thread = hook_stack.install(step.hooks)

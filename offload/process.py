@@ -7,7 +7,7 @@ longer is listed here, each piece kept by the module that uses it:
 |---|---|---|---|---|
 | NVMe stores, one per directory set | tiers/nvme_space.py | idle ones closed | idle ones closed | abandoned: slab descriptors closed, I/O threads (not forked) untouched |
 | stores and arenas pooled for the next step | tiers/pool.py | closed | closed | set aside, never reused or freed (freeing pinned memory would call CUDA) |
-| CUDA copy streams per device (copies Note 13) | tiers/copies.py | kept | forgotten | forgotten (a child cannot use the parent's CUDA state) |
+| CUDA copy streams per device (copies Note 13) | tiers/cuda_backend.py | kept | forgotten | forgotten (a child cannot use the parent's CUDA state) |
 | glibc heap settings of a step in progress | tiers/heap.py | – | – | back to normal |
 | exited steps whose saved tensors live on | runtime/step.py | finished if idle | finished if idle | – |
 | per-model plans: round trip, `auto`'s sessions, buffer slots | util/per_model.py | kept | cleared | kept |
@@ -25,7 +25,7 @@ import os
 from . import config as _config
 from .runtime import step as _step, subclasses as _subclasses
 from .schedule import reset as _schedule_reset
-from .tiers import copies as _copies, heap as _heap, nvme_space as _nvme_space, pool as _pool
+from .tiers import cuda_backend as _copies, heap as _heap, nvme_space as _nvme_space, pool as _pool
 from .util import per_model as _per_model
 
 __all__ = ["empty_cache", "reset", "after_fork_in_child"]

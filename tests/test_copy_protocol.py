@@ -743,13 +743,15 @@ def test_streams_are_the_same_for_every_step():
 def test_the_torch_backend_makes_one_stream_pair_per_device(monkeypatch):
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: made.append(device) or object())
-    monkeypatch.setattr(cuda_streams, "_streams", {})
-    backend = cuda_streams._TorchCuda()
+    from offload.tiers import cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "_streams", {})
+    backend = cuda_backend.TorchCuda()
     dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
     pairs = [backend.copy_streams(d) for d in (dev0, dev1, dev0, dev1, dev0)]
     assert made == [dev0, dev0, dev1, dev1]
     assert pairs[0] is pairs[2] is pairs[4] and pairs[1] is pairs[3] and pairs[0] is not pairs[1]
-    cuda_streams.after_fork_in_child()   # a forked child makes its own
+    cuda_backend.after_fork_in_child()   # a forked child makes its own
     assert backend.copy_streams(dev0) is not pairs[0] and len(made) == 6
 
 

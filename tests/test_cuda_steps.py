@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import offload
 from offload.tiers import copies as cuda_streams
+from offload.tiers import cuda_backend
 from offload._ext import load_core
 
 pytestmark = pytest.mark.cuda
@@ -94,10 +95,10 @@ def test_streams_and_pinned_arenas_are_made_once(nvme_dir, monkeypatch):
     _train(settings, steps=1)
     first_step = len(made)
     device = torch.device("cuda", torch.cuda.current_device())
-    pair = cuda_streams._streams[device]
+    pair = cuda_backend._streams[device]
     _train(settings, steps=9)
     assert first_step >= 1 and len(made) == first_step, made
-    assert cuda_streams._streams[device] is pair
+    assert cuda_backend._streams[device] is pair
     offload.empty_cache()
 
 

@@ -239,7 +239,9 @@ def test_allocate_none_when_full_and_release_gives_space_back(nvme_dir):
 
 def test_in_flight_write_keeps_block_and_extent_alive(nvme_dir):
     arena = C.HostArena(8 * MiB)
-    store = C.NvmeStore([nvme_dir], 8 * MiB, throttle_bytes_per_s=5 * MiB, chunk_bytes=256 * 1024)
+    # Throttled to 2 s for the write: the checks below run well inside it, also on a
+    # loaded machine (at 5 MiB/s, 0.8 s, a collection under load once outlasted it).
+    store = C.NvmeStore([nvme_dir], 8 * MiB, throttle_bytes_per_s=2 * MiB, chunk_bytes=256 * 1024)
     block = arena.allocate(4 * MiB)
     torch.frombuffer(block, dtype=torch.uint8).copy_(_random_bytes(4 * MiB, seed=9))
     expected = bytes(memoryview(block))

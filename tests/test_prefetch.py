@@ -145,7 +145,7 @@ def test_rebuild_shares_the_storage_and_layout():
         rebuild(big.untyped_storage(), 3, view_meta(view))
 
 
-def test_storage_index_forgets_dead_storages_and_keys_by_version():
+def test_storage_index_keys_by_version_and_layout_and_forgets_dead_storages():
     index = StorageIndex()
 
     class Rec:
@@ -155,13 +155,24 @@ def test_storage_index_forgets_dead_storages_and_keys_by_version():
     s = t.untyped_storage()
     r0, r1 = Rec(), Rec()
     index.add(s, 0, r0)
-    index.add(s, 1, r1)
-    assert index.lookup(s, 0) is r0 and index.lookup(s, 1) is r1 and index.lookup(s, 2) is None
-    del r0
-    assert index.lookup(s, 0) is None           # records are held weakly
+    assert index.lookup(s, 0) is r0 and index.lookup(s, 1) is None
+    index.add(s, 1, r1)                         # a newer version: versions only grow
+    assert index.lookup(s, 1) is r1 and index.lookup(s, 0) is None
+    chunk = Rec()                               # an untracked alias: by layout, apart
+    index.add(s, 1, chunk, layout=("a",))
+    assert index.lookup(s, 1, ("a",)) is chunk and index.lookup(s, 1) is r1
+    del r1
+    assert index.lookup(s, 1) is None           # records are held weakly
+    r2 = Rec()
+    index.add(s, 2, r2)
     del t, s
     gc.collect()
-    assert len(index) == 0                      # entries die with the storage
+    # A dead storage never matches again, even if its id is reused: the record holds it
+    # weakly and lookup checks identity.
+    assert r2.storage_ref() is None
+    for _ in range(100):                        # storages made now may reuse the id
+        other = torch.randn(10).untyped_storage()
+        assert index.lookup(other, 2) is None and index.lookup(other, 0) is None
 
 
 def test_param_storages_recognise_params_buffers_and_views():

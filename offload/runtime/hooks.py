@@ -35,7 +35,7 @@ from .records import Kept, Ledger, Moved, PackedSubclass, Record, SmallKept
 from .subclasses import TRACING_TYPES, flatten, kind_name, unmoved_bytes
 from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable, snapshot,
                           untracked_alias, view_meta)
-from .version_check import SavedOrigin, version_sentinel
+from .timeline import Timeline
 
 __all__ = ["OffloadHooks"]
 
@@ -44,6 +44,7 @@ log = logging.getLogger("offload")
 # The id of the backward running on this thread, -1 outside one (torch >= 2.0).
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _Tensor = torch.Tensor
+_strided = torch.strided
 
 
 def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -60,13 +61,13 @@ class OffloadHooks:
         ledger: The step's account of what saved tensors hold (records.py).
         prefetcher: Reads ahead of backward for tiers whose reloads are worth starting early.
         params: `model=`'s parameters and buffers.
-        timings: Where moved (and round-trip-kept) storages' pack → unpack times go
-            (the step's round-trip plan learns from them).
+        timeline: Where moved (and round-trip-kept) storages' pack → unpack times go
+            (the step's round-trip plan and `auto` learn from them).
     """
 
     def __init__(self, placement: Placement, tiers: dict, ledger: Ledger, prefetcher,
                  params: ParamStorages, strict: bool, min_bytes: int,
-                 timings: list | None = None) -> None:
+                 timeline: Timeline | None = None) -> None:
         self.placement = placement
         self.tiers = tiers
         self.ledger = ledger
@@ -80,7 +81,9 @@ class OffloadHooks:
         self._warned_full = False
         self._lock = threading.RLock()
         self._stored = 0  # storages decided so far: their position is the round-trip key
-        self.timings: list[list] = timings if timings is not None else []
+        self.timeline = timeline if timeline is not None else Timeline()
+        # One TensorInfo, refilled per decision: the placement reads it and lets go.
+        self._info = TensorInfo(0)
         # Set by the step (NOTE [End of step] in step.py): called at the end of every
         # backward that unpacked a moved tensor, once the block has exited.
         self.on_backward_end = None
@@ -93,22 +96,23 @@ class OffloadHooks:
         stats = self.stats
         stats.packed_tensors += 1
         version = t._version
-        if type(t) is _Tensor:
+        if type(t) is _Tensor and t.layout is _strided:
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
-            # 1: a small activation an op just made (a view or a grad_fn-less leaf may be a
-            # weight: step 2 tells). `nbytes` > 0: an empty storage has nothing to keep.
-            if nbytes < self._min_bytes and t.grad_fn is not None and t._base is None \
-                    and t.layout is torch.strided:
+            # 1: a small activation an op made (a leaf without grad_fn, or a view of one,
+            # may be a weight: step 2 tells).
+            if nbytes < self._min_bytes and t.grad_fn is not None \
+                    and (t._base is None or not t._base.is_leaf):
                 key = id(storage)
                 self.ledger.small_saved(key, nbytes)
-                return SmallKept(t.detach(), version, SavedOrigin(t), self.ledger, key)
-        origin = SavedOrigin(t)  # now: an in-place op would rewrite t.grad_fn
+                return SmallKept(t, version, self.ledger, key)
         if not movable(t):
-            return self._pack_other(t, version, origin)
-        return self._pack_plain(t, version, origin)
+            return self._pack_other(t, version)
+        return self._pack_plain(t, version)
 
-    def _pack_plain(self, t: torch.Tensor, version: int, origin: SavedOrigin):
+    # The packed objects capture autograd's message data from `t` as they are made: before
+    # pack returns, so no in-place op can have rewritten `t.grad_fn` yet.
+    def _pack_plain(self, t: torch.Tensor, version: int):
         stats = self.stats
         storage = t.untyped_storage()
         if self.params.is_param(t, storage):  # 2
@@ -116,7 +120,7 @@ class OffloadHooks:
             if id(storage) not in self._param_ids:
                 self._param_ids.add(id(storage))
                 stats.param_bytes += storage.nbytes()
-            return Kept(t.detach(), version, origin)
+            return Kept(t, version)
         # A save inside no_offload() or during a backward must stay even if the same
         # storage was moved earlier in the step, so it neither reuses nor enters the index.
         in_backward = _graph_task_id() >= 0
@@ -130,31 +134,31 @@ class OffloadHooks:
                 if not keep_here:
                     self.index.add(storage, version, record, layout)
         if record.payload is None:
-            return Kept(t.detach(), version, origin, record)
+            return Kept(t, version, record)
         stats.offloaded_tensors += 1
         if record.meta is not None:  # a snapshot: its own layout
-            return Moved(record, record.meta, version, version_sentinel(t), origin)
+            return Moved(t, record, record.meta, version)
         if record.resident:
             # The payload *is* the tensor's storage (host tier on a CPU run): holding an
             # alias of it costs nothing and carries its version counter.
-            return Kept(t.detach(), version, origin, record)
-        return Moved(record, view_meta(t), version, version_sentinel(t), origin)
+            return Kept(t, version, record)
+        return Moved(t, record, view_meta(t), version)
 
-    def _pack_other(self, t: torch.Tensor, version: int, origin: SavedOrigin):
+    def _pack_other(self, t: torch.Tensor, version: int):
         """A tensor our byte round trip cannot hold as it is (subclasses NOTE [Subclasses])."""
         if is_weight(t):  # a DTensor / quantized weight: never moved, like any parameter
             self.stats.param_tensors += 1
-            return Kept(t.detach(), version, origin)
+            return Kept(t, version)
         flat = flatten(t)
         if flat is not None:
-            inner = [self._pack_plain(x, x._version, SavedOrigin(x)) if movable(x)
-                     else (self._pack_other(x, x._version, SavedOrigin(x))
+            inner = [self._pack_plain(x, x._version) if movable(x)
+                     else (self._pack_other(x, x._version)
                            if isinstance(x, torch.Tensor) else x) for x in flat.inner]
-            return PackedSubclass(flat, inner, version, flat.sentinel(t), origin)
+            return PackedSubclass(t, flat, inner, version)
         name = kind_name(t)
         if name not in TRACING_TYPES:
             self._count_unmoved(t, name)
-        return Kept(t.detach(), version, origin)
+        return Kept(t, version)
 
     def _count_unmoved(self, t: torch.Tensor, name: str) -> None:
         nbytes = unmoved_bytes(t)
@@ -171,11 +175,14 @@ class OffloadHooks:
         # An untracked alias is moved as a private copy of its own elements (tensor_meta
         # NOTE [Untracked aliases]): a tier must never read its storage after pack returns.
         nbytes = t.nbytes if untracked else storage.nbytes()
-        key = (self._stored, nbytes)
+        position = self._stored
         self._stored += 1
         placement = self.placement
-        decision = placement.decide(TensorInfo(nbytes, no_offload_active(), in_backward, key,
-                                               storage))
+        info = self._info
+        info.nbytes, info.no_offload, info.in_backward = nbytes, no_offload_active(), in_backward
+        info.key, info.storage = (position, nbytes), storage
+        decision = placement.decide(info)
+        info.storage = None
         round_trip_kept = decision is placement.round_trip_decision
         if round_trip_kept:
             stats.round_trip_kept_bytes += nbytes
@@ -208,8 +215,8 @@ class OffloadHooks:
         if payload is not None or round_trip_kept:
             # A storage the plan kept is timed too: otherwise the next plan, learning from
             # moved storages only, forgets it and moves it again (keep/move every other step).
-            record.timing = [key, nbytes, time.perf_counter(), None]
-            self.timings.append(record.timing)
+            record.timeline = self.timeline
+            record.row = self.timeline.add(position, nbytes, time.perf_counter())
         stats.unique_storages += 1
         stats.saved_bytes += nbytes
         if tier is None:

@@ -36,7 +36,8 @@ import torch
 from ..errors import UsedAfterCloseError
 from ..tiers.copies import SharedReload
 from .tensor_meta import ViewMeta, rebuild
-from .version_check import SavedOrigin, version_error
+from .version_check import SavedOrigin, next_sequence_nr as _next_sequence_nr, version_error, \
+    version_sentinel
 
 __all__ = ["Ledger", "Record", "Kept", "SmallKept", "Moved", "PackedSubclass"]
 
@@ -48,17 +49,18 @@ class Ledger:
     drops them (its device threads too): every update is under `lock`.
     """
 
-    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "small")
+    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "small_count", "small_bytes")
 
     def __init__(self, stats) -> None:
         self.stats = stats
         self.lock = threading.Lock()
         self.live_records = 0      # records holding tier space (the step ends at 0)
         self.idle_since_s: float | None = None
-        # Storages below OFFLOAD_MIN_BYTES that stay: id -> [saved tensors alive, nbytes].
-        # The id is safe: every entry's storage is held by a live alias until its count
-        # drops to 0 and the entry goes.
-        self.small: dict[int, list] = {}
+        # Storages below OFFLOAD_MIN_BYTES that stay, by id: saved tensors alive and bytes.
+        # The id is safe: every entry's storage is held by a live saved tensor until its
+        # count drops to 0 and the entry goes.
+        self.small_count: dict[int, int] = {}
+        self.small_bytes: dict[int, int] = {}
 
     def record_made(self, record: "Record") -> None:
         with self.lock:
@@ -81,11 +83,11 @@ class Ledger:
     def small_saved(self, key: int, nbytes: int) -> None:
         """A small storage saved (again): counted once while any save of it lives."""
         with self.lock:
-            entry = self.small.get(key)
-            if entry is not None:
-                entry[0] += 1
+            count = self.small_count.get(key, 0)
+            self.small_count[key] = count + 1
+            if count:
                 return
-            self.small[key] = [1, nbytes]
+            self.small_bytes[key] = nbytes
             stats = self.stats
             stats.unique_storages += 1
             stats.saved_bytes += nbytes
@@ -94,19 +96,20 @@ class Ledger:
 
     def small_freed(self, key: int) -> None:
         with self.lock:
-            entry = self.small[key]
-            entry[0] -= 1
-            if entry[0] == 0:
-                del self.small[key]
-                self.stats.resident_bytes -= entry[1]
+            count = self.small_count[key] - 1
+            if count:
+                self.small_count[key] = count
+                return
+            del self.small_count[key]
+            self.stats.resident_bytes -= self.small_bytes.pop(key)
 
 
 class Record:
     """One stored storage: where its bytes are (tier and payload; none when kept)."""
 
     __slots__ = ("tier", "payload", "nbytes", "resident", "meta", "ledger", "prefetcher",
-                 "handles_left", "cache", "cache_ref", "cache_offset", "shared", "timing",
-                 "__weakref__")
+                 "handles_left", "cache", "cache_ref", "cache_offset", "shared", "timeline",
+                 "row", "storage_ref", "version", "__weakref__")
 
     def __init__(self, tier, payload, nbytes: int, resident: bool, meta: ViewMeta | None,
                  ledger: Ledger, prefetcher) -> None:
@@ -124,7 +127,10 @@ class Record:
         self.cache_ref = None         # weak reference to it
         self.cache_offset = 0
         self.shared: SharedReload | None = None  # a CUDA storage's streams (NOTE [Unpack cache])
-        self.timing: list | None = None  # [key, nbytes, pack_s, unpack_s] (round_trip.py)
+        self.timeline = None          # the step's Timeline, when this storage is timed
+        self.row = -1                 # ... and its row there
+        self.storage_ref = None       # set by the StorageIndex: the storage, weakly
+        self.version = -1             # ... at the version it was stored
         ledger.record_made(self)
 
     def load(self) -> tuple[torch.UntypedStorage, int]:
@@ -137,9 +143,8 @@ class Record:
                     "offload: a saved tensor was used after its offload.activations() context "
                     "released it (the block exited with an exception, or the context's close() "
                     "ran before this backward); run backward before closing the context")
-            timing = self.timing
-            if timing is not None and timing[3] is None:
-                timing[3] = time.perf_counter()
+            if self.timeline is not None:
+                self.timeline.unpacked(self.row, time.perf_counter())
             if self.prefetcher is not None:
                 flat = self.prefetcher.fetch(self.tier, self.payload)
             else:
@@ -168,30 +173,46 @@ class Record:
 class Kept:
     """A saved tensor that stays where it is (see the module doc)."""
 
-    __slots__ = ("tensor", "version", "origin", "record")
+    __slots__ = ("tensor", "version", "record", "node_name", "output_nr")
 
-    def __init__(self, tensor: torch.Tensor, version: int, origin: SavedOrigin,
-                 record: Record | None = None) -> None:
-        self.tensor = tensor          # a detach()ed alias: same storage, same version counter
+    def __init__(self, t: torch.Tensor, version: int, record: Record | None = None) -> None:
+        node = t.grad_fn
+        if node is not None and (_next_sequence_nr is None
+                                 or node._sequence_nr() == _next_sequence_nr() - 1):
+            # Saved by its own node (an output): an alias breaks the cycle (module doc), and
+            # autograd's message names this node (version_check.py).
+            self.tensor = t.detach()
+            self.node_name = type(node).__name__
+            self.output_nr = t.output_nr
+        else:
+            # An input or a leaf, held as autograd itself holds one: its grad_fn when
+            # unpacked names the op that changed it.
+            self.tensor = t
+            self.node_name = None
         self.version = version
-        self.origin = origin          # for autograd's message
         self.record = record          # the storage's record, when it has one (dedup, timing)
+
+    def node_at_unpack(self) -> str | None:
+        if self.node_name is not None:
+            return self.node_name
+        node = self.tensor.grad_fn
+        return type(node).__name__ if node is not None else None
 
     def check_version(self) -> None:
         """NOTE [Version check]: raise autograd's error if the tensor changed since pack."""
         tensor = self.tensor
         seen = tensor._version
         if seen != self.version:
-            raise version_error(tensor.dtype, tensor.device, tensor.shape, self.origin,
-                                self.version, seen)
+            if self.node_name is None:
+                self.output_nr = tensor.output_nr
+            raise version_error(tensor.dtype, tensor.device, tensor.shape, self, self.version,
+                                seen)
 
     def unpack(self) -> torch.Tensor:
         self.check_version()
         record = self.record
-        if record is not None:
-            timing = record.timing
-            if timing is not None and timing[3] is None:
-                timing[3] = time.perf_counter()
+        if record is not None and record.timeline is not None:
+            record.timeline.unpacked(record.row, time.perf_counter())
         return self.tensor
 
 
@@ -201,12 +222,8 @@ class SmallKept(Kept):
 
     __slots__ = ("ledger", "key")
 
-    def __init__(self, tensor: torch.Tensor, version: int, origin: SavedOrigin, ledger: Ledger,
-                 key: int) -> None:
-        self.tensor = tensor
-        self.version = version
-        self.origin = origin
-        self.record = None
+    def __init__(self, t: torch.Tensor, version: int, ledger: Ledger, key: int) -> None:
+        Kept.__init__(self, t, version)
         self.ledger = ledger
         self.key = key
 
@@ -217,26 +234,25 @@ class SmallKept(Kept):
             pass
 
 
-class Moved:
+class Moved(SavedOrigin):
     """A saved tensor whose storage went to a tier (see the module doc)."""
 
-    __slots__ = ("record", "meta", "version", "sentinel", "origin", "unpacked")
+    __slots__ = ("record", "meta", "version", "sentinel", "unpacked")
 
-    def __init__(self, record: Record, meta: ViewMeta, version: int, sentinel: torch.Tensor,
-                 origin: SavedOrigin) -> None:
+    def __init__(self, t: torch.Tensor, record: Record, meta: ViewMeta, version: int) -> None:
+        self.capture_origin(t)
         self.record = record
         self.meta = meta
         self.version = version
-        self.sentinel = sentinel      # zero bytes; shares the saved tensor's version counter
-        self.origin = origin
+        self.sentinel = version_sentinel(t)  # zero bytes; shares t's version counter
         self.unpacked = False
         record.handles_left += 1
 
     def check_version(self) -> None:
         seen = self.sentinel._version
         if seen != self.version:
-            raise version_error(self.meta.dtype, self.sentinel.device, self.meta.size,
-                                self.origin, self.version, seen)
+            raise version_error(self.meta.dtype, self.sentinel.device, self.meta.size, self,
+                                self.version, seen)
 
     def unpack(self, lock) -> torch.Tensor:
         self.check_version()  # NOTE [Version check]
@@ -254,23 +270,22 @@ class Moved:
             self.record.handle_done()
 
 
-class PackedSubclass:
+class PackedSubclass(SavedOrigin):
     """What autograd holds for a saved wrapper subclass: its inner tensors, packed each
     (subclasses NOTE [Subclasses])."""
 
-    __slots__ = ("flat", "inner", "version", "sentinel", "origin")
+    __slots__ = ("flat", "inner", "version", "sentinel")
 
-    def __init__(self, flat, inner: list, version: int, sentinel: torch.Tensor,
-                 origin: SavedOrigin) -> None:
+    def __init__(self, t: torch.Tensor, flat, inner: list, version: int) -> None:
+        self.capture_origin(t)
         self.flat = flat
+        self.sentinel = flat.sentinel(t)
         flat.inner = None  # the inner tensors live on only as `inner`'s packed entries
         self.inner = inner
         self.version = version
-        self.sentinel = sentinel
-        self.origin = origin
 
     def check_version(self) -> None:
         seen = self.sentinel._version
         if seen != self.version:
             raise version_error(self.sentinel.dtype, self.sentinel.device, self.flat.size,
-                                self.origin, self.version, seen)
+                                self, self.version, seen)

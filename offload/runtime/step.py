@@ -41,6 +41,7 @@ from .hooks import OffloadHooks
 from .records import Ledger
 from .round_trip import LinkSpeed, RoundTripPlan, TensorTiming
 from .subclasses import note_unmoved
+from .timeline import Timeline
 
 __all__ = ["Step", "close_tiers", "finish_pending"]
 
@@ -61,9 +62,9 @@ class Step:
         self.hooks: OffloadHooks | None = None
         self.ledger = Ledger(stats)
         # The plan this step keeps by (learned from the steps before) and updates for the
-        # next; the hooks append each moved storage's [key, nbytes, pack_s, unpack_s].
+        # next, from when each stored storage was packed and unpacked (the hooks note it).
         self.round_trip = round_trip
-        self.timings: list[list] = []
+        self.timeline = Timeline()
         self.copies: dict[torch.device, Any] = {}  # CopyStreams per CUDA device
         self.start_s = time.perf_counter()
         self.exit_s: float | None = None
@@ -179,7 +180,7 @@ class Step:
             link = LinkSpeed(s.nvme_write_gbps * 1e9, s.nvme_read_gbps * 1e9)
         elif s.d2h_bytes and s.d2h_gbps > 0 and s.h2d_gbps > 0:
             link = LinkSpeed(s.d2h_gbps * 1e9, s.h2d_gbps * 1e9)
-        self.round_trip.learn((TensorTiming(*t) for t in self.timings), link)
+        self.round_trip.learn((TensorTiming(*t) for t in self.timeline.rows()), link)
 
     def _write_trace(self, end_s: float) -> None:
         """Add the compute spans and write OFFLOAD_TRACE (never fails the step)."""

@@ -110,39 +110,40 @@ def layout_key(t: torch.Tensor) -> tuple:
 
 
 class StorageIndex:
-    """Live storages already stored during this step → their record, per version.
+    """Storages already stored during this step → their record (latest version; untracked
+    aliases per layout).
 
-    Entries vanish when the storage dies (see NOTE [Storage identity]); records are held
-    weakly, so a record whose saved tensors are all gone is not kept alive by the index.
+    One entry per storage: aliases autograd tracks share one version counter, which only
+    grows, so a save never comes back to an older version of a storage; aliases with
+    counters of their own dedup by layout (NOTE [Untracked aliases]). An entry holds the
+    record weakly (a record whose saved tensors are all gone is not kept alive) and the
+    record holds its storage weakly: a storage that died never matches again, even when its
+    id is reused (NOTE [Storage identity]). Dead entries stay until the step ends: no
+    callback per entry (a closure per stored storage, and more for the garbage collector).
     """
 
+    __slots__ = ("_map",)
+
     def __init__(self) -> None:
-        # (id(storage), version, layout or None) -> (storage ref, record ref)
-        self._map: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+        self._map: dict[Any, weakref.ref] = {}   # id(storage) or (id, layout) -> record
 
     def lookup(self, storage: torch.UntypedStorage, version: int,
                layout: tuple | None = None) -> Any | None:
         """The record of `storage` at `version` (and, for an untracked alias, `layout`)."""
-        entry = self._map.get((id(storage), version, layout))
-        if entry is None or entry[0]() is not storage:
+        ref = self._map.get(id(storage) if layout is None else (id(storage), layout))
+        if ref is None:
             return None
-        return entry[1]()
+        record = ref()
+        if record is None or record.version != version or record.storage_ref() is not storage:
+            return None
+        return record
 
     def add(self, storage: torch.UntypedStorage, version: int, record: Any,
             layout: tuple | None = None) -> None:
-        key = (id(storage), version, layout)
-        self._map[key] = (weakref.ref(storage, self._forget_callback(key)), weakref.ref(record))
-
-    def _forget_callback(self, key: tuple):
-        index = weakref.ref(self)
-
-        def forget(dead: weakref.ref) -> None:
-            me = index()
-            if me is not None:
-                entry = me._map.get(key)
-                if entry is not None and entry[0] is dead:
-                    del me._map[key]
-        return forget
+        """Index `record` (which must have `storage_ref` and `version` slots)."""
+        record.storage_ref = weakref.ref(storage)
+        record.version = version
+        self._map[id(storage) if layout is None else (id(storage), layout)] = weakref.ref(record)
 
     def clear(self) -> None:
         self._map.clear()

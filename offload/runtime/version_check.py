@@ -44,7 +44,7 @@ __all__ = ["SavedOrigin", "version_sentinel", "version_error"]
 
 # Thread-local next sequence number of autograd nodes (torch >= 2.1); without it every saved
 # tensor is named like an input, which only changes the op named in the message.
-_next_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
+next_sequence_nr = _next_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
 
 _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")  # autograd prints TanhBackward0 as Tanh
 
@@ -63,11 +63,17 @@ def version_sentinel(t: torch.Tensor) -> torch.Tensor:
 
 
 class SavedOrigin:
-    """What autograd's message says about a saved tensor, captured at pack (one per save)."""
+    """What autograd's message says about a saved tensor, captured at pack (one per save).
+
+    The base class of what the hooks hand autograd (records.py), so a save costs one object.
+    """
 
     __slots__ = ("output_nr", "node_name", "is_output", "is_view", "tensor_ref")
 
     def __init__(self, t: torch.Tensor) -> None:
+        self.capture_origin(t)
+
+    def capture_origin(self, t: torch.Tensor) -> None:
         self.output_nr = t.output_nr
         node = t.grad_fn
         self.node_name = type(node).__name__ if node is not None else None

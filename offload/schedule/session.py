@@ -455,7 +455,7 @@ class AutoSession(Session):
         # The profiler's own Python, not the model's (host time: the device does not wait)
         overhead_s = profiler.overhead_s if profiler is not None else 0.0
         items = self._placement.items
-        timing = {t[0]: t for t in hooks.timings}
+        timing = {t[0]: t for t in hooks.timeline.rows()}
         for it in items:
             t = timing.get(it.hooks_key)
             if t is not None:

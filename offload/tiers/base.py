@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from .copies import refuse_graph_capture
+from .cuda_backend import refuse_graph_capture
 
 __all__ = ["Tier", "Payload", "flat_bytes", "sync_d2h", "sync_h2d"]
 

@@ -104,37 +104,22 @@ stream (behind its wait for the H2D, so it completes after the copy); that strea
 the event, on the GPU, and is added to the block's streams by ``record_stream`` so the block
 outlives its kernels there.
 
-Note 13 (streams reused across steps): the offload and prefetch streams are made once per
-device and process (``_TorchCuda.copy_streams``), not per step. Reloaded tensors are
-allocated on the prefetch stream (Note 6), and the caching allocator keeps a freed block for
-reuse on the stream it was allocated on: with a new prefetch stream each step (torch hands
-out its pool's 32 streams in turn) each step's reloads took fresh blocks, and reserved memory
-grew step after step. Two contexts alive at once share the streams: their copies then queue
-behind each other, while each CopyStreams still tracks only its own events.
-
-Note 14 (CUDA graph capture): while the current stream captures a graph, work queued on it,
-or on a stream that waits on an event recorded in the capture, is recorded into the graph
-instead of running, and (in the default global capture mode) an event query or wait on the
-host is refused and invalidates the capture. Offloading a captured step cannot work: the
-copies would run only at replay, into blocks the arena has long reused. So every entry point
-that queues a copy or waits raises :class:`GraphCaptureError` first (naming the way out), and
-``poll`` (which only queries) does nothing while the stream captures, so a captured region
-under ``offload.no_offload()`` stays legal. The engine's threads wait on our own events in
-relaxed capture mode (csrc/cuda_copy.hpp ``enter_engine_thread``), so a capture on the
-training thread neither fails their waits nor is invalidated by them.
+Notes 13 (the streams, one pair per device and process) and 14 (CUDA graph capture) are
+in cuda_backend.py, with the calls they are about; the tickets are in copy_tickets.py.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
 
-from offload.errors import OffloadError, UsedAfterCloseError
-from offload.util.trace import NULL_RECORDER, NullRecorder, TraceRecorder
+from ..errors import UsedAfterCloseError
+from ..util.trace import NULL_RECORDER, NullRecorder, TraceRecorder
+from .copy_tickets import CopyStats, D2HTicket, H2DTicket, _Pending
+from .cuda_backend import GraphCaptureError, TorchCuda as _TorchCuda, refuse_graph_capture
 
 __all__ = ["CopyStreams", "D2HTicket", "H2DTicket", "CopyStats", "SharedReload",
            "DEFAULT_MAX_INFLIGHT_BYTES", "GraphCaptureError", "refuse_graph_capture"]
@@ -142,104 +127,6 @@ __all__ = ["CopyStreams", "D2HTicket", "H2DTicket", "CopyStats", "SharedReload",
 _log = logging.getLogger("offload")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
-
-_streams_lock = threading.Lock()
-_streams: dict[torch.device, tuple] = {}   # Note 13
-
-
-class GraphCaptureError(OffloadError, RuntimeError):
-    """Offloaded tensors were to be moved while the current CUDA stream captures a graph."""
-
-
-def refuse_graph_capture(what: str, capturing: bool) -> None:
-    """Raise GraphCaptureError for `what` (the call, for the message) when `capturing` (Note 14)."""
-    if capturing:
-        raise GraphCaptureError(
-            f"offload: {what} was called while the current CUDA stream is capturing a CUDA "
-            "graph; saved tensors cannot be offloaded inside a captured region (their copies "
-            "and the waits for them would be recorded into the graph instead of running). "
-            "Capture the graph outside offload.activations(), or wrap the captured region in "
-            "offload.no_offload()")
-
-
-def after_fork_in_child() -> None:
-    """A forked child cannot use the parent's CUDA streams (nor CUDA at all): forget them."""
-    global _streams_lock
-    _streams_lock = threading.Lock()
-    _streams.clear()
-
-
-def forget_streams() -> None:
-    """Forget the process's copy streams (offload.process.reset); the next step makes new."""
-    with _streams_lock:
-        _streams.clear()
-
-
-class _TorchCuda:
-    """Every torch.cuda call of this module, in one place (tests substitute a simulated GPU)."""
-
-    def device(self, device: Any) -> torch.device:
-        device = torch.device("cuda" if device is None else device)
-        if device.type != "cuda":
-            raise ValueError(f"CopyStreams(device={str(device)!r}): needs a CUDA device "
-                             "(on a CPU-only run the runtime keeps host tensors in place)")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return device
-
-    def copy_streams(self, device) -> tuple:
-        """The process's offload and prefetch streams of `device` (Note 13)."""
-        with _streams_lock:
-            pair = _streams.get(device)
-            if pair is None:
-                pair = _streams[device] = (torch.cuda.Stream(device=device),
-                                           torch.cuda.Stream(device=device))
-            return pair
-
-    def current_stream(self, device):
-        return torch.cuda.current_stream(device)
-
-    def capturing(self) -> bool:
-        return torch.cuda.is_current_stream_capturing()
-
-    def new_event(self, timing: bool, blocking: bool = False):
-        return torch.cuda.Event(enable_timing=timing, blocking=blocking)
-
-    def record(self, event, stream) -> None:
-        event.record(stream)
-
-    def wait_event(self, stream, event) -> None:
-        stream.wait_event(event)
-
-    def query(self, event) -> bool:
-        return event.query()
-
-    def synchronize(self, event) -> None:
-        event.synchronize()
-
-    def elapsed_s(self, start, end) -> float:
-        return start.elapsed_time(end) / 1e3
-
-    def empty(self, nbytes: int, device, stream) -> torch.Tensor:
-        with torch.cuda.stream(stream):
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-
-    def record_stream(self, tensor: torch.Tensor, stream) -> None:
-        tensor.record_stream(stream)
-
-    def is_pinned(self, host: torch.Tensor) -> bool:
-        return host.is_pinned()
-
-    def stream_handle(self, stream) -> int:
-        return stream.cuda_stream
-
-    def event_handle(self, event) -> int:
-        return event.cuda_event
-
 
 class SharedReload:
     """A reloaded device storage served to more than one stream (Note 12).
@@ -280,139 +167,6 @@ class SharedReload:
             storage, offset, (1,))
         b.record_stream(one_byte, stream)
         self._served.add(handle)
-
-
-@dataclass
-class CopyStats:
-    """Counters of one CopyStreams; ``*_busy_s`` are GPU-timed copy durations (timing=True)."""
-
-    d2h_bytes: int = 0
-    d2h_copies: int = 0
-    d2h_busy_s: float = 0.0
-    h2d_bytes: int = 0
-    h2d_copies: int = 0
-    h2d_busy_s: float = 0.0
-    d2h_wait_s: float = 0.0            # host waited in D2HTicket.wait()
-    backpressure_wait_s: float = 0.0   # host waited for held sources (Note 11)
-    h2d_wait_s: float = 0.0            # host waited for I/O in tensor_for_use / H2DTicket.wait
-    max_d2h_inflight: int = 0
-    max_h2d_inflight: int = 0
-    max_held_source_bytes: int = 0
-
-    @property
-    def d2h_gbps(self) -> float:
-        return self.d2h_bytes / self.d2h_busy_s / 1e9 if self.d2h_busy_s > 0 else 0.0
-
-    @property
-    def h2d_gbps(self) -> float:
-        return self.h2d_bytes / self.h2d_busy_s / 1e9 if self.h2d_busy_s > 0 else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        out = asdict(self)
-        out["d2h_gbps"] = self.d2h_gbps
-        out["h2d_gbps"] = self.h2d_gbps
-        return out
-
-
-class _Pending:
-    """One copy in flight and everything it must keep alive until its event completed."""
-
-    __slots__ = ("kind", "nbytes", "event", "start_event", "src", "block", "host", "dst",
-                 "future", "complete")
-
-    def __init__(self, kind: str, nbytes: int, event, start_event, *, src=None, block=None,
-                 host=None, dst=None, future=None):
-        self.kind = kind
-        self.nbytes = nbytes
-        self.event = event
-        self.start_event = start_event
-        self.src = src          # D2H source (Note 2)
-        self.block = block      # pinned block (Notes 3, 8)
-        self.host = host        # frombuffer view of the block
-        self.dst = dst          # chained H2D destination (Note 9)
-        self.future = future    # engine future of a chained copy
-        self.complete = False
-
-
-class D2HTicket:
-    """A D2H copy in flight. Dropping the ticket is safe: the copy keeps what it needs."""
-
-    __slots__ = ("_owner", "_p", "nbytes", "event", "block")
-
-    def __init__(self, owner: "CopyStreams", pending: _Pending):
-        self._owner = owner
-        self._p = pending
-        self.nbytes = pending.nbytes
-        self.event = pending.event   # torch.cuda.Event; .cuda_event is the handle for the engine
-        self.block = pending.block   # the caller's block (an engine writing it out needs it)
-
-    def done(self) -> bool:
-        """Whether the copy finished (non-blocking); the source is dropped once it has."""
-        return self._owner._poll_one(self._p)
-
-    def wait(self) -> float:
-        """Block until the copy finished; returns the seconds waited."""
-        return self._owner._wait_one(self._p, "d2h_wait_s")
-
-    def device_tensor_if_held(self) -> torch.Tensor | None:
-        """The source bytes while the copy is still pending, else None.
-
-        Unpack can use them instead of a reload when the tensor is needed again before its
-        offload finished (a bounce): the source is still alive (Note 2) and unchanged.
-        """
-        return None if self._p.complete else self._p.src
-
-    @property
-    def event_handle(self) -> int:
-        """The raw handle of ``event`` (completes when the copy has landed in the block),
-        for an engine that waits on it; keep ``event`` alive meanwhile (Note 4)."""
-        return self._owner._backend.event_handle(self.event)
-
-
-class H2DTicket:
-    """An H2D copy in flight. ``tensor_for_use()`` hands the uint8 device tensor to a stream."""
-
-    __slots__ = ("_owner", "_p", "_dst", "nbytes", "event")
-
-    def __init__(self, owner: "CopyStreams", pending: _Pending, dst: torch.Tensor):
-        self._owner = owner
-        self._p = pending
-        self._dst = dst
-        self.nbytes = pending.nbytes
-        self.event = pending.event
-
-    def tensor_for_use(self) -> torch.Tensor:
-        """The reloaded bytes, safe to use on the current stream (Notes 6 and 7).
-
-        Only the current stream waits, on the GPU; the host waits only for a chained NVMe
-        read that has not been submitted to the GPU yet (counted as stall).
-
-        Raises:
-            StorageError: the chained NVMe read failed.
-        """
-        backend = self._owner._backend
-        refuse_graph_capture("H2DTicket.tensor_for_use()", backend.capturing())   # Note 14
-        self._wait_io()
-        consumer = backend.current_stream(self._owner.device)
-        backend.wait_event(consumer, self.event)   # Note 7
-        backend.record_stream(self._dst, consumer)  # Note 6
-        return self._dst
-
-    def done(self) -> bool:
-        return self._owner._poll_one(self._p)
-
-    def wait(self) -> float:
-        """Block until the copy finished (host); returns the seconds waited."""
-        return self._owner._wait_one(self._p, "h2d_wait_s")
-
-    def _wait_io(self) -> None:
-        future = self._p.future
-        if future is not None and not future.done():
-            t0 = self._owner._now()
-            future.wait()
-            self._owner._stalled("h2d_wait_s", t0, "wait nvme read")
-        elif future is not None:
-            future.wait()   # raises the read's StorageError, if any
 
 
 class CopyStreams:

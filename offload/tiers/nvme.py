@@ -79,6 +79,13 @@ __all__ = ["NvmeTier"]
 # 2-core VM (alternating runs), with no loss of disk throughput.
 CHUNK_BYTES = 4 << 20
 
+# NOTE [Write batches] Direct writes (CPU memory written in place) go to the engine in
+# batches: handing one over costs a lock and a worker wake-up, which on a machine with few
+# cores preempts a compute thread. A batch is submitted when it holds WRITE_BATCH writes or
+# CHUNK_BYTES, and before anything waits on a write or reads (retire, backpressure, the
+# first read of the backward, drain, close): nothing ever waits on a write not submitted.
+WRITE_BATCH = 32
+
 # A store smaller than one 1 MiB stripe per directory is not worth reserving: the tier
 # then has no room (full from the start), instead of failing to open.
 MIN_STORE_BYTES = 1 << 20
@@ -100,11 +107,13 @@ class _Write:
     """One payload's write, from `store` until the tier retires it and drops it from the
     payload (NOTE [One owner])."""
 
-    __slots__ = ("nbytes", "future", "source", "direct_bytes", "d2h", "start_s")
+    __slots__ = ("nbytes", "future", "source", "address", "direct_bytes", "d2h", "start_s")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self.future = None      # IoFuture, or nvme_device.WriteBehind after a D2H
+        self.future = None      # IoFuture, or nvme_device.WriteBehind after a D2H; None
+        #                         while it waits in the batch (NOTE [Write batches])
+        self.address = 0        # where a direct write reads from
         self.source = None      # memory a direct write reads from (NOTE [Deferred free])
         self.direct_bytes = 0   # bytes of `source` counted against the direct-write cap
         self.d2h = None         # D2HTicket of the device copy feeding it (CUDA)
@@ -208,6 +217,10 @@ class NvmeTier(Tier):
         self._reads: dict[_Read, None] = {}
         self._deferred: list[_Read] = []             # see NOTE [Deferred free]
         self._direct_inflight = 0                    # bytes of write_ptr sources held
+        self._batch: list[_NvmePayload] = []         # direct writes not yet submitted
+        self._batch_bytes = 0
+        self._submitting = False
+        self._release_later: list[_NvmePayload] = []
         self._direct_cap = max(staging_bytes, 1)
         self.in_backward = False  # stall attribution: set by the first read
         # CPU sources: freed activation RAM should be reused, not returned and refaulted.
@@ -317,7 +330,7 @@ class NvmeTier(Tier):
         else:
             self._wait_for_direct_room(nbytes)
             write.source = source  # NOTE [Deferred free]: must outlive the write
-            write.future = self._store.write_ptr(extent, address, nbytes)
+            write.address = address
             write.direct_bytes = nbytes
             self._direct_inflight += nbytes
         self._own_bytes += nbytes  # from here on `release` gives it back
@@ -327,7 +340,34 @@ class NvmeTier(Tier):
         self._writes.append(payload)
         if len(self._writes) > self._stats.peak_writes_inflight:
             self._stats.peak_writes_inflight = len(self._writes)
+        if write.future is None:  # a direct write: NOTE [Write batches]
+            self._batch.append(payload)
+            self._batch_bytes += nbytes
+            if len(self._batch) >= WRITE_BATCH or self._batch_bytes >= CHUNK_BYTES:
+                self._submit_batch()
         return payload
+
+    def _submit_batch(self) -> None:
+        """Hand the batched direct writes to the engine (NOTE [Write batches])."""
+        batch = self._batch
+        if not batch or self._submitting:
+            return
+        self._submitting = True
+        try:
+            self._batch, self._batch_bytes = [], 0
+            writes = [p.write for p in batch]
+            futures = self._store.write_ptr_many([p.extent for p in batch],
+                                                 [w.address for w in writes],
+                                                 [w.nbytes for w in writes])
+            for write, future in zip(writes, futures):
+                write.future = future
+        finally:
+            self._submitting = False
+        # Released while being submitted (the garbage collector can free a record at any
+        # allocation above): the engine holds their ranges now, so they go back at once.
+        later, self._release_later = self._release_later, []
+        for payload in later:
+            payload.extent.release()
 
     def _phase_of(self, address: int) -> int:
         phase = address % self._alignment
@@ -337,6 +377,7 @@ class NvmeTier(Tier):
         """Backpressure: retire writes oldest first until `done()`; the wait is a stall."""
         if done() or not self._writes:
             return
+        self._submit_batch()
         start = time.perf_counter()
         while not done() and self._writes:
             self._retire_write(self._writes.popleft())
@@ -368,6 +409,8 @@ class NvmeTier(Tier):
         write = payload.write
         if write is None:
             return
+        if write.future is None:
+            self._submit_batch()
         try:
             moved = write.future.wait()
         finally:
@@ -402,6 +445,7 @@ class NvmeTier(Tier):
         if self._closed:
             raise UsedAfterCloseError("offload: nvme tier used after close")
         self.in_backward = True
+        self._submit_batch()  # the reads come now: nothing waits behind them any more
         if payload.write is not None:  # NOTE [Read after write]
             start = time.perf_counter()
             self._retire_write(payload)
@@ -499,7 +543,8 @@ class NvmeTier(Tier):
     def poll(self) -> None:
         """Retire landed writes (oldest first), note finished reads, free deferred memory."""
         writes = self._writes
-        while writes and (writes[0].write is None or writes[0].write.future.done()):
+        while writes and (writes[0].write is None or (writes[0].write.future is not None
+                                                      and writes[0].write.future.done())):
             self._retire_write(writes.popleft())
         done = []
         for read in self._reads:
@@ -520,6 +565,14 @@ class NvmeTier(Tier):
         if self._closed:
             return
         self._own_bytes -= payload.nbytes
+        if payload.write is not None and payload.write.future is None:
+            # Still in the batch: submit it, so the engine holds the extent's range and the
+            # range can go back at once (NOTE [Write batches]); in the middle of a
+            # submission, give it back when that is done.
+            if self._submitting:
+                self._release_later.append(payload)
+                return
+            self._submit_batch()
         read, payload.read = payload.read, None
         if read is not None:
             self._observe_read(read)
@@ -547,6 +600,7 @@ class NvmeTier(Tier):
 
     def drain(self) -> None:
         """Wait for every write in flight and free deferred memory."""
+        self._submit_batch()
         while self._writes:
             self._retire_write(self._writes.popleft())
         self._reap_deferred(wait=True)
@@ -592,6 +646,7 @@ class NvmeTier(Tier):
         The store may live on (other contexts use it): unlike closing it, this waits only
         for our own requests. Failures are dropped: nobody needs these bytes any more.
         """
+        self._submit_batch()
         futures = [p.write.future for p in self._writes if p.write is not None]
         futures += [r.future for r in self._reads] + [r.future for r in self._deferred]
         for future in futures:

@@ -1,0 +1,49 @@
+"""When each stored storage of a step was packed and unpacked: what the round-trip plan and
+`auto` learn from.
+
+Rows live in flat arrays (no Python object per storage: the garbage collector walks every
+tracked object again and again while a step holds thousands). A record keeps its row's index
+and marks its first unpack; `rows()` gives `[key, nbytes, pack_s, unpack_s]` per row, the key
+being (position among the step's stored storages, nbytes), as placement sees it.
+"""
+from __future__ import annotations
+
+import math
+from array import array
+
+__all__ = ["Timeline"]
+
+
+class Timeline:
+    __slots__ = ("_position", "_nbytes", "_pack_s", "_unpack_s")
+
+    def __init__(self) -> None:
+        self._position = array("q")
+        self._nbytes = array("q")
+        self._pack_s = array("d")
+        self._unpack_s = array("d")
+
+    def add(self, position: int, nbytes: int, pack_s: float) -> int:
+        """A row for a storage packed at `pack_s`; returns its index."""
+        self._position.append(position)
+        self._nbytes.append(nbytes)
+        self._pack_s.append(pack_s)
+        self._unpack_s.append(math.nan)
+        return len(self._pack_s) - 1
+
+    def unpacked(self, index: int, now_s: float) -> None:
+        """The storage's first unpack (later ones do not move it)."""
+        if math.isnan(self._unpack_s[index]):
+            self._unpack_s[index] = now_s
+
+    def rows(self) -> list[list]:
+        out = []
+        for i, position in enumerate(self._position):
+            nbytes = self._nbytes[i]
+            unpack_s = self._unpack_s[i]
+            out.append([(position, nbytes), nbytes, self._pack_s[i],
+                        None if math.isnan(unpack_s) else unpack_s])
+        return out
+
+    def __len__(self) -> int:
+        return len(self._pack_s)
