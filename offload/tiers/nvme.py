@@ -36,7 +36,7 @@ NOTE [Deferred free] Memory the engine reads from or into must outlive the I/O. 
 itself keeps HostBlocks and the extent's slab range alive until a request is done, so a
 released payload gives its extent back at once; but the raw memory of `write_ptr` (the
 source tensor) and `read_ptr` (a slice of an arena block or of a plain buffer) is ours. A
-write's source stays with its `_Write` (the write queue holds the payload) until retired, freed
+write's source stays with its `Write` (the write queue holds the payload) until retired, freed
 payload or not; a read still in flight when its payload is released (a prefetched tensor
 never used) goes to a deferred list, dropped when `poll` sees it done. `release` never blocks.
 
@@ -49,14 +49,13 @@ on the H2D's event. A tensor needed again while its D2H is still pending is serv
 (`device_tensor_if_held`). Without CopyStreams, or with a CPU-only build of the extension,
 the copies are synchronous `copy_` calls (`sync_d2h` / `_copy_in`).
 
-NOTE [One owner] (tiers/base.py) The tier owns every transfer: a `_Write` and a `_Read` per
+NOTE [One owner] (tiers/base.py) The tier owns every transfer: a `Write` and a `_Read` per
 payload in flight, kept in its queues, with the memory each must keep alive and its clock.
-A payload holds its extent and *references* to its current `_Write` / `_Read`, set and
+A payload holds its extent and *references* to its current `Write` / `_Read`, set and
 cleared only by the tier; it calls nothing.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import time
@@ -70,6 +69,7 @@ from ..util.stats import Stats
 from .base import Payload, Tier, flat_bytes, sync_d2h, sync_h2d
 from . import nvme_device, nvme_space, pool
 from .heap import HeapSettings
+from .nvme_writes import Write, WriteQueue, end_s as end_of
 
 __all__ = ["NvmeTier"]
 
@@ -78,13 +78,6 @@ __all__ = ["NvmeTier"]
 # default cut those wake-ups 2.4x and the issue-4 GPT step (2.6 GB each way) by ~5% on the
 # 2-core VM (alternating runs), with no loss of disk throughput.
 CHUNK_BYTES = 4 << 20
-
-# NOTE [Write batches] Direct writes (CPU memory written in place) go to the engine in
-# batches: handing one over costs a lock and a worker wake-up, which on a machine with few
-# cores preempts a compute thread. A batch is submitted when it holds WRITE_BATCH writes or
-# CHUNK_BYTES, and before anything waits on a write or reads (retire, backpressure, the
-# first read of the backward, drain, close): nothing ever waits on a write not submitted.
-WRITE_BATCH = 32
 
 # A store smaller than one 1 MiB stripe per directory is not worth reserving: the tier
 # then has no room (full from the start), instead of failing to open.
@@ -95,33 +88,6 @@ log = logging.getLogger("offload")
 
 class _NoRoom(Exception):
     """The resolved capacity is below MIN_STORE_BYTES (NvmeTier.__init__)."""
-
-
-def _end_s(future) -> float:
-    """When an I/O finished: the engine's timestamp if it keeps one, else now (seen done)."""
-    end = getattr(future, "end_s", None)
-    return end if end is not None else time.perf_counter()
-
-
-class _Write:
-    """One payload's write, from `store` until the tier retires it and drops it from the
-    payload (NOTE [One owner])."""
-
-    __slots__ = ("nbytes", "future", "source", "address", "direct_bytes", "d2h", "start_s")
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.future = None      # IoFuture, or nvme_device.WriteBehind after a D2H; None
-        #                         while it waits in the batch (NOTE [Write batches])
-        self.address = 0        # where a direct write reads from
-        self.source = None      # memory a direct write reads from (NOTE [Deferred free])
-        self.direct_bytes = 0   # bytes of `source` counted against the direct-write cap
-        self.d2h = None         # D2HTicket of the device copy feeding it (CUDA)
-        self.start_s = time.perf_counter()
-
-    def device_tensor_if_held(self) -> torch.Tensor | None:
-        """The source on the device while its D2H is still pending (a bounce: no read)."""
-        return self.d2h.device_tensor_if_held() if self.d2h is not None else None
 
 
 class _Read:
@@ -148,7 +114,7 @@ class _NvmePayload(Payload):
         super().__init__(nbytes, device)
         self.extent = extent
         self.phase = phase      # NOTE [Phase]
-        self.write: _Write | None = None
+        self.write: Write | None = None
         self.read: _Read | None = None
         self.released = False
 
@@ -211,18 +177,11 @@ class NvmeTier(Tier):
                         format_bytes(room[0]) if room else "?", format_bytes(MIN_STORE_BYTES))
         self._own_bytes = 0  # this tier's share of the store (others may use it too)
         self._live: set[_NvmePayload] = set()  # stored, not yet released (abort frees them)
-        self._writes: collections.deque[_NvmePayload] = collections.deque()  # write order
         # Reads whose completion is not yet seen, in submission order (the engine serves them
         # first in, first out, so poll looks at the oldest ones only).
         self._reads: dict[_Read, None] = {}
         self._deferred: list[_Read] = []             # see NOTE [Deferred free]
-        self._direct_inflight = 0                    # bytes of write_ptr sources held
-        self._batch: list[_NvmePayload] = []         # direct writes not yet submitted
-        self._batch_bytes = 0
-        self._submitting = False
-        self._release_later: list[_NvmePayload] = []
-        self._direct_cap = max(staging_bytes, 1)
-        self.in_backward = False  # stall attribution: set by the first read
+        self._writes = WriteQueue(self._store, stats, staging_bytes, CHUNK_BYTES)
         # CPU sources: freed activation RAM should be reused, not returned and refaulted.
         self._heap = HeapSettings(cpu_heap)
         if self._store is None:
@@ -316,80 +275,28 @@ class NvmeTier(Tier):
         if extent is None:
             return None  # full (or too fragmented): the caller spills to the next tier
         payload = _NvmePayload(extent, nbytes, device, phase)
-        write = _Write(nbytes)
-        source = storage  # written in place (NOTE [Phase])
-        if block is None and not on_cpu:  # no CopyStreams, or no staging space
-            source = self._host_buffer(nbytes, 0)
-            sync_d2h(flat_bytes(storage), source, self._stats)
-            address = source.data_ptr()
+        write = Write(nbytes)
+        self._own_bytes += nbytes  # from here on `release` gives it back
+        self._live.add(payload)
         if block is not None:
             ticket = self._copies(device).offload(flat_bytes(storage), block)  # returns at once
             write.future = nvme_device.write_after_d2h(self._store, extent, ticket)
             write.d2h = ticket
             del block  # the copy and the engine hold it (copies Notes 3, 4)
-        else:
-            self._wait_for_direct_room(nbytes)
-            write.source = source  # NOTE [Deferred free]: must outlive the write
-            write.address = address
-            write.direct_bytes = nbytes
-            self._direct_inflight += nbytes
-        self._own_bytes += nbytes  # from here on `release` gives it back
-        self._live.add(payload)
-        write.start_s = time.perf_counter()
-        payload.write = write
-        self._writes.append(payload)
-        if len(self._writes) > self._stats.peak_writes_inflight:
-            self._stats.peak_writes_inflight = len(self._writes)
-        if write.future is None:  # a direct write: NOTE [Write batches]
-            self._batch.append(payload)
-            self._batch_bytes += nbytes
-            if len(self._batch) >= WRITE_BATCH or self._batch_bytes >= CHUNK_BYTES:
-                self._submit_batch()
+            self._writes.add_chained(payload, write)
+            return payload
+        source = storage  # written in place (NOTE [Phase])
+        if not on_cpu:  # no CopyStreams, or no staging space
+            source = self._host_buffer(nbytes, 0)
+            sync_d2h(flat_bytes(storage), source, self._stats)
+            address = source.data_ptr()
+        # NOTE [Deferred free]: the source must outlive the write.
+        self._writes.add_direct(payload, write, source, address)
         return payload
-
-    def _submit_batch(self) -> None:
-        """Hand the batched direct writes to the engine (NOTE [Write batches])."""
-        batch = self._batch
-        if not batch or self._submitting:
-            return
-        self._submitting = True
-        try:
-            self._batch, self._batch_bytes = [], 0
-            writes = [p.write for p in batch]
-            futures = self._store.write_ptr_many([p.extent for p in batch],
-                                                 [w.address for w in writes],
-                                                 [w.nbytes for w in writes])
-            for write, future in zip(writes, futures):
-                write.future = future
-        finally:
-            self._submitting = False
-        # Released while being submitted (the garbage collector can free a record at any
-        # allocation above): the engine holds their ranges now, so they go back at once.
-        later, self._release_later = self._release_later, []
-        for payload in later:
-            payload.extent.release()
 
     def _phase_of(self, address: int) -> int:
         phase = address % self._alignment
         return phase if phase % 64 == 0 else 0  # NOTE [Phase]
-
-    def _retire_oldest_writes(self, done: Callable[[], bool], what: str) -> None:
-        """Backpressure: retire writes oldest first until `done()`; the wait is a stall."""
-        if done() or not self._writes:
-            return
-        self._submit_batch()
-        start = time.perf_counter()
-        while not done() and self._writes:
-            self._retire_write(self._writes.popleft())
-        self._stats.add_stall(time.perf_counter() - start, backward=self.in_backward,
-                              start_s=start, what=what)
-
-    def _wait_for_direct_room(self, nbytes: int) -> None:
-        # At most `staging_bytes` of source tensors held for their writes (a larger tensor
-        # goes alone), the same RAM the staging arena would have used.
-        self._retire_oldest_writes(
-            lambda: self._direct_inflight == 0
-            or self._direct_inflight + nbytes <= self._direct_cap, "wait write-behind")
 
     def _wait_for_staging(self, nbytes: int):
         # The arena is full of D2H copies in flight; wait for the oldest writes.
@@ -400,29 +307,8 @@ class NvmeTier(Tier):
             block = self._arena.allocate(nbytes)
             return block is not None
 
-        self._retire_oldest_writes(allocated, "wait staging space")
+        self._writes.retire_oldest(allocated, "wait staging space")
         return block  # None: fragmented or held by reads; written from a host copy
-
-    def _retire_write(self, payload: _NvmePayload) -> None:
-        """Wait for (or collect) a payload's write; raises StorageError if it failed. Its
-        queue entry may linger: poll() and drain() drop entries with no write."""
-        write = payload.write
-        if write is None:
-            return
-        if write.future is None:
-            self._submit_batch()
-        try:
-            moved = write.future.wait()
-        finally:
-            payload.write = None   # the payload keeps nothing of a finished write
-            write.source = write.d2h = None
-            self._direct_inflight -= write.direct_bytes
-            write.direct_bytes = 0
-            end_s = _end_s(write.future)
-            self._stats.write_clock.add_interval(write.start_s, end_s)
-            self._stats.trace.add(f"write {write.nbytes} B", "nvme write", write.start_s, end_s,
-                                  category="io", args={"bytes": write.nbytes})
-        self._stats.nvme_written_bytes += moved
 
     # ---------------------------------------------------------------- read path
     def prefetchable(self, payload: _NvmePayload) -> bool:
@@ -444,11 +330,11 @@ class NvmeTier(Tier):
         """Start loading `payload` (its prefetch, or its fetch when nothing was prefetched)."""
         if self._closed:
             raise UsedAfterCloseError("offload: nvme tier used after close")
-        self.in_backward = True
-        self._submit_batch()  # the reads come now: nothing waits behind them any more
+        self._writes.in_backward = True
+        self._writes.submit()  # the reads come now: nothing waits behind them any more
         if payload.write is not None:  # NOTE [Read after write]
             start = time.perf_counter()
-            self._retire_write(payload)
+            self._writes.retire(payload)
             self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
                                   what="wait own write")
         nbytes, phase = payload.nbytes, payload.phase
@@ -513,7 +399,7 @@ class NvmeTier(Tier):
         if not read.observed:
             read.observed = True
             self._reads.pop(read, None)
-            end_s = _end_s(read.future)
+            end_s = end_of(read.future)
             self._stats.read_clock.add_interval(read.start_s, end_s)
             self._stats.trace.add(f"read {read.nbytes} B", "nvme read", read.start_s, end_s,
                                   category="io", args={"bytes": read.nbytes})
@@ -542,10 +428,7 @@ class NvmeTier(Tier):
     # ---------------------------------------------------------------- housekeeping
     def poll(self) -> None:
         """Retire landed writes (oldest first), note finished reads, free deferred memory."""
-        writes = self._writes
-        while writes and (writes[0].write is None or (writes[0].write.future is not None
-                                                      and writes[0].write.future.done())):
-            self._retire_write(writes.popleft())
+        self._writes.poll()
         done = []
         for read in self._reads:
             if not read.future.done():
@@ -565,20 +448,14 @@ class NvmeTier(Tier):
         if self._closed:
             return
         self._own_bytes -= payload.nbytes
-        if payload.write is not None and payload.write.future is None:
-            # Still in the batch: submit it, so the engine holds the extent's range and the
-            # range can go back at once (NOTE [Write batches]); in the middle of a
-            # submission, give it back when that is done.
-            if self._submitting:
-                self._release_later.append(payload)
-                return
-            self._submit_batch()
+        if not self._writes.released(payload):
+            return  # being submitted now: the batch gives it back (NOTE [Write batches])
         read, payload.read = payload.read, None
         if read is not None:
             self._observe_read(read)
             # The engine keeps the extent's range (and any HostBlock) until its I/O is done,
             # so the extent goes back at once; the raw memory a read_ptr lands in must stay
-            # (a write's source stays with its _Write in the queue until it is retired).
+            # (a write's source stays with its Write in the queue until it is retired).
             if not read.future.done():
                 self._deferred.append(read)
         payload.extent.release()
@@ -600,9 +477,7 @@ class NvmeTier(Tier):
 
     def drain(self) -> None:
         """Wait for every write in flight and free deferred memory."""
-        self._submit_batch()
-        while self._writes:
-            self._retire_write(self._writes.popleft())
+        self._writes.drain()
         self._reap_deferred(wait=True)
 
     def abort(self) -> None:
@@ -619,18 +494,13 @@ class NvmeTier(Tier):
         store, arena = self._store, self._arena
         if store is None:
             return
-        pending = any(p.write is not None for p in self._writes)  # retired entries linger
-        clean = reuse and not pending and not self._deferred and not self._reads
+        clean = reuse and not self._writes.pending and not self._deferred and not self._reads
         try:
             if not clean:
                 self._wait_own_io()
         finally:
             self._stats.nvme_bounced_bytes += store.bytes_bounced - self._bounced_at_open
-            for payload in self._writes:
-                if payload.write is not None:
-                    payload.write.source = payload.write.d2h = None
-                    payload.write = None
-            self._writes.clear()
+            self._writes.forget()
             self._reads.clear()
             self._deferred.clear()
             self._store = self._arena = None
@@ -646,8 +516,7 @@ class NvmeTier(Tier):
         The store may live on (other contexts use it): unlike closing it, this waits only
         for our own requests. Failures are dropped: nobody needs these bytes any more.
         """
-        self._submit_batch()
-        futures = [p.write.future for p in self._writes if p.write is not None]
+        futures = self._writes.futures()
         futures += [r.future for r in self._reads] + [r.future for r in self._deferred]
         for future in futures:
             try:
