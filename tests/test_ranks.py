@@ -33,7 +33,7 @@ def machine(monkeypatch):
     import psutil
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(64 * GiB, 40 * GiB))
-    monkeypatch.setattr(config_module, "_free_disk_bytes", lambda dirs: 1000 * GiB)
+    monkeypatch.setattr(config_module, "free_disk_bytes", lambda dirs: 1000 * GiB)
 
 
 def _cfg(tmp_path, **env):

@@ -63,7 +63,7 @@ def torchrun_device() -> torch.device:
 def rank_dirs(spec: str) -> list[str]:
     """Make this rank's NVMe directories that do not exist yet; return them (to remove with
     os.rmdir afterwards, which fails if anything was left behind)."""
-    from offload.config import parse_nvme_dirs
+    from offload.config_parse import parse_nvme_dirs
 
     made = [d for d in parse_nvme_dirs(spec) if not os.path.isdir(d)]
     for d in made:

@@ -146,7 +146,7 @@ def _parse_gpt(text: str, parser) -> dict[str, Any]:
 
 
 def _nvme_bases(arg: str | None, parser) -> list[str]:
-    from offload.config import parse_nvme_dirs
+    from offload.config_parse import parse_nvme_dirs
     from offload.errors import ConfigError
 
     # The runtime's own rules for OFFLOAD_NVME_DIR ({rank}, {local_rank}, ~, commas).

@@ -1,0 +1,227 @@
+"""How each OFFLOAD_* setting is read: one parser per knob, each raising a ConfigError that
+names the variable (or argument), the value and what to do (config.py holds the knobs).
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+from typing import Any, Callable, Mapping
+
+from . import tiers as tier_registry
+from .errors import ConfigError
+from .schedule.figures import ProbeSetting, parse_probe_setting
+from .util.sizes import parse_size
+
+__all__ = ["PARSERS", "TIERS", "POLICIES", "CPU_HEAP_MODES", "MAX_IO_WORKERS", "parse_nvme_dirs",
+           "free_disk_bytes"]
+
+TIERS = tier_registry.names()  # fastest first
+POLICIES = ("keep", "offload", "recompute", "auto")
+CPU_HEAP_MODES = ("reuse", "release")
+MAX_IO_WORKERS = 1024  # the engine's own limit (csrc/nvme_store.cpp)
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def free_disk_bytes(dirs: tuple[str, ...]) -> int:
+    """Free bytes summed over the distinct file systems holding `dirs`."""
+    seen: dict[int, int] = {}
+    for path in dirs:
+        seen.setdefault(os.stat(path).st_dev, shutil.disk_usage(path).free)
+    return sum(seen.values())
+
+
+
+def _fail(where: str, reason: str, fix: str) -> ConfigError:
+    return ConfigError(f"{where}: {reason} ({fix})")
+
+
+def _parse_tiers(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]:
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    tiers = tuple(str(t).strip().lower() for t in items if str(t).strip())
+    if not tiers:
+        raise _fail(where, "names no tier", "use 'host', 'nvme' or 'host,nvme'; "
+                    "OFFLOAD_POLICY=keep turns offloading off")
+    for tier in tiers:
+        if tier not in TIERS:
+            close = difflib.get_close_matches(tier, TIERS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise _fail(where, f"unknown tier {tier!r}",
+                        f"{hint}valid tiers, fastest first: {', '.join(TIERS)}")
+    if len(set(tiers)) != len(tiers):
+        raise _fail(where, "names a tier twice", "list each tier once, e.g. 'host,nvme'")
+    return tiers
+
+
+def _parse_dirs(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]:
+    items = raw.split(",") if isinstance(raw, str) else [os.fspath(p) for p in raw]
+    subst = {"rank": env.get("RANK", "0"), "local_rank": env.get("LOCAL_RANK", "0")}
+    dirs = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            dirs.append(os.path.expanduser(item.format_map(subst)))
+        except (KeyError, ValueError, IndexError) as exc:
+            raise _fail(where, f"bad placeholder in {item!r}: {exc}",
+                        "only {rank} and {local_rank} are expanded") from None
+    if not dirs:
+        raise _fail(where, "names no directory", "give a directory on a local SSD")
+    return tuple(dirs)
+
+
+def _size_parser(allow_percent: bool, max_fraction: float | None = None,
+                 what: str = "", zero_fix: str | None = None
+                 ) -> Callable[[Any, str, Mapping[str, str]], Any]:
+    """A size knob's parser; `zero_fix` (what to do instead) makes 0 / 0% an error."""
+    def parse(raw: Any, where: str, env: Mapping[str, str]) -> Any:
+        try:
+            spec = parse_size(raw, allow_percent=allow_percent)
+        except (ValueError, OverflowError) as exc:
+            example = '"8GiB", "512MiB"' + (', "50%"' if allow_percent else "")
+            raise _fail(where, str(exc), f"give a size such as {example}") from None
+        if max_fraction is not None and spec.fraction is not None and spec.fraction > max_fraction:
+            raise _fail(where, f"{spec} is over {max_fraction * 100:g}%",
+                        f"give at most 100%{what}, or an absolute size such as \"4GiB\"")
+        if zero_fix is not None and not (spec.nbytes or spec.fraction):
+            raise _fail(where, "leaves the tier no room", zero_fix)
+        return spec if allow_percent else spec.nbytes
+    return parse
+
+
+def _one_of(value: str, choices, where: str, problem: str, listing: str) -> str:
+    """`value` if it is in `choices`, else a ConfigError suggesting the closest choice."""
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise _fail(where, problem, f"{hint}{listing} {', '.join(choices)}")
+    return value
+
+
+def _parse_choice(raw: Any, where: str, env: Mapping[str, str]) -> str:
+    value = str(raw).strip().lower()
+    return _one_of(value, POLICIES, where, f"unknown policy {value!r}", "valid policies:")
+
+
+def _parse_cpu_heap(raw: Any, where: str, env: Mapping[str, str]) -> str:
+    value = str(raw).strip().lower()
+    return _one_of(value, CPU_HEAP_MODES, where, f"unknown mode {value!r}", "valid modes:")
+
+
+def _parse_bool(raw: Any, where: str, env: Mapping[str, str]) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    value = str(raw).strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise _fail(where, "not a boolean", "use 1/0, true/false, yes/no or on/off")
+
+
+def _parse_log(raw: Any, where: str, env: Mapping[str, str]) -> str:
+    return _one_of(str(raw).strip().upper(), _LOG_LEVELS, where,
+                   f"unknown log level {raw!r}", "use one of")
+
+
+def _parse_path(raw: Any, where: str, env: Mapping[str, str]) -> str:
+    value = os.path.expanduser(os.fspath(raw).strip() if not isinstance(raw, str) else raw.strip())
+    if not value:
+        raise _fail(where, "is empty", "give a file path such as /tmp/step.json")
+    return value
+
+
+def _parse_bandwidth(raw: Any, where: str, env: Mapping[str, str]) -> int:
+    text = raw if not isinstance(raw, str) else raw.strip()
+    if isinstance(text, str) and text.lower().endswith("/s"):
+        text = text[:-2]  # "200MB/s" reads naturally; the unit is per second either way
+    try:
+        return parse_size(text).nbytes
+    except ValueError as exc:
+        raise _fail(where, str(exc), 'give bytes per second such as "200MB" or "1GiB"; '
+                    "0 means no cap") from None
+
+
+def _parse_probe(raw: Any, where: str, env: Mapping[str, str]) -> ProbeSetting:
+    try:
+        return parse_probe_setting(raw, where)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _parse_log_ranks(raw: Any, where: str, env: Mapping[str, str]) -> tuple[int, ...] | None:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = [raw]
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    items = [str(i).strip().lower() for i in items if str(i).strip()]
+    if items == ["all"]:
+        return None
+    fix = "give a rank such as 0, a list such as 0,4, or all"
+    if not items:
+        raise _fail(where, "names no rank", fix)
+    ranks = []
+    for item in items:
+        if not item.isdigit():
+            raise _fail(where, f"{item!r} is not a rank", fix)
+        ranks.append(int(item))
+    return tuple(sorted(set(ranks)))
+
+
+def _parse_io_workers(raw: Any, where: str, env: Mapping[str, str]) -> int:
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        value = int(str(raw).strip()) if not isinstance(raw, int) else raw
+    except ValueError:
+        raise _fail(where, "not a whole number", "give a count such as 4") from None
+    if value < 1:
+        raise _fail(where, "must be at least 1", "give a count such as 4")
+    if value > MAX_IO_WORKERS:
+        raise _fail(where, f"is more than the engine's {MAX_IO_WORKERS} threads",
+                    "4 to 16 threads keep an NVMe SSD busy; give a count such as 8")
+    return value
+
+
+PARSERS: dict[str, Callable[[Any, str, Mapping[str, str]], Any]] = {
+    "enabled": _parse_bool,
+    "tiers": _parse_tiers,
+    "nvme_dir": _parse_dirs,
+    "host_bytes": _size_parser(True, max_fraction=1.0, what=" of the available RAM",
+                               zero_fix="give a size such as \"8GiB\" or \"50%\", or drop "
+                                        "'host' from OFFLOAD_TIERS"),
+    "nvme_bytes": _size_parser(True, max_fraction=1.0, what=" of the free disk space",
+                               zero_fix="give a size such as \"64GiB\" or \"50%\", or drop "
+                                        "'nvme' from OFFLOAD_TIERS"),
+    "min_bytes": _size_parser(False),
+    "policy": _parse_choice,
+    "budget": _size_parser(True, max_fraction=1.0, what=" of the no-offload peak"),
+    "strict": _parse_bool,
+    "log": _parse_log,
+    "log_ranks": _parse_log_ranks,
+    "prefetch_bytes": _size_parser(False),
+    "io_workers": _parse_io_workers,
+    "nvme_checksum": _parse_bool,
+    "staging_bytes": _size_parser(False),
+    "cpu_heap": _parse_cpu_heap,
+    "nvme_max_bw": _parse_bandwidth,
+    "probe": _parse_probe,
+    "trace": _parse_path,
+}
+
+
+def parse_nvme_dirs(raw: Any, where: str = "OFFLOAD_NVME_DIR",
+                    env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """Directories from an OFFLOAD_NVME_DIR-style value, by the same rules as `Config`.
+
+    Comma-separated, `{rank}` / `{local_rank}` expanded from RANK / LOCAL_RANK in `env`
+    (default `os.environ`), `~` expanded. For tools that take such a list themselves
+    (offload-bench's --nvme-dir); existence is not checked here (see `Config.validate`).
+
+    Raises:
+        ConfigError: an unknown placeholder, or no directory at all (message starts with
+            `where`).
+    """
+    return _parse_dirs(raw, where, os.environ if env is None else env)
