@@ -33,8 +33,8 @@ from .no_offload import no_offload_active
 from .placement import Placement, TensorInfo
 from .records import Kept, Ledger, Moved, PackedSubclass, Record, SmallKept
 from .subclasses import TRACING_TYPES, flatten, kind_name, unmoved_bytes
-from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable, snapshot,
-                          untracked_alias, view_meta)
+from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable,
+                          movable_strided, snapshot, untracked_alias, view_meta)
 from .timeline import Timeline
 
 __all__ = ["OffloadHooks"]
@@ -99,49 +99,54 @@ class OffloadHooks:
         if type(t) is _Tensor and t.layout is _strided:
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
+            node = t.grad_fn
             # 1: a small activation an op made (a leaf without grad_fn, or a view of one,
             # may be a weight: step 2 tells).
-            if nbytes < self._min_bytes and t.grad_fn is not None \
-                    and (t._base is None or not t._base.is_leaf):
-                key = id(storage)
-                self.ledger.small_saved(key, nbytes)
-                return SmallKept(t, version, self.ledger, key)
-        if not movable(t):
-            return self._pack_other(t, version)
-        return self._pack_plain(t, version)
+            if nbytes < self._min_bytes and node is not None:
+                base = t._base
+                if base is None or not base.is_leaf:
+                    key = id(storage)
+                    self.ledger.small_saved(key, nbytes)
+                    return SmallKept(t, version, self.ledger, key, node)
+            if movable_strided(t):
+                return self._pack_plain(t, version, storage, node)
+        elif movable(t):  # an nn.Parameter saved as it is
+            return self._pack_plain(t, version, t.untyped_storage(), t.grad_fn)
+        return self._pack_other(t, version)
 
     # The packed objects capture autograd's message data from `t` as they are made: before
     # pack returns, so no in-place op can have rewritten `t.grad_fn` yet.
-    def _pack_plain(self, t: torch.Tensor, version: int):
+    def _pack_plain(self, t: torch.Tensor, version: int, storage: torch.UntypedStorage,
+                    node):
         stats = self.stats
-        storage = t.untyped_storage()
-        if self.params.is_param(t, storage):  # 2
+        if self.params.is_param(t, storage, node):  # 2
             stats.param_tensors += 1
             if id(storage) not in self._param_ids:
                 self._param_ids.add(id(storage))
                 stats.param_bytes += storage.nbytes()
-            return Kept(t, version)
+            return Kept(t, version, None, node)
         # A save inside no_offload() or during a backward must stay even if the same
         # storage was moved earlier in the step, so it neither reuses nor enters the index.
         in_backward = _graph_task_id() >= 0
-        keep_here = in_backward or no_offload_active()
+        no_offload = no_offload_active()
+        keep_here = in_backward or no_offload
         # tensor_meta NOTE [Untracked aliases]: such a tensor dedups by its exact layout.
         layout = layout_key(t) if untracked_alias(t, storage) else None
         with self._lock:
             record = None if keep_here else self.index.lookup(storage, version, layout)
             if record is None:
-                record = self._store(t, storage, in_backward, layout is not None)
+                record = self._store(t, storage, in_backward, no_offload, layout is not None)
                 if not keep_here:
                     self.index.add(storage, version, record, layout)
         if record.payload is None:
-            return Kept(t, version, record)
+            return Kept(t, version, record, node)
         stats.offloaded_tensors += 1
         if record.meta is not None:  # a snapshot: its own layout
             return Moved(t, record, record.meta, version)
         if record.resident:
             # The payload *is* the tensor's storage (host tier on a CPU run): holding an
             # alias of it costs nothing and carries its version counter.
-            return Kept(t, version, record)
+            return Kept(t, version, record, node)
         return Moved(t, record, view_meta(t), version)
 
     def _pack_other(self, t: torch.Tensor, version: int):
@@ -151,7 +156,8 @@ class OffloadHooks:
             return Kept(t, version)
         flat = flatten(t)
         if flat is not None:
-            inner = [self._pack_plain(x, x._version) if movable(x)
+            inner = [self._pack_plain(x, x._version, x.untyped_storage(), x.grad_fn)
+                     if movable(x)
                      else (self._pack_other(x, x._version)
                            if isinstance(x, torch.Tensor) else x) for x in flat.inner]
             return PackedSubclass(t, flat, inner, version)
@@ -169,7 +175,7 @@ class OffloadHooks:
         stats.kept_bytes += nbytes
 
     def _store(self, t: torch.Tensor, storage: torch.UntypedStorage, in_backward: bool,
-               untracked: bool) -> Record:
+               no_offload: bool, untracked: bool) -> Record:
         """Decide where one storage goes and put it there (3)."""
         stats = self.stats
         # An untracked alias is moved as a private copy of its own elements (tensor_meta
@@ -179,7 +185,7 @@ class OffloadHooks:
         self._stored += 1
         placement = self.placement
         info = self._info
-        info.nbytes, info.no_offload, info.in_backward = nbytes, no_offload_active(), in_backward
+        info.nbytes, info.no_offload, info.in_backward = nbytes, no_offload, in_backward
         info.key, info.storage = (position, nbytes), storage
         decision = placement.decide(info)
         info.storage = None

@@ -27,9 +27,12 @@ stream after the first waits for the first one's hand-off (copies Note 12).
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import weakref
+
+from typing import Any
 
 import torch
 
@@ -41,6 +44,8 @@ from .version_check import SavedOrigin, next_sequence_nr as _next_sequence_nr, v
 
 __all__ = ["Ledger", "Record", "Kept", "SmallKept", "Moved", "PackedSubclass"]
 
+_UNSET: Any = object()
+
 
 class Ledger:
     """What a step's saved tensors hold: live records with tier space, resident bytes.
@@ -49,7 +54,8 @@ class Ledger:
     drops them (its device threads too): every update is under `lock`.
     """
 
-    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "small_count", "small_bytes")
+    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "small_count", "small_bytes",
+                 "small_frees")
 
     def __init__(self, stats) -> None:
         self.stats = stats
@@ -57,10 +63,15 @@ class Ledger:
         self.live_records = 0      # records holding tier space (the step ends at 0)
         self.idle_since_s: float | None = None
         # Storages below OFFLOAD_MIN_BYTES that stay, by id: saved tensors alive and bytes.
-        # The id is safe: every entry's storage is held by a live saved tensor until its
-        # count drops to 0 and the entry goes.
+        # Only the thread that packs changes these (no lock on the hot path): a save that
+        # dies, on whatever thread, queues its key in `small_frees` (deque.append is atomic),
+        # and the packing thread applies the queue before each new save and at the step's
+        # end. The id is safe: an entry's storage is held by a live save until its count
+        # drops to 0; a storage that reuses the id was made after that save died, so its
+        # free is already queued when it is saved.
         self.small_count: dict[int, int] = {}
         self.small_bytes: dict[int, int] = {}
+        self.small_frees: collections.deque = collections.deque()
 
     def record_made(self, record: "Record") -> None:
         with self.lock:
@@ -82,26 +93,35 @@ class Ledger:
 
     def small_saved(self, key: int, nbytes: int) -> None:
         """A small storage saved (again): counted once while any save of it lives."""
-        with self.lock:
-            count = self.small_count.get(key, 0)
-            self.small_count[key] = count + 1
-            if count:
-                return
-            self.small_bytes[key] = nbytes
-            stats = self.stats
-            stats.unique_storages += 1
-            stats.saved_bytes += nbytes
-            stats.kept_bytes += nbytes
+        if self.small_frees:
+            self.apply_small_frees()
+        count = self.small_count.get(key, 0)
+        self.small_count[key] = count + 1
+        if count:
+            return
+        self.small_bytes[key] = nbytes
+        stats = self.stats
+        stats.unique_storages += 1
+        stats.saved_bytes += nbytes
+        stats.kept_bytes += nbytes
+        with self.lock:  # `resident_bytes` is shared with records, freed on any thread
             stats.add_resident(nbytes)
 
-    def small_freed(self, key: int) -> None:
-        with self.lock:
-            count = self.small_count[key] - 1
-            if count:
-                self.small_count[key] = count
-                return
-            del self.small_count[key]
-            self.stats.resident_bytes -= self.small_bytes.pop(key)
+    def apply_small_frees(self) -> None:
+        """Apply the queued deaths of small saves (on the packing thread; see __init__)."""
+        frees, count, nbytes = self.small_frees, self.small_count, self.small_bytes
+        freed = 0
+        while frees:
+            key = frees.popleft()
+            left = count[key] - 1
+            if left:
+                count[key] = left
+            else:
+                del count[key]
+                freed += nbytes.pop(key)
+        if freed:
+            with self.lock:
+                self.stats.resident_bytes -= freed
 
 
 class Record:
@@ -175,8 +195,10 @@ class Kept:
 
     __slots__ = ("tensor", "version", "record", "node_name", "output_nr")
 
-    def __init__(self, t: torch.Tensor, version: int, record: Record | None = None) -> None:
-        node = t.grad_fn
+    def __init__(self, t: torch.Tensor, version: int, record: Record | None = None,
+                 node: Any = _UNSET) -> None:
+        if node is _UNSET:
+            node = t.grad_fn
         if node is not None and (_next_sequence_nr is None
                                  or node._sequence_nr() == _next_sequence_nr() - 1):
             # Saved by its own node (an output): an alias breaks the cycle (module doc), and
@@ -222,14 +244,15 @@ class SmallKept(Kept):
 
     __slots__ = ("ledger", "key")
 
-    def __init__(self, t: torch.Tensor, version: int, ledger: Ledger, key: int) -> None:
-        Kept.__init__(self, t, version)
+    def __init__(self, t: torch.Tensor, version: int, ledger: Ledger, key: int,
+                 node: Any) -> None:
+        Kept.__init__(self, t, version, None, node)
         self.ledger = ledger
         self.key = key
 
     def __del__(self) -> None:
         try:
-            self.ledger.small_freed(self.key)
+            self.ledger.small_frees.append(self.key)  # applied by the packing thread
         except Exception:  # interpreter shutdown
             pass
 

@@ -107,6 +107,7 @@ class Step:
         """The block is over (NOTE [End of step], point 1)."""
         self.exit_s = time.perf_counter()
         self.stats.step_s = self.exit_s - self.start_s
+        self.ledger.apply_small_frees()
         for name, count in self.stats.unmoved_tensors_by_type.items():
             note_unmoved(name, self.stats.unmoved_bytes_by_type[name], count)
         for tier in self.tiers.values():
@@ -144,6 +145,7 @@ class Step:
         with _pending_lock:
             _pending.discard(self)
         self.hooks.on_backward_end = None
+        self.ledger.apply_small_frees()
         close_tiers(self.tiers, self.stats, before=self.close_copies)
         try:
             self._learn_round_trip()

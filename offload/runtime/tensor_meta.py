@@ -36,7 +36,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["ViewMeta", "view_meta", "rebuild", "movable", "untracked_alias", "snapshot",
+_UNSET: Any = object()
+
+__all__ = ["ViewMeta", "view_meta", "rebuild", "movable", "movable_strided", "untracked_alias",
+           "snapshot",
            "StorageIndex", "ParamStorages", "is_weight"]
 
 
@@ -72,6 +75,12 @@ def rebuild(storage: torch.UntypedStorage, byte_offset: int, meta: ViewMeta) -> 
     if meta.neg:
         out = torch._neg_view(out)
     return out
+
+
+def movable_strided(t: torch.Tensor) -> bool:
+    """`movable` for a plain strided tensor (the caller checked type and layout)."""
+    return (t.is_cpu or t.is_cuda) and not t.is_quantized and not t.is_nested \
+        and t.numel() > 0
 
 
 def movable(t: torch.Tensor) -> bool:
@@ -176,23 +185,27 @@ class ParamStorages:
             if b is not None:
                 self.add_tensor(b)
 
-    def is_param(self, t: torch.Tensor, storage: torch.UntypedStorage | None) -> bool:
-        """Whether `t` is a parameter / buffer of `model=`, or one by what it is (below)."""
-        if storage is not None:
+    def is_param(self, t: torch.Tensor, storage: torch.UntypedStorage | None,
+                 node: Any = _UNSET) -> bool:
+        """Whether `t` is a parameter / buffer of `model=`, or one by what it is (below;
+        `node`: `t.grad_fn`, when the caller has it)."""
+        if storage is not None and self._ids:
             ref = self._ids.get(id(storage))
             if ref is not None and ref() is storage:
                 return True
-        return is_weight(t)
+        return is_weight(t, node)
 
     def clear(self) -> None:
         self._ids.clear()
 
 
-def is_weight(t: torch.Tensor) -> bool:
+def is_weight(t: torch.Tensor, node: Any = _UNSET) -> bool:
     """A parameter by what it is, without `model=`: a leaf requiring grad, an `nn.Parameter`
     (frozen ones too: LoRA's base weights, FSDP2's unsharded parameters), or a view of one
-    (`weight.t()`)."""
-    if t.grad_fn is not None:  # an activation, or a view of a trainable weight
+    (`weight.t()`). `node`: `t.grad_fn`, when the caller has it."""
+    if node is _UNSET:
+        node = t.grad_fn
+    if node is not None:  # an activation, or a view of a trainable weight
         base = t._base
         return base is not None and base.is_leaf and base.requires_grad
     if t.requires_grad or isinstance(t, torch.nn.Parameter):
