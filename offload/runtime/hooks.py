@@ -28,6 +28,7 @@ import time
 import torch
 
 from ..errors import TierFullError
+from ..util.ranges import PACK, UNPACK, profiling, span
 from ..util.sizes import format_bytes
 from .no_offload import no_offload_active
 from .placement import Placement, TensorInfo
@@ -93,6 +94,12 @@ class OffloadHooks:
 
     # ---------------------------------------------------------------- pack
     def pack(self, t: torch.Tensor):
+        if profiling():  # util/ranges.py
+            with span(PACK):
+                return self._pack(t)
+        return self._pack(t)
+
+    def _pack(self, t: torch.Tensor):
         stats = self.stats
         stats.packed_tensors += 1
         version = t._version
@@ -251,6 +258,12 @@ class OffloadHooks:
 
     # ---------------------------------------------------------------- unpack
     def unpack(self, packed) -> torch.Tensor:
+        if profiling():  # util/ranges.py
+            with span(UNPACK):
+                return self._unpack(packed)
+        return self._unpack(packed)
+
+    def _unpack(self, packed) -> torch.Tensor:
         if type(packed) is SmallKept:
             packed.check_version()  # NOTE [Version check]
             return packed.tensor
@@ -267,7 +280,7 @@ class OffloadHooks:
             return packed.unpack(self._lock)
         if cls is PackedSubclass:
             packed.check_version()  # the outer tensor's counter (NOTE [Subclasses])
-            inner = [self.unpack(x) if isinstance(x, (Kept, Moved, PackedSubclass)) else x
+            inner = [self._unpack(x) if isinstance(x, (Kept, Moved, PackedSubclass)) else x
                      for x in packed.inner]
             return packed.flat.rebuild(inner)
         return packed.unpack()  # Kept

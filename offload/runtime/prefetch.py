@@ -14,6 +14,7 @@ import threading
 import torch
 
 from ..tiers.base import Payload, Tier
+from ..util.ranges import PREFETCH, profiling, span
 from ..util.stats import Stats
 
 __all__ = ["Prefetcher"]
@@ -67,6 +68,13 @@ class Prefetcher:
                 self._top_up(len(self._order))
 
     def _top_up(self, pos: int) -> None:
+        if profiling():  # util/ranges.py
+            with span(PREFETCH):
+                self._issue(pos)
+        else:
+            self._issue(pos)
+
+    def _issue(self, pos: int) -> None:
         if self._cursor is None or pos - 1 < self._cursor:
             self._cursor = pos - 1
         if self._inflight_bytes >= self.budget_bytes:

@@ -56,6 +56,7 @@ cleared only by the tier; it calls nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -68,6 +69,7 @@ from ..util.sizes import format_bytes
 from ..util.stats import Stats
 from .base import Payload, Tier, flat_bytes, sync_d2h, sync_h2d
 from . import nvme_device, nvme_space, pool
+from ..util.ranges import D2H, WAIT_READ, profiling, span
 from .heap import HeapSettings
 from .nvme_writes import Write, WriteQueue, end_s as end_of
 
@@ -84,6 +86,7 @@ CHUNK_BYTES = 4 << 20
 MIN_STORE_BYTES = 1 << 20
 
 log = logging.getLogger("offload")
+_NO_SPAN = contextlib.nullcontext()
 
 
 class _NoRoom(Exception):
@@ -279,7 +282,8 @@ class NvmeTier(Tier):
         self._own_bytes += nbytes  # from here on `release` gives it back
         self._live.add(payload)
         if block is not None:
-            ticket = self._copies(device).offload(flat_bytes(storage), block)  # returns at once
+            with span(D2H) if profiling() else _NO_SPAN:  # returns at once
+                ticket = self._copies(device).offload(flat_bytes(storage), block)
             write.future = nvme_device.write_after_d2h(self._store, extent, ticket)
             write.d2h = ticket
             del block  # the copy and the engine hold it (copies Notes 3, 4)
@@ -381,7 +385,8 @@ class NvmeTier(Tier):
             # stream then waits on the H2D event on the GPU (copies Note 7). CopyStreams
             # counts that wait itself (h2d_wait_s, folded in at context exit, and the trace):
             # counted here too, a step's stall could exceed the step.
-            result = read.future.tensor_for_use() if read.gpu else read.future.wait()
+            with span(WAIT_READ) if profiling() else _NO_SPAN:
+                result = read.future.tensor_for_use() if read.gpu else read.future.wait()
         finally:
             if not read.gpu:
                 self._stats.add_stall(time.perf_counter() - start, backward=True,

@@ -11,14 +11,18 @@ its extent's range and the range can go back at once (nvme.py NOTE [Deferred fre
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from typing import Any, Callable
 
 import torch
 
+from ..util.ranges import WRITE, profiling, span
+
 __all__ = ["Write", "WriteQueue", "WRITE_BATCH", "end_s"]
 
 WRITE_BATCH = 32
+_NO_SPAN = contextlib.nullcontext()
 
 
 def end_s(future) -> float:
@@ -100,9 +104,10 @@ class WriteQueue:
         try:
             self._batch, self._batch_bytes = [], 0
             writes = [p.write for p in batch]
-            futures = self._store.write_ptr_many([p.extent for p in batch],
-                                                 [w.address for w in writes],
-                                                 [w.nbytes for w in writes])
+            with span(WRITE) if profiling() else _NO_SPAN:
+                futures = self._store.write_ptr_many([p.extent for p in batch],
+                                                     [w.address for w in writes],
+                                                     [w.nbytes for w in writes])
             for write, future in zip(writes, futures):
                 write.future = future
         finally:
