@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from offload.schedule.figures import Figures
-from offload.schedule.plan import PlanParams, make_plan
+from offload.schedule.costs import PlanParams
+from offload.schedule.explain import render
+from offload.schedule.search import make_plan
 from offload.schedule.profile import BlockRecord, ItemRecord, OpRecord, Profile
 
 MB = 1 << 20
@@ -147,12 +149,12 @@ def test_unreachable_budget_is_said():
     plan = make_plan(prof, figures(1.0), params(0.1))
     assert plan.prediction.kept_bytes == prof.saved_bytes
     assert set(plan.item_targets.values()) == {"keep"}
-    assert "the budget cannot be met" in plan.explain()
+    assert "the budget cannot be met" in render(plan)
 
 
 @pytest.mark.parametrize("gbps", [0.01, 1.0])
 def test_explain_names_every_saved_op_and_the_figures(gbps):
-    text = make_plan(profile(), figures(gbps), params()).explain()
+    text = render(make_plan(profile(), figures(gbps), params()))
     for op_id, *_ in SAVED:
         assert f"{op_id[0].removeprefix('aten.')} #{op_id[1]}" in text
     assert f"nvme_write_gbps={gbps:.3g} GB/s" in text and "block Blk x8" in text
@@ -161,10 +163,11 @@ def test_explain_names_every_saved_op_and_the_figures(gbps):
 def test_pure_strategies_are_priced_and_the_close_ones_measured():
     """Plan.alternatives prices `offload` (all moved, blocks as they are) and `checkpoint`
     (every block checkpointed but the last ones the budget keeps); those within TRIAL_MARGIN of the plan are its trials, in a
-    queue of TRIAL_ROUNDS rounds (session.py NOTE [Trials]); a plan that is itself no
+    queue of TRIAL_ROUNDS rounds (trials.py NOTE [Trials]); a plan that is itself no
     better than a pure strategy by the margin measures it, and the same inputs give the
     same trials."""
-    from offload.schedule.plan import TRIAL_MARGIN, TRIAL_ROUNDS
+    from offload.schedule.constants import TRIAL_MARGIN, TRIAL_ROUNDS
+    from offload.schedule.trials import TrialSteps
 
     for gbps in (1000.0, 1.0, 0.05, 1e-4):
         plan = make_plan(profile(), figures(gbps), params())
@@ -172,8 +175,9 @@ def test_pure_strategies_are_priced_and_the_close_ones_measured():
         within = tuple(n for n, t in plan.alternatives.items()
                        if t <= (1 + TRIAL_MARGIN) * plan.prediction.step_s)
         assert plan.trials == within
-        assert plan.pending == (["plan", *within] * TRIAL_ROUNDS if within else [])
-        assert plan.running == "plan" and plan.settled == (not within)
+        steps = TrialSteps(plan.trials)
+        assert steps.pending == (["plan", *within] * TRIAL_ROUNDS if within else [])
+        assert steps.running == "plan" and steps.settled == (not within)
         again = make_plan(profile(), figures(gbps), params())
         assert again.trials == plan.trials and again.alternatives == plan.alternatives
     fast = make_plan(profile(), figures(1000.0), params())
