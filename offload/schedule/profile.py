@@ -292,7 +292,7 @@ class BlockProfiler:
     @staticmethod
     def prime() -> None:
         """Pay the one-time costs of a dispatch mode now (its first use imports
-        torch._dynamo: over a second on the dev VM), not in the profiled step."""
+        torch._dynamo, which takes long next to a step), not in the profiled step."""
         class _Nothing(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 return func(*args, **(kwargs or {}))
