@@ -183,7 +183,8 @@ def test_one_info_line_per_plan_and_explain(nvme_dir, caplog):
 
 def test_new_shapes_get_a_plan_of_their_own_bit_exact(nvme_dir, caplog):
     """A new shape class is profiled at its first step and planned; going back to a shape
-    seen before runs its plan again, without a new profile (auto_session.py NOTE [Shape classes])."""
+    seen before runs its plan again, without a new profile (auto_session.py NOTE [Shape
+    classes])."""
     model, loss_fn = small_gpt(seq=32)
     idx_short = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
     short = lambda: model.loss(idx_short, idx_short)  # noqa: E731

@@ -162,10 +162,10 @@ def test_explain_names_every_saved_op_and_the_figures(gbps):
 
 def test_pure_strategies_are_priced_and_the_close_ones_measured():
     """Plan.alternatives prices `offload` (all moved, blocks as they are) and `checkpoint`
-    (every block checkpointed but the last ones the budget keeps); those within TRIAL_MARGIN of the plan are its trials, in a
-    queue of TRIAL_ROUNDS rounds (trials.py NOTE [Trials]); a plan that is itself no
-    better than a pure strategy by the margin measures it, and the same inputs give the
-    same trials."""
+    (every block checkpointed but the last ones the budget keeps); those within
+    TRIAL_MARGIN of the plan are its trials, in a queue of TRIAL_ROUNDS rounds (trials.py
+    NOTE [Trials]); a plan that is itself no better than a pure strategy by the margin
+    measures it, and the same inputs give the same trials."""
     from offload.schedule.constants import TRIAL_MARGIN, TRIAL_ROUNDS
     from offload.schedule.trials import TrialSteps
 
@@ -206,3 +206,51 @@ def test_checkpoint_strategy_keeps_last_blocks_within_the_budget():
         predicted.append(plan.alternatives["checkpoint"])
     assert kept == sorted(kept) and kept[0] == 0 and kept[-1] > 0
     assert predicted == sorted(predicted, reverse=True) and predicted[-1] < predicted[0]
+
+
+def test_one_safety_for_the_plan_and_the_keep_on_device_planner():
+    """The plan predicts what the runtime's keep-on-device planner does only with the same
+    SAFETY (constants.py); the runtime's copies of the value must agree until they import
+    it."""
+    from offload.bounce import DEFAULT_SAFETY
+    from offload.placement import BouncePlan
+    from offload.schedule import costs
+    from offload.schedule.constants import SAFETY
+
+    assert costs.SAFETY is SAFETY
+    assert DEFAULT_SAFETY == SAFETY and BouncePlan().safety == SAFETY
+
+
+def test_a_plan_is_immutable_and_holds_no_trial_state():
+    """A plan can be shared (shape classes, threads printing ctx.plan): nothing of it can be
+    changed, and what the trials run and measure is not in it (trials.py)."""
+    import dataclasses
+
+    plan = make_plan(profile(), figures(0.05), params())
+    bp = next(iter(plan.blocks.values()))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.notes = ("changed",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.prediction.kept_bytes = 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bp.recompute = frozenset()
+    for mapping in (plan.item_targets, plan.op_targets, plan.input_targets, plan.blocks,
+                    plan.prediction.moved_bytes, bp.positions, plan.alternatives):
+        with pytest.raises(TypeError):
+            mapping["x"] = "keep"
+    assert isinstance(plan.notes, tuple) and isinstance(plan.decided, tuple)
+    assert not any(hasattr(plan, name) for name in ("pending", "measured", "mode"))
+
+
+def test_class_plans_sharing_a_plan_keep_their_own_trials():
+    """ctx.plan is a ClassPlan: the plan's attributes read through, the trial steps are the
+    class's own, and printing shows both."""
+    from offload.schedule.plan_cache import ClassPlan
+
+    plan = make_plan(profile(), figures(1000.0), params())
+    assert plan.trials                      # moving everything is (about) the plan
+    a, b = ClassPlan(plan), ClassPlan(plan)
+    assert a.trial_steps.done("plan", 1.0) is False
+    assert a.measured == {"plan": [1.0]} and b.measured == {} and a.pending != b.pending
+    assert a.blocks is plan.blocks and a.prediction is plan.prediction and a.mode == "plan"
+    assert "auto plan:" in str(a) and "measured step" in str(a) and "measured step" not in str(b)
