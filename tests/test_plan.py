@@ -254,3 +254,22 @@ def test_class_plans_sharing_a_plan_keep_their_own_trials():
     assert a.measured == {"plan": [1.0]} and b.measured == {} and a.pending != b.pending
     assert a.blocks is plan.blocks and a.prediction is plan.prediction and a.mode == "plan"
     assert "auto plan:" in str(a) and "measured step" in str(a) and "measured step" not in str(b)
+
+
+def test_a_plan_pickles_and_copies_as_it_is():
+    """Read-only tables still pickle, copy and serialise like the dicts they are."""
+    import copy
+    import json
+    import pickle
+
+    from offload.schedule.plan_cache import ClassPlan
+
+    plan = make_plan(profile(), figures(0.05), params())
+    for again in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan), copy.copy(plan)):
+        assert again == plan and render(again) == render(plan)
+        with pytest.raises(TypeError):
+            again.item_targets.clear()
+    entry = pickle.loads(pickle.dumps(ClassPlan(plan)))
+    assert entry.plan == plan and entry.pending == ClassPlan(plan).pending
+    assert json.loads(json.dumps(dict(plan.prediction.moved_bytes))) == \
+        dict(plan.prediction.moved_bytes)

@@ -24,7 +24,6 @@ that still hide at no predicted cost move too (the budget is a ceiling, not a ta
 from __future__ import annotations
 
 import math
-import types
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -33,6 +32,7 @@ from .constants import ETA, SAFETY
 from .figures import Figures
 from .profile import ItemRecord, Profile
 from .ranking import TypeInfo
+from .readonly import ReadOnlyDict
 
 __all__ = ["PlanParams", "Prediction", "Evaluation", "rates", "predict", "better"]
 
@@ -56,8 +56,7 @@ class Prediction:
     stall_s: float = 0.0
     issue_s: float = 0.0
     kept_bytes: int = 0
-    moved_bytes: types.MappingProxyType = field(   # tier -> bytes
-        default_factory=lambda: types.MappingProxyType({}))
+    moved_bytes: ReadOnlyDict = field(default_factory=ReadOnlyDict)   # tier -> bytes
     recomputed_bytes: int = 0
     fixed_bytes: int = 0     # kept whatever the plan does (small, no_offload, closures)
     feasible: bool = False
@@ -244,7 +243,7 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
         step_s=compute_s + recompute_s + stall + issue_s, compute_s=compute_s,
         recompute_s=recompute_s, stall_s=stall, issue_s=issue_s,
         kept_bytes=kept_fixed + sum(it.nbytes for it in remaining if it.key not in targets),
-        moved_bytes=types.MappingProxyType({t: b for t, b in moved.items() if b}),
+        moved_bytes=ReadOnlyDict({t: b for t, b in moved.items() if b}),
         recomputed_bytes=recomputed_bytes, fixed_bytes=kept_fixed, feasible=need <= 0)
     return Evaluation(prediction, targets, recompute_sets, per_instance_s)
 

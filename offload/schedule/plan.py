@@ -4,23 +4,21 @@ A `Plan` is what search.py's `make_plan` decided from one profiled step (the sam
 figures and settings give the same plan), as lookup tables for the steps that run it:
 `SchedulePlacement` (placement.py) looks each storage up by where it was saved, the auto
 session (auto_session.py) each block's per-op recompute. It is immutable once made (a
-frozen dataclass over read-only mappings and tuples): one plan can be shared, logged and
+frozen dataclass over read-only dicts and tuples): one plan can be shared, logged and
 printed from any thread while steps run. What changes as steps run, the trial steps
 (trials.py NOTE [Trials]), the session keeps next to it (plan_cache.py); explain.py renders
 both.
 """
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass, field
 
 from .costs import PlanParams, Prediction
 from .figures import Figures
 from .profile import OpRecord
+from .readonly import ReadOnlyDict
 
 __all__ = ["Plan", "BlockPlan", "OpRow"]
-
-_EMPTY = types.MappingProxyType({})
 
 
 
@@ -43,7 +41,7 @@ class BlockPlan:
     rows: tuple[OpRow, ...] = ()
     recompute_s: float = 0.0             # per instance, dispatch cost included
     # op id -> its position in the profiled op sequence (recompute.py Rule 5)
-    positions: types.MappingProxyType = field(default_factory=lambda: _EMPTY)
+    positions: ReadOnlyDict = field(default_factory=ReadOnlyDict)
 
     @property
     def per_op(self) -> bool:
@@ -57,16 +55,16 @@ class Plan:
     # Targets ("keep" or a tier): (region, ordinal) -> target for the storages of plain
     # blocks and outside blocks; (block index, op id) -> target for stored op outputs;
     # (block index, input index) -> target for block inputs.
-    item_targets: types.MappingProxyType
-    op_targets: types.MappingProxyType
-    input_targets: types.MappingProxyType
-    blocks: types.MappingProxyType         # type key -> BlockPlan
-    block_type: types.MappingProxyType     # block index -> type key
+    item_targets: ReadOnlyDict
+    op_targets: ReadOnlyDict
+    input_targets: ReadOnlyDict
+    blocks: ReadOnlyDict         # type key -> BlockPlan
+    block_type: ReadOnlyDict     # block index -> type key
     prediction: Prediction
     params: PlanParams
     figures: Figures
-    profile_summary: types.MappingProxyType
-    signatures: types.MappingProxyType     # block index -> call signature planned for
+    profile_summary: ReadOnlyDict
+    signatures: ReadOnlyDict     # block index -> call signature planned for
     notes: tuple[str, ...] = ()
     # (block index or None, producing op id or None, bytes, target) per profiled storage
     # that the plan decided ("recompute" for the recomputed ones): for explain.py.
@@ -76,13 +74,13 @@ class Plan:
     readahead_bytes: int = 0
     # Predicted step of each whole-block strategy (trials.py PURE), and those to measure
     # against the plan (NOTE [Trials]).
-    alternatives: types.MappingProxyType = field(default_factory=lambda: _EMPTY)
+    alternatives: ReadOnlyDict = field(default_factory=ReadOnlyDict)
     trials: tuple[str, ...] = ()
     # Blocks `checkpoint` runs as they are, keeping what they save (within the budget).
     checkpoint_keeps: frozenset = frozenset()
     # (region, ordinal) -> bytes profiled there: a storage of another size at that key is
     # not the one planned for (moved, memory-safe), e.g. before the step's shapes are known.
-    item_bytes: types.MappingProxyType = field(default_factory=lambda: _EMPTY, repr=False)
+    item_bytes: ReadOnlyDict = field(default_factory=ReadOnlyDict, repr=False)
 
     def block_plan(self, index: int) -> BlockPlan | None:
         key = self.block_type.get(index)

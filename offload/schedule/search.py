@@ -21,7 +21,6 @@ is a model, and a whole-block strategy has beaten a mixed plan it was predicted 
 from __future__ import annotations
 
 import dataclasses
-import types
 
 from ..sizes import format_bytes
 from .constants import SLOW_READ_SHARE, TRIAL_MARGIN
@@ -30,10 +29,11 @@ from .figures import Figures
 from .plan import BlockPlan, OpRow, Plan
 from .profile import ItemRecord, Profile
 from .ranking import TypeInfo, candidates, type_infos
+from .readonly import ReadOnlyDict
 
 __all__ = ["make_plan"]
 
-_ro = types.MappingProxyType
+_ro = ReadOnlyDict
 
 
 def make_plan(profile: Profile, figures: Figures, params: PlanParams,
