@@ -249,8 +249,8 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
 
 
 def better(a: Prediction, b: Prediction) -> bool:
-    """Whether `a` wins: meets the budget where `b` does not, keeps less where neither
-    does, else a shorter predicted step (ties: `b`, the earlier and less recomputing)."""
+    """Whether `a` wins over `b`: it meets the budget where `b` does not, keeps less where
+    neither does, else predicts a shorter step by more than rounding (a tie keeps `b`)."""
     if a.feasible != b.feasible:
         return a.feasible
     if not a.feasible:  # neither meets the budget: the one that keeps less

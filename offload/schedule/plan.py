@@ -21,7 +21,6 @@ from .readonly import ReadOnlyDict
 __all__ = ["Plan", "BlockPlan", "OpRow"]
 
 
-
 @dataclass(frozen=True)
 class OpRow:
     """One op of a block type, for explain.py."""

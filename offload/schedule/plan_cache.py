@@ -71,6 +71,9 @@ class ClassPlan:
 
     __str__ = explain
 
+    def __repr__(self) -> str:
+        return f"<auto plan: {self.summary()}; runs {self.running}>"
+
 
 class PlanCache:
     """The plans of one model and settings, per shape class, the MAX_PLANS most recently

@@ -6,8 +6,8 @@ settings give the same plan (tests rely on it). It minimises the predicted step 
 
 Per block type, each prefix of the recompute ranking (ranking.py) is one candidate; for
 each, the storages that remain are kept or moved as costs.py decides. The candidate with
-the lowest predicted step wins (ties: the earlier, less recomputing one). Several block
-types: coordinate descent, one type at a time.
+the lowest predicted step wins (ties: less recompute, the shorter prefix being tried first).
+Several block types: coordinate descent, one type at a time.
 
 Measured, not only predicted: the plan also prices two whole-block strategies (trials.py
 PURE: `offload`, every eligible storage moved, blocks as they are; `checkpoint`, every block
