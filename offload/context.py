@@ -28,7 +28,7 @@ from .runtime.hooks import OffloadHooks
 from .runtime.no_offload import no_offload
 from .runtime.prefetch import Prefetcher
 from .runtime.round_trip import RoundTripPlan, plan_for
-from .runtime.step import Step, close_tiers, finish_pending
+from .runtime.step import Step, StepView, close_tiers, finish_pending
 from .runtime.tensor_meta import ParamStorages
 from .schedule.session import Session, start_session
 from .tiers import open_tiers
@@ -151,10 +151,13 @@ class ActivationOffload:
             params = ParamStorages()
             if self.model is not None:
                 params.add_module(self.model)
+            prefetcher = Prefetcher(config.prefetch_bytes, stats)
             step.hooks = OffloadHooks(self._schedule.placement(round_trip), tiers, step.ledger,
-                                      Prefetcher(config.prefetch_bytes, stats), params,
-                                      config.strict, config.min_bytes, step.timeline)
-            self._schedule.enter(step.hooks, step.start_s)
+                                      prefetcher, params, config.strict, config.min_bytes,
+                                      step.timeline, self._schedule.clock)
+            self._schedule.enter(StepView(step.hooks, {name: tier.capacity_bytes
+                                                       for name, tier in tiers.items()},
+                                          prefetcher, step.start_s))
             step.after_finish.append(self._schedule.step_done)
             self._hook_thread = hook_stack.install(step.hooks)
         except BaseException:

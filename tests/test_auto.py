@@ -11,7 +11,7 @@ from schedule_models import compare_steps, hf_gpt2, hf_llama, random_stack, smal
 
 import offload
 from offload.bench.models import MLP, ConvNet
-from offload.schedule import plan as plan_mod
+from offload.schedule import search as search_mod
 from offload.schedule import recompute as recompute_mod
 from offload.schedule.recompute import run_block
 
@@ -38,10 +38,10 @@ def _cache(tmp_path, monkeypatch):
 @pytest.fixture(autouse=True)
 def _no_trials(request, monkeypatch):
     """These tests check what the plan does when it runs: no trial steps of the pure
-    strategies (session.py NOTE [Trials]), whose choice depends on measured time. The trial
+    strategies (trials.py NOTE [Trials]), whose choice depends on measured time. The trial
     tests below opt in with @pytest.mark.trials."""
     if "trials" not in request.keywords:
-        monkeypatch.setattr(plan_mod, "TRIAL_MARGIN", -1.0)
+        monkeypatch.setattr(search_mod, "TRIAL_MARGIN", -1.0)
 
 
 def _settings(nvme_dir, probe, **kw):
@@ -71,7 +71,7 @@ def _mixed(ctx):
     """Re-plan the profiled step at the link speed (searched from fast to slow) where the
     plan both recomputes ops and stores op outputs on nvme; install it for the next steps.
     Deterministic for a given profile, unlike calibrating the figures on a busy machine."""
-    from offload.schedule.plan import make_plan
+    from offload.schedule.search import make_plan
 
     state = ctx._schedule.state
     for gbps in (10 ** (-k / 4) for k in range(4, 40)):
@@ -91,7 +91,7 @@ def test_mixed_plan_stores_ops_on_nvme_and_keeps_some_bit_exact(nvme_dir):
     plan = _mixed(ctx)
     differs, ctx = compare_steps(model, loss_fn, 20, **settings)
     assert differs is None, f"gradients differ at step {differs}"
-    assert ctx.plan is plan
+    assert ctx.plan.plan is plan
     assert "nvme" in set(plan.op_targets.values()), plan  # stored op outputs on the disk
     assert ctx.stats.nvme_bytes > 0 and ctx.stats.kept_bytes > 0
     ctx.close()
@@ -183,7 +183,8 @@ def test_one_info_line_per_plan_and_explain(nvme_dir, caplog):
 
 def test_new_shapes_get_a_plan_of_their_own_bit_exact(nvme_dir, caplog):
     """A new shape class is profiled at its first step and planned; going back to a shape
-    seen before runs its plan again, without a new profile (session NOTE [Shape classes])."""
+    seen before runs its plan again, without a new profile (auto_session.py NOTE [Shape
+    classes])."""
     model, loss_fn = small_gpt(seq=32)
     idx_short = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
     short = lambda: model.loss(idx_short, idx_short)  # noqa: E731
@@ -375,16 +376,17 @@ def test_backward_after_the_block_exits(nvme_dir):
 
 # ---------------------------------------------------------------- trials (NOTE [Trials])
 def test_trial_choice_takes_the_fastest_measured_step():
-    """Plan.trial_done: the queue runs in order, a pure strategy replaces the plan only when
+    """TrialSteps.done: the queue runs in order, a pure strategy replaces the plan only when
     faster by TRIAL_WIN (best of its steps), and a step of anything else is not counted."""
-    from offload.schedule.plan import TRIAL_WIN, Plan
+    from offload.schedule.constants import TRIAL_WIN
+    from offload.schedule.trials import TrialSteps
 
     def plan_with(times):
-        plan = Plan(*([{}] * 5), None, None, None, {}, {})
-        plan.pending = ["plan", "checkpoint", "offload"] * 2
+        steps = TrialSteps(("checkpoint", "offload"))
+        assert steps.pending == ["plan", "checkpoint", "offload"] * 2
         for mode, t in times:
-            plan.trial_done(mode, t)
-        return plan
+            steps.done(mode, t)
+        return steps
 
     p = plan_with([("plan", 8.5), ("checkpoint", 7.7), ("offload", 18.0),
                    ("plan", 8.2), ("checkpoint", 7.9), ("offload", 17.0)])
@@ -406,7 +408,7 @@ def test_trials_run_each_strategy_bit_exact_then_keep_the_fastest(nvme_dir, monk
     sleeps, and checkpointing runs it twice), so it never wins."""
     import time as time_mod
 
-    monkeypatch.setattr(plan_mod, "TRIAL_MARGIN", float("inf"))
+    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
     model, loss_fn = small_gpt()
     for block in model.blocks:
         forward = block.forward
@@ -418,7 +420,7 @@ def test_trials_run_each_strategy_bit_exact_then_keep_the_fastest(nvme_dir, monk
         block.forward = slow
     ran = []
     real = recompute_mod.checkpoint_block
-    monkeypatch.setattr("offload.schedule.session.checkpoint_block",
+    monkeypatch.setattr("offload.schedule.auto_session.checkpoint_block",
                         lambda *a, **k: (ran.append("ckpt"), real(*a, **k))[1])
     caplog.set_level(logging.INFO, logger="offload")
     settings = _settings(nvme_dir, SLOW)
@@ -441,7 +443,7 @@ def test_checkpoint_strategy_keeps_the_last_blocks_the_budget_holds(nvme_dir, mo
     they are and keep them, the others are checkpointed, the rest moves; bit-exact, and the
     peak resident bytes within the budget. Its steps are forced (the trial queue), so the
     test does not depend on which strategy measures faster."""
-    monkeypatch.setattr(plan_mod, "TRIAL_MARGIN", float("inf"))
+    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
     model, loss_fn = small_gpt(layers=4, seq=64)
     settings = _settings(nvme_dir, SLOW, budget="45%")
     _, ctx = compare_steps(model, loss_fn, 2, **settings)        # warm-up, profile
@@ -449,10 +451,10 @@ def test_checkpoint_strategy_keeps_the_last_blocks_the_budget_holds(nvme_dir, mo
     keeps = plan.checkpoint_keeps
     assert keeps and max(keeps) == len(model.blocks) - 1 and len(keeps) < len(model.blocks)
     assert keeps == set(range(len(model.blocks) - len(keeps), len(model.blocks)))
-    plan.pending = ["checkpoint"] * 50
+    plan.trial_steps.pending = ["checkpoint"] * 50
     ran = []
     real = recompute_mod.checkpoint_block
-    monkeypatch.setattr("offload.schedule.session.checkpoint_block",
+    monkeypatch.setattr("offload.schedule.auto_session.checkpoint_block",
                         lambda *a, **k: (ran.append(1), real(*a, **k))[1])
     differs, ctx = compare_steps(model, loss_fn, 3, **settings)
     assert differs is None, f"gradients differ at step {differs}"

@@ -1,6 +1,6 @@
 """`auto` across the steps of a real run: a plan per shape class (varying lengths, layer
-drop; session.py NOTE [Shape classes]) and only training steps profiled or timed (step.py
-NOTE [Training step])."""
+drop; auto_session.py NOTE [Shape classes]) and only training steps profiled or timed
+(step.py NOTE [Training step])."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +11,7 @@ import torch.nn as nn
 from schedule_models import small_gpt, train_side_by_side
 
 import offload
-from offload.schedule import plan as plan_mod
+from offload.schedule import search as search_mod
 
 SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
 
@@ -22,7 +22,7 @@ def _setup(request, tmp_path, monkeypatch):
     torch.set_num_threads(1)  # tiny models on a busy 2-core machine (see test_auto.py)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     if "trials" not in request.keywords:
-        monkeypatch.setattr(plan_mod, "TRIAL_MARGIN", -1.0)
+        monkeypatch.setattr(search_mod, "TRIAL_MARGIN", -1.0)
     yield
     torch.set_num_threads(threads)
 
@@ -34,8 +34,8 @@ def _settings(nvme_dir, **kw):
 def _ran_a_plan(ctx) -> bool:
     """The step ran a plan: neither warm-up, nor profile, nor fallback."""
     session = ctx._schedule
-    return getattr(session, "current", None) is not None \
-        and not getattr(session, "_profiling", True) and session._fallback is None
+    return session.choice.plan is not None and not session._profiling \
+        and session._fallback is None
 
 
 # ---------------------------------------------------------------- shape classes
@@ -114,7 +114,7 @@ def test_only_training_steps_are_booked_as_trials(nvme_dir, monkeypatch):
     """A trial measures a step that ran a forward and a backward and whose graph its own
     backward freed. Before: an eval block (no_grad inside) was booked (0.001 s), and so
     was a step whose graph outlived it (its whole lifetime), and a compiling step."""
-    monkeypatch.setattr(plan_mod, "TRIAL_MARGIN", float("inf"))
+    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
     model, loss_fn = small_gpt(layers=2, hidden=32)
     settings = _settings(nvme_dir)
 

@@ -1,4 +1,4 @@
-"""`auto`'s clock on CUDA (offload/schedule/clock.py), against a fake device whose work runs
+"""`auto`'s clock on CUDA (offload/util/clock.py), against a fake device whose work runs
 after the host launched it and whose events are done only once waited for, as CUDA's:
 the step's forward and backward windows and its trial times are device time, not launch
 time, and every event pair is waited for before it is read."""
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import offload
-from offload.schedule import plan as plan_mod, session as session_mod
+from offload.schedule import auto_session, search as search_mod
 from offload.schedule.profile import OpRecord, _Timer
 
 SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
@@ -110,15 +110,15 @@ def test_step_windows_and_trials_are_device_time(nvme_dir, tmp_path, monkeypatch
     clock (2 s of forward work, 3 s of backward work launched in microseconds). Before:
     host times, launch time only: a few milliseconds."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(plan_mod, "TRIAL_MARGIN", float("inf"))
+    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
     device = FakeDevice()
 
     def device_clock(device_type):
-        from offload.schedule.clock import DeviceClock
+        from offload.util.clock import DeviceClock
 
         return DeviceClock(device.event)
 
-    monkeypatch.setattr(session_mod, "clock_for", device_clock, raising=False)
+    monkeypatch.setattr(auto_session, "clock_for", device_clock)
     model = Net(device)
     x = torch.randn(8, 32, requires_grad=True)
     settings = dict(policy="auto", tiers="nvme", nvme_dir=nvme_dir, min_bytes=0, probe=SLOW)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from schedule_models import SharedLayers, module_state, train_side_by_side
 
-from offload.schedule import plan as plan_mod
+from offload.schedule import search as search_mod
 
 SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
 
@@ -20,7 +20,7 @@ def _setup(tmp_path, monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models on a busy 2-core machine (see test_auto.py)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(plan_mod, "TRIAL_MARGIN", -1.0)  # what the plan does, not trials
+    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", -1.0)  # what the plan does, not trials
     yield
     torch.set_num_threads(threads)
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from offload.schedule.figures import Figures
-from offload.schedule.plan import PlanParams, make_plan
+from offload.schedule.costs import PlanParams
+from offload.schedule.explain import render
+from offload.schedule.search import make_plan
 from offload.schedule.profile import BlockRecord, ItemRecord, OpRecord, Profile
 
 MB = 1 << 20
@@ -147,12 +149,12 @@ def test_unreachable_budget_is_said():
     plan = make_plan(prof, figures(1.0), params(0.1))
     assert plan.prediction.kept_bytes == prof.saved_bytes
     assert set(plan.item_targets.values()) == {"keep"}
-    assert "the budget cannot be met" in plan.explain()
+    assert "the budget cannot be met" in render(plan)
 
 
 @pytest.mark.parametrize("gbps", [0.01, 1.0])
 def test_explain_names_every_saved_op_and_the_figures(gbps):
-    text = make_plan(profile(), figures(gbps), params()).explain()
+    text = render(make_plan(profile(), figures(gbps), params()))
     for op_id, *_ in SAVED:
         assert f"{op_id[0].removeprefix('aten.')} #{op_id[1]}" in text
     assert f"nvme_write_gbps={gbps:.3g} GB/s" in text and "block Blk x8" in text
@@ -160,11 +162,12 @@ def test_explain_names_every_saved_op_and_the_figures(gbps):
 
 def test_pure_strategies_are_priced_and_the_close_ones_measured():
     """Plan.alternatives prices `offload` (all moved, blocks as they are) and `checkpoint`
-    (every block checkpointed but the last ones the budget keeps); those within TRIAL_MARGIN of the plan are its trials, in a
-    queue of TRIAL_ROUNDS rounds (session.py NOTE [Trials]); a plan that is itself no
-    better than a pure strategy by the margin measures it, and the same inputs give the
-    same trials."""
-    from offload.schedule.plan import TRIAL_MARGIN, TRIAL_ROUNDS
+    (every block checkpointed but the last ones the budget keeps); those within
+    TRIAL_MARGIN of the plan are its trials, in a queue of TRIAL_ROUNDS rounds (trials.py
+    NOTE [Trials]); a plan that is itself no better than a pure strategy by the margin
+    measures it, and the same inputs give the same trials."""
+    from offload.schedule.constants import TRIAL_MARGIN, TRIAL_ROUNDS
+    from offload.schedule.trials import TrialSteps
 
     for gbps in (1000.0, 1.0, 0.05, 1e-4):
         plan = make_plan(profile(), figures(gbps), params())
@@ -172,8 +175,9 @@ def test_pure_strategies_are_priced_and_the_close_ones_measured():
         within = tuple(n for n, t in plan.alternatives.items()
                        if t <= (1 + TRIAL_MARGIN) * plan.prediction.step_s)
         assert plan.trials == within
-        assert plan.pending == (["plan", *within] * TRIAL_ROUNDS if within else [])
-        assert plan.running == "plan" and plan.settled == (not within)
+        steps = TrialSteps(plan.trials)
+        assert steps.pending == (["plan", *within] * TRIAL_ROUNDS if within else [])
+        assert steps.running == "plan" and steps.settled == (not within)
         again = make_plan(profile(), figures(gbps), params())
         assert again.trials == plan.trials and again.alternatives == plan.alternatives
     fast = make_plan(profile(), figures(1000.0), params())
@@ -202,3 +206,69 @@ def test_checkpoint_strategy_keeps_last_blocks_within_the_budget():
         predicted.append(plan.alternatives["checkpoint"])
     assert kept == sorted(kept) and kept[0] == 0 and kept[-1] > 0
     assert predicted == sorted(predicted, reverse=True) and predicted[-1] < predicted[0]
+
+
+def test_one_safety_for_the_plan_and_the_round_trip_plan():
+    """The plan predicts what the runtime's round-trip plan does only with the same SAFETY:
+    one value (util/constants.py), which both use."""
+    from offload.runtime.round_trip import DEFAULT_SAFETY, RoundTripPlan
+    from offload.schedule import costs
+    from offload.schedule.constants import SAFETY
+    from offload.util.constants import ROUND_TRIP_SAFETY
+
+    assert costs.SAFETY is SAFETY is ROUND_TRIP_SAFETY
+    assert DEFAULT_SAFETY is SAFETY and RoundTripPlan().safety is SAFETY
+
+
+def test_a_plan_is_immutable_and_holds_no_trial_state():
+    """A plan can be shared (shape classes, threads printing ctx.plan): nothing of it can be
+    changed, and what the trials run and measure is not in it (trials.py)."""
+    import dataclasses
+
+    plan = make_plan(profile(), figures(0.05), params())
+    bp = next(iter(plan.blocks.values()))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.notes = ("changed",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.prediction.kept_bytes = 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bp.recompute = frozenset()
+    for mapping in (plan.item_targets, plan.op_targets, plan.input_targets, plan.blocks,
+                    plan.prediction.moved_bytes, bp.positions, plan.alternatives):
+        with pytest.raises(TypeError):
+            mapping["x"] = "keep"
+    assert isinstance(plan.notes, tuple) and isinstance(plan.decided, tuple)
+    assert not any(hasattr(plan, name) for name in ("pending", "measured", "mode"))
+
+
+def test_class_plans_sharing_a_plan_keep_their_own_trials():
+    """ctx.plan is a ClassPlan: the plan's attributes read through, the trial steps are the
+    class's own, and printing shows both."""
+    from offload.schedule.plan_cache import ClassPlan
+
+    plan = make_plan(profile(), figures(1000.0), params())
+    assert plan.trials                      # moving everything is (about) the plan
+    a, b = ClassPlan(plan), ClassPlan(plan)
+    assert a.trial_steps.done("plan", 1.0) is False
+    assert a.measured == {"plan": [1.0]} and b.measured == {} and a.pending != b.pending
+    assert a.blocks is plan.blocks and a.prediction is plan.prediction and a.mode == "plan"
+    assert "auto plan:" in str(a) and "measured step" in str(a) and "measured step" not in str(b)
+
+
+def test_a_plan_pickles_and_copies_as_it_is():
+    """Read-only tables still pickle, copy and serialise like the dicts they are."""
+    import copy
+    import json
+    import pickle
+
+    from offload.schedule.plan_cache import ClassPlan
+
+    plan = make_plan(profile(), figures(0.05), params())
+    for again in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan), copy.copy(plan)):
+        assert again == plan and render(again) == render(plan)
+        with pytest.raises(TypeError):
+            again.item_targets.clear()
+    entry = pickle.loads(pickle.dumps(ClassPlan(plan)))
+    assert entry.plan == plan and entry.pending == ClassPlan(plan).pending
+    assert json.loads(json.dumps(dict(plan.prediction.moved_bytes))) == \
+        dict(plan.prediction.moved_bytes)

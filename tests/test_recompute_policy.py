@@ -11,7 +11,7 @@ from schedule_models import compare_steps, hf_gpt2, hf_llama, small_gpt
 import offload
 from offload.errors import ConfigError
 from offload.bench.models import MLP, ConvNet
-from offload.schedule import recompute as recompute_mod, session as session_mod
+from offload.schedule import auto_session, recompute as recompute_mod, recompute_session
 from offload.schedule.blocks import BlockWrappers, find_blocks
 
 
@@ -192,7 +192,7 @@ def test_a_users_checkpointed_block_is_not_wrapped_twice(policy, reentrant, monk
     net = _UserCheckpointed(reentrant)
     x = torch.randn(4, 32, requires_grad=True)
     ours = []
-    for mod in (session_mod, recompute_mod):
+    for mod in (recompute_session, auto_session, recompute_mod):
         original = mod.checkpoint_block
 
         def counting(*a, _original=original, **k):

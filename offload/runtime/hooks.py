@@ -64,11 +64,13 @@ class OffloadHooks:
         params: `model=`'s parameters and buffers.
         timeline: Where moved (and round-trip-kept) storages' pack → unpack times go
             (the step's round-trip plan and `auto` learn from them).
+        clock: Marks the start of the backward on the clock `auto` times steps with
+            (util/clock.py: the device's on CUDA); None: not needed.
     """
 
     def __init__(self, placement: Placement, tiers: dict, ledger: Ledger, prefetcher,
                  params: ParamStorages, strict: bool, min_bytes: int,
-                 timeline: Timeline | None = None) -> None:
+                 timeline: Timeline | None = None, clock=None) -> None:
         self.placement = placement
         self.tiers = tiers
         self.ledger = ledger
@@ -90,7 +92,8 @@ class OffloadHooks:
         self.on_backward_end = None
         self._queued_task = -1
         self.first_unpack_s: float | None = None  # where the backward starts
-        self.on_first_unpack = None  # auto marks the device clock there (schedule/session.py)
+        self.clock = clock
+        self.backward_mark = None    # ... on `clock`
 
     # ---------------------------------------------------------------- pack
     def pack(self, t: torch.Tensor):
@@ -291,8 +294,8 @@ class OffloadHooks:
         # when the end of the forward stayed on the device (the round-trip plan, auto's
         # plan), the link would otherwise idle while backward works through it.
         self.prefetcher.start()
-        if self.on_first_unpack is not None:
-            self.on_first_unpack()
+        if self.clock is not None:
+            self.backward_mark = self.clock.mark(self.first_unpack_s)
 
     def _backward_ended(self) -> None:
         callback = self.on_backward_end

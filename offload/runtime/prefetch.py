@@ -41,6 +41,13 @@ class Prefetcher:
         self._position[id(payload)] = len(self._order)
         self._order.append((tier, payload))
 
+    def raise_budget(self, nbytes: int) -> None:
+        """Read ahead at least `nbytes` from now on (`auto`'s plan asks for more when a
+        block's reads are slow next to its backward)."""
+        with self._lock:
+            if nbytes > self.budget_bytes:
+                self.budget_bytes = nbytes
+
     @property
     def inflight_bytes(self) -> int:
         return self._inflight_bytes

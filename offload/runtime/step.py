@@ -26,6 +26,7 @@ step's.
 from __future__ import annotations
 
 import atexit
+from dataclasses import dataclass
 import logging
 import sys
 import threading
@@ -43,12 +44,34 @@ from .round_trip import LinkSpeed, RoundTripPlan, TensorTiming
 from .subclasses import note_unmoved
 from .timeline import Timeline
 
-__all__ = ["Step", "close_tiers", "finish_pending"]
+__all__ = ["Step", "StepView", "StepReport", "close_tiers", "finish_pending"]
 
 log = logging.getLogger("offload")
 
 _pending_lock = threading.Lock()
 _pending: set["Step"] = set()  # exited steps whose saved tensors were still alive
+
+
+@dataclass(frozen=True)
+class StepView:
+    """What the policy's scheduler gets of a step when it starts (schedule/session.py)."""
+
+    hooks: OffloadHooks              # pack / unpack (blocks store op outputs through them)
+    capacities: dict[str, int]       # what each open tier may hold, by name
+    readahead: Any                   # the step's Prefetcher: `raise_budget(nbytes)`
+    start_s: float
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What the policy's scheduler gets of a step when it is over."""
+
+    stats: Stats
+    rows: list                       # Timeline.rows(): [key, nbytes, pack_s, unpack_s]
+    first_unpack_s: float | None     # where the backward started (host time)
+    backward_mark: Any               # ... on the hooks' clock (None without one)
+    end_s: float
+    training: bool                   # NOTE [Training step]
 
 
 class Step:
@@ -68,8 +91,7 @@ class Step:
         self.copies: dict[torch.device, Any] = {}  # CopyStreams per CUDA device
         self.start_s = time.perf_counter()
         self.exit_s: float | None = None
-        # Run after the tiers closed, with (stats, hooks, end_s, training): `auto` plans
-        # here (NOTE [Training step] says what `training` means).
+        # Run after the tiers closed, with the StepReport: `auto` plans here.
         self.after_finish: list = []
         self._compiled_at_start = _dynamo_frames()
         self._finished = False
@@ -153,9 +175,12 @@ class Step:
             log.exception("offload: could not update the round-trip plan")
         training = timed and self.hooks.first_unpack_s is not None \
             and _dynamo_frames() == self._compiled_at_start   # NOTE [Training step]
+        report = StepReport(self.stats, self.timeline.rows() if self.after_finish else [],
+                            self.hooks.first_unpack_s, self.hooks.backward_mark, end_s,
+                            training)
         for learn in self.after_finish:
             try:
-                learn(self.stats, self.hooks, end_s, training)
+                learn(report)
             except Exception:  # same: the step itself went through
                 log.exception("offload: could not plan the next step (OFFLOAD_POLICY=auto)")
         self._write_trace(end_s)

@@ -1,9 +1,11 @@
 """The scheduler: policies `recompute` and `auto` (see README "How `auto` decides").
 
-A saved tensor's walk under `auto`: session.py (the decision point, `SchedulePlacement`)
-looks it up in the plan (plan.py, made from profile.py's step and probe.py's figures),
-then the hooks hand it to a tier; inside blocks the plan's recomputed ops are replayed by
-recompute.py. Modules import what they need from here directly; nothing is re-exported.
+A saved tensor's walk under `auto`: the auto session (auto_session.py) says what the step
+runs; the decision point (placement.py, `SchedulePlacement`) looks the tensor up in its
+shape class's plan (plan.py; made by search.py from profile.py's step and probe.py's
+figures, priced by costs.py), then the hooks hand it to a tier; inside blocks the plan's
+recomputed ops are replayed by recompute.py. Modules import what they need from here
+directly; nothing is re-exported.
 """
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["guard_buffers"]
+__all__ = ["guard_buffers", "reset"]
 
 
 class _Slots:
@@ -64,6 +64,13 @@ def _slots_of(block: nn.Module) -> _Slots:
     if slots is None:
         slots = _known[block] = _Slots(block)
     return slots
+
+
+def reset() -> None:
+    """Forget what every block's calls showed (tests; a process-wide reset): each block's
+    next call is a first call again (rule 1: all buffers copied and compared). A call in
+    progress keeps its own record."""
+    _known.clear()
 
 
 class _Guard:

@@ -1,13 +1,16 @@
 """`ctx.plan` as text: the decisions per block type and op, what each option would cost, and
-the figures they were made from. Rendering only; offload/schedule/plan.py decides."""
+the figures they were made from. Rendering only: it reads the plan (plan.py) and the trial
+steps (trials.py) it is handed; search.py decides."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 
 from ..util.sizes import format_bytes
-from .plan import Plan, _rates
+from .costs import rates
+from .plan import Plan
+from .trials import PURE, TrialSteps
 
-__all__ = ["render"]
+__all__ = ["render", "summary"]
 
 
 def _s(seconds: float) -> str:
@@ -22,10 +25,30 @@ def _targets(counter: Counter) -> str:
     return ", ".join(f"{t} x{n}" for t, n in sorted(counter.items()))
 
 
-def render(plan: Plan) -> str:
+def summary(plan: Plan, mode: str = "plan") -> str:
+    """One line: what the plan keeps, moves and recomputes, its predicted step, and what runs
+    instead when a trial chose a whole-block strategy (`mode`)."""
+    p = plan.prediction
+    gib = 2 ** 30
+    moved = ", ".join(f"{t} {b / gib:.2f} GiB" for t, b in p.moved_bytes.items() if b)
+    per_op = [bp for bp in plan.blocks.values() if bp.per_op]
+    runs = "" if mode == "plan" else \
+        f"; measured faster and run instead: {mode} ({PURE[mode]})"
+    return (f"kept {p.kept_bytes / gib:.2f} GiB (budget "
+            f"{plan.params.budget_bytes / gib:.2f} GiB), {moved or 'nothing moved'}, "
+            f"recomputed {p.recomputed_bytes / gib:.2f} GiB in {len(per_op)} of "
+            f"{len(plan.blocks)} block types; predicted step {p.step_s:.3g} s against "
+            f"{p.compute_s:.3g} s of compute (recompute {p.recompute_s:.3g} s, stall "
+            f"{p.stall_s:.3g} s){runs}")
+
+
+def render(plan: Plan, trials: TrialSteps | None = None) -> str:
+    """Every decision of `plan` and what it was based on; with `trials`, what they measured
+    and what runs."""
     params, figures, prof = plan.params, plan.figures, plan.profile_summary
+    trials = trials or TrialSteps()
     lines = [
-        f"auto plan: {plan.summary()}",
+        f"auto plan: {summary(plan, trials.mode)}",
         f"  profile: forward {_s(prof['forward_s'])}, backward {_s(prof['backward_s'])} of "
         f"compute; {format_bytes(prof['saved_bytes'])} saved in {prof['items']} storages; "
         f"{prof['blocks']} blocks",
@@ -41,13 +64,13 @@ def render(plan: Plan) -> str:
             f"{name} {_s(step_s)}" for name, step_s in plan.alternatives.items())
             + (f"; measured against the plan: {', '.join(plan.trials)}" if plan.trials
                else " (none within reach: not measured)"))
-    if plan.measured:
+    if trials.measured:
         lines.append("  measured step (best of its trial steps): " + ", ".join(
-            f"{mode} {_s(min(t))}" for mode, t in plan.measured.items())
-            + ("" if plan.settled else " (trials still running)")
-            + f"; runs: {'the plan' if plan.mode == 'plan' else plan.mode}")
+            f"{mode} {_s(min(t))}" for mode, t in trials.measured.items())
+            + ("" if trials.settled else " (trials still running)")
+            + f"; runs: {'the plan' if trials.mode == 'plan' else trials.mode}")
     move = params.tiers[0] if params.tiers else None
-    rates = _rates(figures, move, params.device_type) if move else None
+    link = rates(figures, move, params.device_type) if move else None
     # Where each (block type, op)'s storages went, over the type's instances.
     went: dict[tuple, Counter] = defaultdict(Counter)
     outside: Counter = Counter()
@@ -64,7 +87,7 @@ def render(plan: Plan) -> str:
                 if bp.per_op else "runs as is")
         lines.append(f"  block {bp.type_name} x{len(bp.instances)}: {mode}")
         head = f"    {'op (n-th call in the block)':<40} {'saved/block':>11} {'recompute':>10}"
-        if rates:
+        if link:
             head += f" {move + ' trip':>10}"
         lines.append(head + "  decision")
         for row in bp.rows:
@@ -75,8 +98,8 @@ def render(plan: Plan) -> str:
                 name += f" ({row.op.not_storable})"
             line = (f"    {name:<40} {format_bytes(row.saved_bytes):>11} "
                     f"{_s(row.op.time_s + row.op.chain_s):>10}")
-            if rates:
-                line += f" {_s(row.saved_bytes / rates[0] + row.saved_bytes / rates[1]):>10}"
+            if link:
+                line += f" {_s(row.saved_bytes / link[0] + row.saved_bytes / link[1]):>10}"
             decision = _targets(went[(bp.type_key, row.op.op_id)]) or row.decision
             lines.append(f"{line}  {decision}")
     if outside:

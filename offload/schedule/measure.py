@@ -16,9 +16,8 @@ import torch
 
 __all__ = ["compute_figures", "nvme_figures", "pcie_figures", "NVME_PROBE_BYTES"]
 
-# 256 MiB each way: long enough to get past the disk's write cache on the dev VM
-# (smaller runs read 2-3x faster than a training step's I/O sees), short enough to take
-# about a second on an SSD.
+# Bytes each way: enough to get past a disk's write cache (a short run reads faster than a
+# training step's I/O sees; docs/benchmarks.md), little enough to take about a second.
 NVME_PROBE_BYTES = 256 << 20
 _NVME_REQUEST_BYTES = 16 << 20
 _ISSUE_REQUESTS = 64

@@ -1,24 +1,36 @@
 """`auto`'s decision point: keep, host or nvme for every storage the hooks are asked about.
 
-The profile step (and a step whose shape class is not known yet: session.py NOTE [Shape
-classes]) records each storage: where in the step it was saved (region and ordinal: the key
-the plan is looked up by), its size, and which op of which block made it. Planned steps look
-each storage up in the plan by that key; a storage the plan does not know, or of another
-size than the one planned for, moves (memory-safe).
+The profile step (and a step whose shape class is not known yet: auto_session.py NOTE
+[Shape classes]) records each storage: where in the step it was saved (region and ordinal:
+the key the plan is looked up by), its size, and which op of which block made it. Planned
+steps look each storage up in the plan by that key; a storage the plan does not know, or of
+another size than the one planned for, moves (memory-safe).
+
+The session (auto_session.py) says what the step runs through a `StepChoice` it owns and
+hands down; the placement reads it and never calls back into the session.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from ..config import Config
 from ..runtime.placement import Decision, Placement, TensorInfo
-from .profile import ItemRecord
+from .plan import Plan
+from .profile import BlockProfiler, ItemRecord
 
-if TYPE_CHECKING:
-    from .session import AutoSession
+__all__ = ["SchedulePlacement", "StepChoice"]
 
-__all__ = ["SchedulePlacement"]
+
+@dataclass
+class StepChoice:
+    """What the current step runs, as the auto session decided it (it changes the fields
+    as the step goes: the shape class is known at the first block call)."""
+
+    plan: Plan | None = None     # None: warm-up or profile (every eligible storage moves)
+    mode: str = "plan"           # the plan, or a whole-block strategy (trials.py PURE)
+    recording: bool = True       # record every storage: a profile, or the class not known
+    profiler: BlockProfiler | None = None   # inside blocks of a profile: who made a storage
 
 
 class SchedulePlacement(Placement):
@@ -26,9 +38,9 @@ class SchedulePlacement(Placement):
     records every storage it is asked about; planned steps look each storage up in the
     plan by where it was saved."""
 
-    def __init__(self, config: Config, session: "AutoSession") -> None:
+    def __init__(self, config: Config, choice: StepChoice) -> None:
         super().__init__(config, None, moves=True)
-        self.session = session
+        self.choice = choice
         self.region: tuple = ("after", -1)
         self.ordinal = 0
         self._forced: Decision | None = None
@@ -76,24 +88,24 @@ class SchedulePlacement(Placement):
         self.ordinal += 1
         base = super().decide(info)  # no_offload, small: kept whatever the plan says
         eligible = not base.keep
-        session = self.session
+        choice = self.choice
         region = self.region
-        if session.recording:
+        if choice.recording:
             producer, input_index = (None, None)
             if info.storage is not None and region[0] == "block" \
-                    and session.profiler is not None:
-                producer, input_index = session.profiler.producer_of(info.storage)
+                    and choice.profiler is not None:
+                producer, input_index = choice.profiler.producer_of(info.storage)
             self.items.append(ItemRecord(region, ordinal, info.nbytes, info.key, eligible,
                                          producer, input_index))
         if not eligible:
             return base
-        plan = session.current
+        plan = choice.plan
         if plan is None:
             return base   # warm-up, profile: every eligible storage moves
-        if session.mode != "plan":
-            # A whole-block strategy (NOTE [Trials]) moves every eligible storage, but
-            # those of the blocks `checkpoint` runs as they are within the budget.
-            if session.mode == "checkpoint" and region[0] == "block" \
+        if choice.mode != "plan":
+            # A whole-block strategy (trials.py NOTE [Trials]) moves every eligible storage,
+            # but those of the blocks `checkpoint` runs as they are within the budget.
+            if choice.mode == "checkpoint" and region[0] == "block" \
                     and region[1] in plan.checkpoint_keeps:
                 return self.target("keep")
             return base

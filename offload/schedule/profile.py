@@ -33,7 +33,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from . import clock
+from ..util import clock
 from .recompute import IGNORED_OPS, block_inputs, op_name, storable_op
 
 __all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler",
@@ -139,7 +139,7 @@ class Profile:
 
 class _Timer:
     """Op timing: the host clock on CPU; CUDA events on a GPU, resolved after the step
-    (offload/schedule/clock.py: every pair waited for before it is read, as a block may run
+    (offload/util/clock.py: every pair waited for before it is read, as a block may run
     ops on a stream of its own)."""
 
     def __init__(self, device_type: str, new_event: Callable[[], Any] | None = None) -> None:
@@ -292,7 +292,7 @@ class BlockProfiler:
     @staticmethod
     def prime() -> None:
         """Pay the one-time costs of a dispatch mode now (its first use imports
-        torch._dynamo: over a second on the dev VM), not in the profiled step."""
+        torch._dynamo, which takes long next to a step), not in the profiled step."""
         class _Nothing(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 return func(*args, **(kwargs or {}))

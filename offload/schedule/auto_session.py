@@ -1,0 +1,311 @@
+"""Policy `auto`: the steps of one context, each run on its shape class's plan.
+
+A plan cache that outlives the context (plan_cache.py: one per model and settings, like the
+offload policy's BouncePlan) goes through
+  0. warm-up: the first training step runs like `offload` (blocks as they are, every
+     eligible storage moved): first calls of kernels and first touches of memory would
+     make a profile of it read several times the steady step;
+  1. profile: the first step of each shape class after it does the same and records
+     (profile.py); at its end the probe's figures and the profile make the class's plan
+     (search.py), logged in one INFO line;
+  2. planned steps: blocks run as they are or with per-op recompute (recompute.py); every
+     storage the hooks see gets the plan's keep / host / nvme (`SchedulePlacement.decide`,
+     the single decision point, reading the step's `StepChoice`); the first ones may be
+     trial steps (trials.py NOTE [Trials]);
+  3. re-plan: a block called with other shapes than its class's plan (the shapes changed
+     within a step) finishes that step safely (it and the blocks after it checkpointed,
+     inputs moved) and the class profiles again at its next step (logged).
+Only training steps count (step.py NOTE [Training step]): an eval block, a graph kept past
+its step or a compiling step neither profiles, nor warms up, nor books a trial.
+
+NOTE [Shape classes] A step's shape class is the signature (shapes, dtypes) of its first
+block call; each class gets its own plan, kept across steps (the MAX_PLANS most recently
+run), so a run whose lengths vary (unpadded batches) profiles each length once and plans
+from then on. Until the first block call the class is not known: the storages saved before
+it follow the plan of the latest step's class where their size is the one planned for, else
+move (memory-safe), and are recorded in case this step turns out to profile. A block the
+profiled step did not run (layer drop) uses the decisions of the nearest profiled block of
+its type (`Plan.stand_in`), with what that one keeps moved instead (memory-safe). A step in
+which no block ran through us (a torch.compile'd model: blocks.py NOTE [Wrapping], rule 3)
+is its own class, planned keep / host / nvme per saved tensor with nothing recomputed
+(said once, and in `ctx.plan`).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import torch
+
+from ..config import Config
+from ..runtime.no_offload import no_offload_active
+from ..runtime.placement import Placement
+from .blocks import BlockWrappers, block_type_key, ours_innermost
+from ..util.clock import clock_for
+from .constants import TRIAL_MARGIN
+from .costs import PlanParams
+from .placement import SchedulePlacement, StepChoice
+from .plan_cache import NO_BLOCK, ClassPlan, PlanCache
+from .probe import figures_for
+from .profile import BlockProfiler, Profile, signature
+from .recompute import block_inputs, checkpoint_block, run_block
+from .search import make_plan
+from .session_base import UNRUN, Session, holds_cache, say_unrun_once
+from .trials import PURE
+
+__all__ = ["AutoSession"]
+
+log = logging.getLogger("offload")
+
+_UNKNOWN = ("unknown",)   # this step's class before its first block call
+
+
+def _compiled(block: torch.nn.Module) -> bool:
+    """A block that is a torch.compile'd module of its own (or whose forward is compiled):
+    its ops run inside compiled code our dispatch modes cannot see into."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    if frames is not None and isinstance(block, frames.OptimizedModule):
+        return True
+    return getattr(block.forward, "_torchdynamo_orig_callable", None) is not None
+
+
+def _shapes(key) -> str:
+    """A shape class for a log line: its first tensor argument's shape."""
+    for sig in (key or ((),))[0]:
+        if sig is not None:
+            return f"block input {tuple(sig[0])}"
+    return "other block inputs"
+
+
+class AutoSession(Session):
+    def __init__(self, config: Config, state: PlanCache, blocks: list,
+                 model: torch.nn.Module | None = None) -> None:
+        super().__init__(config)
+        self.state = state
+        self.blocks = blocks
+        self.types = [block_type_key(b) for b in blocks]
+        self.opaque = [_compiled(b) for b in blocks]
+        self.choice = StepChoice()   # what this step runs (the placement reads it)
+        self._entry: ClassPlan | None = None   # the class plan this step runs
+        self._placement: SchedulePlacement | None = None
+        self._wrappers: BlockWrappers | None = None
+        self._hooks = None
+        self._start_s = 0.0
+        self._fallback: str | None = None
+        self._capacity: dict[str, int] = {}
+        self.key = _UNKNOWN      # this step's shape class (NOTE [Shape classes])
+        self._profiling = False
+        # The compute device: the model's (CPU without parameters to tell).
+        owners = ([model] if model is not None else []) + list(blocks)
+        first = next((p for m in owners for p in m.parameters()), None)
+        self._device = first.device if first is not None else torch.device("cpu")
+        self._clock = clock_for(self._device.type)
+        self._t0: Any = None
+
+    @property
+    def plan(self) -> ClassPlan | None:
+        return self.state.plan
+
+    def placement(self, round_trip) -> Placement:
+        self.choice = StepChoice()
+        self._placement = SchedulePlacement(self.config, self.choice)
+        return self._placement
+
+    def _set_class(self, key, profiling: bool) -> None:
+        self.key, self._profiling = key, profiling
+        # Record every storage in a profile, and while the class is not known (the step may
+        # turn out to profile).
+        self.choice.recording = profiling or key is _UNKNOWN
+
+    @property
+    def clock(self):
+        """What the step marks its backward's start on (the device's clock on CUDA)."""
+        return self._clock
+
+    def enter(self, view) -> None:
+        self._hooks, self._start_s, self._readahead = view.hooks, view.start_s, view.readahead
+        self._t0 = self._clock.mark(view.start_s)
+        self._fallback = None
+        self.choice.profiler = None
+        self._set_class(_UNKNOWN, False)
+        # Tiers are open now (closed again before step_done): note what they may hold.
+        self._capacity = dict(view.capacities)
+        state = self.state
+        self._use(state.plan)   # until the first block call tells the class
+        if not state.warm:
+            BlockProfiler.prime()  # the warm-up step pays for it
+            if not self.blocks:
+                log.info("offload: auto found no repeated blocks (pass model= or blocks=); "
+                         "planning keep / host / nvme for every saved tensor, no recompute")
+        if not self.blocks:
+            self._choose(NO_BLOCK)
+        self._wrappers = BlockWrappers(self.blocks, self._run).__enter__()
+
+    def exit(self) -> None:
+        if self._wrappers is not None:
+            self._wrappers.__exit__(None, None, None)
+            self._wrappers = None
+
+    def _use(self, entry: ClassPlan | None) -> None:
+        self._entry = entry
+        choice = self.choice
+        choice.plan = None if entry is None else entry.plan
+        choice.mode = "plan" if entry is None else entry.trial_steps.running  # NOTE [Trials]
+        if choice.mode == "plan" and entry is not None:
+            self._readahead.raise_budget(entry.plan.readahead_bytes)  # Plan.readahead_bytes
+
+    def _choose(self, key) -> None:
+        """The step's class is known: run its plan, or profile it (after the warm-up)."""
+        entry = self.state.plans.get(key)
+        self._use(entry)
+        self._set_class(key, entry is None and self.state.warm)
+        if self._profiling and key is not NO_BLOCK:
+            self.choice.profiler = BlockProfiler(self._device.type)
+        if not self.choice.recording:
+            self._placement.items.clear()
+
+    def _run(self, index: int, forward, args: tuple, kwargs: dict):
+        hooks, placement, choice = self._hooks, self._placement, self.choice
+        if not ours_innermost(hooks.pack) or no_offload_active():  # blocks NOTE [Whose block]
+            return forward(*args, **kwargs)
+        sig = signature(args, kwargs)
+        if self.key is _UNKNOWN:
+            self._choose(sig)
+        plan = choice.plan
+        stand_in = index if plan is None else plan.stand_in(index, self.types[index])
+        inputs = {id(a.untyped_storage()): i
+                  for i, a in reversed(list(enumerate(block_inputs(args, kwargs))))}
+        placement.enter_region(("block", index), inputs, stand_in)
+        block = self.blocks[index]
+        try:
+            if choice.profiler is not None:
+                return choice.profiler.run(index, self.types[index], type(block).__name__,
+                                           forward, args, kwargs, hooks, self.opaque[index])
+            if plan is None:  # the warm-up step (module doc, 0)
+                return forward(*args, **kwargs)
+            if self._fallback is None and (stand_in is None
+                                           or plan.signatures.get(stand_in) != sig):
+                self._fallback = (f"block {index} was called with other shapes than planned "
+                                  "for")
+                log.info("offload: auto: %s; it and the blocks after it run checkpointed "
+                         "this step, and its shape class profiles again", self._fallback)
+            if holds_cache(args, kwargs, self):
+                return forward(*args, **kwargs)
+            if choice.mode == "checkpoint":
+                if index in plan.checkpoint_keeps and self._fallback is None:
+                    return forward(*args, **kwargs)
+                return checkpoint_block(forward, args, kwargs, block=block)
+            bp = plan.block_plan(stand_in)
+            if self._fallback is not None or bp is None:
+                return checkpoint_block(forward, args, kwargs, block=block)
+            if choice.mode == "offload" or not bp.per_op:
+                return forward(*args, **kwargs)
+            targets = plan.op_targets
+            rset = bp.recompute
+            moved = stand_in != index
+
+            def store(op_id):
+                if op_id in rset:
+                    return None
+                name = targets.get((stand_in, op_id))
+                return None if name is None else placement.target(name, moved)
+
+            return run_block(forward, args, kwargs, store, hooks, placement, block,
+                             bp.positions)
+        finally:
+            placement.enter_region(("after", index))
+
+    def step_done(self, report) -> None:
+        state = self.state
+        if not report.training:   # step.py NOTE [Training step]
+            if self._profiling or self.key is _UNKNOWN:
+                log.debug("offload: auto: not a training step; not profiled or timed")
+            return
+        ran, mode = self._entry, self.choice.mode
+        if self.key is _UNKNOWN:   # no block ran through us (NOTE [Shape classes])
+            self._choose(NO_BLOCK)
+        key = self.key
+        if self._fallback is not None:
+            with state.lock:
+                state.plans.pop(key, None)
+                state.reasons[key] = self._fallback
+            return
+        if not state.warm:
+            state.warm = True
+            return
+        if self._profiling:
+            self._make_plan(key, report)
+            return
+        entry = state.plans.get(key)
+        if entry is None or entry is not ran:
+            return
+        if self._placement is not None and self._placement.unplanned:
+            log.debug("offload: auto: %d saved storages were not in the plan (moved)",
+                      self._placement.unplanned)
+        trials = entry.trial_steps
+        with state.lock:
+            state.ran(key)
+            settled = trials.pending and trials.done(
+                mode, self._clock.seconds(self._t0, self._clock.mark(report.end_s)))
+        if settled:
+            log.info("offload: auto: measured step %s; running %s", ", ".join(
+                f"{m} {min(t):.3g} s" for m, t in trials.measured.items()),
+                "the plan" if trials.mode == "plan" else f"{trials.mode} ({PURE[trials.mode]})")
+
+    def _make_plan(self, key, report) -> None:
+        profile = self._profile(report)
+        if profile is None:
+            return
+        unrun = key is NO_BLOCK and bool(self.blocks)
+        notes = (f"{UNRUN}: planned keep / host / nvme per saved tensor, nothing "
+                 "recomputed",) if unrun else ()
+        plan = make_plan(profile, figures_for(self.config, profile.device),
+                         self._params(profile), notes)
+        if unrun:
+            say_unrun_once(self.blocks, "auto", "planning keep / host / nvme per saved "
+                           "tensor, nothing recomputed")
+        state = self.state
+        with state.lock:
+            reason = state.reasons.pop(key, None) or (
+                "first profile" if not state.plans else f"new shapes: {_shapes(key)}")
+            entry = state.install(key, plan)
+            state.profile = profile
+        log.info("offload: auto plan (%s): %s", reason, entry.summary())
+        if plan.trials:
+            log.info("offload: auto: measuring the plan against %s (predicted within %.0f%%)",
+                     ", ".join(plan.trials), 100 * TRIAL_MARGIN)
+
+    def _profile(self, report) -> Profile | None:
+        profiler, self.choice.profiler = self.choice.profiler, None
+        blocks = profiler.finish() if profiler is not None else []
+        # The profiler's own Python, not the model's (host time: the device does not wait)
+        overhead_s = profiler.overhead_s if profiler is not None else 0.0
+        items = self._placement.items
+        timing = {t[0]: t for t in report.rows}
+        for it in items:
+            t = timing.get(it.hooks_key)
+            if t is not None:
+                it.pack_s = t[2] - self._start_s
+                it.unpack_s = None if t[3] is None else t[3] - self._start_s
+        clock, stats = self._clock, report.stats
+        if report.backward_mark is None:
+            log.info("offload: auto: the profiled step ran no backward inside the context's "
+                     "lifetime; profiling again next step")
+            return None
+        forward_s = clock.seconds(self._t0, report.backward_mark)
+        backward_s = clock.seconds(report.backward_mark, clock.mark(report.end_s))
+        if not clock.device:
+            forward_s -= overhead_s
+        forward_s = max(forward_s - stats.stall_forward_s, 1e-6)
+        backward_s = max(backward_s - stats.stall_backward_s, 1e-6)
+        return Profile(self._device, forward_s, backward_s, stats.saved_bytes, blocks, items)
+
+    def _params(self, profile: Profile) -> PlanParams:
+        config = self.config
+        budget = 0 if config.budget is None else config.budget.resolve(profile.saved_bytes)
+        cpu = profile.device.type == "cpu"
+        tiers = tuple(t for t in config.tiers if not (cpu and t == "host"))
+        capacity = {t: self._capacity[t] for t in tiers if t in self._capacity}
+        return PlanParams(budget_bytes=budget, tiers=tiers, capacity_bytes=capacity,
+                          device_type=profile.device.type, staging_bytes=config.staging_bytes)

@@ -1,0 +1,39 @@
+"""The scheduler's tuning constants, in one place: what each one bounds and why.
+
+The measurements behind the values are in docs/benchmarks.md ("Why the scheduler's constants
+are what they are"). `SAFETY` is the runtime's round-trip plan's (util/constants.py): one
+value, so the plan predicts what that plan does.
+"""
+from __future__ import annotations
+
+from ..util.constants import ROUND_TRIP_SAFETY
+
+__all__ = ["ETA", "SAFETY", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TRIAL_WIN", "SLOW_READ_SHARE",
+           "MAX_PLANS"]
+
+# Share of the compute a transfer may hide behind (DESIGN cost model): the copy engine and
+# the I/O threads take some of the time they overlap.
+ETA = 0.8
+
+# A moved storage's pack -> unpack gap must hold this many round trips, to absorb jitter in
+# the transfers' timing; one that does not is kept on the device (runtime/round_trip.py).
+SAFETY = ROUND_TRIP_SAFETY
+
+# A whole-block strategy predicted within this share of the plan is measured against it
+# (trials.py NOTE [Trials]): the cost model's misses run to several percent either way.
+TRIAL_MARGIN = 0.15
+
+# Trial steps each candidate runs; the best of them counts (one step can be an outlier).
+TRIAL_ROUNDS = 2
+
+# A whole-block strategy replaces the plan only when this much faster: a smaller gap is
+# step-to-step noise.
+TRIAL_WIN = 0.02
+
+# A block's reads are slow next to its backward when they take more than this share of it:
+# then the read-ahead grows to one block's moved bytes (search.py, `_readahead`).
+SLOW_READ_SHARE = 0.25
+
+# Shape classes whose plans are kept (plan_cache.py NOTE [Shape classes]): lengths that vary
+# every step stay planned without the cache growing without bound.
+MAX_PLANS = 32

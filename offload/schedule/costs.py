@@ -1,0 +1,258 @@
+"""The cost model: what one choice of recomputed ops per block type costs, and where the
+storages that remain go.
+
+Seconds added to the profiled compute time `F + B` (forward + backward):
+
+* recompute: the block type's re-run ops (their profiled times) per instance, plus the
+  dispatch-mode cost per op in both passes (`dispatch_op_s`, probe); the backward grows
+  by the same amount, which also widens its transfer window.
+* transfers hide behind compute up to a share `ETA` of it. CPU (nvme only): with `W` bytes
+  moved, write `w = W / write_gbps`, read `r = W / read_gbps`, one disk for both:
+  `stall = max(max(0, w - ETA F - staging / write_gbps) + max(0, r - ETA B'),
+  w + r - ETA (F + B'))`. GPU: the same for the disk with the nvme bytes, and PCIe both
+  ways with host + nvme bytes: `max(0, out - ETA F) + max(0, in - ETA B')`; the larger of
+  the two stalls counts. Each transfer also costs its issue time on the host (probe).
+* keep on device (what offload/bounce.py decides for the offload policy, folded in here): a
+  storage whose measured pack→unpack gap is shorter than `SAFETY` round trips cannot hide
+  its transfer, alone or once the transfers queue behind each other (bounce.py's queue
+  simulation); moving it costs the whole round trip.
+
+After recompute, the storages that remain are kept or moved, those with the longest
+pack→unpack gap first (the most slack per byte), until the budget holds; then the others
+that still hide at no predicted cost move too (the budget is a ceiling, not a target).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..runtime.round_trip import LinkSpeed, TensorTiming, keep_on_device
+from .constants import ETA, SAFETY
+from .figures import Figures
+from .profile import ItemRecord, Profile
+from .ranking import TypeInfo
+from .readonly import ReadOnlyDict
+
+__all__ = ["PlanParams", "Prediction", "Evaluation", "rates", "predict", "better"]
+
+
+@dataclass(frozen=True)
+class PlanParams:
+    """What the plan needs from the settings (resolved to bytes)."""
+
+    budget_bytes: int
+    tiers: tuple[str, ...]            # tiers that free device memory, in spill order
+    capacity_bytes: dict = field(default_factory=dict)   # tier -> bytes it may take
+    device_type: str = "cpu"
+    staging_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_s: float = math.inf
+    compute_s: float = 0.0
+    recompute_s: float = 0.0
+    stall_s: float = 0.0
+    issue_s: float = 0.0
+    kept_bytes: int = 0
+    moved_bytes: ReadOnlyDict = field(default_factory=ReadOnlyDict)   # tier -> bytes
+    recomputed_bytes: int = 0
+    fixed_bytes: int = 0     # kept whatever the plan does (small, no_offload, closures)
+    feasible: bool = False
+
+
+class Evaluation(NamedTuple):
+    """One choice of recomputed ops per block type, priced, with its decisions."""
+
+    prediction: Prediction
+    targets: dict            # item key -> tier, for the storages that move
+    recompute_sets: dict     # type key -> frozenset of op ids re-run per op
+    per_instance_s: dict     # type key -> recompute seconds per instance
+
+
+def rates(figures: Figures, tier: str, device_type: str) -> tuple[float, float, float]:
+    """(out bytes/s, in bytes/s, issue s per round trip) of moving through `tier`."""
+    if tier == "nvme":
+        out, back = figures.nvme_write_gbps, figures.nvme_read_gbps
+        issue = 2 * (figures.nvme_issue_s or 0.0)
+        if device_type == "cuda":
+            out = min(out, figures.d2h_gbps or out)
+            back = min(back, figures.h2d_gbps or back)
+            issue += 2 * (figures.copy_issue_s or 0.0)
+    else:
+        out, back = figures.d2h_gbps, figures.h2d_gbps
+        issue = 2 * (figures.copy_issue_s or 0.0)
+    return out * 1e9, back * 1e9, issue
+
+
+def _transfer_stall(moved: dict[str, int], fwd_s: float, bwd_s: float, figures: Figures,
+                    params: PlanParams) -> float:
+    disk = moved.get("nvme", 0)
+    stall = 0.0
+    if disk:
+        w = disk / (figures.nvme_write_gbps * 1e9)
+        r = disk / (figures.nvme_read_gbps * 1e9)
+        slack = params.staging_bytes / (figures.nvme_write_gbps * 1e9)
+        stall = max(max(0.0, w - ETA * fwd_s - slack) + max(0.0, r - ETA * bwd_s),
+                    w + r - ETA * (fwd_s + bwd_s))
+    if params.device_type == "cuda":
+        link = moved.get("host", 0) + disk
+        if link:
+            out = link / (figures.d2h_gbps * 1e9)
+            back = link / (figures.h2d_gbps * 1e9)
+            stall = max(stall, max(0.0, out - ETA * fwd_s) + max(0.0, back - ETA * bwd_s))
+    return stall
+
+
+def _gap_s(item: ItemRecord) -> float:
+    if item.pack_s is None:
+        return 0.0
+    return math.inf if item.unpack_s is None else item.unpack_s - item.pack_s
+
+
+def _queued_bounces(remaining: list[ItemRecord], targets: dict, out_bps: float,
+                    in_bps: float) -> float:
+    """Round trips of moved storages kept on the device once the transfers queue behind each
+    other (offload/bounce.py simulates the queues): their whole round trip is exposed."""
+    timed = [it for it in remaining if it.key in targets and it.pack_s is not None]
+    if not timed or out_bps <= 0 or in_bps <= 0:
+        return 0.0
+    link = LinkSpeed(out_bps, in_bps)
+    bouncing = keep_on_device((TensorTiming(it.key, it.nbytes, it.pack_s, it.unpack_s)
+                               for it in timed), link, safety=SAFETY)
+    return sum(it.nbytes / out_bps + it.nbytes / in_bps for it in timed if it.key in bouncing)
+
+
+def _hideable(item: ItemRecord, out_bps: float, in_bps: float) -> bool:
+    if item.pack_s is None or item.unpack_s is None:
+        return item.pack_s is not None  # never unpacked: nothing to bring back in time
+    roundtrip = item.nbytes / out_bps + item.nbytes / in_bps
+    return item.unpack_s - item.pack_s >= SAFETY * roundtrip
+
+
+def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[TypeInfo],
+            choice: dict, items: list[ItemRecord]) -> Evaluation:
+    """Predicted cost of one choice of ranking prefix per block type (type key -> length),
+    and its decisions (module doc)."""
+    compute_s = profile.forward_s + profile.backward_s
+    recompute_s = issue_s = 0.0
+    recomputed_bytes = 0
+    recompute_sets: dict[tuple, frozenset] = {}
+    per_instance_s: dict[tuple, float] = {}
+    type_of_block: dict[int, TypeInfo] = {}
+    dispatch = figures.dispatch_op_s or 0.0
+    for info in infos:
+        k = choice[info.type_key]
+        rset = frozenset(info.ranking[:k])
+        recompute_sets[info.type_key] = rset
+        if k:
+            stored = set(info.saved) - rset
+            rerun = sum(o.time_s for o in info.ops if o.op_id not in stored)
+            per_instance_s[info.type_key] = rerun + 2 * dispatch * len(info.ops)
+        else:
+            per_instance_s[info.type_key] = 0.0
+        for index in info.instances:
+            type_of_block[index] = info
+        recompute_s += per_instance_s[info.type_key] * len(info.instances)
+    # What remains to keep or move, after recompute.
+    remaining: list[ItemRecord] = []
+    kept_fixed = 0
+    for it in items:
+        info = type_of_block.get(it.block) if it.block is not None else None
+        if info is not None and recompute_sets[info.type_key]:
+            if it.producer in recompute_sets[info.type_key]:
+                recomputed_bytes += it.nbytes
+                continue
+            if it.producer is None and it.input_index is None:
+                kept_fixed += it.nbytes  # held by checkpoint's closure, not by our hooks
+                continue
+        if it.eligible:
+            remaining.append(it)
+        else:
+            kept_fixed += it.nbytes
+    # Bytes no decision can free (small or no_offload tensors, tensors a checkpoint holds in
+    # its closure) count against the budget, but a plan is not worse for them.
+    need = kept_fixed + sum(it.nbytes for it in remaining) - max(params.budget_bytes,
+                                                                 kept_fixed)
+    bwd_s = profile.backward_s + recompute_s
+    targets: dict[tuple, str] = {}
+    moved: dict[str, int] = {t: 0 for t in params.tiers}
+    exposed_s = 0.0
+    if params.tiers:
+        def tier_for(nbytes: int) -> str | None:
+            for t in params.tiers:
+                cap = params.capacity_bytes.get(t)
+                if cap is None or moved[t] + nbytes <= cap:
+                    return t
+            return None
+
+        def stall_s() -> float:
+            return _transfer_stall(moved, profile.forward_s, bwd_s, figures, params)
+
+        def bounced_s() -> float:  # kept on device, alone or behind the queue: whole trips
+            return _queued_bounces(remaining, targets, out_bps, in_bps) if targets else 0.0
+
+        out_bps, in_bps, _ = rates(figures, params.tiers[0], params.device_type)
+        hide = [it for it in remaining if _hideable(it, out_bps, in_bps)]
+        bounce = [it for it in remaining if not _hideable(it, out_bps, in_bps)]
+        # Longest pack -> unpack gap first: the most slack per byte, and the queue of writes
+        # does not pile up at the end of the forward, where backward needs things back first.
+        hide.sort(key=lambda it: (-_gap_s(it), -it.nbytes, it.key))
+        # Those that cannot hide last, the longest gaps (least exposed) first.
+        bounce.sort(key=lambda it: (-((it.unpack_s or math.inf) - (it.pack_s or 0.0)), it.key))
+        for group in (hide, bounce):
+            for it in group:
+                if need <= 0:
+                    break
+                tier = tier_for(it.nbytes)
+                if tier is None:
+                    continue
+                targets[it.key] = tier
+                moved[tier] += it.nbytes
+                need -= it.nbytes
+                issue_s += rates(figures, tier, params.device_type)[2]
+        exposed_s = bounced_s()
+        # The budget is a ceiling, not a target: storages that can still move at no
+        # predicted cost move too (less device memory at the same predicted step; keeping
+        # more resident than needed ran slower, docs/benchmarks.md).
+        before_s, extra = stall_s() + exposed_s, []
+        for it in hide:
+            if it.key in targets:
+                continue
+            tier = tier_for(it.nbytes)
+            if tier is None:
+                continue
+            moved[tier] += it.nbytes
+            if stall_s() > before_s + 1e-9:
+                moved[tier] -= it.nbytes
+                break  # the window is full: later (shorter-gap) ones would not hide either
+            targets[it.key] = tier
+            extra.append((it, tier))
+        if extra:
+            extra_exposed = bounced_s()
+            if stall_s() + extra_exposed > before_s + 1e-9:  # they made others bounce
+                for it, tier in extra:
+                    del targets[it.key]
+                    moved[tier] -= it.nbytes
+            else:
+                exposed_s = extra_exposed
+                issue_s += sum(rates(figures, t, params.device_type)[2] for _, t in extra)
+    stall = _transfer_stall(moved, profile.forward_s, bwd_s, figures, params) + exposed_s
+    prediction = Prediction(
+        step_s=compute_s + recompute_s + stall + issue_s, compute_s=compute_s,
+        recompute_s=recompute_s, stall_s=stall, issue_s=issue_s,
+        kept_bytes=kept_fixed + sum(it.nbytes for it in remaining if it.key not in targets),
+        moved_bytes=ReadOnlyDict({t: b for t, b in moved.items() if b}),
+        recomputed_bytes=recomputed_bytes, fixed_bytes=kept_fixed, feasible=need <= 0)
+    return Evaluation(prediction, targets, recompute_sets, per_instance_s)
+
+
+def better(a: Prediction, b: Prediction) -> bool:
+    """Whether `a` wins over `b`: it meets the budget where `b` does not, keeps less where
+    neither does, else predicts a shorter step by more than rounding (a tie keeps `b`)."""
+    if a.feasible != b.feasible:
+        return a.feasible
+    if not a.feasible:  # neither meets the budget: the one that keeps less
+        return a.kept_bytes < b.kept_bytes
+    return a.step_s < b.step_s - 1e-9 * max(1.0, b.step_s)

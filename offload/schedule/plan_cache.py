@@ -1,0 +1,136 @@
+"""What `auto` carries from one step to the next: a plan per shape class, per model.
+
+A `PlanCache` holds, per shape class (auto_session.py NOTE [Shape classes]), a `ClassPlan`:
+the class's immutable `Plan` and its `TrialSteps` (trials.py). One cache per model and
+settings lives in a process-wide registry keyed weakly by the model (it goes with the
+model), so the contexts of a training loop share it; `reset()` empties the registry.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ..config import Config
+from .constants import MAX_PLANS
+from .explain import render, summary
+from .plan import Plan
+from .trials import TrialSteps
+
+__all__ = ["ClassPlan", "PlanCache", "NO_BLOCK", "cache_for", "reset"]
+
+NO_BLOCK = None   # the shape class of a step in which no block ran through us
+
+
+class ClassPlan:
+    """One shape class's plan and its trial steps: what `ctx.plan` is.
+
+    Every attribute of the `Plan` reads through (`ctx.plan.blocks`, `.prediction`, ...);
+    `mode`, `measured`, `settled`, `running` and `pending` are the trial steps' (copies:
+    the session alone changes them), and printing it renders both (explain.py)."""
+
+    __slots__ = ("plan", "trial_steps")
+
+    def __init__(self, plan: Plan, trial_steps: TrialSteps | None = None) -> None:
+        self.plan = plan
+        self.trial_steps = trial_steps if trial_steps is not None else TrialSteps(plan.trials)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ClassPlan.__slots__:   # not set yet (copy, unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.plan, name)
+
+    @property
+    def mode(self) -> str:
+        return self.trial_steps.mode
+
+    @property
+    def measured(self) -> dict[str, list[float]]:
+        return {m: list(t) for m, t in self.trial_steps.measured.items()}
+
+    @property
+    def settled(self) -> bool:
+        return self.trial_steps.settled
+
+    @property
+    def running(self) -> str:
+        return self.trial_steps.running
+
+    @property
+    def pending(self) -> list[str]:
+        return list(self.trial_steps.pending)
+
+    def summary(self) -> str:
+        return summary(self.plan, self.trial_steps.mode)
+
+    def explain(self) -> str:
+        return render(self.plan, self.trial_steps)
+
+    __str__ = explain
+
+    def __repr__(self) -> str:
+        return f"<auto plan: {self.summary()}; runs {self.running}>"
+
+
+class PlanCache:
+    """The plans of one model and settings, per shape class, the MAX_PLANS most recently
+    run kept; and what the steps learned on the way (warm-up done, the latest profile)."""
+
+    def __init__(self) -> None:
+        self.plans: OrderedDict = OrderedDict()   # class -> ClassPlan, least recent first
+        self.profile = None  # the latest profile (re-plan it with other figures)
+        self.warm = False    # a training step ran: from now on a class without plan profiles
+        self.last = NO_BLOCK  # the class of the latest step that ran or made a plan
+        self.reasons: dict = {}  # class -> why it profiles again (in its plan's log line)
+        self.lock = threading.Lock()
+
+    @property
+    def plan(self) -> ClassPlan | None:
+        """The plan of the latest step's class (`ctx.plan`)."""
+        return self.plans.get(self.last)
+
+    @plan.setter
+    def plan(self, plan: Plan) -> None:
+        """Run `plan` for the latest step's class from the next step, its trials from the
+        start."""
+        self.plans[self.last] = ClassPlan(plan)
+
+    def install(self, key, plan: Plan) -> ClassPlan:
+        """`plan` for class `key`, its trials from the start; it ran (was made) now."""
+        entry = self.plans[key] = ClassPlan(plan)
+        self.ran(key)
+        return entry
+
+    def ran(self, key) -> None:
+        """`key`'s plan ran (or was made) now; keep the MAX_PLANS most recent."""
+        self.last = key
+        if key in self.plans:
+            self.plans.move_to_end(key)
+        while len(self.plans) > MAX_PLANS:
+            self.plans.popitem(last=False)
+
+
+_caches: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_caches_lock = threading.Lock()
+
+
+def cache_for(model: torch.nn.Module | None, config: Config, blocks: list) -> PlanCache:
+    """The plan cache of `model` under these settings (a new one for each setting that
+    changes a plan); without a model a fresh one (the context object keeps it)."""
+    key = (config.tiers, config.min_bytes, str(config.budget), config.nvme_max_bw,
+           str(config.probe), tuple(id(b) for b in blocks), config.host_bytes,
+           config.nvme_bytes, config.staging_bytes)
+    if model is None:
+        return PlanCache()
+    with _caches_lock:
+        return _caches.setdefault(model, {}).setdefault(key, PlanCache())
+
+
+def reset() -> None:
+    """Forget every model's plans (tests; a process-wide reset): the next `auto` context of
+    any model warms up and profiles again."""
+    with _caches_lock:
+        _caches.clear()

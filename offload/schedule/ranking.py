@@ -1,0 +1,65 @@
+"""Per block type: which ops may be recomputed, in the order the search tries them.
+
+The ops whose outputs backward keeps are ranked by recompute time per byte freed, cheapest
+first. Ops whose output cannot be stored (a dropout mask written in place, recompute.py
+Rule 1) come first whatever they cost: any per-op recompute of the block re-runs them. Each
+prefix of the ranking is one candidate of the search (search.py); the empty prefix runs the
+block as it is ("plain").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .profile import ItemRecord, OpRecord, Profile
+
+__all__ = ["TypeInfo", "type_infos", "candidates"]
+
+
+@dataclass(frozen=True)
+class TypeInfo:
+    """One block type as the search sees it."""
+
+    type_key: tuple
+    name: str
+    instances: list[int]
+    ops: list[OpRecord]
+    saved: dict                  # op id -> saved bytes per instance (max over instances)
+    ranking: list[tuple]         # op ids, recompute order
+    forced: int                  # how many of the ranking's first entries are forced
+
+
+def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
+    """The profile's block types (profile.py NOTE [Op identity]), each with its ranking."""
+    by_block: dict[int, list[ItemRecord]] = {}
+    for it in items:
+        if it.block is not None:
+            by_block.setdefault(it.block, []).append(it)
+    infos = []
+    for type_key, records in profile.block_types().items():
+        ops = profile.op_table(type_key)
+        saved: dict[tuple, int] = {}
+        for b in records:
+            per: dict[tuple, int] = {}
+            for it in by_block.get(b.index, []):
+                if it.producer is not None:
+                    per[it.producer] = per.get(it.producer, 0) + it.nbytes
+            for op_id, nbytes in per.items():
+                saved[op_id] = max(saved.get(op_id, 0), nbytes)
+        by_id = {o.op_id: o for o in ops}
+        producers = [o for o in saved if o in by_id]
+        forced = sorted((o for o in producers if by_id[o].not_storable), key=lambda o: o)
+        free = [o for o in producers if not by_id[o].not_storable]
+        # Cheapest recompute per byte first; ties by op id (deterministic).
+        free.sort(key=lambda o: ((by_id[o].time_s + by_id[o].chain_s) / max(saved[o], 1), o))
+        name = records[0].type_name
+        if type_key != records[0].type_key:   # profile.py NOTE [Op identity]
+            name += f" ({type_key[-1][0]} {type_key[-1][1] + 1})"
+        infos.append(TypeInfo(type_key, name, [b.index for b in records],
+                              ops, saved, forced + free, len(forced)))
+    return infos
+
+
+def candidates(info: TypeInfo) -> list[int]:
+    """Prefix lengths of the ranking worth trying: 0 (plain), then every per-op mode."""
+    first = max(info.forced, 1)
+    return [0] + list(range(first, len(info.ranking) + 1))

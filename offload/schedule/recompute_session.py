@@ -1,0 +1,50 @@
+"""Policy `recompute`: every block (blocks.py) runs under non-reentrant
+`torch.utils.checkpoint`; what the outer hooks see (block inputs, tensors outside blocks)
+goes to OFFLOAD_TIERS like under `offload`. Buffers stay exact across the re-run
+(buffers.py); under torch.compile blocks run as compiled (blocks.py NOTE [Wrapping], rule 3).
+"""
+from __future__ import annotations
+
+from ..config import Config
+from ..runtime.no_offload import no_offload_active
+from ..runtime.placement import Placement
+from .blocks import BlockWrappers, ours_innermost
+from .recompute import checkpoint_block
+from .session_base import Session, holds_cache, say_unrun_once
+
+__all__ = ["RecomputeSession"]
+
+
+class RecomputeSession(Session):
+    def __init__(self, config: Config, blocks: list) -> None:
+        super().__init__(config)
+        self.blocks = blocks
+        self._wrappers: BlockWrappers | None = None
+        self._ran = 0
+
+    def placement(self, round_trip) -> Placement:
+        return Placement(self.config, round_trip, moves=True)
+
+    def enter(self, view) -> None:
+        pack = view.hooks.pack
+        self._ran = 0
+
+        def run(index, forward, args, kwargs):
+            if not ours_innermost(pack) or no_offload_active():  # blocks NOTE [Whose block]
+                return forward(*args, **kwargs)
+            if holds_cache(args, kwargs, self):
+                return forward(*args, **kwargs)
+            self._ran += 1
+            return checkpoint_block(forward, args, kwargs, block=self.blocks[index])
+
+        self._wrappers = BlockWrappers(self.blocks, run).__enter__()
+
+    def exit(self) -> None:
+        if self._wrappers is not None:
+            self._wrappers.__exit__(None, None, None)
+            self._wrappers = None
+
+    def step_done(self, report) -> None:
+        if report.training and not self._ran:
+            say_unrun_once(self.blocks, "recompute", "what the step saved went to "
+                           "OFFLOAD_TIERS and nothing was recomputed")

@@ -1,0 +1,215 @@
+"""`make_plan`: the search for the plan with the lowest predicted step.
+
+`make_plan(profile, figures, params)` is a pure function: the same profile, figures and
+settings give the same plan (tests rely on it). It minimises the predicted step time
+(costs.py) subject to `kept bytes <= budget` and the tiers' capacities.
+
+Per block type, each prefix of the recompute ranking (ranking.py) is one candidate; for
+each, the storages that remain are kept or moved as costs.py decides. The candidate with
+the lowest predicted step wins (ties: less recompute, the shorter prefix being tried first).
+Several block types: coordinate descent, one type at a time.
+
+Measured, not only predicted: the plan also prices two whole-block strategies (trials.py
+PURE: `offload`, every eligible storage moved, blocks as they are; `checkpoint`, every block
+checkpointed whole, no per-op machinery, except the last blocks whose storages fit the
+budget, which run as they are and keep them). Those predicted within TRIAL_MARGIN of the
+plan become `Plan.trials`: the session runs each of them and the plan for a few steps,
+alternating, and keeps whichever step was fastest (trials.py NOTE [Trials]); the cost model
+is a model, and a whole-block strategy has beaten a mixed plan it was predicted to lose to
+(docs/benchmarks.md). Both keep no more than the budget, so it holds whichever wins.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..util.sizes import format_bytes
+from .constants import SLOW_READ_SHARE, TRIAL_MARGIN
+from .costs import Evaluation, PlanParams, better, predict, rates
+from .figures import Figures
+from .plan import BlockPlan, OpRow, Plan
+from .profile import ItemRecord, Profile
+from .ranking import TypeInfo, candidates, type_infos
+from .readonly import ReadOnlyDict
+
+__all__ = ["make_plan"]
+
+_ro = ReadOnlyDict
+
+
+def make_plan(profile: Profile, figures: Figures, params: PlanParams,
+              notes: tuple[str, ...] = ()) -> Plan:
+    """Plan the next steps from one profiled step (module doc); `notes` are the caller's,
+    said after the plan's own in `ctx.plan`."""
+    items = sorted(profile.items, key=lambda it: (it.region, it.ordinal))
+    infos = type_infos(profile, items)
+    choice = {info.type_key: 0 for info in infos}
+    best = predict(profile, figures, params, infos, choice, items)
+    for _ in range(3):  # coordinate descent over block types
+        changed = False
+        for info in infos:
+            for k in candidates(info):
+                if k == choice[info.type_key]:
+                    continue
+                trial = {**choice, info.type_key: k}
+                result = predict(profile, figures, params, infos, trial, items)
+                if better(result.prediction, best.prediction):
+                    best, choice, changed = result, trial, True
+        if not changed:
+            break
+    pred = best.prediction
+    alternatives, checkpoint_keeps = _pure_predictions(profile, figures, params, infos, items)
+    trials = tuple(name for name, step_s in alternatives.items()
+                   if pred.feasible and step_s <= (1 + TRIAL_MARGIN) * pred.step_s)
+    own = []
+    if not pred.feasible:
+        own.append(f"the budget cannot be met: {format_bytes(pred.kept_bytes)} stay on the "
+                   "device (the tiers are full, or there is no block to recompute)")
+    elif pred.fixed_bytes > params.budget_bytes:
+        own.append(f"the budget cannot be met: {format_bytes(pred.fixed_bytes)} stay on the "
+                   "device whatever the plan does (below OFFLOAD_MIN_BYTES, no_offload(), or "
+                   "held by a checkpoint's closure)")
+    opaque = sorted({b.type_name for b in profile.blocks if b.opaque})
+    if opaque:
+        own.append(f"{', '.join(opaque)}: compiled with torch.compile, so run whole (as they "
+                   "are, or checkpointed); per-op recompute cannot see inside compiled code")
+    plan = _assemble(profile, figures, params, infos, items, best, (*own, *notes))
+    return dataclasses.replace(plan, alternatives=_ro(alternatives), trials=trials,
+                               checkpoint_keeps=checkpoint_keeps)
+
+
+def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
+                      infos: list[TypeInfo], items: list[ItemRecord]) -> tuple[dict, frozenset]:
+    """Predicted step of each PURE strategy, and the blocks `checkpoint` keeps.
+
+    `offload`: the budget at 0, blocks as they are. `checkpoint`: every op of every block
+    re-run without the per-op dispatch modes, less the re-run of the last blocks whose
+    storages (as a plain forward saves them) fit the budget next to what stays anyway;
+    those run as they are and keep their storages."""
+    bare = PlanParams(0, params.tiers, params.capacity_bytes, params.device_type,
+                      params.staging_bytes)
+    out = {"offload": predict(profile, figures, bare, infos,
+                              {i.type_key: 0 for i in infos}, items).prediction.step_s}
+    keeps: frozenset = frozenset()
+    if any(i.ranking for i in infos):
+        full = predict(profile, figures, bare, infos,
+                       {i.type_key: len(i.ranking) for i in infos}, items).prediction
+        dispatch = 2 * (figures.dispatch_op_s or 0.0) * sum(
+            len(i.ops) * len(i.instances) for i in infos)
+        rerun = {index: sum(o.time_s for o in i.ops) for i in infos for index in i.instances}
+        block_bytes: dict[int, int] = {}
+        for it in items:
+            if it.block is not None and it.eligible:
+                block_bytes[it.block] = block_bytes.get(it.block, 0) + it.nbytes
+        room = params.budget_bytes - full.kept_bytes
+        chosen = []
+        for index in sorted(rerun, reverse=True):   # the last blocks: backward needs them first
+            need = block_bytes.get(index, 0)
+            if need > room:
+                break
+            room -= need
+            chosen.append(index)
+        keeps = frozenset(chosen)
+        out["checkpoint"] = full.step_s - dispatch - sum(rerun[i] for i in keeps)
+    return out, keeps
+
+
+def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: list[TypeInfo],
+              items: list[ItemRecord], best: Evaluation, notes: tuple[str, ...]) -> Plan:
+    """The chosen evaluation as the plan's lookup tables."""
+    pred, targets, recompute_sets, per_instance_s = best
+    item_targets, op_targets, input_targets, item_bytes = {}, {}, {}, {}
+    decided = []
+    blocks, block_type, signatures = {}, {}, {}
+    info_of = {}
+    for info in infos:
+        rset = recompute_sets[info.type_key]
+        rank = {o: i for i, o in enumerate(info.ranking)}
+        rows = []
+        for op in info.ops:
+            saved = info.saved.get(op.op_id, 0)
+            if not rset:
+                decision = "as is"
+            elif op.op_id in rset:
+                decision = "recompute"
+            elif op.op_id in info.saved:
+                decision = "store"
+            else:
+                decision = "re-run"
+            rows.append(OpRow(op, saved, decision, rank.get(op.op_id)))
+        blocks[info.type_key] = BlockPlan(
+            info.type_key, info.name, tuple(info.instances), rset, tuple(rows),
+            per_instance_s[info.type_key],
+            _ro({op.op_id: i for i, op in enumerate(info.ops)}))
+        for index in info.instances:
+            block_type[index] = info.type_key
+            info_of[index] = info
+    for b in profile.blocks:
+        signatures[b.index] = b.signature
+    op_outputs = []   # (position in decided, item) of stored op outputs
+    for it in items:
+        target = targets.get(it.key, "keep")
+        info = info_of.get(it.block) if it.block is not None else None
+        recomputed = info is not None and it.producer in recompute_sets[info.type_key]
+        decided.append((it.block, it.producer, it.nbytes, "recompute" if recomputed else target))
+        if info is not None and recompute_sets[info.type_key]:
+            if it.producer is not None and it.producer not in recompute_sets[info.type_key]:
+                # A stored op output: one decision per op (its storages are packed
+                # together); a tier wins over keep, memory-safe.
+                key = (it.block, it.producer)
+                if key not in op_targets or target != "keep":
+                    op_targets[key] = target
+                op_outputs.append((len(decided) - 1, it))
+            elif it.input_index is not None:
+                input_targets[(it.block, it.input_index)] = target
+            continue
+        item_targets[it.key] = target
+        item_bytes[it.key] = it.nbytes
+        if it.input_index is not None:
+            input_targets[(it.block, it.input_index)] = target
+    # A storage the search kept whose op moves: it moves too (the prediction follows, so
+    # `kept_bytes` is what stays; test_auto's resident check holds it to that).
+    kept_bytes, moved_bytes = pred.kept_bytes, dict(pred.moved_bytes)
+    for pos, it in op_outputs:
+        op_target = op_targets[(it.block, it.producer)]
+        if decided[pos][3] == "keep" and op_target != "keep":
+            decided[pos] = (it.block, it.producer, it.nbytes, op_target)
+            kept_bytes -= it.nbytes
+            moved_bytes[op_target] = moved_bytes.get(op_target, 0) + it.nbytes
+    pred = dataclasses.replace(pred, kept_bytes=kept_bytes, moved_bytes=_ro(moved_bytes))
+    per_block: dict = {}
+    largest = 0
+    for block, _, nbytes, target in decided:
+        if target not in ("keep", "recompute"):
+            largest = max(largest, nbytes)
+            if block is not None:
+                per_block[block] = per_block.get(block, 0) + nbytes
+    summary = {"forward_s": profile.forward_s, "backward_s": profile.backward_s,
+               "saved_bytes": profile.saved_bytes, "items": len(items),
+               "blocks": len(profile.blocks)}
+    return Plan(_ro(item_targets), _ro(op_targets), _ro(input_targets), _ro(blocks),
+                _ro(block_type), pred, params, figures, _ro(summary), _ro(signatures),
+                notes, tuple(decided),
+                _readahead(profile, figures, params, per_block, largest, pred.recompute_s),
+                item_bytes=_ro(item_bytes))
+
+
+def _readahead(profile: Profile, figures: Figures, params: PlanParams, per_block: dict,
+               largest: int, recompute_s: float) -> int:
+    """Read-ahead of one block's moved bytes, when the link is slow next to the backward.
+
+    Backward wants a block's storages together at its start. Where reading them takes more
+    than SLOW_READ_SHARE of a block's backward, a read-ahead shorter than one block's bytes
+    cannot run the link ahead, and the step stalls. The bytes read ahead are part of the
+    "one block's working set" on top of the budget. Reads that do not fit the staging arena
+    land in fresh memory, whose page faults cost more than the stall they save on a CPU: at
+    most the arena less one payload, and nothing on a fast link (docs/benchmarks.md has the
+    measurements).
+    """
+    if not per_block or not params.tiers or not profile.blocks:
+        return 0
+    biggest = max(per_block.values())
+    in_bps = rates(figures, params.tiers[0], params.device_type)[1]
+    block_backward_s = (profile.backward_s + recompute_s) / len(profile.blocks)
+    if biggest / in_bps <= SLOW_READ_SHARE * block_backward_s:
+        return 0
+    return max(0, min(biggest, params.staging_bytes - largest))

@@ -1,0 +1,80 @@
+"""What an `offload.activations()` context asks of its policy's scheduler, and what the two
+block policies (`recompute`, `auto`) share.
+
+The context calls `placement(round_trip)` (the step's decision point), then `enter(view)`
+with what the step offers (runtime/step.py `StepView`), `exit()`, and `step_done(report)`
+at the end of each step (`StepReport`); `plan` is `ctx.plan`, `clock` what the step marks
+its backward's start on. `keep` and `offload` need nothing of it: `Session` itself.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from ..config import Config
+from ..runtime.placement import Placement
+
+__all__ = ["Session", "holds_cache", "say_unrun_once", "UNRUN", "reset"]
+
+log = logging.getLogger("offload")
+
+
+class Session:
+    """`keep` / `offload`: nothing to do."""
+
+    plan = None
+    clock = None
+
+    def placement(self, round_trip) -> Placement:
+        return Placement(self.config, round_trip)
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def enter(self, view) -> None:
+        pass
+
+    def exit(self) -> None:
+        pass
+
+    def step_done(self, report) -> None:
+        pass
+
+
+def holds_cache(args: tuple, kwargs: dict, session: Session) -> bool:
+    """Whether a block call got a key/value cache object (Hugging Face `Cache`): the forward
+    appends to it, so a recompute would replay against a changed cache. Such a call runs as
+    is (warned once): recompute needs a block that is a function of its inputs, as
+    torch.utils.checkpoint does."""
+    for value in (*args, *kwargs.values()):
+        if value is not None and type(value).__name__.endswith("Cache") \
+                and hasattr(value, "update"):
+            if not getattr(session, "_warned_cache", False):
+                session._warned_cache = True
+                log.warning("offload: a block got a %s (use_cache=True): it runs as is, not "
+                            "recomputed; pass use_cache=False when training",
+                            type(value).__name__)
+            return True
+    return False
+
+
+# Blocks whose "no block ran through offload" was said once (first block of the list).
+_said_unrun: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+UNRUN = ("no block ran through offload in a training step (a torch.compile'd model runs its "
+         "blocks inside the compiled graph, as it compiles without offload; blocks the model "
+         "checkpoints itself are its own)")
+
+
+def say_unrun_once(blocks: list, policy: str, consequence: str) -> None:
+    """Log UNRUN once per list of blocks (keyed by its first block)."""
+    if blocks and blocks[0] not in _said_unrun:
+        _said_unrun.add(blocks[0])
+        log.info("offload: %s: %s; %s", policy, UNRUN, consequence)
+
+
+def reset() -> None:
+    """Forget which blocks were told about (tests; a process-wide reset): said again."""
+    _said_unrun.clear()

@@ -1,0 +1,62 @@
+"""The trial steps of one shape class: the plan measured against whole-block strategies.
+
+NOTE [Trials]. A plan is a prediction. When a whole-block strategy (`PURE`: `offload`,
+`checkpoint`) is predicted within TRIAL_MARGIN of it (`Plan.trials`, search.py), the planned
+steps start with TRIAL_ROUNDS rounds that run the plan and each such strategy in turn, and
+the steps after run whichever had the fastest step (best of its rounds; a pure strategy
+must beat the plan by TRIAL_WIN, so noise does not flip it). The measured seconds and the
+choice are in `ctx.plan` (`mode`, `measured`; one INFO line). Every candidate is bit-exact
+and keeps no more than the plan, so a trial step costs time at most, never memory or
+correctness. A re-plan measures again. Steps are timed on the device's clock
+(offload/util/clock.py): on CUDA the host's is launch time.
+
+The plan is immutable; what the trials have run and chosen is a `TrialSteps` the session
+keeps next to it (plan_cache.py), one per shape class.
+"""
+from __future__ import annotations
+
+from .constants import TRIAL_ROUNDS, TRIAL_WIN
+
+__all__ = ["PURE", "TrialSteps"]
+
+# The whole-block strategies a plan is measured against, as the session runs them.
+PURE = {"offload": "every eligible storage moved, blocks as they are",
+        "checkpoint": "every block checkpointed whole but the last ones the budget keeps, "
+                      "the rest moved"}
+
+
+class TrialSteps:
+    """What the next steps of one shape class run: `pending` the trial steps still to run
+    (NOTE [Trials]), then `mode` ("plan" or a PURE name), chosen from `measured` (step
+    seconds per candidate)."""
+
+    def __init__(self, candidates: tuple[str, ...] = ()) -> None:
+        self.pending: list[str] = [m for _ in range(TRIAL_ROUNDS)
+                                   for m in ("plan", *candidates)] if candidates else []
+        self.measured: dict[str, list[float]] = {}
+        self.mode = "plan"
+
+    @property
+    def settled(self) -> bool:
+        """No trial step left: every further step runs `mode`."""
+        return not self.pending
+
+    @property
+    def running(self) -> str:
+        """What the next step runs: the next trial, or `mode`."""
+        return self.pending[0] if self.pending else self.mode
+
+    def done(self, mode: str, step_s: float) -> bool:
+        """Record a step of `mode` if it was the pending trial; after the last one choose
+        `mode`. True when this step settled the choice."""
+        if not self.pending or self.pending[0] != mode:
+            return False
+        self.pending.pop(0)
+        self.measured.setdefault(mode, []).append(step_s)
+        if self.pending:
+            return False
+        best = {m: min(t) for m, t in self.measured.items()}
+        fastest = min(best, key=best.get)
+        if fastest != "plan" and best[fastest] < (1 - TRIAL_WIN) * best["plan"]:
+            self.mode = fastest
+        return True
