@@ -11,7 +11,8 @@ import torch
 from schedule_models import small_gpt
 
 import offload
-from offload.schedule import buffers, plan_cache, session_base
+import offload.process
+from offload.schedule import buffers, session_base
 
 FAST = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=100,nvme_read_gbps=100,nvme_issue_s=1e-6"
 
@@ -25,9 +26,9 @@ def _setup(tmp_path, monkeypatch):
     torch.set_num_threads(threads)
 
 
-def test_plan_cache_reset_forgets_every_models_plans(nvme_dir):
-    """A model's plans outlive its contexts; after reset() its next context warms up and
-    profiles again (no plan), as a fresh process would."""
+def test_process_reset_forgets_every_models_plans(nvme_dir):
+    """A model's plans outlive its contexts (util/per_model.py); after offload.process.reset()
+    its next context warms up and profiles again (no plan), as a fresh process would."""
     model, loss_fn = small_gpt(layers=2, hidden=32, dropout=0.0)
     settings = dict(policy="auto", tiers="nvme", nvme_dir=nvme_dir, min_bytes=0, probe=FAST)
 
@@ -39,7 +40,7 @@ def test_plan_cache_reset_forgets_every_models_plans(nvme_dir):
     step()                            # warm-up
     assert step().plan is not None    # profiled: planned, kept for the next context
     assert step().plan is not None
-    plan_cache.reset()
+    offload.process.reset()
     assert step().plan is None        # warm-up again
     assert step().plan is not None
 

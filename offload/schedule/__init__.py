@@ -10,5 +10,10 @@ directly; nothing is re-exported.
 
 
 def reset() -> None:
-    """Forget the scheduler's process-wide state (offload.process.reset): per-model sessions
-    and plans live in util/per_model.py; here, what schedule modules keep themselves."""
+    """Forget the scheduler's process-wide state (offload.process.reset): per-model plan
+    caches live in util/per_model.py (cleared there); here, what schedule modules keep
+    themselves."""
+    from . import buffers, session_base
+
+    buffers.reset()
+    session_base.reset()

@@ -35,7 +35,7 @@ exit; a forward the user had set on the instance is put back as it was. Rules:
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn

@@ -8,19 +8,19 @@ model), so the contexts of a training loop share it; `reset()` empties the regis
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from ..config import Config
+from ..util import per_model
 from .constants import MAX_PLANS
 from .explain import render, summary
 from .plan import Plan
 from .trials import TrialSteps
 
-__all__ = ["ClassPlan", "PlanCache", "NO_BLOCK", "cache_for", "reset"]
+__all__ = ["ClassPlan", "PlanCache", "NO_BLOCK", "cache_for"]
 
 NO_BLOCK = None   # the shape class of a step in which no block ran through us
 
@@ -113,24 +113,14 @@ class PlanCache:
             self.plans.popitem(last=False)
 
 
-_caches: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-_caches_lock = threading.Lock()
-
-
 def cache_for(model: torch.nn.Module | None, config: Config, blocks: list) -> PlanCache:
     """The plan cache of `model` under these settings (a new one for each setting that
-    changes a plan); without a model a fresh one (the context object keeps it)."""
+    changes a plan), kept in the per-model registry (util/per_model.py: it dies with the
+    model; offload.process.reset() clears it); without a model a fresh one (the context
+    object keeps it)."""
     key = (config.tiers, config.min_bytes, str(config.budget), config.nvme_max_bw,
            str(config.probe), tuple(id(b) for b in blocks), config.host_bytes,
            config.nvme_bytes, config.staging_bytes)
     if model is None:
         return PlanCache()
-    with _caches_lock:
-        return _caches.setdefault(model, {}).setdefault(key, PlanCache())
-
-
-def reset() -> None:
-    """Forget every model's plans (tests; a process-wide reset): the next `auto` context of
-    any model warms up and profiles again."""
-    with _caches_lock:
-        _caches.clear()
+    return per_model.state_for(model, ("auto", key), PlanCache)
