@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 from .config_parse import PARSERS, POLICIES, TIERS, free_disk_bytes
 from .errors import ConfigError
-from .schedule.figures import ProbeSetting
+from .util.figures import ProbeSetting
 from .util import logs
 from .util.memory_limits import available_memory
 from .util.ranks import Ranks, agreed_total

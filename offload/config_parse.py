@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 
 from . import tiers as tier_registry
 from .errors import ConfigError
-from .schedule.figures import ProbeSetting, parse_probe_setting
+from .util.figures import ProbeSetting, parse_probe_setting
 from .util.sizes import parse_size
 
 __all__ = ["PARSERS", "TIERS", "POLICIES", "CPU_HEAP_MODES", "MAX_IO_WORKERS", "parse_nvme_dirs",

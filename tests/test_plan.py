@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.schedule.figures import Figures
+from offload.util.figures import Figures
 from offload.schedule.costs import PlanParams
 from offload.schedule.explain import render
 from offload.schedule.search import make_plan

@@ -14,7 +14,7 @@ import offload
 from offload.config import Config
 from offload.errors import ConfigError
 from offload.schedule import measure, probe
-from offload.schedule.figures import ProbeSetting
+from offload.util.figures import ProbeSetting
 from offload.schedule.probe_cli import main as probe_main, pcie_gbps
 
 CPU = torch.device("cpu")

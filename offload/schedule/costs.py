@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from ..runtime.round_trip import LinkSpeed, TensorTiming, keep_on_device
 from .constants import ETA, SAFETY
-from .figures import Figures
+from ..util.figures import Figures
 from .profile import ItemRecord, Profile
 from .ranking import TypeInfo
 from .readonly import ReadOnlyDict

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .costs import PlanParams, Prediction
-from .figures import Figures
+from ..util.figures import Figures
 from .profile import OpRecord
 from .readonly import ReadOnlyDict
 

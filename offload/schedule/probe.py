@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .figures import Figures
+from ..util.figures import Figures
 
 __all__ = ["PROBE_VERSION", "GROUPS", "cache_path", "figures_for", "measure_groups"]
 

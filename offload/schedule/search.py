@@ -25,7 +25,7 @@ import dataclasses
 from ..util.sizes import format_bytes
 from .constants import SLOW_READ_SHARE, TRIAL_MARGIN
 from .costs import Evaluation, PlanParams, better, predict, rates
-from .figures import Figures
+from ..util.figures import Figures
 from .plan import BlockPlan, OpRow, Plan
 from .profile import ItemRecord, Profile
 from .ranking import TypeInfo, candidates, type_infos

@@ -5,7 +5,7 @@ back from its cache, or given with OFFLOAD_PROBE. Rates are in GB/s (1e9 bytes p
 times in seconds. A figure that does not apply here (PCIe on a CPU-only run, NVMe without
 an `nvme` tier) is None.
 
-`parse_probe_setting` is the parser of OFFLOAD_PROBE, kept here (not in config.py) so the
+`parse_probe_setting` is the parser of OFFLOAD_PROBE, kept here (not in config_parse.py) so the
 list of figure names has one owner.
 """
 from __future__ import annotations
