@@ -18,9 +18,10 @@ from .config import Config, env_table_markdown
 from .context import ActivationOffload, activations, empty_cache, no_offload
 from .errors import (ConfigError, ExtensionUnavailable, OffloadError, StorageError,
                      TierFullError, UsedAfterCloseError)
+from .tiers.cuda_backend import GraphCaptureError
 from .util.stats import Stats
 from . import process as _process  # registers the at-fork handler (NOTE [Process state])
 
 __all__ = ["activations", "no_offload", "empty_cache", "ActivationOffload", "Config", "Stats",
            "env_table_markdown", "build_info", "__version__", "OffloadError", "ConfigError", "StorageError",
-           "ExtensionUnavailable", "TierFullError", "UsedAfterCloseError"]
+           "ExtensionUnavailable", "TierFullError", "UsedAfterCloseError", "GraphCaptureError"]

@@ -20,7 +20,7 @@ from .config_parse import PARSERS, POLICIES, TIERS, free_disk_bytes
 from .errors import ConfigError
 from .util.figures import ProbeSetting
 from .util import logs
-from .util.memory_limits import available_memory
+from .util.memory_limits import available_memory, memory_floor_bytes
 from .util.ranks import Ranks, agreed_total
 from .util.sizes import SizeSpec, format_bytes
 
@@ -160,6 +160,11 @@ class Config:
         Raises:
             ConfigError: an unknown keyword, or a value that does not parse.
         """
+        cache_key = _cache_key(overrides) if env is None else None
+        if cache_key is not None:
+            cached = _from_env_cache.get(cache_key)
+            if cached is not None:
+                return cached
         env = os.environ if env is None else env
         _warn_unknown_variables(env)
         names = {f.name: f for f in _knobs()}
@@ -181,7 +186,12 @@ class Config:
                 continue
             values[name] = PARSERS[name](raw, where, env)
             sources[name] = where
-        return cls(**values, sources=sources, ranks=Ranks.from_env(env))
+        config = cls(**values, sources=sources, ranks=Ranks.from_env(env))
+        if cache_key is not None:
+            if len(_from_env_cache) >= 16:
+                _from_env_cache.clear()
+            _from_env_cache[cache_key] = config
+        return config
 
     def with_overrides(self, **overrides: Any) -> "Config":
         """A copy with some knobs replaced (parsed like keyword arguments)."""
@@ -212,6 +222,8 @@ class Config:
         self._validate_host_sizes()
 
     def _validate_host_sizes(self) -> None:
+        if max(self.staging_bytes, self.prefetch_bytes) <= memory_floor_bytes():
+            return  # below any limit this process has: no need to look now
         limit = available_memory()
         for name in ("staging_bytes", "prefetch_bytes"):
             value = getattr(self, name)
@@ -334,6 +346,8 @@ def forget_warnings() -> None:
     """Say the once-per-process warnings again (offload.process.reset)."""
     _warned_once.clear()
     _warned_unknown.clear()
+    _scanned_keys[0] = None
+    _from_env_cache.clear()
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -357,9 +371,36 @@ def known_variables() -> list[str]:
     return sorted([f.metadata["env"] for f in _knobs()] + list(OTHER_VARIABLES))
 
 
+_scanned_keys: list = [None]  # os.environ's keys at the last scan (a context per step)
+
+# Configs made from os.environ, by what they were made of: a training loop builds a context
+# (and so a Config) every step from the same variables and arguments. Config is frozen.
+_from_env_cache: dict[tuple, "Config"] = {}
+_LAUNCHER_VARIABLES = (b"RANK", b"LOCAL_RANK", b"WORLD_SIZE", b"LOCAL_WORLD_SIZE")
+
+
+def _cache_key(overrides: Mapping[str, Any]) -> tuple | None:
+    """What a Config from os.environ depends on: the OFFLOAD_* and launcher variables and
+    the keyword arguments; None when an argument cannot be a key (then no cache)."""
+    data = os.environ._data  # type: ignore[attr-defined]  (bytes, no decoding)
+    env = tuple(sorted((k, v) for k, v in data.items()
+                       if k.startswith(b"OFFLOAD_") or k in _LAUNCHER_VARIABLES))
+    try:
+        key = (env, tuple(sorted(overrides.items())))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def _warn_unknown_variables(env: Mapping[str, str]) -> None:
     """One warning per unknown OFFLOAD_* variable (a typo such as OFFLOAD_TIRES is otherwise
     silently ignored), naming the closest known one."""
+    if env is os.environ:  # the same variables as last step: nothing new to say
+        keys = tuple(os.environ._data)  # type: ignore[attr-defined]  (no decoding)
+        if keys == _scanned_keys[0]:
+            return
+        _scanned_keys[0] = keys
     known = None
     for key in env:
         if not key.startswith("OFFLOAD_") or key in _warned_unknown:

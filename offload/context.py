@@ -186,7 +186,8 @@ class ActivationOffload:
                 log.exception("offload: error while freeing the step after an exception")
             return False  # re-raise the original exception
         step.exited()
-        log.info("offload: %s", step.stats.summary())  # from OFFLOAD_LOG_RANKS only (logs.py)
+        if log.isEnabledFor(logging.INFO):  # from OFFLOAD_LOG_RANKS only (logs.py)
+            log.info("offload: %s", step.stats.summary())
         return False
 
     def close(self) -> None:

@@ -46,3 +46,15 @@ def test_the_range_counter_sees_ranges_under_a_profiler(nvme_dir, monkeypatch):
     with profile():
         _step(nvme_dir)
     assert ranges.PACK in made and ranges.WRITE in made
+
+
+def test_a_recomputed_block_shows_as_a_range(nvme_dir):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+                                  for _ in range(3)])
+    with profile() as prof:
+        with offload.activations(model=model, policy="recompute", tiers="nvme",
+                                 nvme_dir=nvme_dir, min_bytes=0):
+            model(torch.randn(8, 64)).sum().backward()
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get(ranges.RECOMPUTE) == 3           # each block re-run once, in backward

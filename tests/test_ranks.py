@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-from collections import namedtuple
 
 import pytest
 import torch
@@ -24,15 +23,15 @@ from offload.tiers import nvme_space
 
 GiB = 1 << 30
 MiB = 1 << 20
-_Memory = namedtuple("_Memory", "total available")
 
 
 @pytest.fixture
 def machine(monkeypatch):
     """Fixed RAM and free disk, so the expected capacities are exact."""
-    import psutil
+    from offload.util import memory_limits
 
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(64 * GiB, 40 * GiB))
+    # (available, total) RAM, as memory_limits reads it from /proc/meminfo.
+    monkeypatch.setattr(memory_limits, "_ram", lambda proc: (40 * GiB, 64 * GiB))
     monkeypatch.setattr(config_module, "free_disk_bytes", lambda dirs: 1000 * GiB)
 
 
@@ -53,11 +52,12 @@ def test_percentages_are_divided_among_the_local_ranks(machine, tmp_path):
 def test_local_ranks_divide_the_total_the_first_one_measured(tmp_path, monkeypatch):
     """With a process group up, the job's store carries the first measurement to every local
     rank, so ranks that resolve later (after others reserved) get the same share."""
-    import psutil
     import torch.distributed as dist
 
+    from offload.util import memory_limits
+
     available = [40 * GiB]
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(64 * GiB, available[0]))
+    monkeypatch.setattr(memory_limits, "_ram", lambda proc: (available[0], 64 * GiB))
     cfg = _cfg(tmp_path, LOCAL_WORLD_SIZE="2", OFFLOAD_HOST_BYTES="50%")
     assert cfg.host_capacity_bytes() == 10 * GiB
     available[0] = 30 * GiB
@@ -134,9 +134,10 @@ def test_with_overrides_keeps_the_ranks(tmp_path):
 
 @pytest.mark.skipif(not core_available(), reason="offload._C unavailable")
 def test_stats_report_each_tiers_capacity(nvme_dir, monkeypatch):
-    import psutil
+    from offload.util import memory_limits
 
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(64 * GiB, 40 * GiB))
+    # (available, total) RAM, as memory_limits reads it from /proc/meminfo.
+    monkeypatch.setattr(memory_limits, "_ram", lambda proc: (40 * GiB, 64 * GiB))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     x = torch.randn(256, 256, requires_grad=True)
     with offload.activations(tiers="host,nvme", nvme_dir=nvme_dir, host_bytes="10%",

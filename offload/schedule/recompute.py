@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from ..runtime.placement import Decision
+from ..util.ranges import RECOMPUTE, profiling, span
 from .buffers import guard_buffers
 
 __all__ = ["run_block", "checkpoint_block", "block_inputs", "storable_op", "IGNORED_OPS",
@@ -218,7 +219,18 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
             a, kw = tree_unflatten(full, spec)
             return forward(*a, **kw)
     extra = {} if context_fn is None else {"context_fn": context_fn}
-    return checkpoint(guard_buffers(block, call), *tensors, use_reentrant=False, **extra)
+    return checkpoint(_ranged(guard_buffers(block, call)), *tensors, use_reentrant=False,
+                      **extra)
+
+
+def _ranged(fn: Callable) -> Callable:
+    """`fn`, its re-run in backward shown as an `offload::recompute` profiler range."""
+    def run(*args):
+        if profiling() and torch._C._current_graph_task_id() >= 0:  # checkpoint's re-run
+            with span(RECOMPUTE):
+                return fn(*args)
+        return fn(*args)
+    return run
 
 
 def run_block(forward: Callable, args: tuple, kwargs: dict,

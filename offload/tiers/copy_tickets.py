@@ -7,6 +7,8 @@ asks its owner to wait, never the streams itself.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
+
 import torch
 
 from .cuda_backend import refuse_graph_capture
@@ -71,7 +73,7 @@ class D2HTicket:
 
     __slots__ = ("_owner", "_p", "nbytes", "event", "block")
 
-    def __init__(self, owner: "copies.CopyStreams", pending: _Pending):
+    def __init__(self, owner: Any, pending: _Pending):
         self._owner = owner
         self._p = pending
         self.nbytes = pending.nbytes
@@ -106,7 +108,7 @@ class H2DTicket:
 
     __slots__ = ("_owner", "_p", "_dst", "nbytes", "event")
 
-    def __init__(self, owner: "copies.CopyStreams", pending: _Pending, dst: torch.Tensor):
+    def __init__(self, owner: Any, pending: _Pending, dst: torch.Tensor):
         self._owner = owner
         self._p = pending
         self._dst = dst

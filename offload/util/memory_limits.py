@@ -20,11 +20,12 @@ limit: the RAM figure then applies, as before.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 from .sizes import format_bytes
 
-__all__ = ["MemoryLimit", "available_memory", "memory_total_bytes"]
+__all__ = ["MemoryLimit", "available_memory", "memory_total_bytes", "memory_floor_bytes"]
 
 # A v1 limit at or above this is "unlimited" (the kernel writes PAGE_COUNTER_MAX pages).
 _V1_UNLIMITED = 1 << 62
@@ -49,27 +50,89 @@ class _Cgroup:
 
 def available_memory(proc: str = "/proc") -> MemoryLimit:
     """The RAM available to this process now (NOTE [Memory limits])."""
+    available, total = _ram(proc)
+    best = MemoryLimit(available, total, "RAM available")
+    for version, directory, shown in _limited_cgroups(proc):
+        room = _room(version, directory)
+        if room is not None and room[0] < best.available_bytes:
+            limit, usage = room[1], room[2]
+            best = MemoryLimit(room[0], limit,
+                               f"cgroup v{version} {shown} (limit {format_bytes(limit)}, "
+                               f"{format_bytes(usage)} in use)")
+    return best
+
+
+_RAM_FRESH_S = 0.1  # a reading this recent stands (a context is entered every step)
+_ram_seen: dict[str, tuple[float, tuple[int, int]]] = {}
+
+
+def _ram(proc: str) -> tuple[int, int]:
+    """(available, total) RAM: MemAvailable / MemTotal of meminfo (psutil's figures; read
+    directly, as a context is made every step and psutil parses every line)."""
+    now = time.monotonic()
+    seen = _ram_seen.get(proc)
+    if seen is not None and now - seen[0] < _RAM_FRESH_S:
+        return seen[1]
+    value = _read_ram(proc)
+    _ram_seen[proc] = (now, value)
+    return value
+
+
+def _read_ram(proc: str) -> tuple[int, int]:
+    text = _read(os.path.join(proc, "meminfo"))
+    if text:
+        values = {}
+        for line in text.splitlines():
+            name, _, rest = line.partition(":")
+            if name in ("MemAvailable", "MemTotal"):
+                values[name] = int(rest.split()[0]) * 1024
+                if len(values) == 2:
+                    return values["MemAvailable"], values["MemTotal"]
     import psutil
 
     vm = psutil.virtual_memory()
-    best = MemoryLimit(vm.available, vm.total, "RAM available")
-    for group in _memory_cgroups(proc):
-        for directory in _ancestors(group.directory, group.mount_point):
-            room = _room(group.version, directory)
-            if room is not None and room[0] < best.available_bytes:
-                limit, usage = room[1], room[2]
+    return vm.available, vm.total
+
+
+# (pid, proc root) -> the cgroups (and ancestors) that had a memory limit when looked up:
+# where they are is read once per process (a context is made every step; the hierarchy does
+# not move under a running job), what they hold at every call.
+_found: dict[tuple[int, str], list[tuple[int, str, str]]] = {}
+
+
+def _limited_cgroups(proc: str) -> list[tuple[int, str, str]]:
+    key = (os.getpid(), proc)   # a forked child looks again (it may be moved elsewhere)
+    found = _found.get(key)
+    if found is None:
+        found = []
+        for group in _memory_cgroups(proc):
+            for directory in _ancestors(group.directory, group.mount_point):
+                if _room(group.version, directory) is None:
+                    continue
                 rel = os.path.relpath(directory, group.mount_point)
                 shown = group.path if directory == group.directory \
                     else "/" + ("" if rel == "." else rel)
-                best = MemoryLimit(room[0], limit,
-                                   f"cgroup v{group.version} {shown} (limit "
-                                   f"{format_bytes(limit)}, {format_bytes(usage)} in use)")
-    return best
+                found.append((group.version, directory, shown))
+        _found[key] = found
+    return found
 
 
 def memory_total_bytes(proc: str = "/proc") -> int:
     """The most memory this process could ever use: RAM, or a smaller cgroup limit."""
     return available_memory(proc).total_bytes
+
+
+_floor: dict[tuple[int, str], int] = {}
+
+
+def memory_floor_bytes(proc: str = "/proc") -> int:
+    """A size below every limit this process had when first asked (cached per process): a
+    setting under it needs no look at the limits (config validation, every step)."""
+    key = (os.getpid(), proc)
+    floor = _floor.get(key)
+    if floor is None:
+        floor = _floor[key] = memory_total_bytes(proc) // 2
+    return floor
 
 
 def _room(version: int, directory: str) -> tuple[int, int, int] | None:
