@@ -25,11 +25,13 @@
 #                                64 x 4 MiB each way, host cost per copy issued
 #   smoke           15       20  a small GPT step on host and nvme: bit-exact, Chrome trace
 #   probe           15       20  offload-probe --refresh: figures, PCIe ceiling (NVML, bus id)
-#   pareto          45       55  benchmarks/gpu_pareto.py (Llama-style h4096 L4 seq 4096, bf16):
+#   pareto          40       50  benchmarks/gpu_pareto.py (Llama-style h4096 L4 seq 4096, bf16):
 #                                none, recompute, offload-host, auto 50/30/15 %, torch SAC
-#   bench           50       65  offload-bench none / offload-host / offload-nvme (GPT h2048 L4
-#                                seq 1024 batch 8, 2 timed steps)
-#   hook_cost       15       20  benchmarks/hook_cost.py --device cuda, only if present
+#   bench           60       75  offload-bench none / offload-host / offload-nvme / recompute
+#                                (our checkpoint + inputs moved) / ckpt+save_on_cpu (Hugging
+#                                Face's offload flag): GPT h2048 L4 seq 1024 batch 8, 2 steps
+#   hook_cost       10       15  benchmarks/hook_cost.py --device cuda (host time per saved
+#                                tensor, the D2H issue cost among it), only if present
 #   total          275      360
 #
 # A failing or timed-out step is recorded and the script goes on; $OUT/summary.txt has one
@@ -309,16 +311,18 @@ step smoke 20 smoke
 # The scheduler: its figures (cached for the Pareto run's `auto`), then its Pareto run.
 step probe 20 "$PY" -m offload.schedule.probe_cli --refresh --device cuda --nvme-dir "$NVME_DIR" \
   --json "$OUT/probe.json"
-step pareto 55 "$PY" benchmarks/gpu_pareto.py --json "$OUT/pareto.json"
+step pareto 50 "$PY" benchmarks/gpu_pareto.py --json "$OUT/pareto.json"
 # A GPT half the depth of the 2026-11-29 run (3.6 GiB saved per step): its offload-nvme row
 # took 8.7 s a step on the H200's VM disk at full depth, more than this budget allows.
 # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of words on purpose
-step bench 65 "$PY" -m offload.bench --device cuda --strategies none,offload-host,offload-nvme \
+step bench 75 "$PY" -m offload.bench --device cuda \
+  --strategies none,offload-host,offload-nvme,recompute,ckpt+save_on_cpu \
   --gpt hidden=2048,layers=4,heads=16,seq_len=1024 --batch 8 \
-  --steps 2 --warmup 1 --timeout-s 50 --nvme-dir "$NVME_DIR" --json "$OUT/bench.json" \
+  --steps 2 --warmup 1 --timeout-s 45 --nvme-dir "$NVME_DIR" --json "$OUT/bench.json" \
   ${GPU_CHECK_BENCH_ARGS:-}
 if [[ -f benchmarks/hook_cost.py ]]; then
-  step hook_cost 20 "$PY" benchmarks/hook_cost.py --device cuda --rounds 5 --nvme-dir "$NVME_DIR" \
+  step hook_cost 15 "$PY" benchmarks/hook_cost.py --device cuda --rounds 3 --tensors 2000 \
+    --nvme-dir "$NVME_DIR" \
     --json "$OUT/hook_cost.json"
 else
   printf '%-10s absent   (no benchmarks/hook_cost.py in this checkout)\n' hook_cost | tee -a "$SUMMARY"
