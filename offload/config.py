@@ -27,14 +27,10 @@ from .util.sizes import SizeSpec, format_bytes
 __all__ = ["Config", "TIERS", "POLICIES", "env_table_markdown"]
 
 
-# Defaults measured on the 2-core CPU box (SSD ~1.9 / 1.0 GB/s write / read); figures in
-# the issue-3 report. MIN: the nvme path costs ~0.1-0.2 ms per tensor beyond the host path
-# (hook, staging, submit), what moving ~256 KiB costs at ~1-2 GB/s: below that the
-# per-tensor cost outweighs the bytes. STAGING / PREFETCH, issue-4 GPT step (batch 8, 2.6
-# GiB saved, in-place writes, no trimming): 128/64 MiB stalled 0.3-1.9 s per step (the
-# 64 MiB attention tensors need 64 MiB + one sector of arena each, so only one fit and the
-# other reads went to fresh memory), 256/64 MiB 0.04 s at +0.1 GiB peak RSS, 256/128 MiB
-# 0.02 s at +0.28 GiB. Read-ahead is kept under the arena size so reads land in the arena.
+# MIN: below it a tensor's fixed cost on the nvme path outweighs its bytes. STAGING /
+# PREFETCH: the smallest pair that did not stall the reference step; read-ahead stays under
+# the arena so reads land in it. The measurements: docs/benchmarks.md, *Why the runtime's
+# constants are what they are*.
 _DEFAULT_MIN_BYTES = 256 << 10
 _DEFAULT_PREFETCH_BYTES = 64 << 20
 _DEFAULT_STAGING_BYTES = 256 << 20

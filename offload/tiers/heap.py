@@ -26,13 +26,9 @@ When the last such step ends the trim threshold goes back to 64 MiB, the value g
 dynamic rule ends up with (setting either value turns glibc's dynamic adjustment off for the
 process, so the mmap threshold keeps the value set).
 
-Measured on the issue-4 GPT step (hidden 512, 8 layers, seq 512, batch 8, 2.6 GB saved;
-2-core VM), minor page faults per step: no offload ~0.75-1.1 M. The earlier approach here,
-`malloc_trim(0)` after every 64 MiB moved, gave the lowest peak RSS (0.79 GiB) but 1.9 M
-faults and ~5 s more system time per step; trimming every 256 MiB / 1 GiB still cost 1.7 /
-1.4 M (nearly every trimmed page is faulted in again within the step). `reuse`: 0.8-1.1 M
-faults, peak RSS 1.3-1.4 GiB (checkpointing every block: ~1.5). `release`: 1.9 M faults,
-peak RSS 0.74 GiB, the step ~15% slower than `reuse`.
+`reuse` is the default because trimming returns pages that the same step faults in again
+(docs/benchmarks.md, *Why the runtime's constants*: page faults, peak RSS and step time of
+each mode).
 
 A no-op where glibc is not the allocator (`mallopt` missing).
 
@@ -41,10 +37,8 @@ allocation: set it before Python starts) aligns every CPU allocation to a page a
 huge pages (madvise) for those of 2 MiB or more. For this tier that means: every activation
 starts page-aligned, so it is written in place with at most a partial last sector bounced
 (NOTE [Phase] in nvme.py), and both faulting in new activations and pinning them for
-O_DIRECT work on 2 MiB pages. Measured on the same step (pipeline_bench, 3 rounds, side by side with no
-offload and checkpointing in one run each): nvme offload 1.05x the no-offload step, peak RSS
-1.36 GiB, without it; 0.97x and 1.02 GiB with it (no offload: 12.58 / 12.46 s, about the
-same). The runtime cannot switch it on for a process that already imported torch, so
+O_DIRECT work on 2 MiB pages (faster and lower peak RSS: docs/benchmarks.md). The runtime
+cannot switch it on for a process that already imported torch, so
 `torch_thp_enabled` only lets it say so once (INFO) when a CPU step starts without it.
 """
 from __future__ import annotations

@@ -19,8 +19,8 @@ read only and returns a zero-copy uint8 view, so the memory returns when autogra
 NOTE [Phase] O_DIRECT needs the memory address and the file offset aligned. Instead of
 copying each tensor into aligned staging memory, the extent's data starts `phase` bytes past
 an aligned file offset, with phase = address % alignment; reads land in memory of the same
-phase. Measured on the issue-4 GPT step (2-core VM): the staging copy cost ~0.45 s of the
-training thread per step. Phases that are not a multiple of 64 (memory not from torch's
+phase: a staging copy of every tensor costs the training thread a memcpy of all it saves
+(docs/benchmarks.md, *Why the runtime's constants*). Phases that are not a multiple of 64 (memory not from torch's
 allocator) use phase 0 and go through the bounce buffer whole, so that the read-back view's
 byte offset stays a multiple of every dtype's size. The engine reads the tensor's memory
 while the forward goes on: an in-place change autograd can see (version counter) raises at
@@ -76,9 +76,8 @@ from .nvme_writes import Write, WriteQueue, end_s as end_of
 __all__ = ["NvmeTier"]
 
 # Engine chunk (and stripe) size. Every chunk that completes wakes an I/O thread, which on a
-# machine with few cores preempts a compute thread; 4 MiB instead of the engine's 1 MiB
-# default cut those wake-ups 2.4x and the issue-4 GPT step (2.6 GB each way) by ~5% on the
-# 2-core VM (alternating runs), with no loss of disk throughput.
+# machine with few cores preempts a compute thread: fewer, larger chunks (no loss of disk
+# throughput; docs/benchmarks.md, *Why the runtime's constants*).
 CHUNK_BYTES = 4 << 20
 
 # A store smaller than one 1 MiB stripe per directory is not worth reserving: the tier

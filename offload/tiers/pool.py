@@ -1,9 +1,8 @@
 """Keep the expensive tier resources between steps (one per kind).
 
 Opening an NvmeStore reserves its slabs (fallocate) and a fresh HostArena faults in every
-page it touches again: per step that cost ~1-2 ms per MiB staged on the CPU box (a 4 MiB
-tensor took 3.9 ms to pack with a new arena per step). Pinned memory is worse
-(cudaHostAlloc costs ms per call). So a clean tier hands its store / arena back here when
+page it touches again, per step (docs/benchmarks.md, *Why the runtime's constants*).
+Pinned memory is worse (cudaHostAlloc costs ms per call). So a clean tier hands its store / arena back here when
 its step ends and the next step with the same settings takes it again.
 
 One slot per kind: a resource with different settings evicts (closes) the previous one,
