@@ -12,15 +12,10 @@ trained on random tokens.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-import offload
-from support import check_weights, example_parser
+from support import example_parser, run_trainer_example
 from offload.integrations.transformers import OffloadTrainerMixin
 
 
@@ -59,23 +54,7 @@ def main() -> None:
                        "Trainer and compare the weights bit for bit")
     p.add_argument("--vocab", type=int, default=1024)
     args = p.parse_args()
-
-    work = tempfile.mkdtemp(prefix="offload-hf-", dir="/var/tmp")
-    nvme_dir = os.environ.get("OFFLOAD_NVME_DIR") or os.path.join(work, "nvme")
-    os.makedirs(nvme_dir, exist_ok=True)
-    try:
-        # Keyword settings win over OFFLOAD_* variables (same names, lower case).
-        OffloadTrainer.offload_settings = {"tiers": args.tiers, "nvme_dir": nvme_dir}
-        weights, trainer = train(args, os.path.join(work, "out"), OffloadTrainer)
-        s = trainer.offload_context.stats
-        print(f"last micro-batch: saved {s.saved_bytes >> 20} MiB, nvme {s.nvme_bytes >> 20} "
-              f"MiB, kept {s.kept_bytes >> 20} MiB, stall {s.stall_s:.3f} s")
-        offload.empty_cache()
-        if args.check:
-            plain, _ = train(args, os.path.join(work, "plain"), Trainer)
-            check_weights(weights, plain, "weights vs plain Trainer")
-    finally:
-        shutil.rmtree(work)
+    run_trainer_example(args, train, OffloadTrainer, Trainer, "offload-hf-")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,6 @@ word-level tokenizer made here, and random "sentences" of its words.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import torch
 from datasets import Dataset, disable_progress_bars
 from peft import LoraConfig
@@ -23,8 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
-import offload
-from support import check_weights, example_parser
+from support import example_parser, run_trainer_example
 from offload.integrations.transformers import OffloadTrainerMixin
 
 
@@ -74,23 +69,7 @@ def main() -> None:
     p.add_argument("--words", type=int, default=200, help="the tokenizer's made-up words")
     args = p.parse_args()
     disable_progress_bars()  # the dataset preparation's bars, once per run
-
-    work = tempfile.mkdtemp(prefix="offload-trl-", dir="/var/tmp")
-    nvme_dir = os.environ.get("OFFLOAD_NVME_DIR") or os.path.join(work, "nvme")
-    os.makedirs(nvme_dir, exist_ok=True)
-    try:
-        # Keyword settings win over OFFLOAD_* variables (same names, lower case).
-        OffloadSFTTrainer.offload_settings = {"tiers": args.tiers, "nvme_dir": nvme_dir}
-        weights, trainer = train(args, os.path.join(work, "out"), OffloadSFTTrainer)
-        s = trainer.offload_context.stats
-        print(f"last micro-batch: saved {s.saved_bytes >> 20} MiB, nvme {s.nvme_bytes >> 20} "
-              f"MiB, kept {s.kept_bytes >> 20} MiB, stall {s.stall_s:.3f} s")
-        offload.empty_cache()
-        if args.check:
-            plain, _ = train(args, os.path.join(work, "plain"), SFTTrainer)
-            check_weights(weights, plain, "weights vs plain SFTTrainer")
-    finally:
-        shutil.rmtree(work)
+    run_trainer_example(args, train, OffloadSFTTrainer, SFTTrainer, "offload-trl-")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["example_parser", "check_weights", "say", "torchrun_device", "rank_dirs"]
+__all__ = ["example_parser", "check_weights", "say", "torchrun_device", "rank_dirs",
+           "run_trainer_example"]
 
 
 def example_parser(doc: str, *, steps: int, tiers: str,
@@ -69,3 +70,31 @@ def rank_dirs(spec: str) -> list[str]:
     for d in made:
         os.makedirs(d)
     return made
+
+
+def run_trainer_example(args, train, offload_trainer, plain_trainer, prefix: str) -> None:
+    """The Hugging Face Trainer examples' run: `train(args, out_dir, trainer_class)` with the
+    offload trainer (NVMe in a temporary directory unless OFFLOAD_NVME_DIR says where), one
+    line of its last micro-batch's stats, then with `--check` the same with the plain
+    trainer and the weights compared. Returns (weights, trainer) of the offload run."""
+    import shutil
+    import tempfile
+
+    import offload
+
+    work = tempfile.mkdtemp(prefix=prefix, dir="/var/tmp")
+    nvme_dir = os.environ.get("OFFLOAD_NVME_DIR") or os.path.join(work, "nvme")
+    os.makedirs(nvme_dir, exist_ok=True)
+    try:
+        # Keyword settings win over OFFLOAD_* variables (same names, lower case).
+        offload_trainer.offload_settings = {"tiers": args.tiers, "nvme_dir": nvme_dir}
+        weights, trainer = train(args, os.path.join(work, "out"), offload_trainer)
+        s = trainer.offload_context.stats
+        say(f"last micro-batch: saved {s.saved_bytes >> 20} MiB, nvme {s.nvme_bytes >> 20} "
+            f"MiB, kept {s.kept_bytes >> 20} MiB, stall {s.stall_s:.3f} s")
+        offload.empty_cache()
+        if args.check:
+            plain, _ = train(args, os.path.join(work, "plain"), plain_trainer)
+            check_weights(weights, plain, f"weights vs plain {plain_trainer.__name__}")
+    finally:
+        shutil.rmtree(work)
