@@ -20,7 +20,7 @@ difference.
 
 Environment variables OFFLOAD_* reach the offload variants unchanged (e.g. OFFLOAD_IO_WORKERS).
 `auto` runs its warm-up and profile steps, and the trial steps that measure its plan against
-the pure strategies (offload/schedule/session.py NOTE [Trials]), untimed: its timed steps
+the pure strategies (offload/schedule/trials.py NOTE [Trials]), untimed: its timed steps
 are what a long run gets once the plan has settled;
 its row also gives the plan's kept bytes against the budget, the step's peak resident
 activation bytes and the largest block's working set (what one block saves in a plain

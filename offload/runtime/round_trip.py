@@ -136,7 +136,7 @@ def free_windows(timings: Iterable[TensorTiming], link: LinkSpeed
 
 def keep_on_device(timings: Iterable[TensorTiming], link: LinkSpeed, *,
                    safety: float = DEFAULT_SAFETY, min_free_s: float = 0.0) -> set[Hashable]:
-    """Keys of the tensors that should stay where they are rather than bounce.
+    """Keys of the tensors that should stay where they are: their round trip would not pay off.
 
     A tensor is worth moving when, in the simulated queues of :func:`free_windows`, its
     memory is free for at least ``max(min_free_s, (safety - 1) * round_trip_s)``. While

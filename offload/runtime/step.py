@@ -2,7 +2,7 @@
 until its last saved tensor is gone.
 
 NOTE [End of step] A step's end-of-step work (wait for device copies, drain and close its
-tiers so the store and arenas go back for the next step, update the bounce plan, write the
+tiers so the store and arenas go back for the next step, update the round-trip plan, write the
 trace) runs at one of these defined points, never from a destructor:
 
 1. the context's exit, when no saved tensor of the step is alive (backward ran inside the

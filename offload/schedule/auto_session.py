@@ -1,7 +1,7 @@
 """Policy `auto`: the steps of one context, each run on its shape class's plan.
 
 A plan cache that outlives the context (plan_cache.py: one per model and settings, like the
-offload policy's BouncePlan) goes through
+offload policy's RoundTripPlan) goes through
   0. warm-up: the first training step runs like `offload` (blocks as they are, every
      eligible storage moved): first calls of kernels and first touches of memory would
      make a profile of it read several times the steady step;

@@ -12,9 +12,9 @@ Seconds added to the profiled compute time `F + B` (forward + backward):
   w + r - ETA (F + B'))`. GPU: the same for the disk with the nvme bytes, and PCIe both
   ways with host + nvme bytes: `max(0, out - ETA F) + max(0, in - ETA B')`; the larger of
   the two stalls counts. Each transfer also costs its issue time on the host (probe).
-* keep on device (what offload/bounce.py decides for the offload policy, folded in here): a
+* keep on device (what offload/runtime/round_trip.py decides for the offload policy, folded in here): a
   storage whose measured pack→unpack gap is shorter than `SAFETY` round trips cannot hide
-  its transfer, alone or once the transfers queue behind each other (bounce.py's queue
+  its transfer, alone or once the transfers queue behind each other (round_trip.py's queue
   simulation); moving it costs the whole round trip.
 
 After recompute, the storages that remain are kept or moved, those with the longest
@@ -111,10 +111,10 @@ def _gap_s(item: ItemRecord) -> float:
     return math.inf if item.unpack_s is None else item.unpack_s - item.pack_s
 
 
-def _queued_bounces(remaining: list[ItemRecord], targets: dict, out_bps: float,
+def _exposed_round_trips(remaining: list[ItemRecord], targets: dict, out_bps: float,
                     in_bps: float) -> float:
     """Round trips of moved storages kept on the device once the transfers queue behind each
-    other (offload/bounce.py simulates the queues): their whole round trip is exposed."""
+    other (offload/runtime/round_trip.py simulates the queues): their whole round trip is exposed."""
     timed = [it for it in remaining if it.key in targets and it.pack_s is not None]
     if not timed or out_bps <= 0 or in_bps <= 0:
         return 0.0
@@ -190,18 +190,18 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
         def stall_s() -> float:
             return _transfer_stall(moved, profile.forward_s, bwd_s, figures, params)
 
-        def bounced_s() -> float:  # kept on device, alone or behind the queue: whole trips
-            return _queued_bounces(remaining, targets, out_bps, in_bps) if targets else 0.0
+        def queued_s() -> float:  # round trips that do not hide, alone or queued: whole trips
+            return _exposed_round_trips(remaining, targets, out_bps, in_bps) if targets else 0.0
 
         out_bps, in_bps, _ = rates(figures, params.tiers[0], params.device_type)
         hide = [it for it in remaining if _hideable(it, out_bps, in_bps)]
-        bounce = [it for it in remaining if not _hideable(it, out_bps, in_bps)]
+        exposed = [it for it in remaining if not _hideable(it, out_bps, in_bps)]
         # Longest pack -> unpack gap first: the most slack per byte, and the queue of writes
         # does not pile up at the end of the forward, where backward needs things back first.
         hide.sort(key=lambda it: (-_gap_s(it), -it.nbytes, it.key))
         # Those that cannot hide last, the longest gaps (least exposed) first.
-        bounce.sort(key=lambda it: (-((it.unpack_s or math.inf) - (it.pack_s or 0.0)), it.key))
-        for group in (hide, bounce):
+        exposed.sort(key=lambda it: (-((it.unpack_s or math.inf) - (it.pack_s or 0.0)), it.key))
+        for group in (hide, exposed):
             for it in group:
                 if need <= 0:
                     break
@@ -212,7 +212,7 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
                 moved[tier] += it.nbytes
                 need -= it.nbytes
                 issue_s += rates(figures, tier, params.device_type)[2]
-        exposed_s = bounced_s()
+        exposed_s = queued_s()
         # The budget is a ceiling, not a target: storages that can still move at no
         # predicted cost move too (less device memory at the same predicted step; keeping
         # more resident than needed ran slower, docs/benchmarks.md).
@@ -230,8 +230,8 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
             targets[it.key] = tier
             extra.append((it, tier))
         if extra:
-            extra_exposed = bounced_s()
-            if stall_s() + extra_exposed > before_s + 1e-9:  # they made others bounce
+            extra_exposed = queued_s()
+            if stall_s() + extra_exposed > before_s + 1e-9:  # they exposed others
                 for it, tier in extra:
                     del targets[it.key]
                     moved[tier] -= it.nbytes
