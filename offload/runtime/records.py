@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..errors import UsedAfterCloseError
-from ..tiers.copies import SharedReload
+from ..tiers.copy_tickets import SharedReload
 from .tensor_meta import ViewMeta, rebuild
 from .version_check import SavedOrigin, next_sequence_nr as _next_sequence_nr, version_error, \
     version_sentinel

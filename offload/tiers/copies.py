@@ -118,7 +118,7 @@ import torch
 
 from ..errors import UsedAfterCloseError
 from ..util.trace import NULL_RECORDER, NullRecorder, TraceRecorder
-from .copy_tickets import CopyStats, D2HTicket, H2DTicket, _Pending
+from .copy_tickets import CopyStats, D2HTicket, H2DTicket, SharedReload, _Pending
 from .cuda_backend import GraphCaptureError, TorchCuda as _TorchCuda, refuse_graph_capture
 
 __all__ = ["CopyStreams", "D2HTicket", "H2DTicket", "CopyStats", "SharedReload",
@@ -127,47 +127,6 @@ __all__ = ["CopyStreams", "D2HTicket", "H2DTicket", "CopyStats", "SharedReload",
 _log = logging.getLogger("offload")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
-
-class SharedReload:
-    """A reloaded device storage served to more than one stream (Note 12).
-
-    Created right after the first consumer got the storage (its stream already waits for
-    the copy); ``use_on_current_stream`` makes any later consumer's stream safe. Holds no
-    reference to the storage, so the hooks' weak cache stays weak. Every CUDA reload gets
-    one, and nearly all are only ever used on one stream: the event is made only when a
-    second stream shows up, recorded then on the first stream (behind its wait for the
-    copy, so it also completes after the copy; it may wait for more of that stream's work
-    than needed, which only this rare case pays).
-    """
-
-    __slots__ = ("_backend", "_first", "_ready", "_served")
-
-    def __init__(self, device: torch.device, _backend: Any = None):
-        self._backend = _backend if _backend is not None else _TorchCuda()
-        self._first = self._backend.current_stream(device)
-        self._ready = None
-        self._served = {self._backend.stream_handle(self._first)}
-
-    def use_on_current_stream(self, storage: torch.UntypedStorage, offset: int) -> None:
-        """Make the current stream wait for the reload and keep the block for its kernels.
-
-        `offset`: where the reloaded bytes start in `storage` (a byte of them is the handle
-        `record_stream` is given; the allocator finds the block from it).
-        """
-        b = self._backend
-        stream = b.current_stream(storage.device)
-        handle = b.stream_handle(stream)
-        if handle in self._served:  # its earlier wait is already ahead in stream order
-            return
-        if self._ready is None:
-            self._ready = b.new_event(timing=False)
-            b.record(self._ready, self._first)
-        b.wait_event(stream, self._ready)
-        one_byte = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
-            storage, offset, (1,))
-        b.record_stream(one_byte, stream)
-        self._served.add(handle)
-
 
 class CopyStreams:
     """Offload and prefetch streams of one device, with the copies in flight on them.

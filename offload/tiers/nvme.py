@@ -49,9 +49,9 @@ on the H2D's event. A tensor needed again while its D2H is still pending is serv
 (`device_tensor_if_held`). Without CopyStreams, or with a CPU-only build of the extension,
 the copies are synchronous `copy_` calls (`sync_d2h` / `_copy_in`).
 
-NOTE [One owner] (tiers/base.py) The tier owns every transfer: a `Write` and a `_Read` per
+NOTE [One owner] (tiers/base.py) The tier owns every transfer: a `Write` and a `Read` per
 payload in flight, kept in its queues, with the memory each must keep alive and its clock.
-A payload holds its extent and *references* to its current `Write` / `_Read`, set and
+A payload holds its extent and *references* to its current `Write` / `Read`, set and
 cleared only by the tier; it calls nothing.
 """
 from __future__ import annotations
@@ -71,7 +71,8 @@ from .base import Payload, Tier, flat_bytes, sync_d2h, sync_h2d
 from . import nvme_device, nvme_space, pool
 from ..util.ranges import D2H, WAIT_READ, profiling, span
 from .heap import HeapSettings
-from .nvme_writes import Write, WriteQueue, end_s as end_of
+from .nvme_reads import Read, ReadQueue
+from .nvme_writes import Write, WriteQueue
 
 __all__ = ["NvmeTier"]
 
@@ -92,20 +93,6 @@ class _NoRoom(Exception):
     """The resolved capacity is below MIN_STORE_BYTES (NvmeTier.__init__)."""
 
 
-class _Read:
-    """One payload's read, from `prefetch` / `fetch` until its bytes are handed out."""
-
-    __slots__ = ("nbytes", "future", "buf", "gpu", "start_s", "observed")
-
-    def __init__(self, nbytes: int, future, buf: torch.Tensor | None, gpu: bool) -> None:
-        self.nbytes = nbytes
-        self.future = future    # IoFuture, or the H2DTicket of a read chained to an H2D
-        self.buf = buf          # host memory the read lands in (None when chained)
-        self.gpu = gpu
-        self.start_s = time.perf_counter()
-        self.observed = False   # completion already counted by the tier
-
-
 class _NvmePayload(Payload):
     """An extent in the store and the transfers in flight for it, which the tier sets and
     clears (NOTE [One owner]): the payload itself calls nothing."""
@@ -117,7 +104,7 @@ class _NvmePayload(Payload):
         self.extent = extent
         self.phase = phase      # NOTE [Phase]
         self.write: Write | None = None
-        self.read: _Read | None = None
+        self.read: Read | None = None
         self.released = False
 
 
@@ -181,8 +168,7 @@ class NvmeTier(Tier):
         self._live: set[_NvmePayload] = set()  # stored, not yet released (abort frees them)
         # Reads whose completion is not yet seen, in submission order (the engine serves them
         # first in, first out, so poll looks at the oldest ones only).
-        self._reads: dict[_Read, None] = {}
-        self._deferred: list[_Read] = []             # see NOTE [Deferred free]
+        self._reads = ReadQueue(stats)
         self._writes = WriteQueue(self._store, stats, staging_bytes, CHUNK_BYTES)
         # CPU sources: freed activation RAM should be reused, not returned and refaulted.
         self._heap = HeapSettings(cpu_heap)
@@ -348,20 +334,18 @@ class NvmeTier(Tier):
         if gpu:
             # read → H2D chained in the engine; the ticket holds block and destination
             # until the copy is done (copies Notes 8, 9).
-            read = _Read(nbytes, nvme_device.read_then_h2d(
+            read = Read(nbytes, nvme_device.read_then_h2d(
                 self._copies(payload.device), self._store, payload.extent, block, nbytes),
                 None, True)
         else:
             # Memory of the payload's phase (NOTE [Phase]): a slice of the arena block, or
-            # of a plain buffer. The engine does not hold either (read_ptr): the _Read does,
+            # of a plain buffer. The engine does not hold either (read_ptr): the Read does,
             # and NOTE [Deferred free] covers a release mid-read.
             buf = self._host_buffer(nbytes, phase, block)
-            read = _Read(nbytes, self._store.read_ptr(payload.extent, buf.data_ptr(), nbytes),
-                         buf, False)
+            read = Read(nbytes, self._store.read_ptr(payload.extent, buf.data_ptr(), nbytes),
+                        buf, False)
         payload.read = read
-        self._reads[read] = None
-        if len(self._reads) > self._stats.peak_reads_inflight:
-            self._stats.peak_reads_inflight = len(self._reads)
+        self._reads.add(read)
 
     def fetch(self, payload: _NvmePayload) -> torch.Tensor:
         """The payload's bytes on its device: waits for this payload's read only."""
@@ -390,7 +374,7 @@ class NvmeTier(Tier):
             if not read.gpu:
                 self._stats.add_stall(time.perf_counter() - start, backward=True,
                                       start_s=start, what="wait read")
-            self._observe_read(read)
+            self._reads.observe(read)
             payload.read = None
         if read.gpu:
             self._stats.nvme_read_bytes += payload.nbytes
@@ -398,15 +382,6 @@ class NvmeTier(Tier):
         self._stats.nvme_read_bytes += result
         buf, read.buf = read.buf, None
         return self._copy_in(buf, payload.device)
-
-    def _observe_read(self, read: _Read) -> None:
-        if not read.observed:
-            read.observed = True
-            self._reads.pop(read, None)
-            end_s = end_of(read.future)
-            self._stats.read_clock.add_interval(read.start_s, end_s)
-            self._stats.trace.add(f"read {read.nbytes} B", "nvme read", read.start_s, end_s,
-                                  category="io", args={"bytes": read.nbytes})
 
     def _host_buffer(self, nbytes: int, phase: int, block=None) -> torch.Tensor:
         """`nbytes` of host memory whose address % alignment is `phase`, as a uint8 tensor.
@@ -433,15 +408,7 @@ class NvmeTier(Tier):
     def poll(self) -> None:
         """Retire landed writes (oldest first), note finished reads, free deferred memory."""
         self._writes.poll()
-        done = []
-        for read in self._reads:
-            if not read.future.done():
-                break
-            done.append(read)
-        for read in done:
-            self._observe_read(read)
-        if self._deferred:
-            self._reap_deferred(wait=False)
+        self._reads.poll()
 
     def release(self, payload: _NvmePayload) -> None:
         """Give the payload's extent back at once; never waits for I/O."""
@@ -456,33 +423,16 @@ class NvmeTier(Tier):
             return  # being submitted now: the batch gives it back (NOTE [Write batches])
         read, payload.read = payload.read, None
         if read is not None:
-            self._observe_read(read)
             # The engine keeps the extent's range (and any HostBlock) until its I/O is done,
             # so the extent goes back at once; the raw memory a read_ptr lands in must stay
             # (a write's source stays with its Write in the queue until it is retired).
-            if not read.future.done():
-                self._deferred.append(read)
+            self._reads.defer(read)
         payload.extent.release()
-
-    def _reap_deferred(self, wait: bool) -> None:
-        """Drop the memory kept for released payloads' reads once they are done."""
-        # Swap first: a release triggered by garbage collection while we iterate appends
-        # to the new list instead of the one being walked.
-        pending, self._deferred = self._deferred, []
-        for read in pending:
-            if wait or read.future.done():
-                try:
-                    read.future.wait()
-                except OSError as exc:  # nobody needs these bytes any more
-                    log.debug("offload: I/O of a released payload failed: %s", exc)
-                read.buf = None
-            else:
-                self._deferred.append(read)
 
     def drain(self) -> None:
         """Wait for every write in flight and free deferred memory."""
         self._writes.drain()
-        self._reap_deferred(wait=True)
+        self._reads.reap(wait=True)
 
     def abort(self) -> None:
         for payload in list(self._live):
@@ -498,7 +448,7 @@ class NvmeTier(Tier):
         store, arena = self._store, self._arena
         if store is None:
             return
-        clean = reuse and not self._writes.pending and not self._deferred and not self._reads
+        clean = reuse and not self._writes.pending and self._reads.idle
         try:
             if not clean:
                 self._wait_own_io()
@@ -506,7 +456,6 @@ class NvmeTier(Tier):
             self._stats.nvme_bounced_bytes += store.bytes_bounced - self._bounced_at_open
             self._writes.forget()
             self._reads.clear()
-            self._deferred.clear()
             self._store = self._arena = None
             nvme_space.release(self._dirs, store, keep=clean)
         # Blocks still viewed by live tensors keep their memory; such an arena is dropped
@@ -520,8 +469,7 @@ class NvmeTier(Tier):
         The store may live on (other contexts use it): unlike closing it, this waits only
         for our own requests. Failures are dropped: nobody needs these bytes any more.
         """
-        futures = self._writes.futures()
-        futures += [r.future for r in self._reads] + [r.future for r in self._deferred]
+        futures = self._writes.futures() + self._reads.futures()
         for future in futures:
             try:
                 future.wait()

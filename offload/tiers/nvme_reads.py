@@ -1,0 +1,97 @@
+"""The nvme tier's reads in flight: when each was issued and seen done, and the memory of a
+read whose payload was released before it landed (nvme.py NOTE [Deferred free]).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .nvme_writes import end_s
+
+__all__ = ["Read", "ReadQueue"]
+
+log = logging.getLogger("offload")
+
+
+class Read:
+    """One payload's read, from `prefetch` / `fetch` until its bytes are handed out."""
+
+    __slots__ = ("nbytes", "future", "buf", "gpu", "start_s", "observed")
+
+    def __init__(self, nbytes: int, future, buf: torch.Tensor | None, gpu: bool) -> None:
+        self.nbytes = nbytes
+        self.future = future    # IoFuture, or the H2DTicket of a read chained to an H2D
+        self.buf = buf          # host memory the read lands in (None when chained)
+        self.gpu = gpu
+        self.start_s = time.perf_counter()
+        self.observed = False   # completion already counted
+
+
+class ReadQueue:
+    """Reads whose completion is not yet seen, in submission order (the engine serves them
+    first in, first out, so `poll` looks at the oldest ones only), and the deferred ones."""
+
+    def __init__(self, stats) -> None:
+        self._stats = stats
+        self._reads: dict[Read, None] = {}
+        self._deferred: list[Read] = []
+
+    def add(self, read: Read) -> None:
+        self._reads[read] = None
+        if len(self._reads) > self._stats.peak_reads_inflight:
+            self._stats.peak_reads_inflight = len(self._reads)
+
+    def observe(self, read: Read) -> None:
+        """Count a read's transfer once: its clock and its trace span."""
+        if not read.observed:
+            read.observed = True
+            self._reads.pop(read, None)
+            end = end_s(read.future)
+            self._stats.read_clock.add_interval(read.start_s, end)
+            self._stats.trace.add(f"read {read.nbytes} B", "nvme read", read.start_s, end,
+                                  category="io", args={"bytes": read.nbytes})
+
+    def defer(self, read: Read) -> None:
+        """A released payload's read still in flight: its memory stays until it lands."""
+        self.observe(read)
+        if not read.future.done():
+            self._deferred.append(read)
+
+    def poll(self) -> None:
+        done = []
+        for read in self._reads:
+            if not read.future.done():
+                break
+            done.append(read)
+        for read in done:
+            self.observe(read)
+        if self._deferred:
+            self.reap(wait=False)
+
+    def reap(self, wait: bool) -> None:
+        """Drop the memory kept for released payloads' reads once they are done."""
+        # Swap first: a release triggered by garbage collection while we iterate appends
+        # to the new list instead of the one being walked.
+        pending, self._deferred = self._deferred, []
+        for read in pending:
+            if wait or read.future.done():
+                try:
+                    read.future.wait()
+                except OSError as exc:  # nobody needs these bytes any more
+                    log.debug("offload: I/O of a released payload failed: %s", exc)
+                read.buf = None
+            else:
+                self._deferred.append(read)
+
+    @property
+    def idle(self) -> bool:
+        return not self._reads and not self._deferred
+
+    def futures(self) -> list:
+        return [r.future for r in self._reads] + [r.future for r in self._deferred]
+
+    def clear(self) -> None:
+        self._reads.clear()
+        self._deferred.clear()
