@@ -11,11 +11,14 @@ backward (unpack) time per saved tensor *above* the plain run of the same round.
 the training thread's own CPU time (`time.thread_time`, `--clock thread`, the default):
 what the hooks cost that thread, unmoved by other processes on a shared machine and not
 counting the tier's I/O threads (the I/O itself is asynchronous); `--clock wall` measures
-wall time instead (on a GPU, use wall: the thread sleeps in synchronize).
+wall time instead (on a GPU, use wall: the thread sleeps in synchronize). Every timed step
+starts after `gc.collect()`, so it pays for the collections its own objects cause and not
+for the previous path's.
 
 | path | what it is |
 |---|---|
 | plain | no hooks (the baseline) |
+| identity hooks | `saved_tensors_hooks(lambda t: t, lambda t: t)`: the simplest hook, the floor |
 | save_on_cpu | `torch.autograd.graph.save_on_cpu()` (on a CPU run it still copies) |
 | offload stay | `offload.activations()` with the tensors below OFFLOAD_MIN_BYTES: they stay |
 | offload host | `tiers="host", min_bytes=0` (on a CPU run nothing is copied) |
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -47,6 +51,11 @@ def chain(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def timed_step(x0: torch.Tensor, n: int, ctx, sync, clock) -> tuple[float, float]:
     """(forward seconds, backward seconds) of one chain under `ctx`."""
+    # A full collection first: the garbage collector's generation counters carry over from
+    # step to step, so without it a full collection (~0.1 s with a model's objects alive)
+    # lands on whichever path crosses the threshold, the same one every round. After it, a
+    # step pays only for the collections its own objects cause.
+    gc.collect()
     x = x0.detach().requires_grad_()
     with ctx:
         sync()
@@ -58,6 +67,10 @@ def timed_step(x0: torch.Tensor, n: int, ctx, sync, clock) -> tuple[float, float
         sync()
         t2 = clock()
     return t1 - t0, t2 - t1
+
+
+def _identity(t):
+    return t
 
 
 def empty_step_s(reps: int, kwargs: dict, clock) -> float:
@@ -92,6 +105,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="offload-hookcost-", dir=args.nvme_dir) as nvme:
         paths = {
             "plain": lambda: contextlib.nullcontext(),
+            "identity hooks": lambda: torch.autograd.graph.saved_tensors_hooks(
+                _identity, _identity),
             "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(
                 pin_memory=device.type == "cuda"),
             "offload stay": lambda: offload.activations(tiers="host"),  # default min_bytes
