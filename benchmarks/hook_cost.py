@@ -6,14 +6,19 @@
 
 A chain of N ops (`sin`), each saving one fresh tensor of `--bytes`, runs forward and
 backward under each path; every path is timed in every round, in turn (alternating, so
-drift hits all alike), and the table gives medians over rounds of the forward (pack) and
-backward (unpack) time per saved tensor *above* the plain run of the same round. Time is
+drift hits all alike), and the table gives medians over rounds of the forward (pack),
+backward (unpack) and step-end time per saved tensor *above* the plain run of the same
+round. The step end is the context's exit: with backward inside the block, the runtime
+closes the step there, and what it does per stored storage (its timings, the next plan)
+is part of what a saved tensor costs. Time is
 the training thread's own CPU time (`time.thread_time`, `--clock thread`, the default):
 what the hooks cost that thread, unmoved by other processes on a shared machine and not
 counting the tier's I/O threads (the I/O itself is asynchronous); `--clock wall` measures
-wall time instead (on a GPU, use wall: the thread sleeps in synchronize). Every timed step
-starts after `gc.collect()`, so it pays for the collections its own objects cause and not
-for the previous path's.
+wall time instead (on a GPU, use wall: the thread sleeps in synchronize). Each path runs
+`--steps` steps in a row after one `gc.collect()`, so it pays, on average, for the garbage
+collections its own objects cause (`timed_block`); the `objects` column says how many
+tracked Python objects each saved tensor keeps alive through the step (what those
+collections walk).
 
 | path | what it is |
 |---|---|
@@ -49,13 +54,9 @@ def chain(x: torch.Tensor, n: int) -> torch.Tensor:
     return x
 
 
-def timed_step(x0: torch.Tensor, n: int, ctx, sync, clock) -> tuple[float, float]:
-    """(forward seconds, backward seconds) of one chain under `ctx`."""
-    # A full collection first: the garbage collector's generation counters carry over from
-    # step to step, so without it a full collection (~0.1 s with a model's objects alive)
-    # lands on whichever path crosses the threshold, the same one every round. After it, a
-    # step pays only for the collections its own objects cause.
-    gc.collect()
+def timed_step(x0: torch.Tensor, n: int, ctx, sync, clock) -> tuple[float, float, float]:
+    """(forward, backward, step end) seconds of one chain under `ctx`: the step end is the
+    context's exit, where the runtime closes the step (its per-storage bookkeeping too)."""
     x = x0.detach().requires_grad_()
     with ctx:
         sync()
@@ -66,7 +67,50 @@ def timed_step(x0: torch.Tensor, n: int, ctx, sync, clock) -> tuple[float, float
         y.sum().backward()
         sync()
         t2 = clock()
-    return t1 - t0, t2 - t1
+    sync()
+    t3 = clock()
+    return t1 - t0, t2 - t1, t3 - t2
+
+
+def timed_block(x0: torch.Tensor, n: int, make, steps: int, sync,
+                clock) -> tuple[float, ...]:
+    """Mean (forward, backward, step end) seconds over `steps` consecutive steps.
+
+    The garbage collector is part of what a saved tensor costs: every Python object that
+    outlives its step's young collections moves to the oldest generation, and after enough
+    of them (a quarter of all objects alive) comes a full collection, which walks every
+    object of the process (~0.1 s with torch loaded). A single step after `gc.collect()`
+    hides that cost, or charges all of it, depending on whether its objects cross the
+    threshold. So the block starts with one full collection (nothing left over from the
+    previous path) and then runs `steps` steps in a row, each paying, on average, for the
+    collections its own objects cause.
+    """
+    gc.collect()
+    total = [0.0, 0.0, 0.0]
+    for _ in range(steps):
+        for i, t in enumerate(timed_step(x0, n, make(), sync, clock)):
+            total[i] += t
+    return tuple(t / steps for t in total)
+
+
+def objects_kept(x0: torch.Tensor, n: int, ctx) -> int:
+    """Python objects the garbage collector tracks that were made during the forward and
+    are alive at its end (the chain's own tensors included): what reaches the old
+    generation. A young collection first untracks what it never needs to walk again
+    (tuples and dicts of plain values)."""
+    gc.collect()
+    gc.disable()
+    try:
+        x = x0.detach().requires_grad_()
+        with ctx:
+            before = len(gc.get_objects())
+            y = chain(x, n)
+            gc.collect(1)
+            alive = len(gc.get_objects()) - before
+            y.sum().backward()
+    finally:
+        gc.enable()
+    return alive
 
 
 def _identity(t):
@@ -86,6 +130,8 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=5000, help="saved tensors per step")
     ap.add_argument("--bytes", type=int, default=4096, help="bytes of each saved tensor")
     ap.add_argument("--rounds", type=int, default=9, help="alternating rounds (median)")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="consecutive steps per path and round (see timed_block)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
@@ -94,6 +140,10 @@ def main() -> int:
                     help="parent directory of the nvme tier's temporary directory")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
+    for name in ("tensors", "bytes", "rounds", "steps"):
+        if getattr(args, name) < (4 if name == "bytes" else 1):
+            ap.error(f"--{name}={getattr(args, name)}: must be at least "
+                     f"{4 if name == 'bytes' else 1}")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
     torch.set_num_threads(args.threads)
@@ -116,38 +166,40 @@ def main() -> int:
         }
         for make in paths.values():  # warm-up: stores, arenas, first-call costs
             timed_step(x0, n, make(), sync, clock)
-        fwd: dict[str, list[float]] = {k: [] for k in paths}
-        bwd: dict[str, list[float]] = {k: [] for k in paths}
+        objects = {name: objects_kept(x0, n, make()) for name, make in paths.items()}
+        parts = ("forward_us", "backward_us", "end_us")
+        times: dict[str, dict[str, list[float]]] = {k: {p: [] for p in parts} for k in paths}
         for r in range(args.rounds):
-            base_f, base_b = timed_step(x0, n, paths["plain"](), sync, clock)
+            base = timed_block(x0, n, paths["plain"], args.steps, sync, clock)
             for name, make in paths.items():
-                if name == "plain":
-                    fwd[name].append(base_f / n)
-                    bwd[name].append(base_b / n)
-                    continue
-                f, b = timed_step(x0, n, make(), sync, clock)
-                fwd[name].append((f - base_f) / n)
-                bwd[name].append((b - base_b) / n)
+                got = base if name == "plain" else timed_block(x0, n, make, args.steps, sync,
+                                                               clock)
+                for part, t, b in zip(parts, got, base):
+                    times[name][part].append(t / n if name == "plain" else (t - b) / n)
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         empty = statistics.median(empty_step_s(200, {"tiers": "host"}, clock)
                                   for _ in range(5))
         offload.empty_cache()
     us = 1e6
-    rows = {name: {"forward_us": statistics.median(fwd[name]) * us,
-                   "backward_us": statistics.median(bwd[name]) * us} for name in paths}
-    print(f"\n{n} saved tensors of {args.bytes} B, {device}, {args.threads} thread(s), "
-          f"{args.clock} clock, medians of {args.rounds} alternating rounds (µs per saved "
-          f"tensor; plain: absolute, others: above plain)\n")
-    print("| path | forward (pack) | backward (unpack) | total |")
-    print("|---|---|---|---|")
+    rows = {name: {part: statistics.median(times[name][part]) * us for part in parts}
+            for name in paths}
     for name, row in rows.items():
+        row["objects"] = (objects[name] - (0 if name == "plain" else objects["plain"])) / n
+    print(f"\n{n} saved tensors of {args.bytes} B, {device}, {args.threads} thread(s), "
+          f"{args.clock} clock, blocks of {args.steps} steps, medians of {args.rounds} "
+          f"alternating rounds (µs per saved tensor; plain: absolute, others: above plain; "
+          f"objects: tracked Python objects alive after the forward, per saved tensor)\n")
+    print("| path | forward (pack) | backward (unpack) | step end (exit) | total | objects |")
+    print("|---|---|---|---|---|---|")
+    for name, row in rows.items():
+        total = row["forward_us"] + row["backward_us"] + row["end_us"]
         print(f"| {name} | {row['forward_us']:.1f} | {row['backward_us']:.1f} | "
-              f"{row['forward_us'] + row['backward_us']:.1f} |")
+              f"{row['end_us']:.1f} | {total:.1f} | {row['objects']:.1f} |")
     print(f"\nempty step (build, enter, exit a context): {empty * us:.0f} µs")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tensors": n, "bytes": args.bytes, "device": str(device),
-                       "clock": args.clock,
+                       "clock": args.clock, "steps": args.steps,
                        "threads": args.threads, "rounds": args.rounds, "rows": rows,
                        "empty_step_us": empty * us, "torch": torch.__version__}, f, indent=1)
     return 0

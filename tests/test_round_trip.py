@@ -101,3 +101,74 @@ def test_safety_below_one_is_rejected():
         pays_off(1.0, 0.1, 0.1, safety=0.5)
     with pytest.raises(ValueError, match=r"safety=0.9: must be >= 1"):
         keep_on_device([], LinkSpeed(1e9, 1e9), safety=0.9)
+
+
+# --- The step end learns from columns (round_trip._Columns): it must decide exactly what the
+# plain per-object simulation below decides (the algorithm as first written: one dict per
+# round, sorted again each round), ties and never-unpacked tensors included.
+
+def _reference_windows(items, link):
+    out_done, busy_until = {}, -math.inf
+    for t in sorted(items, key=lambda t: t.pack_s):
+        start = max(t.pack_s, busy_until)
+        busy_until = out_done[t.key] = start + link.out_s(t.nbytes)
+    free_from, in_start = math.inf, {}
+    for t in sorted(items, key=lambda t: -math.inf if t.unpack_s is None else t.unpack_s,
+                    reverse=True):
+        if t.unpack_s is None:
+            in_start[t.key] = math.inf
+            continue
+        finish = min(t.unpack_s, free_from)
+        free_from = in_start[t.key] = finish - link.in_s(t.nbytes)
+    return {t.key: (out_done[t.key], in_start[t.key]) for t in items}
+
+
+def _reference_keep(timings, link, safety=1.5):
+    gap = lambda t: math.inf if t.unpack_s is None else t.unpack_s - t.pack_s  # noqa: E731
+    moving, keep = {t.key: t for t in timings}, set()
+    while moving:
+        windows = _reference_windows(list(moving.values()), link)
+        failing = [t for key, t in moving.items() if windows[key][1] - windows[key][0]
+                   < (safety - 1.0) * (link.out_s(t.nbytes) + link.in_s(t.nbytes))]
+        if not failing:
+            break
+        failing.sort(key=gap)
+        for t in failing[:max(1, len(failing) // 2)]:
+            keep.add(t.key)
+            del moving[t.key]
+    return keep, gap
+
+
+def _random_step(rng, n):
+    # Coarse grids make ties in pack, unpack and gap common; some never come back.
+    return [TensorTiming(key=(i, nb), nbytes=nb, pack_s=rng.randrange(50) * 1e-3,
+                         unpack_s=None if rng.random() < 0.1 else 0.05 + rng.randrange(50) * 1e-3)
+            for i in range(n) for nb in [rng.choice((1, 2, 4, 8)) * MiB]]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_column_engine_decides_as_the_per_object_simulation(seed):
+    from offload.runtime.round_trip import RoundTripPlan
+
+    rng = random.Random(seed)
+    timings = _random_step(rng, rng.randrange(1, 120))
+    link = LinkSpeed(rng.choice((0.2e9, 1e9, 5e9)), rng.choice((0.2e9, 1e9, 5e9)),
+                     rng.choice((0.0, 1e-5)))
+    assert free_windows(timings, link) == _reference_windows(timings, link)
+    keep, gap = _reference_keep(timings, link)
+    assert keep_on_device(timings, link) == keep
+    # The plan's cap: shortest gaps first (ties: the earlier tensor), skipping what does
+    # not fit; from TensorTimings and from a timeline's columns alike.
+    fraction = rng.choice((0.1, 0.3, 1.0))
+    budget, chosen, total = fraction * sum(t.nbytes for t in timings), set(), 0
+    for t in sorted((t for t in timings if t.key in keep), key=gap):
+        if total + t.nbytes <= budget:
+            chosen.add(t.key)
+            total += t.nbytes
+    plan = RoundTripPlan(max_fraction=fraction)
+    plan.learn(timings, link)
+    assert plan.keep == chosen
+    columns = RoundTripPlan(max_fraction=fraction)
+    columns.learn_columns([t.key[0] for t in timings], [t.nbytes for t in timings],
+                          [t.pack_s for t in timings], [t.unpack_s for t in timings], link)
+    assert columns.keep == chosen

@@ -113,25 +113,9 @@ def free_windows(timings: Iterable[TensorTiming], link: LinkSpeed
     ``out_done_s`` to ``in_start_s``; a window that is short or negative means it bounces.
     Tensors never unpacked get ``in_start_s = inf``.
     """
-    items = list(timings)
-    windows: dict[Hashable, tuple[float, float]] = {}
-    out_done: dict[Hashable, float] = {}
-    busy_until = -math.inf
-    for t in sorted(items, key=lambda t: t.pack_s):
-        start = max(t.pack_s, busy_until)
-        busy_until = out_done[t.key] = start + link.out_s(t.nbytes)
-    free_from = math.inf   # the in-link is free before this time (filled backwards)
-    in_start: dict[Hashable, float] = {}
-    for t in sorted(items, key=lambda t: -math.inf if t.unpack_s is None else t.unpack_s,
-                    reverse=True):
-        if t.unpack_s is None:
-            in_start[t.key] = math.inf
-            continue
-        finish = min(t.unpack_s, free_from)
-        free_from = in_start[t.key] = finish - link.in_s(t.nbytes)
-    for t in items:
-        windows[t.key] = (out_done[t.key], in_start[t.key])
-    return windows
+    cols = _Columns.of(timings, link)
+    out_done, in_start = cols.windows([True] * len(cols.keys))
+    return {key: (out_done[i], in_start[i]) for i, key in enumerate(cols.keys)}
 
 
 def keep_on_device(timings: Iterable[TensorTiming], link: LinkSpeed, *,
@@ -146,27 +130,82 @@ def keep_on_device(timings: Iterable[TensorTiming], link: LinkSpeed, *,
     returned is valid (every tensor still moved passes) though not necessarily minimal.
     """
     _check_safety(safety)
-    moving = {t.key: t for t in timings}
-    keep: set[Hashable] = set()
-    while moving:
-        windows = free_windows(moving.values(), link)
-        failing = []
-        for key, t in moving.items():
-            done_s, start_s = windows[key]
-            need_s = max(min_free_s, (safety - 1.0) * (link.out_s(t.nbytes) + link.in_s(t.nbytes)))
-            if start_s - done_s < need_s:
-                failing.append(t)
-        if not failing:
-            break
-        failing.sort(key=_gap_s)
-        for t in failing[:max(1, len(failing) // 2)]:
-            keep.add(t.key)
-            del moving[t.key]
-    return keep
+    cols = _Columns.of(timings, link)
+    return {cols.keys[i] for i in cols.keep(safety, min_free_s)}
 
 
-def _gap_s(t: TensorTiming) -> float:
-    return math.inf if t.unpack_s is None else t.unpack_s - t.pack_s
+class _Columns:
+    """Timings as parallel lists, each tensor an index (in first-seen key order), with both
+    queue orders sorted once: the step end runs this over thousands of storages, so a round
+    makes no object per tensor. The arithmetic is the plain sequential one, in the same
+    order as written in the docs above (no vectorized re-association: same floats)."""
+
+    __slots__ = ("keys", "nbytes", "pack_s", "unpack_s", "out_s", "in_s", "by_pack",
+                 "by_unpack")
+
+    def __init__(self, keys, nbytes, pack_s, unpack_s: list, link: LinkSpeed) -> None:
+        self.keys, self.nbytes, self.pack_s, self.unpack_s = keys, nbytes, pack_s, unpack_s
+        self.out_s = [link.out_s(b) for b in nbytes]
+        self.in_s = [link.in_s(b) for b in nbytes]
+        n = len(keys)
+        self.by_pack = sorted(range(n), key=pack_s.__getitem__)
+        # Latest unpack first; never unpacked (None) last. Stable: ties keep key order.
+        self.by_unpack = sorted(range(n), key=lambda i: -math.inf if unpack_s[i] is None
+                                else unpack_s[i], reverse=True)
+
+    @classmethod
+    def of(cls, timings: Iterable[TensorTiming], link: LinkSpeed) -> "_Columns":
+        # Keys are unique; a repeated one counts once (its last timing, in its first place).
+        last = {t.key: t for t in timings}
+        items = list(last.values())
+        return cls([t.key for t in items], [t.nbytes for t in items],
+                   [t.pack_s for t in items], [t.unpack_s for t in items], link)
+
+    def windows(self, moving: list[bool]) -> tuple[list[float], list[float]]:
+        """`free_windows` of the tensors with `moving[i]`: (out_done_s, in_start_s)."""
+        n = len(self.keys)
+        out_done = [0.0] * n
+        in_start = [math.inf] * n
+        pack_s, unpack_s, out_s, in_s = self.pack_s, self.unpack_s, self.out_s, self.in_s
+        busy_until = -math.inf
+        for i in self.by_pack:
+            if moving[i]:
+                start = max(pack_s[i], busy_until)
+                busy_until = out_done[i] = start + out_s[i]
+        free_from = math.inf   # the in-link is free before this time (filled backwards)
+        for i in self.by_unpack:
+            if moving[i]:
+                unpack = unpack_s[i]
+                if unpack is None:
+                    continue   # in_start stays inf
+                finish = min(unpack, free_from)
+                free_from = in_start[i] = finish - in_s[i]
+        return out_done, in_start
+
+    def gap_s(self, i: int) -> float:
+        unpack = self.unpack_s[i]
+        return math.inf if unpack is None else unpack - self.pack_s[i]
+
+    def keep(self, safety: float, min_free_s: float) -> list[int]:
+        """`keep_on_device`, as indices in the order they were kept."""
+        n = len(self.keys)
+        need = [max(min_free_s, (safety - 1.0) * (self.out_s[i] + self.in_s[i]))
+                for i in range(n)]
+        moving = [True] * n
+        left = n
+        kept: list[int] = []
+        while left:
+            out_done, in_start = self.windows(moving)
+            failing = [i for i in range(n)
+                       if moving[i] and in_start[i] - out_done[i] < need[i]]
+            if not failing:
+                break
+            failing.sort(key=self.gap_s)
+            for i in failing[:max(1, len(failing) // 2)]:
+                kept.append(i)
+                moving[i] = False
+                left -= 1
+        return kept
 
 
 def _check_safety(safety: float) -> None:
@@ -192,21 +231,40 @@ class RoundTripPlan:
 
     def learn(self, timings: Iterable[TensorTiming], link: LinkSpeed | None) -> None:
         """Plan the next step from this step's moved storages and measured speeds."""
-        timings = list(timings)
         self.link = link
-        if link is None or not timings:
+        if link is None:
             self.keep = frozenset()
             return
-        keep = keep_on_device(timings, link, safety=self.safety)
-        # Shortest pack → unpack gaps first, up to the cap.
-        budget = self.max_fraction * sum(t.nbytes for t in timings)
-        chosen, total = set(), 0
-        for t in sorted((t for t in timings if t.key in keep), key=_gap_s):
-            if total + t.nbytes > budget:
+        cols = _Columns.of(timings, link)
+        self.keep = frozenset(cols.keys[i] for i in self._choose(cols))
+
+    def learn_columns(self, positions, nbytes, pack_s, unpack_s: list,
+                      link: LinkSpeed | None) -> None:
+        """`learn` from a step's timeline as columns (Timeline.columns()): row i has the
+        key ``(positions[i], nbytes[i])``; `unpack_s[i]` is None when never unpacked. Only
+        the kept rows' keys are made (no object per row)."""
+        self.link = link
+        if link is None:
+            self.keep = frozenset()
+            return
+        cols = _Columns(range(len(positions)), nbytes, pack_s, unpack_s, link)
+        self.keep = frozenset((positions[i], nbytes[i]) for i in self._choose(cols))
+
+    def _choose(self, cols: _Columns) -> list[int]:
+        """Rows to keep: those whose round trip does not pay off, shortest pack → unpack
+        gaps first, up to the cap."""
+        if not cols.keys:
+            return []
+        budget = self.max_fraction * sum(cols.nbytes)
+        chosen, total = [], 0
+        # Row order, then by gap (stable): ties go to the earlier row.
+        for i in sorted(sorted(cols.keep(self.safety, 0.0)), key=cols.gap_s):
+            nbytes = cols.nbytes[i]
+            if total + nbytes > budget:
                 continue   # a smaller one with a longer gap may still fit
-            chosen.add(t.key)
-            total += t.nbytes
-        self.keep = frozenset(chosen)
+            chosen.append(i)
+            total += nbytes
+        return chosen
 
 
 def plan_for(model: Any, key: Hashable) -> RoundTripPlan | None:

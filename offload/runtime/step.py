@@ -40,7 +40,7 @@ from ..tiers.base import Tier
 from ..util.stats import Stats
 from .hooks import OffloadHooks
 from .records import Ledger
-from .round_trip import LinkSpeed, RoundTripPlan, TensorTiming
+from .round_trip import LinkSpeed, RoundTripPlan
 from .subclasses import note_unmoved
 from .timeline import Timeline
 
@@ -67,11 +67,17 @@ class StepReport:
     """What the policy's scheduler gets of a step when it is over."""
 
     stats: Stats
-    rows: list                       # Timeline.rows(): [key, nbytes, pack_s, unpack_s]
+    timeline: Any                    # when each stored storage was packed and unpacked
     first_unpack_s: float | None     # where the backward started (host time)
     backward_mark: Any               # ... on the hooks' clock (None without one)
     end_s: float
     training: bool                   # NOTE [Training step]
+
+    @property
+    def rows(self) -> list:
+        """Timeline.rows(): [key, nbytes, pack_s, unpack_s] per stored storage (made on
+        demand: only a scheduler that plans from them pays for an object per row)."""
+        return self.timeline.rows()
 
 
 class Step:
@@ -175,7 +181,7 @@ class Step:
             log.exception("offload: could not update the round-trip plan")
         training = timed and self.hooks.first_unpack_s is not None \
             and _dynamo_frames() == self._compiled_at_start   # NOTE [Training step]
-        report = StepReport(self.stats, self.timeline.rows() if self.after_finish else [],
+        report = StepReport(self.stats, self.timeline,
                             self.hooks.first_unpack_s, self.hooks.backward_mark, end_s,
                             training)
         for learn in self.after_finish:
@@ -201,13 +207,18 @@ class Step:
         if self.round_trip is None:
             return
         s = self.stats
-        # Speeds of the path the bytes took (see Stats.BusyClock).
+        # Speeds of the path the bytes took (see Stats.BusyClock; each figure is a union
+        # of busy intervals: read once).
         link = None
-        if s.nvme_written_bytes and s.nvme_write_gbps > 0 and s.nvme_read_gbps > 0:
-            link = LinkSpeed(s.nvme_write_gbps * 1e9, s.nvme_read_gbps * 1e9)
-        elif s.d2h_bytes and s.d2h_gbps > 0 and s.h2d_gbps > 0:
-            link = LinkSpeed(s.d2h_gbps * 1e9, s.h2d_gbps * 1e9)
-        self.round_trip.learn((TensorTiming(*t) for t in self.timeline.rows()), link)
+        for moved, speeds in ((s.nvme_written_bytes, lambda: (s.nvme_write_gbps,
+                                                               s.nvme_read_gbps)),
+                              (s.d2h_bytes, lambda: (s.d2h_gbps, s.h2d_gbps))):
+            if moved:
+                out_gbps, in_gbps = speeds()
+                if out_gbps > 0 and in_gbps > 0:
+                    link = LinkSpeed(out_gbps * 1e9, in_gbps * 1e9)
+                    break
+        self.round_trip.learn_columns(*self.timeline.columns(), link)
 
     def _write_trace(self, end_s: float) -> None:
         """Add the compute spans and write OFFLOAD_TRACE (never fails the step)."""

@@ -4,7 +4,8 @@
 Rows live in flat arrays (no Python object per storage: the garbage collector walks every
 tracked object again and again while a step holds thousands). A record keeps its row's index
 and marks its first unpack; `rows()` gives `[key, nbytes, pack_s, unpack_s]` per row, the key
-being (position among the step's stored storages, nbytes), as placement sees it.
+being (position among the step's stored storages, nbytes), as placement sees it, and
+`columns()` the same without an object per row (what the step end learns from).
 """
 from __future__ import annotations
 
@@ -44,6 +45,12 @@ class Timeline:
             out.append([(position, nbytes), nbytes, self._pack_s[i],
                         None if math.isnan(unpack_s) else unpack_s])
         return out
+
+    def columns(self) -> tuple:
+        """(positions, nbytes, pack_s, unpack_s): the rows as columns, unpack_s None where
+        never unpacked (RoundTripPlan.learn_columns; no object per row)."""
+        unpack_s = [None if math.isnan(u) else u for u in self._unpack_s]
+        return self._position, self._nbytes, self._pack_s, unpack_s
 
     def __len__(self) -> int:
         return len(self._pack_s)
