@@ -45,7 +45,6 @@ from .version_check import SavedOrigin, next_sequence_nr as _next_sequence_nr, v
 __all__ = ["Ledger", "Record", "Kept", "SmallKept", "Moved", "PackedSubclass"]
 
 _UNSET: Any = object()
-_free_weak_ref = torch.UntypedStorage._free_weak_ref
 
 
 class Ledger:
@@ -130,7 +129,7 @@ class Record:
 
     __slots__ = ("tier", "payload", "nbytes", "resident", "meta", "ledger", "prefetcher",
                  "handles_left", "cache", "cache_ref", "cache_offset", "shared", "timeline",
-                 "row", "storage_key", "version", "__weakref__")
+                 "row", "storage_ref", "version", "__weakref__")
 
     def __init__(self, tier, payload, nbytes: int, resident: bool, meta: ViewMeta | None,
                  ledger: Ledger, prefetcher) -> None:
@@ -150,8 +149,8 @@ class Record:
         self.shared: SharedReload | None = None  # a CUDA storage's streams (NOTE [Unpack cache])
         self.timeline = None          # the step's Timeline, when this storage is timed
         self.row = -1                 # ... and its row there
-        self.storage_key = 0          # set by the StorageIndex: a C++ weak reference to the
-        self.version = -1             # storage (tensor_meta NOTE [Storage identity]), version
+        self.storage_ref = None       # set by the StorageIndex: the storage, weakly
+        self.version = -1             # ... at the version it was stored
         ledger.record_made(self)
 
     def load(self) -> tuple[torch.UntypedStorage, int]:
@@ -186,8 +185,6 @@ class Record:
 
     def __del__(self) -> None:
         try:
-            if self.storage_key:
-                _free_weak_ref(self.storage_key)
             self.ledger.record_freed(self)
         except Exception:  # interpreter shutdown or a closed tier: nothing left to free
             pass

@@ -1,14 +1,10 @@
 """What a saved tensor *is*, apart from its bytes: storage identity, view layout, parameters.
 
 NOTE [Storage identity] Autograd often saves several views of one storage (q, k, v split
-from one qkv output; `weight.t()`). We key by the id of the storage's Python object (torch
-keeps that object alive exactly as long as the storage itself) and check a hit against the
-record's weak reference to the storage *itself*, the C++ one (`storage._weak_ref()`: an
-int, no Python object per record): while it is held, the storage's memory is not given to
-another storage, so an equal `_cdata` is the same storage, dead or alive, and a storage
-that died never matches a new one, even when its id is reused. A plain `data_ptr()` key is
-unsafe: once an offloaded storage is freed, the allocator hands the same address to the
-next tensor.
+from one qkv output; `weight.t()`). We key by the storage's Python object: torch keeps that
+object alive exactly as long as the storage itself, so a weak reference to it dies with the
+storage, and its id cannot be reused while it is alive. A plain `data_ptr()` key is unsafe:
+once an offloaded storage is freed, the allocator hands the same address to the next tensor.
 
 NOTE [Versions] Views share their base's version counter. Two saves of one storage at
 different versions hold different data (an in-place op ran in between), so the dedup key is
@@ -130,8 +126,8 @@ class StorageIndex:
     grows, so a save never comes back to an older version of a storage; aliases with
     counters of their own dedup by layout (NOTE [Untracked aliases]). An entry holds the
     record weakly (a record whose saved tensors are all gone is not kept alive) and the
-    record holds its storage by a C++ weak reference: a storage that died never matches
-    again, even when its id is reused (NOTE [Storage identity]). Dead entries stay until the step ends: no
+    record holds its storage weakly: a storage that died never matches again, even when its
+    id is reused (NOTE [Storage identity]). Dead entries stay until the step ends: no
     callback per entry (a closure per stored storage, and more for the garbage collector).
     """
 
@@ -147,15 +143,14 @@ class StorageIndex:
         if ref is None:
             return None
         record = ref()
-        if record is None or record.version != version or record.storage_key != storage._cdata:
+        if record is None or record.version != version or record.storage_ref() is not storage:
             return None
         return record
 
     def add(self, storage: torch.UntypedStorage, version: int, record: Any,
             layout: tuple | None = None) -> None:
-        """Index `record` (which must have `storage_key` and `version` slots, and free the
-        weak reference in `storage_key` when it dies: records.py)."""
-        record.storage_key = storage._weak_ref()
+        """Index `record` (which must have `storage_ref` and `version` slots)."""
+        record.storage_ref = weakref.ref(storage)
         record.version = version
         self._map[id(storage) if layout is None else (id(storage), layout)] = weakref.ref(record)
 
