@@ -191,6 +191,7 @@ class OffloadHooks:
         # An untracked alias is moved as a private copy of its own elements (tensor_meta
         # NOTE [Untracked aliases]): a tier must never read its storage after pack returns.
         nbytes = t.nbytes if untracked else storage.nbytes()
+        saved_storage = storage   # the record refers to it (what the index matches)
         position = self._stored
         self._stored += 1
         placement = self.placement
@@ -227,7 +228,8 @@ class OffloadHooks:
         if payload is not None and tier.prefetchable(payload):
             prefetcher = self.prefetcher
             prefetcher.register(tier, payload)
-        record = Record(tier, payload, nbytes, resident, meta, self.ledger, prefetcher)
+        record = Record(saved_storage, tier, payload, nbytes, resident, meta, self.ledger,
+                        prefetcher)
         if payload is not None or round_trip_kept:
             # A storage the plan kept is timed too: otherwise the next plan, learning from
             # moved storages only, forgets it and moves it again (keep/move every other step).

@@ -124,15 +124,25 @@ class Ledger:
                 self.stats.resident_bytes -= freed
 
 
-class Record:
-    """One stored storage: where its bytes are (tier and payload; none when kept)."""
+class Record(weakref.ref):
+    """One stored storage: where its bytes are (tier and payload; none when kept).
+
+    The record *is* a weak reference to the storage it was made for (`record()`: the storage
+    while it lives): the storage index checks a hit with it (tensor_meta NOTE [Storage
+    identity]), and it is one object fewer per stored storage than a record holding a
+    separate weak reference (every object a save keeps alive costs the garbage collector;
+    docs/benchmarks.md *Hook cost*).
+    """
 
     __slots__ = ("tier", "payload", "nbytes", "resident", "meta", "ledger", "prefetcher",
                  "handles_left", "cache", "cache_ref", "cache_offset", "shared", "timeline",
-                 "row", "storage_ref", "version", "__weakref__")
+                 "row", "version", "__weakref__")
 
-    def __init__(self, tier, payload, nbytes: int, resident: bool, meta: ViewMeta | None,
-                 ledger: Ledger, prefetcher) -> None:
+    def __new__(cls, storage: torch.UntypedStorage, *args, **kwargs) -> "Record":
+        return super().__new__(cls, storage)  # no callback: the other arguments are ours
+
+    def __init__(self, storage: torch.UntypedStorage, tier, payload, nbytes: int,
+                 resident: bool, meta: ViewMeta | None, ledger: Ledger, prefetcher) -> None:
         self.tier = tier              # None when kept
         self.payload = payload
         self.nbytes = nbytes
@@ -149,8 +159,7 @@ class Record:
         self.shared: SharedReload | None = None  # a CUDA storage's streams (NOTE [Unpack cache])
         self.timeline = None          # the step's Timeline, when this storage is timed
         self.row = -1                 # ... and its row there
-        self.storage_ref = None       # set by the StorageIndex: the storage, weakly
-        self.version = -1             # ... at the version it was stored
+        self.version = -1             # set by the StorageIndex: the version it was stored at
         ledger.record_made(self)
 
     def load(self) -> tuple[torch.UntypedStorage, int]:

@@ -3,8 +3,10 @@
 NOTE [Storage identity] Autograd often saves several views of one storage (q, k, v split
 from one qkv output; `weight.t()`). We key by the storage's Python object: torch keeps that
 object alive exactly as long as the storage itself, so a weak reference to it dies with the
-storage, and its id cannot be reused while it is alive. A plain `data_ptr()` key is unsafe:
-once an offloaded storage is freed, the allocator hands the same address to the next tensor.
+storage, and its id cannot be reused while it is alive. The record is that weak reference
+(records.py: `Record` is a `weakref.ref` of its storage), and a hit counts only when it
+still names the very storage looked up. A plain `data_ptr()` key is unsafe: once an
+offloaded storage is freed, the allocator hands the same address to the next tensor.
 
 NOTE [Versions] Views share their base's version counter. Two saves of one storage at
 different versions hold different data (an in-place op ran in between), so the dedup key is
@@ -143,14 +145,14 @@ class StorageIndex:
         if ref is None:
             return None
         record = ref()
-        if record is None or record.version != version or record.storage_ref() is not storage:
+        if record is None or record.version != version or record() is not storage:
             return None
         return record
 
     def add(self, storage: torch.UntypedStorage, version: int, record: Any,
             layout: tuple | None = None) -> None:
-        """Index `record` (which must have `storage_ref` and `version` slots)."""
-        record.storage_ref = weakref.ref(storage)
+        """Index `record`: a weak reference to `storage` (records.Record) with a `version`
+        slot."""
         record.version = version
         self._map[id(storage) if layout is None else (id(storage), layout)] = weakref.ref(record)
 

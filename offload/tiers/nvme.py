@@ -40,13 +40,9 @@ write's source stays with its `Write` (the write queue holds the payload) until 
 payload or not; a read still in flight when its payload is released (a prefetched tensor
 never used) goes to a deferred list, dropped when `poll` sees it done. `release` never blocks.
 
-CUDA sources (with the context's CopyStreams and a CUDA build of the extension): `store`
-starts the D2H into a pinned staging block on the offload stream and chains the write after
-its event in the engine (nvme_device.write_after_d2h, copies Notes 1-4): the forward
-never waits for the copy or the disk. `prefetch` chains read → H2D on the prefetch stream in
-the engine (nvme_device.read_then_h2d, Notes 6-10); `fetch` makes the consuming stream wait
-on the H2D's event. A tensor needed again while its D2H is still pending is served from the source
-(`device_tensor_if_held`). Without CopyStreams, or with a CPU-only build of the extension,
+CUDA sources with the context's CopyStreams and a CUDA build of the extension: the D2H →
+write and read → H2D chains run in the engine (nvme_device.py); a tensor needed again
+while its D2H is pending is served from the source (`device_tensor_if_held`). Otherwise
 the copies are synchronous `copy_` calls (`sync_d2h` / `_copy_in`).
 
 NOTE [One owner] (tiers/base.py) The tier owns every transfer: a `Write` and a `Read` per
@@ -69,28 +65,16 @@ from ..util.sizes import format_bytes
 from ..util.stats import Stats
 from .base import Payload, Tier, flat_bytes, sync_d2h, sync_h2d
 from . import nvme_device, nvme_space, pool
+from .nvme_space import CHUNK_BYTES
 from ..util.ranges import D2H, WAIT_READ, profiling, span
 from .heap import HeapSettings
-from .nvme_reads import Read, ReadQueue
+from .nvme_reads import Read, ReadQueue, phase_buffer
 from .nvme_writes import Write, WriteQueue
 
 __all__ = ["NvmeTier"]
 
-# Engine chunk (and stripe) size. Every chunk that completes wakes an I/O thread, which on a
-# machine with few cores preempts a compute thread: fewer, larger chunks (no loss of disk
-# throughput; docs/benchmarks.md, *Why the runtime's constants*).
-CHUNK_BYTES = 4 << 20
-
-# A store smaller than one 1 MiB stripe per directory is not worth reserving: the tier
-# then has no room (full from the start), instead of failing to open.
-MIN_STORE_BYTES = 1 << 20
-
 log = logging.getLogger("offload")
 _NO_SPAN = contextlib.nullcontext()
-
-
-class _NoRoom(Exception):
-    """The resolved capacity is below MIN_STORE_BYTES (NvmeTier.__init__)."""
 
 
 class _NvmePayload(Payload):
@@ -124,8 +108,9 @@ class NvmeTier(Tier):
 
         Args:
             capacity_bytes: Called only when a new store must be made (it stats the disk).
-                Below `MIN_STORE_BYTES` the tier has no room: every `store` returns None, so
-                tensors spill to the next tier, stay with a warning, or raise TierFullError.
+                Below `nvme_space.MIN_STORE_BYTES` the tier has no room: every `store`
+                returns None, so tensors spill to the next tier, stay with a warning, or
+                raise TierFullError.
             capacity_key: What the capacity was derived from (the OFFLOAD_NVME_BYTES spec);
                 with `workers` and `checksum` it decides whether an idle store fits.
             copies: Returns the context's CopyStreams for a CUDA device; with a CUDA build
@@ -140,30 +125,9 @@ class NvmeTier(Tier):
         self._store = None
         self._arena = None
         self._closed = False
-        room: list[int] = []
-
-        def open_store():
-            capacity = capacity_bytes()
-            # The slabs are whole chunks per directory (a small store keeps 1 MiB chunks).
-            # Round down, never up: N ranks each reserving a chunk more than their share
-            # would overrun the host's share between them (ranks.py NOTE [Host share]).
-            chunk = CHUNK_BYTES if capacity >= 64 * CHUNK_BYTES * len(dirs) else 1 << 20
-            capacity -= capacity % (chunk * len(dirs))
-            if capacity < MIN_STORE_BYTES:
-                room.append(capacity)
-                raise _NoRoom
-            return core.NvmeStore(list(dirs), capacity, workers=workers, chunk_bytes=chunk,
-                                  checksum=checksum, throttle_bytes_per_s=max_bytes_per_s)
-
-        try:
-            self._store = nvme_space.acquire(
-                self._dirs, (capacity_key, workers, checksum, max_bytes_per_s), open_store)
-        except _NoRoom:
-            log.warning("offload: the nvme tier has no room in %s (%s of free space, under "
-                        "the %s minimum); activations that would go there spill to the next "
-                        "tier or stay where they are (free disk space or lower other use of "
-                        "it, or drop 'nvme' from OFFLOAD_TIERS)", ", ".join(self._dirs),
-                        format_bytes(room[0]) if room else "?", format_bytes(MIN_STORE_BYTES))
+        self._store = nvme_space.acquire_sized(
+            self._dirs, capacity_bytes, core, workers=workers, checksum=checksum,
+            max_bytes_per_s=max_bytes_per_s, capacity_key=capacity_key)
         self._own_bytes = 0  # this tier's share of the store (others may use it too)
         self._live: set[_NvmePayload] = set()  # stored, not yet released (abort frees them)
         # Reads whose completion is not yet seen, in submission order (the engine serves them
@@ -202,8 +166,9 @@ class NvmeTier(Tier):
 
     def report(self, stats: Stats) -> None:
         super().report(stats)
-        stats.staging_peak_bytes = self.arena_peak_bytes
-        stats.exit_staging_used_bytes = self.arena_used_bytes
+        arena = self._arena
+        stats.staging_peak_bytes = arena.peak_bytes if arena is not None else 0
+        stats.exit_staging_used_bytes = arena.used_bytes if arena is not None else 0
 
     # ---------------------------------------------------------------- properties
     @property
@@ -229,14 +194,6 @@ class NvmeTier(Tier):
         # The shared budget: what every context of the process holds (NOTE [One budget]).
         return (f"nvme {format_bytes(self.budget_used_bytes)} of "
                 f"{format_bytes(self.capacity_bytes)} used")
-
-    @property
-    def arena_used_bytes(self) -> int:
-        return self._arena.used_bytes if self._arena is not None else 0
-
-    @property
-    def arena_peak_bytes(self) -> int:
-        return self._arena.peak_bytes if self._arena is not None else 0
 
     @property
     def paths(self) -> list[str]:
@@ -276,7 +233,7 @@ class NvmeTier(Tier):
             return payload
         source = storage  # written in place (NOTE [Phase])
         if not on_cpu:  # no CopyStreams, or no staging space
-            source = self._host_buffer(nbytes, 0)
+            source = phase_buffer(self._core, nbytes, 0, self._alignment)
             sync_d2h(flat_bytes(storage), source, self._stats)
             address = source.data_ptr()
         # NOTE [Deferred free]: the source must outlive the write.
@@ -341,7 +298,7 @@ class NvmeTier(Tier):
             # Memory of the payload's phase (NOTE [Phase]): a slice of the arena block, or
             # of a plain buffer. The engine does not hold either (read_ptr): the Read does,
             # and NOTE [Deferred free] covers a release mid-read.
-            buf = self._host_buffer(nbytes, phase, block)
+            buf = phase_buffer(self._core, nbytes, phase, self._alignment, block)
             read = Read(nbytes, self._store.read_ptr(payload.extent, buf.data_ptr(), nbytes),
                         buf, False)
         payload.read = read
@@ -382,21 +339,6 @@ class NvmeTier(Tier):
         self._stats.nvme_read_bytes += result
         buf, read.buf = read.buf, None
         return self._copy_in(buf, payload.device)
-
-    def _host_buffer(self, nbytes: int, phase: int, block=None) -> torch.Tensor:
-        """`nbytes` of host memory whose address % alignment is `phase`, as a uint8 tensor.
-
-        A view of just those bytes (storage offset 0, like the original storage) that keeps
-        its memory alive: a slice of `block` (an arena block of nbytes + alignment), else of
-        a fresh page-aligned allocation.
-        """
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        if block is None:
-            room = nbytes + self._alignment
-            block = self._core.HostArena(room, pinned=False).allocate(room)
-        skip = (phase - block.ptr) % self._alignment
-        return torch.frombuffer(memoryview(block)[skip:skip + nbytes], dtype=torch.uint8)
 
     # ---------------------------------------------------------------- device copies
     def _copy_in(self, buf: torch.Tensor, device: torch.device) -> torch.Tensor:

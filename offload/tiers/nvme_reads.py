@@ -10,9 +10,26 @@ import torch
 
 from .nvme_writes import end_s
 
-__all__ = ["Read", "ReadQueue"]
+__all__ = ["Read", "ReadQueue", "phase_buffer"]
 
 log = logging.getLogger("offload")
+
+
+def phase_buffer(core, nbytes: int, phase: int, alignment: int, block=None) -> torch.Tensor:
+    """`nbytes` of host memory whose address % `alignment` is `phase` (nvme.py NOTE
+    [Phase]), as a uint8 tensor.
+
+    A view of just those bytes (storage offset 0, like the original storage) that keeps its
+    memory alive: a slice of `block` (an arena block of nbytes + alignment), else of a
+    fresh page-aligned allocation.
+    """
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if block is None:
+        room = nbytes + alignment
+        block = core.HostArena(room, pinned=False).allocate(room)
+    skip = (phase - block.ptr) % alignment
+    return torch.frombuffer(memoryview(block)[skip:skip + nbytes], dtype=torch.uint8)
 
 
 class Read:

@@ -26,9 +26,19 @@ import logging
 import threading
 from typing import Any, Callable, Hashable
 
-__all__ = ["acquire", "release", "close_idle", "open_stores", "after_fork_in_child"]
+__all__ = ["acquire", "acquire_sized", "release", "close_idle", "open_stores",
+           "after_fork_in_child", "CHUNK_BYTES", "MIN_STORE_BYTES"]
 
 log = logging.getLogger("offload")
+
+# Engine chunk (and stripe) size. Every chunk that completes wakes an I/O thread, which on a
+# machine with few cores preempts a compute thread: fewer, larger chunks (no loss of disk
+# throughput; docs/benchmarks.md, *Why the runtime's constants*).
+CHUNK_BYTES = 4 << 20
+
+# A store smaller than one 1 MiB stripe per directory is not worth reserving: the tier
+# then has no room (full from the start), instead of failing to open.
+MIN_STORE_BYTES = 1 << 20
 
 
 class _Entry:
@@ -78,6 +88,49 @@ def acquire(dirs: tuple[str, ...], settings: Hashable, open_store: Callable[[], 
         with _lock:
             _entries[dirs] = _Entry(store, settings)
         return store
+
+
+class _NoRoom(Exception):
+    """The resolved capacity is below MIN_STORE_BYTES."""
+
+
+def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core, *,
+                  workers: int, checksum: bool, max_bytes_per_s: int,
+                  capacity_key: Hashable) -> Any | None:
+    """`acquire` with the engine's store for an NvmeTier: slabs of whole chunks per
+    directory, `capacity_bytes()` resolved only when a new store is made (it stats the
+    disk). None, with a warning, when that leaves less than MIN_STORE_BYTES: the tier then
+    has no room (its tensors spill, stay or raise TierFullError as OFFLOAD_STRICT says).
+
+    `capacity_key` (what the capacity came from: the OFFLOAD_NVME_BYTES spec), `workers`,
+    `checksum` and `max_bytes_per_s` decide whether an idle store fits.
+    """
+    room: list[int] = []
+
+    def open_store():
+        capacity = capacity_bytes()
+        # The slabs are whole chunks per directory (a small store keeps 1 MiB chunks).
+        # Round down, never up: N ranks each reserving a chunk more than their share
+        # would overrun the host's share between them (ranks.py NOTE [Host share]).
+        chunk = CHUNK_BYTES if capacity >= 64 * CHUNK_BYTES * len(dirs) else 1 << 20
+        capacity -= capacity % (chunk * len(dirs))
+        if capacity < MIN_STORE_BYTES:
+            room.append(capacity)
+            raise _NoRoom
+        return core.NvmeStore(list(dirs), capacity, workers=workers, chunk_bytes=chunk,
+                              checksum=checksum, throttle_bytes_per_s=max_bytes_per_s)
+
+    try:
+        return acquire(dirs, (capacity_key, workers, checksum, max_bytes_per_s), open_store)
+    except _NoRoom:
+        from ..util.sizes import format_bytes
+
+        log.warning("offload: the nvme tier has no room in %s (%s of free space, under the "
+                    "%s minimum); activations that would go there spill to the next tier or "
+                    "stay where they are (free disk space or lower other use of it, or drop "
+                    "'nvme' from OFFLOAD_TIERS)", ", ".join(dirs),
+                    format_bytes(room[0]) if room else "?", format_bytes(MIN_STORE_BYTES))
+        return None
 
 
 def release(dirs: tuple[str, ...], store: Any, keep: bool) -> None:
