@@ -272,7 +272,6 @@ class Moved(SavedOrigin):
     __slots__ = ("record", "meta", "version", "sentinel", "unpacked")
 
     def __init__(self, t: torch.Tensor, record: Record, meta: ViewMeta, version: int) -> None:
-        self.capture_origin(t)
         self.record = record
         self.meta = meta
         self.version = version
@@ -309,7 +308,6 @@ class PackedSubclass(SavedOrigin):
     __slots__ = ("flat", "inner", "version", "sentinel")
 
     def __init__(self, t: torch.Tensor, flat, inner: list, version: int) -> None:
-        self.capture_origin(t)
         self.flat = flat
         self.sentinel = flat.sentinel(t)
         flat.inner = None  # the inner tensors live on only as `inner`'s packed entries

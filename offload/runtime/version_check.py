@@ -62,32 +62,45 @@ def version_sentinel(t: torch.Tensor) -> torch.Tensor:
     return sentinel
 
 
-class SavedOrigin:
+class _Nobody:
+    """What a SavedOrigin refers to when there is no input to name at unpack."""
+
+
+_NOBODY = _Nobody()   # alive for the whole process: a weak reference to it never dies
+
+
+class SavedOrigin(weakref.ref):
     """What autograd's message says about a saved tensor, captured at pack (one per save).
 
-    The base class of what the hooks hand autograd (records.py), so a save costs one object.
+    The base class of what the hooks hand autograd (records.py). It *is* the weak reference
+    to the saved tensor that an input's message needs at unpack (an output or a leaf refers
+    to `_NOBODY`): one object per save, not two (every object a save keeps alive costs the
+    garbage collector; docs/benchmarks.md *Hook cost*). Subclasses are made as
+    `Cls(t, ...)`: `__new__` captures the origin, their `__init__` the rest.
     """
 
-    __slots__ = ("output_nr", "node_name", "is_output", "is_view", "tensor_ref")
+    __slots__ = ("output_nr", "node_name", "is_output", "is_view")
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.capture_origin(t)
-
-    def capture_origin(self, t: torch.Tensor) -> None:
-        self.output_nr = t.output_nr
+    def __new__(cls, t: torch.Tensor, *args, **kwargs) -> "SavedOrigin":
         node = t.grad_fn
-        self.node_name = type(node).__name__ if node is not None else None
-        self.is_output = node is not None and _next_sequence_nr is not None \
+        is_output = node is not None and _next_sequence_nr is not None \
             and node._sequence_nr() == _next_sequence_nr() - 1
-        self.is_view = t._base is not None
         # An input's message names its grad_fn at unpack, when the tensor still lives.
-        self.tensor_ref = None if self.is_output or node is None else weakref.ref(t)
+        self = super().__new__(cls, _NOBODY if is_output or node is None else t)
+        self.output_nr = t.output_nr
+        self.node_name = type(node).__name__ if node is not None else None
+        self.is_output = is_output
+        self.is_view = t._base is not None
+        return self
+
+    def __init__(self, t: torch.Tensor, *args, **kwargs) -> None:
+        pass   # weakref.ref's own __init__ would take the arguments for (ob, callback)
 
     def node_at_unpack(self) -> str | None:
         """The grad_fn autograd would name (see the module doc)."""
-        if self.tensor_ref is None:  # an output (the saving node), or a leaf (none)
+        t = self()
+        if t is _NOBODY:  # an output (the saving node), or a leaf (none)
             return self.node_name
-        t = self.tensor_ref()
         if t is not None:
             node = t.grad_fn
             return type(node).__name__ if node is not None else None
