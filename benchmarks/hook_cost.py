@@ -140,10 +140,9 @@ def main() -> int:
                     help="parent directory of the nvme tier's temporary directory")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
-    for name in ("tensors", "bytes", "rounds", "steps"):
-        if getattr(args, name) < (4 if name == "bytes" else 1):
-            ap.error(f"--{name}={getattr(args, name)}: must be at least "
-                     f"{4 if name == 'bytes' else 1}")
+    for name, least in (("tensors", 1), ("bytes", 4), ("rounds", 1), ("steps", 1)):
+        if getattr(args, name) < least:
+            ap.error(f"--{name}={getattr(args, name)}: must be at least {least}")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
     torch.set_num_threads(args.threads)

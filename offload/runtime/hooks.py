@@ -48,11 +48,6 @@ _Tensor = torch.Tensor
 _strided = torch.strided
 
 
-def _flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """The storage's bytes as a 1-D uint8 tensor (zero-copy, keeps the storage alive)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
 class OffloadHooks:
     """pack / unpack for `torch.autograd.graph.saved_tensors_hooks`.
 
@@ -119,21 +114,26 @@ class OffloadHooks:
                     self.ledger.small_saved(key, nbytes)
                     return SmallKept(t, version, self.ledger, key, node)
             if movable_strided(t):
-                return self._pack_plain(t, version, storage, node)
+                return self._pack_plain(t, version, storage, nbytes, node)
         elif movable(t):  # an nn.Parameter saved as it is
-            return self._pack_plain(t, version, t.untyped_storage(), t.grad_fn)
+            return self._pack_movable(t)
         return self._pack_other(t, version)
+
+    def _pack_movable(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        return self._pack_plain(t, t._version, storage, storage.nbytes(), t.grad_fn)
 
     # The packed objects capture autograd's message data from `t` as they are made: before
     # pack returns, so no in-place op can have rewritten `t.grad_fn` yet.
     def _pack_plain(self, t: torch.Tensor, version: int, storage: torch.UntypedStorage,
-                    node):
+                    nbytes: int, node):
+        """`nbytes`: the storage's size (`storage.nbytes()`, read once per save)."""
         stats = self.stats
         if self.params.is_param(t, storage, node):  # 2
             stats.param_tensors += 1
             if id(storage) not in self._param_ids:
                 self._param_ids.add(id(storage))
-                stats.param_bytes += storage.nbytes()
+                stats.param_bytes += nbytes
             return Kept(t, version, None, node)
         # A save inside no_offload() or during a backward must stay even if the same
         # storage was moved earlier in the step, so it neither reuses nor enters the index.
@@ -141,11 +141,12 @@ class OffloadHooks:
         no_offload = no_offload_active()
         keep_here = in_backward or no_offload
         # tensor_meta NOTE [Untracked aliases]: such a tensor dedups by its exact layout.
-        layout = layout_key(t) if untracked_alias(t, storage) else None
+        layout = layout_key(t) if untracked_alias(t, nbytes) else None
         with self._lock:
             record = None if keep_here else self.index.lookup(storage, version, layout)
             if record is None:
-                record = self._store(t, storage, in_backward, no_offload, layout is not None)
+                record = self._store(t, storage, nbytes, in_backward, no_offload,
+                                     layout is not None)
                 if not keep_here:
                     self.index.add(storage, version, record, layout)
         if record.payload is None:
@@ -166,8 +167,7 @@ class OffloadHooks:
             return Kept(t, version)
         flat = flatten(t)
         if flat is not None:
-            inner = [self._pack_plain(x, x._version, x.untyped_storage(), x.grad_fn)
-                     if movable(x)
+            inner = [self._pack_movable(x) if movable(x)
                      else (self._pack_other(x, x._version)
                            if isinstance(x, torch.Tensor) else x) for x in flat.inner]
             return PackedSubclass(t, flat, inner, version)
@@ -184,14 +184,13 @@ class OffloadHooks:
         stats.saved_bytes += nbytes
         stats.kept_bytes += nbytes
 
-    def _store(self, t: torch.Tensor, storage: torch.UntypedStorage, in_backward: bool,
-               no_offload: bool, untracked: bool) -> Record:
+    def _store(self, t: torch.Tensor, storage: torch.UntypedStorage, storage_nbytes: int,
+               in_backward: bool, no_offload: bool, untracked: bool) -> Record:
         """Decide where one storage goes and put it there (3)."""
         stats = self.stats
         # An untracked alias is moved as a private copy of its own elements (tensor_meta
         # NOTE [Untracked aliases]): a tier must never read its storage after pack returns.
-        nbytes = t.nbytes if untracked else storage.nbytes()
-        saved_storage = storage   # the record refers to it (what the index matches)
+        nbytes = t.nbytes if untracked else storage_nbytes
         position = self._stored
         self._stored += 1
         placement = self.placement
@@ -207,15 +206,16 @@ class OffloadHooks:
             stats.backward_kept_bytes += nbytes
         tier = payload = meta = None
         if not decision.keep:
+            source = storage   # what the tier takes: the storage, or the alias's snapshot
             if untracked:
                 copy = snapshot(t)
                 meta = view_meta(copy)
-                storage = copy.untyped_storage()
-            nbytes = storage.nbytes()
-            device = storage.device
+                source = copy.untyped_storage()
+                nbytes = source.nbytes()
+            device = source.device
             for i, name in enumerate(decision.targets):
                 tier = self.tiers[name]
-                payload = tier.store(storage, device)
+                payload = tier.store(source, device)
                 if payload is not None:
                     if i:
                         stats.spilled_bytes += nbytes
@@ -228,8 +228,7 @@ class OffloadHooks:
         if payload is not None and tier.prefetchable(payload):
             prefetcher = self.prefetcher
             prefetcher.register(tier, payload)
-        record = Record(saved_storage, tier, payload, nbytes, resident, meta, self.ledger,
-                        prefetcher)
+        record = Record(storage, tier, payload, nbytes, resident, meta, self.ledger, prefetcher)
         if payload is not None or round_trip_kept:
             # A storage the plan kept is timed too: otherwise the next plan, learning from
             # moved storages only, forgets it and moves it again (keep/move every other step).

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-__all__ = ["no_offload", "no_offload_active", "no_offload_depth"]
+__all__ = ["no_offload", "no_offload_active"]
 
 
 class _Depth(threading.local):
@@ -16,10 +16,6 @@ class _Depth(threading.local):
 
 
 _local = _Depth()
-
-
-def no_offload_depth() -> int:
-    return _local.depth
 
 
 def no_offload_active() -> bool:

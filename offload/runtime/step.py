@@ -68,8 +68,8 @@ class StepReport:
 
     stats: Stats
     timeline: Any                    # when each stored storage was packed and unpacked
-    first_unpack_s: float | None     # where the backward started (host time)
-    backward_mark: Any               # ... on the hooks' clock (None without one)
+    backward_mark: Any               # where the backward started, on the hooks' clock
+                                     # (None without one)
     end_s: float
     training: bool                   # NOTE [Training step]
 
@@ -111,8 +111,6 @@ class Step:
         if copies is None:
             from ..tiers.copies import CopyStreams
 
-            # Source bytes held by pending D2H copies: the module's default (1 GiB) bounds
-            # device memory kept for copies without throttling a ~50 GB/s link.
             copies = self.copies[device] = CopyStreams(device, trace=self.stats.trace)
         return copies
 
@@ -181,8 +179,7 @@ class Step:
             log.exception("offload: could not update the round-trip plan")
         training = timed and self.hooks.first_unpack_s is not None \
             and _dynamo_frames() == self._compiled_at_start   # NOTE [Training step]
-        report = StepReport(self.stats, self.timeline,
-                            self.hooks.first_unpack_s, self.hooks.backward_mark, end_s,
+        report = StepReport(self.stats, self.timeline, self.hooks.backward_mark, end_s,
                             training)
         for learn in self.after_finish:
             try:
@@ -209,15 +206,9 @@ class Step:
         s = self.stats
         # Speeds of the path the bytes took (see Stats.BusyClock; each figure is a union
         # of busy intervals: read once).
-        link = None
-        for moved, speeds in ((s.nvme_written_bytes, lambda: (s.nvme_write_gbps,
-                                                               s.nvme_read_gbps)),
-                              (s.d2h_bytes, lambda: (s.d2h_gbps, s.h2d_gbps))):
-            if moved:
-                out_gbps, in_gbps = speeds()
-                if out_gbps > 0 and in_gbps > 0:
-                    link = LinkSpeed(out_gbps * 1e9, in_gbps * 1e9)
-                    break
+        link = _link(s.nvme_write_gbps, s.nvme_read_gbps) if s.nvme_written_bytes else None
+        if link is None and s.d2h_bytes:
+            link = _link(s.d2h_gbps, s.h2d_gbps)
         self.round_trip.learn_columns(*self.timeline.columns(), link)
 
     def _write_trace(self, end_s: float) -> None:
@@ -238,6 +229,11 @@ class Step:
         except OSError as exc:
             log.warning("offload: could not write the trace to %s: %s (OFFLOAD_TRACE)",
                         self.config.trace, exc)
+
+
+def _link(out_gbps: float, in_gbps: float) -> LinkSpeed | None:
+    """The measured speeds as a LinkSpeed; None when either was not measured."""
+    return LinkSpeed(out_gbps * 1e9, in_gbps * 1e9) if out_gbps > 0 and in_gbps > 0 else None
 
 
 def _dynamo_frames() -> int:

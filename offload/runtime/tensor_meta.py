@@ -96,8 +96,9 @@ def movable(t: torch.Tensor) -> bool:
         and t.device.type in ("cpu", "cuda") and t.numel() > 0
 
 
-def untracked_alias(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
-    """Whether other tensors over `t`'s storage may have version counters of their own.
+def untracked_alias(t: torch.Tensor, storage_nbytes: int) -> bool:
+    """Whether other tensors over `t`'s storage (of `storage_nbytes`) may have version
+    counters of their own.
 
     NOTE [Untracked aliases]: true when `t`'s counter owner (its `_base`, else `t`) does not
     span the storage exactly (an unsafe chunk, a `detach()` or `.data` of a part, a tensor
@@ -106,7 +107,7 @@ def untracked_alias(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
     owner = t._base
     if owner is None:
         owner = t
-    return owner.storage_offset() != 0 or owner.nbytes != storage.nbytes()
+    return owner.storage_offset() != 0 or owner.nbytes != storage_nbytes
 
 
 def snapshot(t: torch.Tensor) -> torch.Tensor:

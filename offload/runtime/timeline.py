@@ -38,13 +38,8 @@ class Timeline:
             self._unpack_s[index] = now_s
 
     def rows(self) -> list[list]:
-        out = []
-        for i, position in enumerate(self._position):
-            nbytes = self._nbytes[i]
-            unpack_s = self._unpack_s[i]
-            out.append([(position, nbytes), nbytes, self._pack_s[i],
-                        None if math.isnan(unpack_s) else unpack_s])
-        return out
+        positions, nbytes, pack_s, unpack_s = self.columns()
+        return [[(p, b), b, s, u] for p, b, s, u in zip(positions, nbytes, pack_s, unpack_s)]
 
     def columns(self) -> tuple:
         """(positions, nbytes, pack_s, unpack_s): the rows as columns, unpack_s None where

@@ -1,4 +1,4 @@
-"""The probe's measurements: each returns a dict of figures (offload/schedule/figures.py).
+"""The probe's measurements: each returns a dict of figures (offload/util/figures.py).
 
 Bounded and short: the compute group takes well under a second, the NVMe group moves
 `NVME_PROBE_BYTES` each way through our own engine (so the figure includes our submission

@@ -34,7 +34,7 @@ class Payload:
 
     __slots__ = ("nbytes", "device", "__weakref__")
 
-    #: True when the bytes still occupy the compute device's memory (see Tier.resident).
+    #: True when the bytes still occupy the compute device's memory (host.py: a CPU tensor held by reference).
     resident = False
 
     def __init__(self, nbytes: int, device: torch.device) -> None:

@@ -20,22 +20,18 @@ are synchronous `copy_` calls.
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 from typing import Callable, Hashable
 
 import torch
 
 from ..errors import UsedAfterCloseError
-from ..util.ranges import D2H, WAIT_READ, profiling, span
+from ..util.ranges import D2H, NO_SPAN, WAIT_READ, profiling, span
 from ..util.stats import Stats
 from . import pool
 from .base import Payload, Tier, flat_bytes, sync_d2h, sync_h2d
 
 __all__ = ["HostTier"]
 
-log = logging.getLogger("offload")
-_NO_SPAN = contextlib.nullcontext()
 
 PINNED_CHUNK_BYTES = 1 << 30
 
@@ -118,7 +114,7 @@ class HostTier(Tier):
             if host is None:
                 return None
             if self._copies is not None:
-                with span(D2H) if profiling() else _NO_SPAN:  # returns at once
+                with span(D2H) if profiling() else NO_SPAN:  # returns at once
                     ticket = self._copies(device).offload(flat, host)
                 payload = _PinnedPayload(host, device, ticket)
             else:
@@ -160,7 +156,7 @@ class HostTier(Tier):
         if payload.h2d is None:
             payload.h2d = self._reload(payload)
         ticket, payload.h2d = payload.h2d, None
-        with span(WAIT_READ) if profiling() else _NO_SPAN:
+        with span(WAIT_READ) if profiling() else NO_SPAN:
             return ticket.tensor_for_use()  # the current stream waits on the GPU (Notes 6, 7)
 
     def release(self, payload: Payload) -> None:

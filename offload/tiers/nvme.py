@@ -52,7 +52,6 @@ cleared only by the tier; it calls nothing.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -66,7 +65,7 @@ from ..util.stats import Stats
 from .base import Payload, Tier, flat_bytes, sync_d2h, sync_h2d
 from . import nvme_device, nvme_space, pool
 from .nvme_space import CHUNK_BYTES
-from ..util.ranges import D2H, WAIT_READ, profiling, span
+from ..util.ranges import D2H, NO_SPAN, WAIT_READ, profiling, span
 from .heap import HeapSettings
 from .nvme_reads import Read, ReadQueue, phase_buffer
 from .nvme_writes import Write, WriteQueue
@@ -74,7 +73,6 @@ from .nvme_writes import Write, WriteQueue
 __all__ = ["NvmeTier"]
 
 log = logging.getLogger("offload")
-_NO_SPAN = contextlib.nullcontext()
 
 
 class _NvmePayload(Payload):
@@ -122,7 +120,6 @@ class NvmeTier(Tier):
         # The chained paths need write_after_event / read_then_h2d (CUDA builds only).
         self._copies = copies if getattr(core, "cuda_compiled", False) else None
         self._dirs = tuple(os.path.realpath(d) for d in dirs)  # the budget's key
-        self._store = None
         self._arena = None
         self._closed = False
         self._store = nvme_space.acquire_sized(
@@ -224,7 +221,7 @@ class NvmeTier(Tier):
         self._own_bytes += nbytes  # from here on `release` gives it back
         self._live.add(payload)
         if block is not None:
-            with span(D2H) if profiling() else _NO_SPAN:  # returns at once
+            with span(D2H) if profiling() else NO_SPAN:  # returns at once
                 ticket = self._copies(device).offload(flat_bytes(storage), block)
             write.future = nvme_device.write_after_d2h(self._store, extent, ticket)
             write.d2h = ticket
@@ -325,7 +322,7 @@ class NvmeTier(Tier):
             # stream then waits on the H2D event on the GPU (copies Note 7). CopyStreams
             # counts that wait itself (h2d_wait_s, folded in at context exit, and the trace):
             # counted here too, a step's stall could exceed the step.
-            with span(WAIT_READ) if profiling() else _NO_SPAN:
+            with span(WAIT_READ) if profiling() else NO_SPAN:
                 result = read.future.tensor_for_use() if read.gpu else read.future.wait()
         finally:
             if not read.gpu:

@@ -11,18 +11,16 @@ its extent's range and the range can go back at once (nvme.py NOTE [Deferred fre
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
 from typing import Any, Callable
 
 import torch
 
-from ..util.ranges import WRITE, profiling, span
+from ..util.ranges import NO_SPAN, WRITE, profiling, span
 
 __all__ = ["Write", "WriteQueue", "WRITE_BATCH", "end_s"]
 
 WRITE_BATCH = 32
-_NO_SPAN = contextlib.nullcontext()
 
 
 def end_s(future) -> float:
@@ -45,7 +43,7 @@ class Write:
         self.source = None      # memory a direct write reads from (NOTE [Deferred free])
         self.direct_bytes = 0   # bytes of `source` counted against the direct-write cap
         self.d2h = None         # D2HTicket of the device copy feeding it (CUDA)
-        self.start_s = time.perf_counter()
+        self.start_s = 0.0      # set when it is queued
 
     def device_tensor_if_held(self) -> torch.Tensor | None:
         """The source on the device while its D2H is still pending (no read at all)."""
@@ -104,7 +102,7 @@ class WriteQueue:
         try:
             self._batch, self._batch_bytes = [], 0
             writes = [p.write for p in batch]
-            with span(WRITE) if profiling() else _NO_SPAN:
+            with span(WRITE) if profiling() else NO_SPAN:
                 futures = self._store.write_ptr_many([p.extent for p in batch],
                                                      [w.address for w in writes],
                                                      [w.nbytes for w in writes])

@@ -58,7 +58,7 @@ def _close(resource: Any) -> None:
 
 
 def after_fork_in_child() -> None:
-    """In a forked child: set the parent's resources aside (fork.py), never reuse or free them."""
+    """In a forked child: set the parent's resources aside (offload/process.py), never reuse or free them."""
     global _lock
     _lock = threading.Lock()  # the parent may have held it at fork time
     _inherited.extend(_slots.values())

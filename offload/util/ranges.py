@@ -13,10 +13,12 @@ tensor passes at most four such places (pack, write or copy issue, prefetch or w
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.profiler import record_function
 
-__all__ = ["profiling", "span", "PACK", "UNPACK", "WRITE", "D2H", "WAIT_READ", "PREFETCH",
+__all__ = ["profiling", "span", "NO_SPAN", "PACK", "UNPACK", "WRITE", "D2H", "WAIT_READ", "PREFETCH",
            "RECOMPUTE"]
 
 profiling = torch._C._autograd._profiler_enabled
@@ -28,6 +30,10 @@ D2H = "offload::d2h"
 WAIT_READ = "offload::wait_read"
 PREFETCH = "offload::prefetch"
 RECOMPUTE = "offload::recompute"
+
+
+# What `with span(X) if profiling() else NO_SPAN:` enters when no profiler runs.
+NO_SPAN = contextlib.nullcontext()
 
 
 def span(name: str) -> record_function:
