@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from schedule_models import SharedLayers, module_state, train_side_by_side
 
+import offload
 from offload.schedule import search as search_mod
 
 SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
@@ -152,3 +153,25 @@ def test_a_shared_batchnorm_block_counts_every_position_once(nvme_dir):
     assert differs is None, f"differs at step {differs}"
     assert block.basic.bn1.num_batches_tracked.item() == 12
     ctx.close()
+
+
+def test_a_batchnorm_replaced_between_steps_is_guarded_too(nvme_dir):
+    """The buffer slots are learned per block and hold its modules weakly: a BatchNorm
+    swapped for a fresh one between steps (the old one freed) is found again, so the re-run
+    does not update the new one's statistics a second time."""
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    settings = _settings("recompute", nvme_dir)
+
+    def steps(n):
+        for _ in range(n):
+            with offload.activations(model=model, **settings):
+                model(x).pow(2).mean().backward()
+
+    steps(2)
+    stage = model.stages[0].basic
+    assert stage.bn1.num_batches_tracked.item() == 2
+    stage.bn1 = nn.BatchNorm2d(4)
+    steps(3)
+    assert stage.bn1.num_batches_tracked.item() == 3   # 6: updated again by the re-run

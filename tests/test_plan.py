@@ -209,15 +209,39 @@ def test_checkpoint_strategy_keeps_last_blocks_within_the_budget():
 
 
 def test_one_safety_for_the_plan_and_the_round_trip_plan():
-    """The plan predicts what the runtime's round-trip plan does only with the same SAFETY:
-    one value (util/constants.py), which both use."""
-    from offload.runtime.round_trip import DEFAULT_SAFETY, RoundTripPlan
-    from offload.schedule import costs
-    from offload.schedule.constants import SAFETY
+    """The plan predicts what the runtime's round-trip plan does only with the same safety:
+    one value under one name (util/constants.py), which both use."""
+    import inspect
+
+    from offload.runtime import round_trip
+    from offload.schedule import constants, costs
     from offload.util.constants import ROUND_TRIP_SAFETY
 
-    assert costs.SAFETY is SAFETY is ROUND_TRIP_SAFETY
-    assert DEFAULT_SAFETY is SAFETY and RoundTripPlan().safety is SAFETY
+    assert costs.ROUND_TRIP_SAFETY is ROUND_TRIP_SAFETY
+    assert round_trip.RoundTripPlan().safety is ROUND_TRIP_SAFETY
+    for fn in (round_trip.pays_off, round_trip.keep_on_device):
+        assert inspect.signature(fn).parameters["safety"].default is ROUND_TRIP_SAFETY
+    # No second name for it anywhere.
+    for module in (round_trip, constants, costs):
+        assert not hasattr(module, "SAFETY") and not hasattr(module, "DEFAULT_SAFETY")
+
+
+def test_the_plan_hides_a_storage_exactly_when_the_round_trip_plan_would_move_it():
+    """costs._hideable is the runtime's pays_off for one tensor alone on the link, at the
+    boundary too (a gap of exactly ROUND_TRIP_SAFETY round trips hides)."""
+    from offload.runtime.round_trip import pays_off
+    from offload.schedule import costs
+    from offload.schedule.profile import ItemRecord
+    from offload.util.constants import ROUND_TRIP_SAFETY
+
+    out_bps, in_bps, nbytes = 1e9, 2e9, 3_000_000
+    roundtrip = nbytes / out_bps + nbytes / in_bps
+    for factor in (0.5, 0.999, 1.0, 1.001, 3.0):
+        gap = ROUND_TRIP_SAFETY * roundtrip * factor
+        item = ItemRecord(region=("block", 0), ordinal=0, nbytes=nbytes, hooks_key=0,
+                          eligible=True, pack_s=0.0, unpack_s=gap)
+        assert costs._hideable(item, out_bps, in_bps) == pays_off(
+            gap, nbytes / out_bps, nbytes / in_bps) == (factor >= 1.0), factor
 
 
 def test_a_plan_is_immutable_and_holds_no_trial_state():

@@ -1,10 +1,12 @@
 """The scheduler's process-wide state, and the `reset()` of each module that keeps some
 (what a process-wide reset calls: fork handling, tests): per-model plan caches
 (plan_cache.py), blocks told "no block ran" once (session_base.py), what each block's
-buffers did (buffers.py)."""
+buffers did (buffers.py, kept in util/per_model.py)."""
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -46,10 +48,18 @@ def test_process_reset_forgets_every_models_plans(nvme_dir):
 
 
 def test_buffers_reset_makes_the_next_call_a_first_call():
+    """A block's buffer slots live in the one per-model registry: the process reset forgets
+    them, and they die with the block."""
     block = torch.nn.BatchNorm1d(4)
     buffers._slots_of(block).changing = {0}
-    buffers.reset()
+    assert buffers._slots_of(block).changing == {0}     # kept between calls
+    offload.process.reset()
     assert buffers._slots_of(block).changing is None   # rule 1: learned again
+    buffers._slots_of(block)
+    alive = weakref.ref(block)
+    del block
+    gc.collect()
+    assert alive() is None   # the registry does not keep the block (its own buffers) alive
 
 
 def test_said_once_is_said_again_after_reset(caplog):

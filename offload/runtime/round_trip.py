@@ -31,8 +31,6 @@ from ..util.constants import ROUND_TRIP_MAX_KEPT_FRACTION, ROUND_TRIP_SAFETY
 __all__ = ["LinkSpeed", "TensorTiming", "pays_off", "free_windows", "keep_on_device",
            "RoundTripPlan", "plan_for"]
 
-DEFAULT_SAFETY = ROUND_TRIP_SAFETY
-
 
 @dataclass(frozen=True)
 class LinkSpeed:
@@ -81,7 +79,7 @@ class TensorTiming:
     unpack_s: float | None
 
 
-def pays_off(gap_s: float, out_s: float, in_s: float, *, safety: float = DEFAULT_SAFETY,
+def pays_off(gap_s: float, out_s: float, in_s: float, *, safety: float = ROUND_TRIP_SAFETY,
              min_free_s: float = 0.0) -> bool:
     """Whether one tensor, on an otherwise idle link, is worth moving out and back.
 
@@ -119,7 +117,7 @@ def free_windows(timings: Iterable[TensorTiming], link: LinkSpeed
 
 
 def keep_on_device(timings: Iterable[TensorTiming], link: LinkSpeed, *,
-                   safety: float = DEFAULT_SAFETY, min_free_s: float = 0.0) -> set[Hashable]:
+                   safety: float = ROUND_TRIP_SAFETY, min_free_s: float = 0.0) -> set[Hashable]:
     """Keys of the tensors that should stay where they are: their round trip would not pay off.
 
     A tensor is worth moving when, in the simulated queues of :func:`free_windows`, its

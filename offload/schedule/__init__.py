@@ -11,9 +11,8 @@ directly; nothing is re-exported.
 
 def reset() -> None:
     """Forget the scheduler's process-wide state (offload.process.reset): per-model plan
-    caches live in util/per_model.py (cleared there); here, what schedule modules keep
-    themselves."""
-    from . import buffers, session_base
+    caches and buffer slots live in util/per_model.py (cleared there); here, what schedule
+    modules keep themselves: the messages said once."""
+    from . import session_base
 
-    buffers.reset()
     session_base.reset()

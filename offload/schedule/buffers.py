@@ -34,51 +34,62 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["guard_buffers", "reset"]
+from ..util import per_model
+
+__all__ = ["guard_buffers"]
 
 
 class _Slots:
-    """A block's buffers as (owning module, name), and what its calls showed."""
+    """A block's buffers as (owning module, name), and what its calls showed.
 
-    __slots__ = ("slots", "owner_of", "changing")
+    The modules are held weakly: this lives in the per-model registry, whose entry dies
+    with the block only if nothing in it refers back to the block (a BatchNorm block owns
+    its buffers itself).
+    """
+
+    __slots__ = ("refs", "names", "owner_of", "changing")
 
     def __init__(self, block: nn.Module) -> None:
-        self.slots: list[tuple[nn.Module, str]] = []
+        self.learn(block)
+
+    def learn(self, block: nn.Module) -> None:
+        """Read the block's buffer slots afresh; what calls showed is forgotten (rule 1)."""
+        modules: list[nn.Module] = []
+        self.names: list[str] = []
         for module in block.modules():
             for name, buf in module._buffers.items():
                 if buf is not None:
-                    self.slots.append((module, name))
+                    modules.append(module)
+                    self.names.append(name)
+        self.refs = [weakref.ref(module) for module in modules]
         # Slot -> all slots of its module (rule 2).
         by_module: dict[int, list[int]] = {}
-        for i, (module, _) in enumerate(self.slots):
+        for i, module in enumerate(modules):
             by_module.setdefault(id(module), []).append(i)
-        self.owner_of = [by_module[id(module)] for module, _ in self.slots]
+        self.owner_of = [by_module[id(module)] for module in modules]
         self.changing: set[int] | None = None   # None until the first call (rule 1)
 
-
-_known: "weakref.WeakKeyDictionary[nn.Module, _Slots]" = weakref.WeakKeyDictionary()
+    def slots(self, block: nn.Module) -> list[tuple[nn.Module, str]]:
+        """(module, name) per slot; read afresh when a module of the block was replaced."""
+        modules = [ref() for ref in self.refs]
+        if any(module is None for module in modules):
+            self.learn(block)
+            modules = [ref() for ref in self.refs]
+        return list(zip(modules, self.names))
 
 
 def _slots_of(block: nn.Module) -> _Slots:
-    slots = _known.get(block)
-    if slots is None:
-        slots = _known[block] = _Slots(block)
-    return slots
-
-
-def reset() -> None:
-    """Forget what every block's calls showed (tests; a process-wide reset): each block's
-    next call is a first call again (rule 1: all buffers copied and compared). A call in
-    progress keeps its own record."""
-    _known.clear()
+    """The block's slots, kept per block in util/per_model.py (which dies with the block;
+    `offload.process.reset()` forgets them: each block's next call is a first call again)."""
+    return per_model.state_for(block, _Slots, lambda: _Slots(block))
 
 
 class _Guard:
     """One checkpointed call of a block: the forward notes, the re-runs swap (module doc)."""
 
-    def __init__(self, info: _Slots) -> None:
+    def __init__(self, info: _Slots, slots: list[tuple[nn.Module, str]]) -> None:
         self.info = info
-        slots = info.slots
+        self.slots = slots   # held for this call only: the registry holds them weakly
         self.before = [(b, None if b is None else b._version)
                        for b in (m._buffers.get(n) for m, n in slots)]
         copy = range(len(slots)) if info.changing is None else info.changing
@@ -99,7 +110,7 @@ class _Guard:
         return run
 
     def _forward_done(self) -> None:
-        info, slots = self.info, self.info.slots
+        info, slots = self.info, self.slots
         changed = set()
         for i, (module, name) in enumerate(slots):
             buf, version = self.before[i]
@@ -122,7 +133,7 @@ class _Guard:
     def _rerun(self, fn: Callable, args: tuple) -> Any:
         if not self.swap:
             return fn(*args)
-        slots = self.info.slots
+        slots = self.slots
         current = [(slots[i][0], slots[i][1], slots[i][0]._buffers.get(slots[i][1]))
                    for i in self.swap]
         with torch.no_grad(), _disable_current_modes():  # rule 3
@@ -145,6 +156,7 @@ def guard_buffers(block: nn.Module | None, fn: Callable) -> Callable:
     if block is None:
         return fn
     info = _slots_of(block)
-    if not info.slots:
+    slots = info.slots(block)
+    if not slots:
         return fn
-    return _Guard(info).wrap(fn)
+    return _Guard(info, slots).wrap(fn)

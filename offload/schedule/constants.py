@@ -1,23 +1,18 @@
 """The scheduler's tuning constants, in one place: what each one bounds and why.
 
 The measurements behind the values are in docs/benchmarks.md ("Why the scheduler's constants
-are what they are"). `SAFETY` is the runtime's round-trip plan's (util/constants.py): one
-value, so the plan predicts what that plan does.
+are what they are"). The round trips a moved storage's gap must hold are the runtime's
+`ROUND_TRIP_SAFETY` (util/constants.py), imported where used: one value under one name, so
+the plan predicts what the runtime's round-trip plan does.
 """
 from __future__ import annotations
 
-from ..util.constants import ROUND_TRIP_SAFETY
-
-__all__ = ["ETA", "SAFETY", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TRIAL_WIN", "SLOW_READ_SHARE",
+__all__ = ["ETA", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TRIAL_WIN", "SLOW_READ_SHARE",
            "MAX_PLANS"]
 
 # Share of the compute a transfer may hide behind (DESIGN cost model): the copy engine and
 # the I/O threads take some of the time they overlap.
 ETA = 0.8
-
-# A moved storage's pack -> unpack gap must hold this many round trips, to absorb jitter in
-# the transfers' timing; one that does not is kept on the device (runtime/round_trip.py).
-SAFETY = ROUND_TRIP_SAFETY
 
 # A whole-block strategy predicted within this share of the plan is measured against it
 # (trials.py NOTE [Trials]): the cost model's misses run to several percent either way.

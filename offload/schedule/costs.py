@@ -13,7 +13,7 @@ Seconds added to the profiled compute time `F + B` (forward + backward):
   ways with host + nvme bytes: `max(0, out - ETA F) + max(0, in - ETA B')`; the larger of
   the two stalls counts. Each transfer also costs its issue time on the host (probe).
 * keep on device (what offload/runtime/round_trip.py decides for the offload policy, folded in here): a
-  storage whose measured pack→unpack gap is shorter than `SAFETY` round trips cannot hide
+  storage whose measured pack→unpack gap is shorter than `ROUND_TRIP_SAFETY` round trips cannot hide
   its transfer, alone or once the transfers queue behind each other (round_trip.py's queue
   simulation); moving it costs the whole round trip.
 
@@ -27,8 +27,9 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..runtime.round_trip import LinkSpeed, TensorTiming, keep_on_device
-from .constants import ETA, SAFETY
+from ..runtime.round_trip import LinkSpeed, TensorTiming, keep_on_device, pays_off
+from ..util.constants import ROUND_TRIP_SAFETY
+from .constants import ETA
 from ..util.figures import Figures
 from .profile import ItemRecord, Profile
 from .ranking import TypeInfo
@@ -120,15 +121,16 @@ def _exposed_round_trips(remaining: list[ItemRecord], targets: dict, out_bps: fl
         return 0.0
     link = LinkSpeed(out_bps, in_bps)
     bouncing = keep_on_device((TensorTiming(it.key, it.nbytes, it.pack_s, it.unpack_s)
-                               for it in timed), link, safety=SAFETY)
+                               for it in timed), link, safety=ROUND_TRIP_SAFETY)
     return sum(it.nbytes / out_bps + it.nbytes / in_bps for it in timed if it.key in bouncing)
 
 
 def _hideable(item: ItemRecord, out_bps: float, in_bps: float) -> bool:
     if item.pack_s is None or item.unpack_s is None:
         return item.pack_s is not None  # never unpacked: nothing to bring back in time
-    roundtrip = item.nbytes / out_bps + item.nbytes / in_bps
-    return item.unpack_s - item.pack_s >= SAFETY * roundtrip
+    # One tensor alone on the link: the runtime's own test (round_trip.pays_off).
+    return pays_off(item.unpack_s - item.pack_s, item.nbytes / out_bps, item.nbytes / in_bps,
+                    safety=ROUND_TRIP_SAFETY)
 
 
 def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[TypeInfo],
