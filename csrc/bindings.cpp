@@ -108,7 +108,7 @@ uint32_t crc_of(const py::buffer& data, uint32_t crc, bool portable) {
 
 PYBIND11_MODULE(_C, m) {
   using namespace offload;
-  m.doc() = "offload's compiled core: host arena, NVMe store, CUDA copy engine";
+  m.doc() = "offload's compiled core: host arena, NVMe store, CUDA copy engine, small saves";
   py::register_exception_translator(&bind::translate);
 
   m.attr("__version__") = OFFLOAD_VERSION;
@@ -154,4 +154,5 @@ PYBIND11_MODULE(_C, m) {
 
   bind::bind_arena(m);
   bind::bind_store(m);
+  bind::bind_small_saves(m);
 }

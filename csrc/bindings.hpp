@@ -24,5 +24,6 @@ void emit_log_notes(const std::vector<LogNote>& notes);
 
 void bind_arena(pybind11::module_& m);
 void bind_store(pybind11::module_& m);
+void bind_small_saves(pybind11::module_& m);
 
 }  // namespace offload::bind

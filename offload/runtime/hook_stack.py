@@ -25,8 +25,8 @@ log = logging.getLogger("offload")
 
 
 def install(hooks) -> int:
-    """Push `hooks.pack` / `hooks.unpack`; returns the thread that must remove them."""
-    _autograd._push_saved_tensors_default_hooks(hooks.pack, hooks.unpack)
+    """Push `hooks.pack` / `hooks.unpack_hook()`; returns the thread that must remove them."""
+    _autograd._push_saved_tensors_default_hooks(hooks.pack, hooks.unpack_hook())
     return threading.get_ident()
 
 

@@ -18,25 +18,39 @@ What pack does, cheapest first (every saved tensor pays the first lines):
 
 NOTE [Version check] lives in version_check.py: every saved tensor holds an alias or a
 sentinel sharing its version counter, and unpack raises autograd's own error when it moved.
+
+NOTE [Small saves] Step 1 is what most saves of a model pay when OFFLOAD_MIN_BYTES filters,
+so with the compiled core it runs in C (csrc/small_saves.cpp): the pack hook torch calls is
+a `SmallPacker` that makes step 1's tests itself and hands every other tensor to
+`pack_full`; what autograd then holds is a `SmallSave` (tensor or alias, version, what the
+message needs), and the unpack hook, a `SmallUnpacker`, checks its version and hands
+everything else to `unpack`. Same tests, same holding, same message as the Python path
+(`SmallKept`, taken without the core and while a profiler runs, so the ranges are
+recorded); what differs is the cost: no interpreter, and no object for the garbage
+collector to walk (every object a save keeps alive costs it ~2 us, docs/benchmarks.md
+*Hook cost*). Its counts go to the ledger's `SavedBytes` and into Stats at the exit.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+import weakref
 
 import torch
 
+from .._ext import core_available, load_core
 from ..errors import TierFullError
 from ..util.ranges import PACK, UNPACK, profiling, span
 from ..util.sizes import format_bytes
 from .no_offload import no_offload_active
 from .placement import Placement, TensorInfo
-from .records import Kept, Ledger, Moved, PackedSubclass, Record, SmallKept
+from .records import Kept, Ledger, Moved, PackedSubclass, Record, SmallKept, small_save_error
 from .subclasses import TRACING_TYPES, flatten, kind_name, unmoved_bytes
 from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable,
                           movable_strided, snapshot, untracked_alias, view_meta)
 from .timeline import Timeline
+from .version_check import next_sequence_nr
 
 __all__ = ["OffloadHooks"]
 
@@ -46,6 +60,15 @@ log = logging.getLogger("offload")
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _Tensor = torch.Tensor
 _strided = torch.strided
+_profiler_enabled = torch._C._autograd._profiler_enabled
+
+
+class _NoSmallSave:
+    """Stands for the core's SmallSave where the core is not built (never made)."""
+
+
+_core = load_core() if core_available() else None   # NOTE [Small saves]
+_SmallSave = _core.SmallSave if _core is not None else _NoSmallSave
 
 
 class OffloadHooks:
@@ -90,33 +113,66 @@ class OffloadHooks:
         self.clock = clock
         self.backward_mark = None    # ... on `clock`
 
+        # NOTE [Small saves]: the C path when the core counts this step's resident bytes and
+        # some saves can be small (with min_bytes 0 it would only add a hand-off to each).
+        meter = ledger.meter
+        self._packer = None
+        if _core is not None and min_bytes > 0 and type(meter) is _core.SavedBytes:
+            self._packer = _core.SmallPacker(
+                weakref.ref(self), OffloadHooks.pack_full, OffloadHooks._pack_strided, meter,
+                min_bytes, _Tensor, _strided, _profiler_enabled, next_sequence_nr)
+
+    # ---------------------------------------------------------------- hooks
+    @property
+    def pack(self):
+        """The pack hook: the core's `SmallPacker` (NOTE [Small saves]), else `pack_full`."""
+        packer = self._packer
+        return packer if packer is not None else self.pack_full
+
+    def unpack_hook(self):
+        """What to push as the unpack hook: a `SmallUnpacker` in front of `unpack` when
+        pack makes SmallSaves. Not kept here: the hooks hold their packer, and autograd
+        holds this with every save."""
+        if self._packer is None:
+            return self.unpack
+        return _core.SmallUnpacker(self.unpack, small_save_error, _profiler_enabled)
+
     # ---------------------------------------------------------------- pack
-    def pack(self, t: torch.Tensor):
+    def pack_full(self, t: torch.Tensor):
+        """Every step of pack (the module doc), for any tensor."""
         if profiling():  # util/ranges.py
             with span(PACK):
                 return self._pack(t)
         return self._pack(t)
 
     def _pack(self, t: torch.Tensor):
-        stats = self.stats
-        stats.packed_tensors += 1
-        version = t._version
         if type(t) is _Tensor and t.layout is _strided:
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
             node = t.grad_fn
+            version = t._version
             # 1: a small activation an op made (a leaf without grad_fn, or a view of one,
             # may be a weight: step 2 tells).
             if nbytes < self._min_bytes and node is not None:
                 base = t._base
                 if base is None or not base.is_leaf:
+                    self.stats.packed_tensors += 1
                     key = id(storage)
                     self.ledger.small_saved(key, nbytes)
                     return SmallKept(t, version, self.ledger, key, node)
-            if movable_strided(t):
-                return self._pack_plain(t, version, storage, nbytes, node)
-        elif movable(t):  # an nn.Parameter saved as it is
+            return self._pack_strided(t, version, storage, nbytes, node)
+        self.stats.packed_tensors += 1
+        if movable(t):  # an nn.Parameter saved as it is
             return self._pack_movable(t)
+        return self._pack_other(t, t._version)
+
+    def _pack_strided(self, t: torch.Tensor, version: int, storage: torch.UntypedStorage,
+                      nbytes: int, node):
+        """Steps 2 on for a plain strided tensor that is not a small save (also where the
+        core's SmallPacker hands one on, with what it read: NOTE [Small saves])."""
+        self.stats.packed_tensors += 1
+        if movable_strided(t):
+            return self._pack_plain(t, version, storage, nbytes, node)
         return self._pack_other(t, version)
 
     def _pack_movable(self, t: torch.Tensor):
@@ -268,7 +324,13 @@ class OffloadHooks:
         return self._unpack(packed)
 
     def _unpack(self, packed) -> torch.Tensor:
-        if type(packed) is SmallKept:
+        cls = type(packed)
+        if cls is _SmallSave:  # the core's (NOTE [Small saves]), while a profiler runs
+            tensor = packed.tensor_if_unchanged()
+            if tensor is None:
+                raise small_save_error(packed)   # NOTE [Version check]
+            return tensor
+        if cls is SmallKept:
             packed.check_version()  # NOTE [Version check]
             return packed.tensor
         if self.first_unpack_s is None:
@@ -279,7 +341,6 @@ class OffloadHooks:
                 # Once per backward: step.py NOTE [End of step], point 2.
                 self._queued_task = task
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-        cls = type(packed)
         if cls is Moved:
             return packed.unpack(self._lock)
         if cls is PackedSubclass:

@@ -9,7 +9,10 @@
 * `Moved`: a saved tensor whose storage went to a tier: its `Record`, the view layout to
   rebuild and a zero-byte sentinel sharing its version counter.
 * `Record`: one stored storage (views share it: tensor_meta NOTE [Storage identity]).
-* `Ledger`: the step's account of what its records and kept tensors hold.
+* `SmallSave` (the compiled core's, csrc/small_saves.cpp) or, without the core, `SmallKept`:
+  a saved tensor below OFFLOAD_MIN_BYTES (hooks.py NOTE [Small saves]).
+* `Ledger`: the step's account of what its records and kept tensors hold, with the bytes
+  resident on the device in a `SavedBytes` meter (the core's, or `_SavedBytes`).
 
 NOTE [Record lifetime] A record lives exactly as long as some saved tensor of it lives, i.e.
 as long as autograd holds it. Its `__del__` gives the payload back to its tier: with
@@ -36,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .._ext import core_available, load_core
 from ..errors import UsedAfterCloseError
 from ..tiers.copy_tickets import SharedReload
 from .tensor_meta import ViewMeta, rebuild
@@ -47,22 +51,57 @@ __all__ = ["Ledger", "Record", "Kept", "SmallKept", "Moved", "PackedSubclass"]
 _UNSET: Any = object()
 
 
+class _SavedBytes:
+    """The compiled core's `SavedBytes` (csrc/small_saves.cpp) for a process without it:
+    resident bytes and their peak (small saves are counted by the `Ledger` itself then)."""
+
+    __slots__ = ("resident", "peak")
+
+    def __init__(self) -> None:
+        self.resident = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.resident += nbytes
+        if self.resident > self.peak:
+            self.peak = self.resident
+
+    def sub(self, nbytes: int) -> None:
+        self.resident -= nbytes
+
+    def take_small(self) -> tuple[int, int, int]:
+        return 0, 0, 0
+
+
+_CoreSavedBytes = load_core().SavedBytes if core_available() else None
+
+
+def saved_bytes_meter():
+    """The core's `SavedBytes` when the core is built (the small saves' C path counts into
+    it), else the Python one."""
+    return _CoreSavedBytes() if _CoreSavedBytes is not None else _SavedBytes()
+
+
 class Ledger:
     """What a step's saved tensors hold: live records with tier space, resident bytes.
 
     Records and kept tensors report here as they come and go, on whatever thread autograd
-    drops them (its device threads too): every update is under `lock`.
+    drops them (its device threads too): every update is under `lock` (the core's meter is
+    only touched with the GIL held, which is enough for it). `fold()` brings the meter's
+    figures into the step's Stats.
     """
 
-    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "small_count", "small_bytes",
-                 "small_frees")
+    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "meter", "small_count",
+                 "small_bytes", "small_frees")
 
     def __init__(self, stats) -> None:
         self.stats = stats
         self.lock = threading.Lock()
         self.live_records = 0      # records holding tier space (the step ends at 0)
         self.idle_since_s: float | None = None
-        # Storages below OFFLOAD_MIN_BYTES that stay, by id: saved tensors alive and bytes.
+        self.meter = saved_bytes_meter()   # bytes resident on the device, and their peak
+        # Without the core: storages below OFFLOAD_MIN_BYTES that stay, by id (`SmallKept`):
+        # saved tensors alive and bytes.
         # Only the thread that packs changes these (no lock on the hot path): a save that
         # dies, on whatever thread, queues its key in `small_frees` (deque.append is atomic),
         # and the packing thread applies the queue before each new save and at the step's
@@ -73,17 +112,31 @@ class Ledger:
         self.small_bytes: dict[int, int] = {}
         self.small_frees: collections.deque = collections.deque()
 
+    def fold(self) -> None:
+        """Bring what the meter counted into the step's Stats (at the block's exit and at
+        the step's end; idempotent)."""
+        self.apply_small_frees()
+        stats, meter = self.stats, self.meter
+        with self.lock:
+            packed, storages, nbytes = meter.take_small()
+            stats.packed_tensors += packed
+            stats.unique_storages += storages
+            stats.saved_bytes += nbytes
+            stats.kept_bytes += nbytes
+            stats.resident_bytes = meter.resident
+            stats.peak_resident_bytes = meter.peak
+
     def record_made(self, record: "Record") -> None:
         with self.lock:
             if record.resident:
-                self.stats.add_resident(record.nbytes)
+                self.meter.add(record.nbytes)
             if record.payload is not None:
                 self.live_records += 1
 
     def record_freed(self, record: "Record") -> None:
         with self.lock:
             if record.resident:
-                self.stats.resident_bytes -= record.nbytes
+                self.meter.sub(record.nbytes)
             if record.payload is not None:
                 record.tier.release(record.payload)
                 self.live_records -= 1
@@ -104,8 +157,8 @@ class Ledger:
         stats.unique_storages += 1
         stats.saved_bytes += nbytes
         stats.kept_bytes += nbytes
-        with self.lock:  # `resident_bytes` is shared with records, freed on any thread
-            stats.add_resident(nbytes)
+        with self.lock:  # the meter is shared with records, freed on any thread
+            self.meter.add(nbytes)
 
     def apply_small_frees(self) -> None:
         """Apply the queued deaths of small saves (on the packing thread; see __init__)."""
@@ -121,7 +174,7 @@ class Ledger:
                 freed += nbytes.pop(key)
         if freed:
             with self.lock:
-                self.stats.resident_bytes -= freed
+                self.meter.sub(freed)
 
 
 class Record(weakref.ref):
@@ -223,21 +276,11 @@ class Kept:
         self.version = version
         self.record = record          # the storage's record, when it has one (dedup, timing)
 
-    def node_at_unpack(self) -> str | None:
-        if self.node_name is not None:
-            return self.node_name
-        node = self.tensor.grad_fn
-        return type(node).__name__ if node is not None else None
-
     def check_version(self) -> None:
         """NOTE [Version check]: raise autograd's error if the tensor changed since pack."""
-        tensor = self.tensor
-        seen = tensor._version
-        if seen != self.version:
-            if self.node_name is None:
-                self.output_nr = tensor.output_nr
-            raise version_error(tensor.dtype, tensor.device, tensor.shape, self, self.version,
-                                seen)
+        if self.tensor._version != self.version:
+            raise kept_version_error(self.tensor, self.version, self.node_name,
+                                     self.output_nr if self.node_name is not None else 0)
 
     def unpack(self) -> torch.Tensor:
         self.check_version()
@@ -245,6 +288,36 @@ class Kept:
         if record is not None and record.timeline is not None:
             record.timeline.unpacked(record.row, time.perf_counter())
         return self.tensor
+
+
+class _KeptOrigin:
+    """What autograd's message names for a kept tensor (version_check.py)."""
+
+    __slots__ = ("tensor", "node_name", "output_nr")
+
+    def __init__(self, tensor: torch.Tensor, node_name: str | None, output_nr: int) -> None:
+        self.tensor, self.node_name, self.output_nr = tensor, node_name, output_nr
+
+    def node_at_unpack(self) -> str | None:
+        if self.node_name is not None:   # an output: the node that saved it
+            return self.node_name
+        node = self.tensor.grad_fn       # an input: its grad_fn now (the in-place op)
+        return type(node).__name__ if node is not None else None
+
+
+def kept_version_error(tensor: torch.Tensor, expected: int, node_name: str | None,
+                       output_nr: int) -> RuntimeError:
+    """Autograd's error for a kept tensor (`Kept`, `SmallKept`, the core's `SmallSave`)
+    changed in place since pack; `node_name` None: an input, named at unpack."""
+    if node_name is None:
+        output_nr = tensor.output_nr
+    return version_error(tensor.dtype, tensor.device, tensor.shape,
+                         _KeptOrigin(tensor, node_name, output_nr), expected, tensor._version)
+
+
+def small_save_error(save) -> RuntimeError:
+    """The error for the core's `SmallSave` whose tensor changed (its unpack raises it)."""
+    return kept_version_error(save.tensor, save.version, save.node_name, save.output_nr)
 
 
 class SmallKept(Kept):

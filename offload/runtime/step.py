@@ -133,7 +133,6 @@ class Step:
         """The block is over (NOTE [End of step], point 1)."""
         self.exit_s = time.perf_counter()
         self.stats.step_s = self.exit_s - self.start_s
-        self.ledger.apply_small_frees()
         for name, count in self.stats.unmoved_tensors_by_type.items():
             note_unmoved(name, self.stats.unmoved_bytes_by_type[name], count)
         for tier in self.tiers.values():
@@ -141,7 +140,9 @@ class Step:
         if self.ledger.live_records == 0:
             self.finish(self.exit_s, timed=True)
             return
-        # Backward runs after the block: the tiers stay open for it.
+        # Backward runs after the block: the tiers stay open for it; Stats shows the forward's
+        # figures until the step ends.
+        self.ledger.fold()
         log.debug("offload: %d stored storages outlive the block; the step ends when they "
                   "are freed", self.ledger.live_records)
         with _pending_lock:
@@ -171,7 +172,7 @@ class Step:
         with _pending_lock:
             _pending.discard(self)
         self.hooks.on_backward_end = None
-        self.ledger.apply_small_frees()
+        self.ledger.fold()
         close_tiers(self.tiers, self.stats, before=self.close_copies)
         try:
             self._learn_round_trip()

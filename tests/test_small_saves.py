@@ -1,0 +1,191 @@
+"""Saved tensors below OFFLOAD_MIN_BYTES (hooks.py NOTE [Small saves]): the compiled core's
+C path and the Python path hold, check and count them the same way.
+
+Every test runs both ways: `core` (the default where the core is built: SmallPacker /
+SmallSave) and `python` (the ledger given the Python meter, as in a process without the
+core: SmallKept). The figures, gradients and messages must be identical.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from offload._ext import core_available
+from offload.runtime import records
+
+pytestmark = pytest.mark.skipif(not core_available(), reason="needs the compiled core")
+
+# Timing and step-shape figures differ run to run; everything else must match.
+_TIMED = ("_s", "_gbps", "fraction", "step_s")
+
+
+@pytest.fixture(params=["core", "python"])
+def path(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(records, "saved_bytes_meter", records._SavedBytes)
+    return request.param
+
+
+class Net(nn.Module):
+    """Small saves of every kind: inputs (linear, mul), outputs (gelu's input, exp's
+    result, sigmoid's), a storage saved twice (`h * h`), views, a weight view (`w.t()`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.b = nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.norm(self.a(x)))
+        h = h * h + h.exp().sigmoid()
+        h = h[:, :16].tanh() @ self.a.weight[:16, :16].t()
+        return self.b(torch.cat([h, h], dim=1)).sum()
+
+
+def _step(model, x, **kw):
+    with offload.activations(model=model, tiers="host", **kw) as ctx:
+        model(x).backward()
+    return ctx
+
+
+def test_a_small_save_is_what_autograd_holds_and_the_collector_never_walks(path):
+    """The point of the C path: the object autograd holds is not tracked by the garbage
+    collector; the Python path's is."""
+    held = []
+    x = torch.randn(4, 8, requires_grad=True)
+    with offload.activations(tiers="host") as ctx:
+        y = (x * 2).sin()   # saves x * 2: small, made by an op
+        hooks = ctx._step.hooks
+        held.append(hooks.pack((x * 3).sin()))
+    kind = type(held[0]).__name__
+    assert kind == ("SmallSave" if path == "core" else "SmallKept")
+    assert gc.is_tracked(held[0]) is (path == "python")
+    y.sum().backward()
+
+
+def test_gradients_are_exact_and_the_figures_add_up(path):
+    model = Net()
+    x = torch.randn(6, 16)
+    plain = Net()
+    plain.load_state_dict(model.state_dict())
+    plain(x).backward()
+    ctx = _step(model, x)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    s = ctx.stats
+    assert s.packed_tensors > 10 and s.param_tensors >= 1
+    # One storage counted once however often it is saved; all of it resident at the peak.
+    assert s.unique_storages < s.packed_tensors
+    assert s.peak_resident_bytes == s.saved_bytes == s.kept_bytes > 0
+
+
+def test_the_figures_match_on_the_same_step(monkeypatch):
+    """The same program under both paths in one test (no cache needed): every figure equal."""
+    model, x = Net(), torch.randn(6, 16)
+    got = []
+    for python in (False, True):
+        if python:
+            monkeypatch.setattr(records, "saved_bytes_meter", records._SavedBytes)
+        model.zero_grad()
+        ctx = _step(model, x)
+        got.append({k: v for k, v in ctx.stats.as_dict().items() if not k.endswith(_TIMED)})
+        got[-1]["grads"] = [p.grad.clone() for p in model.parameters()]
+    core, python = got
+    for a, b in zip(core.pop("grads"), python.pop("grads")):
+        assert torch.equal(a, b)
+    assert core == python
+
+
+def _error(fn) -> str:
+    with pytest.raises(RuntimeError) as info:
+        fn()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case", ["input", "output", "view of input"])
+def test_an_in_place_change_raises_autograds_own_message(path, case):
+    def run(hooked: bool):
+        w = torch.randn(8, requires_grad=True)
+        x = w * 1
+        ctx = offload.activations(tiers="host") if hooked else torch.enable_grad()
+        with ctx:
+            if case == "input":
+                y = x * w          # saves x (an input of mul)
+                x.add_(1)
+            elif case == "output":
+                y = x.exp()        # saves its own output
+                y.add_(1)
+            else:
+                v = x[2:6]
+                y = v.sin()        # saves the view
+                x.mul_(2)          # changes it through its base
+            y.sum().backward()
+
+    expected = _error(lambda: run(False))
+    assert "modified by an inplace operation" in expected
+    assert _error(lambda: run(True)) == expected
+
+
+def test_resident_bytes_fall_as_backward_frees_and_a_dropped_graph_frees_too(path):
+    x = torch.randn(64, requires_grad=True)
+    with offload.activations(tiers="host") as ctx:
+        meter = ctx._step.ledger.meter
+        h = x * 1                       # not a leaf (a leaf's saves count as weights)
+        kept = h.sin().cos().exp()      # three small saves alive
+        dropped = h.tanh().sigmoid()    # two, of a graph nobody runs backward on
+        alive = meter.resident
+        assert alive == 5 * 64 * 4
+        del dropped                     # freed with its graph, no backward needed:
+        more = h.exp()                  # so one more save does not raise the peak
+        (kept + more).sum().backward()
+    assert ctx.stats.peak_resident_bytes == alive
+    assert ctx.stats.resident_bytes == 0 and meter.resident == 0
+
+
+def test_no_reference_cycle_keeps_a_step_alive(path):
+    """The hooks hold their packer, the packer holds them weakly: neither is walked by the
+    collector, so a cycle between them would never be freed."""
+    x = torch.randn(32, requires_grad=True)
+    with offload.activations(tiers="host") as ctx:
+        hooks = weakref.ref(ctx._step.hooks)
+        y = x.sin().cos()
+    y.sum().backward()
+    del ctx, y
+    gc.collect()
+    assert hooks() is None
+
+
+def test_a_packer_called_after_its_context_is_gone_says_so():
+    if not core_available():
+        pytest.skip("the core's packer")
+    with offload.activations(tiers="host", min_bytes=1024) as ctx:
+        pack = ctx._step.hooks.pack
+    assert type(pack).__name__ == "SmallPacker"
+    del ctx
+    gc.collect()
+    with pytest.raises(RuntimeError, match="after its offload.activations\\(\\) context"):
+        pack(torch.randn(4096, requires_grad=True) * 2)   # not small: the full path is gone
+
+
+def test_no_small_saves_no_packer():
+    """With min_bytes 0 nothing can be small: the hooks are the Python methods (a C packer
+    would only add a hand-off to every save)."""
+    with offload.activations(tiers="host", min_bytes=0) as ctx:
+        assert ctx._step.hooks.pack == ctx._step.hooks.pack_full
+
+
+def test_small_saves_under_the_profiler_take_the_python_path_and_are_recorded(path):
+    x = torch.randn(16, requires_grad=True)
+    with torch.profiler.profile() as prof:
+        with offload.activations(tiers="host") as ctx:
+            x.sin().cos().sum().backward()
+    names = [e.name for e in prof.events()]
+    assert any("pack" in n for n in names), sorted(set(names))[:20]
+    assert ctx.stats.packed_tensors == 2
