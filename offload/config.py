@@ -343,6 +343,7 @@ def forget_warnings() -> None:
     _warned_once.clear()
     _warned_unknown.clear()
     _scanned_keys[0] = None
+    _last_scan[0] = None
     _from_env_cache.clear()
 
 
@@ -375,12 +376,22 @@ _from_env_cache: dict[tuple, "Config"] = {}
 _LAUNCHER_VARIABLES = (b"RANK", b"LOCAL_RANK", b"WORLD_SIZE", b"LOCAL_WORLD_SIZE")
 
 
+# os.environ's data at the last scan and what of it a Config depends on: an environment
+# equal to the last one (one comparison in C) is not scanned again.
+_last_scan: list = [None]   # [(a copy of the data, the key part)]: swapped whole
+
+
 def _cache_key(overrides: Mapping[str, Any]) -> tuple | None:
     """What a Config from os.environ depends on: the OFFLOAD_* and launcher variables and
     the keyword arguments; None when an argument cannot be a key (then no cache)."""
     data = os.environ._data  # type: ignore[attr-defined]  (bytes, no decoding)
-    env = tuple(sorted((k, v) for k, v in data.items()
-                       if k.startswith(b"OFFLOAD_") or k in _LAUNCHER_VARIABLES))
+    last = _last_scan[0]
+    if last is not None and data == last[0]:
+        env = last[1]
+    else:
+        env = tuple(sorted((k, v) for k, v in data.items()
+                           if k.startswith(b"OFFLOAD_") or k in _LAUNCHER_VARIABLES))
+        _last_scan[0] = (dict(data), env)
     try:
         key = (env, tuple(sorted(overrides.items())))
         hash(key)

@@ -90,6 +90,26 @@ def test_activations_reads_os_environ(monkeypatch):
     assert offload.activations(policy="offload").config.policy == "offload"
 
 
+def test_every_change_of_the_environment_between_contexts_is_seen(monkeypatch):
+    """The Config of an unchanged environment is reused (config._cache_key compares the
+    whole environment with the last scan); any change is read again: a value changed, a
+    variable added, a variable removed, a launcher variable."""
+    monkeypatch.setenv("OFFLOAD_MIN_BYTES", "1MiB")
+    assert offload.activations().config.min_bytes == 1 << 20
+    assert offload.activations().config is offload.activations().config   # reused
+    monkeypatch.setenv("OFFLOAD_MIN_BYTES", "2MiB")
+    assert offload.activations().config.min_bytes == 2 << 20
+    monkeypatch.setenv("OFFLOAD_POLICY", "keep")
+    assert offload.activations().config.policy == "keep"
+    monkeypatch.delenv("OFFLOAD_POLICY")
+    assert offload.activations().config.policy == "offload"
+    monkeypatch.setenv("OFFLOAD_NVME_DIR", "/x/{rank}")
+    monkeypatch.setenv("RANK", "5")
+    assert offload.activations().config.nvme_dir == ("/x/5",)
+    monkeypatch.setenv("RANK", "6")
+    assert offload.activations().config.nvme_dir == ("/x/6",)
+
+
 def test_rank_placeholders(tmp_path):
     env = {"OFFLOAD_NVME_DIR": f"{tmp_path}/r{{rank}},{tmp_path}/l{{local_rank}}",
            "RANK": "3", "LOCAL_RANK": "1"}

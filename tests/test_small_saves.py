@@ -20,6 +20,8 @@ from offload.runtime import records
 
 pytestmark = pytest.mark.skipif(not core_available(), reason="needs the compiled core")
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
 # Timing and step-shape figures differ run to run; everything else must match.
 _TIMED = ("_s", "_gbps", "fraction", "step_s")
 
@@ -70,10 +72,11 @@ def test_a_small_save_is_what_autograd_holds_and_the_collector_never_walks(path)
     y.sum().backward()
 
 
-def test_gradients_are_exact_and_the_figures_add_up(path):
-    model = Net()
-    x = torch.randn(6, 16)
-    plain = Net()
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_are_exact_and_the_figures_add_up(path, device):
+    model = Net().to(device)
+    x = torch.randn(6, 16, device=device)
+    plain = Net().to(device)
     plain.load_state_dict(model.state_dict())
     plain(x).backward()
     ctx = _step(model, x)
@@ -109,10 +112,11 @@ def _error(fn) -> str:
     return str(info.value)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["input", "output", "view of input"])
-def test_an_in_place_change_raises_autograds_own_message(path, case):
+def test_an_in_place_change_raises_autograds_own_message(path, case, device):
     def run(hooked: bool):
-        w = torch.randn(8, requires_grad=True)
+        w = torch.randn(8, requires_grad=True, device=device)
         x = w * 1
         ctx = offload.activations(tiers="host") if hooked else torch.enable_grad()
         with ctx:
