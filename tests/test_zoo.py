@@ -204,9 +204,10 @@ ZOO = {f.__name__: f for f in (gpt2, llama, qwen2, bert, t5, vit, lora_llama, re
                               albert_style, gru_lm)}
 
 
-def _run(name: str, policy: str, nvme_dir: str, steps: int, pass_model: bool = True) -> None:
+def _run(name: str, policy: str, nvme_dir: str, steps: int, pass_model: bool = True,
+         min_bytes: int = 0) -> None:
     model, loss = ZOO[name]()
-    settings = dict(policy=policy, tiers="nvme", nvme_dir=nvme_dir, min_bytes=0,
+    settings = dict(policy=policy, tiers="nvme", nvme_dir=nvme_dir, min_bytes=min_bytes,
                     nvme_bytes="256MiB")
     if policy == "auto":
         settings.update(probe=SLOW, budget="30%")
@@ -223,6 +224,8 @@ def _run(name: str, policy: str, nvme_dir: str, steps: int, pass_model: bool = T
         assert ctx.stats.nvme_bytes > 0 or not planned, f"{name}: planned moves not made"
     else:
         assert ctx.stats.nvme_bytes > 0, f"{name} under {policy}: nothing moved"
+    if min_bytes:   # small saves were made, and kept
+        assert ctx.stats.kept_bytes > 0, ctx.stats
     ctx.close()
 
 
@@ -230,6 +233,21 @@ def _run(name: str, policy: str, nvme_dir: str, steps: int, pass_model: bool = T
 @pytest.mark.parametrize("name", list(ZOO))
 def test_zoo(name, policy, nvme_dir):
     _run(name, policy, nvme_dir, STEPS)
+
+
+# A threshold between each model's smaller and larger saved storages (their sizes in
+# bytes here: gpt2 4,096 / 16,384; llama and bert 4,096 / 8,192; resnet 80-9,216 / 18,432;
+# albert_style 16 / 512-1,024 (its 8,192 are weights); gru_lm 256-768 / 12,288).
+SPLIT = {"gpt2": 8192, "llama": 5000, "bert": 5000, "resnet": 10000, "albert_style": 500,
+         "gru_lm": 1024}
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute", "auto"])
+@pytest.mark.parametrize("name", list(SPLIT))
+def test_zoo_with_small_saves(name, policy, nvme_dir):
+    """A threshold that splits each model's saves: the small ones take the compiled core's
+    path (runtime/hooks.py NOTE [Small saves]), the others move; bit-exact every step."""
+    _run(name, policy, nvme_dir, STEPS, min_bytes=SPLIT[name])
 
 
 def test_zoo_200_steps(nvme_dir):
