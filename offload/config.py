@@ -288,12 +288,9 @@ class Config:
         Raises:
             ConfigError: an absolute size larger than the free space.
         """
-        def free() -> int:
-            return free_disk_bytes(self.nvme_dir)
-
+        now = free_disk_bytes(self.nvme_dir)   # once: the share and the check read the same
         devices = ",".join(str(d) for d in sorted({os.stat(p).st_dev for p in self.nvme_dir}))
-        capacity = self._resolve_share(self.nvme_bytes, free, f"disk-{devices}")
-        now = free()
+        capacity = self._resolve_share(self.nvme_bytes, lambda: now, f"disk-{devices}")
         if capacity > now:
             ranks = self.ranks.local_world_size
             each = (f" (each of the {ranks} processes of this host takes this size: lower it, "

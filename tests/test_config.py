@@ -110,6 +110,21 @@ def test_every_change_of_the_environment_between_contexts_is_seen(monkeypatch):
     assert offload.activations().config.nvme_dir == ("/x/6",)
 
 
+@pytest.mark.parametrize("size", ["50%", "1MiB"])
+def test_the_nvme_capacity_reads_the_free_space_once(size, tmp_path, monkeypatch):
+    """The share and the check against the free space read one measurement."""
+    import offload.config as config_mod
+
+    cfg = Config.from_env(env={"OFFLOAD_TIERS": "nvme", "OFFLOAD_NVME_DIR": str(tmp_path),
+                               "OFFLOAD_NVME_BYTES": size})
+    calls = []
+    real = config_mod.free_disk_bytes
+    monkeypatch.setattr(config_mod, "free_disk_bytes",
+                        lambda dirs: calls.append(dirs) or real(dirs))
+    assert cfg.nvme_capacity_bytes() > 0
+    assert len(calls) == 1
+
+
 def test_rank_placeholders(tmp_path):
     env = {"OFFLOAD_NVME_DIR": f"{tmp_path}/r{{rank}},{tmp_path}/l{{local_rank}}",
            "RANK": "3", "LOCAL_RANK": "1"}
