@@ -90,7 +90,6 @@ class SavedBytes {
   void sub(int64_t nbytes) { resident_ -= nbytes; }
 
   void small_saved(uintptr_t key, int64_t nbytes) {
-    ++packed_;
     auto [it, fresh] = small_.try_emplace(key, Small{0, nbytes});
     if (it->second.saves++ == 0) {
       ++new_storages_;
@@ -107,8 +106,10 @@ class SavedBytes {
     }
   }
 
-  // (saves packed, storages first saved, their bytes) since the last call: the step folds
-  // them into its Stats.
+  void packed() { ++packed_; }
+
+  // (saves the C path packed, storages first saved, their bytes) since the last call: the
+  // step folds them into its Stats.
   py::tuple take_small() {
     py::tuple out = py::make_tuple(packed_, new_storages_, new_bytes_);
     packed_ = new_storages_ = new_bytes_ = 0;
@@ -210,6 +211,7 @@ class SmallPacker {
     save->key = reinterpret_cast<uintptr_t>(storage.ptr());
     save->meter = meter_;
     meter_->small_saved(save->key, nbytes);
+    meter_->packed();
     return py::cast(std::move(save));
   }
 
@@ -284,10 +286,15 @@ void bind_small_saves(py::module_& m) {
   py::class_<SavedBytes, std::shared_ptr<SavedBytes>>(
       m, "SavedBytes",
       "Bytes of saved activations resident on the device in one step (current and peak), "
-      "and the small saves' storages counted once while any save of them lives.")
+      "and the small saves' storages counted once while any save of them lives (saves of "
+      "either path).")
       .def(py::init<>())
       .def("add", &SavedBytes::add, py::arg("nbytes"))
       .def("sub", &SavedBytes::sub, py::arg("nbytes"))
+      .def("small_saved", &SavedBytes::small_saved, py::arg("key"), py::arg("nbytes"),
+           "A small storage saved (again) by the Python path: counted once while any save "
+           "of it lives, with the C path's saves of it.")
+      .def("small_freed", &SavedBytes::small_freed, py::arg("key"))
       .def("take_small", &SavedBytes::take_small,
            "(saves packed, storages first saved, their bytes) since the last call.")
       .def_property_readonly("resident", &SavedBytes::resident)

@@ -193,3 +193,19 @@ def test_small_saves_under_the_profiler_take_the_python_path_and_are_recorded(pa
     names = [e.name for e in prof.events()]
     assert any("pack" in n for n in names), sorted(set(names))[:20]
     assert ctx.stats.packed_tensors == 2
+
+
+def test_a_storage_saved_by_both_paths_is_counted_once(path):
+    """A profiler started mid-step sends later small saves through the Python path: a
+    storage saved before and after is still one storage, resident once."""
+    x = torch.randn(64, requires_grad=True)
+    with offload.activations(tiers="host") as ctx:
+        h = x * 1
+        a = h.sin()                     # saves h (the C path, where the core is built)
+        with torch.profiler.profile():
+            b = h.cos()                 # saves h again (the Python path: ranges recorded)
+        (a + b).sum().backward()
+    s = ctx.stats
+    assert (s.packed_tensors, s.unique_storages) == (2, 1)
+    assert s.peak_resident_bytes == s.saved_bytes == s.kept_bytes == 64 * 4
+    assert ctx._step.ledger.meter.resident == 0

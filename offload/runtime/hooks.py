@@ -28,7 +28,8 @@ everything else to `unpack`. Same tests, same holding, same message as the Pytho
 (`SmallKept`, taken without the core and while a profiler runs, so the ranges are
 recorded); what differs is the cost: no interpreter, and no object for the garbage
 collector to walk (every object a save keeps alive costs it ~2 us, docs/benchmarks.md
-*Hook cost*). Its counts go to the ledger's `SavedBytes` and into Stats at the exit.
+*Hook cost*). Both paths count small storages in the ledger's `SavedBytes` (one count
+per storage, whichever path saved it), folded into Stats at the exit.
 """
 from __future__ import annotations
 

@@ -91,8 +91,8 @@ class Ledger:
     figures into the step's Stats.
     """
 
-    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "meter", "small_count",
-                 "small_bytes", "small_frees")
+    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "meter", "native",
+                 "small_count", "small_bytes", "small_frees")
 
     def __init__(self, stats) -> None:
         self.stats = stats
@@ -100,8 +100,9 @@ class Ledger:
         self.live_records = 0      # records holding tier space (the step ends at 0)
         self.idle_since_s: float | None = None
         self.meter = saved_bytes_meter()   # bytes resident on the device, and their peak
-        # Without the core: storages below OFFLOAD_MIN_BYTES that stay, by id (`SmallKept`):
-        # saved tensors alive and bytes.
+        self.native = type(self.meter) is not _SavedBytes   # the core's: it counts small saves
+        # Without the core's meter: storages below OFFLOAD_MIN_BYTES that stay, by id
+        # (`SmallKept`): saved tensors alive and bytes.
         # Only the thread that packs changes these (no lock on the hot path): a save that
         # dies, on whatever thread, queues its key in `small_frees` (deque.append is atomic),
         # and the packing thread applies the queue before each new save and at the step's
@@ -145,7 +146,11 @@ class Ledger:
                     self.idle_since_s = time.perf_counter()
 
     def small_saved(self, key: int, nbytes: int) -> None:
-        """A small storage saved (again): counted once while any save of it lives."""
+        """A small storage saved (again) by the Python path: counted once while any save
+        of it lives. With the core's meter, in the meter (with the C path's saves of it)."""
+        if self.native:
+            self.meter.small_saved(key, nbytes)
+            return
         if self.small_frees:
             self.apply_small_frees()
         count = self.small_count.get(key, 0)
@@ -159,6 +164,13 @@ class Ledger:
         stats.kept_bytes += nbytes
         with self.lock:  # the meter is shared with records, freed on any thread
             self.meter.add(nbytes)
+
+    def small_freed(self, key: int) -> None:
+        """A small save of the Python path died (on whatever thread autograd dropped it)."""
+        if self.native:
+            self.meter.small_freed(key)   # the GIL is held: no race with the packing thread
+        else:
+            self.small_frees.append(key)  # applied by the packing thread (deque: atomic)
 
     def apply_small_frees(self) -> None:
         """Apply the queued deaths of small saves (on the packing thread; see __init__)."""
@@ -334,7 +346,7 @@ class SmallKept(Kept):
 
     def __del__(self) -> None:
         try:
-            self.ledger.small_frees.append(self.key)  # applied by the packing thread
+            self.ledger.small_freed(self.key)
         except Exception:  # interpreter shutdown
             pass
 
