@@ -138,13 +138,17 @@ class SavedBytes {
 // autograd's "modified by an inplace operation" message needs (version_check.py).
 struct SmallSave {
   py::object tensor;
-  int64_t version;
+  int64_t version = 0;
   py::object node_name;   // the saving node's name for an output; None for an input
-  int64_t output_nr;
-  uintptr_t key;
+  int64_t output_nr = 0;
+  uintptr_t key = 0;
   std::shared_ptr<SavedBytes> meter;
 
-  ~SmallSave() { meter->small_freed(key); }
+  // No meter: made, but an error came before it was counted (the packer sets the meter
+  // right before counting it).
+  ~SmallSave() {
+    if (meter) meter->small_freed(key);
+  }
 
   // The tensor, or None when it changed in place since pack (the caller raises).
   py::object tensor_if_unchanged() const {

@@ -209,3 +209,27 @@ def test_a_storage_saved_by_both_paths_is_counted_once(path):
     assert (s.packed_tensors, s.unique_storages) == (2, 1)
     assert s.peak_resident_bytes == s.saved_bytes == s.kept_bytes == 64 * 4
     assert ctx._step.ledger.meter.resident == 0
+
+
+def test_an_error_inside_the_packer_is_raised_and_nothing_is_counted():
+    """An error while a SmallSave is being made (here: the sequence-number call) reaches the
+    caller as it is; the half-made save is freed without touching the meter."""
+    from offload._ext import load_core
+
+    core = load_core()
+
+    class Owner:
+        def full(self, t):
+            raise AssertionError("not reached")
+
+    def broken():
+        raise ValueError("sequence numbers unavailable")
+
+    meter = core.SavedBytes()
+    owner = Owner()
+    packer = core.SmallPacker(weakref.ref(owner), Owner.full, Owner.full, meter, 1 << 20,
+                              torch.Tensor, torch.strided, lambda: False, broken)
+    x = torch.randn(8, requires_grad=True) * 2
+    with pytest.raises(ValueError, match="sequence numbers unavailable"):
+        packer(x)
+    assert (meter.resident, meter.small_storages_alive, meter.take_small()) == (0, 0, (0, 0, 0))
