@@ -67,8 +67,9 @@ class ReadQueue:
             self._reads.pop(read, None)
             end = end_s(read.future)
             self._stats.read_clock.add_interval(read.start_s, end)
-            self._stats.trace.add(f"read {read.nbytes} B", "nvme read", read.start_s, end,
-                                  category="io", args={"bytes": read.nbytes})
+            if self._stats.trace.enabled:  # (as for writes: nothing formatted without one)
+                self._stats.trace.add(f"read {read.nbytes} B", "nvme read", read.start_s,
+                                      end, category="io", args={"bytes": read.nbytes})
 
     def defer(self, read: Read) -> None:
         """A released payload's read still in flight: its memory stays until it lands."""
