@@ -70,6 +70,12 @@ py::object call_with(const py::object& fn, const Args&... args) {
   return py::reinterpret_steal<py::object>(value);
 }
 
+// Whether torch's profiler runs (`profiling` is torch._C._autograd._profiler_enabled): then
+// both hooks take the Python path, which records the `offload::pack` / `unpack` ranges.
+bool profiler_on(const py::object& profiling) {
+  return call(profiling.ptr()).ptr() == Py_True;
+}
+
 int64_t as_int(const py::object& value) {
   const long long v = PyLong_AsLongLong(value.ptr());
   if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
@@ -180,8 +186,8 @@ class SmallPacker {
   py::object operator()(py::handle t_handle) const {
     PyObject* t = t_handle.ptr();
     // The same tests, in the same order, as hooks.py's `_pack` step 1.
-    if (reinterpret_cast<PyObject*>(Py_TYPE(t)) != tensor_type_.ptr() || profiler_on() ||
-        attr(t, names.layout).ptr() != strided_.ptr())
+    if (reinterpret_cast<PyObject*>(Py_TYPE(t)) != tensor_type_.ptr() ||
+        profiler_on(profiling_) || attr(t, names.layout).ptr() != strided_.ptr())
       return call_with(full_, owner(), t_handle);
     py::object storage = call_method(t, names.untyped_storage);
     py::object nbytes_obj = call_method(storage.ptr(), names.nbytes);
@@ -224,8 +230,6 @@ class SmallPacker {
   py::object owner_or_none() const { return owner_ref_(); }
 
  private:
-  bool profiler_on() const { return call(profiling_.ptr()).ptr() == Py_True; }
-
   // The hooks hold this packer (its identity marks their entry on torch's hook stack), so
   // it holds them weakly: neither object is tracked by the garbage collector, and a cycle
   // between them would never be freed.
@@ -255,7 +259,7 @@ class SmallUnpacker {
       : slow_(std::move(slow)), error_(std::move(error)), profiling_(std::move(profiling)) {}
 
   py::object operator()(py::handle packed) const {
-    if (Py_TYPE(packed.ptr()) != small_save_type() || call(profiling_.ptr()).ptr() == Py_True)
+    if (Py_TYPE(packed.ptr()) != small_save_type() || profiler_on(profiling_))
       return call_with(slow_, packed);
     py::object tensor = packed.cast<const SmallSave&>().tensor_if_unchanged();
     if (tensor.is_none()) {

@@ -339,7 +339,6 @@ def forget_warnings() -> None:
     """Say the once-per-process warnings again (offload.process.reset)."""
     _warned_once.clear()
     _warned_unknown.clear()
-    _scanned_keys[0] = None
     _last_scan[0] = None
     _from_env_cache.clear()
 
@@ -364,8 +363,6 @@ def known_variables() -> list[str]:
     """Every OFFLOAD_* variable offload reads (settings, the build, the tests)."""
     return sorted([f.metadata["env"] for f in _knobs()] + list(OTHER_VARIABLES))
 
-
-_scanned_keys: list = [None]  # os.environ's keys at the last scan (a context per step)
 
 # Configs made from os.environ, by what they were made of: a training loop builds a context
 # (and so a Config) every step from the same variables and arguments. Config is frozen.
@@ -400,11 +397,6 @@ def _cache_key(overrides: Mapping[str, Any]) -> tuple | None:
 def _warn_unknown_variables(env: Mapping[str, str]) -> None:
     """One warning per unknown OFFLOAD_* variable (a typo such as OFFLOAD_TIRES is otherwise
     silently ignored), naming the closest known one."""
-    if env is os.environ:  # the same variables as last step: nothing new to say
-        keys = tuple(os.environ._data)  # type: ignore[attr-defined]  (no decoding)
-        if keys == _scanned_keys[0]:
-            return
-        _scanned_keys[0] = keys
     known = None
     for key in env:
         if not key.startswith("OFFLOAD_") or key in _warned_unknown:

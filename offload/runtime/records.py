@@ -52,25 +52,74 @@ _UNSET: Any = object()
 
 
 class _SavedBytes:
-    """The compiled core's `SavedBytes` (csrc/small_saves.cpp) for a process without it:
-    resident bytes and their peak (small saves are counted by the `Ledger` itself then)."""
+    """The compiled core's `SavedBytes` (csrc/small_saves.cpp) for a process without it: the
+    same methods and figures (no C path, so `take_small` counts no packed saves).
 
-    __slots__ = ("resident", "peak")
+    A small save dies on whatever thread autograd drops it, and inside the garbage collector
+    in the middle of counting another: `small_freed` only queues its key (deque.append is
+    atomic), applied before the next small save and when the figures are taken (both on the
+    packing thread, which alone changes the counts: no lock on the hot path). The id is
+    safe: an entry's storage is held by a live save until its count drops to 0; a storage
+    that reuses the id was made after that save died, so its free is already queued when it
+    is saved. Resident bytes are shared with records, freed on any thread: under `_lock`.
+    """
+
+    __slots__ = ("resident", "peak", "_lock", "_count", "_bytes", "_frees", "_new_storages",
+                 "_new_bytes")
 
     def __init__(self) -> None:
         self.resident = 0
         self.peak = 0
+        self._lock = threading.Lock()
+        self._count: dict[int, int] = {}   # small storage id -> saves alive
+        self._bytes: dict[int, int] = {}   # small storage id -> its bytes
+        self._frees: collections.deque = collections.deque()
+        self._new_storages = 0
+        self._new_bytes = 0
 
     def add(self, nbytes: int) -> None:
-        self.resident += nbytes
-        if self.resident > self.peak:
-            self.peak = self.resident
+        with self._lock:
+            self.resident += nbytes
+            if self.resident > self.peak:
+                self.peak = self.resident
 
     def sub(self, nbytes: int) -> None:
-        self.resident -= nbytes
+        with self._lock:
+            self.resident -= nbytes
+
+    def small_saved(self, key: int, nbytes: int) -> None:
+        if self._frees:
+            self._apply_frees()
+        count = self._count.get(key, 0)
+        self._count[key] = count + 1
+        if count == 0:
+            self._bytes[key] = nbytes
+            self._new_storages += 1
+            self._new_bytes += nbytes
+            self.add(nbytes)
+
+    def small_freed(self, key: int) -> None:
+        self._frees.append(key)
 
     def take_small(self) -> tuple[int, int, int]:
-        return 0, 0, 0
+        self._apply_frees()
+        out = (0, self._new_storages, self._new_bytes)
+        self._new_storages = self._new_bytes = 0
+        return out
+
+    def _apply_frees(self) -> None:
+        frees, count = self._frees, self._count
+        freed = 0
+        while frees:
+            key = frees.popleft()
+            left = count[key] - 1
+            if left:
+                count[key] = left
+            else:
+                del count[key]
+                freed += self._bytes.pop(key)
+        if freed:
+            self.sub(freed)
 
 
 _CoreSavedBytes = load_core().SavedBytes if core_available() else None
@@ -86,13 +135,14 @@ class Ledger:
     """What a step's saved tensors hold: live records with tier space, resident bytes.
 
     Records and kept tensors report here as they come and go, on whatever thread autograd
-    drops them (its device threads too): every update is under `lock` (the core's meter is
-    only touched with the GIL held, which is enough for it). `fold()` brings the meter's
-    figures into the step's Stats.
+    drops them (its device threads too): the live records under `lock`; the bytes resident
+    on the device, and the small saves' storages (counted once while any save of them lives,
+    whichever hook path saved them), in the step's `SavedBytes` meter, which keeps itself
+    consistent (the core's with the GIL, the Python one with its own lock and free queue).
+    `fold()` brings the meter's figures into the step's Stats.
     """
 
-    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "meter", "native",
-                 "small_count", "small_bytes", "small_frees")
+    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "meter")
 
     def __init__(self, stats) -> None:
         self.stats = stats
@@ -100,32 +150,26 @@ class Ledger:
         self.live_records = 0      # records holding tier space (the step ends at 0)
         self.idle_since_s: float | None = None
         self.meter = saved_bytes_meter()   # bytes resident on the device, and their peak
-        self.native = type(self.meter) is not _SavedBytes   # the core's: it counts small saves
-        # Without the core's meter: storages below OFFLOAD_MIN_BYTES that stay, by id
-        # (`SmallKept`): saved tensors alive and bytes.
-        # Only the thread that packs changes these (no lock on the hot path): a save that
-        # dies, on whatever thread, queues its key in `small_frees` (deque.append is atomic),
-        # and the packing thread applies the queue before each new save and at the step's
-        # end. The id is safe: an entry's storage is held by a live save until its count
-        # drops to 0; a storage that reuses the id was made after that save died, so its
-        # free is already queued when it is saved.
-        self.small_count: dict[int, int] = {}
-        self.small_bytes: dict[int, int] = {}
-        self.small_frees: collections.deque = collections.deque()
 
     def fold(self) -> None:
         """Bring what the meter counted into the step's Stats (at the block's exit and at
         the step's end; idempotent)."""
-        self.apply_small_frees()
         stats, meter = self.stats, self.meter
-        with self.lock:
-            packed, storages, nbytes = meter.take_small()
-            stats.packed_tensors += packed
-            stats.unique_storages += storages
-            stats.saved_bytes += nbytes
-            stats.kept_bytes += nbytes
-            stats.resident_bytes = meter.resident
-            stats.peak_resident_bytes = meter.peak
+        packed, storages, nbytes = meter.take_small()
+        stats.packed_tensors += packed
+        stats.unique_storages += storages
+        stats.saved_bytes += nbytes
+        stats.kept_bytes += nbytes
+        stats.resident_bytes = meter.resident
+        stats.peak_resident_bytes = meter.peak
+
+    def small_saved(self, key: int, nbytes: int) -> None:
+        """A small storage saved (again) by the Python path (`SmallKept`)."""
+        self.meter.small_saved(key, nbytes)
+
+    def small_freed(self, key: int) -> None:
+        """A small save of the Python path died (on whatever thread autograd dropped it)."""
+        self.meter.small_freed(key)
 
     def record_made(self, record: "Record") -> None:
         with self.lock:
@@ -144,49 +188,6 @@ class Ledger:
                 if self.live_records == 0:
                     # Only noted: the step ends at a defined point (step.py NOTE [End of step]).
                     self.idle_since_s = time.perf_counter()
-
-    def small_saved(self, key: int, nbytes: int) -> None:
-        """A small storage saved (again) by the Python path: counted once while any save
-        of it lives. With the core's meter, in the meter (with the C path's saves of it)."""
-        if self.native:
-            self.meter.small_saved(key, nbytes)
-            return
-        if self.small_frees:
-            self.apply_small_frees()
-        count = self.small_count.get(key, 0)
-        self.small_count[key] = count + 1
-        if count:
-            return
-        self.small_bytes[key] = nbytes
-        stats = self.stats
-        stats.unique_storages += 1
-        stats.saved_bytes += nbytes
-        stats.kept_bytes += nbytes
-        with self.lock:  # the meter is shared with records, freed on any thread
-            self.meter.add(nbytes)
-
-    def small_freed(self, key: int) -> None:
-        """A small save of the Python path died (on whatever thread autograd dropped it)."""
-        if self.native:
-            self.meter.small_freed(key)   # the GIL is held: no race with the packing thread
-        else:
-            self.small_frees.append(key)  # applied by the packing thread (deque: atomic)
-
-    def apply_small_frees(self) -> None:
-        """Apply the queued deaths of small saves (on the packing thread; see __init__)."""
-        frees, count, nbytes = self.small_frees, self.small_count, self.small_bytes
-        freed = 0
-        while frees:
-            key = frees.popleft()
-            left = count[key] - 1
-            if left:
-                count[key] = left
-            else:
-                del count[key]
-                freed += nbytes.pop(key)
-        if freed:
-            with self.lock:
-                self.meter.sub(freed)
 
 
 class Record(weakref.ref):

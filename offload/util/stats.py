@@ -179,11 +179,6 @@ class Stats:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------ updates
-    def add_resident(self, nbytes: int) -> None:
-        self.resident_bytes += nbytes
-        if self.resident_bytes > self.peak_resident_bytes:
-            self.peak_resident_bytes = self.resident_bytes
-
     def add_stall(self, seconds: float, backward: bool, start_s: float | None = None,
                   what: str = "stall") -> None:
         """Count `seconds` the training thread waited; `start_s` places it in the trace."""
