@@ -154,5 +154,6 @@ PYBIND11_MODULE(_C, m) {
 
   bind::bind_arena(m);
   bind::bind_store(m);
-  bind::bind_small_saves(m);
+  bind::bind_saved_handles(m);
+  bind::bind_saved_record(m);
 }

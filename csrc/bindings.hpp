@@ -24,6 +24,7 @@ void emit_log_notes(const std::vector<LogNote>& notes);
 
 void bind_arena(pybind11::module_& m);
 void bind_store(pybind11::module_& m);
-void bind_small_saves(pybind11::module_& m);
+void bind_saved_handles(pybind11::module_& m);
+void bind_saved_record(pybind11::module_& m);
 
 }  // namespace offload::bind

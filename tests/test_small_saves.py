@@ -1,7 +1,7 @@
-"""Saved tensors below OFFLOAD_MIN_BYTES (hooks.py NOTE [Small saves]): the compiled core's
+"""Saved tensors below OFFLOAD_MIN_BYTES (hooks.py NOTE [Handles in C]): the compiled core's
 C path and the Python path hold, check and count them the same way.
 
-Every test runs both ways: `core` (the default where the core is built: SmallPacker /
+Every test runs both ways: `core` (the default where the core is built: Packer /
 SmallSave) and `python` (the ledger given the Python meter, as in a process without the
 core: SmallKept). The figures, gradients and messages must be identical.
 """
@@ -171,18 +171,22 @@ def test_a_packer_called_after_its_context_is_gone_says_so():
         pytest.skip("the core's packer")
     with offload.activations(tiers="host", min_bytes=1024) as ctx:
         pack = ctx._step.hooks.pack
-    assert type(pack).__name__ == "SmallPacker"
+    assert type(pack).__name__ == "Packer"
     del ctx
     gc.collect()
     with pytest.raises(RuntimeError, match="after its offload.activations\\(\\) context"):
         pack(torch.randn(4096, requires_grad=True) * 2)   # not small: the full path is gone
 
 
-def test_no_small_saves_no_packer():
-    """With min_bytes 0 nothing can be small: the hooks are the Python methods (a C packer
-    would only add a hand-off to every save)."""
+def test_the_packer_is_the_hook_with_the_core_and_the_python_path_without(path):
+    """With min_bytes 0 nothing is small, and the core's packer is still the hook: it makes
+    the handles of kept tensors too (tests/test_kept_saves.py)."""
     with offload.activations(tiers="host", min_bytes=0) as ctx:
-        assert ctx._step.hooks.pack == ctx._step.hooks.pack_full
+        hooks = ctx._step.hooks
+        if path == "core":
+            assert type(hooks.pack).__name__ == "Packer"
+        else:
+            assert hooks.pack == hooks.pack_full
 
 
 def test_small_saves_under_the_profiler_take_the_python_path_and_are_recorded(path):
@@ -227,8 +231,8 @@ def test_an_error_inside_the_packer_is_raised_and_nothing_is_counted():
 
     meter = core.SavedBytes()
     owner = Owner()
-    packer = core.SmallPacker(weakref.ref(owner), Owner.full, Owner.full, meter, 1 << 20,
-                              torch.Tensor, torch.strided, lambda: False, broken)
+    packer = core.Packer(weakref.ref(owner), Owner.full, Owner.full, meter, 1 << 20,
+                         torch.Tensor, torch.strided, lambda: False, broken, records.Record)
     x = torch.randn(8, requires_grad=True) * 2
     with pytest.raises(ValueError, match="sequence numbers unavailable"):
         packer(x)

@@ -19,17 +19,19 @@ What pack does, cheapest first (every saved tensor pays the first lines):
 NOTE [Version check] lives in version_check.py: every saved tensor holds an alias or a
 sentinel sharing its version counter, and unpack raises autograd's own error when it moved.
 
-NOTE [Small saves] Step 1 is what most saves of a model pay when OFFLOAD_MIN_BYTES filters,
-so with the compiled core it runs in C (csrc/small_saves.cpp): the pack hook torch calls is
-a `SmallPacker` that makes step 1's tests itself and hands every other tensor to
-`pack_full`; what autograd then holds is a `SmallSave` (tensor or alias, version, what the
-message needs), and the unpack hook, a `SmallUnpacker`, checks its version and hands
-everything else to `unpack`. Same tests, same holding, same message as the Python path
-(`SmallKept`, taken without the core and while a profiler runs, so the ranges are
-recorded); what differs is the cost: no interpreter, and no object for the garbage
-collector to walk (every object a save keeps alive costs it ~2 us, docs/benchmarks.md
-*Hook cost*). Both paths count small storages in the ledger's `SavedBytes` (one count
-per storage, whichever path saved it), folded into Stats at the exit.
+NOTE [Handles in C] With the compiled core, the hooks torch calls are the core's `Packer`
+and `Unpacker` (csrc/saved_handles.cpp), and what autograd holds for a tensor that stays is
+a core handle: a `SmallSave` (step 1: made in C, counted once per storage in the ledger's
+`SavedBytes` meter) or a `KeptSave` (steps 2 and 3 when the tensor stays: the decision is
+taken here, in `_pack_strided`, which hands the core a `Record` or None to hold it with).
+The unpacker checks a handle's version in C and hands a KeptSave's record to
+`_kept_unpacked` (the backward's marks, the storage's timing); everything else goes to
+`pack_full` / `unpack`. Same tests, same holding, same message as the Python path
+(`SmallKept`, `Kept`: taken without the core and while a profiler runs, so the ranges are
+recorded); what differs is the cost: less interpreter, and no object for the garbage
+collector to walk (every object a save keeps alive costs it ~1-2 us, docs/benchmarks.md
+*Hook cost*). Both paths count small storages in the same meter (one count per storage,
+whichever path saved it), folded into Stats at the exit.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ from ..util.ranges import PACK, UNPACK, profiling, span
 from ..util.sizes import format_bytes
 from .no_offload import no_offload_active
 from .placement import Placement, TensorInfo
-from .records import Kept, Ledger, Moved, PackedSubclass, Record, SmallKept, small_save_error
+from .records import (RECORD_TYPES, Kept, Ledger, Moved, PackedSubclass, Record, SmallKept,
+                      held_tensor_error)
 from .subclasses import TRACING_TYPES, flatten, kind_name, unmoved_bytes
 from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable,
                           movable_strided, snapshot, untracked_alias, view_meta)
@@ -64,12 +67,21 @@ _strided = torch.strided
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
 
-class _NoSmallSave:
-    """Stands for the core's SmallSave where the core is not built (never made)."""
+class _NoHandle:
+    """Stands for the core's handles where the core is not built (never made)."""
 
 
-_core = load_core() if core_available() else None   # NOTE [Small saves]
-_SmallSave = _core.SmallSave if _core is not None else _NoSmallSave
+_core = load_core() if core_available() else None   # NOTE [Handles in C]
+_SmallSave = _core.SmallSave if _core is not None else _NoHandle
+_KeptSave = _core.KeptSave if _core is not None else _NoHandle
+
+
+def _handle(t: torch.Tensor, version: int, node, got):
+    """The Python path's handle for what `_pack_strided` returned: a `Kept` for a tensor that
+    stays (`got`: its storage's Record, None for a weight), else `got` itself."""
+    if got is None or type(got) in RECORD_TYPES:
+        return Kept(t, version, got, node)
+    return got
 
 
 class OffloadHooks:
@@ -98,7 +110,6 @@ class OffloadHooks:
         self.params = params
         self.strict = strict
         self._min_bytes = min_bytes
-        self.index = StorageIndex()
         self._param_ids: set[int] = set()
         self._warned_full = False
         self._lock = threading.RLock()
@@ -114,29 +125,35 @@ class OffloadHooks:
         self.clock = clock
         self.backward_mark = None    # ... on `clock`
 
-        # NOTE [Small saves]: the C path when the core counts this step's resident bytes and
-        # some saves can be small (with min_bytes 0 it would only add a hand-off to each).
+        # NOTE [Handles in C]: the C front, records and index when the core counts this
+        # step's resident bytes (the ledger then makes the core's records).
         meter = ledger.meter
         self._packer = None
-        if _core is not None and min_bytes > 0 and type(meter) is _core.SavedBytes:
-            self._packer = _core.SmallPacker(
+        self._record_type = ledger.record_type
+        if _core is None or type(meter) is not _core.SavedBytes:
+            self.index = StorageIndex()
+        else:
+            self.index = _core.StorageIndex()
+            self._packer = _core.Packer(
                 weakref.ref(self), OffloadHooks.pack_full, OffloadHooks._pack_strided, meter,
-                min_bytes, _Tensor, _strided, _profiler_enabled, next_sequence_nr)
+                min_bytes, _Tensor, _strided, _profiler_enabled, next_sequence_nr, Record)
 
     # ---------------------------------------------------------------- hooks
     @property
     def pack(self):
-        """The pack hook: the core's `SmallPacker` (NOTE [Small saves]), else `pack_full`."""
+        """The pack hook: the core's `Packer` (NOTE [Handles in C]), else `pack_full`."""
         packer = self._packer
         return packer if packer is not None else self.pack_full
 
     def unpack_hook(self):
-        """What to push as the unpack hook: a `SmallUnpacker` in front of `unpack` when
-        pack makes SmallSaves. Not kept here: the hooks hold their packer, and autograd
+        """What to push as the unpack hook: the core's `Unpacker` in front of `unpack` when
+        pack makes core handles. Not kept here: the hooks hold their packer, and autograd
         holds this with every save."""
         if self._packer is None:
             return self.unpack
-        return _core.SmallUnpacker(self.unpack, small_save_error, _profiler_enabled)
+        return _core.Unpacker(self.unpack, self._kept_unpacked, self._unpacking,
+                              held_tensor_error, _graph_task_id, time.perf_counter,
+                              _profiler_enabled)
 
     # ---------------------------------------------------------------- pack
     def pack_full(self, t: torch.Tensor):
@@ -161,7 +178,8 @@ class OffloadHooks:
                     key = id(storage)
                     self.ledger.small_saved(key, nbytes)
                     return SmallKept(t, version, self.ledger, key, node)
-            return self._pack_strided(t, version, storage, nbytes, node)
+            return _handle(t, version, node, self._pack_strided(t, version, storage, nbytes,
+                                                                node))
         self.stats.packed_tensors += 1
         if movable(t):  # an nn.Parameter saved as it is
             return self._pack_movable(t)
@@ -170,7 +188,8 @@ class OffloadHooks:
     def _pack_strided(self, t: torch.Tensor, version: int, storage: torch.UntypedStorage,
                       nbytes: int, node):
         """Steps 2 on for a plain strided tensor that is not a small save (also where the
-        core's SmallPacker hands one on, with what it read: NOTE [Small saves])."""
+        core's Packer hands one on, with what it read: NOTE [Handles in C]). Returns the
+        handle, or what one holds a tensor that stays with (`_handle`)."""
         self.stats.packed_tensors += 1
         if movable_strided(t):
             return self._pack_plain(t, version, storage, nbytes, node)
@@ -178,20 +197,25 @@ class OffloadHooks:
 
     def _pack_movable(self, t: torch.Tensor):
         storage = t.untyped_storage()
-        return self._pack_plain(t, t._version, storage, storage.nbytes(), t.grad_fn)
+        node = t.grad_fn
+        version = t._version
+        return _handle(t, version, node,
+                       self._pack_plain(t, version, storage, storage.nbytes(), node))
 
     # The packed objects capture autograd's message data from `t` as they are made: before
     # pack returns, so no in-place op can have rewritten `t.grad_fn` yet.
     def _pack_plain(self, t: torch.Tensor, version: int, storage: torch.UntypedStorage,
                     nbytes: int, node):
-        """`nbytes`: the storage's size (`storage.nbytes()`, read once per save)."""
+        """`nbytes`: the storage's size (`storage.nbytes()`, read once per save). Returns a
+        `Moved`, or for a tensor that stays its storage's `Record` (None for a weight):
+        `_handle` or the core's Packer holds the tensor with it."""
         stats = self.stats
         if self.params.is_param(t, storage, node):  # 2
             stats.param_tensors += 1
             if id(storage) not in self._param_ids:
                 self._param_ids.add(id(storage))
                 stats.param_bytes += nbytes
-            return Kept(t, version, None, node)
+            return None
         # A save inside no_offload() or during a backward must stay even if the same
         # storage was moved earlier in the step, so it neither reuses nor enters the index.
         in_backward = _graph_task_id() >= 0
@@ -207,14 +231,14 @@ class OffloadHooks:
                 if not keep_here:
                     self.index.add(storage, version, record, layout)
         if record.payload is None:
-            return Kept(t, version, record, node)
+            return record
         stats.offloaded_tensors += 1
         if record.meta is not None:  # a snapshot: its own layout
             return Moved(t, record, record.meta, version)
         if record.resident:
             # The payload *is* the tensor's storage (host tier on a CPU run): holding an
             # alias of it costs nothing and carries its version counter.
-            return Kept(t, version, record, node)
+            return record
         return Moved(t, record, view_meta(t), version)
 
     def _pack_other(self, t: torch.Tensor, version: int):
@@ -262,7 +286,7 @@ class OffloadHooks:
         elif decision is placement.backward_decision:
             stats.backward_kept_bytes += nbytes
         tier = payload = meta = None
-        if not decision.keep:
+        if decision.targets:   # not kept
             source = storage   # what the tier takes: the storage, or the alias's snapshot
             if untracked:
                 copy = snapshot(t)
@@ -285,7 +309,8 @@ class OffloadHooks:
         if payload is not None and tier.prefetchable(payload):
             prefetcher = self.prefetcher
             prefetcher.register(tier, payload)
-        record = Record(storage, tier, payload, nbytes, resident, meta, self.ledger, prefetcher)
+        record = self._record_type(storage, tier, payload, nbytes, resident, meta, self.ledger,
+                                   prefetcher)
         if payload is not None or round_trip_kept:
             # A storage the plan kept is timed too: otherwise the next plan, learning from
             # moved storages only, forgets it and moves it again (keep/move every other step).
@@ -326,22 +351,17 @@ class OffloadHooks:
 
     def _unpack(self, packed) -> torch.Tensor:
         cls = type(packed)
-        if cls is _SmallSave:  # the core's (NOTE [Small saves]), while a profiler runs
+        if cls is _SmallSave or cls is _KeptSave:  # the core's (NOTE [Handles in C]), while
+            if cls is _KeptSave:                   # a profiler runs, or a replayed save
+                self._kept_unpacked(packed.record)
             tensor = packed.tensor_if_unchanged()
             if tensor is None:
-                raise small_save_error(packed)   # NOTE [Version check]
+                raise held_tensor_error(packed)   # NOTE [Version check]
             return tensor
         if cls is SmallKept:
             packed.check_version()  # NOTE [Version check]
             return packed.tensor
-        if self.first_unpack_s is None:
-            self._backward_starts()
-        if self.on_backward_end is not None:
-            task = _graph_task_id()
-            if task != self._queued_task and task >= 0:
-                # Once per backward: step.py NOTE [End of step], point 2.
-                self._queued_task = task
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        self._unpacking()
         if cls is Moved:
             return packed.unpack(self._lock)
         if cls is PackedSubclass:
@@ -350,6 +370,27 @@ class OffloadHooks:
                      for x in packed.inner]
             return packed.flat.rebuild(inner)
         return packed.unpack()  # Kept
+
+    def _unpacking(self) -> None:
+        """Every unpack but a small save's: the backward's start and end marks. Depends on
+        nothing but `first_unpack_s`, `on_backward_end` and the graph task: the core's
+        Unpacker calls it again only when the last two change."""
+        if self.first_unpack_s is None:
+            self._backward_starts()
+        if self.on_backward_end is not None:
+            task = _graph_task_id()
+            if task != self._queued_task and task >= 0:
+                # Once per backward: step.py NOTE [End of step], point 2.
+                self._queued_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _kept_unpacked(self, record) -> None:
+        """A KeptSave's unpack, but for its version check, in Python (`_unpack` while a
+        profiler runs; the core's Unpacker does the same in C). `record`: its storage's
+        record, None for a weight."""
+        self._unpacking()
+        if record is not None and record.timeline is not None:
+            record.timeline.unpacked(record.row, time.perf_counter())
 
     def _backward_starts(self) -> None:
         self.first_unpack_s = time.perf_counter()

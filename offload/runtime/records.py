@@ -8,14 +8,18 @@
   metadata of whatever unpack returns.
 * `Moved`: a saved tensor whose storage went to a tier: its `Record`, the view layout to
   rebuild and a zero-byte sentinel sharing its version counter.
-* `Record`: one stored storage (views share it: tensor_meta NOTE [Storage identity]).
-* `SmallSave` (the compiled core's, csrc/small_saves.cpp) or, without the core, `SmallKept`:
-  a saved tensor below OFFLOAD_MIN_BYTES (hooks.py NOTE [Small saves]).
+* `Record`: one stored storage (views share it: tensor_meta NOTE [Storage identity]); the
+  compiled core's (csrc/saved_record.cpp), or without it `PyRecord`, worked on by `load` and
+  `handle_done`.
+* `SmallSave` (the compiled core's, csrc/saved_handles.cpp) or, without the core, `SmallKept`:
+  a saved tensor below OFFLOAD_MIN_BYTES; the core's `KeptSave` is the `Kept` of a tensor
+  that stays, made in C (hooks.py NOTE [Handles in C]).
 * `Ledger`: the step's account of what its records and kept tensors hold, with the bytes
   resident on the device in a `SavedBytes` meter (the core's, or `_SavedBytes`).
 
 NOTE [Record lifetime] A record lives exactly as long as some saved tensor of it lives, i.e.
-as long as autograd holds it. Its `__del__` gives the payload back to its tier: with
+as long as autograd holds it. Its death gives the payload back to its tier (through the
+ledger, on whatever thread autograd drops it): with
 backward freeing saved tensors as it goes, tier space returns during backward and usage is
 back to zero when backward ends. With retain_graph the records survive and a second
 backward loads again. When the step is aborted (the block raised) its tiers are closed;
@@ -46,13 +50,14 @@ from .tensor_meta import ViewMeta, rebuild
 from .version_check import SavedOrigin, next_sequence_nr as _next_sequence_nr, version_error, \
     version_sentinel
 
-__all__ = ["Ledger", "Record", "Kept", "SmallKept", "Moved", "PackedSubclass"]
+__all__ = ["Ledger", "Record", "PyRecord", "RECORD_TYPES", "load", "handle_done", "Kept",
+           "SmallKept", "Moved", "PackedSubclass"]
 
 _UNSET: Any = object()
 
 
 class _SavedBytes:
-    """The compiled core's `SavedBytes` (csrc/small_saves.cpp) for a process without it: the
+    """The compiled core's `SavedBytes` (csrc/saved_handles.cpp) for a process without it: the
     same methods and figures (no C path, so `take_small` counts no packed saves).
 
     A small save dies on whatever thread autograd drops it, and inside the garbage collector
@@ -142,7 +147,7 @@ class Ledger:
     `fold()` brings the meter's figures into the step's Stats.
     """
 
-    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "meter")
+    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "meter", "record_type")
 
     def __init__(self, stats) -> None:
         self.stats = stats
@@ -150,6 +155,9 @@ class Ledger:
         self.live_records = 0      # records holding tier space (the step ends at 0)
         self.idle_since_s: float | None = None
         self.meter = saved_bytes_meter()   # bytes resident on the device, and their peak
+        # The step's records: the core's with the core's meter (hooks.py NOTE [Handles in
+        # C]), else the Python ones; the same fields and calls.
+        self.record_type = PyRecord if type(self.meter) is _SavedBytes else Record
 
     def fold(self) -> None:
         """Bring what the meter counted into the step's Stats (at the block's exit and at
@@ -171,40 +179,43 @@ class Ledger:
         """A small save of the Python path died (on whatever thread autograd dropped it)."""
         self.meter.small_freed(key)
 
-    def record_made(self, record: "Record") -> None:
+    def record_made(self, record) -> None:
+        """A record was made (`Record.__init__`, either type)."""
         with self.lock:
             if record.resident:
                 self.meter.add(record.nbytes)
             if record.payload is not None:
                 self.live_records += 1
 
-    def record_freed(self, record: "Record") -> None:
+    def record_freed(self, tier, payload, nbytes: int, resident: bool) -> None:
+        """A record died (its last save did): what it held, as it held it."""
         with self.lock:
-            if record.resident:
-                self.meter.sub(record.nbytes)
-            if record.payload is not None:
-                record.tier.release(record.payload)
+            if resident:
+                self.meter.sub(nbytes)
+            if payload is not None:
+                tier.release(payload)
                 self.live_records -= 1
                 if self.live_records == 0:
                     # Only noted: the step ends at a defined point (step.py NOTE [End of step]).
                     self.idle_since_s = time.perf_counter()
 
 
-class Record(weakref.ref):
+class PyRecord(weakref.ref):
     """One stored storage: where its bytes are (tier and payload; none when kept).
 
-    The record *is* a weak reference to the storage it was made for (`record()`: the storage
-    while it lives): the storage index checks a hit with it (tensor_meta NOTE [Storage
-    identity]), and it is one object fewer per stored storage than a record holding a
-    separate weak reference (every object a save keeps alive costs the garbage collector;
-    docs/benchmarks.md *Hook cost*).
+    The compiled core's `Record` (csrc/saved_record.cpp) is this, as an object the garbage
+    collector does not walk; this one serves a process without the core. Both have the
+    same fields, are weak references to the storage they were made for (`record()`: the
+    storage while it lives, so the storage index checks a hit with it: tensor_meta NOTE
+    [Storage identity]), tell the ledger when made and freed, and are worked on by `load`
+    and `handle_done` below.
     """
 
     __slots__ = ("tier", "payload", "nbytes", "resident", "meta", "ledger", "prefetcher",
                  "handles_left", "cache", "cache_ref", "cache_offset", "shared", "timeline",
                  "row", "version", "__weakref__")
 
-    def __new__(cls, storage: torch.UntypedStorage, *args, **kwargs) -> "Record":
+    def __new__(cls, storage: torch.UntypedStorage, *args, **kwargs) -> "PyRecord":
         return super().__new__(cls, storage)  # no callback: the other arguments are ours
 
     def __init__(self, storage: torch.UntypedStorage, tier, payload, nbytes: int,
@@ -216,7 +227,6 @@ class Record(weakref.ref):
         # A snapshot's layout (tensor_meta NOTE [Untracked aliases]): the payload holds only
         # those elements, so every save deduped onto this record rebuilds with it.
         self.meta = meta
-        self.ledger = ledger
         self.prefetcher = prefetcher  # set when the tier's reloads are worth starting early
         self.handles_left = 0         # saved tensors of this record not yet unpacked
         self.cache = None             # strong reference to the loaded storage (NOTE [Unpack cache])
@@ -227,42 +237,53 @@ class Record(weakref.ref):
         self.row = -1                 # ... and its row there
         self.version = -1             # set by the StorageIndex: the version it was stored at
         ledger.record_made(self)
-
-    def load(self) -> tuple[torch.UntypedStorage, int]:
-        """The storage's bytes (loading them at most once while they are needed)."""
-        storage = self.cache if self.cache is not None else \
-            (self.cache_ref() if self.cache_ref is not None else None)
-        if storage is None:
-            if self.tier.released(self.payload) or self.tier.closed:
-                raise UsedAfterCloseError(
-                    "offload: a saved tensor was used after its offload.activations() context "
-                    "released it (the block exited with an exception, or the context's close() "
-                    "ran before this backward); run backward before closing the context")
-            if self.timeline is not None:
-                self.timeline.unpacked(self.row, time.perf_counter())
-            if self.prefetcher is not None:
-                flat = self.prefetcher.fetch(self.tier, self.payload)
-            else:
-                flat = self.tier.fetch(self.payload)
-            storage, self.cache_offset = flat.untyped_storage(), flat.storage_offset()
-            self.cache_ref = weakref.ref(storage)
-            self.shared = SharedReload(storage.device) if storage.device.type == "cuda" else None
-        elif self.shared is not None:
-            self.shared.use_on_current_stream(storage, self.cache_offset)  # copies Note 12
-        if self.handles_left > 1:
-            self.cache = storage
-        return storage, self.cache_offset
-
-    def handle_done(self) -> None:
-        self.handles_left -= 1
-        if self.handles_left <= 0:
-            self.cache = None
+        self.ledger = ledger          # last: a record the ledger was told of is freed there
 
     def __del__(self) -> None:
         try:
-            self.ledger.record_freed(self)
+            ledger = getattr(self, "ledger", None)
+            if ledger is not None:
+                ledger.record_freed(self.tier, self.payload, self.nbytes, self.resident)
         except Exception:  # interpreter shutdown or a closed tier: nothing left to free
             pass
+
+
+Record = load_core().Record if core_available() else PyRecord
+RECORD_TYPES = (Record,) if Record is PyRecord else (Record, PyRecord)
+
+
+def load(record) -> tuple[torch.UntypedStorage, int]:
+    """A moved record's bytes (loading them at most once while they are needed)."""
+    storage = record.cache if record.cache is not None else \
+        (record.cache_ref() if record.cache_ref is not None else None)
+    if storage is None:
+        tier, payload = record.tier, record.payload
+        if tier.released(payload) or tier.closed:
+            raise UsedAfterCloseError(
+                "offload: a saved tensor was used after its offload.activations() context "
+                "released it (the block exited with an exception, or the context's close() "
+                "ran before this backward); run backward before closing the context")
+        if record.timeline is not None:
+            record.timeline.unpacked(record.row, time.perf_counter())
+        if record.prefetcher is not None:
+            flat = record.prefetcher.fetch(tier, payload)
+        else:
+            flat = tier.fetch(payload)
+        storage, record.cache_offset = flat.untyped_storage(), flat.storage_offset()
+        record.cache_ref = weakref.ref(storage)
+        record.shared = SharedReload(storage.device) if storage.device.type == "cuda" else None
+    elif record.shared is not None:
+        record.shared.use_on_current_stream(storage, record.cache_offset)  # copies Note 12
+    if record.handles_left > 1:
+        record.cache = storage
+    return storage, record.cache_offset
+
+
+def handle_done(record) -> None:
+    """One saved tensor of a moved record was unpacked (or died unpacked)."""
+    record.handles_left -= 1
+    if record.handles_left <= 0:
+        record.cache = None
 
 
 class Kept:
@@ -320,7 +341,7 @@ class _KeptOrigin:
 
 def kept_version_error(tensor: torch.Tensor, expected: int, node_name: str | None,
                        output_nr: int) -> RuntimeError:
-    """Autograd's error for a kept tensor (`Kept`, `SmallKept`, the core's `SmallSave`)
+    """Autograd's error for a kept tensor (`Kept`, `SmallKept`, the core's handles)
     changed in place since pack; `node_name` None: an input, named at unpack."""
     if node_name is None:
         output_nr = tensor.output_nr
@@ -328,8 +349,9 @@ def kept_version_error(tensor: torch.Tensor, expected: int, node_name: str | Non
                          _KeptOrigin(tensor, node_name, output_nr), expected, tensor._version)
 
 
-def small_save_error(save) -> RuntimeError:
-    """The error for the core's `SmallSave` whose tensor changed (its unpack raises it)."""
+def held_tensor_error(save) -> RuntimeError:
+    """The error for the core's `SmallSave` / `KeptSave` whose tensor changed (its unpack
+    raises it)."""
     return kept_version_error(save.tensor, save.version, save.node_name, save.output_nr)
 
 
@@ -374,17 +396,17 @@ class Moved(SavedOrigin):
     def unpack(self, lock) -> torch.Tensor:
         self.check_version()  # NOTE [Version check]
         with lock:
-            storage, offset = self.record.load()
+            storage, offset = load(self.record)
         out = rebuild(storage, offset, self.meta)
         if not self.unpacked:
             self.unpacked = True
-            self.record.handle_done()
+            handle_done(self.record)
         return out
 
     def __del__(self) -> None:
         if not self.unpacked:
             self.unpacked = True
-            self.record.handle_done()
+            handle_done(self.record)
 
 
 class PackedSubclass(SavedOrigin):

@@ -1,0 +1,404 @@
+// records.Record in C: one stored storage of a step (offload/runtime/records.py).
+//
+// Why C (offload/runtime/hooks.py NOTE [Handles in C]): a record is made for every storage
+// the hooks store, and a Python one is an object the garbage collector walks again and
+// again while the step holds it (~1-2 us per object over its life). This type is not
+// tracked (no Py_TPFLAGS_HAVE_GC), which is safe for the reason the handles are: only the
+// saves of its storage hold a record (the index refers to it weakly), and they are held
+// by autograd alone, so any cycle through a record runs through an autograd node, whose
+// references the collector cannot see whatever the record's type. Its fields are plain
+// member slots (read and written from Python at slot speed); its logic (loading, the
+// unpack cache) stays in records.py, which works on either record type.
+//
+// Written against the CPython API, not pybind11: member descriptors cost what __slots__
+// cost (a pybind11 property is several times that, on the unpack path), and the type must
+// support weak references and finalize into the ledger.
+#include <Python.h>
+#include <structmember.h>
+
+#include <pybind11/pybind11.h>
+
+#include <memory>
+#include <new>
+#include <unordered_map>
+
+#include "bindings.hpp"
+#include "saved_record.hpp"
+
+namespace py = pybind11;
+
+namespace offload::bind {
+
+namespace {
+
+struct Record;
+
+// A StorageIndex's entries: storage (its Python object's address) -> the record stored for
+// it. The entries do not own their records: a record takes its entry out when it dies
+// (record_dealloc), so an entry always names a live record.
+struct IndexEntries {
+  std::unordered_map<PyObject*, Record*> map;
+};
+
+struct Record {
+  PyObject_HEAD
+  // The storage (what `record()` returns, and what the storage index checks a hit with):
+  // held strongly when the record's saves or its payload hold it anyway (kept, or
+  // resident), so no weak reference is made; weakly when its bytes moved out.
+  PyObject* storage_ref;
+  char holds_storage;
+  PyObject* tier;          // None when kept
+  PyObject* payload;       // the tier's handle, None when kept
+  Py_ssize_t nbytes;
+  char resident;           // the bytes still occupy the device's memory
+  PyObject* meta;          // a snapshot's layout (tensor_meta NOTE [Untracked aliases])
+  PyObject* ledger;        // the step's Ledger: told when the record is made and freed
+  PyObject* prefetcher;    // set when the tier's reloads are worth starting early
+  Py_ssize_t handles_left; // saved tensors of this record not yet unpacked
+  PyObject* cache;         // records.py NOTE [Unpack cache]: the loaded storage ...
+  PyObject* cache_ref;     // ... and a weak reference to it
+  Py_ssize_t cache_offset;
+  PyObject* shared;        // a CUDA storage's streams (NOTE [Unpack cache])
+  PyObject* timeline;      // the step's Timeline, when this storage is timed
+  Py_ssize_t row;          // ... and its row there
+  Py_ssize_t version;      // set by the StorageIndex: the version it was stored at
+  PyObject* weakrefs;
+  // The index entry naming this record, if any (constructed in record_new).
+  std::weak_ptr<IndexEntries> index;
+  PyObject* index_key;
+};
+
+// Whether `storage` is the storage this record was made for (and still lives).
+bool names_storage(const Record* record, PyObject* storage) {
+  if (record->storage_ref == nullptr) return false;
+  if (record->holds_storage) return record->storage_ref == storage;
+  return PyWeakref_GetObject(record->storage_ref) == storage;
+}
+
+PyObject* record_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject* self = PyType_GenericNew(type, args, kwargs);   // zero-filled fields
+  if (self != nullptr) new (&reinterpret_cast<Record*>(self)->index) std::weak_ptr<IndexEntries>();
+  return self;
+}
+
+PyObject* record_freed_name = nullptr;   // "record_freed", interned
+PyObject* record_made_name = nullptr;    // "record_made", interned
+
+int record_init(PyObject* self_obj, PyObject* args, PyObject* kwargs) {
+  static const char* keywords[] = {"storage", "tier",   "payload",    "nbytes", "resident",
+                                   "meta",    "ledger", "prefetcher", nullptr};
+  auto* self = reinterpret_cast<Record*>(self_obj);
+  PyObject *storage, *tier, *payload, *meta, *ledger, *prefetcher;
+  Py_ssize_t nbytes;
+  int resident;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOnpOOO", const_cast<char**>(keywords),
+                                   &storage, &tier, &payload, &nbytes, &resident, &meta,
+                                   &ledger, &prefetcher))
+    return -1;
+  if (self->storage_ref != nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "offload: a Record is initialised once");
+    return -1;
+  }
+  self->holds_storage = payload == Py_None || resident;
+  if (self->holds_storage) {
+    self->storage_ref = Py_NewRef(storage);
+  } else {
+    self->storage_ref = PyWeakref_NewRef(storage, nullptr);
+    if (self->storage_ref == nullptr) return -1;
+  }
+  self->tier = Py_NewRef(tier);
+  self->payload = Py_NewRef(payload);
+  self->nbytes = nbytes;
+  self->resident = static_cast<char>(resident);
+  self->meta = Py_NewRef(meta);
+  self->prefetcher = Py_NewRef(prefetcher);
+  self->cache = Py_NewRef(Py_None);
+  self->cache_ref = Py_NewRef(Py_None);
+  self->shared = Py_NewRef(Py_None);
+  self->timeline = Py_NewRef(Py_None);
+  self->row = -1;
+  self->version = -1;
+  // The ledger last: a record it was told about is one it is told is freed (dealloc).
+  PyObject* made = PyObject_CallMethodOneArg(ledger, record_made_name, self_obj);
+  if (made == nullptr) return -1;
+  Py_DECREF(made);
+  self->ledger = Py_NewRef(ledger);
+  return 0;
+}
+
+// records.py NOTE [Record lifetime]: the record gives its payload back through the ledger
+// when the last save of its storage dies, on whatever thread autograd drops it.
+void record_dealloc(PyObject* self_obj) {
+  auto* self = reinterpret_cast<Record*>(self_obj);
+  if (self->weakrefs != nullptr) PyObject_ClearWeakRefs(self_obj);
+  if (auto entries = self->index.lock()) {
+    auto it = entries->map.find(self->index_key);
+    if (it != entries->map.end() && it->second == self) entries->map.erase(it);
+  }
+  self->index.~weak_ptr();
+  if (self->ledger != nullptr) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);   // dealloc may run while an error is set
+    PyObject* nbytes = PyLong_FromSsize_t(self->nbytes);
+    PyObject* done = nbytes == nullptr ? nullptr
+        : PyObject_CallMethodObjArgs(self->ledger, record_freed_name, self->tier,
+                                     self->payload, nbytes,
+                                     self->resident ? Py_True : Py_False, nullptr);
+    Py_XDECREF(nbytes);
+    if (done == nullptr)
+      PyErr_Clear();   // interpreter shutdown or a closed tier: nothing left to free
+    Py_XDECREF(done);
+    PyErr_Restore(type, value, traceback);
+  }
+  Py_CLEAR(self->storage_ref);
+  Py_CLEAR(self->tier);
+  Py_CLEAR(self->payload);
+  Py_CLEAR(self->meta);
+  Py_CLEAR(self->ledger);
+  Py_CLEAR(self->prefetcher);
+  Py_CLEAR(self->cache);
+  Py_CLEAR(self->cache_ref);
+  Py_CLEAR(self->shared);
+  Py_CLEAR(self->timeline);
+  Py_TYPE(self_obj)->tp_free(self_obj);
+}
+
+// `record()`: the storage while it lives, else None (as for a weakref.ref).
+PyObject* record_call(PyObject* self_obj, PyObject* args, PyObject* kwargs) {
+  if (PyTuple_GET_SIZE(args) != 0 || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "Record() takes no arguments");
+    return nullptr;
+  }
+  auto* self = reinterpret_cast<Record*>(self_obj);
+  if (self->storage_ref == nullptr) Py_RETURN_NONE;
+  if (self->holds_storage) return Py_NewRef(self->storage_ref);
+  return Py_NewRef(PyWeakref_GetObject(self->storage_ref));
+}
+
+#define RECORD_MEMBER(name, type, flags) \
+  {const_cast<char*>(#name), type, offsetof(Record, name), flags, nullptr}
+
+PyMemberDef record_members[] = {
+    RECORD_MEMBER(tier, T_OBJECT, READONLY),
+    RECORD_MEMBER(payload, T_OBJECT, READONLY),
+    RECORD_MEMBER(nbytes, T_PYSSIZET, READONLY),
+    RECORD_MEMBER(resident, T_BOOL, READONLY),
+    RECORD_MEMBER(meta, T_OBJECT, READONLY),
+    RECORD_MEMBER(ledger, T_OBJECT, READONLY),
+    RECORD_MEMBER(prefetcher, T_OBJECT, READONLY),
+    RECORD_MEMBER(handles_left, T_PYSSIZET, 0),
+    RECORD_MEMBER(cache, T_OBJECT, 0),
+    RECORD_MEMBER(cache_ref, T_OBJECT, 0),
+    RECORD_MEMBER(cache_offset, T_PYSSIZET, 0),
+    RECORD_MEMBER(shared, T_OBJECT, 0),
+    RECORD_MEMBER(timeline, T_OBJECT, 0),
+    RECORD_MEMBER(row, T_PYSSIZET, 0),
+    RECORD_MEMBER(version, T_PYSSIZET, 0),
+    {nullptr, 0, 0, 0, nullptr},
+};
+
+#undef RECORD_MEMBER
+
+PyTypeObject record_type = [] {
+  PyTypeObject type{PyVarObject_HEAD_INIT(nullptr, 0)};
+  type.tp_name = "offload._C.Record";
+  type.tp_basicsize = sizeof(Record);
+  type.tp_flags = Py_TPFLAGS_DEFAULT;   // not Py_TPFLAGS_HAVE_GC: see the file's comment
+  type.tp_doc = PyDoc_STR(
+      "Record(storage, tier, payload, nbytes, resident, meta, ledger, prefetcher): one "
+      "stored storage of a step (offload/runtime/records.py).");
+  type.tp_new = record_new;
+  type.tp_init = record_init;
+  type.tp_dealloc = record_dealloc;
+  type.tp_call = record_call;
+  type.tp_members = record_members;
+  type.tp_weaklistoffset = offsetof(Record, weakrefs);
+  return type;
+}();
+
+// tensor_meta.StorageIndex for the core's records: storages already stored during a step ->
+// their record (tensor_meta NOTE [Storage identity], NOTE [Versions]). A plain storage's
+// entry lives in C and holds its record without a reference (the record takes the entry out
+// when it dies): no weak-reference object per stored storage. An untracked alias's entries
+// (keyed by its layout too: NOTE [Untracked aliases]) are rare and stay in a dict of weak
+// references, as in the Python index.
+struct StorageIndex {
+  PyObject_HEAD
+  std::shared_ptr<IndexEntries> entries;
+  PyObject* by_layout;   // dict: (id(storage), layout) -> weakref to the record
+};
+
+PyObject* index_new(PyTypeObject* type, PyObject*, PyObject*) {
+  PyObject* self_obj = type->tp_alloc(type, 0);
+  if (self_obj == nullptr) return nullptr;
+  auto* self = reinterpret_cast<StorageIndex*>(self_obj);
+  new (&self->entries) std::shared_ptr<IndexEntries>(std::make_shared<IndexEntries>());
+  self->by_layout = PyDict_New();
+  if (self->by_layout == nullptr) {
+    Py_DECREF(self_obj);
+    return nullptr;
+  }
+  return self_obj;
+}
+
+void index_dealloc(PyObject* self_obj) {
+  auto* self = reinterpret_cast<StorageIndex*>(self_obj);
+  self->entries.~shared_ptr();   // records still alive find their entry gone
+  Py_CLEAR(self->by_layout);
+  Py_TYPE(self_obj)->tp_free(self_obj);
+}
+
+
+Record* as_record(PyObject* obj) {
+  if (Py_TYPE(obj) != &record_type) {
+    PyErr_Format(PyExc_TypeError, "offload: the core's StorageIndex holds the core's Record, "
+                 "not %s", Py_TYPE(obj)->tp_name);
+    return nullptr;
+  }
+  return reinterpret_cast<Record*>(obj);
+}
+
+PyObject* layout_key(PyObject* storage, PyObject* layout) {
+  PyObject* id = PyLong_FromVoidPtr(storage);
+  if (id == nullptr) return nullptr;
+  PyObject* key = PyTuple_Pack(2, id, layout);
+  Py_DECREF(id);
+  return key;
+}
+
+bool parse_args(const char* name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most) {
+  if (nargs < least || nargs > most) {
+    PyErr_Format(PyExc_TypeError, "StorageIndex.%s takes %zd to %zd arguments (%zd given)",
+                 name, least, most, nargs);
+    return false;
+  }
+  return true;
+}
+
+// lookup(storage, version, layout=None): the record of `storage` at `version` (and, for an
+// untracked alias, `layout`), or None.
+PyObject* index_lookup(PyObject* self_obj, PyObject* const* args, Py_ssize_t nargs) {
+  if (!parse_args("lookup", nargs, 2, 3)) return nullptr;
+  auto* self = reinterpret_cast<StorageIndex*>(self_obj);
+  PyObject* storage = args[0];
+  const Py_ssize_t version = PyLong_AsSsize_t(args[1]);
+  if (version == -1 && PyErr_Occurred()) return nullptr;
+  Record* record = nullptr;
+  if (nargs < 3 || args[2] == Py_None) {
+    auto it = self->entries->map.find(storage);
+    if (it != self->entries->map.end()) record = it->second;
+  } else {
+    PyObject* key = layout_key(storage, args[2]);
+    if (key == nullptr) return nullptr;
+    PyObject* ref = PyDict_GetItemWithError(self->by_layout, key);   // borrowed
+    Py_DECREF(key);
+    if (ref == nullptr) {
+      if (PyErr_Occurred()) return nullptr;
+    } else {
+      PyObject* target = PyWeakref_GetObject(ref);
+      if (target != Py_None) record = reinterpret_cast<Record*>(target);
+    }
+  }
+  if (record == nullptr || record->version != version || !names_storage(record, storage))
+    Py_RETURN_NONE;
+  return Py_NewRef(reinterpret_cast<PyObject*>(record));
+}
+
+// add(storage, version, record, layout=None): index `record` (made for `storage`).
+PyObject* index_add(PyObject* self_obj, PyObject* const* args, Py_ssize_t nargs) {
+  if (!parse_args("add", nargs, 3, 4)) return nullptr;
+  auto* self = reinterpret_cast<StorageIndex*>(self_obj);
+  PyObject* storage = args[0];
+  const Py_ssize_t version = PyLong_AsSsize_t(args[1]);
+  if (version == -1 && PyErr_Occurred()) return nullptr;
+  Record* record = as_record(args[2]);
+  if (record == nullptr) return nullptr;
+  record->version = version;
+  if (nargs < 4 || args[3] == Py_None) {
+    // A record is in one index entry at most (a storage is stored once per version).
+    if (auto old = record->index.lock()) {
+      auto it = old->map.find(record->index_key);
+      if (it != old->map.end() && it->second == record) old->map.erase(it);
+    }
+    self->entries->map[storage] = record;
+    record->index = self->entries;
+    record->index_key = storage;
+  } else {
+    PyObject* key = layout_key(storage, args[3]);
+    if (key == nullptr) return nullptr;
+    PyObject* ref = PyWeakref_NewRef(args[2], nullptr);
+    const int failed = ref == nullptr ? -1 : PyDict_SetItem(self->by_layout, key, ref);
+    Py_DECREF(key);
+    Py_XDECREF(ref);
+    if (failed) return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* index_clear(PyObject* self_obj, PyObject*) {
+  auto* self = reinterpret_cast<StorageIndex*>(self_obj);
+  self->entries->map.clear();
+  PyDict_Clear(self->by_layout);
+  Py_RETURN_NONE;
+}
+
+Py_ssize_t index_len(PyObject* self_obj) {
+  auto* self = reinterpret_cast<StorageIndex*>(self_obj);
+  return static_cast<Py_ssize_t>(self->entries->map.size()) + PyDict_GET_SIZE(self->by_layout);
+}
+
+PyMethodDef index_methods[] = {
+    {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(index_lookup)),
+     METH_FASTCALL, "lookup(storage, version, layout=None): the record, or None."},
+    {"add", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(index_add)),
+     METH_FASTCALL, "add(storage, version, record, layout=None): index the record."},
+    {"clear", index_clear, METH_NOARGS, "Forget every entry."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PySequenceMethods index_as_sequence = [] {
+  PySequenceMethods methods{};
+  methods.sq_length = index_len;
+  return methods;
+}();
+
+PyTypeObject index_type = [] {
+  PyTypeObject type{PyVarObject_HEAD_INIT(nullptr, 0)};
+  type.tp_name = "offload._C.StorageIndex";
+  type.tp_basicsize = sizeof(StorageIndex);
+  type.tp_flags = Py_TPFLAGS_DEFAULT;
+  type.tp_doc = PyDoc_STR(
+      "Storages already stored during a step -> their core Record (tensor_meta.StorageIndex "
+      "for the core's records).");
+  type.tp_new = index_new;
+  type.tp_dealloc = index_dealloc;
+  type.tp_methods = index_methods;
+  type.tp_as_sequence = &index_as_sequence;
+  return type;
+}();
+
+}  // namespace
+
+bool is_record(PyObject* record) { return Py_TYPE(record) == &record_type; }
+
+PyObject* record_timeline(PyObject* record_obj, Py_ssize_t* row) {
+  if (Py_TYPE(record_obj) != &record_type) return nullptr;
+  auto* record = reinterpret_cast<Record*>(record_obj);
+  if (record->timeline == nullptr || record->timeline == Py_None) return nullptr;
+  *row = record->row;
+  return record->timeline;
+}
+
+void bind_saved_record(py::module_& m) {
+  record_freed_name = PyUnicode_InternFromString("record_freed");
+  record_made_name = PyUnicode_InternFromString("record_made");
+  if (record_freed_name == nullptr || record_made_name == nullptr ||
+      PyType_Ready(&record_type) < 0 || PyType_Ready(&index_type) < 0)
+    throw py::error_already_set();
+  Py_INCREF(&record_type);   // the module holds the types for the process
+  Py_INCREF(&index_type);
+  m.add_object("Record", reinterpret_cast<PyObject*>(&record_type));
+  m.add_object("StorageIndex", reinterpret_cast<PyObject*>(&index_type));
+}
+
+}  // namespace offload::bind

@@ -1,0 +1,16 @@
+// What the hooks' C front (saved_handles.cpp) reads of the core's records and storage index
+// (saved_record.cpp) directly, without a Python call.
+#pragma once
+
+#include <Python.h>
+
+namespace offload::bind {
+
+// Whether `record` is the core's Record.
+bool is_record(PyObject* record);
+
+// The Timeline and row where `record`'s unpack is noted (timeline borrowed; nullptr when the
+// storage is not timed or `record` is not the core's Record).
+PyObject* record_timeline(PyObject* record, Py_ssize_t* row);
+
+}  // namespace offload::bind

@@ -1,0 +1,366 @@
+"""The core's records, storage index and kept-tensor handles (hooks.py NOTE [Handles in C]:
+csrc/saved_record.cpp, csrc/saved_handles.cpp) against the Python ones they stand for.
+
+Most tests run both ways: `core` (the default where the core is built: Record, StorageIndex,
+KeptSave) and `python` (the ledger given the Python meter, as in a process without the core:
+PyRecord, the Python StorageIndex, Kept). Figures, gradients, timings kept and messages must
+be identical; what differs is that the core's objects are not walked by the collector.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from offload import process
+from offload._ext import core_available, load_core
+from offload.runtime import records
+from offload.runtime.tensor_meta import StorageIndex
+
+pytestmark = pytest.mark.skipif(not core_available(), reason="needs the compiled core")
+
+# Figures that vary run to run whatever the path: times, the I/O threads' timing (how much
+# was in flight), and buffer addresses (an unaligned source is written through the bounce
+# buffer).
+_VARIES = ("_s", "_gbps", "fraction", "inflight", "peak_prefetch_bytes", "bounced_bytes",
+           "staging_peak_bytes")
+
+
+@pytest.fixture(params=["core", "python"])
+def path(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(records, "saved_bytes_meter", records._SavedBytes)
+    return request.param
+
+
+class _Ledger:
+    """What a record needs of its ledger, noting every call."""
+
+    def __init__(self, fail_freed: bool = False) -> None:
+        self.made, self.freed = [], []
+        self.fail_freed = fail_freed
+
+    def record_made(self, record) -> None:
+        self.made.append(record.nbytes)
+
+    def record_freed(self, tier, payload, nbytes, resident) -> None:
+        self.freed.append((tier, payload, nbytes, resident))
+        if self.fail_freed:
+            raise RuntimeError("a closed tier")
+
+
+def _kinds():
+    core = load_core()
+    return [pytest.param(core.StorageIndex, core.Record, id="core"),
+            pytest.param(StorageIndex, records.PyRecord, id="python")]
+
+
+@pytest.mark.parametrize("index_type, record_type", _kinds())
+def test_the_index_keys_by_version_and_layout_and_forgets_dead_records_and_storages(
+        index_type, record_type):
+    """The same contract for both index types (tests/test_prefetch.py has the Python one
+    with a stand-in record)."""
+    ledger = _Ledger()
+    index = index_type()
+    t = torch.randn(10)
+    s = t.untyped_storage()
+
+    def moved(storage):   # a record whose bytes moved out: it holds its storage weakly
+        return record_type(storage, "tier", object(), storage.nbytes(), False, None, ledger,
+                           None)
+
+    r0, r1 = moved(s), moved(s)
+    index.add(s, 0, r0)
+    assert index.lookup(s, 0) is r0 and index.lookup(s, 1) is None and r0.version == 0
+    index.add(s, 1, r1)                         # a newer version: versions only grow
+    assert index.lookup(s, 1) is r1 and index.lookup(s, 0) is None
+    chunk = moved(s)                            # an untracked alias: by layout, apart
+    index.add(s, 1, chunk, ("a",))
+    assert index.lookup(s, 1, ("a",)) is chunk and index.lookup(s, 1) is r1
+    del r1
+    assert index.lookup(s, 1) is None           # records are held weakly
+    r2 = moved(s)
+    index.add(s, 2, r2)
+    del t, s
+    gc.collect()
+    # A dead storage never matches again, even if its id is reused.
+    assert r2() is None
+    for _ in range(100):                        # storages made now may reuse the id
+        other = torch.randn(10).untyped_storage()
+        assert index.lookup(other, 2) is None and index.lookup(other, 0) is None
+
+
+@pytest.mark.parametrize("index_type, record_type", _kinds())
+def test_a_kept_record_names_its_storage_and_the_index_finds_it(index_type, record_type):
+    ledger = _Ledger()
+    t = torch.randn(10)
+    s = t.untyped_storage()
+    kept = record_type(s, None, None, 40, True, None, ledger, None)
+    index = index_type()
+    index.add(s, 3, kept)
+    assert kept() is s and index.lookup(s, 3) is kept and len(index) == 1
+    index.clear()
+    assert len(index) == 0 and index.lookup(s, 3) is None
+
+
+def test_a_core_record_holds_a_kept_storage_and_only_a_moved_one_weakly():
+    """A kept or resident record holds its storage (its saves or payload do anyway: no weak
+    reference object is made); one whose bytes moved must not keep them on the device."""
+    core = load_core()
+    ledger = _Ledger()
+    t = torch.randn(10)
+    s = t.untyped_storage()
+    kept = core.Record(s, None, None, 40, True, None, ledger, None)
+    moved = core.Record(s, "tier", object(), 40, False, None, ledger, None)
+    alive = weakref.ref(s)
+    del t, s
+    gc.collect()
+    assert alive() is not None and kept() is alive() and moved() is alive()
+    del kept
+    gc.collect()
+    assert alive() is None and moved() is None
+
+
+def test_a_record_tells_its_ledger_once_made_and_once_freed():
+    core = load_core()
+    ledger = _Ledger()
+    s = torch.randn(4).untyped_storage()
+    payload = object()
+    record = core.Record(s, "tier", payload, 16, True, None, ledger, None)
+    assert ledger.made == [16] and ledger.freed == []
+    assert not gc.is_tracked(record)
+    del record
+    assert ledger.freed == [("tier", payload, 16, True)]
+    with pytest.raises(RuntimeError, match="initialised once"):
+        core.Record(s, None, None, 4, False, None, ledger, None).__init__(
+            s, None, None, 4, False, None, ledger, None)
+
+
+def test_a_ledger_error_at_a_records_death_is_swallowed_and_a_pending_error_kept():
+    """A record dies wherever autograd drops it, also while an exception propagates: its
+    ledger's error (a closed tier) must not replace that exception or escape."""
+    core = load_core()
+    ledger = _Ledger(fail_freed=True)
+    s = torch.randn(4).untyped_storage()
+
+    def fail_while_a_record_dies():
+        record = core.Record(s, "tier", object(), 16, False, None, ledger, None)
+        raise KeyError("the user's error")   # the frame (and the record) dies with it
+
+    with pytest.raises(KeyError, match="the user's error"):
+        fail_while_a_record_dies()
+    gc.collect()
+    assert len(ledger.freed) == 1
+
+    class Refuses:
+        def record_made(self, record):
+            raise ValueError("refused")
+
+    with pytest.raises(ValueError, match="refused"):
+        core.Record(s, "tier", object(), 16, False, None, Refuses(), None)
+
+
+def test_a_record_outliving_its_index_dies_cleanly():
+    core = load_core()
+    ledger = _Ledger()
+    s = torch.randn(4).untyped_storage()
+    record = core.Record(s, "tier", object(), 16, False, None, ledger, None)
+    index = core.StorageIndex()
+    index.add(s, 0, record)
+    other = core.StorageIndex()
+    other.add(s, 0, record)                     # moved to another index: out of the first
+    assert len(index) == 0 and other.lookup(s, 0) is record
+    del index, other                            # the step's index goes first
+    del record
+    assert len(ledger.freed) == 1
+    index = core.StorageIndex()
+    record = core.Record(s, "tier", object(), 16, False, None, ledger, None)
+    index.add(s, 0, record)
+    del record                                  # a record going first takes its entry out
+    assert len(index) == 0
+
+
+def test_the_core_index_takes_only_core_records():
+    core = load_core()
+    s = torch.randn(4).untyped_storage()
+    py = records.PyRecord(s, None, None, 16, False, None, _Ledger(), None)
+    with pytest.raises(TypeError, match="the core's Record"):
+        core.StorageIndex().add(s, 0, py)
+
+
+def test_what_autograd_holds_is_untracked_with_the_core(path, nvme_dir):
+    x = torch.randn(64, requires_grad=True)
+    held = {}
+    with offload.activations(tiers="host", min_bytes=0) as ctx:
+        held["host"] = ctx._step.hooks.pack(x * 2)          # a CPU storage: kept resident
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        held["nvme"] = ctx._step.hooks.pack(x * 3)          # moved
+        held["weight"] = ctx._step.hooks.pack(x)            # a leaf needing grad: a weight
+    core = path == "core"
+    assert type(held["host"]).__name__ == ("KeptSave" if core else "Kept")
+    assert type(held["weight"]).__name__ == ("KeptSave" if core else "Kept")
+    assert held["weight"].record is None
+    assert type(held["nvme"]).__name__ == "Moved"
+    for handle in (held["host"], held["nvme"]):
+        assert type(handle.record) is (load_core().Record if core else records.PyRecord)
+        assert gc.is_tracked(handle.record) is not core
+    assert gc.is_tracked(held["host"]) is not core
+    held.clear()
+
+
+class Block(nn.Module):
+    """Saves of every kind: weights (and a view of one), activations, views of one storage
+    saved several times (q, k, v), outputs saved by their own node (exp, sigmoid)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+        self.out = nn.Linear(32, 32)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(32, dim=-1)
+        a = torch.softmax(q @ k.transpose(-1, -2) / 8, dim=-1)
+        h = (a @ v).exp().sigmoid() * x
+        return self.out(h) @ self.out.weight.t()
+
+
+def _run(model, x, **kw):
+    with offload.activations(model=model, **kw) as ctx:
+        loss = model(x).square().sum()
+        loss.backward()
+    rows = ctx._step.timeline.rows()
+    stats = {k: v for k, v in ctx.stats.as_dict().items() if not k.endswith(_VARIES)}
+    return ctx, stats, [(r[0], r[1], math.isnan(r[3]) if r[3] is not None else None)
+                        for r in rows]
+
+
+# Capacities given, not measured from the machine's free memory and disk (which move).
+SETTINGS = {
+    "host": dict(tiers="host", min_bytes=0, host_bytes=1 << 30),
+    "recompute": dict(tiers="host", min_bytes=0, policy="recompute", host_bytes=1 << 30),
+    "nvme": dict(tiers="nvme", min_bytes=0, nvme_bytes=1 << 30),
+    "split": dict(tiers="nvme", min_bytes=8192, nvme_bytes=1 << 30),  # small, kept, moved
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_figures_timings_and_gradients_match_between_the_paths(monkeypatch, nvme_dir,
+                                                               setting):
+    """The same step under both paths in one test, each from a fresh process state (the
+    next step's round-trip plan is learned from measured times, which differ run to run):
+    every figure, every timeline row (which storage, its size, whether its unpack was seen)
+    and every gradient identical."""
+    kw = dict(SETTINGS[setting])
+    if kw["tiers"] == "nvme":
+        kw["nvme_dir"] = nvme_dir
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    x = torch.randn(4, 16, 32)
+    plain = nn.Sequential(Block(), Block())
+    plain.load_state_dict(model.state_dict())
+    plain(x).square().sum().backward()
+    got = []
+    for python in (False, True):
+        if python:
+            monkeypatch.setattr(records, "saved_bytes_meter", records._SavedBytes)
+        process.reset()
+        model.zero_grad()
+        _, stats, rows = _run(model, x, **kw)
+        got.append((stats, rows, [p.grad.clone() for p in model.parameters()]))
+    (core_stats, core_rows, core_grads), (py_stats, py_rows, py_grads) = got
+    assert core_stats == py_stats
+    assert core_rows == py_rows and len(core_rows) > 0
+    for a, b, p in zip(core_grads, py_grads, plain.parameters()):
+        assert torch.equal(a, b) and torch.equal(a, p.grad)
+
+
+def _error(fn) -> str:
+    with pytest.raises(RuntimeError) as info:
+        fn()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case", ["input", "output", "view of input", "weight"])
+def test_an_in_place_change_of_a_kept_tensor_raises_autograds_own_message(path, case):
+    def run(hooked: bool):
+        w = torch.randn(8, requires_grad=True)
+        x = w * 1
+        ctx = offload.activations(tiers="host", min_bytes=0) if hooked else torch.enable_grad()
+        with ctx:
+            if case == "input":
+                y = x * w          # saves x (an input of mul)
+                x.add_(1)
+            elif case == "output":
+                y = x.exp()        # saves its own output
+                y.add_(1)
+            elif case == "view of input":
+                v = x[2:6]
+                y = v.sin()        # saves the view
+                x.mul_(2)          # changes it through its base
+            else:
+                y = (x * w).sum() * w   # saves w (a weight)
+                with torch.no_grad():
+                    w.add_(1)
+            y.sum().backward()
+
+    expected = _error(lambda: run(False))
+    assert "modified by an inplace operation" in expected
+    assert _error(lambda: run(True)) == expected
+
+
+def test_records_die_with_their_saves_on_any_thread(path, nvme_dir):
+    """Graphs dropped without backward, on another thread while this one saves: every
+    record gives its space back, and the step ends with nothing left."""
+    x = torch.randn(256, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        ledger = ctx._step.ledger
+        graphs = [(x * i).sin().cos() for i in range(1, 40)]
+        assert ledger.live_records > 0
+
+        def drop():
+            while graphs:
+                graphs.pop()
+
+        dropper = threading.Thread(target=drop)
+        dropper.start()
+        kept = [(x * -i).tanh() for i in range(1, 40)]
+        dropper.join()
+        sum(k.sum() for k in kept).backward()
+        assert ledger.live_records == 0
+    assert ctx.stats.exit_nvme_used_bytes == 0
+
+
+def test_retain_graph_unpacks_kept_and_moved_saves_again(path, nvme_dir):
+    x = torch.randn(128, requires_grad=True)
+    for kw in (dict(tiers="host"), dict(tiers="nvme", nvme_dir=nvme_dir)):
+        with offload.activations(min_bytes=0, **kw):
+            y = (x * 2).sin().exp().sum()
+        y.backward(retain_graph=True)
+        first = x.grad.clone()
+        y.backward()
+        assert torch.equal(x.grad, 2 * first)
+        x.grad = None
+
+
+def test_each_backward_of_a_step_that_only_keeps_marks_its_start_and_end(path):
+    """Backward marks come from kept saves too (a CPU step on the host tier keeps every
+    storage resident): the step ends at the end of its backward, once per backward."""
+    x = torch.randn(64, requires_grad=True)
+    with offload.activations(tiers="host", min_bytes=0) as ctx:
+        y = (x * 2).sin().exp().sum()
+    step = ctx._step
+    hooks = step.hooks
+    assert hooks.first_unpack_s is None and not step._finished
+    ended = []
+    callback = hooks.on_backward_end
+    hooks.on_backward_end = lambda: ended.append(1) or callback()
+    y.backward(retain_graph=True)
+    assert hooks.first_unpack_s is not None and ended == [1]
+    y.backward()
+    assert ended == [1, 1] and step._finished
