@@ -46,7 +46,7 @@ struct Names {
   PyObject* output_nr;
   PyObject* name;
   PyObject* unpacked;
-  PyObject* on_backward_end;
+  PyObject* marks_epoch;
 };
 Names names;
 
@@ -300,12 +300,12 @@ class Packer {
 
 // The unpack hook: a SmallSave or KeptSave here (version checked), everything else to
 // `slow` (hooks.py's unpack). A KeptSave also marks the backward (`marks()`, hooks.py's
-// `_unpacking`: called again only when what it depends on may have changed, i.e. a new
-// graph task or a new `on_backward_end` of the hooks) and notes its record's first unpack
-// on the step's Timeline; a record that is not the core's goes to `kept(record)`
-// (`_kept_unpacked`) for both. `slow`, `kept` and `marks` are bound methods: autograd holds
-// this object with every save, and the saves keep the hooks alive through it, as they
-// would hold the bound method itself.
+// `_unpacking`, called again only when what it depends on may have changed: a new graph
+// task, or a new `on_backward_end` of the hooks, which bumps their `marks_epoch`) and notes
+// its record's first unpack on the step's Timeline; a record that is not the core's goes
+// to `kept(record)` (`_kept_unpacked`) for both. `slow`, `kept` and `marks` are bound
+// methods: autograd holds this object with every save, and the saves keep the hooks alive
+// through it, as they would hold the bound method itself.
 struct UnpackerHooks {
   py::object slow, kept, marks;   // hooks.py's unpack, _kept_unpacked, _unpacking
   py::object error;               // records.held_tensor_error
@@ -348,12 +348,12 @@ class Unpacker {
       return;
     }
     const int64_t task = as_int(call(hooks_.graph_task_id.ptr()));
-    py::object end = attr(owner_.ptr(), names.on_backward_end);
-    if (!marked_ || task != last_task_ || !end.is(last_end_)) {
+    const int64_t epoch = as_int(attr(owner_.ptr(), names.marks_epoch));
+    if (!marked_ || task != last_task_ || epoch != last_epoch_) {
       call(hooks_.marks.ptr());
       marked_ = true;
       last_task_ = task;
-      last_end_ = std::move(end);
+      last_epoch_ = epoch;
     }
     Py_ssize_t row = 0;
     PyObject* timeline = record.is_none() ? nullptr : record_timeline(record.ptr(), &row);
@@ -373,7 +373,7 @@ class Unpacker {
   py::object owner_;                // the hooks (marks.__self__)
   mutable bool marked_ = false;     // the backward marks were set ...
   mutable int64_t last_task_ = 0;   // ... for this graph task
-  mutable py::object last_end_;     // ... and this on_backward_end
+  mutable int64_t last_epoch_ = 0;  // ... and this marks_epoch of the hooks
 };
 
 PyObject* intern(const char* s) {
@@ -389,7 +389,7 @@ void bind_saved_handles(py::module_& m) {
                 intern("grad_fn"),   intern("_base"),           intern("is_leaf"),
                 intern("_version"),  intern("detach"),          intern("_sequence_nr"),
                 intern("output_nr"), intern("__name__"),        intern("unpacked"),
-                intern("on_backward_end")};
+                intern("marks_epoch")};
 
   py::class_<SavedBytes, std::shared_ptr<SavedBytes>>(
       m, "SavedBytes",

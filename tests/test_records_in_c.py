@@ -364,3 +364,28 @@ def test_each_backward_of_a_step_that_only_keeps_marks_its_start_and_end(path):
     assert hooks.first_unpack_s is not None and ended == [1]
     y.backward()
     assert ended == [1, 1] and step._finished
+
+
+def test_an_end_of_backward_callback_set_during_a_backward_is_still_queued(path):
+    """The core's Unpacker marks a backward again when the hooks' callback changes within
+    it (not only when a new backward starts): the same as the Python path."""
+    x = torch.randn(64, requires_grad=True)
+    ended = []
+
+    class SetsCallback(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            hooks.on_backward_end = lambda: ended.append(1)
+            return grad
+
+    with offload.activations(tiers="host", min_bytes=0) as ctx:
+        hooks = ctx._step.hooks
+        a = (x * 2).sin()                 # sin's saved input: unpacked after the change
+        b = SetsCallback.apply(a).exp()   # exp's saved output: unpacked before it
+        b.sum().backward()
+        assert ended == [1]
+        hooks.on_backward_end = None

@@ -119,7 +119,8 @@ class OffloadHooks:
         self._info = TensorInfo(0)
         # Set by the step (NOTE [End of step] in step.py): called at the end of every
         # backward that unpacked a moved tensor, once the block has exited.
-        self.on_backward_end = None
+        self._on_backward_end = None
+        self.marks_epoch = 0   # bumped when on_backward_end changes (the core's Unpacker)
         self._queued_task = -1
         self.first_unpack_s: float | None = None  # where the backward starts
         self.clock = clock
@@ -137,6 +138,15 @@ class OffloadHooks:
             self._packer = _core.Packer(
                 weakref.ref(self), OffloadHooks.pack_full, OffloadHooks._pack_strided, meter,
                 min_bytes, _Tensor, _strided, _profiler_enabled, next_sequence_nr, Record)
+
+    @property
+    def on_backward_end(self):
+        return self._on_backward_end
+
+    @on_backward_end.setter
+    def on_backward_end(self, callback) -> None:
+        self._on_backward_end = callback
+        self.marks_epoch += 1
 
     # ---------------------------------------------------------------- hooks
     @property
@@ -374,7 +384,7 @@ class OffloadHooks:
     def _unpacking(self) -> None:
         """Every unpack but a small save's: the backward's start and end marks. Depends on
         nothing but `first_unpack_s`, `on_backward_end` and the graph task: the core's
-        Unpacker calls it again only when the last two change."""
+        Unpacker calls it again only when the graph task or `marks_epoch` changes."""
         if self.first_unpack_s is None:
             self._backward_starts()
         if self.on_backward_end is not None:
