@@ -199,17 +199,26 @@ PyMemberDef record_members[] = {
 
 #undef RECORD_MEMBER
 
-PyTypeObject record_type = [] {
+// A type of this file: not Py_TPFLAGS_HAVE_GC (see the file's comment), not subclassable.
+PyTypeObject plain_type(const char* name, Py_ssize_t size, const char* doc,
+                        newfunc new_object, destructor dealloc) {
   PyTypeObject type{PyVarObject_HEAD_INIT(nullptr, 0)};
-  type.tp_name = "offload._C.Record";
-  type.tp_basicsize = sizeof(Record);
-  type.tp_flags = Py_TPFLAGS_DEFAULT;   // not Py_TPFLAGS_HAVE_GC: see the file's comment
-  type.tp_doc = PyDoc_STR(
+  type.tp_name = name;
+  type.tp_basicsize = size;
+  type.tp_flags = Py_TPFLAGS_DEFAULT;
+  type.tp_doc = doc;
+  type.tp_new = new_object;
+  type.tp_dealloc = dealloc;
+  return type;
+}
+
+PyTypeObject record_type = [] {
+  PyTypeObject type = plain_type(
+      "offload._C.Record", sizeof(Record),
       "Record(storage, tier, payload, nbytes, resident, meta, ledger, prefetcher): one "
-      "stored storage of a step (offload/runtime/records.py).");
-  type.tp_new = record_new;
+      "stored storage of a step (offload/runtime/records.py).",
+      record_new, record_dealloc);
   type.tp_init = record_init;
-  type.tp_dealloc = record_dealloc;
   type.tp_call = record_call;
   type.tp_members = record_members;
   type.tp_weaklistoffset = offsetof(Record, weakrefs);
@@ -363,15 +372,11 @@ PySequenceMethods index_as_sequence = [] {
 }();
 
 PyTypeObject index_type = [] {
-  PyTypeObject type{PyVarObject_HEAD_INIT(nullptr, 0)};
-  type.tp_name = "offload._C.StorageIndex";
-  type.tp_basicsize = sizeof(StorageIndex);
-  type.tp_flags = Py_TPFLAGS_DEFAULT;
-  type.tp_doc = PyDoc_STR(
+  PyTypeObject type = plain_type(
+      "offload._C.StorageIndex", sizeof(StorageIndex),
       "Storages already stored during a step -> their core Record (tensor_meta.StorageIndex "
-      "for the core's records).");
-  type.tp_new = index_new;
-  type.tp_dealloc = index_dealloc;
+      "for the core's records).",
+      index_new, index_dealloc);
   type.tp_methods = index_methods;
   type.tp_as_sequence = &index_as_sequence;
   return type;

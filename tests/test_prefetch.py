@@ -1,15 +1,12 @@
 """The prefetcher's order and budget, with fake payloads (no I/O), and tensor_meta pieces."""
 from __future__ import annotations
 
-import gc
-import weakref
-
 import pytest
 import torch
 
 from offload.runtime.prefetch import Prefetcher
 from offload.util.stats import BusyClock, Stats
-from offload.runtime.tensor_meta import ParamStorages, StorageIndex, rebuild, view_meta
+from offload.runtime.tensor_meta import ParamStorages, rebuild, view_meta
 from offload.tiers.base import Payload
 
 
@@ -144,36 +141,6 @@ def test_rebuild_shares_the_storage_and_layout():
     assert torch.equal(out2, view)
     with pytest.raises(ValueError, match="not a multiple"):
         rebuild(big.untyped_storage(), 3, view_meta(view))
-
-
-def test_storage_index_keys_by_version_and_layout_and_forgets_dead_storages():
-    index = StorageIndex()
-
-    class Rec(weakref.ref):   # what the index needs of a record (records.Record)
-        __slots__ = ("version", "__weakref__")
-
-    t = torch.randn(10)
-    s = t.untyped_storage()
-    r0, r1 = Rec(s), Rec(s)
-    index.add(s, 0, r0)
-    assert index.lookup(s, 0) is r0 and index.lookup(s, 1) is None
-    index.add(s, 1, r1)                         # a newer version: versions only grow
-    assert index.lookup(s, 1) is r1 and index.lookup(s, 0) is None
-    chunk = Rec(s)                              # an untracked alias: by layout, apart
-    index.add(s, 1, chunk, layout=("a",))
-    assert index.lookup(s, 1, ("a",)) is chunk and index.lookup(s, 1) is r1
-    del r1
-    assert index.lookup(s, 1) is None           # records are held weakly
-    r2 = Rec(s)
-    index.add(s, 2, r2)
-    del t, s
-    gc.collect()
-    # A dead storage never matches again, even if its id is reused: the record is a weak
-    # reference to it and lookup checks identity.
-    assert r2() is None
-    for _ in range(100):                        # storages made now may reuse the id
-        other = torch.randn(10).untyped_storage()
-        assert index.lookup(other, 2) is None and index.lookup(other, 0) is None
 
 
 def test_param_storages_recognise_params_buffers_and_views():

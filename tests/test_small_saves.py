@@ -52,7 +52,8 @@ class Net(nn.Module):
 
 
 def _step(model, x, **kw):
-    with offload.activations(model=model, tiers="host", **kw) as ctx:
+    # The capacity given, not measured from the free memory (which moves between runs).
+    with offload.activations(model=model, tiers="host", host_bytes=1 << 30, **kw) as ctx:
         model(x).backward()
     return ctx
 
@@ -113,12 +114,17 @@ def _error(fn) -> str:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["input", "output", "view of input"])
-def test_an_in_place_change_raises_autograds_own_message(path, case, device):
+@pytest.mark.parametrize("case", ["input", "output", "view of input", "weight"])
+@pytest.mark.parametrize("min_bytes", [None, 0], ids=["small", "not small"])
+def test_an_in_place_change_raises_autograds_own_message(path, case, device, min_bytes):
+    """Small saves (SmallSave / SmallKept), and with min_bytes 0 saves that stay with their
+    record on a CPU (KeptSave / Kept: tests/test_records_in_c.py) or move on CUDA."""
+    kw = {} if min_bytes is None else {"min_bytes": min_bytes}
+
     def run(hooked: bool):
         w = torch.randn(8, requires_grad=True, device=device)
         x = w * 1
-        ctx = offload.activations(tiers="host") if hooked else torch.enable_grad()
+        ctx = offload.activations(tiers="host", **kw) if hooked else torch.enable_grad()
         with ctx:
             if case == "input":
                 y = x * w          # saves x (an input of mul)
@@ -126,10 +132,14 @@ def test_an_in_place_change_raises_autograds_own_message(path, case, device):
             elif case == "output":
                 y = x.exp()        # saves its own output
                 y.add_(1)
-            else:
+            elif case == "view of input":
                 v = x[2:6]
                 y = v.sin()        # saves the view
                 x.mul_(2)          # changes it through its base
+            else:
+                y = (x * w).sum() * w   # saves w (a weight: it stays, whatever its size)
+                with torch.no_grad():
+                    w.add_(1)
             y.sum().backward()
 
     expected = _error(lambda: run(False))
