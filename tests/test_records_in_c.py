@@ -159,12 +159,15 @@ def test_a_ledger_error_at_a_records_death_is_swallowed_and_a_pending_error_kept
     gc.collect()
     assert len(ledger.freed) == 1
 
-    class Refuses:
+    class Refuses(_Ledger):
         def record_made(self, record):
             raise ValueError("refused")
 
+    refuses = Refuses()
     with pytest.raises(ValueError, match="refused"):
-        core.Record(s, "tier", object(), 16, False, None, Refuses(), None)
+        core.Record(s, "tier", object(), 16, False, None, refuses, None)
+    gc.collect()
+    assert refuses.freed == []    # a record its ledger never took is never given back
 
 
 def test_a_record_outliving_its_index_dies_cleanly():
