@@ -202,7 +202,9 @@ PyMemberDef record_members[] = {
 // A type of this file: not Py_TPFLAGS_HAVE_GC (see the file's comment), not subclassable.
 PyTypeObject plain_type(const char* name, Py_ssize_t size, const char* doc,
                         newfunc new_object, destructor dealloc) {
-  PyTypeObject type{PyVarObject_HEAD_INIT(nullptr, 0)};
+  PyTypeObject type{};   // every slot empty but those set here
+  PyVarObject head = {PyObject_HEAD_INIT(nullptr) 0};
+  type.ob_base = head;
   type.tp_name = name;
   type.tp_basicsize = size;
   type.tp_flags = Py_TPFLAGS_DEFAULT;
