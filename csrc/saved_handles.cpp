@@ -46,7 +46,7 @@ struct Names {
   PyObject* output_nr;
   PyObject* name;
   PyObject* unpacked;
-  PyObject* marks_epoch;
+  PyObject* epoch;
 };
 Names names;
 
@@ -299,15 +299,16 @@ class Packer {
 };
 
 // The unpack hook: a SmallSave or KeptSave here (version checked), everything else to
-// `slow` (hooks.py's unpack). A KeptSave also marks the backward (`marks()`, hooks.py's
-// `_unpacking`, called again only when what it depends on may have changed: a new graph
-// task, or a new `on_backward_end` of the hooks, which bumps their `marks_epoch`) and notes
-// its record's first unpack on the step's Timeline; a record that is not the core's goes
-// to `kept(record)` (`_kept_unpacked`) for both. `slow`, `kept` and `marks` are bound
-// methods: autograd holds this object with every save, and the saves keep the hooks alive
-// through it, as they would hold the bound method itself.
+// `slow` (hooks.py's unpack). A KeptSave also marks the backward (`marks()`, the step's
+// runtime.backward_marks.BackwardMarks, called again only when what it depends on may
+// have changed: a new graph task, or a new `marks.epoch`) and notes its record's first
+// unpack on the step's Timeline; a record that is not the core's goes to `kept(record)`
+// (hooks.py's `_kept_unpacked`) for both. `slow` and `kept` are bound methods: autograd
+// holds this object with every save, and the saves keep the hooks alive through it, as
+// they would hold the bound method itself.
 struct UnpackerHooks {
-  py::object slow, kept, marks;   // hooks.py's unpack, _kept_unpacked, _unpacking
+  py::object slow, kept;          // hooks.py's unpack, _kept_unpacked
+  py::object marks;               // the hooks' BackwardMarks
   py::object error;               // records.held_tensor_error
   py::object graph_task_id;       // torch._C._current_graph_task_id
   py::object perf_counter;        // time.perf_counter (the Timeline's clock)
@@ -320,8 +321,7 @@ class Unpacker {
            py::object graph_task_id, py::object perf_counter, py::object profiling)
       : hooks_{std::move(slow),          std::move(kept),         std::move(marks),
                std::move(error),         std::move(graph_task_id), std::move(perf_counter),
-               std::move(profiling)},
-        owner_(hooks_.marks.attr("__self__")) {}
+               std::move(profiling)} {}
 
   py::object operator()(py::handle packed) const {
     PyTypeObject* type = Py_TYPE(packed.ptr());
@@ -348,7 +348,7 @@ class Unpacker {
       return;
     }
     const int64_t task = as_int(call(hooks_.graph_task_id.ptr()));
-    const int64_t epoch = as_int(attr(owner_.ptr(), names.marks_epoch));
+    const int64_t epoch = as_int(attr(hooks_.marks.ptr(), names.epoch));
     if (!marked_ || task != last_task_ || epoch != last_epoch_) {
       call(hooks_.marks.ptr());
       marked_ = true;
@@ -370,10 +370,9 @@ class Unpacker {
   }
 
   UnpackerHooks hooks_;
-  py::object owner_;                // the hooks (marks.__self__)
   mutable bool marked_ = false;     // the backward marks were set ...
   mutable int64_t last_task_ = 0;   // ... for this graph task
-  mutable int64_t last_epoch_ = 0;  // ... and this marks_epoch of the hooks
+  mutable int64_t last_epoch_ = 0;  // ... and this epoch of the marks
 };
 
 PyObject* intern(const char* s) {
@@ -389,7 +388,7 @@ void bind_saved_handles(py::module_& m) {
                 intern("grad_fn"),   intern("_base"),           intern("is_leaf"),
                 intern("_version"),  intern("detach"),          intern("_sequence_nr"),
                 intern("output_nr"), intern("__name__"),        intern("unpacked"),
-                intern("marks_epoch")};
+                intern("epoch")};
 
   py::class_<SavedBytes, std::shared_ptr<SavedBytes>>(
       m, "SavedBytes",

@@ -21,6 +21,7 @@ import offload
 from offload import process
 from offload._ext import core_available, load_core
 from offload.runtime import records
+from offload.runtime.saved_bytes import PySavedBytes
 from offload.runtime.tensor_meta import StorageIndex
 
 pytestmark = pytest.mark.skipif(not core_available(), reason="needs the compiled core")
@@ -35,7 +36,7 @@ _VARIES = ("_s", "_gbps", "fraction", "inflight", "peak_prefetch_bytes", "bounce
 @pytest.fixture(params=["core", "python"])
 def path(request, monkeypatch):
     if request.param == "python":
-        monkeypatch.setattr(records, "saved_bytes_meter", records._SavedBytes)
+        monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
     return request.param
 
 
@@ -272,7 +273,7 @@ def test_figures_timings_and_gradients_match_between_the_paths(monkeypatch, nvme
     got = []
     for python in (False, True):
         if python:
-            monkeypatch.setattr(records, "saved_bytes_meter", records._SavedBytes)
+            monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
         process.reset()
         model.zero_grad()
         _, stats, rows = _run(model, x, **kw)
@@ -325,13 +326,13 @@ def test_each_backward_of_a_step_that_only_keeps_marks_its_start_and_end(path):
     with offload.activations(tiers="host", min_bytes=0) as ctx:
         y = (x * 2).sin().exp().sum()
     step = ctx._step
-    hooks = step.hooks
-    assert hooks.first_unpack_s is None and not step._finished
+    marks = step.hooks.marks
+    assert marks.first_unpack_s is None and not step._finished
     ended = []
-    callback = hooks.on_backward_end
-    hooks.on_backward_end = lambda: ended.append(1) or callback()
+    callback = marks.on_backward_end
+    marks.on_backward_end = lambda: ended.append(1) or callback()
     y.backward(retain_graph=True)
-    assert hooks.first_unpack_s is not None and ended == [1]
+    assert marks.first_unpack_s is not None and ended == [1]
     y.backward()
     assert ended == [1, 1] and step._finished
 
@@ -349,13 +350,13 @@ def test_an_end_of_backward_callback_set_during_a_backward_is_still_queued(path)
 
         @staticmethod
         def backward(ctx, grad):
-            hooks.on_backward_end = lambda: ended.append(1)
+            marks.on_backward_end = lambda: ended.append(1)
             return grad
 
     with offload.activations(tiers="host", min_bytes=0) as ctx:
-        hooks = ctx._step.hooks
+        marks = ctx._step.hooks.marks
         a = (x * 2).sin()                 # sin's saved input: unpacked after the change
         b = SetsCallback.apply(a).exp()   # exp's saved output: unpacked before it
         b.sum().backward()
         assert ended == [1]
-        hooks.on_backward_end = None
+        marks.on_backward_end = None

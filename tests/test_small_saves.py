@@ -17,6 +17,7 @@ import torch.nn as nn
 import offload
 from offload._ext import core_available
 from offload.runtime import records
+from offload.runtime.saved_bytes import PySavedBytes
 
 pytestmark = pytest.mark.skipif(not core_available(), reason="needs the compiled core")
 
@@ -29,7 +30,7 @@ _TIMED = ("_s", "_gbps", "fraction", "step_s")
 @pytest.fixture(params=["core", "python"])
 def path(request, monkeypatch):
     if request.param == "python":
-        monkeypatch.setattr(records, "saved_bytes_meter", records._SavedBytes)
+        monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
     return request.param
 
 
@@ -96,7 +97,7 @@ def test_the_figures_match_on_the_same_step(monkeypatch):
     got = []
     for python in (False, True):
         if python:
-            monkeypatch.setattr(records, "saved_bytes_meter", records._SavedBytes)
+            monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
         model.zero_grad()
         ctx = _step(model, x)
         got.append({k: v for k, v in ctx.stats.as_dict().items() if not k.endswith(_TIMED)})

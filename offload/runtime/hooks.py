@@ -46,6 +46,7 @@ from .._ext import core_available, load_core
 from ..errors import TierFullError
 from ..util.ranges import PACK, UNPACK, profiling, span
 from ..util.sizes import format_bytes
+from .backward_marks import BackwardMarks
 from .no_offload import no_offload_active
 from .placement import Placement, TensorInfo
 from .records import (RECORD_TYPES, Kept, Ledger, Moved, PackedSubclass, Record, SmallKept,
@@ -117,14 +118,8 @@ class OffloadHooks:
         self.timeline = timeline if timeline is not None else Timeline()
         # One TensorInfo, refilled per decision: the placement reads it and lets go.
         self._info = TensorInfo(0)
-        # Set by the step (NOTE [End of step] in step.py): called at the end of every
-        # backward that unpacked a moved tensor, once the block has exited.
-        self._on_backward_end = None
-        self.marks_epoch = 0   # bumped when on_backward_end changes (the core's Unpacker)
-        self._queued_task = -1
-        self.first_unpack_s: float | None = None  # where the backward starts
-        self.clock = clock
-        self.backward_mark = None    # ... on `clock`
+        # The backward's start and end, as the unpacks see them (the step reads and sets them).
+        self.marks = BackwardMarks(prefetcher, clock)
 
         # NOTE [Handles in C]: the C front, records and index when the core counts this
         # step's resident bytes (the ledger then makes the core's records).
@@ -139,15 +134,6 @@ class OffloadHooks:
                 weakref.ref(self), OffloadHooks.pack_full, OffloadHooks._pack_strided, meter,
                 min_bytes, _Tensor, _strided, _profiler_enabled, next_sequence_nr, Record)
 
-    @property
-    def on_backward_end(self):
-        return self._on_backward_end
-
-    @on_backward_end.setter
-    def on_backward_end(self, callback) -> None:
-        self._on_backward_end = callback
-        self.marks_epoch += 1
-
     # ---------------------------------------------------------------- hooks
     @property
     def pack(self):
@@ -161,9 +147,8 @@ class OffloadHooks:
         holds this with every save."""
         if self._packer is None:
             return self.unpack
-        return _core.Unpacker(self.unpack, self._kept_unpacked, self._unpacking,
-                              held_tensor_error, _graph_task_id, time.perf_counter,
-                              _profiler_enabled)
+        return _core.Unpacker(self.unpack, self._kept_unpacked, self.marks, held_tensor_error,
+                              _graph_task_id, time.perf_counter, _profiler_enabled)
 
     # ---------------------------------------------------------------- pack
     def pack_full(self, t: torch.Tensor):
@@ -371,7 +356,7 @@ class OffloadHooks:
         if cls is SmallKept:
             packed.check_version()  # NOTE [Version check]
             return packed.tensor
-        self._unpacking()
+        self.marks()
         if cls is Moved:
             return packed.unpack(self._lock)
         if cls is PackedSubclass:
@@ -381,40 +366,13 @@ class OffloadHooks:
             return packed.flat.rebuild(inner)
         return packed.unpack()  # Kept
 
-    def _unpacking(self) -> None:
-        """Every unpack but a small save's: the backward's start and end marks. Depends on
-        nothing but `first_unpack_s`, `on_backward_end` and the graph task: the core's
-        Unpacker calls it again only when the graph task or `marks_epoch` changes."""
-        if self.first_unpack_s is None:
-            self._backward_starts()
-        if self.on_backward_end is not None:
-            task = _graph_task_id()
-            if task != self._queued_task and task >= 0:
-                # Once per backward: step.py NOTE [End of step], point 2.
-                self._queued_task = task
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-
     def _kept_unpacked(self, record) -> None:
         """A KeptSave's unpack, but for its version check, in Python (`_unpack` while a
         profiler runs; the core's Unpacker does the same in C). `record`: its storage's
         record, None for a weight."""
-        self._unpacking()
+        self.marks()
         if record is not None and record.timeline is not None:
             record.timeline.unpacked(record.row, time.perf_counter())
-
-    def _backward_starts(self) -> None:
-        self.first_unpack_s = time.perf_counter()
-        # Read-ahead starts with the backward, not at the first moved payload's fetch:
-        # when the end of the forward stayed on the device (the round-trip plan, auto's
-        # plan), the link would otherwise idle while backward works through it.
-        self.prefetcher.start()
-        if self.clock is not None:
-            self.backward_mark = self.clock.mark(self.first_unpack_s)
-
-    def _backward_ended(self) -> None:
-        callback = self.on_backward_end
-        if callback is not None:
-            callback()
 
     @property
     def live_records(self) -> int:

@@ -15,7 +15,7 @@
   a saved tensor below OFFLOAD_MIN_BYTES; the core's `KeptSave` is the `Kept` of a tensor
   that stays, made in C (hooks.py NOTE [Handles in C]).
 * `Ledger`: the step's account of what its records and kept tensors hold, with the bytes
-  resident on the device in a `SavedBytes` meter (the core's, or `_SavedBytes`).
+  resident on the device in a `SavedBytes` meter (saved_bytes.py).
 
 NOTE [Record lifetime] A record lives exactly as long as some saved tensor of it lives, i.e.
 as long as autograd holds it. Its death gives the payload back to its tier (through the
@@ -34,7 +34,6 @@ stream after the first waits for the first one's hand-off (copies Note 12).
 """
 from __future__ import annotations
 
-import collections
 import threading
 import time
 import weakref
@@ -46,6 +45,7 @@ import torch
 from .._ext import core_available, load_core
 from ..errors import UsedAfterCloseError
 from ..tiers.copy_tickets import SharedReload
+from .saved_bytes import PySavedBytes, saved_bytes_meter
 from .tensor_meta import ViewMeta, rebuild
 from .version_check import SavedOrigin, next_sequence_nr as _next_sequence_nr, version_error, \
     version_sentinel
@@ -54,86 +54,6 @@ __all__ = ["Ledger", "Record", "PyRecord", "RECORD_TYPES", "load", "handle_done"
            "SmallKept", "Moved", "PackedSubclass"]
 
 _UNSET: Any = object()
-
-
-class _SavedBytes:
-    """The compiled core's `SavedBytes` (csrc/saved_handles.cpp) for a process without it: the
-    same methods and figures (no C path, so `take_small` counts no packed saves).
-
-    A small save dies on whatever thread autograd drops it, and inside the garbage collector
-    in the middle of counting another: `small_freed` only queues its key (deque.append is
-    atomic), applied before the next small save and when the figures are taken (both on the
-    packing thread, which alone changes the counts: no lock on the hot path). The id is
-    safe: an entry's storage is held by a live save until its count drops to 0; a storage
-    that reuses the id was made after that save died, so its free is already queued when it
-    is saved. Resident bytes are shared with records, freed on any thread: under `_lock`.
-    """
-
-    __slots__ = ("resident", "peak", "_lock", "_count", "_bytes", "_frees", "_new_storages",
-                 "_new_bytes")
-
-    def __init__(self) -> None:
-        self.resident = 0
-        self.peak = 0
-        self._lock = threading.Lock()
-        self._count: dict[int, int] = {}   # small storage id -> saves alive
-        self._bytes: dict[int, int] = {}   # small storage id -> its bytes
-        self._frees: collections.deque = collections.deque()
-        self._new_storages = 0
-        self._new_bytes = 0
-
-    def add(self, nbytes: int) -> None:
-        with self._lock:
-            self.resident += nbytes
-            if self.resident > self.peak:
-                self.peak = self.resident
-
-    def sub(self, nbytes: int) -> None:
-        with self._lock:
-            self.resident -= nbytes
-
-    def small_saved(self, key: int, nbytes: int) -> None:
-        if self._frees:
-            self._apply_frees()
-        count = self._count.get(key, 0)
-        self._count[key] = count + 1
-        if count == 0:
-            self._bytes[key] = nbytes
-            self._new_storages += 1
-            self._new_bytes += nbytes
-            self.add(nbytes)
-
-    def small_freed(self, key: int) -> None:
-        self._frees.append(key)
-
-    def take_small(self) -> tuple[int, int, int]:
-        self._apply_frees()
-        out = (0, self._new_storages, self._new_bytes)
-        self._new_storages = self._new_bytes = 0
-        return out
-
-    def _apply_frees(self) -> None:
-        frees, count = self._frees, self._count
-        freed = 0
-        while frees:
-            key = frees.popleft()
-            left = count[key] - 1
-            if left:
-                count[key] = left
-            else:
-                del count[key]
-                freed += self._bytes.pop(key)
-        if freed:
-            self.sub(freed)
-
-
-_CoreSavedBytes = load_core().SavedBytes if core_available() else None
-
-
-def saved_bytes_meter():
-    """The core's `SavedBytes` when the core is built (the small saves' C path counts into
-    it), else the Python one."""
-    return _CoreSavedBytes() if _CoreSavedBytes is not None else _SavedBytes()
 
 
 class Ledger:
@@ -157,7 +77,7 @@ class Ledger:
         self.meter = saved_bytes_meter()   # bytes resident on the device, and their peak
         # The step's records: the core's with the core's meter (hooks.py NOTE [Handles in
         # C]), else the Python ones; the same fields and calls.
-        self.record_type = PyRecord if type(self.meter) is _SavedBytes else Record
+        self.record_type = PyRecord if type(self.meter) is PySavedBytes else Record
 
     def fold(self) -> None:
         """Bring what the meter counted into the step's Stats (at the block's exit and at

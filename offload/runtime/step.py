@@ -8,13 +8,15 @@ trace) runs at one of these defined points, never from a destructor:
 1. the context's exit, when no saved tensor of the step is alive (backward ran inside the
    block: the common case);
 2. the end of a backward that ran after the exit (autograd's end-of-backward callback, which
-   the hooks queue at the first unpack of each backward), once the backward freed them all;
+   the hooks' BackwardMarks queue at the first unpack of each backward), once the backward
+   freed them all;
 3. otherwise (a graph dropped without backward, one freed later by hand) the step waits in
    `pending` and is finished at the next context entry, `offload.empty_cache()` or
    interpreter exit, whichever comes first.
 
-A saved tensor dying only updates counters (hooks.py `_record_freed`); that may happen on
-any thread, under the hooks' lock, so nothing that waits or writes files may run there.
+A saved tensor dying only updates counters (records.py: its record tells the ledger); that
+may happen on any thread, under the ledger's lock, so nothing that waits or writes files may
+run there.
 
 NOTE [Training step] What `auto` learns from a step's time (its profile, its trials) comes
 only from a training step: one that ran a forward and a backward and ended at point 1 or 2
@@ -147,7 +149,7 @@ class Step:
                   "are freed", self.ledger.live_records)
         with _pending_lock:
             _pending.add(self)
-        self.hooks.on_backward_end = self._backward_ended
+        self.hooks.marks.on_backward_end = self._backward_ended
 
     def _backward_ended(self) -> None:
         """Autograd's end-of-backward callback (NOTE [End of step], point 2)."""
@@ -171,16 +173,16 @@ class Step:
             self._finished = True
         with _pending_lock:
             _pending.discard(self)
-        self.hooks.on_backward_end = None
+        self.hooks.marks.on_backward_end = None
         self.ledger.fold()
         close_tiers(self.tiers, self.stats, before=self.close_copies)
         try:
             self._learn_round_trip()
         except Exception:  # a planning problem must never fail the training step
             log.exception("offload: could not update the round-trip plan")
-        training = timed and self.hooks.first_unpack_s is not None \
+        training = timed and self.hooks.marks.first_unpack_s is not None \
             and _dynamo_frames() == self._compiled_at_start   # NOTE [Training step]
-        report = StepReport(self.stats, self.timeline, self.hooks.backward_mark, end_s,
+        report = StepReport(self.stats, self.timeline, self.hooks.marks.backward_mark, end_s,
                             training)
         for learn in self.after_finish:
             try:
@@ -196,7 +198,7 @@ class Step:
         with _pending_lock:
             _pending.discard(self)
         if self.hooks is not None:
-            self.hooks.on_backward_end = None
+            self.hooks.marks.on_backward_end = None
         for tier in self.tiers.values():
             tier.abort()  # every payload freed now; a later unpack says so
         close_tiers(self.tiers, self.stats, reuse=False, before=self.close_copies)
@@ -218,7 +220,7 @@ class Step:
         if not rec.enabled:
             return
         # Forward runs from entry to the first unpack; backward from there to `end_s`.
-        backward_s = self.hooks.first_unpack_s
+        backward_s = self.hooks.marks.first_unpack_s
         exit_s = self.exit_s if self.exit_s is not None else end_s
         forward_end_s = backward_s if backward_s is not None else exit_s
         rec.add("forward", "forward", self.start_s, forward_end_s, category="compute")

@@ -1,0 +1,73 @@
+"""Where a step's backward starts and ends, as the saved-tensor hooks see it.
+
+Every unpack but a small save's calls the step's `BackwardMarks`. The first marks the
+backward's start: the prefetcher starts reading ahead, and the clock `auto` times steps with
+marks it (`backward_mark`). Once per backward (autograd graph task), while the step wants to
+hear of it (`on_backward_end` set: step.py NOTE [End of step], point 2), the end of that
+backward is queued as an autograd callback. What a call does depends only on
+`first_unpack_s`, `on_backward_end` and the graph task, so the core's Unpacker calls again
+only when the task or `epoch` (bumped with every new `on_backward_end`) changed
+(hooks.py NOTE [Handles in C]).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["BackwardMarks"]
+
+# The id of the backward running on this thread, -1 outside one (torch >= 2.0).
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+class BackwardMarks:
+    """Args:
+        prefetcher: Started at the backward's first unpack.
+        clock: Marks that start on the clock `auto` times steps with (util/clock.py: the
+            device's on CUDA); None: not needed.
+    """
+
+    def __init__(self, prefetcher, clock=None) -> None:
+        self.prefetcher = prefetcher
+        self.clock = clock
+        self.first_unpack_s: float | None = None  # where the backward starts
+        self.backward_mark = None                 # ... on `clock`
+        self._on_backward_end = None
+        self.epoch = 0
+        self._queued_task = -1
+
+    @property
+    def on_backward_end(self):
+        """Called at the end of every backward that unpacked a stored tensor once set (the
+        step sets it when its block exits with stored tensors alive)."""
+        return self._on_backward_end
+
+    @on_backward_end.setter
+    def on_backward_end(self, callback) -> None:
+        self._on_backward_end = callback
+        self.epoch += 1
+
+    def __call__(self) -> None:
+        """An unpack (not a small save's)."""
+        if self.first_unpack_s is None:
+            self._starts()
+        if self._on_backward_end is not None:
+            task = _graph_task_id()
+            if task != self._queued_task and task >= 0:
+                self._queued_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+
+    def _starts(self) -> None:
+        self.first_unpack_s = time.perf_counter()
+        # Read-ahead starts with the backward, not at the first moved payload's fetch:
+        # when the end of the forward stayed on the device (the round-trip plan, auto's
+        # plan), the link would otherwise idle while backward works through it.
+        self.prefetcher.start()
+        if self.clock is not None:
+            self.backward_mark = self.clock.mark(self.first_unpack_s)
+
+    def _ended(self) -> None:
+        callback = self._on_backward_end
+        if callback is not None:
+            callback()

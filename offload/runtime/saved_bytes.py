@@ -1,0 +1,95 @@
+"""The bytes of saved activations resident on the device during a step, and their peak.
+
+A step's `SavedBytes` meter is counted into by its records (records.py, `Ledger`) and by the
+small saves of both hook paths (hooks.py NOTE [Handles in C]): the compiled core's
+(csrc/saved_handles.cpp), or without the core `PySavedBytes`, with the same methods and
+figures.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+
+from .._ext import core_available, load_core
+
+__all__ = ["PySavedBytes", "saved_bytes_meter"]
+
+
+class PySavedBytes:
+    """The compiled core's `SavedBytes` (csrc/saved_handles.cpp) for a process without it: the
+    same methods and figures (no C path, so `take_small` counts no packed saves).
+
+    A small save dies on whatever thread autograd drops it, and inside the garbage collector
+    in the middle of counting another: `small_freed` only queues its key (deque.append is
+    atomic), applied before the next small save and when the figures are taken (both on the
+    packing thread, which alone changes the counts: no lock on the hot path). The id is
+    safe: an entry's storage is held by a live save until its count drops to 0; a storage
+    that reuses the id was made after that save died, so its free is already queued when it
+    is saved. Resident bytes are shared with records, freed on any thread: under `_lock`.
+    """
+
+    __slots__ = ("resident", "peak", "_lock", "_count", "_bytes", "_frees", "_new_storages",
+                 "_new_bytes")
+
+    def __init__(self) -> None:
+        self.resident = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+        self._count: dict[int, int] = {}   # small storage id -> saves alive
+        self._bytes: dict[int, int] = {}   # small storage id -> its bytes
+        self._frees: collections.deque = collections.deque()
+        self._new_storages = 0
+        self._new_bytes = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.resident += nbytes
+            if self.resident > self.peak:
+                self.peak = self.resident
+
+    def sub(self, nbytes: int) -> None:
+        with self._lock:
+            self.resident -= nbytes
+
+    def small_saved(self, key: int, nbytes: int) -> None:
+        if self._frees:
+            self._apply_frees()
+        count = self._count.get(key, 0)
+        self._count[key] = count + 1
+        if count == 0:
+            self._bytes[key] = nbytes
+            self._new_storages += 1
+            self._new_bytes += nbytes
+            self.add(nbytes)
+
+    def small_freed(self, key: int) -> None:
+        self._frees.append(key)
+
+    def take_small(self) -> tuple[int, int, int]:
+        self._apply_frees()
+        out = (0, self._new_storages, self._new_bytes)
+        self._new_storages = self._new_bytes = 0
+        return out
+
+    def _apply_frees(self) -> None:
+        frees, count = self._frees, self._count
+        freed = 0
+        while frees:
+            key = frees.popleft()
+            left = count[key] - 1
+            if left:
+                count[key] = left
+            else:
+                del count[key]
+                freed += self._bytes.pop(key)
+        if freed:
+            self.sub(freed)
+
+
+_CoreSavedBytes = load_core().SavedBytes if core_available() else None
+
+
+def saved_bytes_meter():
+    """The core's `SavedBytes` when the core is built (the small saves' C path counts into
+    it), else the Python one."""
+    return _CoreSavedBytes() if _CoreSavedBytes is not None else PySavedBytes()
