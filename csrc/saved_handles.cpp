@@ -302,12 +302,11 @@ class Packer {
 // `slow` (hooks.py's unpack). A KeptSave also marks the backward (`marks()`, the step's
 // runtime.backward_marks.BackwardMarks, called again only when what it depends on may
 // have changed: a new graph task, or a new `marks.epoch`) and notes its record's first
-// unpack on the step's Timeline; a record that is not the core's goes to `kept(record)`
-// (hooks.py's `_kept_unpacked`) for both. `slow` and `kept` are bound methods: autograd
-// holds this object with every save, and the saves keep the hooks alive through it, as
-// they would hold the bound method itself.
+// unpack on the step's Timeline (hooks.py's `_kept_unpacked` does the same in Python). `slow`
+// is a bound method: autograd holds this object with every save, and the saves keep the
+// hooks alive through it, as they would hold the bound method itself.
 struct UnpackerHooks {
-  py::object slow, kept;          // hooks.py's unpack, _kept_unpacked
+  py::object slow;                // hooks.py's unpack
   py::object marks;               // the hooks' BackwardMarks
   py::object error;               // records.held_tensor_error
   py::object graph_task_id;       // torch._C._current_graph_task_id
@@ -317,11 +316,10 @@ struct UnpackerHooks {
 
 class Unpacker {
  public:
-  Unpacker(py::object slow, py::object kept, py::object marks, py::object error,
-           py::object graph_task_id, py::object perf_counter, py::object profiling)
-      : hooks_{std::move(slow),          std::move(kept),         std::move(marks),
-               std::move(error),         std::move(graph_task_id), std::move(perf_counter),
-               std::move(profiling)} {}
+  Unpacker(py::object slow, py::object marks, py::object error, py::object graph_task_id,
+           py::object perf_counter, py::object profiling)
+      : hooks_{std::move(slow),          std::move(marks),        std::move(error),
+               std::move(graph_task_id), std::move(perf_counter), std::move(profiling)} {}
 
   py::object operator()(py::handle packed) const {
     PyTypeObject* type = Py_TYPE(packed.ptr());
@@ -342,11 +340,9 @@ class Unpacker {
   py::object slow() const { return hooks_.slow; }
 
  private:
+  // `record`: the core's Record (the packer exists only with the core's meter, whose ledger
+  // makes the core's records), or None for a weight.
   void kept_unpacked(const py::object& record) const {
-    if (!record.is_none() && !is_record(record.ptr())) {
-      call_with(hooks_.kept, record);   // not the core's record: all of it in Python
-      return;
-    }
     const int64_t task = as_int(call(hooks_.graph_task_id.ptr()));
     const int64_t epoch = as_int(attr(hooks_.marks.ptr(), names.epoch));
     if (!marked_ || task != last_task_ || epoch != last_epoch_) {
@@ -433,10 +429,9 @@ void bind_saved_handles(py::module_& m) {
       .def_property_readonly("__self__", &Packer::owner_or_none);
 
   py::class_<Unpacker>(m, "Unpacker", "The unpack hook's front (hooks.py NOTE [Handles in C]).")
-      .def(py::init<py::object, py::object, py::object, py::object, py::object, py::object,
-                    py::object>(),
-           py::arg("slow"), py::arg("kept"), py::arg("marks"), py::arg("error"),
-           py::arg("graph_task_id"), py::arg("perf_counter"), py::arg("profiling"))
+      .def(py::init<py::object, py::object, py::object, py::object, py::object, py::object>(),
+           py::arg("slow"), py::arg("marks"), py::arg("error"), py::arg("graph_task_id"),
+           py::arg("perf_counter"), py::arg("profiling"))
       .def("__call__", &Unpacker::operator(), py::arg("packed"))
       .def_property_readonly("slow", &Unpacker::slow);
 }

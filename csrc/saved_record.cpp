@@ -75,6 +75,14 @@ bool names_storage(const Record* record, PyObject* storage) {
   return PyWeakref_GetObject(record->storage_ref) == storage;
 }
 
+// Take `record`'s entry out of the index that names it, if any (it dies, or enters another).
+void leave_index(Record* record) {
+  if (auto entries = record->index.lock()) {
+    auto it = entries->map.find(record->index_key);
+    if (it != entries->map.end() && it->second == record) entries->map.erase(it);
+  }
+}
+
 PyObject* record_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject* self = PyType_GenericNew(type, args, kwargs);   // zero-filled fields
   if (self != nullptr) new (&reinterpret_cast<Record*>(self)->index) std::weak_ptr<IndexEntries>();
@@ -131,10 +139,7 @@ int record_init(PyObject* self_obj, PyObject* args, PyObject* kwargs) {
 void record_dealloc(PyObject* self_obj) {
   auto* self = reinterpret_cast<Record*>(self_obj);
   if (self->weakrefs != nullptr) PyObject_ClearWeakRefs(self_obj);
-  if (auto entries = self->index.lock()) {
-    auto it = entries->map.find(self->index_key);
-    if (it != entries->map.end() && it->second == self) entries->map.erase(it);
-  }
+  leave_index(self);
   self->index.~weak_ptr();
   if (self->ledger != nullptr) {
     PyObject *type, *value, *traceback;
@@ -259,7 +264,6 @@ void index_dealloc(PyObject* self_obj) {
   Py_TYPE(self_obj)->tp_free(self_obj);
 }
 
-
 Record* as_record(PyObject* obj) {
   if (Py_TYPE(obj) != &record_type) {
     PyErr_Format(PyExc_TypeError, "offload: the core's StorageIndex holds the core's Record, "
@@ -326,11 +330,7 @@ PyObject* index_add(PyObject* self_obj, PyObject* const* args, Py_ssize_t nargs)
   if (record == nullptr) return nullptr;
   record->version = version;
   if (nargs < 4 || args[3] == Py_None) {
-    // A record is in one index entry at most (a storage is stored once per version).
-    if (auto old = record->index.lock()) {
-      auto it = old->map.find(record->index_key);
-      if (it != old->map.end() && it->second == record) old->map.erase(it);
-    }
+    leave_index(record);   // in one entry at most (a storage is stored once per version)
     self->entries->map[storage] = record;
     record->index = self->entries;
     record->index_key = storage;
@@ -385,8 +385,6 @@ PyTypeObject index_type = [] {
 }();
 
 }  // namespace
-
-bool is_record(PyObject* record) { return Py_TYPE(record) == &record_type; }
 
 PyObject* record_timeline(PyObject* record_obj, Py_ssize_t* row) {
   if (Py_TYPE(record_obj) != &record_type) return nullptr;

@@ -6,9 +6,6 @@
 
 namespace offload::bind {
 
-// Whether `record` is the core's Record.
-bool is_record(PyObject* record);
-
 // The Timeline and row where `record`'s unpack is noted (timeline borrowed; nullptr when the
 // storage is not timed or `record` is not the core's Record).
 PyObject* record_timeline(PyObject* record, Py_ssize_t* row);

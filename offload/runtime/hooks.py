@@ -24,9 +24,10 @@ and `Unpacker` (csrc/saved_handles.cpp), and what autograd holds for a tensor th
 a core handle: a `SmallSave` (step 1: made in C, counted once per storage in the ledger's
 `SavedBytes` meter) or a `KeptSave` (steps 2 and 3 when the tensor stays: the decision is
 taken here, in `_pack_strided`, which hands the core a `Record` or None to hold it with).
-The unpacker checks a handle's version in C and hands a KeptSave's record to
-`_kept_unpacked` (the backward's marks, the storage's timing); everything else goes to
-`pack_full` / `unpack`. Same tests, same holding, same message as the Python path
+The unpacker checks a handle's version and does a KeptSave's part of the unpack in C (the
+backward's marks, its record's timing: `_kept_unpacked` in Python); everything else goes to
+`pack_full` / `unpack`. The core's records and index (csrc/saved_record.cpp) come with it:
+all core objects, or all Python ones, as the step's ledger chose its meter. Same tests, same holding, same message as the Python path
 (`SmallKept`, `Kept`: taken without the core and while a profiler runs, so the ranges are
 recorded); what differs is the cost: less interpreter, and no object for the garbage
 collector to walk (every object a save keeps alive costs it ~1-2 us, docs/benchmarks.md
@@ -49,8 +50,7 @@ from ..util.sizes import format_bytes
 from .backward_marks import BackwardMarks
 from .no_offload import no_offload_active
 from .placement import Placement, TensorInfo
-from .records import (RECORD_TYPES, Kept, Ledger, Moved, PackedSubclass, Record, SmallKept,
-                      held_tensor_error)
+from .records import Kept, Ledger, Moved, PackedSubclass, PyRecord, SmallKept, held_tensor_error
 from .subclasses import TRACING_TYPES, flatten, kind_name, unmoved_bytes
 from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable,
                           movable_strided, snapshot, untracked_alias, view_meta)
@@ -75,14 +75,6 @@ class _NoHandle:
 _core = load_core() if core_available() else None   # NOTE [Handles in C]
 _SmallSave = _core.SmallSave if _core is not None else _NoHandle
 _KeptSave = _core.KeptSave if _core is not None else _NoHandle
-
-
-def _handle(t: torch.Tensor, version: int, node, got):
-    """The Python path's handle for what `_pack_strided` returned: a `Kept` for a tensor that
-    stays (`got`: its storage's Record, None for a weight), else `got` itself."""
-    if got is None or type(got) in RECORD_TYPES:
-        return Kept(t, version, got, node)
-    return got
 
 
 class OffloadHooks:
@@ -121,18 +113,18 @@ class OffloadHooks:
         # The backward's start and end, as the unpacks see them (the step reads and sets them).
         self.marks = BackwardMarks(prefetcher, clock)
 
-        # NOTE [Handles in C]: the C front, records and index when the core counts this
-        # step's resident bytes (the ledger then makes the core's records).
-        meter = ledger.meter
-        self._packer = None
+        # NOTE [Handles in C]: the core's front, index and handles go with the core's
+        # records, which the ledger makes when the core counts its resident bytes.
         self._record_type = ledger.record_type
-        if _core is None or type(meter) is not _core.SavedBytes:
+        self._packer = None
+        if self._record_type is PyRecord:
             self.index = StorageIndex()
         else:
             self.index = _core.StorageIndex()
             self._packer = _core.Packer(
-                weakref.ref(self), OffloadHooks.pack_full, OffloadHooks._pack_strided, meter,
-                min_bytes, _Tensor, _strided, _profiler_enabled, next_sequence_nr, Record)
+                weakref.ref(self), OffloadHooks.pack_full, OffloadHooks._pack_strided,
+                ledger.meter, min_bytes, _Tensor, _strided, _profiler_enabled,
+                next_sequence_nr, self._record_type)
 
     # ---------------------------------------------------------------- hooks
     @property
@@ -147,8 +139,8 @@ class OffloadHooks:
         holds this with every save."""
         if self._packer is None:
             return self.unpack
-        return _core.Unpacker(self.unpack, self._kept_unpacked, self.marks, held_tensor_error,
-                              _graph_task_id, time.perf_counter, _profiler_enabled)
+        return _core.Unpacker(self.unpack, self.marks, held_tensor_error, _graph_task_id,
+                              time.perf_counter, _profiler_enabled)
 
     # ---------------------------------------------------------------- pack
     def pack_full(self, t: torch.Tensor):
@@ -173,8 +165,8 @@ class OffloadHooks:
                     key = id(storage)
                     self.ledger.small_saved(key, nbytes)
                     return SmallKept(t, version, self.ledger, key, node)
-            return _handle(t, version, node, self._pack_strided(t, version, storage, nbytes,
-                                                                node))
+            return self._handle(t, version, node,
+                                self._pack_strided(t, version, storage, nbytes, node))
         self.stats.packed_tensors += 1
         if movable(t):  # an nn.Parameter saved as it is
             return self._pack_movable(t)
@@ -194,8 +186,15 @@ class OffloadHooks:
         storage = t.untyped_storage()
         node = t.grad_fn
         version = t._version
-        return _handle(t, version, node,
-                       self._pack_plain(t, version, storage, storage.nbytes(), node))
+        return self._handle(t, version, node,
+                            self._pack_plain(t, version, storage, storage.nbytes(), node))
+
+    def _handle(self, t: torch.Tensor, version: int, node, got):
+        """The Python path's handle for what `_pack_strided` returned: a `Kept` for a tensor
+        that stays (`got`: its storage's record, None for a weight), else `got` itself."""
+        if got is None or type(got) is self._record_type:
+            return Kept(t, version, got, node)
+        return got
 
     # The packed objects capture autograd's message data from `t` as they are made: before
     # pack returns, so no in-place op can have rewritten `t.grad_fn` yet.
@@ -261,7 +260,7 @@ class OffloadHooks:
         stats.kept_bytes += nbytes
 
     def _store(self, t: torch.Tensor, storage: torch.UntypedStorage, storage_nbytes: int,
-               in_backward: bool, no_offload: bool, untracked: bool) -> Record:
+               in_backward: bool, no_offload: bool, untracked: bool):
         """Decide where one storage goes and put it there (3)."""
         stats = self.stats
         # An untracked alias is moved as a private copy of its own elements (tensor_meta

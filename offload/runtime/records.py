@@ -50,8 +50,8 @@ from .tensor_meta import ViewMeta, rebuild
 from .version_check import SavedOrigin, next_sequence_nr as _next_sequence_nr, version_error, \
     version_sentinel
 
-__all__ = ["Ledger", "Record", "PyRecord", "RECORD_TYPES", "load", "handle_done", "Kept",
-           "SmallKept", "Moved", "PackedSubclass"]
+__all__ = ["Ledger", "Record", "PyRecord", "load", "handle_done", "Kept", "SmallKept", "Moved",
+           "PackedSubclass"]
 
 _UNSET: Any = object()
 
@@ -169,7 +169,6 @@ class PyRecord(weakref.ref):
 
 
 Record = load_core().Record if core_available() else PyRecord
-RECORD_TYPES = (Record,) if Record is PyRecord else (Record, PyRecord)
 
 
 def load(record) -> tuple[torch.UntypedStorage, int]:
