@@ -156,4 +156,5 @@ PYBIND11_MODULE(_C, m) {
   bind::bind_store(m);
   bind::bind_saved_handles(m);
   bind::bind_saved_record(m);
+  bind::bind_timeline(m);
 }

@@ -26,5 +26,6 @@ void bind_arena(pybind11::module_& m);
 void bind_store(pybind11::module_& m);
 void bind_saved_handles(pybind11::module_& m);
 void bind_saved_record(pybind11::module_& m);
+void bind_timeline(pybind11::module_& m);
 
 }  // namespace offload::bind

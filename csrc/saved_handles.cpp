@@ -5,8 +5,8 @@
 // the hooks, and in Python the object each save keeps alive costs the garbage collector
 // ~1-2 us (walked by every collection while the step holds it) besides its making. The
 // handles made here (SmallSave: a tensor below OFFLOAD_MIN_BYTES; KeptSave: a tensor that
-// stays with its storage's record) are not tracked by the collector (pybind11 instances
-// without a __dict__ are not). That is safe because autograd alone holds a handle: any
+// stays with its storage's record) are not tracked by the collector (their types have no
+// Py_TPFLAGS_HAVE_GC). That is safe because autograd alone holds a handle: any
 // cycle through one runs through an autograd node, whose references to its saved handles
 // the collector cannot see whatever the handle's type, so tracking the handle would not
 // make such a cycle collectable. (An output is held as a detached alias, as autograd holds
@@ -17,14 +17,27 @@
 // one build works with every torch version. Everything here runs with the GIL held (the
 // hooks are called with it, and a SmallSave is freed by Python's deallocation), so the
 // counters need no lock of their own.
+//
+// The handles, the packer and the unpacker are written against the CPython API, not
+// pybind11 (as saved_record.cpp's Record): torch calls the hooks through vectorcall, and a
+// handle is made with one allocation (a pybind11 call costs an argument-dispatch, and a
+// pybind11 instance a registration in its instance map, each several hundred ns per save:
+// docs/benchmarks.md *Hook cost*). The meter, called from Python at the step's edges, stays
+// a pybind11 class.
+#include <Python.h>
+#include <structmember.h>
+
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <unordered_map>
 
 #include "bindings.hpp"
+#include "py_type.hpp"
 #include "saved_record.hpp"
+#include "timeline.hpp"
 
 namespace py = pybind11;
 
@@ -70,17 +83,17 @@ py::object call(PyObject* fn) {
 
 // fn(args...) through vectorcall: no argument tuple (the hand-offs run once per save).
 template <typename... Args>
-py::object call_with(const py::object& fn, const Args&... args) {
+py::object call_with(PyObject* fn, const Args&... args) {
   PyObject* argv[] = {py::handle(args).ptr()...};
-  PyObject* value = PyObject_Vectorcall(fn.ptr(), argv, sizeof...(Args), nullptr);
+  PyObject* value = PyObject_Vectorcall(fn, argv, sizeof...(Args), nullptr);
   if (value == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(value);
 }
 
 // Whether torch's profiler runs (`profiling` is torch._C._autograd._profiler_enabled): then
 // both hooks take the Python path, which records the `offload::pack` / `unpack` ranges.
-bool profiler_on(const py::object& profiling) {
-  return call(profiling.ptr()).ptr() == Py_True;
+bool profiler_on(PyObject* profiling) {
+  return call(profiling).ptr() == Py_True;
 }
 
 int64_t as_int(const py::object& value) {
@@ -148,51 +161,140 @@ class SavedBytes {
 
 // A saved tensor that stays where it is: the tensor (or, for an output of the node saving
 // it, a detached alias sharing its version counter) and what autograd's "modified by an
-// inplace operation" message needs (version_check.py, records.kept_version_error).
+// inplace operation" message needs (version_check.py, records.held_tensor_error).
 struct HeldTensor {
-  py::object tensor;
-  int64_t version = 0;
-  py::object node_name;   // the saving node's name for an output; None for an input
-  int64_t output_nr = 0;
-
-  // The tensor, or None when it changed in place since pack (the caller raises).
-  py::object tensor_if_unchanged() const {
-    return as_int(attr(tensor.ptr(), names.version)) == version ? tensor : py::none();
-  }
+  PyObject_HEAD
+  PyObject* tensor;
+  long long version;
+  PyObject* node_name;   // the saving node's name for an output; None for an input
+  long long output_nr;
 };
 
 // What autograd holds for a saved tensor below OFFLOAD_MIN_BYTES: counted in the step's
 // meter once per storage while any save of it lives.
-struct SmallSave : HeldTensor {
-  uintptr_t key = 0;
+struct SmallSave {
+  HeldTensor held;
+  uintptr_t key;
+  // Empty: made, but an error came before it was counted (the packer sets the meter right
+  // before counting it). Constructed by the packer, destroyed in small_save_dealloc.
   std::shared_ptr<SavedBytes> meter;
-
-  // No meter: made, but an error came before it was counted (the packer sets the meter
-  // right before counting it).
-  ~SmallSave() {
-    if (meter) meter->small_freed(key);
-  }
 };
 
 // What autograd holds for any other saved tensor that stays (a weight, a storage the
 // placement kept, a CPU storage on the host tier): its storage's record (records.Record:
 // dedup, timing, the tier's reference), None for a weight. The record lives as long as
 // some save of it (records.py NOTE [Record lifetime]).
-struct KeptSave : HeldTensor {
-  py::object record;
+struct KeptSave {
+  HeldTensor held;
+  PyObject* record;
 };
 
-// The handles' Python types (registered at import; the module keeps them for the process).
-PyTypeObject* small_save_type() {
-  static PyTypeObject* type =
-      reinterpret_cast<PyTypeObject*>(py::type::of<SmallSave>().ptr());
-  return type;
+void held_clear(HeldTensor* self) {
+  Py_CLEAR(self->tensor);
+  Py_CLEAR(self->node_name);
 }
 
-PyTypeObject* kept_save_type() {
-  static PyTypeObject* type =
-      reinterpret_cast<PyTypeObject*>(py::type::of<KeptSave>().ptr());
+void small_save_dealloc(PyObject* obj) {
+  auto* self = reinterpret_cast<SmallSave*>(obj);
+  if (self->meter) self->meter->small_freed(self->key);
+  self->meter.~shared_ptr();
+  held_clear(&self->held);
+  Py_TYPE(obj)->tp_free(obj);
+}
+
+void kept_save_dealloc(PyObject* obj) {
+  auto* self = reinterpret_cast<KeptSave*>(obj);
+  held_clear(&self->held);
+  Py_CLEAR(self->record);   // may free the record: it gives its payload back (ledger)
+  Py_TYPE(obj)->tp_free(obj);
+}
+
+// The tensor, or None when it changed in place since pack (the caller raises).
+PyObject* tensor_if_unchanged(HeldTensor* self) {
+  PyObject* now = PyObject_GetAttr(self->tensor, names.version);
+  if (now == nullptr) return nullptr;
+  const long long version = PyLong_AsLongLong(now);
+  Py_DECREF(now);
+  if (version == -1 && PyErr_Occurred()) return nullptr;
+  return Py_NewRef(version == self->version ? self->tensor : Py_None);
+}
+
+PyObject* held_tensor_if_unchanged(PyObject* self, PyObject*) {
+  return tensor_if_unchanged(reinterpret_cast<HeldTensor*>(self));
+}
+
+#define HELD_MEMBER(name, type) \
+  {const_cast<char*>(#name), type, offsetof(HeldTensor, name), READONLY, nullptr}
+
+PyMemberDef held_members[] = {
+    HELD_MEMBER(tensor, T_OBJECT),
+    HELD_MEMBER(version, T_LONGLONG),
+    HELD_MEMBER(node_name, T_OBJECT),
+    HELD_MEMBER(output_nr, T_LONGLONG),
+    {nullptr, 0, 0, 0, nullptr},
+};
+
+#undef HELD_MEMBER
+
+PyMemberDef kept_members[] = {
+    {const_cast<char*>("record"), T_OBJECT, offsetof(KeptSave, record), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr},
+};
+
+PyMethodDef held_methods[] = {
+    {"tensor_if_unchanged", held_tensor_if_unchanged, METH_NOARGS,
+     "The tensor, or None when it changed in place since it was saved."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyTypeObject held_type = [] {
+  PyTypeObject type = plain_type("offload._C.HeldTensor", sizeof(HeldTensor),
+                                  "A saved tensor that stays (hooks.py).", nullptr, nullptr);
+  type.tp_flags |= Py_TPFLAGS_BASETYPE;
+  type.tp_members = held_members;
+  type.tp_methods = held_methods;
   return type;
+}();
+
+PyTypeObject small_save_type = [] {
+  PyTypeObject type = plain_type(
+      "offload._C.SmallSave", sizeof(SmallSave),
+      "What autograd holds for a saved tensor below OFFLOAD_MIN_BYTES.", nullptr,
+      small_save_dealloc);
+  type.tp_base = &held_type;
+  return type;
+}();
+
+PyTypeObject kept_save_type = [] {
+  PyTypeObject type = plain_type(
+      "offload._C.KeptSave", sizeof(KeptSave),
+      "What autograd holds for another saved tensor that stays (hooks.py).", nullptr,
+      kept_save_dealloc);
+  type.tp_base = &held_type;
+  type.tp_members = kept_members;
+  return type;
+}();
+
+// A new handle of `type`, its fields empty (None / 0).
+template <typename Handle>
+Handle* new_handle(PyTypeObject* type) {
+  PyObject* obj = type->tp_alloc(type, 0);   // zero-filled
+  if (obj == nullptr) throw py::error_already_set();
+  return reinterpret_cast<Handle*>(obj);
+}
+
+// The callable objects' fields, and a vectorcall slot (torch calls the hooks with one
+// argument, through vectorcall where the callable has it).
+struct Callable {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+};
+
+bool one_argument(const char* what, size_t nargsf, PyObject* kwnames) {
+  if (PyVectorcall_NARGS(nargsf) == 1 && (kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0))
+    return true;
+  PyErr_Format(PyExc_TypeError, "offload: the %s hook takes one argument", what);
+  return false;
 }
 
 // The pack hook. A small save is made here; a plain strided tensor that is not one goes on
@@ -200,103 +302,192 @@ PyTypeObject* kept_save_type() {
 // (hooks.py's `_pack_strided`), which returns the handle, or what this makes a KeptSave of:
 // a Record (the tensor stays; its storage's record) or None (a weight that stays).
 // Anything else goes to `full(owner, tensor)` (`pack_full`).
-class Packer {
- public:
-  Packer(py::object owner_ref, py::object full, py::object strided_pack,
-         std::shared_ptr<SavedBytes> meter, int64_t min_bytes, py::object tensor_type,
-         py::object strided, py::object profiling, py::object next_sequence_nr,
-         py::object record_type)
-      : owner_ref_(std::move(owner_ref)), full_(std::move(full)),
-        strided_pack_(std::move(strided_pack)), meter_(std::move(meter)),
-        min_bytes_(min_bytes), tensor_type_(std::move(tensor_type)),
-        strided_(std::move(strided)), profiling_(std::move(profiling)),
-        next_sequence_nr_(std::move(next_sequence_nr)), record_type_(std::move(record_type)) {}
-
-  py::object operator()(py::handle t_handle) const {
-    PyObject* t = t_handle.ptr();
-    // The same tests, in the same order, as hooks.py's `_pack` step 1.
-    if (reinterpret_cast<PyObject*>(Py_TYPE(t)) != tensor_type_.ptr() ||
-        profiler_on(profiling_) || attr(t, names.layout).ptr() != strided_.ptr())
-      return call_with(full_, owner(), t_handle);
-    py::object storage = call_method(t, names.untyped_storage);
-    py::object nbytes_obj = call_method(storage.ptr(), names.nbytes);
-    const int64_t nbytes = as_int(nbytes_obj);
-    py::object node = attr(t, names.grad_fn);
-    py::object version = attr(t, names.version);
-    // A leaf (no grad_fn) or a view of one may be a weight: step 2 tells.
-    bool small = nbytes < min_bytes_ && !node.is_none();
-    if (small) {
-      py::object base = attr(t, names.base);
-      small = base.is_none() || attr(base.ptr(), names.is_leaf).ptr() != Py_True;
-    }
-    if (small) {
-      auto save = std::make_unique<SmallSave>();
-      hold(*save, t_handle, node, version);
-      save->key = reinterpret_cast<uintptr_t>(storage.ptr());
-      save->meter = meter_;
-      meter_->small_saved(save->key, nbytes);
-      meter_->packed();
-      return py::cast(std::move(save));
-    }
-    py::object got =
-        call_with(strided_pack_, owner(), t_handle, version, storage, nbytes_obj, node);
-    if (!got.is_none() && Py_TYPE(got.ptr()) != record_type())
-      return got;  // a finished handle (moved, or not a plain strided tensor)
-    auto save = std::make_unique<KeptSave>();
-    hold(*save, t_handle, node, version);
-    save->record = std::move(got);
-    return py::cast(std::move(save));
-  }
-
-  // The hooks object whose pack this is (hook_stack.py finds its owner through __self__),
-  // None once it is gone.
-  py::object owner_or_none() const { return owner_ref_(); }
-
- private:
-  // What records.Kept holds, the same way: the tensor as autograd holds it, or for an
-  // output of the saving node a detached alias (breaks the tensor -> node -> save cycle)
-  // and that node's name. The saving node was made last, so its sequence number is the
-  // one just before the thread's next (version_check.py).
-  void hold(HeldTensor& save, py::handle t, const py::object& node,
-            const py::object& version) const {
-    save.version = as_int(version);
-    const bool is_output = !node.is_none() && !next_sequence_nr_.is_none() &&
-        as_int(call_method(node.ptr(), names.sequence_nr)) ==
-            as_int(call(next_sequence_nr_.ptr())) - 1;
-    if (is_output) {
-      save.tensor = call_method(t.ptr(), names.detach);
-      save.node_name = attr(reinterpret_cast<PyObject*>(Py_TYPE(node.ptr())), names.name);
-      save.output_nr = as_int(attr(t.ptr(), names.output_nr));
-    } else {
-      save.tensor = py::reinterpret_borrow<py::object>(t);
-      save.node_name = py::none();
-      save.output_nr = 0;
-    }
-  }
-
-  PyTypeObject* record_type() const {
-    return reinterpret_cast<PyTypeObject*>(record_type_.ptr());
-  }
-
-  // The hooks hold this packer (its identity marks their entry on torch's hook stack), so
-  // it holds them weakly: neither object is tracked by the garbage collector, and a cycle
-  // between them would never be freed.
-  py::object owner() const {
-    py::object owner = owner_ref_();
-    if (owner.is_none()) {
-      PyErr_SetString(PyExc_RuntimeError,
-                      "offload: a saved-tensor pack hook was called after its "
-                      "offload.activations() context was freed");
-      throw py::error_already_set();
-    }
-    return owner;
-  }
-
-  py::object owner_ref_, full_, strided_pack_;
-  std::shared_ptr<SavedBytes> meter_;
-  int64_t min_bytes_;
-  py::object tensor_type_, strided_, profiling_, next_sequence_nr_, record_type_;
+struct Packer {
+  Callable head;
+  // The hooks object whose pack this is (a weak reference: the hooks hold this packer, its
+  // identity marks their entry on torch's hook stack; neither object is tracked by the
+  // garbage collector, so a cycle between them would never be freed).
+  PyObject* owner_ref;
+  PyObject* full;
+  PyObject* strided_pack;
+  std::shared_ptr<SavedBytes> meter;   // constructed in packer_new
+  long long min_bytes;
+  PyObject* tensor_type;
+  PyObject* strided;
+  PyObject* profiling;
+  PyObject* next_sequence_nr;
+  PyObject* record_type;
 };
+
+// The owner, or (None) an error saying the context is gone.
+py::object packer_owner(const Packer* self) {
+  py::object owner = call(self->owner_ref);
+  if (owner.is_none()) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "offload: a saved-tensor pack hook was called after its "
+                    "offload.activations() context was freed");
+    throw py::error_already_set();
+  }
+  return owner;
+}
+
+// What records.Kept holds, the same way: the tensor as autograd holds it, or for an output
+// of the saving node a detached alias (breaks the tensor -> node -> save cycle) and that
+// node's name. The saving node was made last, so its sequence number is the one just
+// before the thread's next (version_check.py).
+void hold(const Packer* self, HeldTensor* save, PyObject* t, const py::object& node,
+          const py::object& version) {
+  save->version = as_int(version);
+  const bool is_output = !node.is_none() && self->next_sequence_nr != Py_None &&
+      as_int(call_method(node.ptr(), names.sequence_nr)) ==
+          as_int(call(self->next_sequence_nr)) - 1;
+  if (is_output) {
+    save->tensor = call_method(t, names.detach).release().ptr();
+    save->node_name =
+        attr(reinterpret_cast<PyObject*>(Py_TYPE(node.ptr())), names.name).release().ptr();
+    save->output_nr = as_int(attr(t, names.output_nr));
+  } else {
+    save->tensor = Py_NewRef(t);
+    save->node_name = Py_NewRef(Py_None);
+    save->output_nr = 0;
+  }
+}
+
+PyObject* pack(const Packer* self, PyObject* t) {
+  // The same tests, in the same order, as hooks.py's `_pack` step 1.
+  if (reinterpret_cast<PyObject*>(Py_TYPE(t)) != self->tensor_type ||
+      profiler_on(self->profiling) || attr(t, names.layout).ptr() != self->strided)
+    return call_with(self->full, packer_owner(self), py::handle(t)).release().ptr();
+  py::object storage = call_method(t, names.untyped_storage);
+  py::object nbytes_obj = call_method(storage.ptr(), names.nbytes);
+  const long long nbytes = as_int(nbytes_obj);
+  py::object node = attr(t, names.grad_fn);
+  py::object version = attr(t, names.version);
+  // A leaf (no grad_fn) or a view of one may be a weight: step 2 tells.
+  bool small = nbytes < self->min_bytes && !node.is_none();
+  if (small) {
+    py::object base = attr(t, names.base);
+    small = base.is_none() || attr(base.ptr(), names.is_leaf).ptr() != Py_True;
+  }
+  if (small) {
+    auto save = py::reinterpret_steal<py::object>(
+        reinterpret_cast<PyObject*>(new_handle<SmallSave>(&small_save_type)));
+    auto* fields = reinterpret_cast<SmallSave*>(save.ptr());
+    new (&fields->meter) std::shared_ptr<SavedBytes>();
+    hold(self, &fields->held, t, node, version);
+    fields->key = reinterpret_cast<uintptr_t>(storage.ptr());
+    fields->meter = self->meter;
+    self->meter->small_saved(fields->key, nbytes);
+    self->meter->packed();
+    return save.release().ptr();
+  }
+  py::object got = call_with(self->strided_pack, packer_owner(self),
+                             py::handle(t), version, storage, nbytes_obj, node);
+  if (!got.is_none() &&
+      reinterpret_cast<PyObject*>(Py_TYPE(got.ptr())) != self->record_type)
+    return got.release().ptr();  // a finished handle (moved, or not a plain strided tensor)
+  auto save = py::reinterpret_steal<py::object>(
+      reinterpret_cast<PyObject*>(new_handle<KeptSave>(&kept_save_type)));
+  auto* fields = reinterpret_cast<KeptSave*>(save.ptr());
+  fields->record = got.release().ptr();   // set first: the handle owns it from here on
+  hold(self, &fields->held, t, node, version);
+  return save.release().ptr();
+}
+
+PyObject* packer_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
+                            PyObject* kwnames) {
+  if (!one_argument("pack", nargsf, kwnames)) return nullptr;
+  try {
+    return pack(reinterpret_cast<Packer*>(obj), args[0]);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  }
+}
+
+PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* keywords[] = {"owner_ref", "full",     "strided_pack",     "meter",
+                                   "min_bytes", "tensor_type", "strided",       "profiling",
+                                   "next_sequence_nr", "record_type", nullptr};
+  PyObject *owner_ref, *full, *strided_pack, *meter, *tensor_type, *strided, *profiling,
+      *next_sequence_nr, *record_type;
+  long long min_bytes;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLOOOOO", const_cast<char**>(keywords),
+                                   &owner_ref, &full, &strided_pack, &meter, &min_bytes,
+                                   &tensor_type, &strided, &profiling, &next_sequence_nr,
+                                   &record_type))
+    return nullptr;
+  std::shared_ptr<SavedBytes> counted;
+  try {
+    counted = py::cast<std::shared_ptr<SavedBytes>>(py::handle(meter));
+  } catch (py::cast_error&) {
+    PyErr_Format(PyExc_TypeError, "offload: Packer's meter must be the core's SavedBytes, "
+                 "not %s", Py_TYPE(meter)->tp_name);
+    return nullptr;
+  }
+  PyObject* obj = type->tp_alloc(type, 0);
+  if (obj == nullptr) return nullptr;
+  auto* self = reinterpret_cast<Packer*>(obj);
+  self->head.vectorcall = packer_vectorcall;
+  self->owner_ref = Py_NewRef(owner_ref);
+  self->full = Py_NewRef(full);
+  self->strided_pack = Py_NewRef(strided_pack);
+  new (&self->meter) std::shared_ptr<SavedBytes>(std::move(counted));
+  self->min_bytes = min_bytes;
+  self->tensor_type = Py_NewRef(tensor_type);
+  self->strided = Py_NewRef(strided);
+  self->profiling = Py_NewRef(profiling);
+  self->next_sequence_nr = Py_NewRef(next_sequence_nr);
+  self->record_type = Py_NewRef(record_type);
+  return obj;
+}
+
+void packer_dealloc(PyObject* obj) {
+  auto* self = reinterpret_cast<Packer*>(obj);
+  self->meter.~shared_ptr();
+  Py_CLEAR(self->owner_ref);
+  Py_CLEAR(self->full);
+  Py_CLEAR(self->strided_pack);
+  Py_CLEAR(self->tensor_type);
+  Py_CLEAR(self->strided);
+  Py_CLEAR(self->profiling);
+  Py_CLEAR(self->next_sequence_nr);
+  Py_CLEAR(self->record_type);
+  Py_TYPE(obj)->tp_free(obj);
+}
+
+// `__self__`: the hooks object whose pack this is (hook_stack.py finds its owner through
+// it), None once it is gone.
+PyObject* packer_self(PyObject* obj, void*) {
+  return PyObject_CallNoArgs(reinterpret_cast<Packer*>(obj)->owner_ref);
+}
+
+PyGetSetDef packer_getset[] = {
+    {const_cast<char*>("__self__"), packer_self, nullptr,
+     const_cast<char*>("The hooks object whose pack this is, None once it is gone."), nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+// A type of this file that torch calls: vectorcall, not tracked (see the file's comment).
+PyTypeObject callable_type(const char* name, Py_ssize_t size, const char* doc, newfunc make,
+                           destructor dealloc) {
+  PyTypeObject type = plain_type(name, size, doc, make, dealloc);
+  type.tp_flags |= Py_TPFLAGS_HAVE_VECTORCALL;
+  type.tp_vectorcall_offset = offsetof(Callable, vectorcall);
+  type.tp_call = PyVectorcall_Call;
+  return type;
+}
+
+PyTypeObject packer_type = [] {
+  PyTypeObject type = callable_type(
+      "offload._C.Packer", sizeof(Packer),
+      "Packer(owner_ref, full, strided_pack, meter, min_bytes, tensor_type, strided, "
+      "profiling, next_sequence_nr, record_type): the pack hook's front (hooks.py NOTE "
+      "[Handles in C]).",
+      packer_new, packer_dealloc);
+  type.tp_getset = packer_getset;
+  return type;
+}();
 
 // The unpack hook: a SmallSave or KeptSave here (version checked), everything else to
 // `slow` (hooks.py's unpack). A KeptSave also marks the backward (`marks()`, the step's
@@ -305,71 +496,122 @@ class Packer {
 // unpack on the step's Timeline (hooks.py's `_kept_unpacked` does the same in Python). `slow`
 // is a bound method: autograd holds this object with every save, and the saves keep the
 // hooks alive through it, as they would hold the bound method itself.
-struct UnpackerHooks {
-  py::object slow;                // hooks.py's unpack
-  py::object marks;               // the hooks' BackwardMarks
-  py::object error;               // records.held_tensor_error
-  py::object graph_task_id;       // torch._C._current_graph_task_id
-  py::object perf_counter;        // time.perf_counter (the Timeline's clock)
-  py::object profiling;           // torch._C._autograd._profiler_enabled
+struct Unpacker {
+  Callable head;
+  PyObject* slow;            // hooks.py's unpack
+  PyObject* marks;           // the hooks' BackwardMarks
+  PyObject* error;           // records.held_tensor_error
+  PyObject* graph_task_id;   // torch._C._current_graph_task_id
+  PyObject* perf_counter;    // time.perf_counter (the Timeline's clock)
+  PyObject* profiling;       // torch._C._autograd._profiler_enabled
+  bool marked;               // the backward marks were set ...
+  long long last_task;       // ... for this graph task
+  long long last_epoch;      // ... and this epoch of the marks
 };
 
-class Unpacker {
- public:
-  Unpacker(py::object slow, py::object marks, py::object error, py::object graph_task_id,
-           py::object perf_counter, py::object profiling)
-      : hooks_{std::move(slow),          std::move(marks),        std::move(error),
-               std::move(graph_task_id), std::move(perf_counter), std::move(profiling)} {}
-
-  py::object operator()(py::handle packed) const {
-    PyTypeObject* type = Py_TYPE(packed.ptr());
-    const bool small = type == small_save_type();
-    if ((!small && type != kept_save_type()) || profiler_on(hooks_.profiling))
-      return call_with(hooks_.slow, packed);
-    if (!small) kept_unpacked(packed.cast<const KeptSave&>().record);
-    py::object tensor = packed.cast<const HeldTensor&>().tensor_if_unchanged();
-    if (tensor.is_none()) {
-      // autograd's own message, made in Python (records.held_tensor_error).
-      py::object exc = hooks_.error(packed);
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+// `record`: the core's Record (the packer exists only with the core's meter, whose ledger
+// makes the core's records), or None for a weight.
+void kept_unpacked(Unpacker* self, PyObject* record) {
+  const long long task = as_int(call(self->graph_task_id));
+  const long long epoch = as_int(attr(self->marks, names.epoch));
+  if (!self->marked || task != self->last_task || epoch != self->last_epoch) {
+    call(self->marks);
+    self->marked = true;
+    self->last_task = task;
+    self->last_epoch = epoch;
+  }
+  Py_ssize_t row = 0;
+  PyObject* timeline = record == Py_None ? nullptr : record_timeline(record, &row);
+  if (timeline == nullptr) return;
+  py::object now = call(self->perf_counter);
+  if (is_timeline(timeline)) {   // the core's: marked without a Python call
+    const double now_s = PyFloat_AsDouble(now.ptr());
+    if ((now_s == -1.0 && PyErr_Occurred()) || !timeline_unpacked(timeline, row, now_s))
       throw py::error_already_set();
-    }
-    return tensor;
+  } else {
+    py::object index = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(row));
+    if (!index) throw py::error_already_set();
+    PyObject* argv[] = {timeline, index.ptr(), now.ptr()};
+    PyObject* done = PyObject_VectorcallMethod(names.unpacked, argv,
+                                               3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    if (done == nullptr) throw py::error_already_set();
+    Py_DECREF(done);
   }
+}
 
-  py::object slow() const { return hooks_.slow; }
+PyObject* unpack(Unpacker* self, PyObject* packed) {
+  PyTypeObject* type = Py_TYPE(packed);
+  const bool small = type == &small_save_type;
+  if ((!small && type != &kept_save_type) || profiler_on(self->profiling))
+    return call_with(self->slow, py::handle(packed)).release().ptr();
+  if (!small) kept_unpacked(self, reinterpret_cast<KeptSave*>(packed)->record);
+  PyObject* tensor = tensor_if_unchanged(reinterpret_cast<HeldTensor*>(packed));
+  if (tensor != Py_None) return tensor;   // or nullptr: the error is set
+  Py_DECREF(tensor);
+  // autograd's own message, made in Python (records.held_tensor_error).
+  py::object exc = call_with(self->error, py::handle(packed));
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  return nullptr;
+}
 
- private:
-  // `record`: the core's Record (the packer exists only with the core's meter, whose ledger
-  // makes the core's records), or None for a weight.
-  void kept_unpacked(const py::object& record) const {
-    const int64_t task = as_int(call(hooks_.graph_task_id.ptr()));
-    const int64_t epoch = as_int(attr(hooks_.marks.ptr(), names.epoch));
-    if (!marked_ || task != last_task_ || epoch != last_epoch_) {
-      call(hooks_.marks.ptr());
-      marked_ = true;
-      last_task_ = task;
-      last_epoch_ = epoch;
-    }
-    Py_ssize_t row = 0;
-    PyObject* timeline = record.is_none() ? nullptr : record_timeline(record.ptr(), &row);
-    if (timeline != nullptr) {
-      py::object now = call(hooks_.perf_counter.ptr());
-      py::object index = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(row));
-      if (!index) throw py::error_already_set();
-      PyObject* argv[] = {timeline, index.ptr(), now.ptr()};
-      PyObject* done = PyObject_VectorcallMethod(names.unpacked, argv,
-                                                 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-      if (done == nullptr) throw py::error_already_set();
-      Py_DECREF(done);
-    }
+PyObject* unpacker_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
+                              PyObject* kwnames) {
+  if (!one_argument("unpack", nargsf, kwnames)) return nullptr;
+  try {
+    return unpack(reinterpret_cast<Unpacker*>(obj), args[0]);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
   }
+}
 
-  UnpackerHooks hooks_;
-  mutable bool marked_ = false;     // the backward marks were set ...
-  mutable int64_t last_task_ = 0;   // ... for this graph task
-  mutable int64_t last_epoch_ = 0;  // ... and this epoch of the marks
+PyObject* unpacker_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* keywords[] = {"slow",         "marks",     "error", "graph_task_id",
+                                   "perf_counter", "profiling", nullptr};
+  PyObject *slow, *marks, *error, *graph_task_id, *perf_counter, *profiling;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO", const_cast<char**>(keywords),
+                                   &slow, &marks, &error, &graph_task_id, &perf_counter,
+                                   &profiling))
+    return nullptr;
+  PyObject* obj = type->tp_alloc(type, 0);
+  if (obj == nullptr) return nullptr;
+  auto* self = reinterpret_cast<Unpacker*>(obj);
+  self->head.vectorcall = unpacker_vectorcall;
+  self->slow = Py_NewRef(slow);
+  self->marks = Py_NewRef(marks);
+  self->error = Py_NewRef(error);
+  self->graph_task_id = Py_NewRef(graph_task_id);
+  self->perf_counter = Py_NewRef(perf_counter);
+  self->profiling = Py_NewRef(profiling);
+  return obj;
+}
+
+void unpacker_dealloc(PyObject* obj) {
+  auto* self = reinterpret_cast<Unpacker*>(obj);
+  Py_CLEAR(self->slow);
+  Py_CLEAR(self->marks);
+  Py_CLEAR(self->error);
+  Py_CLEAR(self->graph_task_id);
+  Py_CLEAR(self->perf_counter);
+  Py_CLEAR(self->profiling);
+  Py_TYPE(obj)->tp_free(obj);
+}
+
+PyMemberDef unpacker_members[] = {
+    {const_cast<char*>("slow"), T_OBJECT, offsetof(Unpacker, slow), READONLY,
+     const_cast<char*>("hooks.py's unpack, where every other handle goes.")},
+    {nullptr, 0, 0, 0, nullptr},
 };
+
+PyTypeObject unpacker_type = [] {
+  PyTypeObject type = callable_type(
+      "offload._C.Unpacker", sizeof(Unpacker),
+      "Unpacker(slow, marks, error, graph_task_id, perf_counter, profiling): the unpack "
+      "hook's front (hooks.py NOTE [Handles in C]).",
+      unpacker_new, unpacker_dealloc);
+  type.tp_members = unpacker_members;
+  return type;
+}();
 
 PyObject* intern(const char* s) {
   PyObject* name = PyUnicode_InternFromString(s);
@@ -404,36 +646,16 @@ void bind_saved_handles(py::module_& m) {
       .def_property_readonly("peak", &SavedBytes::peak)
       .def_property_readonly("small_storages_alive", &SavedBytes::small_storages_alive);
 
-  py::class_<HeldTensor>(m, "HeldTensor", "A saved tensor that stays (hooks.py).")
-      .def("tensor_if_unchanged", &HeldTensor::tensor_if_unchanged,
-           "The tensor, or None when it changed in place since it was saved.")
-      .def_readonly("tensor", &HeldTensor::tensor)
-      .def_readonly("version", &HeldTensor::version)
-      .def_readonly("node_name", &HeldTensor::node_name)
-      .def_readonly("output_nr", &HeldTensor::output_nr);
-
-  py::class_<SmallSave, HeldTensor>(
-      m, "SmallSave", "What autograd holds for a saved tensor below OFFLOAD_MIN_BYTES.");
-
-  py::class_<KeptSave, HeldTensor>(
-      m, "KeptSave", "What autograd holds for another saved tensor that stays (hooks.py).")
-      .def_readonly("record", &KeptSave::record);
-
-  py::class_<Packer>(m, "Packer", "The pack hook's front (hooks.py NOTE [Handles in C]).")
-      .def(py::init<py::object, py::object, py::object, std::shared_ptr<SavedBytes>, int64_t,
-                    py::object, py::object, py::object, py::object, py::object>(),
-           py::arg("owner_ref"), py::arg("full"), py::arg("strided_pack"), py::arg("meter"),
-           py::arg("min_bytes"), py::arg("tensor_type"), py::arg("strided"),
-           py::arg("profiling"), py::arg("next_sequence_nr"), py::arg("record_type"))
-      .def("__call__", &Packer::operator(), py::arg("tensor"))
-      .def_property_readonly("__self__", &Packer::owner_or_none);
-
-  py::class_<Unpacker>(m, "Unpacker", "The unpack hook's front (hooks.py NOTE [Handles in C]).")
-      .def(py::init<py::object, py::object, py::object, py::object, py::object, py::object>(),
-           py::arg("slow"), py::arg("marks"), py::arg("error"), py::arg("graph_task_id"),
-           py::arg("perf_counter"), py::arg("profiling"))
-      .def("__call__", &Unpacker::operator(), py::arg("packed"))
-      .def_property_readonly("slow", &Unpacker::slow);
+  for (PyTypeObject* type :
+       {&held_type, &small_save_type, &kept_save_type, &packer_type, &unpacker_type}) {
+    if (PyType_Ready(type) < 0) throw py::error_already_set();
+    Py_INCREF(type);   // the module holds the types for the process
+  }
+  m.add_object("HeldTensor", reinterpret_cast<PyObject*>(&held_type));
+  m.add_object("SmallSave", reinterpret_cast<PyObject*>(&small_save_type));
+  m.add_object("KeptSave", reinterpret_cast<PyObject*>(&kept_save_type));
+  m.add_object("Packer", reinterpret_cast<PyObject*>(&packer_type));
+  m.add_object("Unpacker", reinterpret_cast<PyObject*>(&unpacker_type));
 }
 
 }  // namespace offload::bind

@@ -23,6 +23,7 @@
 #include <unordered_map>
 
 #include "bindings.hpp"
+#include "py_type.hpp"
 #include "saved_record.hpp"
 
 namespace py = pybind11;
@@ -203,21 +204,6 @@ PyMemberDef record_members[] = {
 };
 
 #undef RECORD_MEMBER
-
-// A type of this file: not Py_TPFLAGS_HAVE_GC (see the file's comment), not subclassable.
-PyTypeObject plain_type(const char* name, Py_ssize_t size, const char* doc,
-                        newfunc new_object, destructor dealloc) {
-  PyTypeObject type{};   // every slot empty but those set here
-  PyVarObject head = {PyObject_HEAD_INIT(nullptr) 0};
-  type.ob_base = head;
-  type.tp_name = name;
-  type.tp_basicsize = size;
-  type.tp_flags = Py_TPFLAGS_DEFAULT;
-  type.tp_doc = doc;
-  type.tp_new = new_object;
-  type.tp_dealloc = dealloc;
-  return type;
-}
 
 PyTypeObject record_type = [] {
   PyTypeObject type = plain_type(

@@ -1,9 +1,10 @@
-"""The core's records, storage index and kept-tensor handles (hooks.py NOTE [Handles in C]:
-csrc/saved_record.cpp, csrc/saved_handles.cpp) against the Python ones they stand for.
+"""The core's records, storage index, timeline and kept-tensor handles (hooks.py NOTE
+[Handles in C]: csrc/saved_record.cpp, csrc/timeline.cpp, csrc/saved_handles.cpp) against the
+Python ones they stand for.
 
 Most tests run both ways: `core` (the default where the core is built: Record, StorageIndex,
-KeptSave) and `python` (the ledger given the Python meter, as in a process without the core:
-PyRecord, the Python StorageIndex, Kept). Figures, gradients, timings kept and messages must
+KeptSave, Timeline) and `python` (the ledger given the Python meter, as in a process without
+the core: PyRecord, the Python StorageIndex, Kept, PyTimeline). Figures, gradients, timings kept and messages must
 be identical; what differs is that the core's objects are not walked by the collector.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from offload._ext import core_available, load_core
 from offload.runtime import records
 from offload.runtime.saved_bytes import PySavedBytes
 from offload.runtime.tensor_meta import StorageIndex
+from offload.runtime.timeline import PyTimeline
 
 pytestmark = pytest.mark.skipif(not core_available(), reason="needs the compiled core")
 
@@ -216,7 +218,31 @@ def test_what_autograd_holds_is_untracked_with_the_core(path, nvme_dir):
         assert type(handle.record) is (load_core().Record if core else records.PyRecord)
         assert gc.is_tracked(handle.record) is not core
     assert gc.is_tracked(held["host"]) is not core
+    timeline = ctx._step.timeline   # where the step notes when its storages move
+    assert type(timeline) is (load_core().Timeline if core else PyTimeline)
+    assert gc.is_tracked(timeline) is not core
     held.clear()
+
+
+@pytest.mark.parametrize("kind", ["core", "python"])
+def test_a_timeline_notes_each_rows_first_unpack_and_gives_rows_and_columns(kind):
+    timeline = load_core().Timeline() if kind == "core" else PyTimeline()
+    empty = timeline.columns()   # a step that stored nothing
+    assert [list(c) for c in empty] == [[], [], [], []] and timeline.rows() == []
+    assert [timeline.add(p, b, s) for p, b, s in ((0, 4096, 1.5), (1, 8192, 2.5),
+                                                    (2, 1 << 40, 3.25))] == [0, 1, 2]
+    timeline.unpacked(1, 4.0)
+    timeline.unpacked(1, 5.0)   # a later unpack does not move the first
+    timeline.unpacked(2, 3.5)
+    assert len(timeline) == 3
+    assert timeline.rows() == [[(0, 4096), 4096, 1.5, None], [(1, 8192), 8192, 2.5, 4.0],
+                               [(2, 1 << 40), 1 << 40, 3.25, 3.5]]
+    positions, nbytes, pack_s, unpack_s = timeline.columns()
+    assert (positions.typecode, nbytes.typecode, pack_s.typecode) == ("q", "q", "d")
+    assert (list(positions), list(nbytes), list(pack_s), unpack_s) == (
+        [0, 1, 2], [4096, 8192, 1 << 40], [1.5, 2.5, 3.25], [None, 4.0, 3.5])
+    with pytest.raises(IndexError):
+        timeline.unpacked(3, 1.0)
 
 
 class Block(nn.Module):

@@ -41,10 +41,10 @@ from ..config import Config
 from ..tiers.base import Tier
 from ..util.stats import Stats
 from .hooks import OffloadHooks
-from .records import Ledger
+from .records import Ledger, PyRecord
 from .round_trip import LinkSpeed, RoundTripPlan
 from .subclasses import note_unmoved
-from .timeline import Timeline
+from .timeline import PyTimeline, Timeline
 
 __all__ = ["Step", "StepView", "StepReport", "close_tiers", "finish_pending"]
 
@@ -95,7 +95,9 @@ class Step:
         # The plan this step keeps by (learned from the steps before) and updates for the
         # next, from when each stored storage was packed and unpacked (the hooks note it).
         self.round_trip = round_trip
-        self.timeline = Timeline()
+        # The core's or the Python one, as the ledger chose its records (hooks.py NOTE
+        # [Handles in C]).
+        self.timeline = PyTimeline() if self.ledger.record_type is PyRecord else Timeline()
         self.copies: dict[torch.device, Any] = {}  # CopyStreams per CUDA device
         self.start_s = time.perf_counter()
         self.exit_s: float | None = None

@@ -6,16 +6,24 @@ tracked object again and again while a step holds thousands). A record keeps its
 and marks its first unpack; `rows()` gives `[key, nbytes, pack_s, unpack_s]` per row, the key
 being (position among the step's stored storages, nbytes), as placement sees it, and
 `columns()` the same without an object per row (what the step end learns from).
+
+`Timeline` is the compiled core's (csrc/timeline.cpp: a row costs no Python frame, and the
+core's Unpacker marks it without a Python call), or without the core `PyTimeline`, the same
+in Python.
 """
 from __future__ import annotations
 
 import math
 from array import array
 
-__all__ = ["Timeline"]
+from .._ext import core_available, load_core
+
+__all__ = ["Timeline", "PyTimeline"]
 
 
-class Timeline:
+class PyTimeline:
+    """The compiled core's `Timeline` for a process without it."""
+
     __slots__ = ("_position", "_nbytes", "_pack_s", "_unpack_s")
 
     def __init__(self) -> None:
@@ -49,3 +57,6 @@ class Timeline:
 
     def __len__(self) -> int:
         return len(self._pack_s)
+
+
+Timeline = load_core().Timeline if core_available() else PyTimeline

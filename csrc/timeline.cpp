@@ -1,0 +1,202 @@
+// runtime.timeline.Timeline in C: when each stored storage of a step was packed and first
+// unpacked (offload/runtime/timeline.py has the Python one, for a process without the core).
+//
+// Why C: a row is added for every stored storage the step times (hooks.py `_store`) and
+// marked at its first unpack (the core's Unpacker, records.load), so in Python each costs a
+// method's frame and four array appends; here a row is four vector slots and the
+// Unpacker marks it without a Python call (`timeline_unpacked`). Rows are plain numbers, so
+// no Python object is made per row (the garbage collector walks none), as in timeline.py.
+// Everything runs with the GIL held (the hooks, autograd's release of a save, the step's
+// end), so the vectors need no lock of their own.
+#define PY_SSIZE_T_CLEAN   // "y#" takes a Py_ssize_t length
+#include <Python.h>
+
+#include <pybind11/pybind11.h>
+
+#include <cmath>
+#include <cstdint>
+#include <new>
+#include <vector>
+
+#include "bindings.hpp"
+#include "py_type.hpp"
+#include "timeline.hpp"
+
+namespace py = pybind11;
+
+namespace offload::bind {
+
+namespace {
+
+struct Rows {
+  std::vector<long long> position;   // the storage's position among the step's stored ones
+  std::vector<long long> nbytes;
+  std::vector<double> pack_s;
+  std::vector<double> unpack_s;      // NaN until its first unpack
+};
+
+struct Timeline {
+  PyObject_HEAD
+  Rows rows;   // constructed in timeline_new
+};
+
+PyObject* array_type = nullptr;   // array.array (columns() returns arrays, as timeline.py)
+
+PyObject* timeline_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  if (PyTuple_GET_SIZE(args) != 0 || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "Timeline() takes no arguments");
+    return nullptr;
+  }
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self != nullptr) new (&reinterpret_cast<Timeline*>(self)->rows) Rows();
+  return self;
+}
+
+void timeline_dealloc(PyObject* self) {
+  reinterpret_cast<Timeline*>(self)->rows.~Rows();
+  Py_TYPE(self)->tp_free(self);
+}
+
+Rows& rows_of(PyObject* self) { return reinterpret_cast<Timeline*>(self)->rows; }
+
+bool arguments(const char* name, Py_ssize_t nargs, Py_ssize_t count) {
+  if (nargs == count) return true;
+  PyErr_Format(PyExc_TypeError, "Timeline.%s takes %zd arguments (%zd given)", name, count,
+               nargs);
+  return false;
+}
+
+// add(position, nbytes, pack_s): a row for a storage packed at `pack_s`; returns its index.
+PyObject* timeline_add(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arguments("add", nargs, 3)) return nullptr;
+  const long long position = PyLong_AsLongLong(args[0]);
+  const long long nbytes = PyLong_AsLongLong(args[1]);
+  const double pack_s = PyFloat_AsDouble(args[2]);
+  if (PyErr_Occurred()) return nullptr;
+  Rows& rows = rows_of(self);
+  rows.position.push_back(position);
+  rows.nbytes.push_back(nbytes);
+  rows.pack_s.push_back(pack_s);
+  rows.unpack_s.push_back(std::nan(""));
+  return PyLong_FromSize_t(rows.pack_s.size() - 1);
+}
+
+// unpacked(index, now_s): the storage's first unpack (later ones do not move it).
+PyObject* timeline_unpacked_method(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arguments("unpacked", nargs, 2)) return nullptr;
+  const Py_ssize_t index = PyLong_AsSsize_t(args[0]);
+  const double now_s = PyFloat_AsDouble(args[1]);
+  if (PyErr_Occurred()) return nullptr;
+  if (!timeline_unpacked(self, index, now_s)) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* seconds_or_none(double s) {
+  return std::isnan(s) ? Py_NewRef(Py_None) : PyFloat_FromDouble(s);
+}
+
+// rows(): [key, nbytes, pack_s, unpack_s] per row, key = (position, nbytes), unpack_s None
+// where never unpacked.
+PyObject* timeline_rows(PyObject* self, PyObject*) {
+  const Rows& rows = rows_of(self);
+  const size_t n = rows.pack_s.size();
+  py::list out(n);
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* row = Py_BuildValue("[(LL)LdN]", rows.position[i], rows.nbytes[i],
+                                  rows.nbytes[i], rows.pack_s[i],
+                                  seconds_or_none(rows.unpack_s[i]));
+    if (row == nullptr) return nullptr;
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), row);
+  }
+  return out.release().ptr();
+}
+
+template <typename T>
+PyObject* as_array(const char* typecode, const std::vector<T>& values) {
+  // An empty vector's data() may be null, which "y#" would pass as None.
+  const char* bytes = values.empty() ? "" : reinterpret_cast<const char*>(values.data());
+  return PyObject_CallFunction(array_type, "sy#", typecode, bytes,
+                               static_cast<Py_ssize_t>(values.size() * sizeof(T)));
+}
+
+// columns(): (positions, nbytes, pack_s, unpack_s), the rows as columns: arrays, and a list
+// with None where never unpacked (RoundTripPlan.learn_columns; no object per row kept).
+PyObject* timeline_columns(PyObject* self, PyObject*) {
+  const Rows& rows = rows_of(self);
+  py::list unpack_s(rows.unpack_s.size());
+  for (size_t i = 0; i < rows.unpack_s.size(); ++i) {
+    PyObject* s = seconds_or_none(rows.unpack_s[i]);
+    if (s == nullptr) return nullptr;
+    PyList_SET_ITEM(unpack_s.ptr(), static_cast<Py_ssize_t>(i), s);
+  }
+  PyObject* positions = as_array("q", rows.position);
+  PyObject* nbytes = positions == nullptr ? nullptr : as_array("q", rows.nbytes);
+  PyObject* pack_s = nbytes == nullptr ? nullptr : as_array("d", rows.pack_s);
+  if (pack_s == nullptr) {
+    Py_XDECREF(positions);
+    Py_XDECREF(nbytes);
+    return nullptr;
+  }
+  return Py_BuildValue("NNNN", positions, nbytes, pack_s, unpack_s.release().ptr());
+}
+
+Py_ssize_t timeline_len(PyObject* self) {
+  return static_cast<Py_ssize_t>(rows_of(self).pack_s.size());
+}
+
+PyMethodDef timeline_methods[] = {
+    {"add", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(timeline_add)),
+     METH_FASTCALL, "add(position, nbytes, pack_s): a row for a storage packed at pack_s; "
+     "returns its index."},
+    {"unpacked",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(timeline_unpacked_method)),
+     METH_FASTCALL, "unpacked(index, now_s): the storage's first unpack (later ones do not "
+     "move it)."},
+    {"rows", timeline_rows, METH_NOARGS,
+     "[key, nbytes, pack_s, unpack_s] per row; unpack_s None where never unpacked."},
+    {"columns", timeline_columns, METH_NOARGS,
+     "(positions, nbytes, pack_s, unpack_s): the rows as columns."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PySequenceMethods timeline_as_sequence = [] {
+  PySequenceMethods methods{};
+  methods.sq_length = timeline_len;
+  return methods;
+}();
+
+PyTypeObject timeline_type = [] {
+  // Not tracked by the garbage collector: it holds no Python object.
+  PyTypeObject type = plain_type("offload._C.Timeline", sizeof(Timeline),
+                                 "When each stored storage of a step was packed and first "
+                                 "unpacked (runtime/timeline.py).",
+                                 timeline_new, timeline_dealloc);
+  type.tp_methods = timeline_methods;
+  type.tp_as_sequence = &timeline_as_sequence;
+  return type;
+}();
+
+}  // namespace
+
+bool timeline_unpacked(PyObject* timeline, Py_ssize_t index, double now_s) {
+  Rows& rows = rows_of(timeline);
+  if (index < 0 || static_cast<size_t>(index) >= rows.unpack_s.size()) {
+    PyErr_Format(PyExc_IndexError, "offload: Timeline row %zd out of range (%zu rows)", index,
+                 rows.unpack_s.size());
+    return false;
+  }
+  if (std::isnan(rows.unpack_s[index])) rows.unpack_s[index] = now_s;
+  return true;
+}
+
+bool is_timeline(PyObject* obj) { return Py_TYPE(obj) == &timeline_type; }
+
+void bind_timeline(py::module_& m) {
+  py::module_ array = py::module_::import("array");
+  array_type = py::object(array.attr("array")).release().ptr();   // held for the process
+  if (PyType_Ready(&timeline_type) < 0) throw py::error_already_set();
+  Py_INCREF(&timeline_type);   // the module holds the type for the process
+  m.add_object("Timeline", reinterpret_cast<PyObject*>(&timeline_type));
+}
+
+}  // namespace offload::bind
