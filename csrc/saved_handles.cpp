@@ -36,6 +36,7 @@
 
 #include "bindings.hpp"
 #include "py_type.hpp"
+#include "saved_bytes.hpp"
 #include "saved_record.hpp"
 #include "timeline.hpp"
 
@@ -101,63 +102,6 @@ int64_t as_int(const py::object& value) {
   if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
   return v;
 }
-
-// Bytes of saved activations resident on the device during one step, and its peak: the
-// step's records add and take theirs (records.py, Ledger), small saves theirs here. Small
-// storages are counted once while any save of them lives, keyed by the address of the
-// storage's Python object: torch keeps that object for as long as the storage lives, and a
-// live save holds the storage, so a key is never reused while its entry exists.
-class SavedBytes {
- public:
-  void add(int64_t nbytes) {
-    resident_ += nbytes;
-    if (resident_ > peak_) peak_ = resident_;
-  }
-  void sub(int64_t nbytes) { resident_ -= nbytes; }
-
-  void small_saved(uintptr_t key, int64_t nbytes) {
-    auto [it, fresh] = small_.try_emplace(key, Small{0, nbytes});
-    if (it->second.saves++ == 0) {
-      ++new_storages_;
-      new_bytes_ += nbytes;
-      add(nbytes);
-    }
-  }
-  void small_freed(uintptr_t key) {
-    auto it = small_.find(key);
-    if (it == small_.end()) return;
-    if (--it->second.saves == 0) {
-      sub(it->second.nbytes);
-      small_.erase(it);
-    }
-  }
-
-  void packed() { ++packed_; }
-
-  // (saves the C path packed, storages first saved, their bytes) since the last call: the
-  // step folds them into its Stats.
-  py::tuple take_small() {
-    py::tuple out = py::make_tuple(packed_, new_storages_, new_bytes_);
-    packed_ = new_storages_ = new_bytes_ = 0;
-    return out;
-  }
-
-  int64_t resident() const { return resident_; }
-  int64_t peak() const { return peak_; }
-  size_t small_storages_alive() const { return small_.size(); }
-
- private:
-  struct Small {
-    int64_t saves;
-    int64_t nbytes;
-  };
-  int64_t resident_ = 0;
-  int64_t peak_ = 0;
-  int64_t packed_ = 0;
-  int64_t new_storages_ = 0;
-  int64_t new_bytes_ = 0;
-  std::unordered_map<uintptr_t, Small> small_;
-};
 
 // A saved tensor that stays where it is: the tensor (or, for an output of the node saving
 // it, a detached alias sharing its version counter) and what autograd's "modified by an
@@ -644,7 +588,12 @@ void bind_saved_handles(py::module_& m) {
            "(saves packed, storages first saved, their bytes) since the last call.")
       .def_property_readonly("resident", &SavedBytes::resident)
       .def_property_readonly("peak", &SavedBytes::peak)
-      .def_property_readonly("small_storages_alive", &SavedBytes::small_storages_alive);
+      .def_property_readonly("small_storages_alive", &SavedBytes::small_storages_alive)
+      .def_property_readonly("live_records", &SavedBytes::live_records,
+                             "The step's records holding tier space (the core's count "
+                             "themselves in, saved_record.cpp).")
+      .def_property_readonly("idle_since_s", &SavedBytes::idle_since_s,
+                             "time.perf_counter() when the last of them died; None before.");
 
   for (PyTypeObject* type :
        {&held_type, &small_save_type, &kept_save_type, &packer_type, &unpacker_type}) {

@@ -8,22 +8,26 @@
 // by autograd alone, so any cycle through a record runs through an autograd node, whose
 // references the collector cannot see whatever the record's type. Its fields are plain
 // member slots (read and written from Python at slot speed); its logic (loading, the
-// unpack cache) stays in records.py, which works on either record type.
+// unpack cache) stays in records.py, which works on either record type. What it holds is
+// counted in its step's SavedBytes meter without a Python call (its resident bytes; whether
+// it holds tier space), and at its death it gives its payload back to its tier itself.
 //
 // Written against the CPython API, not pybind11: member descriptors cost what __slots__
 // cost (a pybind11 property is several times that, on the unpack path), and the type must
-// support weak references and finalize into the ledger.
+// support weak references and give its payload back as it dies.
 #include <Python.h>
 #include <structmember.h>
 
 #include <pybind11/pybind11.h>
 
 #include <memory>
+#include <mutex>
 #include <new>
 #include <unordered_map>
 
 #include "bindings.hpp"
 #include "py_type.hpp"
+#include "saved_bytes.hpp"
 #include "saved_record.hpp"
 
 namespace py = pybind11;
@@ -53,7 +57,8 @@ struct Record {
   Py_ssize_t nbytes;
   char resident;           // the bytes still occupy the device's memory
   PyObject* meta;          // a snapshot's layout (tensor_meta NOTE [Untracked aliases])
-  PyObject* ledger;        // the step's Ledger: told when the record is made and freed
+  PyObject* meter;         // the step's SavedBytes: counted in when made, out when freed
+  SavedBytes* counts;      // ... its C++ object (alive while `meter` is held)
   PyObject* prefetcher;    // set when the tier's reloads are worth starting early
   Py_ssize_t handles_left; // saved tensors of this record not yet unpacked
   PyObject* cache;         // records.py NOTE [Unpack cache]: the loaded storage ...
@@ -90,22 +95,46 @@ PyObject* record_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   return self;
 }
 
-PyObject* record_freed_name = nullptr;   // "record_freed", interned
-PyObject* record_made_name = nullptr;    // "record_made", interned
+PyObject* release_name = nullptr;   // "release", interned
+
+// records.py NOTE [Record lifetime]: a dying record gives its payload back to its tier,
+// `tier.release(payload)`, under its meter's release lock (records die on whatever thread
+// autograd drops them; the lock is waited for without the GIL, which its holder may need
+// to finish). An error is swallowed: interpreter shutdown or a closed tier, nothing left to
+// free.
+void give_back(Record* self) {
+  std::unique_lock<std::recursive_mutex> lock(self->counts->release_lock(), std::try_to_lock);
+  if (!lock.owns_lock()) {
+    Py_BEGIN_ALLOW_THREADS
+    lock.lock();
+    Py_END_ALLOW_THREADS
+  }
+  PyObject* done = PyObject_CallMethodOneArg(self->tier, release_name, self->payload);
+  if (done == nullptr) PyErr_Clear();
+  Py_XDECREF(done);
+}
 
 int record_init(PyObject* self_obj, PyObject* args, PyObject* kwargs) {
-  static const char* keywords[] = {"storage", "tier",   "payload",    "nbytes", "resident",
-                                   "meta",    "ledger", "prefetcher", nullptr};
+  static const char* keywords[] = {"storage", "tier",  "payload",    "nbytes", "resident",
+                                   "meta",    "meter", "prefetcher", nullptr};
   auto* self = reinterpret_cast<Record*>(self_obj);
-  PyObject *storage, *tier, *payload, *meta, *ledger, *prefetcher;
+  PyObject *storage, *tier, *payload, *meta, *meter, *prefetcher;
   Py_ssize_t nbytes;
   int resident;
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOnpOOO", const_cast<char**>(keywords),
                                    &storage, &tier, &payload, &nbytes, &resident, &meta,
-                                   &ledger, &prefetcher))
+                                   &meter, &prefetcher))
     return -1;
   if (self->storage_ref != nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "offload: a Record is initialised once");
+    return -1;
+  }
+  SavedBytes* counts = nullptr;
+  try {
+    counts = py::cast<SavedBytes*>(py::handle(meter));
+  } catch (py::cast_error&) {
+    PyErr_Format(PyExc_TypeError, "offload: the core's Record counts into the core's "
+                 "SavedBytes meter, not %s", Py_TYPE(meter)->tp_name);
     return -1;
   }
   self->holds_storage = payload == Py_None || resident;
@@ -127,40 +156,36 @@ int record_init(PyObject* self_obj, PyObject* args, PyObject* kwargs) {
   self->timeline = Py_NewRef(Py_None);
   self->row = -1;
   self->version = -1;
-  // The ledger last: a record it was told about is one it is told is freed (dealloc).
-  PyObject* made = PyObject_CallMethodOneArg(ledger, record_made_name, self_obj);
-  if (made == nullptr) return -1;
-  Py_DECREF(made);
-  self->ledger = Py_NewRef(ledger);
+  // The meter last: a record counted in is one counted out (dealloc).
+  counts->record_made(nbytes, resident, payload != Py_None);
+  self->meter = Py_NewRef(meter);
+  self->counts = counts;
   return 0;
 }
 
-// records.py NOTE [Record lifetime]: the record gives its payload back through the ledger
-// when the last save of its storage dies, on whatever thread autograd drops it.
+// records.py NOTE [Record lifetime]: the record gives its payload back and counts itself
+// out of its meter when the last save of its storage dies, on whatever thread autograd
+// drops it.
 void record_dealloc(PyObject* self_obj) {
   auto* self = reinterpret_cast<Record*>(self_obj);
   if (self->weakrefs != nullptr) PyObject_ClearWeakRefs(self_obj);
   leave_index(self);
   self->index.~weak_ptr();
-  if (self->ledger != nullptr) {
+  if (self->counts != nullptr) {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);   // dealloc may run while an error is set
-    PyObject* nbytes = PyLong_FromSsize_t(self->nbytes);
-    PyObject* done = nbytes == nullptr ? nullptr
-        : PyObject_CallMethodObjArgs(self->ledger, record_freed_name, self->tier,
-                                     self->payload, nbytes,
-                                     self->resident ? Py_True : Py_False, nullptr);
-    Py_XDECREF(nbytes);
-    if (done == nullptr)
-      PyErr_Clear();   // interpreter shutdown or a closed tier: nothing left to free
-    Py_XDECREF(done);
+    const bool holds_space = self->payload != Py_None;
+    if (holds_space) give_back(self);
+    // Out of the count after the payload went back: a step that sees no live record left
+    // closes its tiers (runtime/step.py NOTE [End of step]).
+    self->counts->record_freed(self->nbytes, self->resident, holds_space);
     PyErr_Restore(type, value, traceback);
   }
   Py_CLEAR(self->storage_ref);
   Py_CLEAR(self->tier);
   Py_CLEAR(self->payload);
   Py_CLEAR(self->meta);
-  Py_CLEAR(self->ledger);
+  Py_CLEAR(self->meter);
   Py_CLEAR(self->prefetcher);
   Py_CLEAR(self->cache);
   Py_CLEAR(self->cache_ref);
@@ -190,7 +215,7 @@ PyMemberDef record_members[] = {
     RECORD_MEMBER(nbytes, T_PYSSIZET, READONLY),
     RECORD_MEMBER(resident, T_BOOL, READONLY),
     RECORD_MEMBER(meta, T_OBJECT, READONLY),
-    RECORD_MEMBER(ledger, T_OBJECT, READONLY),
+    RECORD_MEMBER(meter, T_OBJECT, READONLY),
     RECORD_MEMBER(prefetcher, T_OBJECT, READONLY),
     RECORD_MEMBER(handles_left, T_PYSSIZET, 0),
     RECORD_MEMBER(cache, T_OBJECT, 0),
@@ -208,7 +233,7 @@ PyMemberDef record_members[] = {
 PyTypeObject record_type = [] {
   PyTypeObject type = plain_type(
       "offload._C.Record", sizeof(Record),
-      "Record(storage, tier, payload, nbytes, resident, meta, ledger, prefetcher): one "
+      "Record(storage, tier, payload, nbytes, resident, meta, meter, prefetcher): one "
       "stored storage of a step (offload/runtime/records.py).",
       record_new, record_dealloc);
   type.tp_init = record_init;
@@ -381,9 +406,8 @@ PyObject* record_timeline(PyObject* record_obj, Py_ssize_t* row) {
 }
 
 void bind_saved_record(py::module_& m) {
-  record_freed_name = PyUnicode_InternFromString("record_freed");
-  record_made_name = PyUnicode_InternFromString("record_made");
-  if (record_freed_name == nullptr || record_made_name == nullptr ||
+  release_name = PyUnicode_InternFromString("release");
+  if (release_name == nullptr ||
       PyType_Ready(&record_type) < 0 || PyType_Ready(&index_type) < 0)
     throw py::error_already_set();
   Py_INCREF(&record_type);   // the module holds the types for the process

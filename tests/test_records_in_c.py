@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import math
 import threading
+import time
 import weakref
 
 import pytest
@@ -42,20 +43,22 @@ def path(request, monkeypatch):
     return request.param
 
 
-class _Ledger:
-    """What a record needs of its ledger, noting every call."""
+class _Tier:
+    """What a record needs of its tier: `release`, noting every payload given back."""
 
-    def __init__(self, fail_freed: bool = False) -> None:
-        self.made, self.freed = [], []
-        self.fail_freed = fail_freed
+    def __init__(self, fail: bool = False) -> None:
+        self.released = []
+        self.fail = fail
 
-    def record_made(self, record) -> None:
-        self.made.append(record.nbytes)
-
-    def record_freed(self, tier, payload, nbytes, resident) -> None:
-        self.freed.append((tier, payload, nbytes, resident))
-        if self.fail_freed:
+    def release(self, payload) -> None:
+        self.released.append(payload)
+        if self.fail:
             raise RuntimeError("a closed tier")
+
+
+def _meter(kind: str):
+    """A step's meter of the core, or of the Python path: what its records count into."""
+    return load_core().SavedBytes() if kind == "core" else PySavedBytes()
 
 
 def _types(kind: str):
@@ -69,13 +72,13 @@ def _types(kind: str):
 def test_the_index_keys_by_version_and_layout_and_forgets_dead_records_and_storages(kind):
     """The same contract for both index types."""
     index_type, record_type = _types(kind)
-    ledger = _Ledger()
+    meter, tier = _meter(kind), _Tier()
     index = index_type()
     t = torch.randn(10)
     s = t.untyped_storage()
 
     def moved(storage):   # a record whose bytes moved out: it holds its storage weakly
-        return record_type(storage, "tier", object(), storage.nbytes(), False, None, ledger,
+        return record_type(storage, tier, object(), storage.nbytes(), False, None, meter,
                            None)
 
     r0, r1 = moved(s), moved(s)
@@ -102,10 +105,9 @@ def test_the_index_keys_by_version_and_layout_and_forgets_dead_records_and_stora
 @pytest.mark.parametrize("kind", ["core", "python"])
 def test_a_kept_record_names_its_storage_and_the_index_finds_it(kind):
     index_type, record_type = _types(kind)
-    ledger = _Ledger()
     t = torch.randn(10)
     s = t.untyped_storage()
-    kept = record_type(s, None, None, 40, True, None, ledger, None)
+    kept = record_type(s, None, None, 40, True, None, _meter(kind), None)
     index = index_type()
     index.add(s, 3, kept)
     assert kept() is s and index.lookup(s, 3) is kept and len(index) == 1
@@ -117,11 +119,11 @@ def test_a_core_record_holds_a_kept_storage_and_only_a_moved_one_weakly():
     """A kept or resident record holds its storage (its saves or payload do anyway: no weak
     reference object is made); one whose bytes moved must not keep them on the device."""
     core = load_core()
-    ledger = _Ledger()
+    meter = core.SavedBytes()
     t = torch.randn(10)
     s = t.untyped_storage()
-    kept = core.Record(s, None, None, 40, True, None, ledger, None)
-    moved = core.Record(s, "tier", object(), 40, False, None, ledger, None)
+    kept = core.Record(s, None, None, 40, True, None, meter, None)
+    moved = core.Record(s, _Tier(), object(), 40, False, None, meter, None)
     alive = weakref.ref(s)
     del t, s
     gc.collect()
@@ -131,53 +133,89 @@ def test_a_core_record_holds_a_kept_storage_and_only_a_moved_one_weakly():
     assert alive() is None and moved() is None
 
 
-def test_a_record_tells_its_ledger_once_made_and_once_freed():
-    core = load_core()
-    ledger = _Ledger()
+@pytest.mark.parametrize("kind", ["core", "python"])
+def test_a_record_counts_itself_in_and_out_of_its_meter_and_gives_its_payload_back(kind):
+    """Made: its resident bytes and, holding tier space, a live record. Dead: its payload
+    back to its tier, then counted out; the last one out notes when (the step's end)."""
+    _, record_type = _types(kind)
+    meter, tier = _meter(kind), _Tier()
     s = torch.randn(4).untyped_storage()
     payload = object()
-    record = core.Record(s, "tier", payload, 16, True, None, ledger, None)
-    assert ledger.made == [16] and ledger.freed == []
-    assert not gc.is_tracked(record)
-    del record
-    assert ledger.freed == [("tier", payload, 16, True)]
-    with pytest.raises(RuntimeError, match="initialised once"):
-        core.Record(s, None, None, 4, False, None, ledger, None).__init__(
-            s, None, None, 4, False, None, ledger, None)
+    before = time.perf_counter()
+    resident = record_type(s, tier, payload, 16, True, None, meter, None)   # a CPU host copy
+    moved = record_type(s, tier, object(), 8, False, None, meter, None)
+    kept = record_type(s, None, None, 4, True, None, meter, None)          # no tier space
+    assert (meter.resident, meter.peak, meter.live_records) == (20, 20, 2)
+    assert meter.idle_since_s is None and tier.released == []
+    assert gc.is_tracked(resident) is (kind == "python")
+    del resident
+    assert tier.released == [payload]
+    assert (meter.resident, meter.live_records, meter.idle_since_s) == (4, 1, None)
+    del moved, kept
+    assert (meter.resident, meter.peak, meter.live_records) == (0, 20, 0)
+    assert len(tier.released) == 2 and before <= meter.idle_since_s <= time.perf_counter()
+    if kind == "core":
+        with pytest.raises(RuntimeError, match="initialised once"):
+            record_type(s, None, None, 4, False, None, meter, None).__init__(
+                s, None, None, 4, False, None, meter, None)
 
 
-def test_a_ledger_error_at_a_records_death_is_swallowed_and_a_pending_error_kept():
+def test_a_tier_error_at_a_records_death_is_swallowed_and_a_pending_error_kept():
     """A record dies wherever autograd drops it, also while an exception propagates: its
-    ledger's error (a closed tier) must not replace that exception or escape."""
+    tier's error (a closed tier) must not replace that exception or escape, and the record
+    is still counted out (the step's end waits for no record left)."""
     core = load_core()
-    ledger = _Ledger(fail_freed=True)
+    meter, tier = core.SavedBytes(), _Tier(fail=True)
     s = torch.randn(4).untyped_storage()
 
     def fail_while_a_record_dies():
-        record = core.Record(s, "tier", object(), 16, False, None, ledger, None)
+        record = core.Record(s, tier, object(), 16, False, None, meter, None)
         raise KeyError("the user's error")   # the frame (and the record) dies with it
 
     with pytest.raises(KeyError, match="the user's error"):
         fail_while_a_record_dies()
     gc.collect()
-    assert len(ledger.freed) == 1
+    assert len(tier.released) == 1 and meter.live_records == 0
 
-    class Refuses(_Ledger):
-        def record_made(self, record):
-            raise ValueError("refused")
-
-    refuses = Refuses()
-    with pytest.raises(ValueError, match="refused"):
-        core.Record(s, "tier", object(), 16, False, None, refuses, None)
+    refused = _Tier()
+    with pytest.raises(TypeError, match="the core's SavedBytes meter, not PySavedBytes"):
+        core.Record(s, refused, object(), 16, False, None, PySavedBytes(), None)
     gc.collect()
-    assert refuses.freed == []    # a record its ledger never took is never given back
+    assert refused.released == []    # a record no meter counted is never given back
+
+
+def test_records_give_their_payloads_back_one_at_a_time_across_threads():
+    """Records die on autograd's threads: a tier's release is never run by two at once (the
+    meter's release lock, waited for without the GIL, which its holder needs to finish)."""
+    core = load_core()
+    meter = core.SavedBytes()
+    inside, most = [0], [0]
+
+    class SlowTier:
+        def release(self, payload):
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            time.sleep(0.001)   # lets the other threads run while this one is inside
+            inside[0] -= 1
+
+    tier = SlowTier()
+    s = torch.randn(4).untyped_storage()
+    batches = [[core.Record(s, tier, object(), 8, False, None, meter, None)
+                for _ in range(20)] for _ in range(4)]
+    assert meter.live_records == 80
+    threads = [threading.Thread(target=batch.clear) for batch in batches]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert meter.live_records == 0 and most[0] == 1
 
 
 def test_a_record_outliving_its_index_dies_cleanly():
     core = load_core()
-    ledger = _Ledger()
+    meter, tier = core.SavedBytes(), _Tier()
     s = torch.randn(4).untyped_storage()
-    record = core.Record(s, "tier", object(), 16, False, None, ledger, None)
+    record = core.Record(s, tier, object(), 16, False, None, meter, None)
     index = core.StorageIndex()
     index.add(s, 0, record)
     other = core.StorageIndex()
@@ -185,9 +223,9 @@ def test_a_record_outliving_its_index_dies_cleanly():
     assert len(index) == 0 and other.lookup(s, 0) is record
     del index, other                            # the step's index goes first
     del record
-    assert len(ledger.freed) == 1
+    assert len(tier.released) == 1
     index = core.StorageIndex()
-    record = core.Record(s, "tier", object(), 16, False, None, ledger, None)
+    record = core.Record(s, tier, object(), 16, False, None, meter, None)
     index.add(s, 0, record)
     del record                                  # a record going first takes its entry out
     assert len(index) == 0
@@ -196,7 +234,7 @@ def test_a_record_outliving_its_index_dies_cleanly():
 def test_the_core_index_takes_only_core_records():
     core = load_core()
     s = torch.randn(4).untyped_storage()
-    py = records.PyRecord(s, None, None, 16, False, None, _Ledger(), None)
+    py = records.PyRecord(s, None, None, 16, False, None, PySavedBytes(), None)
     with pytest.raises(TypeError, match="the core's Record"):
         core.StorageIndex().add(s, 0, py)
 

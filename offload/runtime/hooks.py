@@ -303,8 +303,8 @@ class OffloadHooks:
         if payload is not None and tier.prefetchable(payload):
             prefetcher = self.prefetcher
             prefetcher.register(tier, payload)
-        record = self._record_type(storage, tier, payload, nbytes, resident, meta, self.ledger,
-                                   prefetcher)
+        record = self._record_type(storage, tier, payload, nbytes, resident, meta,
+                                   self.ledger.meter, prefetcher)
         if payload is not None or round_trip_kept:
             # A storage the plan kept is timed too: otherwise the next plan, learning from
             # moved storages only, forgets it and moves it again (keep/move every other step).

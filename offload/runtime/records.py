@@ -18,13 +18,13 @@
   resident on the device in a `SavedBytes` meter (saved_bytes.py).
 
 NOTE [Record lifetime] A record lives exactly as long as some saved tensor of it lives, i.e.
-as long as autograd holds it. Its death gives the payload back to its tier (through the
-ledger, on whatever thread autograd drops it): with
+as long as autograd holds it. Its death gives the payload back to its tier (under the
+step's meter's release lock, on whatever thread autograd drops it): with
 backward freeing saved tensors as it goes, tier space returns during backward and usage is
 back to zero when backward ends. With retain_graph the records survive and a second
 backward loads again. When the step is aborted (the block raised) its tiers are closed;
 a later unpack of such a record raises UsedAfterCloseError. Every call a record makes goes
-down (its tier, the prefetcher, the ledger); nothing it does calls the hooks that made it.
+down (its tier, the prefetcher, the meter); nothing it does calls the hooks that made it.
 
 NOTE [Unpack cache] Several saved tensors of one storage are unpacked at different times.
 The loaded bytes stay referenced by the record while some of its saved tensors have not been
@@ -34,7 +34,6 @@ stream after the first waits for the first one's hand-off (copies Note 12).
 """
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 
@@ -59,22 +58,19 @@ _UNSET: Any = object()
 class Ledger:
     """What a step's saved tensors hold: live records with tier space, resident bytes.
 
-    Records and kept tensors report here as they come and go, on whatever thread autograd
-    drops them (its device threads too): the live records under `lock`; the bytes resident
-    on the device, and the small saves' storages (counted once while any save of them lives,
-    whichever hook path saved them), in the step's `SavedBytes` meter, which keeps itself
-    consistent (the core's with the GIL, the Python one with its own lock and free queue).
-    `fold()` brings the meter's figures into the step's Stats.
+    Records and kept tensors count themselves in and out of the step's `SavedBytes` meter
+    as they come and go, on whatever thread autograd drops them (its device threads too):
+    the bytes resident on the device, the small saves' storages (counted once while any
+    save of them lives, whichever hook path saved them) and the records holding tier
+    space; the meter keeps itself consistent (the core's with the GIL, the Python one with
+    its own lock and free queue). `fold()` brings its figures into the step's Stats.
     """
 
-    __slots__ = ("stats", "lock", "live_records", "idle_since_s", "meter", "record_type")
+    __slots__ = ("stats", "meter", "record_type")
 
     def __init__(self, stats) -> None:
         self.stats = stats
-        self.lock = threading.Lock()
-        self.live_records = 0      # records holding tier space (the step ends at 0)
-        self.idle_since_s: float | None = None
-        self.meter = saved_bytes_meter()   # bytes resident on the device, and their peak
+        self.meter = saved_bytes_meter()   # what the step's saves hold (saved_bytes.py)
         # The step's records: the core's with the core's meter (hooks.py NOTE [Handles in
         # C]), else the Python ones; the same fields and calls.
         self.record_type = PyRecord if type(self.meter) is PySavedBytes else Record
@@ -99,25 +95,15 @@ class Ledger:
         """A small save of the Python path died (on whatever thread autograd dropped it)."""
         self.meter.small_freed(key)
 
-    def record_made(self, record) -> None:
-        """A record was made (`Record.__init__`, either type)."""
-        with self.lock:
-            if record.resident:
-                self.meter.add(record.nbytes)
-            if record.payload is not None:
-                self.live_records += 1
+    @property
+    def live_records(self) -> int:
+        """Records holding tier space (the step ends at 0: step.py NOTE [End of step])."""
+        return self.meter.live_records
 
-    def record_freed(self, tier, payload, nbytes: int, resident: bool) -> None:
-        """A record died (its last save did): what it held, as it held it."""
-        with self.lock:
-            if resident:
-                self.meter.sub(nbytes)
-            if payload is not None:
-                tier.release(payload)
-                self.live_records -= 1
-                if self.live_records == 0:
-                    # Only noted: the step ends at a defined point (step.py NOTE [End of step]).
-                    self.idle_since_s = time.perf_counter()
+    @property
+    def idle_since_s(self) -> float | None:
+        """When the last of them died (only noted: the step ends at a defined point)."""
+        return self.meter.idle_since_s
 
 
 class PyRecord(weakref.ref):
@@ -127,11 +113,12 @@ class PyRecord(weakref.ref):
     collector does not walk; this one serves a process without the core. Both have the
     same fields, are weak references to the storage they were made for (`record()`: the
     storage while it lives, so the storage index checks a hit with it: tensor_meta NOTE
-    [Storage identity]), tell the ledger when made and freed, and are worked on by `load`
-    and `handle_done` below.
+    [Storage identity]), count themselves into the step's meter when made and out when
+    freed (giving the payload back to its tier), and are worked on by `load` and
+    `handle_done` below.
     """
 
-    __slots__ = ("tier", "payload", "nbytes", "resident", "meta", "ledger", "prefetcher",
+    __slots__ = ("tier", "payload", "nbytes", "resident", "meta", "meter", "prefetcher",
                  "handles_left", "cache", "cache_ref", "cache_offset", "shared", "timeline",
                  "row", "version", "__weakref__")
 
@@ -139,7 +126,8 @@ class PyRecord(weakref.ref):
         return super().__new__(cls, storage)  # no callback: the other arguments are ours
 
     def __init__(self, storage: torch.UntypedStorage, tier, payload, nbytes: int,
-                 resident: bool, meta: ViewMeta | None, ledger: Ledger, prefetcher) -> None:
+                 resident: bool, meta: ViewMeta | None, meter: PySavedBytes,
+                 prefetcher) -> None:
         self.tier = tier              # None when kept
         self.payload = payload
         self.nbytes = nbytes
@@ -156,14 +144,14 @@ class PyRecord(weakref.ref):
         self.timeline = None          # the step's Timeline, when this storage is timed
         self.row = -1                 # ... and its row there
         self.version = -1             # set by the StorageIndex: the version it was stored at
-        ledger.record_made(self)
-        self.ledger = ledger          # last: a record the ledger was told of is freed there
+        meter.record_made(nbytes, resident, payload is not None)
+        self.meter = meter            # last: a record counted in is counted out
 
     def __del__(self) -> None:
         try:
-            ledger = getattr(self, "ledger", None)
-            if ledger is not None:
-                ledger.record_freed(self.tier, self.payload, self.nbytes, self.resident)
+            meter = getattr(self, "meter", None)
+            if meter is not None:
+                meter.record_freed(self.tier, self.payload, self.nbytes, self.resident)
         except Exception:  # interpreter shutdown or a closed tier: nothing left to free
             pass
 

@@ -1,14 +1,15 @@
-"""The bytes of saved activations resident on the device during a step, and their peak.
+"""What a step's saves hold: the bytes of saved activations resident on the device, their
+peak, and the records holding tier space.
 
-A step's `SavedBytes` meter is counted into by its records (records.py, `Ledger`) and by the
-small saves of both hook paths (hooks.py NOTE [Handles in C]): the compiled core's
-(csrc/saved_handles.cpp), or without the core `PySavedBytes`, with the same methods and
-figures.
+A step's `SavedBytes` meter is counted into by its records (records.py) and by the small
+saves of both hook paths (hooks.py NOTE [Handles in C]): the compiled core's
+(csrc/saved_bytes.hpp), or without the core `PySavedBytes`, with the same figures.
 """
 from __future__ import annotations
 
 import collections
 import threading
+import time
 
 from .._ext import core_available, load_core
 
@@ -25,15 +26,18 @@ class PySavedBytes:
     packing thread, which alone changes the counts: no lock on the hot path). The id is
     safe: an entry's storage is held by a live save until its count drops to 0; a storage
     that reuses the id was made after that save died, so its free is already queued when it
-    is saved. Resident bytes are shared with records, freed on any thread: under `_lock`.
+    is saved. Resident bytes are shared with records, freed on any thread: under `_lock`,
+    as are the records holding tier space (`live_records`) and their payloads' release.
     """
 
-    __slots__ = ("resident", "peak", "_lock", "_count", "_bytes", "_frees", "_new_storages",
-                 "_new_bytes")
+    __slots__ = ("resident", "peak", "live_records", "idle_since_s", "_lock", "_count",
+                 "_bytes", "_frees", "_new_storages", "_new_bytes")
 
     def __init__(self) -> None:
         self.resident = 0
         self.peak = 0
+        self.live_records = 0   # records holding tier space (the step ends at 0)
+        self.idle_since_s: float | None = None   # when the last of them died
         self._lock = threading.Lock()
         self._count: dict[int, int] = {}   # small storage id -> saves alive
         self._bytes: dict[int, int] = {}   # small storage id -> its bytes
@@ -43,13 +47,39 @@ class PySavedBytes:
 
     def add(self, nbytes: int) -> None:
         with self._lock:
-            self.resident += nbytes
-            if self.resident > self.peak:
-                self.peak = self.resident
+            self._add(nbytes)
+
+    def _add(self, nbytes: int) -> None:
+        self.resident += nbytes
+        if self.resident > self.peak:
+            self.peak = self.resident
 
     def sub(self, nbytes: int) -> None:
         with self._lock:
             self.resident -= nbytes
+
+    def record_made(self, nbytes: int, resident: bool, holds_space: bool) -> None:
+        """A record was made (`PyRecord`): its bytes if they stay resident, and whether it
+        holds tier space."""
+        with self._lock:
+            if resident:
+                self._add(nbytes)
+            if holds_space:
+                self.live_records += 1
+
+    def record_freed(self, tier, payload, nbytes: int, resident: bool) -> None:
+        """A record died (its last save did): its payload goes back to its tier (one release
+        at a time), then it is counted out."""
+        with self._lock:
+            if resident:
+                self.resident -= nbytes
+            if payload is not None:
+                try:
+                    tier.release(payload)
+                finally:   # counted out even when its tier refused (closed): as in the core
+                    self.live_records -= 1
+                    if self.live_records == 0:
+                        self.idle_since_s = time.perf_counter()
 
     def small_saved(self, key: int, nbytes: int) -> None:
         if self._frees:

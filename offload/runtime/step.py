@@ -14,9 +14,10 @@ trace) runs at one of these defined points, never from a destructor:
    `pending` and is finished at the next context entry, `offload.empty_cache()` or
    interpreter exit, whichever comes first.
 
-A saved tensor dying only updates counters (records.py: its record tells the ledger); that
-may happen on any thread, under the ledger's lock, so nothing that waits or writes files may
-run there.
+A saved tensor dying only updates counters and gives its payload back to its tier
+(records.py: its record counts itself out of the step's meter); that may happen on any
+thread, under the meter's release lock, so nothing that waits or writes files may run
+there.
 
 NOTE [Training step] What `auto` learns from a step's time (its profile, its trials) comes
 only from a training step: one that ran a forward and a backward and ended at point 1 or 2
