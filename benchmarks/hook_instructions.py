@@ -17,8 +17,10 @@ instructions per save shows.
 Instructions are not time: memory stalls (the collector walking objects, cache misses)
 cost time that no instruction count shows, so take the times from hook_cost.py and use
 this to see which way, and by how much, a change moved the work. On this project's dev VM,
-~5,000 instructions are ~1 µs of the hooks' Python and C. Needs valgrind (apt-get install
-valgrind); the nvme path counts its I/O threads' instructions too.
+~5,000 instructions are ~1 µs of the hooks' Python and C. Only the training thread is
+counted (the nvme tier's I/O threads apart); nvme's count still moves by a few thousand
+between runs (its waits depend on the I/O threads). Needs valgrind (apt-get install
+valgrind).
 """
 from __future__ import annotations
 
@@ -67,15 +69,24 @@ def child(path: str, n: int, nvme_dir: str) -> None:
 
 
 def count(path: str, n: int, nvme_dir: str) -> int:
+    """The training thread's instructions (the tier's I/O threads apart: valgrind runs
+    threads one at a time, so theirs move with its scheduling)."""
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     here = os.path.dirname(os.path.abspath(__file__))
-    cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", "--cache-sim=no",
-           sys.executable, os.path.abspath(__file__), "--child", path, str(n), nvme_dir]
-    out = subprocess.run(cmd, env=env, cwd=here, capture_output=True, text=True)
-    for line in out.stderr.splitlines():
-        if "Collected" in line:
-            return int(line.split()[-1])
-    raise SystemExit(f"valgrind gave no count for {path} ({n}): {out.stderr[-2000:]}")
+    with tempfile.TemporaryDirectory(prefix="offload-callgrind-") as out_dir:
+        prefix = os.path.join(out_dir, "out")
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={prefix}",
+               "--separate-threads=yes", "--cache-sim=no", sys.executable,
+               os.path.abspath(__file__), "--child", path, str(n), nvme_dir]
+        run = subprocess.run(cmd, env=env, cwd=here, capture_output=True, text=True)
+        try:
+            with open(prefix + "-01") as f:   # thread 1: the one that runs the steps
+                for line in f:
+                    if line.startswith("summary:"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+    raise SystemExit(f"valgrind gave no count for {path} ({n}): {run.stderr[-2000:]}")
 
 
 def main() -> int:
@@ -107,8 +118,9 @@ def main() -> int:
         counts = dict(zip(runs, pool.map(lambda run: count(*run, nvme), runs)))
     per_save = {p: (counts[p, args.large] - counts[p, args.small])
                 / (3 * (args.large - args.small)) for p in paths}
-    print(f"\ninstructions per saved tensor (callgrind; {args.small} vs {args.large} saved "
-          f"1 KiB tensors a step, 3 steps; plain: absolute, others: above plain)\n")
+    print(f"\ninstructions per saved tensor on the training thread (callgrind; {args.small} "
+          f"vs {args.large} saved 1 KiB tensors a step, 3 steps; plain: absolute, others: "
+          f"above plain)\n")
     print("| path | instructions |")
     print("|---|---|")
     for p, v in per_save.items():

@@ -155,6 +155,7 @@ PYBIND11_MODULE(_C, m) {
   bind::bind_arena(m);
   bind::bind_store(m);
   bind::bind_saved_handles(m);
+  bind::bind_hook_front(m);
   bind::bind_saved_record(m);
   bind::bind_timeline(m);
 }

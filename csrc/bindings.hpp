@@ -25,6 +25,7 @@ void emit_log_notes(const std::vector<LogNote>& notes);
 void bind_arena(pybind11::module_& m);
 void bind_store(pybind11::module_& m);
 void bind_saved_handles(pybind11::module_& m);
+void bind_hook_front(pybind11::module_& m);
 void bind_saved_record(pybind11::module_& m);
 void bind_timeline(pybind11::module_& m);
 

@@ -1,5 +1,5 @@
-// The CPython types of the hooks' C front (saved_handles.cpp, saved_record.cpp,
-// timeline.cpp) start here: written against the C API, not pybind11, and not tracked by the
+// The CPython types of the hooks' C front (hook_front.cpp, saved_handles.cpp,
+// saved_record.cpp, timeline.cpp) start here: written against the C API, not pybind11, and not tracked by the
 // garbage collector (no Py_TPFLAGS_HAVE_GC; each file says why that is safe for its types).
 #pragma once
 
@@ -20,6 +20,13 @@ inline PyTypeObject plain_type(const char* name, Py_ssize_t size, const char* do
   type.tp_new = new_object;
   type.tp_dealloc = dealloc;
   return type;
+}
+
+// Sequence slots with only a length (`len(obj)`).
+inline PySequenceMethods length_only(lenfunc length) {
+  PySequenceMethods methods{};
+  methods.sq_length = length;
+  return methods;
 }
 
 }  // namespace offload::bind

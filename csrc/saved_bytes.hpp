@@ -1,6 +1,6 @@
 // A step's SavedBytes meter (offload/runtime/saved_bytes.py has the Python one): what its
 // saves hold. Counted into by the core's records (saved_record.cpp) and small saves
-// (saved_handles.cpp), which reach it without a Python call; bound to Python in
+// (saved_handles.cpp, hook_front.cpp), which reach it without a Python call; bound to Python in
 // saved_handles.cpp. Everything here runs with the GIL held (the hooks, and the deaths of
 // saves and records, which Python runs with it), so the counts need no lock of their own.
 #pragma once

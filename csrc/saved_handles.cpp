@@ -1,5 +1,6 @@
-// The saved-tensor hooks' front in C: Python classes SavedBytes, SmallSave, KeptSave, Packer
-// and Unpacker.
+// What autograd holds for a saved tensor that stays, in C: Python classes HeldTensor,
+// SmallSave and KeptSave (made by the hooks' front, hook_front.cpp), and the binding of the
+// step's SavedBytes meter (saved_bytes.hpp).
 //
 // Why C (offload/runtime/hooks.py NOTE [Handles in C]): every saved tensor passes through
 // the hooks, and in Python the object each save keeps alive costs the garbage collector
@@ -18,120 +19,39 @@
 // hooks are called with it, and a SmallSave is freed by Python's deallocation), so the
 // counters need no lock of their own.
 //
-// The handles, the packer and the unpacker are written against the CPython API, not
-// pybind11 (as saved_record.cpp's Record): torch calls the hooks through vectorcall, and a
-// handle is made with one allocation (a pybind11 call costs an argument-dispatch, and a
-// pybind11 instance a registration in its instance map, each several hundred ns per save:
-// docs/benchmarks.md *Hook cost*). The meter, called from Python at the step's edges, stays
-// a pybind11 class.
+// The handles are written against the CPython API, not pybind11 (as saved_record.cpp's
+// Record): a handle is made with one allocation (a pybind11 instance is registered in its
+// instance map, several hundred ns per save: docs/benchmarks.md *Hook cost*). The meter,
+// called from Python at the step's edges, stays a pybind11 class.
 #include <Python.h>
 #include <structmember.h>
 
 #include <pybind11/pybind11.h>
 
-#include <cstdint>
 #include <memory>
-#include <new>
-#include <unordered_map>
 
 #include "bindings.hpp"
+#include "py_calls.hpp"
 #include "py_type.hpp"
 #include "saved_bytes.hpp"
-#include "saved_record.hpp"
-#include "timeline.hpp"
+#include "saved_handles.hpp"
 
 namespace py = pybind11;
 
 namespace offload::bind {
 
-namespace {
-
-// Attribute names, interned once at import (the module holds them for the process).
-struct Names {
-  PyObject* layout;
-  PyObject* untyped_storage;
-  PyObject* nbytes;
-  PyObject* grad_fn;
-  PyObject* base;
-  PyObject* is_leaf;
-  PyObject* version;
-  PyObject* detach;
-  PyObject* sequence_nr;
-  PyObject* output_nr;
-  PyObject* name;
-  PyObject* unpacked;
-  PyObject* epoch;
-};
 Names names;
 
-py::object attr(PyObject* obj, PyObject* name) {
-  PyObject* value = PyObject_GetAttr(obj, name);
-  if (value == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(value);
+PyObject* tensor_if_unchanged(HeldTensor* self) {
+  PyObject* now = PyObject_GetAttr(self->tensor, names.version);
+  if (now == nullptr) return nullptr;
+  const long long version = PyLong_AsLongLong(now);
+  Py_DECREF(now);
+  if (version == -1 && PyErr_Occurred()) return nullptr;
+  return Py_NewRef(version == self->version ? self->tensor : Py_None);
 }
 
-py::object call_method(PyObject* obj, PyObject* name) {
-  PyObject* value = PyObject_CallMethodNoArgs(obj, name);
-  if (value == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(value);
-}
-
-py::object call(PyObject* fn) {
-  PyObject* value = PyObject_CallNoArgs(fn);
-  if (value == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(value);
-}
-
-// fn(args...) through vectorcall: no argument tuple (the hand-offs run once per save).
-template <typename... Args>
-py::object call_with(PyObject* fn, const Args&... args) {
-  PyObject* argv[] = {py::handle(args).ptr()...};
-  PyObject* value = PyObject_Vectorcall(fn, argv, sizeof...(Args), nullptr);
-  if (value == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(value);
-}
-
-// Whether torch's profiler runs (`profiling` is torch._C._autograd._profiler_enabled): then
-// both hooks take the Python path, which records the `offload::pack` / `unpack` ranges.
-bool profiler_on(PyObject* profiling) {
-  return call(profiling).ptr() == Py_True;
-}
-
-int64_t as_int(const py::object& value) {
-  const long long v = PyLong_AsLongLong(value.ptr());
-  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-  return v;
-}
-
-// A saved tensor that stays where it is: the tensor (or, for an output of the node saving
-// it, a detached alias sharing its version counter) and what autograd's "modified by an
-// inplace operation" message needs (version_check.py, records.held_tensor_error).
-struct HeldTensor {
-  PyObject_HEAD
-  PyObject* tensor;
-  long long version;
-  PyObject* node_name;   // the saving node's name for an output; None for an input
-  long long output_nr;
-};
-
-// What autograd holds for a saved tensor below OFFLOAD_MIN_BYTES: counted in the step's
-// meter once per storage while any save of it lives.
-struct SmallSave {
-  HeldTensor held;
-  uintptr_t key;
-  // Empty: made, but an error came before it was counted (the packer sets the meter right
-  // before counting it). Constructed by the packer, destroyed in small_save_dealloc.
-  std::shared_ptr<SavedBytes> meter;
-};
-
-// What autograd holds for any other saved tensor that stays (a weight, a storage the
-// placement kept, a CPU storage on the host tier): its storage's record (records.Record:
-// dedup, timing, the tier's reference), None for a weight. The record lives as long as
-// some save of it (records.py NOTE [Record lifetime]).
-struct KeptSave {
-  HeldTensor held;
-  PyObject* record;
-};
+namespace {
 
 void held_clear(HeldTensor* self) {
   Py_CLEAR(self->tensor);
@@ -153,15 +73,6 @@ void kept_save_dealloc(PyObject* obj) {
   Py_TYPE(obj)->tp_free(obj);
 }
 
-// The tensor, or None when it changed in place since pack (the caller raises).
-PyObject* tensor_if_unchanged(HeldTensor* self) {
-  PyObject* now = PyObject_GetAttr(self->tensor, names.version);
-  if (now == nullptr) return nullptr;
-  const long long version = PyLong_AsLongLong(now);
-  Py_DECREF(now);
-  if (version == -1 && PyErr_Occurred()) return nullptr;
-  return Py_NewRef(version == self->version ? self->tensor : Py_None);
-}
 
 PyObject* held_tensor_if_unchanged(PyObject* self, PyObject*) {
   return tensor_if_unchanged(reinterpret_cast<HeldTensor*>(self));
@@ -200,6 +111,14 @@ PyTypeObject held_type = [] {
   return type;
 }();
 
+PyObject* intern(const char* s) {
+  PyObject* name = PyUnicode_InternFromString(s);
+  if (name == nullptr) throw py::error_already_set();
+  return name;
+}
+
+}  // namespace
+
 PyTypeObject small_save_type = [] {
   PyTypeObject type = plain_type(
       "offload._C.SmallSave", sizeof(SmallSave),
@@ -218,352 +137,6 @@ PyTypeObject kept_save_type = [] {
   type.tp_members = kept_members;
   return type;
 }();
-
-// A new handle of `type`, its fields empty (None / 0).
-template <typename Handle>
-Handle* new_handle(PyTypeObject* type) {
-  PyObject* obj = type->tp_alloc(type, 0);   // zero-filled
-  if (obj == nullptr) throw py::error_already_set();
-  return reinterpret_cast<Handle*>(obj);
-}
-
-// The callable objects' fields, and a vectorcall slot (torch calls the hooks with one
-// argument, through vectorcall where the callable has it).
-struct Callable {
-  PyObject_HEAD
-  vectorcallfunc vectorcall;
-};
-
-bool one_argument(const char* what, size_t nargsf, PyObject* kwnames) {
-  if (PyVectorcall_NARGS(nargsf) == 1 && (kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0))
-    return true;
-  PyErr_Format(PyExc_TypeError, "offload: the %s hook takes one argument", what);
-  return false;
-}
-
-// The pack hook. A small save is made here; a plain strided tensor that is not one goes on
-// to `strided(owner, tensor, version, storage, nbytes, node)` with what was read here
-// (hooks.py's `_pack_strided`), which returns the handle, or what this makes a KeptSave of:
-// a Record (the tensor stays; its storage's record) or None (a weight that stays).
-// Anything else goes to `full(owner, tensor)` (`pack_full`).
-struct Packer {
-  Callable head;
-  // The hooks object whose pack this is (a weak reference: the hooks hold this packer, its
-  // identity marks their entry on torch's hook stack; neither object is tracked by the
-  // garbage collector, so a cycle between them would never be freed).
-  PyObject* owner_ref;
-  PyObject* full;
-  PyObject* strided_pack;
-  std::shared_ptr<SavedBytes> meter;   // constructed in packer_new
-  long long min_bytes;
-  PyObject* tensor_type;
-  PyObject* strided;
-  PyObject* profiling;
-  PyObject* next_sequence_nr;
-  PyObject* record_type;
-};
-
-// The owner, or (None) an error saying the context is gone.
-py::object packer_owner(const Packer* self) {
-  py::object owner = call(self->owner_ref);
-  if (owner.is_none()) {
-    PyErr_SetString(PyExc_RuntimeError,
-                    "offload: a saved-tensor pack hook was called after its "
-                    "offload.activations() context was freed");
-    throw py::error_already_set();
-  }
-  return owner;
-}
-
-// What records.Kept holds, the same way: the tensor as autograd holds it, or for an output
-// of the saving node a detached alias (breaks the tensor -> node -> save cycle) and that
-// node's name. The saving node was made last, so its sequence number is the one just
-// before the thread's next (version_check.py).
-void hold(const Packer* self, HeldTensor* save, PyObject* t, const py::object& node,
-          const py::object& version) {
-  save->version = as_int(version);
-  const bool is_output = !node.is_none() && self->next_sequence_nr != Py_None &&
-      as_int(call_method(node.ptr(), names.sequence_nr)) ==
-          as_int(call(self->next_sequence_nr)) - 1;
-  if (is_output) {
-    save->tensor = call_method(t, names.detach).release().ptr();
-    save->node_name =
-        attr(reinterpret_cast<PyObject*>(Py_TYPE(node.ptr())), names.name).release().ptr();
-    save->output_nr = as_int(attr(t, names.output_nr));
-  } else {
-    save->tensor = Py_NewRef(t);
-    save->node_name = Py_NewRef(Py_None);
-    save->output_nr = 0;
-  }
-}
-
-PyObject* pack(const Packer* self, PyObject* t) {
-  // The same tests, in the same order, as hooks.py's `_pack` step 1.
-  if (reinterpret_cast<PyObject*>(Py_TYPE(t)) != self->tensor_type ||
-      profiler_on(self->profiling) || attr(t, names.layout).ptr() != self->strided)
-    return call_with(self->full, packer_owner(self), py::handle(t)).release().ptr();
-  py::object storage = call_method(t, names.untyped_storage);
-  py::object nbytes_obj = call_method(storage.ptr(), names.nbytes);
-  const long long nbytes = as_int(nbytes_obj);
-  py::object node = attr(t, names.grad_fn);
-  py::object version = attr(t, names.version);
-  // A leaf (no grad_fn) or a view of one may be a weight: step 2 tells.
-  bool small = nbytes < self->min_bytes && !node.is_none();
-  if (small) {
-    py::object base = attr(t, names.base);
-    small = base.is_none() || attr(base.ptr(), names.is_leaf).ptr() != Py_True;
-  }
-  if (small) {
-    auto save = py::reinterpret_steal<py::object>(
-        reinterpret_cast<PyObject*>(new_handle<SmallSave>(&small_save_type)));
-    auto* fields = reinterpret_cast<SmallSave*>(save.ptr());
-    new (&fields->meter) std::shared_ptr<SavedBytes>();
-    hold(self, &fields->held, t, node, version);
-    fields->key = reinterpret_cast<uintptr_t>(storage.ptr());
-    fields->meter = self->meter;
-    self->meter->small_saved(fields->key, nbytes);
-    self->meter->packed();
-    return save.release().ptr();
-  }
-  py::object got = call_with(self->strided_pack, packer_owner(self),
-                             py::handle(t), version, storage, nbytes_obj, node);
-  if (!got.is_none() &&
-      reinterpret_cast<PyObject*>(Py_TYPE(got.ptr())) != self->record_type)
-    return got.release().ptr();  // a finished handle (moved, or not a plain strided tensor)
-  auto save = py::reinterpret_steal<py::object>(
-      reinterpret_cast<PyObject*>(new_handle<KeptSave>(&kept_save_type)));
-  auto* fields = reinterpret_cast<KeptSave*>(save.ptr());
-  fields->record = got.release().ptr();   // set first: the handle owns it from here on
-  hold(self, &fields->held, t, node, version);
-  return save.release().ptr();
-}
-
-PyObject* packer_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
-                            PyObject* kwnames) {
-  if (!one_argument("pack", nargsf, kwnames)) return nullptr;
-  try {
-    return pack(reinterpret_cast<Packer*>(obj), args[0]);
-  } catch (py::error_already_set& e) {
-    e.restore();
-    return nullptr;
-  }
-}
-
-PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* keywords[] = {"owner_ref", "full",     "strided_pack",     "meter",
-                                   "min_bytes", "tensor_type", "strided",       "profiling",
-                                   "next_sequence_nr", "record_type", nullptr};
-  PyObject *owner_ref, *full, *strided_pack, *meter, *tensor_type, *strided, *profiling,
-      *next_sequence_nr, *record_type;
-  long long min_bytes;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLOOOOO", const_cast<char**>(keywords),
-                                   &owner_ref, &full, &strided_pack, &meter, &min_bytes,
-                                   &tensor_type, &strided, &profiling, &next_sequence_nr,
-                                   &record_type))
-    return nullptr;
-  std::shared_ptr<SavedBytes> counted;
-  try {
-    counted = py::cast<std::shared_ptr<SavedBytes>>(py::handle(meter));
-  } catch (py::cast_error&) {
-    PyErr_Format(PyExc_TypeError, "offload: Packer's meter must be the core's SavedBytes, "
-                 "not %s", Py_TYPE(meter)->tp_name);
-    return nullptr;
-  }
-  PyObject* obj = type->tp_alloc(type, 0);
-  if (obj == nullptr) return nullptr;
-  auto* self = reinterpret_cast<Packer*>(obj);
-  self->head.vectorcall = packer_vectorcall;
-  self->owner_ref = Py_NewRef(owner_ref);
-  self->full = Py_NewRef(full);
-  self->strided_pack = Py_NewRef(strided_pack);
-  new (&self->meter) std::shared_ptr<SavedBytes>(std::move(counted));
-  self->min_bytes = min_bytes;
-  self->tensor_type = Py_NewRef(tensor_type);
-  self->strided = Py_NewRef(strided);
-  self->profiling = Py_NewRef(profiling);
-  self->next_sequence_nr = Py_NewRef(next_sequence_nr);
-  self->record_type = Py_NewRef(record_type);
-  return obj;
-}
-
-void packer_dealloc(PyObject* obj) {
-  auto* self = reinterpret_cast<Packer*>(obj);
-  self->meter.~shared_ptr();
-  Py_CLEAR(self->owner_ref);
-  Py_CLEAR(self->full);
-  Py_CLEAR(self->strided_pack);
-  Py_CLEAR(self->tensor_type);
-  Py_CLEAR(self->strided);
-  Py_CLEAR(self->profiling);
-  Py_CLEAR(self->next_sequence_nr);
-  Py_CLEAR(self->record_type);
-  Py_TYPE(obj)->tp_free(obj);
-}
-
-// `__self__`: the hooks object whose pack this is (hook_stack.py finds its owner through
-// it), None once it is gone.
-PyObject* packer_self(PyObject* obj, void*) {
-  return PyObject_CallNoArgs(reinterpret_cast<Packer*>(obj)->owner_ref);
-}
-
-PyGetSetDef packer_getset[] = {
-    {const_cast<char*>("__self__"), packer_self, nullptr,
-     const_cast<char*>("The hooks object whose pack this is, None once it is gone."), nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr},
-};
-
-// A type of this file that torch calls: vectorcall, not tracked (see the file's comment).
-PyTypeObject callable_type(const char* name, Py_ssize_t size, const char* doc, newfunc make,
-                           destructor dealloc) {
-  PyTypeObject type = plain_type(name, size, doc, make, dealloc);
-  type.tp_flags |= Py_TPFLAGS_HAVE_VECTORCALL;
-  type.tp_vectorcall_offset = offsetof(Callable, vectorcall);
-  type.tp_call = PyVectorcall_Call;
-  return type;
-}
-
-PyTypeObject packer_type = [] {
-  PyTypeObject type = callable_type(
-      "offload._C.Packer", sizeof(Packer),
-      "Packer(owner_ref, full, strided_pack, meter, min_bytes, tensor_type, strided, "
-      "profiling, next_sequence_nr, record_type): the pack hook's front (hooks.py NOTE "
-      "[Handles in C]).",
-      packer_new, packer_dealloc);
-  type.tp_getset = packer_getset;
-  return type;
-}();
-
-// The unpack hook: a SmallSave or KeptSave here (version checked), everything else to
-// `slow` (hooks.py's unpack). A KeptSave also marks the backward (`marks()`, the step's
-// runtime.backward_marks.BackwardMarks, called again only when what it depends on may
-// have changed: a new graph task, or a new `marks.epoch`) and notes its record's first
-// unpack on the step's Timeline (hooks.py's `_kept_unpacked` does the same in Python). `slow`
-// is a bound method: autograd holds this object with every save, and the saves keep the
-// hooks alive through it, as they would hold the bound method itself.
-struct Unpacker {
-  Callable head;
-  PyObject* slow;            // hooks.py's unpack
-  PyObject* marks;           // the hooks' BackwardMarks
-  PyObject* error;           // records.held_tensor_error
-  PyObject* graph_task_id;   // torch._C._current_graph_task_id
-  PyObject* perf_counter;    // time.perf_counter (the Timeline's clock)
-  PyObject* profiling;       // torch._C._autograd._profiler_enabled
-  bool marked;               // the backward marks were set ...
-  long long last_task;       // ... for this graph task
-  long long last_epoch;      // ... and this epoch of the marks
-};
-
-// `record`: the core's Record (the packer exists only with the core's meter, whose ledger
-// makes the core's records), or None for a weight.
-void kept_unpacked(Unpacker* self, PyObject* record) {
-  const long long task = as_int(call(self->graph_task_id));
-  const long long epoch = as_int(attr(self->marks, names.epoch));
-  if (!self->marked || task != self->last_task || epoch != self->last_epoch) {
-    call(self->marks);
-    self->marked = true;
-    self->last_task = task;
-    self->last_epoch = epoch;
-  }
-  Py_ssize_t row = 0;
-  PyObject* timeline = record == Py_None ? nullptr : record_timeline(record, &row);
-  if (timeline == nullptr) return;
-  py::object now = call(self->perf_counter);
-  if (is_timeline(timeline)) {   // the core's: marked without a Python call
-    const double now_s = PyFloat_AsDouble(now.ptr());
-    if ((now_s == -1.0 && PyErr_Occurred()) || !timeline_unpacked(timeline, row, now_s))
-      throw py::error_already_set();
-  } else {
-    py::object index = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(row));
-    if (!index) throw py::error_already_set();
-    PyObject* argv[] = {timeline, index.ptr(), now.ptr()};
-    PyObject* done = PyObject_VectorcallMethod(names.unpacked, argv,
-                                               3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-    if (done == nullptr) throw py::error_already_set();
-    Py_DECREF(done);
-  }
-}
-
-PyObject* unpack(Unpacker* self, PyObject* packed) {
-  PyTypeObject* type = Py_TYPE(packed);
-  const bool small = type == &small_save_type;
-  if ((!small && type != &kept_save_type) || profiler_on(self->profiling))
-    return call_with(self->slow, py::handle(packed)).release().ptr();
-  if (!small) kept_unpacked(self, reinterpret_cast<KeptSave*>(packed)->record);
-  PyObject* tensor = tensor_if_unchanged(reinterpret_cast<HeldTensor*>(packed));
-  if (tensor != Py_None) return tensor;   // or nullptr: the error is set
-  Py_DECREF(tensor);
-  // autograd's own message, made in Python (records.held_tensor_error).
-  py::object exc = call_with(self->error, py::handle(packed));
-  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-  return nullptr;
-}
-
-PyObject* unpacker_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
-                              PyObject* kwnames) {
-  if (!one_argument("unpack", nargsf, kwnames)) return nullptr;
-  try {
-    return unpack(reinterpret_cast<Unpacker*>(obj), args[0]);
-  } catch (py::error_already_set& e) {
-    e.restore();
-    return nullptr;
-  }
-}
-
-PyObject* unpacker_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* keywords[] = {"slow",         "marks",     "error", "graph_task_id",
-                                   "perf_counter", "profiling", nullptr};
-  PyObject *slow, *marks, *error, *graph_task_id, *perf_counter, *profiling;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO", const_cast<char**>(keywords),
-                                   &slow, &marks, &error, &graph_task_id, &perf_counter,
-                                   &profiling))
-    return nullptr;
-  PyObject* obj = type->tp_alloc(type, 0);
-  if (obj == nullptr) return nullptr;
-  auto* self = reinterpret_cast<Unpacker*>(obj);
-  self->head.vectorcall = unpacker_vectorcall;
-  self->slow = Py_NewRef(slow);
-  self->marks = Py_NewRef(marks);
-  self->error = Py_NewRef(error);
-  self->graph_task_id = Py_NewRef(graph_task_id);
-  self->perf_counter = Py_NewRef(perf_counter);
-  self->profiling = Py_NewRef(profiling);
-  return obj;
-}
-
-void unpacker_dealloc(PyObject* obj) {
-  auto* self = reinterpret_cast<Unpacker*>(obj);
-  Py_CLEAR(self->slow);
-  Py_CLEAR(self->marks);
-  Py_CLEAR(self->error);
-  Py_CLEAR(self->graph_task_id);
-  Py_CLEAR(self->perf_counter);
-  Py_CLEAR(self->profiling);
-  Py_TYPE(obj)->tp_free(obj);
-}
-
-PyMemberDef unpacker_members[] = {
-    {const_cast<char*>("slow"), T_OBJECT, offsetof(Unpacker, slow), READONLY,
-     const_cast<char*>("hooks.py's unpack, where every other handle goes.")},
-    {nullptr, 0, 0, 0, nullptr},
-};
-
-PyTypeObject unpacker_type = [] {
-  PyTypeObject type = callable_type(
-      "offload._C.Unpacker", sizeof(Unpacker),
-      "Unpacker(slow, marks, error, graph_task_id, perf_counter, profiling): the unpack "
-      "hook's front (hooks.py NOTE [Handles in C]).",
-      unpacker_new, unpacker_dealloc);
-  type.tp_members = unpacker_members;
-  return type;
-}();
-
-PyObject* intern(const char* s) {
-  PyObject* name = PyUnicode_InternFromString(s);
-  if (name == nullptr) throw py::error_already_set();
-  return name;
-}
-
-}  // namespace
 
 void bind_saved_handles(py::module_& m) {
   names = Names{intern("layout"),    intern("untyped_storage"), intern("nbytes"),
@@ -595,16 +168,13 @@ void bind_saved_handles(py::module_& m) {
       .def_property_readonly("idle_since_s", &SavedBytes::idle_since_s,
                              "time.perf_counter() when the last of them died; None before.");
 
-  for (PyTypeObject* type :
-       {&held_type, &small_save_type, &kept_save_type, &packer_type, &unpacker_type}) {
+  for (PyTypeObject* type : {&held_type, &small_save_type, &kept_save_type}) {
     if (PyType_Ready(type) < 0) throw py::error_already_set();
     Py_INCREF(type);   // the module holds the types for the process
   }
   m.add_object("HeldTensor", reinterpret_cast<PyObject*>(&held_type));
   m.add_object("SmallSave", reinterpret_cast<PyObject*>(&small_save_type));
   m.add_object("KeptSave", reinterpret_cast<PyObject*>(&kept_save_type));
-  m.add_object("Packer", reinterpret_cast<PyObject*>(&packer_type));
-  m.add_object("Unpacker", reinterpret_cast<PyObject*>(&unpacker_type));
 }
 
 }  // namespace offload::bind

@@ -378,11 +378,7 @@ PyMethodDef index_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PySequenceMethods index_as_sequence = [] {
-  PySequenceMethods methods{};
-  methods.sq_length = index_len;
-  return methods;
-}();
+PySequenceMethods index_as_sequence = length_only(index_len);
 
 PyTypeObject index_type = [] {
   PyTypeObject type = plain_type(

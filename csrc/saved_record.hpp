@@ -1,4 +1,4 @@
-// What the hooks' C front (saved_handles.cpp) reads of the core's records and storage index
+// What the hooks' C front (hook_front.cpp) reads of the core's records and storage index
 // (saved_record.cpp) directly, without a Python call.
 #pragma once
 

@@ -159,11 +159,7 @@ PyMethodDef timeline_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PySequenceMethods timeline_as_sequence = [] {
-  PySequenceMethods methods{};
-  methods.sq_length = timeline_len;
-  return methods;
-}();
+PySequenceMethods timeline_as_sequence = length_only(timeline_len);
 
 PyTypeObject timeline_type = [] {
   // Not tracked by the garbage collector: it holds no Python object.

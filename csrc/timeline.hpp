@@ -1,4 +1,4 @@
-// What the hooks' C front (saved_handles.cpp) uses of the core's Timeline (timeline.cpp)
+// What the hooks' C front (hook_front.cpp) uses of the core's Timeline (timeline.cpp)
 // directly, without a Python call.
 #pragma once
 

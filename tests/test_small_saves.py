@@ -191,7 +191,7 @@ def test_a_packer_called_after_its_context_is_gone_says_so():
 
 def test_the_packer_is_the_hook_with_the_core_and_the_python_path_without(path):
     """With min_bytes 0 nothing is small, and the core's packer is still the hook: it makes
-    the handles of kept tensors too (tests/test_kept_saves.py)."""
+    the handles of kept tensors too (tests/test_records_in_c.py)."""
     with offload.activations(tiers="host", min_bytes=0) as ctx:
         hooks = ctx._step.hooks
         if path == "core":

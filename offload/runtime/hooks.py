@@ -20,7 +20,7 @@ NOTE [Version check] lives in version_check.py: every saved tensor holds an alia
 sentinel sharing its version counter, and unpack raises autograd's own error when it moved.
 
 NOTE [Handles in C] With the compiled core, the hooks torch calls are the core's `Packer`
-and `Unpacker` (csrc/saved_handles.cpp), and what autograd holds for a tensor that stays is
+and `Unpacker` (csrc/hook_front.cpp), and what autograd holds for a tensor that stays is
 a core handle: a `SmallSave` (step 1: made in C, counted once per storage in the ledger's
 `SavedBytes` meter) or a `KeptSave` (steps 2 and 3 when the tensor stays: the decision is
 taken here, in `_pack_strided`, which hands the core a `Record` or None to hold it with).

@@ -17,7 +17,7 @@ __all__ = ["PySavedBytes", "saved_bytes_meter"]
 
 
 class PySavedBytes:
-    """The compiled core's `SavedBytes` (csrc/saved_handles.cpp) for a process without it: the
+    """The compiled core's `SavedBytes` (csrc/saved_bytes.hpp) for a process without it: the
     same methods and figures (no C path, so `take_small` counts no packed saves).
 
     A small save dies on whatever thread autograd drops it, and inside the garbage collector
@@ -38,7 +38,9 @@ class PySavedBytes:
         self.peak = 0
         self.live_records = 0   # records holding tier space (the step ends at 0)
         self.idle_since_s: float | None = None   # when the last of them died
-        self._lock = threading.Lock()
+        # Reentrant, as the core's release lock: a release that frees another record on this
+        # thread takes it again.
+        self._lock = threading.RLock()
         self._count: dict[int, int] = {}   # small storage id -> saves alive
         self._bytes: dict[int, int] = {}   # small storage id -> its bytes
         self._frees: collections.deque = collections.deque()

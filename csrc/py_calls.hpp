@@ -1,0 +1,74 @@
+// Calls from the hooks' C front (saved_handles.cpp, hook_front.cpp) into Python objects: the
+// tensor's attributes by interned name, and callables through vectorcall. Each raises a
+// Python error as py::error_already_set; the types' entry points turn it back into a set
+// error and a null return.
+#pragma once
+
+#include <Python.h>
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+
+namespace offload::bind {
+
+namespace py = pybind11;
+
+// Attribute names, interned once at import (the module holds them for the process).
+struct Names {
+  PyObject* layout;
+  PyObject* untyped_storage;
+  PyObject* nbytes;
+  PyObject* grad_fn;
+  PyObject* base;
+  PyObject* is_leaf;
+  PyObject* version;
+  PyObject* detach;
+  PyObject* sequence_nr;
+  PyObject* output_nr;
+  PyObject* name;
+  PyObject* unpacked;
+  PyObject* epoch;
+};
+extern Names names;   // set by bind_saved_handles (saved_handles.cpp)
+
+inline py::object attr(PyObject* obj, PyObject* name) {
+  PyObject* value = PyObject_GetAttr(obj, name);
+  if (value == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(value);
+}
+
+inline py::object call_method(PyObject* obj, PyObject* name) {
+  PyObject* value = PyObject_CallMethodNoArgs(obj, name);
+  if (value == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(value);
+}
+
+inline py::object call(PyObject* fn) {
+  PyObject* value = PyObject_CallNoArgs(fn);
+  if (value == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(value);
+}
+
+// fn(args...) through vectorcall: no argument tuple (the hand-offs run once per save).
+template <typename... Args>
+py::object call_with(PyObject* fn, const Args&... args) {
+  PyObject* argv[] = {py::handle(args).ptr()...};
+  PyObject* value = PyObject_Vectorcall(fn, argv, sizeof...(Args), nullptr);
+  if (value == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(value);
+}
+
+// Whether torch's profiler runs (`profiling` is torch._C._autograd._profiler_enabled): then
+// both hooks take the Python path, which records the `offload::pack` / `unpack` ranges.
+inline bool profiler_on(PyObject* profiling) {
+  return call(profiling).ptr() == Py_True;
+}
+
+inline int64_t as_int(const py::object& value) {
+  const long long v = PyLong_AsLongLong(value.ptr());
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+}  // namespace offload::bind
