@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <exception>
 #include <new>
 
 #include "bindings.hpp"
@@ -154,6 +155,11 @@ PyObject* packer_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
   } catch (py::error_already_set& e) {
     e.restore();
     return nullptr;
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  } catch (const std::exception& e) {   // nothing C++ may leave a call from torch
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
   }
 }
 
@@ -173,6 +179,8 @@ PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   try {
     counted = py::cast<std::shared_ptr<SavedBytes>>(py::handle(meter));
   } catch (py::cast_error&) {
+  }
+  if (!counted) {   // not a SavedBytes, or None (which pybind11 casts to an empty pointer)
     PyErr_Format(PyExc_TypeError, "offload: Packer's meter must be the core's SavedBytes, "
                  "not %s", Py_TYPE(meter)->tp_name);
     return nullptr;
@@ -313,6 +321,11 @@ PyObject* unpacker_vectorcall(PyObject* obj, PyObject* const* args, size_t nargs
     return unpack(reinterpret_cast<Unpacker*>(obj), args[0]);
   } catch (py::error_already_set& e) {
     e.restore();
+    return nullptr;
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  } catch (const std::exception& e) {   // nothing C++ may leave a call from torch
+    PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
 }

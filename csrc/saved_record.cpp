@@ -105,9 +105,15 @@ PyObject* release_name = nullptr;   // "release", interned
 void give_back(Record* self) {
   std::unique_lock<std::recursive_mutex> lock(self->counts->release_lock(), std::try_to_lock);
   if (!lock.owns_lock()) {
+    bool locked = true;
     Py_BEGIN_ALLOW_THREADS
-    lock.lock();
+    try {
+      lock.lock();
+    } catch (...) {   // std::system_error: never seen; nothing may leave a dealloc
+      locked = false;
+    }
     Py_END_ALLOW_THREADS
+    if (!locked) return;
   }
   PyObject* done = PyObject_CallMethodOneArg(self->tier, release_name, self->payload);
   if (done == nullptr) PyErr_Clear();
@@ -133,6 +139,8 @@ int record_init(PyObject* self_obj, PyObject* args, PyObject* kwargs) {
   try {
     counts = py::cast<SavedBytes*>(py::handle(meter));
   } catch (py::cast_error&) {
+  }
+  if (counts == nullptr) {   // not a SavedBytes, or None (which pybind11 casts to null)
     PyErr_Format(PyExc_TypeError, "offload: the core's Record counts into the core's "
                  "SavedBytes meter, not %s", Py_TYPE(meter)->tp_name);
     return -1;

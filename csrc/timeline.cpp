@@ -8,7 +8,6 @@
 // no Python object is made per row (the garbage collector walks none), as in timeline.py.
 // Everything runs with the GIL held (the hooks, autograd's release of a save, the step's
 // end), so the vectors need no lock of their own.
-#define PY_SSIZE_T_CLEAN   // "y#" takes a Py_ssize_t length
 #include <Python.h>
 
 #include <pybind11/pybind11.h>
@@ -74,11 +73,20 @@ PyObject* timeline_add(PyObject* self, PyObject* const* args, Py_ssize_t nargs) 
   const double pack_s = PyFloat_AsDouble(args[2]);
   if (PyErr_Occurred()) return nullptr;
   Rows& rows = rows_of(self);
-  rows.position.push_back(position);
-  rows.nbytes.push_back(nbytes);
-  rows.pack_s.push_back(pack_s);
-  rows.unpack_s.push_back(std::nan(""));
-  return PyLong_FromSize_t(rows.pack_s.size() - 1);
+  const size_t index = rows.pack_s.size();
+  try {   // a whole row or none: the columns stay the same length
+    rows.position.push_back(position);
+    rows.nbytes.push_back(nbytes);
+    rows.pack_s.push_back(pack_s);
+    rows.unpack_s.push_back(std::nan(""));
+  } catch (const std::bad_alloc&) {
+    rows.position.resize(index);
+    rows.nbytes.resize(index);
+    rows.pack_s.resize(index);
+    rows.unpack_s.resize(index);
+    return PyErr_NoMemory();
+  }
+  return PyLong_FromSize_t(index);
 }
 
 // unpacked(index, now_s): the storage's first unpack (later ones do not move it).
@@ -100,7 +108,8 @@ PyObject* seconds_or_none(double s) {
 PyObject* timeline_rows(PyObject* self, PyObject*) {
   const Rows& rows = rows_of(self);
   const size_t n = rows.pack_s.size();
-  py::list out(n);
+  auto out = py::reinterpret_steal<py::object>(PyList_New(static_cast<Py_ssize_t>(n)));
+  if (!out) return nullptr;
   for (size_t i = 0; i < n; ++i) {
     PyObject* row = Py_BuildValue("[(LL)LdN]", rows.position[i], rows.nbytes[i],
                                   rows.nbytes[i], rows.pack_s[i],
@@ -113,17 +122,23 @@ PyObject* timeline_rows(PyObject* self, PyObject*) {
 
 template <typename T>
 PyObject* as_array(const char* typecode, const std::vector<T>& values) {
-  // An empty vector's data() may be null, which "y#" would pass as None.
-  const char* bytes = values.empty() ? "" : reinterpret_cast<const char*>(values.data());
-  return PyObject_CallFunction(array_type, "sy#", typecode, bytes,
-                               static_cast<Py_ssize_t>(values.size() * sizeof(T)));
+  // The bytes are copied out first: building the call's arguments may run the garbage
+  // collector, and so other threads, which may add rows. (An empty vector's data() may be
+  // null: "" instead.)
+  const char* data = values.empty() ? "" : reinterpret_cast<const char*>(values.data());
+  PyObject* bytes =
+      PyBytes_FromStringAndSize(data, static_cast<Py_ssize_t>(values.size() * sizeof(T)));
+  if (bytes == nullptr) return nullptr;
+  return PyObject_CallFunction(array_type, "sN", typecode, bytes);
 }
 
 // columns(): (positions, nbytes, pack_s, unpack_s), the rows as columns: arrays, and a list
 // with None where never unpacked (RoundTripPlan.learn_columns; no object per row kept).
 PyObject* timeline_columns(PyObject* self, PyObject*) {
   const Rows& rows = rows_of(self);
-  py::list unpack_s(rows.unpack_s.size());
+  auto unpack_s = py::reinterpret_steal<py::object>(
+      PyList_New(static_cast<Py_ssize_t>(rows.unpack_s.size())));
+  if (!unpack_s) return nullptr;
   for (size_t i = 0; i < rows.unpack_s.size(); ++i) {
     PyObject* s = seconds_or_none(rows.unpack_s[i]);
     if (s == nullptr) return nullptr;

@@ -178,8 +178,10 @@ def test_a_tier_error_at_a_records_death_is_swallowed_and_a_pending_error_kept()
     assert len(tier.released) == 1 and meter.live_records == 0
 
     refused = _Tier()
-    with pytest.raises(TypeError, match="the core's SavedBytes meter, not PySavedBytes"):
-        core.Record(s, refused, object(), 16, False, None, PySavedBytes(), None)
+    for wrong in (PySavedBytes(), None):
+        with pytest.raises(TypeError, match="the core's SavedBytes meter, not "
+                                            f"{type(wrong).__name__}"):
+            core.Record(s, refused, object(), 16, False, None, wrong, None)
     gc.collect()
     assert refused.released == []    # a record no meter counted is never given back
 
@@ -279,8 +281,13 @@ def test_a_timeline_notes_each_rows_first_unpack_and_gives_rows_and_columns(kind
     assert (positions.typecode, nbytes.typecode, pack_s.typecode) == ("q", "q", "d")
     assert (list(positions), list(nbytes), list(pack_s), unpack_s) == (
         [0, 1, 2], [4096, 8192, 1 << 40], [1.5, 2.5, 3.25], [None, 4.0, 3.5])
-    with pytest.raises(IndexError):
-        timeline.unpacked(3, 1.0)
+    for row in (3, -1):   # no row there (a negative index is not Python's "from the end")
+        with pytest.raises(IndexError):
+            timeline.unpacked(row, 1.0)
+    with pytest.raises(OverflowError):
+        timeline.add(3, 1 << 70, 4.0)   # refused whole: the columns stay in step
+    assert timeline.add(4, 1, 5.0) == 3 and timeline.rows()[3] == [(4, 1), 1, 5.0, None]
+    assert len(positions) == 3   # columns handed out are copies: later rows do not grow them
 
 
 class Block(nn.Module):

@@ -248,3 +248,8 @@ def test_an_error_inside_the_packer_is_raised_and_nothing_is_counted():
     with pytest.raises(ValueError, match="sequence numbers unavailable"):
         packer(x)
     assert (meter.resident, meter.small_storages_alive, meter.take_small()) == (0, 0, (0, 0, 0))
+    for wrong in (PySavedBytes(), None):   # a packer counts into the core's meter only
+        with pytest.raises(TypeError, match="the core's SavedBytes, not "
+                                            f"{type(wrong).__name__}"):
+            core.Packer(weakref.ref(owner), Owner.full, Owner.full, wrong, 1 << 20,
+                        torch.Tensor, torch.strided, lambda: False, broken, records.Record)

@@ -33,15 +33,20 @@ class PyTimeline:
         self._unpack_s = array("d")
 
     def add(self, position: int, nbytes: int, pack_s: float) -> int:
-        """A row for a storage packed at `pack_s`; returns its index."""
-        self._position.append(position)
-        self._nbytes.append(nbytes)
-        self._pack_s.append(pack_s)
+        """A row for a storage packed at `pack_s`; returns its index. A whole row or none
+        (the values are checked before any column grows), as the core's."""
+        row = array("q", (position, nbytes)), float(pack_s)
+        self._position.append(row[0][0])
+        self._nbytes.append(row[0][1])
+        self._pack_s.append(row[1])
         self._unpack_s.append(math.nan)
         return len(self._pack_s) - 1
 
     def unpacked(self, index: int, now_s: float) -> None:
         """The storage's first unpack (later ones do not move it)."""
+        if not 0 <= index < len(self._unpack_s):
+            raise IndexError(f"offload: Timeline row {index} out of range "
+                             f"({len(self._unpack_s)} rows)")
         if math.isnan(self._unpack_s[index]):
             self._unpack_s[index] = now_s
 
@@ -53,7 +58,9 @@ class PyTimeline:
         """(positions, nbytes, pack_s, unpack_s): the rows as columns, unpack_s None where
         never unpacked (RoundTripPlan.learn_columns; no object per row)."""
         unpack_s = [None if math.isnan(u) else u for u in self._unpack_s]
-        return self._position, self._nbytes, self._pack_s, unpack_s
+        # Copies, as the core's: later rows do not grow what was handed out.
+        return array("q", self._position), array("q", self._nbytes), array("d", self._pack_s), \
+            unpack_s
 
     def __len__(self) -> int:
         return len(self._pack_s)
