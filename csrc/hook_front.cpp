@@ -43,6 +43,23 @@ struct Callable {
   vectorcallfunc vectorcall;
 };
 
+// `body()`, whose Python errors (py::error_already_set) and C++ ones (an allocation that
+// failed) come back as a set Python error and a null return: nothing C++ may leave a call
+// from torch.
+template <typename Body>
+PyObject* guarded(Body&& body) {
+  try {
+    return body();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
 bool one_argument(const char* what, size_t nargsf, PyObject* kwnames) {
   if (PyVectorcall_NARGS(nargsf) == 1 && (kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0))
     return true;
@@ -150,17 +167,7 @@ PyObject* pack(const Packer* self, PyObject* t) {
 PyObject* packer_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
                             PyObject* kwnames) {
   if (!one_argument("pack", nargsf, kwnames)) return nullptr;
-  try {
-    return pack(reinterpret_cast<Packer*>(obj), args[0]);
-  } catch (py::error_already_set& e) {
-    e.restore();
-    return nullptr;
-  } catch (const std::bad_alloc&) {
-    return PyErr_NoMemory();
-  } catch (const std::exception& e) {   // nothing C++ may leave a call from torch
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  return guarded([&] { return pack(reinterpret_cast<Packer*>(obj), args[0]); });
 }
 
 PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
@@ -317,17 +324,7 @@ PyObject* unpack(Unpacker* self, PyObject* packed) {
 PyObject* unpacker_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
                               PyObject* kwnames) {
   if (!one_argument("unpack", nargsf, kwnames)) return nullptr;
-  try {
-    return unpack(reinterpret_cast<Unpacker*>(obj), args[0]);
-  } catch (py::error_already_set& e) {
-    e.restore();
-    return nullptr;
-  } catch (const std::bad_alloc&) {
-    return PyErr_NoMemory();
-  } catch (const std::exception& e) {   // nothing C++ may leave a call from torch
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  return guarded([&] { return unpack(reinterpret_cast<Unpacker*>(obj), args[0]); });
 }
 
 PyObject* unpacker_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
