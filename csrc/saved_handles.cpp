@@ -148,11 +148,10 @@ void bind_saved_handles(py::module_& m) {
   py::class_<SavedBytes, std::shared_ptr<SavedBytes>>(
       m, "SavedBytes",
       "Bytes of saved activations resident on the device in one step (current and peak), "
-      "and the small saves' storages counted once while any save of them lives (saves of "
-      "either path).")
+      "the small saves' storages counted once while any save of them lives (saves of "
+      "either path), and the records holding tier space (the core's records count "
+      "themselves in and out in C).")
       .def(py::init<>())
-      .def("add", &SavedBytes::add, py::arg("nbytes"))
-      .def("sub", &SavedBytes::sub, py::arg("nbytes"))
       .def("small_saved", &SavedBytes::small_saved, py::arg("key"), py::arg("nbytes"),
            "A small storage saved (again) by the Python path: counted once while any save "
            "of it lives, with the C path's saves of it.")

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-__all__ = ["BackwardMarks"]
+__all__ = ["BackwardMarks", "graph_task_id"]
 
 # The id of the backward running on this thread, -1 outside one (torch >= 2.0).
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 class BackwardMarks:
@@ -53,7 +53,7 @@ class BackwardMarks:
         if self.first_unpack_s is None:
             self._starts()
         if self._on_backward_end is not None:
-            task = _graph_task_id()
+            task = graph_task_id()
             if task != self._queued_task and task >= 0:
                 self._queued_task = task
                 torch.autograd.Variable._execution_engine.queue_callback(self._ended)

@@ -26,8 +26,9 @@ a core handle: a `SmallSave` (step 1: made in C, counted once per storage in the
 taken here, in `_pack_strided`, which hands the core a `Record` or None to hold it with).
 The unpacker checks a handle's version and does a KeptSave's part of the unpack in C (the
 backward's marks, its record's timing: `_kept_unpacked` in Python); everything else goes to
-`pack_full` / `unpack`. The core's records and index (csrc/saved_record.cpp) come with it:
-all core objects, or all Python ones, as the step's ledger chose its meter. Same tests, same holding, same message as the Python path
+`pack_full` / `unpack`. The core's records and index (csrc/saved_record.cpp) and the step's
+timeline (csrc/timeline.cpp) come with it: all core objects, or all Python ones, as the
+step's ledger chose its meter. Same tests, same holding, same message as the Python path
 (`SmallKept`, `Kept`: taken without the core and while a profiler runs, so the ranges are
 recorded); what differs is the cost: less interpreter, and no object for the garbage
 collector to walk (every object a save keeps alive costs it ~1-2 us, docs/benchmarks.md
@@ -47,7 +48,7 @@ from .._ext import core_available, load_core
 from ..errors import TierFullError
 from ..util.ranges import PACK, UNPACK, profiling, span
 from ..util.sizes import format_bytes
-from .backward_marks import BackwardMarks
+from .backward_marks import BackwardMarks, graph_task_id
 from .no_offload import no_offload_active
 from .placement import Placement, TensorInfo
 from .records import Kept, Ledger, Moved, PackedSubclass, PyRecord, SmallKept, held_tensor_error
@@ -61,8 +62,6 @@ __all__ = ["OffloadHooks"]
 
 log = logging.getLogger("offload")
 
-# The id of the backward running on this thread, -1 outside one (torch >= 2.0).
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _Tensor = torch.Tensor
 _strided = torch.strided
 _profiler_enabled = torch._C._autograd._profiler_enabled
@@ -139,7 +138,7 @@ class OffloadHooks:
         holds this with every save."""
         if self._packer is None:
             return self.unpack
-        return _core.Unpacker(self.unpack, self.marks, held_tensor_error, _graph_task_id,
+        return _core.Unpacker(self.unpack, self.marks, held_tensor_error, graph_task_id,
                               time.perf_counter, _profiler_enabled)
 
     # ---------------------------------------------------------------- pack
@@ -212,7 +211,7 @@ class OffloadHooks:
             return None
         # A save inside no_offload() or during a backward must stay even if the same
         # storage was moved earlier in the step, so it neither reuses nor enters the index.
-        in_backward = _graph_task_id() >= 0
+        in_backward = graph_task_id() >= 0
         no_offload = no_offload_active()
         keep_here = in_backward or no_offload
         # tensor_meta NOTE [Untracked aliases]: such a tensor dedups by its exact layout.

@@ -18,7 +18,8 @@ __all__ = ["PySavedBytes", "saved_bytes_meter"]
 
 class PySavedBytes:
     """The compiled core's `SavedBytes` (csrc/saved_bytes.hpp) for a process without it: the
-    same methods and figures (no C path, so `take_small` counts no packed saves).
+    same figures (no C path, so `take_small` counts no packed saves); `PyRecord` counts
+    itself in and out through `record_made` / `record_freed`, as the core's records do in C.
 
     A small save dies on whatever thread autograd drops it, and inside the garbage collector
     in the middle of counting another: `small_freed` only queues its key (deque.append is
@@ -49,12 +50,9 @@ class PySavedBytes:
 
     def add(self, nbytes: int) -> None:
         with self._lock:
-            self._add(nbytes)
-
-    def _add(self, nbytes: int) -> None:
-        self.resident += nbytes
-        if self.resident > self.peak:
-            self.peak = self.resident
+            self.resident += nbytes
+            if self.resident > self.peak:
+                self.peak = self.resident
 
     def sub(self, nbytes: int) -> None:
         with self._lock:
@@ -65,7 +63,7 @@ class PySavedBytes:
         holds tier space."""
         with self._lock:
             if resident:
-                self._add(nbytes)
+                self.add(nbytes)
             if holds_space:
                 self.live_records += 1
 

@@ -35,10 +35,10 @@ class PyTimeline:
     def add(self, position: int, nbytes: int, pack_s: float) -> int:
         """A row for a storage packed at `pack_s`; returns its index. A whole row or none
         (the values are checked before any column grows), as the core's."""
-        row = array("q", (position, nbytes)), float(pack_s)
-        self._position.append(row[0][0])
-        self._nbytes.append(row[0][1])
-        self._pack_s.append(row[1])
+        sizes, pack_s = array("q", (position, nbytes)), float(pack_s)   # may raise: none added
+        self._position.append(sizes[0])
+        self._nbytes.append(sizes[1])
+        self._pack_s.append(pack_s)
         self._unpack_s.append(math.nan)
         return len(self._pack_s) - 1
 
