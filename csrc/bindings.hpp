@@ -28,5 +28,6 @@ void bind_saved_handles(pybind11::module_& m);
 void bind_hook_front(pybind11::module_& m);
 void bind_saved_record(pybind11::module_& m);
 void bind_timeline(pybind11::module_& m);
+void bind_storage_ref(pybind11::module_& m);
 
 }  // namespace offload::bind

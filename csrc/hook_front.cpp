@@ -151,11 +151,15 @@ PyObject* pack(const Packer* self, PyObject* t) {
     self->meter->packed();
     return save.release().ptr();
   }
-  py::object got = call_with(self->strided_pack, packer_owner(self),
-                             py::handle(t), version, storage, nbytes_obj, node);
+  py::object owner = packer_owner(self);
+  self->meter->packed();
+  py::object got = call_with(self->strided_pack, owner, py::handle(t), version, storage,
+                             nbytes_obj, node);
   if (!got.is_none() &&
       reinterpret_cast<PyObject*>(Py_TYPE(got.ptr())) != self->record_type)
     return got.release().ptr();  // a finished handle (moved, or not a plain strided tensor)
+  // A resident record's payload is the storage itself (hooks.py `_handle` counts the same).
+  if (!got.is_none() && record_holds_space(got.ptr())) self->meter->offloaded();
   auto save = py::reinterpret_steal<py::object>(
       reinterpret_cast<PyObject*>(new_handle<KeptSave>(&kept_save_type)));
   auto* fields = reinterpret_cast<KeptSave*>(save.ptr());

@@ -7,12 +7,14 @@
 
 #include <pybind11/pybind11.h>
 
-#include <time.h>
-
 #include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "perf_clock.hpp"
 
 namespace offload::bind {
 
@@ -34,8 +36,9 @@ class SavedBytes {
   void small_saved(uintptr_t key, int64_t nbytes) {
     auto [it, fresh] = small_.try_emplace(key, Small{0, nbytes});
     if (it->second.saves++ == 0) {
-      ++new_storages_;
-      new_bytes_ += nbytes;
+      counts_.storages += 1;
+      counts_.saved_bytes += nbytes;
+      counts_.kept_bytes += nbytes;
       add(nbytes);
     }
   }
@@ -48,17 +51,34 @@ class SavedBytes {
     }
   }
 
-  void packed() { ++packed_; }
+  // A saved tensor packed by the C path (its storage is counted apart, once).
+  void packed() { ++counts_.packed; }
+  // ... and one held by a record whose payload is resident (hooks.py `_handle`).
+  void offloaded() { ++counts_.offloaded; }
 
-  // A record was made: its bytes if they stay resident, and whether it holds tier space.
-  void record_made(int64_t nbytes, bool resident, bool holds_space) {
+  // A record was made (one per stored storage): its bytes if they stay resident, and the
+  // tier whose space it holds (nullptr: its bytes were kept).
+  void record_made(int64_t nbytes, bool resident, PyObject* tier) {
     if (resident) add(nbytes);
-    if (holds_space) ++live_records_;
+    counts_.storages += 1;
+    counts_.saved_bytes += nbytes;
+    if (tier == nullptr) {
+      counts_.kept_bytes += nbytes;
+      return;
+    }
+    ++live_records_;
+    for (auto& [known, stored] : tier_bytes_) {   // a step has a tier or two
+      if (known.ptr() == tier) {
+        stored += nbytes;
+        return;
+      }
+    }
+    tier_bytes_.emplace_back(pybind11::reinterpret_borrow<pybind11::object>(tier), nbytes);
   }
   // A record died, after its payload went back to its tier (`release_lock`).
   void record_freed(int64_t nbytes, bool resident, bool holds_space) {
     if (resident) sub(nbytes);
-    if (holds_space && --live_records_ == 0) idle_since_s_ = monotonic_s();
+    if (holds_space && --live_records_ == 0) idle_since_s_ = perf_counter_s();
   }
   // Held while a dying record gives its payload back (`tier.release(payload)`, Python run
   // on whatever thread autograd dropped the record): one release at a time, as a tier
@@ -66,12 +86,17 @@ class SavedBytes {
   // again.
   std::recursive_mutex& release_lock() { return release_lock_; }
 
-  // (saves the C path packed, storages first saved, their bytes) since the last call: the
-  // step folds them into its Stats.
-  pybind11::tuple take_small() {
-    pybind11::tuple out = pybind11::make_tuple(packed_, new_storages_, new_bytes_);
-    packed_ = new_storages_ = new_bytes_ = 0;
-    return out;
+  // What was counted since the last call, for the step's Stats (Ledger.fold): (saves the
+  // C path packed, of them held by resident records, storages saved (small ones and
+  // records), their bytes, of those the kept bytes, [(tier, bytes stored in it)]).
+  pybind11::tuple take_counts() {
+    const Counts c = counts_;
+    counts_ = Counts{};
+    pybind11::list stored;
+    for (auto& [tier, nbytes] : tier_bytes_) stored.append(pybind11::make_tuple(tier, nbytes));
+    tier_bytes_.clear();
+    return pybind11::make_tuple(c.packed, c.offloaded, c.storages, c.saved_bytes,
+                                c.kept_bytes, stored);
   }
 
   int64_t resident() const { return resident_; }
@@ -85,22 +110,21 @@ class SavedBytes {
   }
 
  private:
-  // time.perf_counter()'s clock on Linux (CLOCK_MONOTONIC), so the step compares the two.
-  static double monotonic_s() {
-    timespec now{};
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) * 1e-9;
-  }
-
   struct Small {
     int64_t saves;
     int64_t nbytes;
   };
+  struct Counts {
+    int64_t packed = 0;
+    int64_t offloaded = 0;
+    int64_t storages = 0;
+    int64_t saved_bytes = 0;
+    int64_t kept_bytes = 0;
+  };
   int64_t resident_ = 0;
   int64_t peak_ = 0;
-  int64_t packed_ = 0;
-  int64_t new_storages_ = 0;
-  int64_t new_bytes_ = 0;
+  Counts counts_;
+  std::vector<std::pair<pybind11::object, int64_t>> tier_bytes_;
   int64_t live_records_ = 0;
   double idle_since_s_ = std::nan("");
   std::unordered_map<uintptr_t, Small> small_;

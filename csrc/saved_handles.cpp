@@ -156,8 +156,10 @@ void bind_saved_handles(py::module_& m) {
            "A small storage saved (again) by the Python path: counted once while any save "
            "of it lives, with the C path's saves of it.")
       .def("small_freed", &SavedBytes::small_freed, py::arg("key"))
-      .def("take_small", &SavedBytes::take_small,
-           "(saves packed, storages first saved, their bytes) since the last call.")
+      .def("take_counts", &SavedBytes::take_counts,
+           "(saves the C path packed, of them held by resident records, storages saved "
+           "(small ones and records), their bytes, of those the kept bytes, [(tier, bytes "
+           "stored in it)]) since the last call.")
       .def_property_readonly("resident", &SavedBytes::resident)
       .def_property_readonly("peak", &SavedBytes::peak)
       .def_property_readonly("small_storages_alive", &SavedBytes::small_storages_alive)

@@ -26,9 +26,11 @@
 #include <unordered_map>
 
 #include "bindings.hpp"
+#include "perf_clock.hpp"
 #include "py_type.hpp"
 #include "saved_bytes.hpp"
 #include "saved_record.hpp"
+#include "timeline.hpp"
 
 namespace py = pybind11;
 
@@ -120,17 +122,11 @@ void give_back(Record* self) {
   Py_XDECREF(done);
 }
 
-int record_init(PyObject* self_obj, PyObject* args, PyObject* kwargs) {
-  static const char* keywords[] = {"storage", "tier",  "payload",    "nbytes", "resident",
-                                   "meta",    "meter", "prefetcher", nullptr};
-  auto* self = reinterpret_cast<Record*>(self_obj);
-  PyObject *storage, *tier, *payload, *meta, *meter, *prefetcher;
-  Py_ssize_t nbytes;
-  int resident;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOnpOOO", const_cast<char**>(keywords),
-                                   &storage, &tier, &payload, &nbytes, &resident, &meta,
-                                   &meter, &prefetcher))
-    return -1;
+// Fills a new record's fields (its construction, by either call below). -1 with a Python
+// error set when `meter` is not the core's SavedBytes.
+int record_setup(Record* self, PyObject* storage, PyObject* tier, PyObject* payload,
+                 Py_ssize_t nbytes, bool resident, PyObject* meta, PyObject* meter,
+                 PyObject* prefetcher) {
   if (self->storage_ref != nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "offload: a Record is initialised once");
     return -1;
@@ -165,10 +161,66 @@ int record_init(PyObject* self_obj, PyObject* args, PyObject* kwargs) {
   self->row = -1;
   self->version = -1;
   // The meter last: a record counted in is one counted out (dealloc).
-  counts->record_made(nbytes, resident, payload != Py_None);
+  counts->record_made(nbytes, resident, payload != Py_None ? tier : nullptr);
   self->meter = Py_NewRef(meter);
   self->counts = counts;
   return 0;
+}
+
+int record_init(PyObject* self_obj, PyObject* args, PyObject* kwargs) {
+  static const char* keywords[] = {"storage", "tier",  "payload",    "nbytes", "resident",
+                                   "meta",    "meter", "prefetcher", nullptr};
+  PyObject *storage, *tier, *payload, *meta, *meter, *prefetcher;
+  Py_ssize_t nbytes;
+  int resident;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOnpOOO", const_cast<char**>(keywords),
+                                   &storage, &tier, &payload, &nbytes, &resident, &meta,
+                                   &meter, &prefetcher))
+    return -1;
+  return record_setup(reinterpret_cast<Record*>(self_obj), storage, tier, payload, nbytes,
+                      resident != 0, meta, meter, prefetcher);
+}
+
+// `Record(...)` with its 8 arguments by position, as the hooks make one per stored storage:
+// without the argument tuple and keyword parsing of __new__ / __init__ (the type's
+// vectorcall). Any other call takes that way.
+PyObject* record_vectorcall(PyObject* type_obj, PyObject* const* args, size_t nargsf,
+                            PyObject* kwnames) {
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (nargs != 8 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0)) {
+    PyObject* tuple = PyTuple_New(nargs);
+    if (tuple == nullptr) return nullptr;
+    for (Py_ssize_t i = 0; i < nargs; ++i) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    PyObject* kwargs = nullptr;
+    if (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0) {
+      kwargs = PyDict_New();
+      for (Py_ssize_t i = 0; kwargs != nullptr && i < PyTuple_GET_SIZE(kwnames); ++i) {
+        if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0)
+          Py_CLEAR(kwargs);
+      }
+      if (kwargs == nullptr) {
+        Py_DECREF(tuple);
+        return nullptr;
+      }
+    }
+    PyObject* out = PyType_Type.tp_call(type_obj, tuple, kwargs);
+    Py_DECREF(tuple);
+    Py_XDECREF(kwargs);
+    return out;
+  }
+  const Py_ssize_t nbytes = PyLong_AsSsize_t(args[3]);
+  if (nbytes == -1 && PyErr_Occurred()) return nullptr;
+  const int resident = PyObject_IsTrue(args[4]);
+  if (resident < 0) return nullptr;
+  auto* type = reinterpret_cast<PyTypeObject*>(type_obj);
+  PyObject* self = record_new(type, nullptr, nullptr);
+  if (self == nullptr) return nullptr;
+  if (record_setup(reinterpret_cast<Record*>(self), args[0], args[1], args[2], nbytes,
+                   resident != 0, args[5], args[6], args[7]) < 0) {
+    Py_DECREF(self);
+    return nullptr;
+  }
+  return self;
 }
 
 // records.py NOTE [Record lifetime]: the record gives its payload back and counts itself
@@ -214,6 +266,37 @@ PyObject* record_call(PyObject* self_obj, PyObject* args, PyObject* kwargs) {
   return Py_NewRef(PyWeakref_GetObject(self->storage_ref));
 }
 
+// note_packed(timeline, position): a row on the core's `timeline` for this storage, packed
+// now (the `position`-th storage the step stored); the unpacker notes its first unpack there.
+PyObject* record_note_packed(PyObject* self_obj, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_Format(PyExc_TypeError, "Record.note_packed takes 2 arguments (%zd given)", nargs);
+    return nullptr;
+  }
+  if (!is_timeline(args[0])) {
+    PyErr_Format(PyExc_TypeError, "offload: the core's Record is timed on the core's "
+                 "Timeline, not %s", Py_TYPE(args[0])->tp_name);
+    return nullptr;
+  }
+  const long long position = PyLong_AsLongLong(args[1]);
+  if (position == -1 && PyErr_Occurred()) return nullptr;
+  auto* self = reinterpret_cast<Record*>(self_obj);
+  const Py_ssize_t row = timeline_add_row(args[0], position, self->nbytes, perf_counter_s());
+  if (row < 0) return nullptr;
+  Py_SETREF(self->timeline, Py_NewRef(args[0]));
+  self->row = row;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef record_methods[] = {
+    {"note_packed",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_note_packed)),
+     METH_FASTCALL,
+     "note_packed(timeline, position): a row on `timeline` for this storage, packed now "
+     "(time.perf_counter()'s clock)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
 #define RECORD_MEMBER(name, type, flags) \
   {const_cast<char*>(#name), type, offsetof(Record, name), flags, nullptr}
 
@@ -245,8 +328,10 @@ PyTypeObject record_type = [] {
       "stored storage of a step (offload/runtime/records.py).",
       record_new, record_dealloc);
   type.tp_init = record_init;
+  type.tp_vectorcall = record_vectorcall;
   type.tp_call = record_call;
   type.tp_members = record_members;
+  type.tp_methods = record_methods;
   type.tp_weaklistoffset = offsetof(Record, weakrefs);
   return type;
 }();
@@ -407,6 +492,11 @@ PyObject* record_timeline(PyObject* record_obj, Py_ssize_t* row) {
   if (record->timeline == nullptr || record->timeline == Py_None) return nullptr;
   *row = record->row;
   return record->timeline;
+}
+
+bool record_holds_space(PyObject* record_obj) {
+  if (Py_TYPE(record_obj) != &record_type) return false;
+  return reinterpret_cast<Record*>(record_obj)->payload != Py_None;
 }
 
 void bind_saved_record(py::module_& m) {

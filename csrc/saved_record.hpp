@@ -10,4 +10,7 @@ namespace offload::bind {
 // storage is not timed or `record` is not the core's Record).
 PyObject* record_timeline(PyObject* record, Py_ssize_t* row);
 
+// Whether `record` is the core's Record and has a payload in a tier.
+bool record_holds_space(PyObject* record);
+
 }  // namespace offload::bind

@@ -72,21 +72,8 @@ PyObject* timeline_add(PyObject* self, PyObject* const* args, Py_ssize_t nargs) 
   const long long nbytes = PyLong_AsLongLong(args[1]);
   const double pack_s = PyFloat_AsDouble(args[2]);
   if (PyErr_Occurred()) return nullptr;
-  Rows& rows = rows_of(self);
-  const size_t index = rows.pack_s.size();
-  try {   // a whole row or none: the columns stay the same length
-    rows.position.push_back(position);
-    rows.nbytes.push_back(nbytes);
-    rows.pack_s.push_back(pack_s);
-    rows.unpack_s.push_back(std::nan(""));
-  } catch (const std::bad_alloc&) {
-    rows.position.resize(index);
-    rows.nbytes.resize(index);
-    rows.pack_s.resize(index);
-    rows.unpack_s.resize(index);
-    return PyErr_NoMemory();
-  }
-  return PyLong_FromSize_t(index);
+  const Py_ssize_t index = timeline_add_row(self, position, nbytes, pack_s);
+  return index < 0 ? nullptr : PyLong_FromSsize_t(index);
 }
 
 // unpacked(index, now_s): the storage's first unpack (later ones do not move it).
@@ -188,6 +175,26 @@ PyTypeObject timeline_type = [] {
 }();
 
 }  // namespace
+
+Py_ssize_t timeline_add_row(PyObject* timeline, long long position, long long nbytes,
+                            double pack_s) {
+  Rows& rows = rows_of(timeline);
+  const size_t index = rows.pack_s.size();
+  try {   // a whole row or none: the columns stay the same length
+    rows.position.push_back(position);
+    rows.nbytes.push_back(nbytes);
+    rows.pack_s.push_back(pack_s);
+    rows.unpack_s.push_back(std::nan(""));
+  } catch (const std::bad_alloc&) {
+    rows.position.resize(index);
+    rows.nbytes.resize(index);
+    rows.pack_s.resize(index);
+    rows.unpack_s.resize(index);
+    PyErr_NoMemory();
+    return -1;
+  }
+  return static_cast<Py_ssize_t>(index);
+}
 
 bool timeline_unpacked(PyObject* timeline, Py_ssize_t index, double now_s) {
   Rows& rows = rows_of(timeline);

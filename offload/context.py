@@ -112,7 +112,12 @@ class ActivationOffload:
     # The latest step's state, as the public API and tests read it.
     @property
     def stats(self) -> Stats:
-        return self._step.stats if self._step is not None else Stats()
+        """The latest step's figures, up to date when read (inside the block too)."""
+        step = self._step
+        if step is None:
+            return Stats()
+        step.fold()
+        return step.stats
 
     @property
     def tiers(self) -> dict[str, Tier]:

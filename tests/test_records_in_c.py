@@ -160,6 +160,86 @@ def test_a_record_counts_itself_in_and_out_of_its_meter_and_gives_its_payload_ba
                 s, None, None, 4, False, None, meter, None)
 
 
+@pytest.mark.parametrize("kind", ["core", "python"])
+def test_records_count_their_storages_into_the_meter_for_the_steps_figures(kind):
+    """Each record counts its storage once: saved bytes, kept bytes (no tier) or bytes per
+    tier; `take_counts` hands them over once (Ledger.fold adds them to Stats)."""
+    _, record_type = _types(kind)
+    meter, host, nvme = _meter(kind), _Tier(), _Tier()
+    s = torch.randn(4).untyped_storage()
+    held = [record_type(s, host, object(), 16, True, None, meter, None),
+            record_type(s, nvme, object(), 8, False, None, meter, None),
+            record_type(s, host, object(), 32, False, None, meter, None),
+            record_type(s, None, None, 4, True, None, meter, None)]       # kept
+    packed, offloaded, storages, saved, kept, stored = meter.take_counts()
+    assert (packed, offloaded, storages, saved, kept) == (0, 0, 4, 60, 4)
+    assert sorted((id(t), n) for t, n in stored) == sorted([(id(host), 48), (id(nvme), 8)])
+    assert meter.take_counts() == (0, 0, 0, 0, 0, [])                   # taken once
+    del held
+    assert meter.take_counts() == (0, 0, 0, 0, 0, [])                   # deaths count none
+
+
+def test_a_core_record_is_made_the_same_by_position_or_by_keyword():
+    core = load_core()
+    meter, tier = core.SavedBytes(), _Tier()
+    s = torch.randn(4).untyped_storage()
+    args = (s, tier, "payload", 16, False, None, meter, None)
+    names = ("storage", "tier", "payload", "nbytes", "resident", "meta", "meter", "prefetcher")
+    by_position = core.Record(*args)
+    by_keyword = core.Record(**dict(zip(names, args)))
+    mixed = core.Record(*args[:4], **dict(zip(names[4:], args[4:])))
+    for record in (by_position, by_keyword, mixed):
+        assert (record(), record.tier, record.payload, record.nbytes, record.resident,
+                record.meter) == (s, tier, "payload", 16, False, meter)
+    assert meter.live_records == 3
+    for wrong in (args[:7], args + (None,)):
+        with pytest.raises(TypeError):
+            core.Record(*wrong)
+    with pytest.raises(TypeError):
+        core.Record(s, tier, "payload", "16", False, None, meter, None)   # nbytes not an int
+    assert meter.live_records == 3                                      # none half made
+
+
+@pytest.mark.parametrize("kind", ["core", "python"])
+def test_a_record_notes_its_pack_on_a_timeline_now(kind):
+    _, record_type = _types(kind)
+    timeline = load_core().Timeline() if kind == "core" else PyTimeline()
+    meter = _meter(kind)
+    s = torch.randn(4).untyped_storage()
+    first = record_type(s, None, None, 16, True, None, meter, None)
+    second = record_type(s, None, None, 8, True, None, meter, None)
+    before = time.perf_counter()   # the timeline's clock (the unpacks note theirs with it)
+    first.note_packed(timeline, 5)
+    second.note_packed(timeline, 9)
+    after = time.perf_counter()
+    assert (first.timeline, first.row, second.timeline, second.row) == (timeline, 0,
+                                                                        timeline, 1)
+    rows = timeline.rows()
+    assert [(r[0], r[1], r[3]) for r in rows] == [((5, 16), 16, None), ((9, 8), 8, None)]
+    assert all(before <= r[2] <= after for r in rows)
+    if kind == "core":
+        with pytest.raises(TypeError, match="core's Timeline, not PyTimeline"):
+            first.note_packed(PyTimeline(), 1)
+        assert first.row == 0 and len(timeline.rows()) == 2
+
+
+def test_the_figures_are_up_to_date_when_read_inside_the_block(path):
+    """`ctx.stats` folds what the step counted (in its meter) when read: the same figures
+    inside the block as after it, and none counted twice."""
+    x = torch.randn(256, requires_grad=True)
+    with offload.activations(tiers="host", min_bytes=1024) as ctx:
+        y = (x * 2).sin().exp()        # sin's input and exp's output: 1 KiB, stored
+        z = (x[:8] * 3).cos()          # cos's input: 32 B, small
+        inside = ctx.stats.as_dict()
+        again = ctx.stats.as_dict()
+        (y.sum() + z.sum()).backward()
+    after = ctx.stats.as_dict()
+    expect = dict(packed_tensors=3, unique_storages=3, host_bytes=2048,
+                  saved_bytes=2048 + 32, kept_bytes=32, offloaded_tensors=2)
+    for figures in (inside, again, after):
+        assert {k: figures[k] for k in expect} == expect
+
+
 def test_a_tier_error_at_a_records_death_is_swallowed_and_a_pending_error_kept():
     """A record dies wherever autograd drops it, also while an exception propagates: its
     tier's error (a closed tier) must not replace that exception or escape, and the record

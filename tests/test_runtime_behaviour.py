@@ -6,6 +6,7 @@ import gc
 import json
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -234,6 +235,27 @@ def test_no_offload_region_keeps():
         with offload.no_offload():
             pass
     assert not offload.runtime.hooks.no_offload_active()
+
+
+def test_no_offload_is_per_thread():
+    """As the saved-tensor hooks: a thread started inside the region saves as usual, and
+    its own region ends with it."""
+    from offload.runtime.no_offload import no_offload_active
+
+    seen = []
+
+    def other():
+        seen.append(no_offload_active())
+        with offload.no_offload():
+            seen.append(no_offload_active())
+        seen.append(no_offload_active())
+
+    with offload.no_offload():
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert no_offload_active()
+    assert seen == [False, True, False] and not no_offload_active()
 
 
 def test_min_bytes_and_keep_policy():

@@ -95,7 +95,7 @@ def test_sabotage_untracked_alias_detection_gives_a_chunk_anothers_bytes(monkeyp
 
     from offload.runtime import hooks
 
-    monkeypatch.setattr(hooks, "untracked_alias", lambda t, storage: False)
+    monkeypatch.setattr(hooks, "untracked_alias", lambda t, storage, base=None: False)
     monkeypatch.setitem(offload.tiers.REGISTRY, "host", t._timed_copy_tier(at_pack=True))
     ref, _ = t._synthetic_grads(None)
     got, _ = t._synthetic_grads({"tiers": "host", "min_bytes": 0})

@@ -247,7 +247,7 @@ def test_an_error_inside_the_packer_is_raised_and_nothing_is_counted():
     x = torch.randn(8, requires_grad=True) * 2
     with pytest.raises(ValueError, match="sequence numbers unavailable"):
         packer(x)
-    assert (meter.resident, meter.small_storages_alive, meter.take_small()) == (0, 0, (0, 0, 0))
+    assert (meter.resident, meter.small_storages_alive, meter.take_counts()) == (0, 0, (0, 0, 0, 0, 0, []))
     for wrong in (PySavedBytes(), None):   # a packer counts into the core's meter only
         with pytest.raises(TypeError, match="the core's SavedBytes, not "
                                             f"{type(wrong).__name__}"):

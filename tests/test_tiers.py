@@ -1,6 +1,9 @@
 """Tier internals that the end-to-end tests cannot reach on a CPU-only machine."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -83,12 +86,27 @@ def test_pool_one_slot_per_kind_evicts_and_closes():
     assert closed == ["a"]                                       # b was checked out
 
 
-def test_host_tier_on_cpu_holds_references_and_counts_capacity():
+@pytest.fixture(params=["core", "python"])
+def ref_payload(request, monkeypatch):
+    """The host tier's CPU payload: the core's StorageRef, or the Python one it stands for."""
+    if request.param == "core":
+        if CORE is None:
+            pytest.skip(REASON)
+        assert host_mod._RefPayload is CORE.StorageRef
+    else:
+        monkeypatch.setattr(host_mod, "_RefPayload", host_mod._PyStorageRef)
+    return request.param
+
+
+def test_host_tier_on_cpu_holds_references_and_counts_capacity(ref_payload):
     stats = Stats()
     tier = host_mod.HostTier(1000, stats)
     storage = torch.arange(600, dtype=torch.uint8).untyped_storage()
     p = tier.store(storage, storage.device)
     assert p is not None and p.resident and tier.used_bytes == 600
+    assert (p.nbytes, p.device, p.storage is storage) == (600, storage.device, True)
+    # The core's is an object the garbage collector never walks (one per stored storage).
+    assert gc.is_tracked(p) is (ref_payload == "python")
     assert tier.fetch(p).data_ptr() == storage.data_ptr()           # a reference, no copy
     full = torch.zeros(600, dtype=torch.uint8).untyped_storage()
     assert tier.store(full, full.device) is None                    # full: spill
@@ -99,10 +117,38 @@ def test_host_tier_on_cpu_holds_references_and_counts_capacity():
         tier.fetch(p)
 
 
-def test_abort_frees_every_payload_at_once():
+def test_abort_frees_every_payload_at_once(ref_payload):
     tier = host_mod.HostTier(1000, Stats())
     storages = [torch.zeros(100, dtype=torch.uint8).untyped_storage() for _ in range(3)]
     ps = [tier.store(s, s.device) for s in storages]
     assert tier.used_bytes == 300
     tier.abort()
     assert tier.used_bytes == 0 and all(tier.released(p) for p in ps)
+    assert all(p.storage is None for p in ps)                        # the bytes let go
+    with pytest.raises(RuntimeError, match="after release"):
+        tier.fetch(ps[0])
+
+
+@pytest.mark.skipif(CORE is None, reason="needs the compiled core")
+def test_the_cores_storage_ref_is_made_by_position_and_can_be_weakly_referenced():
+    storage = torch.zeros(8, dtype=torch.uint8).untyped_storage()
+    ref = CORE.StorageRef(storage, 8, storage.device)
+    assert CORE.StorageRef.resident and ref.resident
+    alive = weakref.ref(ref)
+    for wrong in ((storage, 8), (storage, "8", storage.device)):
+        with pytest.raises(TypeError):
+            CORE.StorageRef(*wrong)
+    with pytest.raises(TypeError, match="by position"):
+        CORE.StorageRef(storage, 8, device=storage.device)
+    with pytest.raises(AttributeError):
+        ref.nbytes = 4                                               # only `storage` is set
+    del ref
+    assert alive() is None
+
+
+def test_on_cuda_tells_devices_apart_without_a_gpu():
+    from offload.tiers.base import on_cuda
+
+    for _ in range(2):   # the second time from what it remembered
+        assert not on_cuda(torch.device("cpu")) and not on_cuda(torch.device("meta"))
+        assert on_cuda(torch.device("cuda", 0)) and on_cuda(torch.device("cuda"))

@@ -164,6 +164,7 @@ class OffloadHooks:
                     key = id(storage)
                     self.ledger.small_saved(key, nbytes)
                     return SmallKept(t, version, self.ledger, key, node)
+            self.stats.packed_tensors += 1
             return self._handle(t, version, node,
                                 self._pack_strided(t, version, storage, nbytes, node))
         self.stats.packed_tensors += 1
@@ -174,9 +175,9 @@ class OffloadHooks:
     def _pack_strided(self, t: torch.Tensor, version: int, storage: torch.UntypedStorage,
                       nbytes: int, node):
         """Steps 2 on for a plain strided tensor that is not a small save (also where the
-        core's Packer hands one on, with what it read: NOTE [Handles in C]). Returns the
-        handle, or what one holds a tensor that stays with (`_handle`)."""
-        self.stats.packed_tensors += 1
+        core's Packer hands one on, with what it read: NOTE [Handles in C]; the caller
+        counted the save). Returns the handle, or what one holds a tensor that stays with
+        (`_handle`)."""
         if movable_strided(t):
             return self._pack_plain(t, version, storage, nbytes, node)
         return self._pack_other(t, version)
@@ -190,8 +191,13 @@ class OffloadHooks:
 
     def _handle(self, t: torch.Tensor, version: int, node, got):
         """The Python path's handle for what `_pack_strided` returned: a `Kept` for a tensor
-        that stays (`got`: its storage's record, None for a weight), else `got` itself."""
-        if got is None or type(got) is self._record_type:
+        that stays (`got`: its storage's record, None for a weight), else `got` itself. A
+        record with a payload is a resident one (the core's Packer counts it the same)."""
+        if got is None:
+            return Kept(t, version, got, node)
+        if type(got) is self._record_type:
+            if got.payload is not None:
+                self.stats.offloaded_tensors += 1
             return Kept(t, version, got, node)
         return got
 
@@ -203,7 +209,8 @@ class OffloadHooks:
         `Moved`, or for a tensor that stays its storage's `Record` (None for a weight):
         `_handle` or the core's Packer holds the tensor with it."""
         stats = self.stats
-        if self.params.is_param(t, storage, node):  # 2
+        base = t._base   # read once: the weight test and the alias test both look at it
+        if self.params.is_param(t, storage, node, base):  # 2
             stats.param_tensors += 1
             if id(storage) not in self._param_ids:
                 self._param_ids.add(id(storage))
@@ -215,24 +222,29 @@ class OffloadHooks:
         no_offload = no_offload_active()
         keep_here = in_backward or no_offload
         # tensor_meta NOTE [Untracked aliases]: such a tensor dedups by its exact layout.
-        layout = layout_key(t) if untracked_alias(t, nbytes) else None
-        with self._lock:
+        layout = layout_key(t) if untracked_alias(t, nbytes, base) else None
+        lock = self._lock   # acquire / release: half the cost of a `with` on this path
+        lock.acquire()
+        try:
             record = None if keep_here else self.index.lookup(storage, version, layout)
             if record is None:
                 record = self._store(t, storage, nbytes, in_backward, no_offload,
                                      layout is not None)
                 if not keep_here:
                     self.index.add(storage, version, record, layout)
+        finally:
+            lock.release()
         if record.payload is None:
             return record
-        stats.offloaded_tensors += 1
-        if record.meta is not None:  # a snapshot: its own layout
-            return Moved(t, record, record.meta, version)
-        if record.resident:
+        if record.resident and record.meta is None:
             # The payload *is* the tensor's storage (host tier on a CPU run): holding an
-            # alias of it costs nothing and carries its version counter.
+            # alias of it costs nothing and carries its version counter. Counted as
+            # offloaded by whoever holds it (`_handle`, the core's Packer).
             return record
-        return Moved(t, record, view_meta(t), version)
+        stats.offloaded_tensors += 1
+        # A snapshot has its own layout.
+        meta = record.meta if record.meta is not None else view_meta(t)
+        return Moved(t, record, meta, version)
 
     def _pack_other(self, t: torch.Tensor, version: int):
         """A tensor our byte round trip cannot hold as it is (subclasses NOTE [Subclasses])."""
@@ -299,22 +311,17 @@ class OffloadHooks:
                 self._all_full(nbytes, decision.targets)
         resident = payload is None or payload.resident
         prefetcher = None
-        if payload is not None and tier.prefetchable(payload):
+        if not resident and tier.prefetchable(payload):   # a resident one has no reload
             prefetcher = self.prefetcher
             prefetcher.register(tier, payload)
+        # The record counts the storage into the step's meter (saved bytes, kept or stored
+        # in its tier): the step folds them into its Stats.
         record = self._record_type(storage, tier, payload, nbytes, resident, meta,
                                    self.ledger.meter, prefetcher)
         if payload is not None or round_trip_kept:
             # A storage the plan kept is timed too: otherwise the next plan, learning from
             # moved storages only, forgets it and moves it again (keep/move every other step).
-            record.timeline = self.timeline
-            record.row = self.timeline.add(position, nbytes, time.perf_counter())
-        stats.unique_storages += 1
-        stats.saved_bytes += nbytes
-        if tier is None:
-            stats.kept_bytes += nbytes
-        else:
-            stats.tier(tier.name).bytes += nbytes
+            record.note_packed(self.timeline, position)
         return record
 
     def _all_full(self, nbytes: int, targets: tuple[str, ...]) -> None:

@@ -43,6 +43,7 @@ import torch
 
 from .._ext import core_available, load_core
 from ..errors import UsedAfterCloseError
+from ..tiers.base import on_cuda
 from ..tiers.copy_tickets import SharedReload
 from .saved_bytes import PySavedBytes, saved_bytes_meter
 from .tensor_meta import ViewMeta, rebuild
@@ -79,11 +80,14 @@ class Ledger:
         """Bring what the meter counted into the step's Stats (at the block's exit and at
         the step's end; idempotent)."""
         stats, meter = self.stats, self.meter
-        packed, storages, nbytes = meter.take_small()
+        packed, offloaded, storages, saved_bytes, kept_bytes, stored = meter.take_counts()
         stats.packed_tensors += packed
+        stats.offloaded_tensors += offloaded
         stats.unique_storages += storages
-        stats.saved_bytes += nbytes
-        stats.kept_bytes += nbytes
+        stats.saved_bytes += saved_bytes
+        stats.kept_bytes += kept_bytes
+        for tier, nbytes in stored:
+            stats.tier(tier.name).bytes += nbytes
         stats.resident_bytes = meter.resident
         stats.peak_resident_bytes = meter.peak
 
@@ -144,8 +148,14 @@ class PyRecord(weakref.ref):
         self.timeline = None          # the step's Timeline, when this storage is timed
         self.row = -1                 # ... and its row there
         self.version = -1             # set by the StorageIndex: the version it was stored at
-        meter.record_made(nbytes, resident, payload is not None)
+        meter.record_made(nbytes, resident, tier if payload is not None else None)
         self.meter = meter            # last: a record counted in is counted out
+
+    def note_packed(self, timeline, position: int) -> None:
+        """A row on `timeline` for this storage, packed now (the `position`-th storage the
+        step stored); its first unpack is noted there."""
+        self.row = timeline.add(position, self.nbytes, time.perf_counter())
+        self.timeline = timeline
 
     def __del__(self) -> None:
         try:
@@ -178,7 +188,7 @@ def load(record) -> tuple[torch.UntypedStorage, int]:
             flat = tier.fetch(payload)
         storage, record.cache_offset = flat.untyped_storage(), flat.storage_offset()
         record.cache_ref = weakref.ref(storage)
-        record.shared = SharedReload(storage.device) if storage.device.type == "cuda" else None
+        record.shared = SharedReload(storage.device) if on_cuda(storage.device) else None
     elif record.shared is not None:
         record.shared.use_on_current_stream(storage, record.cache_offset)  # copies Note 12
     if record.handles_left > 1:

@@ -18,8 +18,9 @@ __all__ = ["PySavedBytes", "saved_bytes_meter"]
 
 class PySavedBytes:
     """The compiled core's `SavedBytes` (csrc/saved_bytes.hpp) for a process without it: the
-    same figures (no C path, so `take_small` counts no packed saves); `PyRecord` counts
-    itself in and out through `record_made` / `record_freed`, as the core's records do in C.
+    same figures (no C path, so `take_counts` counts no packed saves: the Python hooks
+    count those into Stats themselves); `PyRecord` counts itself in and out through
+    `record_made` / `record_freed`, as the core's records do in C.
 
     A small save dies on whatever thread autograd drops it, and inside the garbage collector
     in the middle of counting another: `small_freed` only queues its key (deque.append is
@@ -32,7 +33,7 @@ class PySavedBytes:
     """
 
     __slots__ = ("resident", "peak", "live_records", "idle_since_s", "_lock", "_count",
-                 "_bytes", "_frees", "_new_storages", "_new_bytes")
+                 "_bytes", "_frees", "_storages", "_saved_bytes", "_kept_bytes", "_tier_bytes")
 
     def __init__(self) -> None:
         self.resident = 0
@@ -45,8 +46,12 @@ class PySavedBytes:
         self._count: dict[int, int] = {}   # small storage id -> saves alive
         self._bytes: dict[int, int] = {}   # small storage id -> its bytes
         self._frees: collections.deque = collections.deque()
-        self._new_storages = 0
-        self._new_bytes = 0
+        # Counted since the last `take_counts`: storages saved (small ones and records'),
+        # their bytes, of those the bytes kept on the device.
+        self._storages = 0
+        self._saved_bytes = 0
+        self._kept_bytes = 0
+        self._tier_bytes: dict = {}   # tier -> bytes stored in it
 
     def add(self, nbytes: int) -> None:
         with self._lock:
@@ -58,14 +63,19 @@ class PySavedBytes:
         with self._lock:
             self.resident -= nbytes
 
-    def record_made(self, nbytes: int, resident: bool, holds_space: bool) -> None:
-        """A record was made (`PyRecord`): its bytes if they stay resident, and whether it
-        holds tier space."""
+    def record_made(self, nbytes: int, resident: bool, tier) -> None:
+        """A record was made (`PyRecord`, one per stored storage): its bytes if they stay
+        resident, and the tier whose space it holds (None: its bytes were kept)."""
         with self._lock:
             if resident:
                 self.add(nbytes)
-            if holds_space:
+            self._storages += 1
+            self._saved_bytes += nbytes
+            if tier is None:
+                self._kept_bytes += nbytes
+            else:
                 self.live_records += 1
+                self._tier_bytes[tier] = self._tier_bytes.get(tier, 0) + nbytes
 
     def record_freed(self, tier, payload, nbytes: int, resident: bool) -> None:
         """A record died (its last save did): its payload goes back to its tier (one release
@@ -88,17 +98,24 @@ class PySavedBytes:
         self._count[key] = count + 1
         if count == 0:
             self._bytes[key] = nbytes
-            self._new_storages += 1
-            self._new_bytes += nbytes
+            with self._lock:
+                self._storages += 1
+                self._saved_bytes += nbytes
+                self._kept_bytes += nbytes
             self.add(nbytes)
 
     def small_freed(self, key: int) -> None:
         self._frees.append(key)
 
-    def take_small(self) -> tuple[int, int, int]:
+    def take_counts(self) -> tuple:
+        """As the core's: (0, 0, storages saved, their bytes, of those kept, [(tier, bytes
+        stored in it)]) since the last call."""
         self._apply_frees()
-        out = (0, self._new_storages, self._new_bytes)
-        self._new_storages = self._new_bytes = 0
+        with self._lock:
+            out = (0, 0, self._storages, self._saved_bytes, self._kept_bytes,
+                   list(self._tier_bytes.items()))
+            self._storages = self._saved_bytes = self._kept_bytes = 0
+            self._tier_bytes = {}
         return out
 
     def _apply_frees(self) -> None:

@@ -147,12 +147,17 @@ class Step:
             return
         # Backward runs after the block: the tiers stay open for it; Stats shows the forward's
         # figures until the step ends.
-        self.ledger.fold()
+        self.fold()
         log.debug("offload: %d stored storages outlive the block; the step ends when they "
                   "are freed", self.ledger.live_records)
         with _pending_lock:
             _pending.add(self)
         self.hooks.marks.on_backward_end = self._backward_ended
+
+    def fold(self) -> None:
+        """Bring what the step's saves counted into its Stats (at the block's exit, the
+        step's end, and whenever `ctx.stats` is read; idempotent)."""
+        self.ledger.fold()
 
     def _backward_ended(self) -> None:
         """Autograd's end-of-backward callback (NOTE [End of step], point 2)."""
@@ -177,7 +182,7 @@ class Step:
         with _pending_lock:
             _pending.discard(self)
         self.hooks.marks.on_backward_end = None
-        self.ledger.fold()
+        self.fold()
         close_tiers(self.tiers, self.stats, before=self.close_copies)
         try:
             self._learn_round_trip()
@@ -202,6 +207,7 @@ class Step:
             _pending.discard(self)
         if self.hooks is not None:
             self.hooks.marks.on_backward_end = None
+        self.fold()   # what the failed block saved stays in its figures
         for tier in self.tiers.values():
             tier.abort()  # every payload freed now; a later unpack says so
         close_tiers(self.tiers, self.stats, reuse=False, before=self.close_copies)

@@ -96,15 +96,15 @@ def movable(t: torch.Tensor) -> bool:
         and t.device.type in ("cpu", "cuda") and t.numel() > 0
 
 
-def untracked_alias(t: torch.Tensor, storage_nbytes: int) -> bool:
+def untracked_alias(t: torch.Tensor, storage_nbytes: int, base: Any = _UNSET) -> bool:
     """Whether other tensors over `t`'s storage (of `storage_nbytes`) may have version
-    counters of their own.
+    counters of their own. `base`: `t._base`, when the caller has it.
 
     NOTE [Untracked aliases]: true when `t`'s counter owner (its `_base`, else `t`) does not
     span the storage exactly (an unsafe chunk, a `detach()` or `.data` of a part, a tensor
     `resize_`d down, overlapping strides).
     """
-    owner = t._base
+    owner = t._base if base is _UNSET else base
     if owner is None:
         owner = t
     return owner.storage_offset() != 0 or owner.nbytes != storage_nbytes
@@ -189,29 +189,29 @@ class ParamStorages:
                 self.add_tensor(b)
 
     def is_param(self, t: torch.Tensor, storage: torch.UntypedStorage | None,
-                 node: Any = _UNSET) -> bool:
+                 node: Any = _UNSET, base: Any = _UNSET) -> bool:
         """Whether `t` is a parameter / buffer of `model=`, or one by what it is (below;
-        `node`: `t.grad_fn`, when the caller has it)."""
+        `node`, `base`: `t.grad_fn`, `t._base`, when the caller has them)."""
         if storage is not None and self._ids:
             ref = self._ids.get(id(storage))
             if ref is not None and ref() is storage:
                 return True
-        return is_weight(t, node)
+        return is_weight(t, node, base)
 
     def clear(self) -> None:
         self._ids.clear()
 
 
-def is_weight(t: torch.Tensor, node: Any = _UNSET) -> bool:
+def is_weight(t: torch.Tensor, node: Any = _UNSET, base: Any = _UNSET) -> bool:
     """A parameter by what it is, without `model=`: a leaf requiring grad, an `nn.Parameter`
     (frozen ones too: LoRA's base weights, FSDP2's unsharded parameters), or a view of one
-    (`weight.t()`). `node`: `t.grad_fn`, when the caller has it."""
+    (`weight.t()`). `node`, `base`: `t.grad_fn`, `t._base`, when the caller has them."""
     if node is _UNSET:
         node = t.grad_fn
-    if node is not None:  # an activation, or a view of a trainable weight
+    if base is _UNSET:
         base = t._base
+    if node is not None:  # an activation, or a view of a trainable weight
         return base is not None and base.is_leaf and base.requires_grad
     if t.requires_grad or isinstance(t, torch.nn.Parameter):
         return True
-    base = t._base
     return base is not None and (base.requires_grad or isinstance(base, torch.nn.Parameter))

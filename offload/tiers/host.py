@@ -24,11 +24,12 @@ from typing import Callable, Hashable
 
 import torch
 
+from .. import _ext
 from ..errors import UsedAfterCloseError
 from ..util.ranges import D2H, NO_SPAN, WAIT_READ, profiling, span
 from ..util.stats import Stats
 from . import pool
-from .base import Payload, Tier, flat_bytes, sync_d2h, sync_h2d
+from .base import Payload, Tier, flat_bytes, on_cuda, sync_d2h, sync_h2d
 
 __all__ = ["HostTier"]
 
@@ -36,8 +37,10 @@ __all__ = ["HostTier"]
 PINNED_CHUNK_BYTES = 1 << 30
 
 
-class _RefPayload(Payload):
-    """A CPU storage's bytes, held by reference (device == host)."""
+class _PyStorageRef(Payload):
+    """A CPU storage's bytes, held by reference (device == host): the core's `StorageRef`
+    (csrc/storage_ref.cpp, an object the garbage collector does not walk; one per stored
+    storage of a CPU run) for a process without the core."""
 
     __slots__ = ("storage",)
 
@@ -46,7 +49,10 @@ class _RefPayload(Payload):
     def __init__(self, storage: torch.UntypedStorage, nbytes: int,
                  device: torch.device) -> None:
         super().__init__(nbytes, device)
-        self.storage: torch.UntypedStorage | None = storage
+        self.storage: torch.UntypedStorage | None = storage   # None once released
+
+
+_RefPayload = _ext.load_core().StorageRef if _ext.core_available() else _PyStorageRef
 
 
 class _PinnedPayload(Payload):
@@ -106,7 +112,7 @@ class HostTier(Tier):
         nbytes = storage.nbytes()
         if self._used_bytes + nbytes > self._capacity_bytes:
             return None
-        if device.type != "cuda":
+        if not on_cuda(device):
             payload: Payload = _RefPayload(storage, nbytes, device)
         else:
             flat = flat_bytes(storage)
@@ -193,7 +199,7 @@ class HostTier(Tier):
         room = self._capacity_bytes - pinned_bytes
         if room < nbytes:
             return None
-        from .._ext import load_core
+        from .._ext import load_core   # looked up at the call: tests stand in for it
 
         # cudaHostAlloc costs milliseconds: grow by large chunks, never per tensor.
         arena = load_core().HostArena(min(room, max(PINNED_CHUNK_BYTES, nbytes)), pinned=True)

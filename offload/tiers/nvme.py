@@ -62,7 +62,7 @@ import torch
 from ..errors import UsedAfterCloseError
 from ..util.sizes import format_bytes
 from ..util.stats import Stats
-from .base import Payload, Tier, flat_bytes, sync_d2h, sync_h2d
+from .base import Payload, Tier, flat_bytes, on_cuda, sync_d2h, sync_h2d
 from . import nvme_device, nvme_space, pool
 from .nvme_space import CHUNK_BYTES
 from ..util.ranges import D2H, NO_SPAN, WAIT_READ, profiling, span
@@ -203,7 +203,7 @@ class NvmeTier(Tier):
         if self._store is None:
             return None  # no room at all (see __init__)
         nbytes = storage.nbytes()
-        on_cpu = device.type != "cuda"
+        on_cpu = not on_cuda(device)
         chained = self._copies is not None and not on_cpu
         if on_cpu:
             self._heap.acquire()  # heap.py: CPU RAM is freed and reused during the step
@@ -284,7 +284,7 @@ class NvmeTier(Tier):
         room = nbytes + self._alignment  # fits `nbytes` at any phase
         block = self._arena.allocate(room)
         gpu = block is not None and self._copies is not None \
-            and payload.device.type == "cuda" and phase == 0
+            and on_cuda(payload.device) and phase == 0
         if gpu:
             # read → H2D chained in the engine; the ticket holds block and destination
             # until the copy is done (copies Notes 8, 9).
