@@ -57,23 +57,18 @@ class SavedBytes {
   void offloaded() { ++counts_.offloaded; }
 
   // A record was made (one per stored storage): its bytes if they stay resident, and the
-  // tier whose space it holds (nullptr: its bytes were kept).
+  // tier whose space it holds (nullptr: its bytes were kept). Throws std::bad_alloc or
+  // py::error_already_set (a tier that cannot be weakly referenced) before counting
+  // anything.
   void record_made(int64_t nbytes, bool resident, PyObject* tier) {
+    if (tier != nullptr) stored_in(tier) += nbytes;
     if (resident) add(nbytes);
     counts_.storages += 1;
     counts_.saved_bytes += nbytes;
-    if (tier == nullptr) {
+    if (tier == nullptr)
       counts_.kept_bytes += nbytes;
-      return;
-    }
-    ++live_records_;
-    for (auto& [known, stored] : tier_bytes_) {   // a step has a tier or two
-      if (known.ptr() == tier) {
-        stored += nbytes;
-        return;
-      }
-    }
-    tier_bytes_.emplace_back(pybind11::reinterpret_borrow<pybind11::object>(tier), nbytes);
+    else
+      ++live_records_;
   }
   // A record died, after its payload went back to its tier (`release_lock`).
   void record_freed(int64_t nbytes, bool resident, bool holds_space) {
@@ -88,15 +83,33 @@ class SavedBytes {
 
   // What was counted since the last call, for the step's Stats (Ledger.fold): (saves the
   // C path packed, of them held by resident records, storages saved (small ones and
-  // records), their bytes, of those the kept bytes, [(tier, bytes stored in it)]).
+  // records), their bytes, of those the kept bytes, [(tier, bytes stored in it)]; a tier
+  // that died since is left out). Taken out only once the result is built: building it
+  // may fail, or run the garbage collector and with it code that counts more.
   pybind11::tuple take_counts() {
     const Counts c = counts_;
-    counts_ = Counts{};
-    pybind11::list stored;
-    for (auto& [tier, nbytes] : tier_bytes_) stored.append(pybind11::make_tuple(tier, nbytes));
-    tier_bytes_.clear();
-    return pybind11::make_tuple(c.packed, c.offloaded, c.storages, c.saved_bytes,
-                                c.kept_bytes, stored);
+    const std::vector<std::pair<pybind11::object, int64_t>> stored = tier_bytes_;
+    pybind11::list by_tier;
+    for (const auto& [ref, nbytes] : stored) {
+      PyObject* tier = PyWeakref_GetObject(ref.ptr());   // borrowed; None once it died
+      if (tier != Py_None) by_tier.append(pybind11::make_tuple(pybind11::handle(tier), nbytes));
+    }
+    pybind11::tuple out = pybind11::make_tuple(c.packed, c.offloaded, c.storages,
+                                               c.saved_bytes, c.kept_bytes, by_tier);
+    counts_.packed -= c.packed;
+    counts_.offloaded -= c.offloaded;
+    counts_.storages -= c.storages;
+    counts_.saved_bytes -= c.saved_bytes;
+    counts_.kept_bytes -= c.kept_bytes;
+    for (const auto& [ref, nbytes] : stored) {
+      for (auto it = tier_bytes_.begin(); it != tier_bytes_.end(); ++it) {
+        if (it->first.ptr() != ref.ptr()) continue;
+        it->second -= nbytes;
+        if (it->second == 0) tier_bytes_.erase(it);
+        break;
+      }
+    }
+    return out;
   }
 
   int64_t resident() const { return resident_; }
@@ -123,6 +136,17 @@ class SavedBytes {
   };
   int64_t resident_ = 0;
   int64_t peak_ = 0;
+  // Bytes stored per tier since the last take, each tier by a weak reference (a meter is
+  // not walked by the garbage collector: a strong one could close a cycle through the
+  // step that it would never free).
+  int64_t& stored_in(PyObject* tier) {
+    for (auto& [ref, nbytes] : tier_bytes_)   // a step has a tier or two
+      if (PyWeakref_GetObject(ref.ptr()) == tier) return nbytes;
+    auto ref = pybind11::reinterpret_steal<pybind11::object>(PyWeakref_NewRef(tier, nullptr));
+    if (!ref) throw pybind11::error_already_set();
+    return tier_bytes_.emplace_back(std::move(ref), 0).second;
+  }
+
   Counts counts_;
   std::vector<std::pair<pybind11::object, int64_t>> tier_bytes_;
   int64_t live_records_ = 0;

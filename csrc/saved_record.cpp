@@ -161,7 +161,15 @@ int record_setup(Record* self, PyObject* storage, PyObject* tier, PyObject* payl
   self->row = -1;
   self->version = -1;
   // The meter last: a record counted in is one counted out (dealloc).
-  counts->record_made(nbytes, resident, payload != Py_None ? tier : nullptr);
+  try {
+    counts->record_made(nbytes, resident, payload != Py_None ? tier : nullptr);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return -1;
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+    return -1;
+  }
   self->meter = Py_NewRef(meter);
   self->counts = counts;
   return 0;
@@ -208,7 +216,7 @@ PyObject* record_vectorcall(PyObject* type_obj, PyObject* const* args, size_t na
     Py_XDECREF(kwargs);
     return out;
   }
-  const Py_ssize_t nbytes = PyLong_AsSsize_t(args[3]);
+  const Py_ssize_t nbytes = PyNumber_AsSsize_t(args[3], PyExc_OverflowError);   // as "n"
   if (nbytes == -1 && PyErr_Occurred()) return nullptr;
   const int resident = PyObject_IsTrue(args[4]);
   if (resident < 0) return nullptr;
@@ -278,12 +286,16 @@ PyObject* record_note_packed(PyObject* self_obj, PyObject* const* args, Py_ssize
                  "Timeline, not %s", Py_TYPE(args[0])->tp_name);
     return nullptr;
   }
+  auto* self = reinterpret_cast<Record*>(self_obj);
+  if (self->counts == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "offload: a Record is timed once initialised");
+    return nullptr;
+  }
   const long long position = PyLong_AsLongLong(args[1]);
   if (position == -1 && PyErr_Occurred()) return nullptr;
-  auto* self = reinterpret_cast<Record*>(self_obj);
   const Py_ssize_t row = timeline_add_row(args[0], position, self->nbytes, perf_counter_s());
   if (row < 0) return nullptr;
-  Py_SETREF(self->timeline, Py_NewRef(args[0]));
+  Py_XSETREF(self->timeline, Py_NewRef(args[0]));
   self->row = row;
   Py_RETURN_NONE;
 }

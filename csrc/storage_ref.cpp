@@ -50,7 +50,7 @@ PyObject* storage_ref_vectorcall(PyObject* type_obj, PyObject* const* args, size
                                      "its 3 arguments by position");
     return nullptr;
   }
-  const Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
+  const Py_ssize_t nbytes = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
   if (nbytes == -1 && PyErr_Occurred()) return nullptr;
   return make(type, args[0], nbytes, args[2]);
 }

@@ -63,7 +63,8 @@ def activations(*, model: torch.nn.Module | None = None, blocks: Any = None,
             without.
 
     Returns:
-        The context manager; `__enter__` returns it, and `.stats` is readable after the block.
+        The context manager; `__enter__` returns it, and `.stats` is readable inside and after
+        the block (up to date when read).
 
     Raises:
         ConfigError: a setting is invalid (names the variable, the value and what to do),

@@ -197,7 +197,34 @@ def test_a_core_record_is_made_the_same_by_position_or_by_keyword():
             core.Record(*wrong)
     with pytest.raises(TypeError):
         core.Record(s, tier, "payload", "16", False, None, meter, None)   # nbytes not an int
+
+    class Index:   # an integer type (numpy's, say): taken by position as by keyword
+        def __index__(self):
+            return 16
+
+    assert core.Record(s, None, None, Index(), False, None, meter, None).nbytes == 16
+    assert core.Record(s, None, None, nbytes=Index(), resident=False, meta=None, meter=meter,
+                       prefetcher=None).nbytes == 16
+    with pytest.raises(TypeError, match="weak reference"):   # a meter refers to tiers weakly
+        core.Record(s, object(), "payload", 16, False, None, meter, None)
     assert meter.live_records == 3                                      # none half made
+    assert meter.take_counts()[2] == 5          # the 3 above and the two kept: no other
+    unset = core.Record.__new__(core.Record)
+    with pytest.raises(RuntimeError, match="once initialised"):
+        unset.note_packed(core.Timeline(), 0)
+
+
+def test_the_core_meter_refers_to_a_tier_weakly_and_leaves_out_one_that_died():
+    core = load_core()
+    meter = core.SavedBytes()
+    s = torch.randn(4).untyped_storage()
+    tier = _Tier()
+    alive = weakref.ref(tier)
+    record = core.Record(s, tier, "payload", 16, False, None, meter, None)
+    del record, tier
+    gc.collect()
+    assert alive() is None                                   # the meter did not keep it
+    assert meter.take_counts() == (0, 0, 1, 16, 0, [])       # its bytes have no name left
 
 
 @pytest.mark.parametrize("kind", ["core", "python"])

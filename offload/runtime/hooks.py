@@ -33,7 +33,9 @@ step's ledger chose its meter. Same tests, same holding, same message as the Pyt
 recorded); what differs is the cost: less interpreter, and no object for the garbage
 collector to walk (every object a save keeps alive costs it ~1-2 us, docs/benchmarks.md
 *Hook cost*). Both paths count small storages in the same meter (one count per storage,
-whichever path saved it), folded into Stats at the exit.
+whichever path saved it); records count their storages there (saved bytes; kept, or bytes
+per tier) and the core's packer the saves it packs: the step folds the meter into Stats
+whenever they are read (`Step.fold`).
 """
 from __future__ import annotations
 

@@ -1,22 +1,25 @@
 """`offload.no_offload()`: a region whose saved tensors stay where they are.
 
-The depth is per thread (saved-tensor hooks are per thread too: a thread starts with its
-own context, at depth 0); pack reads it once per stored storage, so it is a context
-variable (a read costs half a `threading.local` attribute's).
+The depth is per thread (saved-tensor hooks are per thread too); pack reads it once per
+stored storage.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import threading
 
 __all__ = ["no_offload", "no_offload_active"]
 
-_depth: contextvars.ContextVar[int] = contextvars.ContextVar("offload_no_offload_depth",
-                                                            default=0)
+
+class _Depth(threading.local):
+    depth = 0  # class default: no AttributeError on threads that never set it
+
+
+_local = _Depth()
 
 
 def no_offload_active() -> bool:
-    return _depth.get() > 0
+    return _local.depth > 0
 
 
 @contextlib.contextmanager
@@ -30,9 +33,9 @@ def no_offload():
         ...     with offload.no_offload():
         ...         y = small_head(x)       # saved tensors of this region stay on the device
     """
-    depth = _depth.get()
-    _depth.set(depth + 1)
+    depth = _local.depth
+    _local.depth = depth + 1
     try:
         yield
     finally:
-        _depth.set(depth)   # not a token: a token refuses a reset from another context
+        _local.depth = depth

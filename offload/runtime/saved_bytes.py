@@ -24,8 +24,8 @@ class PySavedBytes:
 
     A small save dies on whatever thread autograd drops it, and inside the garbage collector
     in the middle of counting another: `small_freed` only queues its key (deque.append is
-    atomic), applied before the next small save and when the figures are taken (both on the
-    packing thread, which alone changes the counts: no lock on the hot path). The id is
+    atomic), applied before the next small save and when the figures are taken (under
+    `_lock`: `ctx.stats` takes them on whatever thread reads it). The id is
     safe: an entry's storage is held by a live save until its count drops to 0; a storage
     that reuses the id was made after that save died, so its free is already queued when it
     is saved. Resident bytes are shared with records, freed on any thread: under `_lock`,
@@ -92,17 +92,17 @@ class PySavedBytes:
                         self.idle_since_s = time.perf_counter()
 
     def small_saved(self, key: int, nbytes: int) -> None:
-        if self._frees:
-            self._apply_frees()
-        count = self._count.get(key, 0)
-        self._count[key] = count + 1
-        if count == 0:
-            self._bytes[key] = nbytes
-            with self._lock:
+        with self._lock:
+            if self._frees:
+                self._apply_frees()
+            count = self._count.get(key, 0)
+            self._count[key] = count + 1
+            if count == 0:
+                self._bytes[key] = nbytes
                 self._storages += 1
                 self._saved_bytes += nbytes
                 self._kept_bytes += nbytes
-            self.add(nbytes)
+                self.add(nbytes)
 
     def small_freed(self, key: int) -> None:
         self._frees.append(key)
@@ -119,18 +119,19 @@ class PySavedBytes:
         return out
 
     def _apply_frees(self) -> None:
-        frees, count = self._frees, self._count
-        freed = 0
-        while frees:
-            key = frees.popleft()
-            left = count[key] - 1
-            if left:
-                count[key] = left
-            else:
-                del count[key]
-                freed += self._bytes.pop(key)
-        if freed:
-            self.sub(freed)
+        with self._lock:
+            frees, count = self._frees, self._count
+            freed = 0
+            while frees:
+                key = frees.popleft()
+                left = count[key] - 1
+                if left:
+                    count[key] = left
+                else:
+                    del count[key]
+                    freed += self._bytes.pop(key)
+            if freed:
+                self.sub(freed)
 
 
 _CoreSavedBytes = load_core().SavedBytes if core_available() else None

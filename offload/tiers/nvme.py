@@ -339,7 +339,7 @@ class NvmeTier(Tier):
 
     # ---------------------------------------------------------------- device copies
     def _copy_in(self, buf: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if device.type == "cpu":
+        if not on_cuda(device):   # a CPU tensor's bytes (the tensors that move are CPU or CUDA)
             return buf
         return sync_h2d(buf, device, self._stats)   # no CopyStreams or a CPU-only build
 
