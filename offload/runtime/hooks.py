@@ -152,6 +152,7 @@ class OffloadHooks:
         return self._pack(t)
 
     def _pack(self, t: torch.Tensor):
+        self.stats.packed_tensors += 1   # every save, whichever step below takes it
         if type(t) is _Tensor and t.layout is _strided:
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
@@ -162,14 +163,11 @@ class OffloadHooks:
             if nbytes < self._min_bytes and node is not None:
                 base = t._base
                 if base is None or not base.is_leaf:
-                    self.stats.packed_tensors += 1
                     key = id(storage)
                     self.ledger.small_saved(key, nbytes)
                     return SmallKept(t, version, self.ledger, key, node)
-            self.stats.packed_tensors += 1
             return self._handle(t, version, node,
                                 self._pack_strided(t, version, storage, nbytes, node))
-        self.stats.packed_tensors += 1
         if movable(t):  # an nn.Parameter saved as it is
             return self._pack_movable(t)
         return self._pack_other(t, t._version)
@@ -195,13 +193,12 @@ class OffloadHooks:
         """The Python path's handle for what `_pack_strided` returned: a `Kept` for a tensor
         that stays (`got`: its storage's record, None for a weight), else `got` itself. A
         record with a payload is a resident one (the core's Packer counts it the same)."""
-        if got is None:
-            return Kept(t, version, got, node)
-        if type(got) is self._record_type:
+        if got is not None:
+            if type(got) is not self._record_type:
+                return got
             if got.payload is not None:
                 self.stats.offloaded_tensors += 1
-            return Kept(t, version, got, node)
-        return got
+        return Kept(t, version, got, node)
 
     # The packed objects capture autograd's message data from `t` as they are made: before
     # pack returns, so no in-place op can have rewritten `t.grad_fn` yet.
