@@ -30,8 +30,10 @@ std::vector<std::string> to_dirs(const py::object& dirs) {
 
 uint64_t wait_request(IoRequest& r, std::optional<double> timeout_s) {
   if (timeout_s && *timeout_s < 0) timeout_s = 0.0;
-  bool finished;
-  {
+  // A request already seen done (the tier polls before it retires) returns at once:
+  // handing the GIL over and back costs more than the rest of the call.
+  bool finished = r.done();
+  if (!finished) {
     py::gil_scoped_release nogil;
     finished = r.wait(timeout_s);
   }

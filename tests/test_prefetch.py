@@ -26,6 +26,10 @@ class FakePayload(Payload):
         return self._released
 
     def prefetch(self):
+        # A tier's contract (tiers/base.py): nothing started for a load in flight or done,
+        # or for a released payload.
+        if self._started or self._released:
+            return False
         self.log.append(("load", self.name))
         self._started = True
         return True

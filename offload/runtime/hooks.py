@@ -241,9 +241,7 @@ class OffloadHooks:
             # offloaded by whoever holds it (`_handle`, the core's Packer).
             return record
         stats.offloaded_tensors += 1
-        # A snapshot has its own layout.
-        meta = record.meta if record.meta is not None else view_meta(t)
-        return Moved(t, record, meta, version)
+        return Moved(t, record, version)   # with the record's layout if it has one (a snapshot)
 
     def _pack_other(self, t: torch.Tensor, version: int):
         """A tensor our byte round trip cannot hold as it is (subclasses NOTE [Subclasses])."""

@@ -26,11 +26,13 @@ class Prefetcher:
     def __init__(self, budget_bytes: int, stats: Stats) -> None:
         self.budget_bytes = budget_bytes
         self._stats = stats
-        # Pack order, (tier, payload) each. Strong references are fine: a payload object is
-        # small and released payloads (their space already freed) are skipped; the list
-        # dies with the step.
-        self._order: list[tuple[Tier, Payload]] = []
-        self._position: dict[int, int] = {}       # id(payload) -> its place in `_order`
+        # Pack order: the payloads and their tiers, in two lists (a (tier, payload) pair
+        # would be one more object per save for the garbage collector to walk). Strong
+        # references are fine: a payload object is small and released payloads (their space
+        # already freed) are skipped; the lists die with the step.
+        self._payloads: list[Payload] = []
+        self._tiers: list[Tier] = []
+        self._position: dict[int, int] = {}       # id(payload) -> its place in pack order
         self._cursor: int | None = None           # next position to prefetch (walking down)
         self._inflight: dict[int, Payload] = {}   # order position -> prefetched, not fetched
         self._inflight_bytes = 0
@@ -38,8 +40,9 @@ class Prefetcher:
 
     def register(self, tier: Tier, payload: Payload) -> None:
         """Remember a prefetchable payload's place in pack order."""
-        self._position[id(payload)] = len(self._order)
-        self._order.append((tier, payload))
+        self._position[id(payload)] = len(self._payloads)
+        self._payloads.append(payload)
+        self._tiers.append(tier)
 
     def raise_budget(self, nbytes: int) -> None:
         """Read ahead at least `nbytes` from now on (`auto`'s plan asks for more when a
@@ -57,11 +60,12 @@ class Prefetcher:
         with self._lock:
             pos = self._position.get(id(payload), -1)
             if pos >= 0:
-                if tier.prefetched(payload):
-                    self._stats.prefetch_hits += 1
-                else:
+                # `prefetch` starts a load only when none is in flight or done (the caller
+                # checked that the payload was not released): that is a miss.
+                if tier.prefetch(payload):
                     self._stats.prefetch_misses += 1
-                    tier.prefetch(payload)
+                else:
+                    self._stats.prefetch_hits += 1
                 if self._inflight.pop(pos, None) is not None:
                     self._inflight_bytes -= payload.nbytes
                 self._top_up(pos)
@@ -71,8 +75,8 @@ class Prefetcher:
         """Backward began: start reading ahead from the last payload packed (if the cursor
         has not started yet)."""
         with self._lock:
-            if self._cursor is None and self._order:
-                self._top_up(len(self._order))
+            if self._cursor is None and self._payloads:
+                self._top_up(len(self._payloads))
 
     def _top_up(self, pos: int) -> None:
         if profiling():  # util/ranges.py
@@ -86,16 +90,15 @@ class Prefetcher:
             self._cursor = pos - 1
         if self._inflight_bytes >= self.budget_bytes:
             self._prune()
-        while self._cursor >= 0 and (self._inflight_bytes < self.budget_bytes
-                                     or not self._inflight):
-            tier, p = self._order[self._cursor]
+        tiers, payloads, inflight = self._tiers, self._payloads, self._inflight
+        while self._cursor >= 0 and (self._inflight_bytes < self.budget_bytes or not inflight):
             at = self._cursor
-            self._cursor -= 1
-            if tier.prefetched(p) or tier.released(p):
-                continue
-            tier.prefetch(p)
-            self._inflight[at] = p
-            self._inflight_bytes += p.nbytes
+            self._cursor = at - 1
+            p = payloads[at]
+            # False when it is loading or loaded already, or was released: skipped.
+            if tiers[at].prefetch(p):
+                inflight[at] = p
+                self._inflight_bytes += p.nbytes
         if self._inflight_bytes > self._stats.peak_prefetch_bytes:
             self._stats.peak_prefetch_bytes = self._inflight_bytes
 
@@ -103,13 +106,14 @@ class Prefetcher:
         # A prefetched payload released before its fetch (its saved tensor was never
         # needed) no longer holds read memory: stop counting it.
         for pos, p in list(self._inflight.items()):
-            tier = self._order[pos][0]
+            tier = self._tiers[pos]
             if tier.released(p) or not tier.prefetched(p):
                 del self._inflight[pos]
                 self._inflight_bytes -= p.nbytes
 
     def clear(self) -> None:
-        self._order.clear()
+        self._payloads.clear()
+        self._tiers.clear()
         self._position.clear()
         self._inflight.clear()
         self._inflight_bytes = 0

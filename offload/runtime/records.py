@@ -292,13 +292,27 @@ class SmallKept(Kept):
 
 
 class Moved(SavedOrigin):
-    """A saved tensor whose storage went to a tier (see the module doc)."""
+    """A saved tensor whose storage went to a tier (see the module doc).
 
-    __slots__ = ("record", "meta", "version", "sentinel", "unpacked")
+    It holds the view layout to rebuild as `ViewMeta`'s fields of its own rather than a
+    `ViewMeta`: every object a save keeps alive until backward is one more for the garbage
+    collector to walk (docs/benchmarks.md *Hook cost*), and `rebuild` reads only the fields.
+    """
 
-    def __init__(self, t: torch.Tensor, record: Record, meta: ViewMeta, version: int) -> None:
+    __slots__ = ("record", "version", "sentinel", "unpacked") + ViewMeta._fields
+
+    def __init__(self, t: torch.Tensor, record: Record, version: int) -> None:
         self.record = record
-        self.meta = meta
+        meta = record.meta
+        if meta is None:    # the tensor's own layout over the stored storage
+            self.dtype = t.dtype
+            self.size = tuple(t.shape)   # a plain tuple of ints: the collector untracks it
+            self.stride = t.stride()
+            self.storage_offset = t.storage_offset()
+            self.conj = t.is_conj()
+            self.neg = t.is_neg()
+        else:               # a snapshot's (tensor_meta NOTE [Untracked aliases])
+            self.dtype, self.size, self.stride, self.storage_offset, self.conj, self.neg = meta
         self.version = version
         self.sentinel = version_sentinel(t)  # zero bytes; shares t's version counter
         self.unpacked = False
@@ -307,14 +321,14 @@ class Moved(SavedOrigin):
     def check_version(self) -> None:
         seen = self.sentinel._version
         if seen != self.version:
-            raise version_error(self.meta.dtype, self.sentinel.device, self.meta.size, self,
+            raise version_error(self.dtype, self.sentinel.device, self.size, self,
                                 self.version, seen)
 
     def unpack(self, lock) -> torch.Tensor:
         self.check_version()  # NOTE [Version check]
         with lock:
             storage, offset = load(self.record)
-        out = rebuild(storage, offset, self.meta)
+        out = rebuild(storage, offset, self)   # its layout fields (class doc)
         if not self.unpacked:
             self.unpacked = True
             handle_done(self.record)

@@ -61,8 +61,10 @@ def view_meta(t: torch.Tensor) -> ViewMeta:
                     t.is_conj(), t.is_neg())
 
 
-def rebuild(storage: torch.UntypedStorage, byte_offset: int, meta: ViewMeta) -> torch.Tensor:
+def rebuild(storage: torch.UntypedStorage, byte_offset: int, meta: Any) -> torch.Tensor:
     """A tensor with `meta`'s layout over `storage`, whose bytes start at `byte_offset`.
+
+    `meta`: a `ViewMeta`, or any object with its fields (records.py: a `Moved` holds them).
 
     Zero-copy: the result shares `storage` and keeps it alive.
     """

@@ -77,7 +77,12 @@ class Tier(abc.ABC):
         return False
 
     def prefetch(self, payload: Payload) -> bool:
-        """Start bringing the bytes back without waiting; True if a transfer was started."""
+        """Start bringing the bytes back without waiting; True if a transfer was started.
+
+        False when none is needed: a load is in flight or done already (`prefetched`), the
+        payload was released, or the tier has nothing to start early. The prefetcher counts
+        hits and skips payloads by this answer alone.
+        """
         return False
 
     def prefetched(self, payload: Payload) -> bool:

@@ -43,7 +43,7 @@ never used) goes to a deferred list, dropped when `poll` sees it done. `release`
 CUDA sources with the context's CopyStreams and a CUDA build of the extension: the D2H →
 write and read → H2D chains run in the engine (nvme_device.py); a tensor needed again
 while its D2H is pending is served from the source (`device_tensor_if_held`). Otherwise
-the copies are synchronous `copy_` calls (`sync_d2h` / `_copy_in`).
+the copies are synchronous `copy_` calls (`sync_d2h` / `sync_h2d`).
 
 NOTE [One owner] (tiers/base.py) The tier owns every transfer: a `Write` and a `Read` per
 payload in flight, kept in its queues, with the memory each must keep alive and its clock.
@@ -79,12 +79,15 @@ class _NvmePayload(Payload):
     """An extent in the store and the transfers in flight for it, which the tier sets and
     clears (NOTE [One owner]): the payload itself calls nothing."""
 
-    __slots__ = ("extent", "phase", "write", "read", "released")
+    __slots__ = ("extent", "phase", "cuda", "write", "read", "released")
 
-    def __init__(self, extent, nbytes: int, device: torch.device, phase: int) -> None:
-        super().__init__(nbytes, device)
+    def __init__(self, extent, nbytes: int, device: torch.device, phase: int,
+                 cuda: bool) -> None:
+        self.nbytes = nbytes
+        self.device = device
         self.extent = extent
         self.phase = phase      # NOTE [Phase]
+        self.cuda = cuda        # on_cuda(device), asked once
         self.write: Write | None = None
         self.read: Read | None = None
         self.released = False
@@ -207,7 +210,7 @@ class NvmeTier(Tier):
         chained = self._copies is not None and not on_cpu
         if on_cpu:
             self._heap.acquire()  # heap.py: CPU RAM is freed and reused during the step
-        self.poll()
+        self._writes.poll()   # (the reads' poll is the backward's: nothing to see here)
         block = self._arena.allocate(nbytes) if chained else None
         if chained and block is None and nbytes <= self._arena.capacity_bytes:
             block = self._wait_for_staging(nbytes)
@@ -216,7 +219,7 @@ class NvmeTier(Tier):
         extent = self._store.allocate(nbytes, phase)
         if extent is None:
             return None  # full (or too fragmented): the caller spills to the next tier
-        payload = _NvmePayload(extent, nbytes, device, phase)
+        payload = _NvmePayload(extent, nbytes, device, phase, not on_cpu)
         write = Write(nbytes)
         self._own_bytes += nbytes  # from here on `release` gives it back
         self._live.add(payload)
@@ -283,8 +286,7 @@ class NvmeTier(Tier):
         nbytes, phase = payload.nbytes, payload.phase
         room = nbytes + self._alignment  # fits `nbytes` at any phase
         block = self._arena.allocate(room)
-        gpu = block is not None and self._copies is not None \
-            and on_cuda(payload.device) and phase == 0
+        gpu = block is not None and self._copies is not None and payload.cuda and phase == 0
         if gpu:
             # read → H2D chained in the engine; the ticket holds block and destination
             # until the copy is done (copies Notes 8, 9).
@@ -308,40 +310,46 @@ class NvmeTier(Tier):
                 "offload: a saved tensor was used after its offload.activations() context "
                 "released it (the block exited with an exception, or backward ran after the "
                 "context was closed)")
-        self.poll()  # retire landed writes first: their memory goes back sooner
-        held = payload.write.device_tensor_if_held() if payload.write is not None else None
-        if held is not None:  # needed again before its D2H finished: no read at all
-            self._stats.pending_copy_hits += 1
-            return held
+        self._writes.poll()  # retire landed writes first: their memory goes back sooner
+        self._reads.poll()
+        if payload.write is not None:
+            held = payload.write.device_tensor_if_held()
+            if held is not None:  # needed again before its D2H finished: no read at all
+                self._stats.pending_copy_hits += 1
+                return held
         if payload.read is None:
             self.start_read(payload)
-        read = payload.read
+        read, payload.read = payload.read, None
+        try:
+            if read.gpu:
+                # Waits on the host only for the engine's read + H2D submission; the
+                # current stream then waits on the H2D event on the GPU (copies Note 7).
+                # CopyStreams counts that wait itself (h2d_wait_s, folded in at context
+                # exit, and the trace): counted here too, a step's stall could exceed the
+                # step.
+                with span(WAIT_READ) if profiling() else NO_SPAN:
+                    result = read.future.tensor_for_use()
+                self._stats.nvme_read_bytes += payload.nbytes
+                return result
+            if read.observed:   # landed already (the poll above saw it): no wait, no stall
+                moved = read.future.wait()
+            else:
+                moved = self._wait_read(read)
+        finally:
+            self._reads.observe(read)
+        self._stats.nvme_read_bytes += moved
+        buf, read.buf = read.buf, None
+        return buf if not payload.cuda else sync_h2d(buf, payload.device, self._stats)
+
+    def _wait_read(self, read: Read) -> int:
+        """Wait for a read still in flight: a backward stall."""
         start = time.perf_counter()
         try:
-            # GPU: waits on the host only for the engine's read + H2D submission; the current
-            # stream then waits on the H2D event on the GPU (copies Note 7). CopyStreams
-            # counts that wait itself (h2d_wait_s, folded in at context exit, and the trace):
-            # counted here too, a step's stall could exceed the step.
             with span(WAIT_READ) if profiling() else NO_SPAN:
-                result = read.future.tensor_for_use() if read.gpu else read.future.wait()
+                return read.future.wait()
         finally:
-            if not read.gpu:
-                self._stats.add_stall(time.perf_counter() - start, backward=True,
-                                      start_s=start, what="wait read")
-            self._reads.observe(read)
-            payload.read = None
-        if read.gpu:
-            self._stats.nvme_read_bytes += payload.nbytes
-            return result
-        self._stats.nvme_read_bytes += result
-        buf, read.buf = read.buf, None
-        return self._copy_in(buf, payload.device)
-
-    # ---------------------------------------------------------------- device copies
-    def _copy_in(self, buf: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if not on_cuda(device):   # a CPU tensor's bytes (the tensors that move are CPU or CUDA)
-            return buf
-        return sync_h2d(buf, device, self._stats)   # no CopyStreams or a CPU-only build
+            self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
+                                  what="wait read")
 
     # ---------------------------------------------------------------- housekeeping
     def poll(self) -> None:
@@ -358,7 +366,8 @@ class NvmeTier(Tier):
         if self._closed:
             return
         self._own_bytes -= payload.nbytes
-        if not self._writes.released(payload):
+        write = payload.write
+        if write is not None and write.future is None and not self._writes.released(payload):
             return  # being submitted now: the batch gives it back (NOTE [Write batches])
         read, payload.read = payload.read, None
         if read is not None:

@@ -3,6 +3,7 @@ read whose payload was released before it landed (nvme.py NOTE [Deferred free]).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -48,23 +49,32 @@ class Read:
 
 class ReadQueue:
     """Reads whose completion is not yet seen, in submission order (the engine serves them
-    first in, first out, so `poll` looks at the oldest ones only), and the deferred ones."""
+    first in, first out, so `poll` looks at the oldest ones only), and the deferred ones.
+
+    A FIFO, not a dict popped as reads are seen done: a dict keeps the slots of removed
+    keys until it resizes, and iterating it from the front walks all of them, so polling
+    the oldest read cost time in proportion to the reads the step had already seen. A read
+    seen done out of order (fetched first) stays in the FIFO, marked, until it reaches
+    the front.
+    """
 
     def __init__(self, stats) -> None:
         self._stats = stats
-        self._reads: dict[Read, None] = {}
+        self._reads: collections.deque[Read] = collections.deque()
+        self._pending = 0   # reads in `_reads` not yet observed
         self._deferred: list[Read] = []
 
     def add(self, read: Read) -> None:
-        self._reads[read] = None
-        if len(self._reads) > self._stats.peak_reads_inflight:
-            self._stats.peak_reads_inflight = len(self._reads)
+        self._reads.append(read)
+        self._pending += 1
+        if self._pending > self._stats.peak_reads_inflight:
+            self._stats.peak_reads_inflight = self._pending
 
     def observe(self, read: Read) -> None:
         """Count a read's transfer once: its clock and its trace span."""
         if not read.observed:
             read.observed = True
-            self._reads.pop(read, None)
+            self._pending -= 1
             end = end_s(read.future)
             self._stats.read_clock.add_interval(read.start_s, end)
             if self._stats.trace.enabled:  # (as for writes: nothing formatted without one)
@@ -78,13 +88,14 @@ class ReadQueue:
             self._deferred.append(read)
 
     def poll(self) -> None:
-        done = []
-        for read in self._reads:
-            if not read.future.done():
-                break
-            done.append(read)
-        for read in done:
-            self.observe(read)
+        reads = self._reads
+        while reads:
+            read = reads[0]
+            if not read.observed:
+                if not read.future.done():
+                    break
+                self.observe(read)
+            reads.popleft()
         if self._deferred:
             self.reap(wait=False)
 
@@ -105,11 +116,13 @@ class ReadQueue:
 
     @property
     def idle(self) -> bool:
-        return not self._reads and not self._deferred
+        return not self._pending and not self._deferred
 
     def futures(self) -> list:
-        return [r.future for r in self._reads] + [r.future for r in self._deferred]
+        return [r.future for r in self._reads if not r.observed] + \
+            [r.future for r in self._deferred]
 
     def clear(self) -> None:
         self._reads.clear()
+        self._pending = 0
         self._deferred.clear()

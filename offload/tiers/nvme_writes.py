@@ -75,15 +75,17 @@ class WriteQueue:
         """A write from host memory: batched (NOTE [Write batches]); waits first while more
         than the cap of source bytes is held."""
         nbytes = write.nbytes
-        self._wait_for_direct_room(nbytes)
+        if not self._has_direct_room(nbytes):   # (no closure made per save otherwise)
+            self.retire_oldest(lambda: self._has_direct_room(nbytes), "wait write-behind")
         write.source = source
         write.address = address
         write.direct_bytes = nbytes
         self._direct_inflight += nbytes
         self._append(payload, write)
-        self._batch.append(payload)
+        batch = self._batch
+        batch.append(payload)
         self._batch_bytes += nbytes
-        if len(self._batch) >= WRITE_BATCH or self._batch_bytes >= self._batch_limit:
+        if len(batch) >= WRITE_BATCH or self._batch_bytes >= self._batch_limit:
             self.submit()
 
     def _append(self, payload, write: Write) -> None:
@@ -167,10 +169,6 @@ class WriteQueue:
         # goes alone), the same RAM the staging arena would have used.
         held = self._direct_inflight
         return held == 0 or held + nbytes <= self._direct_cap
-
-    def _wait_for_direct_room(self, nbytes: int) -> None:
-        if not self._has_direct_room(nbytes):   # (no closure made per save otherwise)
-            self.retire_oldest(lambda: self._has_direct_room(nbytes), "wait write-behind")
 
     def poll(self) -> None:
         """Retire the writes that landed, oldest first (cheap: stops at the first one not)."""
