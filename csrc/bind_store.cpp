@@ -76,8 +76,9 @@ void bind_store(py::module_& m) {
   py::class_<IoRequest, std::shared_ptr<IoRequest>>(m, "IoFuture",
                                                     "Handle of an asynchronous NVMe transfer.")
       .def("wait", &wait_request, py::arg("timeout_s") = py::none(),
-           "Block (GIL released) until done; return the bytes moved. Raises StorageError "
-           "for a failed transfer, TimeoutError when timeout_s passes first.")
+           "Block (GIL released, unless it is done already) until done; return the bytes "
+           "moved. Raises StorageError for a failed transfer, TimeoutError when timeout_s "
+           "passes first.")
       .def("done", &IoRequest::done)
       .def_property_readonly("nbytes", &IoRequest::nbytes)
       .def_property_readonly("end_s", &IoRequest::end_s,

@@ -58,6 +58,7 @@ def test_poll_counts_landed_reads_oldest_first_and_stops_at_the_first_in_flight(
     assert all(r.observed for r in reads)
     assert intervals(stats) == [(float(i), float(i + 1)) for i in range(4)]
     assert queue.idle and queue.futures() == []
+    assert len(queue._reads) == 0               # nothing seen stays behind
 
 
 def test_a_read_fetched_out_of_order_is_counted_once_and_leaves_the_queue_later():
@@ -73,7 +74,7 @@ def test_a_read_fetched_out_of_order_is_counted_once_and_leaves_the_queue_later(
         r.future.finished = True
     queue.poll()
     assert len(intervals(stats)) == 3
-    assert queue.idle
+    assert queue.idle and len(queue._reads) == 0
     # a new read after the queue emptied counts toward the peak from zero again
     make_reads(queue, 1)
     assert stats.peak_reads_inflight == 3
@@ -91,7 +92,7 @@ def test_polling_never_asks_a_read_already_seen():
         queue.observe(r)
     queue.poll()
     assert max(r.future.asked for r in reads) == 1
-    assert queue.idle
+    assert queue.idle and len(queue._reads) == 0
 
 
 def test_a_released_payloads_read_keeps_its_memory_until_it_lands():
@@ -120,3 +121,27 @@ def test_reap_waits_only_when_asked(wait):
     queue.reap(wait=wait)
     assert (read.buf is None) == wait
     assert read.future.waited == (1 if wait else 0)
+
+
+def test_a_read_deferred_while_reap_runs_is_not_lost():
+    # A record dies (the collector, or autograd's device thread) while the queue reaps: its
+    # read must stay deferred, its memory kept, until it lands.
+    stats = Stats()
+    queue = ReadQueue(stats)
+    first, late = make_reads(queue, 2)
+    first.buf, late.buf = bytearray(8), bytearray(8)
+    queue.defer(first)
+    asked = first.future.done
+
+    def done_and_a_release_meanwhile() -> bool:
+        if not late.observed:
+            queue.defer(late)                   # released while reap walks the list
+        return asked()
+
+    first.future.done = done_and_a_release_meanwhile
+    queue.reap(wait=False)
+    assert first.buf is not None and late.buf is not None
+    assert set(map(id, queue.futures())) == {id(first.future), id(late.future)}
+    first.future.finished = late.future.finished = True
+    queue.reap(wait=False)
+    assert first.buf is None and late.buf is None and queue.idle

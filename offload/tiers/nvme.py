@@ -130,8 +130,8 @@ class NvmeTier(Tier):
             max_bytes_per_s=max_bytes_per_s, capacity_key=capacity_key)
         self._own_bytes = 0  # this tier's share of the store (others may use it too)
         self._live: set[_NvmePayload] = set()  # stored, not yet released (abort frees them)
-        # Reads whose completion is not yet seen, in submission order (the engine serves them
-        # first in, first out, so poll looks at the oldest ones only).
+        # Reads in submission order until seen done (the engine serves them first in, first
+        # out, so poll looks at the oldest ones only), and released payloads' reads.
         self._reads = ReadQueue(stats)
         self._writes = WriteQueue(self._store, stats, staging_bytes, CHUNK_BYTES)
         # CPU sources: freed activation RAM should be reused, not returned and refaulted.
@@ -210,7 +210,7 @@ class NvmeTier(Tier):
         chained = self._copies is not None and not on_cpu
         if on_cpu:
             self._heap.acquire()  # heap.py: CPU RAM is freed and reused during the step
-        self._writes.poll()   # (the reads' poll is the backward's: nothing to see here)
+        self.poll()
         block = self._arena.allocate(nbytes) if chained else None
         if chained and block is None and nbytes <= self._arena.capacity_bytes:
             block = self._wait_for_staging(nbytes)
@@ -337,8 +337,10 @@ class NvmeTier(Tier):
                 moved = self._wait_read(read)
         finally:
             self._reads.observe(read)
+            # A read seen here may stay in the queue until it reaches the front: it keeps
+            # nothing (the bytes are the caller's now, or the read failed).
+            buf, read.buf, read.future = read.buf, None, None
         self._stats.nvme_read_bytes += moved
-        buf, read.buf = read.buf, None
         return buf if not payload.cuda else sync_h2d(buf, payload.device, self._stats)
 
     def _wait_read(self, read: Read) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 
 import torch
@@ -63,6 +64,11 @@ class ReadQueue:
         self._reads: collections.deque[Read] = collections.deque()
         self._pending = 0   # reads in `_reads` not yet observed
         self._deferred: list[Read] = []
+        # Records die on whatever thread autograd drops them (defer), while the tier polls
+        # (reap): without it, a defer that took the list before reap swapped it could
+        # append after reap walked it, and the read's memory would go while it lands.
+        # Reentrant: the collector may free a record (defer) inside reap's own swap.
+        self._deferred_lock = threading.RLock()
 
     def add(self, read: Read) -> None:
         self._reads.append(read)
@@ -85,7 +91,8 @@ class ReadQueue:
         """A released payload's read still in flight: its memory stays until it lands."""
         self.observe(read)
         if not read.future.done():
-            self._deferred.append(read)
+            with self._deferred_lock:
+                self._deferred.append(read)
 
     def poll(self) -> None:
         reads = self._reads
@@ -103,7 +110,8 @@ class ReadQueue:
         """Drop the memory kept for released payloads' reads once they are done."""
         # Swap first: a release triggered by garbage collection while we iterate appends
         # to the new list instead of the one being walked.
-        pending, self._deferred = self._deferred, []
+        with self._deferred_lock:
+            pending, self._deferred = self._deferred, []
         for read in pending:
             if wait or read.future.done():
                 try:
@@ -112,7 +120,8 @@ class ReadQueue:
                     log.debug("offload: I/O of a released payload failed: %s", exc)
                 read.buf = None
             else:
-                self._deferred.append(read)
+                with self._deferred_lock:
+                    self._deferred.append(read)
 
     @property
     def idle(self) -> bool:
