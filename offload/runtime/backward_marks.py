@@ -2,7 +2,8 @@
 
 Every unpack but a small save's calls the step's `BackwardMarks`. The first marks the
 backward's start: the prefetcher starts reading ahead, and the clock `auto` times steps with
-marks it (`backward_mark`). Once per backward (autograd graph task), while the step wants to
+marks it (`backward_mark`), and a step whose graph may be too deep to free on this stack is
+warned of before it can be freed (deep_graphs.py NOTE [Deep graphs]). Once per backward (autograd graph task), while the step wants to
 hear of it (`on_backward_end` set: step.py NOTE [End of step], point 2), the end of that
 backward is queued as an autograd callback. What a call does depends only on
 `first_unpack_s`, `on_backward_end` and the graph task, so the core's Unpacker calls again
@@ -14,6 +15,8 @@ from __future__ import annotations
 import time
 
 import torch
+
+from .deep_graphs import check as check_graph_depth, nodes_made
 
 __all__ = ["BackwardMarks", "graph_task_id"]
 
@@ -31,6 +34,7 @@ class BackwardMarks:
     def __init__(self, prefetcher, clock=None) -> None:
         self.prefetcher = prefetcher
         self.clock = clock
+        self.first_node = nodes_made()            # autograd nodes made before the step
         self.first_unpack_s: float | None = None  # where the backward starts
         self.backward_mark = None                 # ... on `clock`
         self._on_backward_end = None
@@ -60,6 +64,7 @@ class BackwardMarks:
 
     def _starts(self) -> None:
         self.first_unpack_s = time.perf_counter()
+        check_graph_depth(self.first_node)
         # Read-ahead starts with the backward, not at the first moved payload's fetch:
         # when the end of the forward stayed on the device (the round-trip plan, auto's
         # plan), the link would otherwise idle while backward works through it.
