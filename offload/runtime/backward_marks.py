@@ -3,8 +3,9 @@
 Every unpack but a small save's calls the step's `BackwardMarks`. The first marks the
 backward's start: the prefetcher starts reading ahead, and the clock `auto` times steps with
 marks it (`backward_mark`), and a step whose graph may be too deep to free on this stack is
-warned of before it can be freed (deep_graphs.py NOTE [Deep graphs]). Once per backward (autograd graph task), while the step wants to
-hear of it (`on_backward_end` set: step.py NOTE [End of step], point 2), the end of that
+warned of before it can be freed (deep_graphs.py NOTE [Deep graphs]). Once per backward
+(autograd graph task), while the step wants to hear of it (`on_backward_end` set: step.py
+NOTE [End of step], point 2), the end of that
 backward is queued as an autograd callback. What a call does depends only on
 `first_unpack_s`, `on_backward_end` and the graph task, so the core's Unpacker calls again
 only when the task or `epoch` (bumped with every new `on_backward_end`) changed
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from .deep_graphs import check as check_graph_depth, nodes_made
+from .deep_graphs import check as check_graph_depth, nodes_made, running_node_number
 
 __all__ = ["BackwardMarks", "graph_task_id"]
 
@@ -64,7 +65,10 @@ class BackwardMarks:
 
     def _starts(self) -> None:
         self.first_unpack_s = time.perf_counter()
-        check_graph_depth(self.first_node)
+        # The node being run was made by the forward, on its thread: its number counts the
+        # step's nodes wherever the backward runs (a CUDA backward runs on autograd's own
+        # device threads, whose counters are their own).
+        check_graph_depth(self.first_node, last_node=running_node_number())
         # Read-ahead starts with the backward, not at the first moved payload's fetch:
         # when the end of the forward stayed on the device (the round-trip plan, auto's
         # plan), the link would otherwise idle while backward works through it.

@@ -338,7 +338,8 @@ class NvmeTier(Tier):
         finally:
             self._reads.observe(read)
             # A read seen here may stay in the queue until it reaches the front: it keeps
-            # nothing (the bytes are the caller's now, or the read failed).
+            # nothing (the bytes are the caller's now, or the read failed: its wait has no
+            # timeout, so a read that raised is over and its memory is free to go).
             buf, read.buf, read.future = read.buf, None, None
         self._stats.nvme_read_bytes += moved
         return buf if not payload.cuda else sync_h2d(buf, payload.device, self._stats)
