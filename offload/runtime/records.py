@@ -46,7 +46,7 @@ from ..errors import UsedAfterCloseError
 from ..tiers.base import on_cuda
 from ..tiers.copy_tickets import SharedReload
 from .saved_bytes import PySavedBytes, saved_bytes_meter
-from .tensor_meta import ViewMeta, rebuild
+from .tensor_meta import ViewMeta, rebuild, view_meta
 from .version_check import SavedOrigin, next_sequence_nr as _next_sequence_nr, version_error, \
     version_sentinel
 
@@ -303,16 +303,10 @@ class Moved(SavedOrigin):
 
     def __init__(self, t: torch.Tensor, record: Record, version: int) -> None:
         self.record = record
-        meta = record.meta
-        if meta is None:    # the tensor's own layout over the stored storage
-            self.dtype = t.dtype
-            self.size = tuple(t.shape)   # a plain tuple of ints: the collector untracks it
-            self.stride = t.stride()
-            self.storage_offset = t.storage_offset()
-            self.conj = t.is_conj()
-            self.neg = t.is_neg()
-        else:               # a snapshot's (tensor_meta NOTE [Untracked aliases])
-            self.dtype, self.size, self.stride, self.storage_offset, self.conj, self.neg = meta
+        # The tensor's own layout over the stored storage, or a snapshot's (tensor_meta NOTE
+        # [Untracked aliases]); the ViewMeta itself is not kept.
+        meta = record.meta if record.meta is not None else view_meta(t)
+        self.dtype, self.size, self.stride, self.storage_offset, self.conj, self.neg = meta
         self.version = version
         self.sentinel = version_sentinel(t)  # zero bytes; shares t's version counter
         self.unpacked = False

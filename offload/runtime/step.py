@@ -41,7 +41,7 @@ import torch
 from ..config import Config
 from ..tiers.base import Tier
 from ..util.stats import Stats
-from .deep_graphs import check as check_graph_depth, nodes_made
+from .deep_graphs import check as check_graph_depth
 from .hooks import OffloadHooks
 from .records import Ledger, PyRecord
 from .round_trip import LinkSpeed, RoundTripPlan
@@ -102,7 +102,6 @@ class Step:
         self.timeline = PyTimeline() if self.ledger.record_type is PyRecord else Timeline()
         self.copies: dict[torch.device, Any] = {}  # CopyStreams per CUDA device
         self.start_s = time.perf_counter()
-        self.first_node = nodes_made()   # deep_graphs.py NOTE [Deep graphs]
         self.exit_s: float | None = None
         # Run after the tiers closed, with the StepReport: `auto` plans here.
         self.after_finish: list = []
@@ -139,7 +138,9 @@ class Step:
     def exited(self) -> None:
         """The block is over (NOTE [End of step], point 1)."""
         self.exit_s = time.perf_counter()
-        check_graph_depth(self.first_node)   # before the graph can be freed after the block
+        # Before the graph can be freed after the block (deep_graphs.py NOTE [Deep graphs]);
+        # the step's first node is the one its backward marks counted from.
+        check_graph_depth(self.hooks.marks.first_node)
         self.stats.step_s = self.exit_s - self.start_s
         for name, count in self.stats.unmoved_tensors_by_type.items():
             note_unmoved(name, self.stats.unmoved_bytes_by_type[name], count)

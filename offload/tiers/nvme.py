@@ -83,8 +83,7 @@ class _NvmePayload(Payload):
 
     def __init__(self, extent, nbytes: int, device: torch.device, phase: int,
                  cuda: bool) -> None:
-        self.nbytes = nbytes
-        self.device = device
+        super().__init__(nbytes, device)
         self.extent = extent
         self.phase = phase      # NOTE [Phase]
         self.cuda = cuda        # on_cuda(device), asked once
@@ -310,8 +309,7 @@ class NvmeTier(Tier):
                 "offload: a saved tensor was used after its offload.activations() context "
                 "released it (the block exited with an exception, or backward ran after the "
                 "context was closed)")
-        self._writes.poll()  # retire landed writes first: their memory goes back sooner
-        self._reads.poll()
+        self.poll()  # retire landed writes first: their memory goes back sooner
         if payload.write is not None:
             held = payload.write.device_tensor_if_held()
             if held is not None:  # needed again before its D2H finished: no read at all
@@ -369,8 +367,7 @@ class NvmeTier(Tier):
         if self._closed:
             return
         self._own_bytes -= payload.nbytes
-        write = payload.write
-        if write is not None and write.future is None and not self._writes.released(payload):
+        if not self._writes.released(payload):
             return  # being submitted now: the batch gives it back (NOTE [Write batches])
         read, payload.read = payload.read, None
         if read is not None:
