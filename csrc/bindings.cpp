@@ -159,4 +159,5 @@ PYBIND11_MODULE(_C, m) {
   bind::bind_saved_record(m);
   bind::bind_timeline(m);
   bind::bind_storage_ref(m);
+  bind::bind_nvme_records(m);
 }

@@ -29,5 +29,6 @@ void bind_hook_front(pybind11::module_& m);
 void bind_saved_record(pybind11::module_& m);
 void bind_timeline(pybind11::module_& m);
 void bind_storage_ref(pybind11::module_& m);
+void bind_nvme_records(pybind11::module_& m);
 
 }  // namespace offload::bind

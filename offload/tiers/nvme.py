@@ -59,6 +59,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from .. import _ext
 from ..errors import UsedAfterCloseError
 from ..util.sizes import format_bytes
 from ..util.stats import Stats
@@ -75,21 +76,13 @@ __all__ = ["NvmeTier"]
 log = logging.getLogger("offload")
 
 
-class _NvmePayload(Payload):
-    """An extent in the store and the transfers in flight for it, which the tier sets and
-    clears (NOTE [One owner]): the payload itself calls nothing."""
-
-    __slots__ = ("extent", "phase", "cuda", "write", "read", "released")
-
-    def __init__(self, extent, nbytes: int, device: torch.device, phase: int,
-                 cuda: bool) -> None:
-        super().__init__(nbytes, device)
-        self.extent = extent
-        self.phase = phase      # NOTE [Phase]
-        self.cuda = cuda        # on_cuda(device), asked once
-        self.write: Write | None = None
-        self.read: Read | None = None
-        self.released = False
+# An extent in the store and the transfers in flight for it, which the tier sets and clears
+# (NOTE [One owner]): the payload itself calls nothing. `_NvmePayload(extent, nbytes, device,
+# phase, cuda)` (NOTE [Phase]; `cuda`: on_cuda(device), asked once), with the fields `write`
+# and `read` (the Write / Read in flight, or None) and `released`; `resident` is False. The
+# core's type (csrc/nvme_records.cpp: an object the garbage collector does not track); this
+# tier runs only with the core.
+_NvmePayload = _ext.load_core().NvmePayload if _ext.core_available() else None
 
 
 class NvmeTier(Tier):
@@ -310,8 +303,10 @@ class NvmeTier(Tier):
                 "released it (the block exited with an exception, or backward ran after the "
                 "context was closed)")
         self.poll()  # retire landed writes first: their memory goes back sooner
-        if payload.write is not None:
-            held = payload.write.device_tensor_if_held()
+        write = payload.write
+        if write is not None and write.d2h is not None:
+            # The source on the device while its D2H is still pending.
+            held = write.d2h.device_tensor_if_held()
             if held is not None:  # needed again before its D2H finished: no read at all
                 self._stats.pending_copy_hits += 1
                 return held

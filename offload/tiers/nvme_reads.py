@@ -6,10 +6,10 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 
 import torch
 
+from .. import _ext
 from .nvme_writes import end_s
 
 __all__ = ["Read", "ReadQueue", "phase_buffer"]
@@ -23,7 +23,8 @@ def phase_buffer(core, nbytes: int, phase: int, alignment: int, block=None) -> t
 
     A view of just those bytes (storage offset 0, like the original storage) that keeps its
     memory alive: a slice of `block` (an arena block of nbytes + alignment), else of a
-    fresh page-aligned allocation.
+    fresh page-aligned allocation. The tensor holds the block itself (`frombuffer`'s offset
+    and count: no memoryview objects for the garbage collector to track per read).
     """
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
@@ -31,21 +32,16 @@ def phase_buffer(core, nbytes: int, phase: int, alignment: int, block=None) -> t
         room = nbytes + alignment
         block = core.HostArena(room, pinned=False).allocate(room)
     skip = (phase - block.ptr) % alignment
-    return torch.frombuffer(memoryview(block)[skip:skip + nbytes], dtype=torch.uint8)
+    return torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=skip)
 
 
-class Read:
-    """One payload's read, from `prefetch` / `fetch` until its bytes are handed out."""
-
-    __slots__ = ("nbytes", "future", "buf", "gpu", "start_s", "observed")
-
-    def __init__(self, nbytes: int, future, buf: torch.Tensor | None, gpu: bool) -> None:
-        self.nbytes = nbytes
-        self.future = future    # IoFuture, or the H2DTicket of a read chained to an H2D
-        self.buf = buf          # host memory the read lands in (None when chained)
-        self.gpu = gpu
-        self.start_s = time.perf_counter()
-        self.observed = False   # completion already counted
+# One payload's read, from `prefetch` / `fetch` until its bytes are handed out:
+# `Read(nbytes, future, buf, gpu)`, with the fields `future` (an IoFuture, or the H2DTicket of
+# a read chained to an H2D), `buf` (the host memory it lands in; None when chained), `gpu`,
+# `start_s` (when it was made, on time.perf_counter()'s clock) and `observed` (its completion
+# already counted). The core's type (csrc/nvme_records.cpp: an object the garbage collector
+# does not track); the nvme tier runs only with the core.
+Read = _ext.load_core().NvmeRead if _ext.core_available() else None
 
 
 class ReadQueue:

@@ -14,8 +14,7 @@ import collections
 import time
 from typing import Any, Callable
 
-import torch
-
+from .. import _ext
 from ..util.ranges import NO_SPAN, WRITE, profiling, span
 
 __all__ = ["Write", "WriteQueue", "WRITE_BATCH", "end_s"]
@@ -29,25 +28,15 @@ def end_s(future) -> float:
     return end if end is not None else time.perf_counter()
 
 
-class Write:
-    """One payload's write, from `store` until the queue retires it and drops it from the
-    payload (tiers/base.py NOTE [One owner])."""
-
-    __slots__ = ("nbytes", "future", "source", "address", "direct_bytes", "d2h", "start_s")
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.future = None      # IoFuture, or nvme_device.WriteBehind after a D2H; None
-        #                         while it waits in the batch (NOTE [Write batches])
-        self.address = 0        # where a direct write reads from
-        self.source = None      # memory a direct write reads from (NOTE [Deferred free])
-        self.direct_bytes = 0   # bytes of `source` counted against the direct-write cap
-        self.d2h = None         # D2HTicket of the device copy feeding it (CUDA)
-        self.start_s = 0.0      # set when it is queued
-
-    def device_tensor_if_held(self) -> torch.Tensor | None:
-        """The source on the device while its D2H is still pending (no read at all)."""
-        return self.d2h.device_tensor_if_held() if self.d2h is not None else None
+# One payload's write, from `store` until the queue retires it and drops it from the payload
+# (tiers/base.py NOTE [One owner]): `Write(nbytes)`, with the fields `future` (an IoFuture, or
+# nvme_device.WriteBehind after a D2H; None while it waits in the batch, NOTE [Write
+# batches]), `source` and `address` (the memory a direct write reads from, nvme.py NOTE
+# [Deferred free]), `direct_bytes` (of `source`, counted against the direct-write cap), `d2h`
+# (the D2HTicket of the device copy feeding it, CUDA) and `start_s` (set when it is queued).
+# The core's type (csrc/nvme_records.cpp: an object the garbage collector does not track);
+# the nvme tier runs only with the core.
+Write = _ext.load_core().NvmeWrite if _ext.core_available() else None
 
 
 class WriteQueue:
