@@ -11,6 +11,7 @@ import torch
 
 import offload
 from offload._ext import core_available, load_core
+from offload.errors import ExtensionUnavailable
 from offload.tiers import nvme, nvme_reads, nvme_writes
 
 pytestmark = pytest.mark.skipif(not core_available(), reason="needs the compiled core")
@@ -62,13 +63,26 @@ def test_the_records_fields_start_empty_and_take_what_the_tier_sets():
             setattr(p, field, 1)        # what the payload stands for does not change
 
 
-@pytest.mark.parametrize("make", [
-    lambda: nvme._NvmePayload(None, 1, torch.device("cpu"), 0),
-    lambda: nvme_writes.Write(nbytes=1),
-    lambda: nvme_reads.Read(1, None, None),
+def test_the_core_counts_the_records_alive_for_the_leak_check():
+    alive = load_core()._nvme_records_alive
+    before = alive()
+    p = nvme._NvmePayload(None, 1, torch.device("cpu"), 0, False)
+    p.write, p.read = nvme_writes.Write(1), nvme_reads.Read(1, None, None, False)
+    assert alive() == tuple(n + 1 for n in before)
+    del p                               # the payload takes its write and read with it
+    assert alive() == before
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: nvme._NvmePayload(None, 1, torch.device("cpu"), 0), r"takes 5 arguments \(4 given\)"),
+    (lambda: nvme_reads.Read(1, None, None), r"takes 4 arguments \(3 given\)"),
+    (lambda: nvme_writes.Write(nbytes=1), "by position only"),
+    (lambda: nvme_writes.Write(True), "nbytes must be an int, not bool"),
+    (lambda: nvme._NvmePayload(None, 1, torch.device("cpu"), 0.5, False),
+     "phase must be an int, not float"),
 ])
-def test_the_records_take_their_arguments_by_position_only(make):
-    with pytest.raises(TypeError, match="by position only"):
+def test_the_records_refuse_bad_arguments_naming_them(make, message):
+    with pytest.raises(TypeError, match=message):
         make()
 
 
@@ -97,3 +111,12 @@ def test_a_read_buffer_has_the_payloads_phase_and_holds_its_memory(from_arena, p
         del buf
         assert arena.used_bytes == 0           # ... and only the tensor
     assert nvme_reads.phase_buffer(core, 0, phase, alignment).numel() == 0
+
+
+def test_a_core_built_before_the_records_is_named_with_the_fix(nvme_dir, monkeypatch):
+    # A stale build imports (offload stays importable) and says what to do when used.
+    monkeypatch.setattr(nvme, "_NvmePayload", None)
+    x = torch.randn(64, requires_grad=True)
+    with pytest.raises(ExtensionUnavailable, match=r"predates the nvme tier.*pip install -e \."):
+        with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
+            (x * 2).tanh().sum().backward()

@@ -60,7 +60,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from .. import _ext
-from ..errors import UsedAfterCloseError
+from ..errors import ExtensionUnavailable, UsedAfterCloseError
 from ..util.sizes import format_bytes
 from ..util.stats import Stats
 from .base import Payload, Tier, flat_bytes, on_cuda, sync_d2h, sync_h2d
@@ -82,7 +82,7 @@ log = logging.getLogger("offload")
 # and `read` (the Write / Read in flight, or None) and `released`; `resident` is False. The
 # core's type (csrc/nvme_records.cpp: an object the garbage collector does not track); this
 # tier runs only with the core.
-_NvmePayload = _ext.load_core().NvmePayload if _ext.core_available() else None
+_NvmePayload = getattr(_ext.load_core(), "NvmePayload", None) if _ext.core_available() else None
 
 
 class NvmeTier(Tier):
@@ -110,6 +110,10 @@ class NvmeTier(Tier):
                 of the extension device copies are then chained with the I/O.
             max_bytes_per_s: The engine's throughput cap (OFFLOAD_NVME_MAX_BW; 0: none).
         """
+        if _NvmePayload is None or Write is None or Read is None:
+            raise ExtensionUnavailable(
+                "offload: the compiled core offload._C predates the nvme tier's records "
+                f"(csrc/nvme_records.cpp): {_ext.HOW_TO_BUILD}")
         self._stats = stats
         self._core = core
         # The chained paths need write_after_event / read_then_h2d (CUDA builds only).

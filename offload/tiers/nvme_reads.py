@@ -41,7 +41,7 @@ def phase_buffer(core, nbytes: int, phase: int, alignment: int, block=None) -> t
 # `start_s` (when it was made, on time.perf_counter()'s clock) and `observed` (its completion
 # already counted). The core's type (csrc/nvme_records.cpp: an object the garbage collector
 # does not track); the nvme tier runs only with the core.
-Read = _ext.load_core().NvmeRead if _ext.core_available() else None
+Read = getattr(_ext.load_core(), "NvmeRead", None) if _ext.core_available() else None
 
 
 class ReadQueue:

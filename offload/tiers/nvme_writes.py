@@ -36,7 +36,7 @@ def end_s(future) -> float:
 # (the D2HTicket of the device copy feeding it, CUDA) and `start_s` (set when it is queued).
 # The core's type (csrc/nvme_records.cpp: an object the garbage collector does not track);
 # the nvme tier runs only with the core.
-Write = _ext.load_core().NvmeWrite if _ext.core_available() else None
+Write = getattr(_ext.load_core(), "NvmeWrite", None) if _ext.core_available() else None
 
 
 class WriteQueue:
