@@ -16,8 +16,9 @@ what the hooks cost that thread, unmoved by other processes on a shared machine 
 counting the tier's I/O threads (the I/O itself is asynchronous); `--clock wall` measures
 wall time instead (on a GPU, use wall: the thread sleeps in synchronize). Each path runs
 `--steps` steps in a row after one `gc.collect()`, so it pays, on average, for the garbage
-collections its own objects cause (`timed_block`); the `objects` column says how many
-tracked Python objects each saved tensor keeps alive through the step (what those
+collections its own objects cause (`timed_block`); the `collector` column says how much of
+its total those collections took (timed through `gc.callbacks`), and the `objects` column
+how many tracked Python objects each saved tensor keeps alive through the step (what those
 collections walk).
 
 | path | what it is |
@@ -72,25 +73,52 @@ def timed_step(x0: torch.Tensor, n: int, ctx, sync, clock) -> tuple[float, float
     return t1 - t0, t2 - t1, t3 - t2
 
 
+class CollectorClock:
+    """Time spent in the garbage collector's collections (`gc.callbacks`) on `clock`."""
+
+    def __init__(self, clock) -> None:
+        self.clock = clock
+        self.seconds = 0.0
+        self._start: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = self.clock()
+        elif self._start is not None:
+            self.seconds += self.clock() - self._start
+            self._start = None
+
+    def __enter__(self) -> "CollectorClock":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
 def timed_block(x0: torch.Tensor, n: int, make, steps: int, sync,
                 clock) -> tuple[float, ...]:
-    """Mean (forward, backward, step end) seconds over `steps` consecutive steps.
+    """Mean (forward, backward, step end, of them in the collector) seconds over `steps`
+    consecutive steps.
 
-    The garbage collector is part of what a saved tensor costs: every Python object that
-    outlives its step's young collections moves to the oldest generation, and after enough
-    of them (a quarter of all objects alive) comes a full collection, which walks every
-    object of the process (~0.1 s with torch loaded). A single step after `gc.collect()`
-    hides that cost, or charges all of it, depending on whether its objects cross the
-    threshold. So the block starts with one full collection (nothing left over from the
-    previous path) and then runs `steps` steps in a row, each paying, on average, for the
-    collections its own objects cause.
+    The garbage collector is part of what a saved tensor costs. A young collection comes
+    after 700 more tracked objects were made than freed, every tenth young one is a middle
+    one, and every tenth middle one is a full one, which walks every object of the process
+    (~0.1 s with torch loaded), once enough objects (a quarter of all) reached the oldest
+    generation since the last. So each tracked object a step makes and keeps brings the
+    next full collection nearer; a single step after `gc.collect()` hides that cost, or
+    charges all of it. The block starts with one full collection (nothing left over from
+    the previous path) and then runs `steps` steps in a row, each paying, on average, for
+    the collections its own objects cause; the fourth figure is the part of the three spent
+    in collections.
     """
     gc.collect()
     total = [0.0, 0.0, 0.0]
-    for _ in range(steps):
-        for i, t in enumerate(timed_step(x0, n, make(), sync, clock)):
-            total[i] += t
-    return tuple(t / steps for t in total)
+    with CollectorClock(clock) as collector:
+        for _ in range(steps):
+            for i, t in enumerate(timed_step(x0, n, make(), sync, clock)):
+                total[i] += t
+    return tuple(t / steps for t in total) + (collector.seconds / steps,)
 
 
 def objects_kept(x0: torch.Tensor, n: int, ctx) -> int:
@@ -166,7 +194,7 @@ def main() -> int:
         for make in paths.values():  # warm-up: stores, arenas, first-call costs
             timed_step(x0, n, make(), sync, clock)
         objects = {name: objects_kept(x0, n, make()) for name, make in paths.items()}
-        parts = ("forward_us", "backward_us", "end_us")
+        parts = ("forward_us", "backward_us", "end_us", "collector_us")
         times: dict[str, dict[str, list[float]]] = {k: {p: [] for p in parts} for k in paths}
         for r in range(args.rounds):
             base = timed_block(x0, n, paths["plain"], args.steps, sync, clock)
@@ -187,13 +215,16 @@ def main() -> int:
     print(f"\n{n} saved tensors of {args.bytes} B, {device}, {args.threads} thread(s), "
           f"{args.clock} clock, blocks of {args.steps} steps, medians of {args.rounds} "
           f"alternating rounds (µs per saved tensor; plain: absolute, others: above plain; "
-          f"objects: tracked Python objects alive after the forward, per saved tensor)\n")
-    print("| path | forward (pack) | backward (unpack) | step end (exit) | total | objects |")
-    print("|---|---|---|---|---|---|")
+          f"collector: the part of the total spent in garbage collections; objects: tracked "
+          f"Python objects alive after the forward, per saved tensor)\n")
+    print("| path | forward (pack) | backward (unpack) | step end (exit) | total | collector "
+          "| objects |")
+    print("|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         total = row["forward_us"] + row["backward_us"] + row["end_us"]
         print(f"| {name} | {row['forward_us']:.1f} | {row['backward_us']:.1f} | "
-              f"{row['end_us']:.1f} | {total:.1f} | {row['objects']:.1f} |")
+              f"{row['end_us']:.1f} | {total:.1f} | {row['collector_us']:.1f} | "
+              f"{row['objects']:.1f} |")
     print(f"\nempty step (build, enter, exit a context): {empty * us:.0f} µs")
     if args.json:
         with open(args.json, "w") as f:
