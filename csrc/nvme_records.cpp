@@ -16,6 +16,8 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <initializer_list>
+
 #include <pybind11/pybind11.h>
 
 #include "bindings.hpp"
@@ -48,12 +50,7 @@ bool is_int(const char* call, const char* name, PyObject* value) {
   return false;
 }
 
-// How many of each type are alive (tests/test_leaks.py: untracked objects are not in
-// gc.get_objects()). Changed with the GIL held, in the constructors and deallocators.
-Py_ssize_t payloads_alive = 0;
-Py_ssize_t writes_alive = 0;
-Py_ssize_t reads_alive = 0;
-
+// A new reference to True or False; nullptr with an error set.
 PyObject* as_bool(PyObject* value) {
   const int truth = PyObject_IsTrue(value);
   return truth < 0 ? nullptr : Py_NewRef(truth ? Py_True : Py_False);
@@ -66,6 +63,46 @@ PyObject* as_bool(PyObject* value) {
 #define OBJECT_FIELD(Type, name, flags, doc) \
   {const_cast<char*>(#name), T_OBJECT_EX, offsetof(Type, name), flags, \
    const_cast<char*>(static_cast<const char*>(doc))}
+
+PyObject** field_at(PyObject* self, const PyMemberDef& member) {
+  return reinterpret_cast<PyObject**>(reinterpret_cast<char*>(self) + member.offset);
+}
+
+// How many of each type are alive (tests/test_leaks.py: untracked objects are not in
+// gc.get_objects()). Changed with the GIL held, in `make` and `dealloc`.
+Py_ssize_t payloads_alive = 0;
+Py_ssize_t writes_alive = 0;
+Py_ssize_t reads_alive = 0;
+
+// A new object of `type` whose fields, in the order of its members, take `values`: new
+// references, all of them taken over (dropped when one is nullptr, an error set by the
+// call that made it, or when the object cannot be allocated).
+PyObject* make(PyTypeObject* type, std::initializer_list<PyObject*> values,
+               Py_ssize_t* alive) {
+  bool all = true;
+  for (PyObject* v : values) all = all && v != nullptr;
+  PyObject* self = all ? type->tp_alloc(type, 0) : nullptr;   // zero-filled
+  if (self == nullptr) {
+    for (PyObject* v : values) Py_XDECREF(v);
+    return nullptr;
+  }
+  const PyMemberDef* member = type->tp_members;
+  for (PyObject* v : values) *field_at(self, *member++) = v;
+  ++*alive;
+  return self;
+}
+
+template <Py_ssize_t* alive>
+void dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  if (type->tp_weaklistoffset != 0 &&
+      *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(self) + type->tp_weaklistoffset))
+    PyObject_ClearWeakRefs(self);
+  for (const PyMemberDef* member = type->tp_members; member->name != nullptr; ++member)
+    Py_CLEAR(*field_at(self, *member));
+  type->tp_free(self);
+  --*alive;
+}
 
 // ------------------------------------------------------------------------------ payload
 
@@ -82,50 +119,19 @@ struct NvmePayload {
   PyObject* weakrefs;
 };
 
-constexpr const char* kPayloadCall = "NvmePayload(extent, nbytes, device, phase, cuda)";
-
-PyObject* payload_vectorcall(PyObject* type_obj, PyObject* const* args, size_t nargsf,
+PyObject* payload_vectorcall(PyObject* type, PyObject* const* args, size_t nargsf,
                              PyObject* kwnames) {
-  if (!positional(kPayloadCall, 5, nargsf, kwnames) ||
-      !is_int(kPayloadCall, "nbytes", args[1]) || !is_int(kPayloadCall, "phase", args[3]))
+  constexpr const char* call = "NvmePayload(extent, nbytes, device, phase, cuda)";
+  if (!positional(call, 5, nargsf, kwnames) || !is_int(call, "nbytes", args[1]) ||
+      !is_int(call, "phase", args[3]))
     return nullptr;
-  PyObject* cuda = as_bool(args[4]);
-  if (cuda == nullptr) return nullptr;
-  auto* type = reinterpret_cast<PyTypeObject*>(type_obj);
-  PyObject* self_obj = type->tp_alloc(type, 0);
-  if (self_obj == nullptr) {
-    Py_DECREF(cuda);
-    return nullptr;
-  }
-  auto* self = reinterpret_cast<NvmePayload*>(self_obj);
-  self->extent = Py_NewRef(args[0]);
-  self->nbytes = Py_NewRef(args[1]);
-  self->device = Py_NewRef(args[2]);
-  self->phase = Py_NewRef(args[3]);
-  self->cuda = cuda;
-  self->released = Py_NewRef(Py_False);
-  self->write = Py_NewRef(Py_None);
-  self->read = Py_NewRef(Py_None);
-  ++payloads_alive;
-  return self_obj;
+  return make(reinterpret_cast<PyTypeObject*>(type),
+              {Py_NewRef(args[0]), Py_NewRef(args[1]), Py_NewRef(args[2]), Py_NewRef(args[3]),
+               as_bool(args[4]), Py_NewRef(Py_False), Py_NewRef(Py_None), Py_NewRef(Py_None)},
+              &payloads_alive);
 }
 
-void payload_dealloc(PyObject* self_obj) {
-  auto* self = reinterpret_cast<NvmePayload*>(self_obj);
-  if (self->weakrefs != nullptr) PyObject_ClearWeakRefs(self_obj);
-  Py_CLEAR(self->extent);
-  Py_CLEAR(self->nbytes);
-  Py_CLEAR(self->device);
-  Py_CLEAR(self->phase);
-  Py_CLEAR(self->cuda);
-  Py_CLEAR(self->released);
-  Py_CLEAR(self->write);
-  Py_CLEAR(self->read);
-  Py_TYPE(self_obj)->tp_free(self_obj);
-  --payloads_alive;
-}
-
-PyMemberDef payload_members[] = {
+PyMemberDef payload_members[] = {   // in NvmePayload's order (`make`)
     OBJECT_FIELD(NvmePayload, extent, READONLY, "The core's Extent of the bytes."),
     OBJECT_FIELD(NvmePayload, nbytes, READONLY, nullptr),
     OBJECT_FIELD(NvmePayload, device, READONLY, nullptr),
@@ -142,7 +148,7 @@ PyTypeObject payload_type = [] {
       "offload._C.NvmePayload", sizeof(NvmePayload),
       "NvmePayload(extent, nbytes, device, phase, cuda): one storage's bytes in the nvme "
       "tier, and references to its write and read in flight (tiers/nvme.py).",
-      nullptr, payload_dealloc);
+      nullptr, dealloc<&payloads_alive>);
   type.tp_vectorcall = payload_vectorcall;
   type.tp_members = payload_members;
   type.tp_weaklistoffset = offsetof(NvmePayload, weakrefs);
@@ -163,46 +169,18 @@ struct NvmeWrite {
   PyObject* start_s;       // float: set when it is queued
 };
 
-PyObject* write_vectorcall(PyObject* type_obj, PyObject* const* args, size_t nargsf,
+PyObject* write_vectorcall(PyObject* type, PyObject* const* args, size_t nargsf,
                            PyObject* kwnames) {
-  if (!positional("NvmeWrite(nbytes)", 1, nargsf, kwnames) ||
-      !is_int("NvmeWrite(nbytes)", "nbytes", args[0]))
+  constexpr const char* call = "NvmeWrite(nbytes)";
+  if (!positional(call, 1, nargsf, kwnames) || !is_int(call, "nbytes", args[0]))
     return nullptr;
-  PyObject* zero = PyLong_FromLong(0);
-  PyObject* never = PyFloat_FromDouble(0.0);
-  auto* type = reinterpret_cast<PyTypeObject*>(type_obj);
-  PyObject* self_obj = zero && never ? type->tp_alloc(type, 0) : nullptr;
-  if (self_obj == nullptr) {
-    Py_XDECREF(zero);
-    Py_XDECREF(never);
-    return nullptr;
-  }
-  auto* self = reinterpret_cast<NvmeWrite*>(self_obj);
-  self->nbytes = Py_NewRef(args[0]);
-  self->future = Py_NewRef(Py_None);
-  self->source = Py_NewRef(Py_None);
-  self->address = Py_NewRef(zero);
-  self->direct_bytes = zero;
-  self->d2h = Py_NewRef(Py_None);
-  self->start_s = never;
-  ++writes_alive;
-  return self_obj;
+  return make(reinterpret_cast<PyTypeObject*>(type),
+              {Py_NewRef(args[0]), Py_NewRef(Py_None), Py_NewRef(Py_None), PyLong_FromLong(0),
+               PyLong_FromLong(0), Py_NewRef(Py_None), PyFloat_FromDouble(0.0)},
+              &writes_alive);
 }
 
-void write_dealloc(PyObject* self_obj) {
-  auto* self = reinterpret_cast<NvmeWrite*>(self_obj);
-  Py_CLEAR(self->nbytes);
-  Py_CLEAR(self->future);
-  Py_CLEAR(self->source);
-  Py_CLEAR(self->address);
-  Py_CLEAR(self->direct_bytes);
-  Py_CLEAR(self->d2h);
-  Py_CLEAR(self->start_s);
-  Py_TYPE(self_obj)->tp_free(self_obj);
-  --writes_alive;
-}
-
-PyMemberDef write_members[] = {
+PyMemberDef write_members[] = {   // in NvmeWrite's order (`make`)
     OBJECT_FIELD(NvmeWrite, nbytes, READONLY, nullptr),
     OBJECT_FIELD(NvmeWrite, future, 0, nullptr),
     OBJECT_FIELD(NvmeWrite, source, 0, nullptr),
@@ -218,7 +196,7 @@ PyTypeObject write_type = [] {
       "offload._C.NvmeWrite", sizeof(NvmeWrite),
       "NvmeWrite(nbytes): one payload's write, from the tier's store until its write queue "
       "retires it (tiers/nvme_writes.py).",
-      nullptr, write_dealloc);
+      nullptr, dealloc<&writes_alive>);
   type.tp_vectorcall = write_vectorcall;
   type.tp_members = write_members;
   return type;
@@ -236,44 +214,18 @@ struct NvmeRead {
   PyObject* start_s;   // float: when it was made, on time.perf_counter()'s clock
 };
 
-PyObject* read_vectorcall(PyObject* type_obj, PyObject* const* args, size_t nargsf,
+PyObject* read_vectorcall(PyObject* type, PyObject* const* args, size_t nargsf,
                           PyObject* kwnames) {
   constexpr const char* call = "NvmeRead(nbytes, future, buf, gpu)";
   if (!positional(call, 4, nargsf, kwnames) || !is_int(call, "nbytes", args[0]))
     return nullptr;
-  PyObject* gpu = as_bool(args[3]);
-  PyObject* start = gpu != nullptr ? PyFloat_FromDouble(perf_counter_s()) : nullptr;
-  auto* type = reinterpret_cast<PyTypeObject*>(type_obj);
-  PyObject* self_obj = start != nullptr ? type->tp_alloc(type, 0) : nullptr;
-  if (self_obj == nullptr) {
-    Py_XDECREF(gpu);
-    Py_XDECREF(start);
-    return nullptr;
-  }
-  auto* self = reinterpret_cast<NvmeRead*>(self_obj);
-  self->nbytes = Py_NewRef(args[0]);
-  self->future = Py_NewRef(args[1]);
-  self->buf = Py_NewRef(args[2]);
-  self->gpu = gpu;
-  self->observed = Py_NewRef(Py_False);
-  self->start_s = start;
-  ++reads_alive;
-  return self_obj;
+  return make(reinterpret_cast<PyTypeObject*>(type),
+              {Py_NewRef(args[0]), Py_NewRef(args[1]), Py_NewRef(args[2]), as_bool(args[3]),
+               Py_NewRef(Py_False), PyFloat_FromDouble(perf_counter_s())},
+              &reads_alive);
 }
 
-void read_dealloc(PyObject* self_obj) {
-  auto* self = reinterpret_cast<NvmeRead*>(self_obj);
-  Py_CLEAR(self->nbytes);
-  Py_CLEAR(self->future);
-  Py_CLEAR(self->buf);
-  Py_CLEAR(self->gpu);
-  Py_CLEAR(self->observed);
-  Py_CLEAR(self->start_s);
-  Py_TYPE(self_obj)->tp_free(self_obj);
-  --reads_alive;
-}
-
-PyMemberDef read_members[] = {
+PyMemberDef read_members[] = {   // in NvmeRead's order (`make`)
     OBJECT_FIELD(NvmeRead, nbytes, READONLY, nullptr),
     OBJECT_FIELD(NvmeRead, future, 0, nullptr),
     OBJECT_FIELD(NvmeRead, buf, 0, nullptr),
@@ -288,7 +240,7 @@ PyTypeObject read_type = [] {
       "offload._C.NvmeRead", sizeof(NvmeRead),
       "NvmeRead(nbytes, future, buf, gpu): one payload's read, from its prefetch or fetch "
       "until its bytes are handed out (tiers/nvme_reads.py); start_s is when it was made.",
-      nullptr, read_dealloc);
+      nullptr, dealloc<&reads_alive>);
   type.tp_vectorcall = read_vectorcall;
   type.tp_members = read_members;
   return type;

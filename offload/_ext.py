@@ -17,7 +17,8 @@ from types import ModuleType
 
 from .errors import ExtensionUnavailable
 
-__all__ = ["load_core", "core_available", "core_unavailable_reason", "HOW_TO_BUILD"]
+__all__ = ["load_core", "core_attr", "core_available", "core_unavailable_reason",
+           "HOW_TO_BUILD"]
 
 _log = logging.getLogger("offload")
 _lock = threading.Lock()
@@ -54,6 +55,13 @@ def load_core() -> ModuleType:
         raise ExtensionUnavailable(
             f"the compiled core offload._C is not available ({_reason}); {HOW_TO_BUILD}")
     return _module
+
+
+def core_attr(name: str):
+    """`offload._C.<name>`, or None when the core is missing or was built before it existed
+    (the feature that needs it then says so when used); never raises."""
+    _try_import()
+    return getattr(_module, name, None) if _module is not None else None
 
 
 def core_available() -> bool:

@@ -78,11 +78,10 @@ log = logging.getLogger("offload")
 
 # An extent in the store and the transfers in flight for it, which the tier sets and clears
 # (NOTE [One owner]): the payload itself calls nothing. `_NvmePayload(extent, nbytes, device,
-# phase, cuda)` (NOTE [Phase]; `cuda`: on_cuda(device), asked once), with the fields `write`
-# and `read` (the Write / Read in flight, or None) and `released`; `resident` is False. The
-# core's type (csrc/nvme_records.cpp: an object the garbage collector does not track); this
-# tier runs only with the core.
-_NvmePayload = getattr(_ext.load_core(), "NvmePayload", None) if _ext.core_available() else None
+# phase, cuda)` (NOTE [Phase]), with the fields `write`, `read` and `released` besides. The
+# core's `NvmePayload`: what each field holds, and why the garbage collector need not track
+# it, in csrc/nvme_records.cpp. None without the core: this tier runs only with it.
+_NvmePayload = _ext.core_attr("NvmePayload")
 
 
 class NvmeTier(Tier):

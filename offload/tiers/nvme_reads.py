@@ -36,12 +36,10 @@ def phase_buffer(core, nbytes: int, phase: int, alignment: int, block=None) -> t
 
 
 # One payload's read, from `prefetch` / `fetch` until its bytes are handed out:
-# `Read(nbytes, future, buf, gpu)`, with the fields `future` (an IoFuture, or the H2DTicket of
-# a read chained to an H2D), `buf` (the host memory it lands in; None when chained), `gpu`,
-# `start_s` (when it was made, on time.perf_counter()'s clock) and `observed` (its completion
-# already counted). The core's type (csrc/nvme_records.cpp: an object the garbage collector
-# does not track); the nvme tier runs only with the core.
-Read = getattr(_ext.load_core(), "NvmeRead", None) if _ext.core_available() else None
+# `Read(nbytes, future, buf, gpu)`, with the fields `start_s` (when it was made) and
+# `observed` besides. The core's `NvmeRead`: what each field holds, and why the garbage
+# collector need not track it, in csrc/nvme_records.cpp.
+Read = _ext.core_attr("NvmeRead")
 
 
 class ReadQueue:

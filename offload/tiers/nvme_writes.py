@@ -29,14 +29,10 @@ def end_s(future) -> float:
 
 
 # One payload's write, from `store` until the queue retires it and drops it from the payload
-# (tiers/base.py NOTE [One owner]): `Write(nbytes)`, with the fields `future` (an IoFuture, or
-# nvme_device.WriteBehind after a D2H; None while it waits in the batch, NOTE [Write
-# batches]), `source` and `address` (the memory a direct write reads from, nvme.py NOTE
-# [Deferred free]), `direct_bytes` (of `source`, counted against the direct-write cap), `d2h`
-# (the D2HTicket of the device copy feeding it, CUDA) and `start_s` (set when it is queued).
-# The core's type (csrc/nvme_records.cpp: an object the garbage collector does not track);
-# the nvme tier runs only with the core.
-Write = getattr(_ext.load_core(), "NvmeWrite", None) if _ext.core_available() else None
+# (tiers/base.py NOTE [One owner]): `Write(nbytes)`, with the fields `future`, `source`,
+# `address`, `direct_bytes`, `d2h` and `start_s`. The core's `NvmeWrite`: what each field
+# holds, and why the garbage collector need not track it, in csrc/nvme_records.cpp.
+Write = _ext.core_attr("NvmeWrite")
 
 
 class WriteQueue:
