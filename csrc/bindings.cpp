@@ -54,17 +54,45 @@ void raise_storage_error(const IoError& e) {
   }
 }
 
-void translate(std::exception_ptr p) {
+// Sets the Python error for one of the core's own exception types; false for any other.
+bool set_core_error(std::exception_ptr p) {
   try {
-    if (p) std::rethrow_exception(p);
+    std::rethrow_exception(p);
   } catch (const IoError& e) {
     raise_storage_error(e);
   } catch (const InvalidArgument& e) {
     PyErr_SetString(PyExc_ValueError, e.what());
   } catch (const UseAfterClose& e) {
     set_used_after_close(e.what());
+  } catch (...) {
+    return false;
+  }
+  return true;
+}
+
+// pybind11's translator: the core's types here, any other to pybind11's own translation.
+void translate(std::exception_ptr p) {
+  if (p && !set_core_error(p)) std::rethrow_exception(p);
+}
+
+}  // namespace
+
+void set_python_error(std::exception_ptr error) {
+  if (set_core_error(error)) return;
+  try {
+    std::rethrow_exception(error);
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "offload: unknown C++ exception");
   }
 }
+
+namespace {
 
 void copy(bool d2h, uintptr_t dst, uintptr_t src, int64_t nbytes, uintptr_t stream, uintptr_t event) {
   const uint64_t n = non_negative(nbytes, "nbytes");
@@ -159,5 +187,6 @@ PYBIND11_MODULE(_C, m) {
   bind::bind_saved_record(m);
   bind::bind_timeline(m);
   bind::bind_storage_ref(m);
-  bind::bind_nvme_records(m);
+  bind::bind_nvme_payload(m);
+  bind::bind_nvme_transfers(m);
 }

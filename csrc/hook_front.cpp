@@ -43,23 +43,6 @@ struct Callable {
   vectorcallfunc vectorcall;
 };
 
-// `body()`, whose Python errors (py::error_already_set) and C++ ones (an allocation that
-// failed) come back as a set Python error and a null return: nothing C++ may leave a call
-// from torch.
-template <typename Body>
-PyObject* guarded(Body&& body) {
-  try {
-    return body();
-  } catch (py::error_already_set& e) {
-    e.restore();
-  } catch (const std::bad_alloc&) {
-    PyErr_NoMemory();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-  }
-  return nullptr;
-}
-
 bool one_argument(const char* what, size_t nargsf, PyObject* kwnames) {
   if (PyVectorcall_NARGS(nargsf) == 1 && (kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0))
     return true;

@@ -276,6 +276,16 @@ std::shared_ptr<IoRequest> NvmeStore::read_ptr(const Extent& extent, uintptr_t p
   return submit(extent, reinterpret_cast<char*>(ptr), nbytes, nbytes, false, nullptr);
 }
 
+std::shared_ptr<IoRequest> NvmeStore::read_into(const Extent& extent,
+                                                std::shared_ptr<HostRegion> region,
+                                                uint64_t skip, uint64_t nbytes) {
+  if (!region || skip > region->capacity_bytes() || nbytes > region->capacity_bytes() - skip)
+    throw InvalidArgument("read_into: " + std::to_string(nbytes) + " bytes at " +
+                          std::to_string(skip) + " do not fit the region");
+  char* mem = region->data() + skip;
+  return submit(extent, mem, nbytes, nbytes, false, std::move(region));
+}
+
 std::shared_ptr<ThreadPool> NvmeStore::stager(Stager which) {
   // A copy taken under the lock: close() may drop the store's reference at any moment
   // (with the GIL released), and the caller's copy keeps the pool alive until it is done.

@@ -97,6 +97,11 @@ class NvmeStore {
       const std::vector<const Extent*>& extents, const std::vector<uintptr_t>& ptrs,
       const std::vector<uint64_t>& nbytes);
   std::shared_ptr<IoRequest> read_ptr(const Extent& extent, uintptr_t ptr, uint64_t nbytes);
+  // read_ptr into `region` from byte `skip` on, the request holding the region until it is
+  // done: memory that a caller who lets go of the read early (a released payload's) need
+  // not keep alive itself.
+  std::shared_ptr<IoRequest> read_into(const Extent& extent, std::shared_ptr<HostRegion> region,
+                                       uint64_t skip, uint64_t nbytes);
   std::shared_ptr<IoRequest> write_after_event(const Extent& extent, const HostBlock& block,
                                                uintptr_t event);
   std::shared_ptr<IoRequest> read_then_h2d(const Extent& extent, const HostBlock& block,

@@ -9,10 +9,26 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <exception>
+
+#include "bindings.hpp"
 
 namespace offload::bind {
 
 namespace py = pybind11;
+
+// `body()`, whose errors (a Python error as py::error_already_set, a C++ one: an I/O
+// error, an allocation that failed) come back as a set Python error and a null return:
+// nothing C++ may leave a call from Python (bindings.hpp `set_python_error`).
+template <typename Body>
+PyObject* guarded(Body&& body) {
+  try {
+    return body();
+  } catch (...) {
+    set_python_error(std::current_exception());
+  }
+  return nullptr;
+}
 
 // Attribute names, interned once at import (the module holds them for the process).
 struct Names {
@@ -31,6 +47,13 @@ struct Names {
   PyObject* epoch;
 };
 extern Names names;   // set by bind_saved_handles (saved_handles.cpp)
+
+// A name interned for the process (the module's attribute names); throws on failure.
+inline PyObject* intern(const char* s) {
+  PyObject* name = PyUnicode_InternFromString(s);
+  if (name == nullptr) throw py::error_already_set();
+  return name;
+}
 
 inline py::object attr(PyObject* obj, PyObject* name) {
   PyObject* value = PyObject_GetAttr(obj, name);

@@ -1,6 +1,6 @@
 // The CPython types of the hooks' C front (hook_front.cpp, saved_handles.cpp,
 // saved_record.cpp, storage_ref.cpp, timeline.cpp) and of the nvme tier's records
-// (nvme_records.cpp) start here: written against the C API, not pybind11, and not tracked
+// (nvme_payload.cpp, nvme_transfers.cpp) start here: written against the C API, not pybind11, and not tracked
 // by the garbage collector (no Py_TPFLAGS_HAVE_GC; each file says why that is safe for its
 // types).
 #pragma once

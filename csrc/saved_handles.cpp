@@ -111,12 +111,6 @@ PyTypeObject held_type = [] {
   return type;
 }();
 
-PyObject* intern(const char* s) {
-  PyObject* name = PyUnicode_InternFromString(s);
-  if (name == nullptr) throw py::error_already_set();
-  return name;
-}
-
 }  // namespace
 
 PyTypeObject small_save_type = [] {

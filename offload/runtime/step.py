@@ -162,6 +162,8 @@ class Step:
         """Bring what the step's saves counted into its Stats (at the block's exit, the
         step's end, and whenever `ctx.stats` is read; idempotent)."""
         self.ledger.fold()
+        for tier in self.tiers.values():
+            tier.fold(self.stats)
 
     def _backward_ended(self) -> None:
         """Autograd's end-of-backward callback (NOTE [End of step], point 2)."""

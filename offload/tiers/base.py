@@ -134,6 +134,10 @@ class Tier(abc.ABC):
         """Free every payload now (the step failed): a later `fetch` of one raises
         UsedAfterCloseError, `released` says so."""
 
+    def fold(self, stats) -> None:
+        """Bring what the tier counted outside Python (its transfers) into `stats` (whenever
+        the step's Stats are read; idempotent)."""
+
     def report(self, stats) -> None:
         """Put the tier's end-of-step figures into `stats` (space still used, peaks)."""
         stats.tier(self.name).exit_used_bytes = self.used_bytes

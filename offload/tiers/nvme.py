@@ -1,20 +1,29 @@
 """The nvme tier: payloads written to private slab files on local SSDs by the C++ engine.
 
-Write path (forward), CPU tensors. `store` writes straight from the tensor's own memory
-(`write_ptr`, no staging copy): the extent is allocated with the tensor's *phase* (address
-modulo the O_DIRECT alignment), so the engine moves all but the partial sectors at the two
-ends in place (NOTE [Phase]). The tensor is kept alive until its write lands (NOTE [Deferred
-free]); `store` waits only when more than `staging_bytes` of such writes are in flight (it
-then retires the oldest: counted as forward stall).
+What each stored storage pays runs in the core's `NvmeTransfers` (csrc/nvme_transfers.cpp):
+the extent, the write and its batch, the backpressure, the read, the wait, the hand-out and
+the release, with no Python in between; its notes say how ([Write batches], [Read after
+write], [Deferred free]). This module keeps what is per step or per device: the store and
+staging arena it takes from the process, the CUDA copies that feed and follow the I/O, and
+the step's figures.
 
-Write path, CUDA tensors. `store` starts the D2H into a pinned staging block (see below); a
-tensor that does not fit the staging arena (or any, without CopyStreams) is copied into a
-page-aligned host buffer and written from there like a CPU tensor.
+Write path (forward), CPU tensors. `store` writes straight from the tensor's own memory (no
+staging copy): the extent is allocated with the tensor's *phase* (address modulo the O_DIRECT
+alignment), so the engine moves all but the partial sectors at the two ends in place (NOTE
+[Phase]). The tensor is kept alive until its write lands; `store` waits only when more than
+`staging_bytes` of such writes are in flight (it then retires the oldest: counted as forward
+stall).
 
-Read path (backward). `prefetch` takes memory with the payload's phase (a slice of a staging
-arena block, or of a plain buffer when the arena is full), waits for the payload's own write
-if it is still in flight (NOTE [Read after write]) and submits the read. `fetch` waits on that
-read only and returns a zero-copy uint8 view, so the memory returns when autograd drops it.
+Write path, CUDA tensors. `store` starts the D2H into a pinned staging block and the engine
+writes the block once the copy's event completes (nvme_device.py); a tensor that does not fit
+the staging arena (or any, without CopyStreams) is copied into a page-aligned host buffer and
+written from there like a CPU tensor.
+
+Read path (backward). `prefetch` reads into memory of the payload's phase (a slice of the
+staging arena, or of a fresh buffer when it is full) after the payload's own write; `fetch`
+waits on that read only and returns a zero-copy uint8 view that holds the memory, so it
+returns when autograd drops it. A CUDA payload's read is chained to its H2D in the engine; a
+tensor needed again while its D2H is pending is served from the source (`device_tensor_if_held`).
 
 NOTE [Phase] O_DIRECT needs the memory address and the file offset aligned. Instead of
 copying each tensor into aligned staging memory, the extent's data starts `phase` bytes past
@@ -28,60 +37,51 @@ unpack as it would without offload; one made through `.data` (invisible to the v
 counter) before the write lands may or may not reach the disk, where plain autograd would
 use the changed values.
 
-NOTE [Read after write] The engine does not order a read after a write of the same extent;
-reading before the write landed returns stale bytes. Every read first retires its payload's
-write.
-
-NOTE [Deferred free] Memory the engine reads from or into must outlive the I/O. The engine
-itself keeps HostBlocks and the extent's slab range alive until a request is done, so a
-released payload gives its extent back at once; but the raw memory of `write_ptr` (the
-source tensor) and `read_ptr` (a slice of an arena block or of a plain buffer) is ours. A
-write's source stays with its `Write` (the write queue holds the payload) until retired, freed
-payload or not; a read still in flight when its payload is released (a prefetched tensor
-never used) goes to a deferred list, dropped when `poll` sees it done. `release` never blocks.
-
-CUDA sources with the context's CopyStreams and a CUDA build of the extension: the D2H →
-write and read → H2D chains run in the engine (nvme_device.py); a tensor needed again
-while its D2H is pending is served from the source (`device_tensor_if_held`). Otherwise
-the copies are synchronous `copy_` calls (`sync_d2h` / `sync_h2d`).
-
-NOTE [One owner] (tiers/base.py) The tier owns every transfer: a `Write` and a `Read` per
-payload in flight, kept in its queues, with the memory each must keep alive and its clock.
-A payload holds its extent and *references* to its current `Write` / `Read`, set and
-cleared only by the tier; it calls nothing.
+NOTE [One owner] (tiers/base.py) The tier owns every transfer, through its NvmeTransfers:
+a payload holds its extent and its write and read in flight, set and cleared only there; it
+calls nothing.
 """
 from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any, Callable, Hashable
 
 import torch
 
 from .. import _ext
 from ..errors import ExtensionUnavailable, UsedAfterCloseError
+from ..util import ranges
+from ..util.ranges import D2H, NO_SPAN, profiling, span
 from ..util.sizes import format_bytes
 from ..util.stats import Stats
-from .base import Payload, Tier, flat_bytes, on_cuda, sync_d2h, sync_h2d
+from .base import Tier, flat_bytes, on_cuda, sync_d2h, sync_h2d
 from . import nvme_device, nvme_space, pool
-from .nvme_space import CHUNK_BYTES
-from ..util.ranges import D2H, NO_SPAN, WAIT_READ, profiling, span
 from .heap import HeapSettings
-from .nvme_reads import Read, ReadQueue, phase_buffer
-from .nvme_writes import Write, WriteQueue
+from .nvme_space import CHUNK_BYTES
 
-__all__ = ["NvmeTier"]
+__all__ = ["NvmeTier", "phase_buffer", "WRITE_BATCH"]
 
 log = logging.getLogger("offload")
 
+# Direct writes handed to the engine at once (csrc/nvme_transfers.cpp NOTE [Write batches]).
+WRITE_BATCH = 32
 
-# An extent in the store and the transfers in flight for it, which the tier sets and clears
-# (NOTE [One owner]): the payload itself calls nothing. `_NvmePayload(extent, nbytes, device,
-# phase, cuda)` (NOTE [Phase]), with the fields `write`, `read` and `released` besides. The
-# core's `NvmePayload`: what each field holds, and why the garbage collector need not track
-# it, in csrc/nvme_records.cpp. None without the core: this tier runs only with it.
-_NvmePayload = _ext.core_attr("NvmePayload")
+# Every write and read in flight for one tier's payloads, and the payloads themselves (what
+# each holds, and why the garbage collector need not track them: csrc/nvme_payload.cpp).
+# None without the core: this tier runs only with it.
+_NvmeTransfers = _ext.core_attr("NvmeTransfers")
+
+
+def phase_buffer(core, nbytes: int, phase: int, alignment: int) -> torch.Tensor:
+    """`nbytes` of fresh host memory whose address % `alignment` is `phase` (NOTE [Phase]),
+    as a uint8 tensor (storage offset 0, like the original storage) that keeps it alive."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    room = nbytes + alignment
+    block = core.HostArena(room, pinned=False).allocate(room)
+    skip = (phase - block.ptr) % alignment
+    return torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=skip)
 
 
 class NvmeTier(Tier):
@@ -109,26 +109,21 @@ class NvmeTier(Tier):
                 of the extension device copies are then chained with the I/O.
             max_bytes_per_s: The engine's throughput cap (OFFLOAD_NVME_MAX_BW; 0: none).
         """
-        if _NvmePayload is None or Write is None or Read is None:
+        if _NvmeTransfers is None:
             raise ExtensionUnavailable(
-                "offload: the compiled core offload._C predates the nvme tier's records "
-                f"(csrc/nvme_records.cpp): {_ext.HOW_TO_BUILD}")
+                "offload: the compiled core offload._C predates the nvme tier's transfers "
+                f"(csrc/nvme_transfers.cpp): {_ext.HOW_TO_BUILD}")
         self._stats = stats
         self._core = core
         # The chained paths need write_after_event / read_then_h2d (CUDA builds only).
         self._copies = copies if getattr(core, "cuda_compiled", False) else None
         self._dirs = tuple(os.path.realpath(d) for d in dirs)  # the budget's key
         self._arena = None
+        self._transfers = None
         self._closed = False
         self._store = nvme_space.acquire_sized(
             self._dirs, capacity_bytes, core, workers=workers, checksum=checksum,
             max_bytes_per_s=max_bytes_per_s, capacity_key=capacity_key)
-        self._own_bytes = 0  # this tier's share of the store (others may use it too)
-        self._live: set[_NvmePayload] = set()  # stored, not yet released (abort frees them)
-        # Reads in submission order until seen done (the engine serves them first in, first
-        # out, so poll looks at the oldest ones only), and released payloads' reads.
-        self._reads = ReadQueue(stats)
-        self._writes = WriteQueue(self._store, stats, staging_bytes, CHUNK_BYTES)
         # CPU sources: freed activation RAM should be reused, not returned and refaulted.
         self._heap = HeapSettings(cpu_heap)
         if self._store is None:
@@ -146,6 +141,11 @@ class NvmeTier(Tier):
         # (plus any other context's bounced bytes in the meantime).
         self._bounced_at_open = self._store.bytes_bounced
         self._alignment = max(self._store.alignment, core.DEFAULT_ALIGNMENT)
+        # At most `staging_bytes` of source tensors held for their direct writes, the RAM
+        # the staging arena would have used; batches of WRITE_BATCH writes or CHUNK_BYTES.
+        self._transfers = _NvmeTransfers(self._store, self._arena, self._alignment,
+                                         max(staging_bytes, 1), CHUNK_BYTES, WRITE_BATCH,
+                                         stats, ranges, torch.frombuffer, torch.uint8)
 
     @classmethod
     def open(cls, config, stats: Stats, copies) -> "NvmeTier":
@@ -159,7 +159,20 @@ class NvmeTier(Tier):
         stats.tier(cls.name).capacity_bytes = tier.capacity_bytes
         return tier
 
+    def fold(self, stats: Stats) -> None:
+        transfers = self._transfers
+        if transfers is None:
+            return
+        written, read, peak_writes, peak_reads, write_busy, read_busy = transfers.take_counts()
+        stats.nvme_written_bytes += written
+        stats.nvme_read_bytes += read
+        stats.peak_writes_inflight = max(stats.peak_writes_inflight, peak_writes)
+        stats.peak_reads_inflight = max(stats.peak_reads_inflight, peak_reads)
+        stats.write_clock.add_intervals(write_busy)
+        stats.read_clock.add_intervals(read_busy)
+
     def report(self, stats: Stats) -> None:
+        self.fold(stats)
         super().report(stats)
         arena = self._arena
         stats.staging_peak_bytes = arena.peak_bytes if arena is not None else 0
@@ -178,7 +191,7 @@ class NvmeTier(Tier):
     @property
     def used_bytes(self) -> int:
         """Bytes of this tier's payloads still on disk (0 after a clean step)."""
-        return self._own_bytes
+        return self._transfers.own_bytes if self._transfers is not None else 0
 
     @property
     def budget_used_bytes(self) -> int:
@@ -194,50 +207,44 @@ class NvmeTier(Tier):
     def paths(self) -> list[str]:
         return list(self._store.paths) if self._store is not None else []
 
+    @property
+    def _live(self) -> set:
+        """The payloads stored and not yet released (abort frees them)."""
+        return self._transfers.live if self._transfers is not None else set()
+
     # ---------------------------------------------------------------- write path
-    def store(self, storage: torch.UntypedStorage, device: torch.device) -> Payload | None:
+    def store(self, storage: torch.UntypedStorage, device: torch.device):
         if self._closed:
             raise UsedAfterCloseError("offload: nvme tier used after close")
         if self._store is None:
             return None  # no room at all (see __init__)
-        nbytes = storage.nbytes()
-        on_cpu = not on_cuda(device)
-        chained = self._copies is not None and not on_cpu
-        if on_cpu:
+        if not on_cuda(device):
             self._heap.acquire()  # heap.py: CPU RAM is freed and reused during the step
-        self.poll()
+            return self._transfers.store_direct(storage, device)   # written in place
+        return self._store_from_device(storage, device)
+
+    def _store_from_device(self, storage: torch.UntypedStorage, device: torch.device):
+        transfers = self._transfers
+        nbytes = storage.nbytes()
+        transfers.poll()
+        chained = self._copies is not None
         block = self._arena.allocate(nbytes) if chained else None
         if chained and block is None and nbytes <= self._arena.capacity_bytes:
             block = self._wait_for_staging(nbytes)
-        address = storage.data_ptr()
-        phase = self._phase_of(address) if on_cpu else 0
-        extent = self._store.allocate(nbytes, phase)
-        if extent is None:
+        payload = transfers.allocate(nbytes, device, 0, True)
+        if payload is None:
             return None  # full (or too fragmented): the caller spills to the next tier
-        payload = _NvmePayload(extent, nbytes, device, phase, not on_cpu)
-        write = Write(nbytes)
-        self._own_bytes += nbytes  # from here on `release` gives it back
-        self._live.add(payload)
         if block is not None:
             with span(D2H) if profiling() else NO_SPAN:  # returns at once
                 ticket = self._copies(device).offload(flat_bytes(storage), block)
-            write.future = nvme_device.write_after_d2h(self._store, extent, ticket)
-            write.d2h = ticket
-            del block  # the copy and the engine hold it (copies Notes 3, 4)
-            self._writes.add_chained(payload, write)
-            return payload
-        source = storage  # written in place (NOTE [Phase])
-        if not on_cpu:  # no CopyStreams, or no staging space
-            source = phase_buffer(self._core, nbytes, 0, self._alignment)
-            sync_d2h(flat_bytes(storage), source, self._stats)
-            address = source.data_ptr()
-        # NOTE [Deferred free]: the source must outlive the write.
-        self._writes.add_direct(payload, write, source, address)
+            transfers.add_chained(
+                payload, nvme_device.write_after_d2h(self._store, payload.extent, ticket), ticket)
+            return payload  # the copy and the engine hold the block (copies Notes 3, 4)
+        # No CopyStreams, or no staging space: a host copy, written like a CPU tensor.
+        source = phase_buffer(self._core, nbytes, 0, self._alignment)
+        sync_d2h(flat_bytes(storage), source, self._stats)
+        transfers.add_direct(payload, source, source.data_ptr())
         return payload
-
-    def _phase_of(self, address: int) -> int:
-        phase = address % self._alignment
-        return phase if phase % 64 == 0 else 0  # NOTE [Phase]
 
     def _wait_for_staging(self, nbytes: int):
         # The arena is full of D2H copies in flight; wait for the oldest writes.
@@ -248,141 +255,83 @@ class NvmeTier(Tier):
             block = self._arena.allocate(nbytes)
             return block is not None
 
-        self._writes.retire_oldest(allocated, "wait staging space")
+        self._transfers.retire_oldest(allocated, "wait staging space")
         return block  # None: fragmented or held by reads; written from a host copy
 
     # ---------------------------------------------------------------- read path
-    def prefetchable(self, payload: _NvmePayload) -> bool:
+    def prefetchable(self, payload) -> bool:
         return True
 
-    def prefetched(self, payload: _NvmePayload) -> bool:
-        return payload.read is not None
+    def prefetched(self, payload) -> bool:
+        return payload.reading
 
-    def released(self, payload: _NvmePayload) -> bool:
+    def released(self, payload) -> bool:
         return payload.released
 
-    def prefetch(self, payload: _NvmePayload) -> bool:
-        if payload.read is not None or payload.released:
+    def prefetch(self, payload) -> bool:
+        if not payload.cuda:
+            return self._transfers.prefetch(payload)
+        if payload.reading or payload.released:
             return False
-        self.start_read(payload)
+        self._start_device_read(payload)
         return True
 
-    def start_read(self, payload: _NvmePayload) -> None:
-        """Start loading `payload` (its prefetch, or its fetch when nothing was prefetched)."""
+    def _start_device_read(self, payload) -> None:
+        """Start loading a CUDA payload: read → H2D chained in the engine when a staging
+        block is free, else a host read that `fetch` copies over."""
         if self._closed:
             raise UsedAfterCloseError("offload: nvme tier used after close")
-        self._writes.in_backward = True
-        self._writes.submit()  # the reads come now: nothing waits behind them any more
-        if payload.write is not None:  # NOTE [Read after write]
-            start = time.perf_counter()
-            self._writes.retire(payload)
-            self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
-                                  what="wait own write")
-        nbytes, phase = payload.nbytes, payload.phase
-        room = nbytes + self._alignment  # fits `nbytes` at any phase
-        block = self._arena.allocate(room)
-        gpu = block is not None and self._copies is not None and payload.cuda and phase == 0
-        if gpu:
-            # read → H2D chained in the engine; the ticket holds block and destination
-            # until the copy is done (copies Notes 8, 9).
-            read = Read(nbytes, nvme_device.read_then_h2d(
-                self._copies(payload.device), self._store, payload.extent, block, nbytes),
-                None, True)
-        else:
-            # Memory of the payload's phase (NOTE [Phase]): a slice of the arena block, or
-            # of a plain buffer. The engine does not hold either (read_ptr): the Read does,
-            # and NOTE [Deferred free] covers a release mid-read.
-            buf = phase_buffer(self._core, nbytes, phase, self._alignment, block)
-            read = Read(nbytes, self._store.read_ptr(payload.extent, buf.data_ptr(), nbytes),
-                        buf, False)
-        payload.read = read
-        self._reads.add(read)
+        transfers = self._transfers
+        transfers.before_read(payload)   # its own write first (NOTE [Read after write])
+        if self._copies is not None and payload.phase == 0:
+            block = self._arena.allocate(payload.nbytes + self._alignment)
+            if block is not None:
+                # The ticket holds block and destination until the copy is done (copies
+                # Notes 8, 9).
+                transfers.add_chained_read(payload, nvme_device.read_then_h2d(
+                    self._copies(payload.device), self._store, payload.extent, block,
+                    payload.nbytes))
+                return
+        transfers.start_read(payload)
 
-    def fetch(self, payload: _NvmePayload) -> torch.Tensor:
+    def fetch(self, payload) -> torch.Tensor:
         """The payload's bytes on its device: waits for this payload's read only."""
-        if payload.released:
-            raise UsedAfterCloseError(
-                "offload: a saved tensor was used after its offload.activations() context "
-                "released it (the block exited with an exception, or backward ran after the "
-                "context was closed)")
-        self.poll()  # retire landed writes first: their memory goes back sooner
-        write = payload.write
-        if write is not None and write.d2h is not None:
-            # The source on the device while its D2H is still pending.
-            held = write.d2h.device_tensor_if_held()
-            if held is not None:  # needed again before its D2H finished: no read at all
-                self._stats.pending_copy_hits += 1
-                return held
-        if payload.read is None:
-            self.start_read(payload)
-        read, payload.read = payload.read, None
-        try:
-            if read.gpu:
-                # Waits on the host only for the engine's read + H2D submission; the
-                # current stream then waits on the H2D event on the GPU (copies Note 7).
-                # CopyStreams counts that wait itself (h2d_wait_s, folded in at context
-                # exit, and the trace): counted here too, a step's stall could exceed the
-                # step.
-                with span(WAIT_READ) if profiling() else NO_SPAN:
-                    result = read.future.tensor_for_use()
-                self._stats.nvme_read_bytes += payload.nbytes
-                return result
-            if read.observed:   # landed already (the poll above saw it): no wait, no stall
-                moved = read.future.wait()
-            else:
-                moved = self._wait_read(read)
-        finally:
-            self._reads.observe(read)
-            # A read seen here may stay in the queue until it reaches the front: it keeps
-            # nothing (the bytes are the caller's now, or the read failed: its wait has no
-            # timeout, so a read that raised is over and its memory is free to go).
-            buf, read.buf, read.future = read.buf, None, None
-        self._stats.nvme_read_bytes += moved
-        return buf if not payload.cuda else sync_h2d(buf, payload.device, self._stats)
-
-    def _wait_read(self, read: Read) -> int:
-        """Wait for a read still in flight: a backward stall."""
-        start = time.perf_counter()
-        try:
-            with span(WAIT_READ) if profiling() else NO_SPAN:
-                return read.future.wait()
-        finally:
-            self._stats.add_stall(time.perf_counter() - start, backward=True, start_s=start,
-                                  what="wait read")
+        if not payload.cuda:
+            return self._transfers.fetch(payload)
+        transfers = self._transfers
+        if not payload.released:
+            transfers.poll()   # retire landed writes first: their memory goes back sooner
+            d2h = transfers.pending_d2h(payload)
+            if d2h is not None:
+                # The source on the device while its D2H is still pending.
+                held = d2h.device_tensor_if_held()
+                if held is not None:  # needed again before its D2H finished: no read at all
+                    self._stats.pending_copy_hits += 1
+                    return held
+            if not payload.reading:
+                self._start_device_read(payload)
+        if payload.reading_on_device:
+            return transfers.fetch(payload)   # chained: the stream waits on the H2D
+        return sync_h2d(transfers.fetch(payload), payload.device, self._stats)
 
     # ---------------------------------------------------------------- housekeeping
     def poll(self) -> None:
         """Retire landed writes (oldest first), note finished reads, free deferred memory."""
-        self._writes.poll()
-        self._reads.poll()
+        if self._transfers is not None:
+            self._transfers.poll()
 
-    def release(self, payload: _NvmePayload) -> None:
+    def release(self, payload) -> None:
         """Give the payload's extent back at once; never waits for I/O."""
-        if payload.released:
-            return
-        payload.released = True
-        self._live.discard(payload)
-        if self._closed:
-            return
-        self._own_bytes -= payload.nbytes
-        if not self._writes.released(payload):
-            return  # being submitted now: the batch gives it back (NOTE [Write batches])
-        read, payload.read = payload.read, None
-        if read is not None:
-            # The engine keeps the extent's range (and any HostBlock) until its I/O is done,
-            # so the extent goes back at once; the raw memory a read_ptr lands in must stay
-            # (a write's source stays with its Write in the queue until it is retired).
-            self._reads.defer(read)
-        payload.extent.release()
+        self._transfers.release(payload)
 
     def drain(self) -> None:
         """Wait for every write in flight and free deferred memory."""
-        self._writes.drain()
-        self._reads.reap(wait=True)
+        if self._transfers is not None:
+            self._transfers.drain()
 
     def abort(self) -> None:
-        for payload in list(self._live):
-            self.release(payload)
+        if self._transfers is not None:
+            self._transfers.abort()
 
     def close(self, reuse: bool = True) -> None:
         """Close: wait for this tier's own I/O, then let go of the shared store (kept open
@@ -391,33 +340,23 @@ class NvmeTier(Tier):
             return
         self._closed = True
         self._heap.release()
-        store, arena = self._store, self._arena
+        store, arena, transfers = self._store, self._arena, self._transfers
         if store is None:
             return
-        clean = reuse and not self._writes.pending and self._reads.idle
+        clean = reuse and transfers.idle
         try:
             if not clean:
-                self._wait_own_io()
+                # Every transfer of this tier is over, so the memory it reads or writes may
+                # go. The store may live on (other contexts use it): unlike closing it, this
+                # waits only for our own requests; failures are dropped.
+                transfers.wait_all()
         finally:
+            self.fold(self._stats)
             self._stats.nvme_bounced_bytes += store.bytes_bounced - self._bounced_at_open
-            self._writes.forget()
-            self._reads.clear()
+            transfers.close()
             self._store = self._arena = None
             nvme_space.release(self._dirs, store, keep=clean)
         # Blocks still viewed by live tensors keep their memory; such an arena is dropped
         # (freed with its last block), not reused.
         if clean and arena.used_bytes == 0:
             pool.give_back("nvme-staging", self._arena_key, arena)
-
-    def _wait_own_io(self) -> None:
-        """Every transfer of this tier is over, so the memory it reads or writes may go.
-
-        The store may live on (other contexts use it): unlike closing it, this waits only
-        for our own requests. Failures are dropped: nobody needs these bytes any more.
-        """
-        futures = self._writes.futures() + self._reads.futures()
-        for future in futures:
-            try:
-                future.wait()
-            except Exception as exc:  # noqa: BLE001 - StorageError, or a closed store
-                log.debug("offload: I/O of a closed nvme tier failed: %s", exc)

@@ -2,8 +2,9 @@
 
 `offload::pack`, `offload::unpack` (a saved tensor), `offload::write` (an NVMe write batch
 handed to the engine), `offload::d2h` (a copy to the host tier issued), `offload::wait_read`
-(unpack waiting for its bytes), `offload::prefetch` (read-ahead issued), `offload::recompute`
-(a checkpointed block run again in backward) appear in `torch.profiler` traces
+(unpack getting its bytes from a read: waiting for it, or collecting one that landed),
+`offload::prefetch` (read-ahead issued), `offload::recompute` (a checkpointed block run again
+in backward) appear in `torch.profiler` traces
 (`prof.key_averages()`, the Chrome trace); under `torch.autograd.profiler.emit_nvtx()` torch
 sends the same ranges to NVTX, so Nsight Systems shows them on a GPU.
 

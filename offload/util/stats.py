@@ -41,6 +41,10 @@ class BusyClock:
     def add_interval(self, start_s: float, end_s: float) -> None:
         self._intervals.append((start_s, end_s))
 
+    def add_intervals(self, intervals) -> None:
+        """Add several [start, end] intervals at once (an nvme tier's, folded in)."""
+        self._intervals.extend(intervals)
+
     def add(self, seconds: float) -> None:
         """Account a transfer that just ran synchronously for `seconds`."""
         now = time.perf_counter()

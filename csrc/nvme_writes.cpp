@@ -1,0 +1,133 @@
+// The nvme tier's writes in flight, oldest first: batching, backpressure and retiring
+// (nvme_transfers.hpp; NOTE [Write batches] and [Deferred free] there).
+#include <Python.h>
+
+#include <pybind11/pybind11.h>
+
+#include "bindings.hpp"
+#include "nvme_transfers.hpp"
+#include "perf_clock.hpp"
+#include "py_calls.hpp"
+
+namespace offload::bind::nvme {
+
+void retire(State* s, NvmePayload* p) {
+  std::shared_ptr<NvmeWrite> write = p->write;
+  if (!write) return;
+  if (!write->done.set()) submit(s);
+  std::exception_ptr error;
+  uint64_t moved = 0;
+  try {
+    moved = completion_wait(write->done);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (p->write == write) p->write.reset();   // the payload keeps nothing of a finished write
+  s->direct_inflight -= write->direct_bytes;
+  write->direct_bytes = 0;
+  const double end = completion_end_s(write->done);
+  s->write_busy.emplace_back(write->start_s, end);
+  trace_io(s, true, write->nbytes, write->start_s, end);
+  if (error) std::rethrow_exception(error);
+  s->written_bytes += moved;
+}
+
+// NOTE [Write batches]
+void submit(State* s) {
+  if (s->batch.empty()) return;
+  Range range(s, io_names.write_range);   // (its Python runs before the batch is taken)
+  std::vector<const Extent*> extents;
+  std::vector<uintptr_t> ptrs;
+  std::vector<uint64_t> sizes;
+  extents.reserve(s->batch.size());
+  ptrs.reserve(s->batch.size());
+  sizes.reserve(s->batch.size());
+  for (PyObject* obj : s->batch) {
+    NvmePayload* p = as_payload(obj);
+    extents.push_back(p->extent.get());
+    ptrs.push_back(p->write->address);
+    sizes.push_back(p->nbytes);
+  }
+  // Throws before submitting any (a closed store): the batch stays, and so does the error
+  // for whoever waits on one of its writes.
+  std::vector<std::shared_ptr<IoRequest>> requests = s->store->write_ptr_many(extents, ptrs, sizes);
+  std::vector<PyObject*> batch;
+  batch.swap(s->batch);
+  s->batch_bytes = 0;
+  for (size_t i = 0; i < batch.size(); ++i) as_payload(batch[i])->write->done.request = requests[i];
+  for (PyObject* p : batch) Py_DECREF(p);
+}
+
+void append_write(State* s, NvmePayload* p, std::shared_ptr<NvmeWrite> write) {
+  write->start_s = perf_counter_s();
+  p->write = std::move(write);
+  s->writes.push_back(Py_NewRef(reinterpret_cast<PyObject*>(p)));
+  if (s->writes.size() > s->peak_writes) s->peak_writes = s->writes.size();
+}
+
+void retire_oldest(State* s, const std::function<bool()>& done, const char* what) {
+  if (done() || s->writes.empty()) return;
+  submit(s);
+  const double start = perf_counter_s();
+  while (!done() && !s->writes.empty()) {
+    py::object p = steal(s->writes.front());
+    s->writes.pop_front();
+    retire(s, as_payload(p.ptr()));
+  }
+  add_stall(s, start, s->in_backward, what);
+}
+
+bool has_direct_room(const State* s, uint64_t nbytes) {
+  // At most `direct_cap` bytes of source tensors held for their writes (a larger tensor
+  // goes alone), the same RAM a staging arena would have used.
+  return s->direct_inflight == 0 || s->direct_inflight + nbytes <= s->direct_cap;
+}
+
+void add_direct(State* s, NvmePayload* p, PyObject* source, uintptr_t address) {
+  if (!s->store) raise_type_error("offload: direct writes need the core's NvmeStore");
+  const uint64_t nbytes = p->nbytes;
+  if (!has_direct_room(s, nbytes))
+    retire_oldest(s, [s, nbytes] { return has_direct_room(s, nbytes); }, "wait write-behind");
+  auto write = std::make_shared<NvmeWrite>(nbytes);
+  write->source = Py_NewRef(source);
+  write->address = address;
+  write->direct_bytes = nbytes;
+  s->direct_inflight += nbytes;
+  append_write(s, p, std::move(write));
+  s->batch.push_back(Py_NewRef(reinterpret_cast<PyObject*>(p)));
+  s->batch_bytes += nbytes;
+  if (s->batch.size() >= s->write_batch || s->batch_bytes >= s->batch_limit) submit(s);
+}
+
+void poll_writes(State* s) {
+  while (!s->writes.empty()) {
+    PyObject* front = s->writes.front();
+    NvmePayload* p = as_payload(front);
+    if (p->write) {
+      if (!p->write->done.set()) return;   // batched
+      py::object held = borrow(front);
+      if (!completion_done(p->write->done)) return;
+      if (s->writes.empty() || s->writes.front() != front) continue;   // (Python ran)
+    }
+    s->writes.pop_front();
+    py::object p_ref = steal(front);
+    retire(s, p);
+  }
+}
+
+bool writes_pending(const State* s) {
+  for (PyObject* p : s->writes)
+    if (as_payload(p)->write) return true;   // retired entries linger
+  return false;
+}
+
+void drain_writes(State* s) {
+  submit(s);
+  while (!s->writes.empty()) {
+    py::object p = steal(s->writes.front());
+    s->writes.pop_front();
+    retire(s, as_payload(p.ptr()));
+  }
+}
+
+}  // namespace offload::bind::nvme
