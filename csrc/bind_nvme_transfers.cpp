@@ -384,6 +384,10 @@ PyTypeObject transfers_type = [] {
 
 }  // namespace
 
+State* nvme::transfers_state(PyObject* obj) {
+  return Py_TYPE(obj) == &transfers_type ? state(obj) : nullptr;
+}
+
 void bind_nvme_transfers(py::module_& m) {
   init_io_names();
   if (PyType_Ready(&transfers_type) < 0) throw py::error_already_set();

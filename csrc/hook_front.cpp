@@ -10,8 +10,9 @@
 //
 // Written against the CPython API, not pybind11: torch calls the hooks through vectorcall,
 // and a pybind11 call costs an argument dispatch, several hundred ns per save
-// (docs/benchmarks.md *Hook cost*). Neither object is tracked by the garbage collector (see
-// the packer's `owner_ref`).
+// (docs/benchmarks.md *Hook cost*). The packer is tracked by the garbage collector (its
+// move path holds the step's placement, tiers and prefetcher: one object per step, so
+// tracking it costs nothing per save); the unpacker is not (see its comment).
 #include <Python.h>
 #include <structmember.h>
 
@@ -23,6 +24,8 @@
 #include <new>
 
 #include "bindings.hpp"
+#include "moved_save.hpp"
+#include "pack_moved.hpp"
 #include "py_calls.hpp"
 #include "py_type.hpp"
 #include "saved_bytes.hpp"
@@ -54,12 +57,12 @@ bool one_argument(const char* what, size_t nargsf, PyObject* kwnames) {
 // to `strided(owner, tensor, version, storage, nbytes, node)` with what was read here
 // (hooks.py's `_pack_strided`), which returns the handle, or what this makes a KeptSave of:
 // a Record (the tensor stays; its storage's record) or None (a weight that stays).
-// Anything else goes to `full(owner, tensor)` (`pack_full`).
+// Anything else goes to `full(owner, tensor)` (`pack_full`). With a move path (the hooks'
+// NOTE [Move path in C]) a CPU activation its standing decision moves is stored here.
 struct Packer {
   Callable head;
-  // The hooks object whose pack this is (a weak reference: the hooks hold this packer, its
-  // identity marks their entry on torch's hook stack; neither object is tracked by the
-  // garbage collector, so a cycle between them would never be freed).
+  // The hooks object whose pack this is (a weak reference: the hooks hold this packer, and
+  // its identity marks their entry on torch's hook stack).
   PyObject* owner_ref;
   PyObject* full;
   PyObject* strided_pack;
@@ -70,6 +73,8 @@ struct Packer {
   PyObject* profiling;
   PyObject* next_sequence_nr;
   PyObject* record_type;
+  PyObject* meter_obj;       // the meter's Python object (what a record counts itself into)
+  MovePath moves;            // empty: no move path (pack_moved.hpp)
 };
 
 // The owner, or (None) an error saying the context is gone.
@@ -136,6 +141,13 @@ PyObject* pack(const Packer* self, PyObject* t) {
   }
   py::object owner = packer_owner(self);
   self->meter->packed();
+  if (self->moves.configured() && !node.is_none()) {
+    PyObject* moved = pack_moved(self->moves, owner.ptr(), t, storage.ptr(), nbytes, node.ptr(),
+                                 as_int(version), self->min_bytes, self->record_type,
+                                 self->meter_obj, self->meter.get(), self->next_sequence_nr);
+    if (moved != nullptr) return moved;
+    if (PyErr_Occurred()) throw py::error_already_set();
+  }
   py::object got = call_with(self->strided_pack, owner, py::handle(t), version, storage,
                              nbytes_obj, node);
   if (!got.is_none() &&
@@ -158,17 +170,37 @@ PyObject* packer_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
 }
 
 PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* keywords[] = {"owner_ref", "full",     "strided_pack",     "meter",
-                                   "min_bytes", "tensor_type", "strided",       "profiling",
-                                   "next_sequence_nr", "record_type", nullptr};
+  static const char* keywords[] = {
+      "owner_ref", "full", "strided_pack", "meter", "min_bytes", "tensor_type", "strided",
+      "profiling", "next_sequence_nr", "record_type",
+      // The move path (all or none): pack_moved.hpp's MovePath.
+      "index", "timeline", "prefetcher", "lock", "param_ids", "no_offload", "graph_task_id",
+      "empty", nullptr};
   PyObject *owner_ref, *full, *strided_pack, *meter, *tensor_type, *strided, *profiling,
       *next_sequence_nr, *record_type;
   long long min_bytes;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLOOOOO", const_cast<char**>(keywords),
-                                   &owner_ref, &full, &strided_pack, &meter, &min_bytes,
-                                   &tensor_type, &strided, &profiling, &next_sequence_nr,
-                                   &record_type))
+  MovePath moves;   // borrowed until the packer takes them
+  if (!PyArg_ParseTupleAndKeywords(
+          args, kwargs, "OOOOLOOOOO|$OOOOO!OOO", const_cast<char**>(keywords), &owner_ref,
+          &full, &strided_pack, &meter, &min_bytes, &tensor_type, &strided, &profiling,
+          &next_sequence_nr, &record_type, &moves.index, &moves.timeline, &moves.prefetcher,
+          &moves.lock, &PyDict_Type, &moves.param_ids, &moves.no_offload, &moves.graph_task_id,
+          &moves.empty))
     return nullptr;
+  const bool any_move = moves.index != nullptr || moves.timeline != nullptr ||
+                        moves.prefetcher != nullptr || moves.lock != nullptr ||
+                        moves.param_ids != nullptr || moves.no_offload != nullptr ||
+                        moves.graph_task_id != nullptr || moves.empty != nullptr;
+  if (any_move && (moves.index == nullptr || moves.timeline == nullptr ||
+                   moves.prefetcher == nullptr ||
+                   moves.lock == nullptr || moves.param_ids == nullptr ||
+                   moves.no_offload == nullptr || moves.graph_task_id == nullptr ||
+                   moves.empty == nullptr)) {
+    PyErr_SetString(PyExc_TypeError, "offload: Packer's move path takes all of index, "
+                    "timeline, prefetcher, lock, param_ids, no_offload, graph_task_id and "
+                    "empty, or none");
+    return nullptr;
+  }
   std::shared_ptr<SavedBytes> counted;
   try {
     counted = py::cast<std::shared_ptr<SavedBytes>>(py::handle(meter));
@@ -193,11 +225,35 @@ PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   self->profiling = Py_NewRef(profiling);
   self->next_sequence_nr = Py_NewRef(next_sequence_nr);
   self->record_type = Py_NewRef(record_type);
+  self->meter_obj = Py_NewRef(meter);
+  new (&self->moves) MovePath();
+  if (any_move) {
+    for (PyObject* field : {moves.index, moves.timeline, moves.prefetcher, moves.lock, moves.param_ids, moves.no_offload,
+                            moves.graph_task_id, moves.empty})
+      Py_INCREF(field);
+    self->moves = moves;
+  }
   return obj;
 }
 
-void packer_dealloc(PyObject* obj) {
+int packer_traverse(PyObject* obj, visitproc visit, void* arg) {
   auto* self = reinterpret_cast<Packer*>(obj);
+  Py_VISIT(self->full);
+  Py_VISIT(self->strided_pack);
+  Py_VISIT(self->meter_obj);
+  return self->moves.visit(visit, arg);
+}
+
+int packer_clear(PyObject* obj) {
+  reinterpret_cast<Packer*>(obj)->moves.clear();
+  return 0;
+}
+
+void packer_dealloc(PyObject* obj) {
+  PyObject_GC_UnTrack(obj);
+  auto* self = reinterpret_cast<Packer*>(obj);
+  self->moves.clear();
+  Py_CLEAR(self->meter_obj);
   self->meter.~shared_ptr();
   Py_CLEAR(self->owner_ref);
   Py_CLEAR(self->full);
@@ -236,10 +292,15 @@ PyTypeObject packer_type = [] {
   PyTypeObject type = callable_type(
       "offload._C.Packer", sizeof(Packer),
       "Packer(owner_ref, full, strided_pack, meter, min_bytes, tensor_type, strided, "
-      "profiling, next_sequence_nr, record_type): the pack hook's front (hooks.py NOTE "
-      "[Handles in C]).",
+      "profiling, next_sequence_nr, record_type, *, index, timeline, prefetcher, lock, "
+      "param_ids, no_offload, graph_task_id, empty): the pack hook's front "
+      "(hooks.py NOTE [Handles in C]; the keywords: its move path, NOTE [Move path in C]).",
       packer_new, packer_dealloc);
   type.tp_getset = packer_getset;
+  type.tp_flags |= Py_TPFLAGS_HAVE_GC;
+  type.tp_traverse = packer_traverse;
+  type.tp_clear = packer_clear;
+  type.tp_free = PyObject_GC_Del;
   return type;
 }();
 
@@ -258,14 +319,14 @@ struct Unpacker {
   PyObject* graph_task_id;   // torch._C._current_graph_task_id
   PyObject* perf_counter;    // time.perf_counter (the Timeline's clock)
   PyObject* profiling;       // torch._C._autograd._profiler_enabled
+  PyObject* lock;            // the hooks' lock: a MovedSave loads under it
   bool marked;               // the backward marks were set ...
   long long last_task;       // ... for this graph task
   long long last_epoch;      // ... and this epoch of the marks
 };
 
-// `record`: the core's Record (the packer exists only with the core's meter, whose ledger
-// makes the core's records), or None for a weight.
-void kept_unpacked(Unpacker* self, PyObject* record) {
+// The backward's marks, set again only when what they depend on may have changed.
+void mark_backward(Unpacker* self) {
   const long long task = as_int(call(self->graph_task_id));
   const long long epoch = as_int(attr(self->marks, names.epoch));
   if (!self->marked || task != self->last_task || epoch != self->last_epoch) {
@@ -274,6 +335,12 @@ void kept_unpacked(Unpacker* self, PyObject* record) {
     self->last_task = task;
     self->last_epoch = epoch;
   }
+}
+
+// `record`: the core's Record (the packer exists only with the core's meter, whose ledger
+// makes the core's records), or None for a weight.
+void kept_unpacked(Unpacker* self, PyObject* record) {
+  mark_backward(self);
   Py_ssize_t row = 0;
   PyObject* timeline = record == Py_None ? nullptr : record_timeline(record, &row);
   if (timeline == nullptr) return;
@@ -296,8 +363,13 @@ void kept_unpacked(Unpacker* self, PyObject* record) {
 PyObject* unpack(Unpacker* self, PyObject* packed) {
   PyTypeObject* type = Py_TYPE(packed);
   const bool small = type == &small_save_type;
-  if ((!small && type != &kept_save_type) || profiler_on(self->profiling))
+  const bool moved = type == &moved_save_type;
+  if ((!small && !moved && type != &kept_save_type) || profiler_on(self->profiling))
     return call_with(self->slow, py::handle(packed)).release().ptr();
+  if (moved) {   // records.py `Moved.unpack`, in C (moved_save.cpp)
+    mark_backward(self);
+    return unpack_moved(packed, self->lock);
+  }
   if (!small) kept_unpacked(self, reinterpret_cast<KeptSave*>(packed)->record);
   PyObject* tensor = tensor_if_unchanged(reinterpret_cast<HeldTensor*>(packed));
   if (tensor != Py_None) return tensor;   // or nullptr: the error is set
@@ -316,11 +388,11 @@ PyObject* unpacker_vectorcall(PyObject* obj, PyObject* const* args, size_t nargs
 
 PyObject* unpacker_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   static const char* keywords[] = {"slow",         "marks",     "error", "graph_task_id",
-                                   "perf_counter", "profiling", nullptr};
-  PyObject *slow, *marks, *error, *graph_task_id, *perf_counter, *profiling;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO", const_cast<char**>(keywords),
+                                   "perf_counter", "profiling", "lock",  nullptr};
+  PyObject *slow, *marks, *error, *graph_task_id, *perf_counter, *profiling, *lock;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO", const_cast<char**>(keywords),
                                    &slow, &marks, &error, &graph_task_id, &perf_counter,
-                                   &profiling))
+                                   &profiling, &lock))
     return nullptr;
   PyObject* obj = type->tp_alloc(type, 0);
   if (obj == nullptr) return nullptr;
@@ -332,6 +404,7 @@ PyObject* unpacker_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   self->graph_task_id = Py_NewRef(graph_task_id);
   self->perf_counter = Py_NewRef(perf_counter);
   self->profiling = Py_NewRef(profiling);
+  self->lock = Py_NewRef(lock);
   return obj;
 }
 
@@ -343,6 +416,7 @@ void unpacker_dealloc(PyObject* obj) {
   Py_CLEAR(self->graph_task_id);
   Py_CLEAR(self->perf_counter);
   Py_CLEAR(self->profiling);
+  Py_CLEAR(self->lock);
   Py_TYPE(obj)->tp_free(obj);
 }
 
@@ -355,7 +429,7 @@ PyMemberDef unpacker_members[] = {
 PyTypeObject unpacker_type = [] {
   PyTypeObject type = callable_type(
       "offload._C.Unpacker", sizeof(Unpacker),
-      "Unpacker(slow, marks, error, graph_task_id, perf_counter, profiling): the unpack "
+      "Unpacker(slow, marks, error, graph_task_id, perf_counter, profiling, lock): the unpack "
       "hook's front (hooks.py NOTE [Handles in C]).",
       unpacker_new, unpacker_dealloc);
   type.tp_members = unpacker_members;

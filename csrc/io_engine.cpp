@@ -157,12 +157,17 @@ void IoEngine::run_chunk(const Chunk& c, AlignedBuffer& bounce) {
       slab.pread_full(c.mem, c.nbytes, c.file_offset);
   } else {
     const uint64_t align = slab.alignment();
-    if (reinterpret_cast<uintptr_t>(c.mem) % align == c.file_offset % align) {
+    const uint64_t start = c.file_offset % align;
+    // A chunk that straddles one sector boundary with both ends partial (a small tensor,
+    // or a transfer's small first chunk) is two partial sectors and nothing else: in place
+    // that is two system calls through the bounce buffer, bounced whole it is one.
+    const bool two_partial = start != 0 && start + c.nbytes > align &&
+                             start + c.nbytes <= 2 * align && 2 * align <= bounce.nbytes();
+    if (!two_partial && reinterpret_cast<uintptr_t>(c.mem) % align == start) {
       run_in_place(c, bounce);
     } else {
-      // Address and file offset out of phase: every byte goes through the bounce buffer
-      // (chunks never exceed it: they are cut at stripe boundaries).
-      const uint64_t start = c.file_offset % align;
+      // Address and file offset out of phase (or two partial sectors): every byte goes
+      // through the bounce buffer (chunks never exceed it: they are cut at stripe boundaries).
       const uint64_t span = align_up(start + c.nbytes, align);
       if (span > bounce.nbytes())
         throw std::logic_error("chunk of " + std::to_string(span) +

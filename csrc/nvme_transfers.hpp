@@ -211,4 +211,10 @@ void reap(State* s, bool wait);
 // The payload's bytes: waits for this payload's read only.
 py::object fetch(State* s, NvmePayload* p);
 
+// ---- bind_nvme_transfers.cpp
+
+// The transfers of the core's NvmeTransfers object `obj`, or nullptr for any other object
+// (the prefetcher, prefetcher.cpp, reads a CPU payload's bytes through them directly).
+State* transfers_state(PyObject* obj);
+
 }  // namespace offload::bind::nvme

@@ -45,6 +45,9 @@ struct Names {
   PyObject* name;
   PyObject* unpacked;
   PyObject* epoch;
+  PyObject* closed;
+  PyObject* fetch;
+  PyObject* storage_offset;
 };
 extern Names names;   // set by bind_saved_handles (saved_handles.cpp)
 
@@ -53,6 +56,17 @@ inline PyObject* intern(const char* s) {
   PyObject* name = PyUnicode_InternFromString(s);
   if (name == nullptr) throw py::error_already_set();
   return name;
+}
+
+// A weak reference to `obj` without a callback, not tracked by the garbage collector (a new
+// reference, or nullptr with an error set). It refers to nothing strongly, so it can be in
+// no cycle: tracking it only makes every collection walk it (one more object per saved
+// tensor, docs/benchmarks.md *Hook cost*). The collector still clears it when `obj` dies in
+// a cycle: it finds weak references through their referent, not through its own list.
+inline PyObject* untracked_weakref(PyObject* obj) {
+  PyObject* ref = PyWeakref_NewRef(obj, nullptr);
+  if (ref != nullptr && PyObject_GC_IsTracked(ref)) PyObject_GC_UnTrack(ref);
+  return ref;
 }
 
 inline py::object attr(PyObject* obj, PyObject* name) {

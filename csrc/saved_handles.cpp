@@ -137,7 +137,8 @@ void bind_saved_handles(py::module_& m) {
                 intern("grad_fn"),   intern("_base"),           intern("is_leaf"),
                 intern("_version"),  intern("detach"),          intern("_sequence_nr"),
                 intern("output_nr"), intern("__name__"),        intern("unpacked"),
-                intern("epoch")};
+                intern("epoch"),     intern("closed"),          intern("fetch"),
+                intern("storage_offset")};
 
   py::class_<SavedBytes, std::shared_ptr<SavedBytes>>(
       m, "SavedBytes",

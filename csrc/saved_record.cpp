@@ -26,7 +26,10 @@
 #include <unordered_map>
 
 #include "bindings.hpp"
+#include "nvme_payload.hpp"
 #include "perf_clock.hpp"
+#include "prefetcher.hpp"
+#include "py_calls.hpp"
 #include "py_type.hpp"
 #include "saved_bytes.hpp"
 #include "saved_record.hpp"
@@ -145,7 +148,7 @@ int record_setup(Record* self, PyObject* storage, PyObject* tier, PyObject* payl
   if (self->holds_storage) {
     self->storage_ref = Py_NewRef(storage);
   } else {
-    self->storage_ref = PyWeakref_NewRef(storage, nullptr);
+    self->storage_ref = untracked_weakref(storage);
     if (self->storage_ref == nullptr) return -1;
   }
   self->tier = Py_NewRef(tier);
@@ -509,6 +512,129 @@ PyObject* record_timeline(PyObject* record_obj, Py_ssize_t* row) {
 bool record_holds_space(PyObject* record_obj) {
   if (Py_TYPE(record_obj) != &record_type) return false;
   return reinterpret_cast<Record*>(record_obj)->payload != Py_None;
+}
+
+bool is_record(PyObject* obj) { return Py_TYPE(obj) == &record_type; }
+
+PyObject* record_tier(PyObject* record) { return reinterpret_cast<Record*>(record)->tier; }
+PyObject* record_payload(PyObject* record) { return reinterpret_cast<Record*>(record)->payload; }
+PyObject* record_meta(PyObject* record) { return reinterpret_cast<Record*>(record)->meta; }
+bool record_resident(PyObject* record) { return reinterpret_cast<Record*>(record)->resident; }
+
+void record_handle_added(PyObject* record) { ++reinterpret_cast<Record*>(record)->handles_left; }
+
+void record_handle_done(PyObject* record_obj) {
+  auto* record = reinterpret_cast<Record*>(record_obj);
+  if (--record->handles_left <= 0) Py_XSETREF(record->cache, Py_NewRef(Py_None));
+}
+
+PyObject* index_find(PyObject* index_obj, PyObject* storage, long long version) {
+  auto* index = reinterpret_cast<StorageIndex*>(index_obj);
+  auto it = index->entries->map.find(storage);
+  if (it == index->entries->map.end()) return nullptr;
+  Record* record = it->second;
+  if (record->version != version || !names_storage(record, storage)) return nullptr;
+  return Py_NewRef(reinterpret_cast<PyObject*>(record));
+}
+
+void index_put(PyObject* index_obj, PyObject* storage, long long version, PyObject* record_obj) {
+  auto* index = reinterpret_cast<StorageIndex*>(index_obj);
+  auto* record = reinterpret_cast<Record*>(record_obj);
+  record->version = version;
+  leave_index(record);
+  index->entries->map[storage] = record;
+  record->index = index->entries;
+  record->index_key = storage;
+}
+
+bool record_timed(PyObject* record_obj, PyObject* timeline, long long position) {
+  auto* record = reinterpret_cast<Record*>(record_obj);
+  const Py_ssize_t row = timeline_add_row(timeline, position, record->nbytes, perf_counter_s());
+  if (row < 0) return false;
+  Py_XSETREF(record->timeline, Py_NewRef(timeline));
+  record->row = row;
+  return true;
+}
+
+namespace {
+
+// records.load(record): (storage, byte offset).
+PyObject* load_in_python(PyObject* record, const LoadCalls& calls, Py_ssize_t* offset) {
+  PyObject* argv[] = {record};
+  PyObject* got = PyObject_Vectorcall(calls.py_load, argv, 1, nullptr);
+  if (got == nullptr) return nullptr;
+  PyObject* storage = Py_NewRef(PyTuple_GET_ITEM(got, 0));
+  *offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(got, 1));
+  Py_DECREF(got);
+  if (*offset == -1 && PyErr_Occurred()) Py_CLEAR(storage);
+  return storage;
+}
+
+// The first unpack of `record`'s storage on its timeline, if it is timed.
+bool note_unpacked(Record* record, const LoadCalls& calls) {
+  if (record->timeline == Py_None) return true;
+  if (is_timeline(record->timeline))
+    return timeline_unpacked(record->timeline, record->row, perf_counter_s());
+  PyObject* now = PyObject_CallNoArgs(calls.perf_counter);
+  PyObject* row = now != nullptr ? PyLong_FromSsize_t(record->row) : nullptr;
+  PyObject* done = row != nullptr
+      ? PyObject_CallMethodObjArgs(record->timeline, names.unpacked, row, now, nullptr)
+      : nullptr;
+  Py_XDECREF(now);
+  Py_XDECREF(row);
+  Py_XDECREF(done);
+  return done != nullptr;
+}
+
+}  // namespace
+
+PyObject* record_load(PyObject* record_obj, const LoadCalls& calls, Py_ssize_t* offset) {
+  auto* record = reinterpret_cast<Record*>(record_obj);
+  // In C only what a CPU nvme payload holds (no CUDA stream hand-off to make: copies Note
+  // 12); anything else is records.load's.
+  if (!is_payload(record->payload) || reinterpret_cast<NvmePayload*>(record->payload)->cuda)
+    return load_in_python(record_obj, calls, offset);
+  PyObject* storage = nullptr;
+  if (record->cache != Py_None) {
+    storage = Py_NewRef(record->cache);
+  } else if (record->cache_ref != Py_None) {
+    PyObject* alive = PyWeakref_GetObject(record->cache_ref);   // borrowed
+    if (alive != Py_None) storage = Py_NewRef(alive);
+  }
+  if (storage == nullptr) {
+    // A released payload or a closed tier: records.load raises the error it says.
+    if (reinterpret_cast<NvmePayload*>(record->payload)->released)
+      return load_in_python(record_obj, calls, offset);
+    PyObject* closed = PyObject_GetAttr(record->tier, names.closed);
+    if (closed == nullptr) return nullptr;
+    Py_DECREF(closed);
+    if (closed != Py_False) return load_in_python(record_obj, calls, offset);
+    if (!note_unpacked(record, calls)) return nullptr;
+    PyObject* flat =
+        record->prefetcher == Py_None
+            ? PyObject_CallMethodOneArg(record->tier, names.fetch, record->payload)
+        : is_prefetcher(record->prefetcher)   // the core's: no Python call
+            ? prefetcher_fetch(record->prefetcher, record->tier, record->payload)
+            : PyObject_CallMethodObjArgs(record->prefetcher, names.fetch, record->tier,
+                                         record->payload, nullptr);
+    if (flat == nullptr) return nullptr;
+    storage = PyObject_CallMethodNoArgs(flat, names.untyped_storage);
+    PyObject* off = storage != nullptr ? PyObject_CallMethodNoArgs(flat, names.storage_offset)
+                                       : nullptr;
+    Py_DECREF(flat);
+    const Py_ssize_t byte_offset = off != nullptr ? PyLong_AsSsize_t(off) : -1;
+    Py_XDECREF(off);
+    PyObject* ref = PyErr_Occurred() ? nullptr : untracked_weakref(storage);
+    if (ref == nullptr) {
+      Py_XDECREF(storage);
+      return nullptr;
+    }
+    Py_XSETREF(record->cache_ref, ref);
+    record->cache_offset = byte_offset;
+  }
+  if (record->handles_left > 1) Py_XSETREF(record->cache, Py_NewRef(storage));
+  *offset = record->cache_offset;
+  return storage;
 }
 
 void bind_saved_record(py::module_& m) {

@@ -13,4 +13,39 @@ PyObject* record_timeline(PyObject* record, Py_ssize_t* row);
 // Whether `record` is the core's Record and has a payload in a tier.
 bool record_holds_space(PyObject* record);
 
+// Whether `obj` is the core's Record.
+bool is_record(PyObject* obj);
+
+// The core's Record's fields the move path reads (borrowed), for `record` of the core's type.
+PyObject* record_tier(PyObject* record);
+PyObject* record_payload(PyObject* record);
+PyObject* record_meta(PyObject* record);
+bool record_resident(PyObject* record);
+
+// A saved tensor of `record` was made (`Moved`) / unpacked or died unpacked (records.py
+// `handle_done`: the unpack cache lets go once every save of the storage was unpacked).
+void record_handle_added(PyObject* record);
+void record_handle_done(PyObject* record);
+
+// The record of `storage` at `version` in the core's StorageIndex `index` (a new
+// reference), or nullptr (no error set) when it has none; tensor_meta NOTE [Storage identity].
+PyObject* index_find(PyObject* index, PyObject* storage, long long version);
+// Indexes `record` (made for `storage`) at `version`.
+void index_put(PyObject* index, PyObject* storage, long long version, PyObject* record);
+
+// A row on the core's `timeline` for `record`, packed now as the `position`-th stored
+// storage; false with a Python error set.
+bool record_timed(PyObject* record, PyObject* timeline, long long position);
+
+// records.py `load` for the core's `record` of a CPU nvme payload, in C: its bytes' storage
+// (a new reference) and their byte offset in it, loading them at most once while they are
+// needed (NOTE [Unpack cache]); `fetch(tier, payload)` is the prefetcher's fetch, or None
+// for the tier's own. Any other record goes to `py_load` (records.load). nullptr with a
+// Python error set.
+struct LoadCalls {
+  PyObject* py_load;          // records.load
+  PyObject* perf_counter;     // time.perf_counter (the timeline's clock)
+};
+PyObject* record_load(PyObject* record, const LoadCalls& calls, Py_ssize_t* offset);
+
 }  // namespace offload::bind

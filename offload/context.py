@@ -26,7 +26,7 @@ from .errors import OffloadError
 from .runtime import hook_stack
 from .runtime.hooks import OffloadHooks
 from .runtime.no_offload import no_offload
-from .runtime.prefetch import Prefetcher
+from .runtime.prefetch import new_prefetcher
 from .runtime.round_trip import RoundTripPlan, plan_for
 from .runtime.step import Step, StepView, close_tiers, finish_pending
 from .runtime.tensor_meta import ParamStorages
@@ -157,7 +157,7 @@ class ActivationOffload:
             params = ParamStorages()
             if self.model is not None:
                 params.add_module(self.model)
-            prefetcher = Prefetcher(config.prefetch_bytes, stats)
+            prefetcher = new_prefetcher(config.prefetch_bytes, stats)
             step.hooks = OffloadHooks(self._schedule.placement(round_trip), tiers, step.ledger,
                                       prefetcher, params, config.strict, config.min_bytes,
                                       step.timeline, self._schedule.clock)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload._ext import core_attr
 from offload.runtime.prefetch import Prefetcher
+from offload.util.ranges import PREFETCH, profiling, span
 from offload.util.stats import BusyClock, Stats
 from offload.runtime.tensor_meta import ParamStorages, rebuild, view_meta
 from offload.tiers.base import Payload
@@ -64,11 +66,24 @@ class FakeTier:
 
 TIER = FakeTier()
 
+_CorePrefetcher = core_attr("Prefetcher")
+_made = {"python": lambda budget, stats: Prefetcher(budget, stats),
+         "core": lambda budget, stats: _CorePrefetcher(budget, stats, profiling, span, PREFETCH)}
+
+
+@pytest.fixture(params=["python", "core"], autouse=True)
+def prefetcher_kind(request, monkeypatch):
+    """Every order test runs against both prefetchers (the core's: csrc/prefetcher.cpp)."""
+    if request.param == "core" and _CorePrefetcher is None:
+        pytest.skip("the core's prefetcher")
+    monkeypatch.setitem(_made, "now", _made[request.param])
+    return request.param
+
 
 def make(n: int, nbytes: int, budget: int):
     log: list = []
     stats = Stats()
-    pf = Prefetcher(budget, stats)
+    pf = _made["now"](budget, stats)
     payloads = [FakePayload(i, nbytes, log) for i in range(n)]
     for p in payloads:
         pf.register(TIER, p)

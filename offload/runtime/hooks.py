@@ -36,6 +36,19 @@ collector to walk (every object a save keeps alive costs it ~1-2 us, docs/benchm
 whichever path saved it); records count their storages there (saved bytes; kept, or bytes
 per tier) and the core's packer the saves it packs: the step folds the meter into Stats
 whenever they are read (`Step.fold`).
+
+NOTE [Move path in C] A plain CPU activation that the standing decision (placement.py NOTE
+[Standing decision]) sends to a tier with a store in C (`Tier.store_cpu`: the nvme tier's)
+is stored by the core's Packer itself (csrc/pack_moved.cpp): the same tests as
+`_pack_strided` → `_pack_plain` → `_store`, in their order, then the tier's store, the
+record, the prefetcher's order, the timeline's row and the index entry, and a `MovedSave`
+(records.Moved in C) for autograd; the Unpacker unpacks it in C, calling `records.load`
+only for what it does not load itself (csrc/saved_record.cpp `record_load`: a CPU nvme
+payload is fetched without it). Anything the move path is not sure of (a weight, an
+untracked alias, a full tier, a storage the round-trip plan keeps, a save in a backward
+or under no_offload) goes on to `_pack_strided` before anything was changed, and the
+Python path decides it as it always did. A profiler's ranges come from the Python path:
+while one runs, both hooks take it (a MovedSave then unpacks through its `unpack(lock)`).
 """
 from __future__ import annotations
 
@@ -51,14 +64,15 @@ from ..errors import TierFullError
 from ..util.ranges import PACK, UNPACK, profiling, span
 from ..util.sizes import format_bytes
 from .backward_marks import BackwardMarks, graph_task_id
-from .no_offload import no_offload_active
+from .no_offload import no_offload_active, thread_depth
 from .placement import Placement, TensorInfo
-from .records import Kept, Ledger, Moved, PackedSubclass, PyRecord, SmallKept, held_tensor_error
+from .records import (Kept, Ledger, Moved, MovedSave, PackedSubclass, PyRecord, SmallKept,
+                      held_tensor_error)
 from .subclasses import TRACING_TYPES, flatten, kind_name, unmoved_bytes
 from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable,
                           movable_strided, snapshot, untracked_alias, view_meta)
 from .timeline import Timeline
-from .version_check import next_sequence_nr
+from .version_check import next_sequence_nr, sentinel_data
 
 __all__ = ["OffloadHooks"]
 
@@ -122,10 +136,13 @@ class OffloadHooks:
             self.index = StorageIndex()
         else:
             self.index = _core.StorageIndex()
+            # NOTE [Move path in C]: what the packer's move path reads.
             self._packer = _core.Packer(
                 weakref.ref(self), OffloadHooks.pack_full, OffloadHooks._pack_strided,
                 ledger.meter, min_bytes, _Tensor, _strided, _profiler_enabled,
-                next_sequence_nr, self._record_type)
+                next_sequence_nr, self._record_type, index=self.index, timeline=self.timeline, prefetcher=prefetcher, lock=self._lock,
+                param_ids=params.by_storage_id, no_offload=thread_depth, graph_task_id=graph_task_id,
+                empty=sentinel_data(torch.device("cpu")))
 
     # ---------------------------------------------------------------- hooks
     @property
@@ -141,7 +158,7 @@ class OffloadHooks:
         if self._packer is None:
             return self.unpack
         return _core.Unpacker(self.unpack, self.marks, held_tensor_error, graph_task_id,
-                              time.perf_counter, _profiler_enabled)
+                              time.perf_counter, _profiler_enabled, self._lock)
 
     # ---------------------------------------------------------------- pack
     def pack_full(self, t: torch.Tensor):
@@ -359,7 +376,7 @@ class OffloadHooks:
             packed.check_version()  # NOTE [Version check]
             return packed.tensor
         self.marks()
-        if cls is Moved:
+        if cls is Moved or cls is MovedSave:
             return packed.unpack(self._lock)
         if cls is PackedSubclass:
             packed.check_version()  # the outer tensor's counter (NOTE [Subclasses])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-__all__ = ["no_offload", "no_offload_active"]
+__all__ = ["no_offload", "no_offload_active", "thread_depth"]
 
 
 class _Depth(threading.local):
@@ -16,6 +16,7 @@ class _Depth(threading.local):
 
 
 _local = _Depth()
+thread_depth = _local   # read by the core's packer as `thread_depth.depth` (hooks.py)
 
 
 def no_offload_active() -> bool:

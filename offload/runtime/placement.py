@@ -10,6 +10,14 @@ Keep what would not pay off: a storage saved at the end of the forward is needed
 the start of the backward; moving it out and back costs two transfers (and a backward
 stall) for a free window of almost nothing. The step's `RoundTripPlan` (round_trip.py),
 learned from the previous step's measured times and speeds, names the storages to keep.
+
+NOTE [Standing decision] `Placement.standing` is what `decide` returns for a storage that
+none of its tests keeps (the tiers of OFFLOAD_TIERS), and None where no such answer holds
+for every storage: while a decision is `forced`, under a policy that does not move, and for
+the scheduler's placement (its answer depends on where the storage was saved). The core's
+packer reads it to store a plain CPU activation without calling `decide` (hooks.py NOTE
+[Move path in C]); it redoes every other test of `decide` first (no_offload, backward,
+min_bytes, the round-trip plan), so both give the same answer (tests/test_move_path.py).
 """
 from __future__ import annotations
 
@@ -74,16 +82,17 @@ class Placement:
         # `moves`: the scheduler's policies move too (default: only under `offload`).
         moves = config.policy == "offload" if moves is None else moves
         self._offload = Decision(config.tiers, "offload") if moves else None
+        self.standing: Decision | None = self._offload   # NOTE [Standing decision]
 
     @contextlib.contextmanager
     def forced(self, decision: Decision):
         """The next decisions are `decision` (an op output the scheduler stores,
         schedule/recompute.py)."""
-        self._forced = decision
+        self._forced, standing, self.standing = decision, self.standing, None
         try:
             yield
         finally:
-            self._forced = None
+            self._forced, self.standing = None, standing
 
     def decide(self, info: TensorInfo) -> Decision:
         if self._forced is not None:

@@ -13,15 +13,29 @@ import threading
 
 import torch
 
+from .._ext import core_attr
 from ..tiers.base import Payload, Tier
 from ..util.ranges import PREFETCH, profiling, span
 from ..util.stats import Stats
 
-__all__ = ["Prefetcher"]
+__all__ = ["Prefetcher", "new_prefetcher"]
+
+# The same prefetcher in C (csrc/prefetcher.cpp): a nvme tier's CPU payloads are read
+# through the tier's `cpu_reads` with no Python call; None without the core.
+_CorePrefetcher = core_attr("Prefetcher")
+
+
+def new_prefetcher(budget_bytes: int, stats: Stats):
+    """The step's prefetcher: the core's when it is built, else `Prefetcher` (the same
+    order, budget and figures)."""
+    if _CorePrefetcher is None:
+        return Prefetcher(budget_bytes, stats)
+    return _CorePrefetcher(budget_bytes, stats, profiling, span, PREFETCH)
 
 
 class Prefetcher:
-    """Read-ahead over the payloads of tiers whose reloads are worth starting early."""
+    """Read-ahead over the payloads of tiers whose reloads are worth starting early (the
+    core's `Prefetcher` is this, in C)."""
 
     def __init__(self, budget_bytes: int, stats: Stats) -> None:
         self.budget_bytes = budget_bytes

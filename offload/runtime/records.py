@@ -7,7 +7,9 @@
   graph dropped without backward would never be freed. Autograd rebuilds the autograd
   metadata of whatever unpack returns.
 * `Moved`: a saved tensor whose storage went to a tier: its `Record`, the view layout to
-  rebuild and a zero-byte sentinel sharing its version counter.
+  rebuild and a zero-byte sentinel sharing its version counter. The compiled core's
+  `MovedSave` (csrc/moved_save.cpp) is the same, made by the core's packer (hooks.py NOTE
+  [Move path in C]); its unpack calls `load` below for what it does not do in C.
 * `Record`: one stored storage (views share it: tensor_meta NOTE [Storage identity]); the
   compiled core's (csrc/saved_record.cpp), or without it `PyRecord`, worked on by `load` and
   `handle_done`.
@@ -47,11 +49,11 @@ from ..tiers.base import on_cuda
 from ..tiers.copy_tickets import SharedReload
 from .saved_bytes import PySavedBytes, saved_bytes_meter
 from .tensor_meta import ViewMeta, rebuild, view_meta
-from .version_check import SavedOrigin, next_sequence_nr as _next_sequence_nr, version_error, \
-    version_sentinel
+from .version_check import NOBODY, SavedOrigin, next_sequence_nr as _next_sequence_nr, \
+    node_at_unpack, version_error, version_sentinel
 
 __all__ = ["Ledger", "Record", "PyRecord", "load", "handle_done", "Kept", "SmallKept", "Moved",
-           "PackedSubclass"]
+           "MovedSave", "PackedSubclass"]
 
 _UNSET: Any = object()
 
@@ -250,10 +252,9 @@ class _KeptOrigin:
         self.tensor, self.node_name, self.output_nr = tensor, node_name, output_nr
 
     def node_at_unpack(self) -> str | None:
-        if self.node_name is not None:   # an output: the node that saved it
-            return self.node_name
-        node = self.tensor.grad_fn       # an input: its grad_fn now (the in-place op)
-        return type(node).__name__ if node is not None else None
+        # An output: the node that saved it; an input: its grad_fn now (the in-place op).
+        return node_at_unpack(NOBODY if self.node_name is not None else self.tensor,
+                              self.node_name, False)
 
 
 def kept_version_error(tensor: torch.Tensor, expected: int, node_name: str | None,
@@ -332,6 +333,43 @@ class Moved(SavedOrigin):
         if not self.unpacked:
             self.unpacked = True
             handle_done(self.record)
+
+
+class _MovedOrigin:
+    """What autograd's message names for the core's MovedSave (version_check.py)."""
+
+    __slots__ = ("save",)
+
+    def __init__(self, save) -> None:
+        self.save = save
+
+    @property
+    def output_nr(self) -> int:
+        return self.save.output_nr
+
+    def node_at_unpack(self) -> str | None:
+        save = self.save
+        tensor = save.origin() if save.origin is not None else NOBODY
+        return node_at_unpack(tensor, save.node_name, save.is_view)
+
+
+def moved_version_error(save) -> RuntimeError:
+    """The error for the core's MovedSave whose tensor changed (its unpack raises it)."""
+    sentinel = save.sentinel
+    return version_error(save.dtype, sentinel.device, save.size, _MovedOrigin(save),
+                         save.version, sentinel._version)
+
+
+class _NoMovedSave:
+    """Stands for the core's MovedSave where the core is not built (never made)."""
+
+
+if core_available():
+    MovedSave = load_core().MovedSave
+    load_core().configure_moved(load=load, perf_counter=time.perf_counter, empty=torch.empty,
+                                neg_view=torch._neg_view, version_error=moved_version_error)
+else:
+    MovedSave = _NoMovedSave
 
 
 class PackedSubclass(SavedOrigin):

@@ -179,6 +179,11 @@ class ParamStorages:
     def __init__(self) -> None:
         self._ids: dict[int, weakref.ref] = {}
 
+    @property
+    def by_storage_id(self) -> dict[int, weakref.ref]:
+        """id(storage) -> a weak reference to it (the core's packer looks ids up here)."""
+        return self._ids
+
     def add_tensor(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         self._ids[id(storage)] = weakref.ref(storage)

@@ -40,7 +40,8 @@ import weakref
 
 import torch
 
-__all__ = ["SavedOrigin", "version_sentinel", "version_error"]
+__all__ = ["SavedOrigin", "version_sentinel", "sentinel_data", "version_error",
+           "node_at_unpack", "NOBODY"]
 
 # Thread-local next sequence number of autograd nodes (torch >= 2.1); without it every saved
 # tensor is named like an input, which only changes the op named in the message.
@@ -51,14 +52,19 @@ _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")  # autograd prints TanhBackward0 
 _empty_by_device: dict[torch.device, torch.Tensor] = {}
 
 
-def version_sentinel(t: torch.Tensor) -> torch.Tensor:
-    """A zero-byte tensor sharing `t`'s version counter (NOTE [Version check])."""
-    empty = _empty_by_device.get(t.device)
+def sentinel_data(device: torch.device) -> torch.Tensor:
+    """The zero-byte tensor on `device` that sentinels take as their data."""
+    empty = _empty_by_device.get(device)
     if empty is None:
         empty = _empty_by_device.setdefault(
-            t.device, torch.empty(0, dtype=torch.uint8, device=t.device))
-    sentinel = t.detach()       # shares storage and version counter
-    sentinel.data = empty       # drops the storage, keeps the counter
+            device, torch.empty(0, dtype=torch.uint8, device=device))
+    return empty
+
+
+def version_sentinel(t: torch.Tensor) -> torch.Tensor:
+    """A zero-byte tensor sharing `t`'s version counter (NOTE [Version check])."""
+    sentinel = t.detach()               # shares storage and version counter
+    sentinel.data = sentinel_data(t.device)   # drops the storage, keeps the counter
     return sentinel
 
 
@@ -66,7 +72,24 @@ class _Nobody:
     """What a SavedOrigin refers to when there is no input to name at unpack."""
 
 
-_NOBODY = _Nobody()   # alive for the whole process: a weak reference to it never dies
+NOBODY = _NOBODY = _Nobody()   # alive for the whole process: a weak reference to it never dies
+
+
+def node_at_unpack(tensor, node_name: str | None, is_view: bool) -> str | None:
+    """The grad_fn autograd would name (see the module doc). `tensor`: an input as it is
+    now (None once it died), or `NOBODY` for an output (the saving node, `node_name`) or a
+    leaf (none)."""
+    if tensor is _NOBODY:
+        return node_name
+    if tensor is not None:
+        node = tensor.grad_fn
+        return type(node).__name__ if node is not None else None
+    # An input that died after the change. A view's grad_fn is regenerated when its
+    # base changed: as_strided, unless torch replays views. For a plain tensor autograd
+    # would name the last in-place op, which nothing records: we name its producer.
+    if is_view and not _view_replay_enabled():
+        return "AsStridedBackward0"
+    return node_name
 
 
 class SavedOrigin(weakref.ref):
@@ -98,18 +121,7 @@ class SavedOrigin(weakref.ref):
 
     def node_at_unpack(self) -> str | None:
         """The grad_fn autograd would name (see the module doc)."""
-        t = self()
-        if t is _NOBODY:  # an output (the saving node), or a leaf (none)
-            return self.node_name
-        if t is not None:
-            node = t.grad_fn
-            return type(node).__name__ if node is not None else None
-        # An input that died after the change. A view's grad_fn is regenerated when its
-        # base changed: as_strided, unless torch replays views. For a plain tensor autograd
-        # would name the last in-place op, which nothing records: we name its producer.
-        if self.is_view and not _view_replay_enabled():
-            return "AsStridedBackward0"
-        return self.node_name
+        return node_at_unpack(self(), self.node_name, self.is_view)
 
 
 def _view_replay_enabled() -> bool:

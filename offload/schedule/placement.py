@@ -40,6 +40,7 @@ class SchedulePlacement(Placement):
 
     def __init__(self, config: Config, choice: StepChoice) -> None:
         super().__init__(config, None, moves=True)
+        self.standing = None   # decided by where a storage was saved (NOTE [Standing decision])
         self.choice = choice
         self.region: tuple = ("after", -1)
         self.ordinal = 0

@@ -58,6 +58,16 @@ class Tier(abc.ABC):
     """A place for payloads with a capacity. `store` returns None when it is full."""
 
     name: str = "?"
+    # `store` for a CPU storage as a core callable, `store_cpu(storage, device)`, or None:
+    # the core's packer then stores plain CPU activations through it, without a Python
+    # frame (hooks.py NOTE [Move path in C]). A tier that sets it returns payloads that are
+    # not resident and are prefetchable, and sets it back to None when it closes.
+    store_cpu: Callable[[torch.UntypedStorage, torch.device], Payload | None] | None = None
+    # The core's NvmeTransfers that read this tier's CPU payloads (the nvme tier's), or None:
+    # the core's prefetcher then starts, waits on and hands out their reads itself, with no
+    # Python call (offload/runtime/prefetch.py). Its reads are what `prefetch`, `fetch`,
+    # `prefetched` and `released` do for such a payload.
+    cpu_reads: Any = None
 
     @classmethod
     @abc.abstractmethod

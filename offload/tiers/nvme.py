@@ -146,6 +146,10 @@ class NvmeTier(Tier):
         self._transfers = _NvmeTransfers(self._store, self._arena, self._alignment,
                                          max(staging_bytes, 1), CHUNK_BYTES, WRITE_BATCH,
                                          stats, ranges, torch.frombuffer, torch.uint8)
+        # A dying record gives its payload back through `tier.release` (csrc/saved_record.cpp):
+        # the core's own, with no Python frame between (the method below says what it does).
+        self.release = self._transfers.release
+        self.cpu_reads = self._transfers   # a CPU payload's reads (Tier.cpu_reads)
 
     @classmethod
     def open(cls, config, stats: Stats, copies) -> "NvmeTier":
@@ -220,7 +224,10 @@ class NvmeTier(Tier):
             return None  # no room at all (see __init__)
         if not on_cuda(device):
             self._heap.acquire()  # heap.py: CPU RAM is freed and reused during the step
-            return self._transfers.store_direct(storage, device)   # written in place
+            # The heap is held from here on: the core's packer may store CPU storages
+            # itself (Tier.store_cpu).
+            self.store_cpu = self._transfers.store_direct
+            return self.store_cpu(storage, device)   # written in place
         return self._store_from_device(storage, device)
 
     def _store_from_device(self, storage: torch.UntypedStorage, device: torch.device):
@@ -339,6 +346,7 @@ class NvmeTier(Tier):
         if self._closed:
             return
         self._closed = True
+        self.store_cpu = None
         self._heap.release()
         store, arena, transfers = self._store, self._arena, self._transfers
         if store is None:

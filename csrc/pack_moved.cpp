@@ -1,0 +1,233 @@
+// The packer's move path (pack_moved.hpp; hooks.py NOTE [Move path in C]).
+//
+// The same tests as hooks.py's `_pack_strided` → `_pack_plain` → `_store`, in their order,
+// for the one case it takes: a plain CPU activation (not a weight, not an untracked alias,
+// not saved in a backward or under no_offload) whose storage the standing decision sends
+// to a tier that stores CPU storages in C. Each test that does not hold returns "not
+// taken" before anything changed, so the Python path, which redoes all of them, decides
+// as it would have. What it then does is what `_store` does: the next position, the
+// tier's store, the record (counting itself into the meter), the prefetcher's order, the
+// timeline's row, the index entry, and a MovedSave (moved_save.cpp).
+#include "pack_moved.hpp"
+
+#include <Python.h>
+
+#include <pybind11/pybind11.h>
+
+#include "moved_save.hpp"
+#include "prefetcher.hpp"
+#include "py_calls.hpp"
+#include "saved_record.hpp"
+#include "timeline.hpp"
+
+namespace py = pybind11;
+
+namespace offload::bind {
+
+namespace {
+
+struct MoveNames {
+  PyObject* standing;
+  PyObject* round_trip;
+  PyObject* keep;
+  PyObject* targets;
+  PyObject* store_cpu;
+  PyObject* is_cpu;
+  PyObject* is_quantized;
+  PyObject* is_nested;
+  PyObject* numel;
+  PyObject* requires_grad;
+  PyObject* depth;
+  PyObject* stored;
+  PyObject* device;
+  PyObject* register_;
+  PyObject* note_packed;
+  PyObject* acquire;
+  PyObject* release;
+  PyObject* placement;
+  PyObject* tiers;
+};
+
+MoveNames& move_names() {
+  static MoveNames n = {intern("standing"),      intern("round_trip"), intern("keep"),
+                        intern("targets"),       intern("store_cpu"),  intern("is_cpu"),
+                        intern("is_quantized"),  intern("is_nested"),  intern("numel"),
+                        intern("requires_grad"), intern("depth"),      intern("_stored"),
+                        intern("device"),        intern("register"),   intern("note_packed"),
+                        intern("acquire"),       intern("release"),    intern("placement"),
+                        intern("tiers")};
+  return n;
+}
+
+bool is_true(const py::object& value) { return value.ptr() == Py_True; }
+
+// Whether `t` passes hooks.py's tests up to the index (movable_strided, not a weight, not in
+// a backward or no_offload, not an untracked alias). Reads only.
+bool eligible(const MovePath& path, const MoveNames& n, PyObject* t, PyObject* storage,
+              long long nbytes) {
+  if (!is_true(attr(t, n.is_cpu)) || is_true(attr(t, n.is_quantized)) ||
+      is_true(attr(t, n.is_nested)) || as_int(call_method(t, n.numel)) == 0)
+    return false;
+  // is_weight for a tensor with a grad_fn: a view of a leaf that requires grad.
+  py::object base = attr(t, names.base);
+  if (!base.is_none() && is_true(attr(base.ptr(), names.is_leaf)) &&
+      is_true(attr(base.ptr(), n.requires_grad)))
+    return false;
+  if (PyDict_GET_SIZE(path.param_ids) != 0) {   // model='s parameters and buffers
+    py::object key = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(storage));
+    if (!key) throw py::error_already_set();
+    PyObject* ref = PyDict_GetItemWithError(path.param_ids, key.ptr());   // borrowed
+    if (ref == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (ref != nullptr) return false;   // the Python path checks the reference
+  }
+  if (as_int(call(path.graph_task_id)) >= 0) return false;   // saved during a backward
+  if (as_int(attr(path.no_offload, n.depth)) > 0) return false;
+  // tensor_meta NOTE [Untracked aliases]: the counter's owner spans the storage exactly.
+  PyObject* owner = base.is_none() ? t : base.ptr();
+  return as_int(call_method(owner, names.storage_offset)) == 0 &&
+         as_int(attr(owner, names.nbytes)) == nbytes;
+}
+
+// The hooks' lock held for a scope (the index and the tier's queues are shared with
+// autograd's other threads; the tier's store may let go of the GIL while it waits).
+struct Locked {
+  PyObject* lock;
+  explicit Locked(PyObject* l) : lock(l) { call_method(lock, move_names().acquire); }
+  ~Locked() {
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    PyObject* done = PyObject_CallMethodNoArgs(lock, move_names().release);
+    if (done == nullptr) PyErr_WriteUnraisable(lock);
+    Py_XDECREF(done);
+    PyErr_Restore(type, value, trace);
+  }
+};
+
+// A record of the index that holds moved bytes: a MovedSave of it is what Python's
+// `_pack_plain` returns for it (not a kept record, nor a resident one without a layout).
+bool holds_moved_bytes(PyObject* record) {
+  return record_payload(record) != Py_None &&
+         !(record_resident(record) && record_meta(record) == Py_None);
+}
+
+// The standing decision's first tier, when it stores CPU storages in C (a new reference to
+// its `store_cpu`; `*placement`, `*tier`: new references), else nullptr (no error).
+PyObject* c_store(const MoveNames& n, PyObject* owner, py::object* placement, py::object* tier) {
+  // placement.py NOTE [Standing decision]: None while forced, and for the scheduler's.
+  *placement = attr(owner, n.placement);
+  py::object standing = attr(placement->ptr(), n.standing);
+  if (standing.is_none()) return nullptr;
+  py::object targets = attr(standing.ptr(), n.targets);
+  if (!PyTuple_Check(targets.ptr()) || PyTuple_GET_SIZE(targets.ptr()) == 0) return nullptr;
+  py::object tiers = attr(owner, n.tiers);
+  if (!PyDict_Check(tiers.ptr())) return nullptr;
+  PyObject* found = PyDict_GetItemWithError(tiers.ptr(), PyTuple_GET_ITEM(targets.ptr(), 0));
+  if (found == nullptr) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return nullptr;
+  }
+  *tier = py::reinterpret_borrow<py::object>(found);
+  py::object store_cpu = attr(found, n.store_cpu);
+  return store_cpu.is_none() ? nullptr : store_cpu.release().ptr();   // None: not open for it
+}
+
+// `_store` for the storage through `store_cpu` (its tier `tier`): its record (a new
+// reference), or nullptr (no error) when the plan keeps it or the tier is full.
+PyObject* store(const MovePath& path, const MoveNames& n, PyObject* placement, PyObject* tier,
+                PyObject* store_cpu, PyObject* owner, PyObject* storage, long long nbytes,
+                PyObject* record_type, PyObject* meter_obj) {
+  py::object position_obj = attr(owner, n.stored);
+  const long long position = as_int(position_obj);
+  py::object round_trip = attr(placement, n.round_trip);
+  if (!round_trip.is_none()) {   // the plan keeps (position, nbytes)?
+    py::object keep = attr(round_trip.ptr(), n.keep);
+    py::object key = py::reinterpret_steal<py::object>(Py_BuildValue("(OL)", position_obj.ptr(), nbytes));
+    if (!key) throw py::error_already_set();
+    const int kept = PySequence_Contains(keep.ptr(), key.ptr());
+    if (kept < 0) throw py::error_already_set();
+    if (kept) return nullptr;
+  }
+  py::object tier_ref = py::reinterpret_borrow<py::object>(tier);
+  py::object device = attr(storage, n.device);
+  py::object payload = call_with(store_cpu, py::handle(storage), device);
+  if (payload.is_none()) return nullptr;   // full: the Python path spills (and retries it)
+  py::object next = py::reinterpret_steal<py::object>(PyLong_FromLongLong(position + 1));
+  if (!next || PyObject_SetAttr(owner, n.stored, next.ptr()) < 0) throw py::error_already_set();
+  // The record counts the storage into the step's meter, as the tier's (NOTE [Record
+  // lifetime]); a tier with a store in C is prefetchable and its payload not resident.
+  py::object nbytes_obj = py::reinterpret_steal<py::object>(PyLong_FromLongLong(nbytes));
+  if (!nbytes_obj) throw py::error_already_set();
+  py::object record = call_with(record_type, py::handle(storage), tier_ref, payload,
+                                nbytes_obj, py::handle(Py_False), py::handle(Py_None),
+                                py::handle(meter_obj), py::handle(path.prefetcher));
+  if (!prefetcher_register(path.prefetcher, tier, payload.ptr()))   // its place in pack order
+    throw py::error_already_set();
+  if (is_timeline(path.timeline)) {
+    if (!record_timed(record.ptr(), path.timeline, position)) throw py::error_already_set();
+  } else {
+    PyObject* argv[] = {record.ptr(), path.timeline, position_obj.ptr()};
+    PyObject* done = PyObject_VectorcallMethod(n.note_packed, argv,
+                                               3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    if (done == nullptr) throw py::error_already_set();
+    Py_DECREF(done);
+  }
+  return record.release().ptr();
+}
+
+}  // namespace
+
+int MovePath::visit(visitproc visit_fn, void* arg) const {
+  for (PyObject* obj : {index, timeline, prefetcher, lock, param_ids,
+                        no_offload, graph_task_id, empty})
+    if (obj != nullptr) {
+      const int got = visit_fn(obj, arg);
+      if (got != 0) return got;
+    }
+  return 0;
+}
+
+void MovePath::clear() {
+  for (PyObject** obj : {&index, &timeline, &prefetcher, &lock, &param_ids,
+                         &no_offload, &graph_task_id, &empty})
+    Py_CLEAR(*obj);
+}
+
+PyObject* pack_moved(const MovePath& path, PyObject* owner, PyObject* t, PyObject* storage,
+                     long long nbytes, PyObject* node, long long version, long long min_bytes,
+                     PyObject* record_type, PyObject* meter_obj, SavedBytes* meter,
+                     PyObject* next_sequence_nr) {
+  return guarded([&]() -> PyObject* {
+    const MoveNames& n = move_names();
+    if (nbytes < min_bytes) return nullptr;   // the placement keeps it
+    py::object placement, tier;
+    PyObject* store_cpu = c_store(n, owner, &placement, &tier);
+    if (store_cpu == nullptr) return nullptr;
+    py::object store_ref = py::reinterpret_steal<py::object>(store_cpu);
+    if (!eligible(path, n, t, storage, nbytes)) return nullptr;
+    py::object record;
+    {
+      Locked locked(path.lock);
+      PyObject* found = index_find(path.index, storage, version);
+      if (found != nullptr) {
+        record = py::reinterpret_steal<py::object>(found);
+        if (!holds_moved_bytes(record.ptr())) return nullptr;   // kept: the Python path's
+      } else {
+        PyObject* stored = store(path, n, placement.ptr(), tier.ptr(), store_cpu, owner,
+                                 storage, nbytes, record_type, meter_obj);
+        if (stored == nullptr) return nullptr;
+        record = py::reinterpret_steal<py::object>(stored);
+        index_put(path.index, storage, version, record.ptr());
+      }
+    }
+    PyObject* base = PyObject_GetAttr(t, names.base);
+    if (base == nullptr) throw py::error_already_set();
+    py::object base_ref = py::reinterpret_steal<py::object>(base);
+    PyObject* save = new_moved_save(t, record.ptr(), node, base, version, next_sequence_nr,
+                                    path.empty);
+    if (save == nullptr) throw py::error_already_set();
+    meter->offloaded();
+    return save;
+  });
+}
+
+}  // namespace offload::bind

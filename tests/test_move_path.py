@@ -1,0 +1,253 @@
+"""The core's move path (hooks.py NOTE [Move path in C]): a plain CPU activation that the
+standing decision sends to the nvme tier is stored by the core's packer and unpacked by its
+unpacker, with no Python frame of the hooks. These tests check that it is taken, and that
+every case it must leave to the Python path (weights, no_offload, a backward's saves,
+untracked aliases, a full tier, the round-trip plan, a forced decision) comes out as the
+Python path alone decides it: same gradients bit for bit, same figures."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import offload
+from offload._ext import core_available
+from offload.config import Config
+from offload.runtime import hooks as hooks_module, records
+from offload.runtime.placement import Decision, Placement, TensorInfo
+from offload.runtime.saved_bytes import PySavedBytes
+
+needs_core = pytest.mark.skipif(not core_available(), reason="the core's move path")
+
+# Timing and step-shape figures differ run to run; everything else must match.
+# So do the bytes bounced (they follow the tensors' addresses), the staging peak and a
+# tier's capacity (the host tier's default follows the memory free).
+_VARYING = ("_s", "_gbps", "fraction", "step_s", "peak_prefetch_bytes", "inflight", "bounced",
+            "staging_peak", "capacity")
+
+
+def _figures(stats) -> dict:
+    return {k: v for k, v in stats.as_dict().items()
+            if not any(part in k for part in _VARYING) and not isinstance(v, float)}
+
+
+class Net(nn.Module):
+    """Saves of every kind the move path must tell apart: activations (inputs and outputs
+    of their ops), a weight view (`w.t()` in linear), a buffer (model=), a storage saved
+    twice (`h * h`), a part of a detached tensor (an untracked alias), a no_offload region
+    and a reentrant checkpoint (its recompute saves during the backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(64, 128)
+        self.b = nn.Linear(128, 64)
+        self.register_buffer("scale", torch.full((128,), 0.5))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)) * self.scale
+        h = h * h
+        part = h.detach()[:, :64].requires_grad_()   # an untracked alias of h's storage
+        h = h[:, 64:].exp() + part.sin()
+        with offload.no_offload():
+            h = torch.sigmoid(h)
+        h = checkpoint(lambda z: z.cos() * 2, h, use_reentrant=True)
+        return self.b(torch.cat([h, h.sin()], dim=1)).sum(), part
+
+
+def _run(tiers: str, nvme_dir: str, steps: int = 3, **kw):
+    model = Net()
+    x = torch.randn(32, 64, requires_grad=True)
+    figures, grads = [], []
+    for _ in range(steps):
+        model.zero_grad()
+        x.grad = None
+        with offload.activations(model=model, tiers=tiers, nvme_dir=nvme_dir, min_bytes=0,
+                                 **kw) as ctx:
+            loss, part = model(x)
+            loss.backward()
+        figures.append(_figures(ctx.stats))
+        grads.append([x.grad.clone(), part.grad.clone()]
+                     + [p.grad.clone() for p in model.parameters()])
+    return figures, grads
+
+
+def _plain_grads():
+    model = Net()
+    x = torch.randn(32, 64, requires_grad=True)
+    loss, part = model(x)
+    loss.backward()
+    return [x.grad, part.grad] + [p.grad for p in model.parameters()]
+
+
+def _counting_python_path(monkeypatch) -> list[int]:
+    """Counts the saves the core's packer hands to the Python hooks."""
+    calls = [0]
+    python_path = hooks_module.OffloadHooks._pack_strided
+
+    def counted(*args):
+        calls[0] += 1
+        return python_path(*args)
+
+    monkeypatch.setattr(hooks_module.OffloadHooks, "_pack_strided", counted)
+    return calls
+
+
+@needs_core
+def test_plain_cpu_activations_on_nvme_take_the_move_path(nvme_dir, monkeypatch):
+    calls = _counting_python_path(monkeypatch)
+    x = torch.randn(256, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        h = x * 1
+        for _ in range(200):
+            h = h.sin()
+        h.sum().backward()
+    assert ctx.stats.offloaded_tensors == 200 and ctx.stats.nvme_bytes == 200 * 1024
+    # The first store goes through the tier's Python `store` (it opens the heap and the
+    # tier's `store_cpu`); every later one is the core's.
+    assert calls[0] == 1
+    assert ctx._hooks.live_records == 0
+
+
+@needs_core
+@pytest.mark.parametrize("tiers", ["nvme", "nvme,host", "host,nvme"])
+def test_the_move_path_decides_what_the_python_path_decides(tiers, nvme_dir, monkeypatch):
+    plain = _plain_grads()
+    core_figures, core_grads = _run(tiers, nvme_dir)
+    monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)   # the Python hooks
+    python_figures, python_grads = _run(tiers, nvme_dir)
+    # The first step's: later steps keep what their round-trip plan, learned from measured
+    # times, names (test_the_round_trip_plan_keeps_what_it_names_on_the_move_path).
+    assert core_figures[0] == python_figures[0]
+    for core, python in zip(core_grads, python_grads):
+        for a, b, c in zip(core, python, plain):
+            assert torch.equal(a, c) and torch.equal(b, c)
+    first = core_figures[0]
+    assert first["nvme_bytes"] + first["host_bytes"] > 0 and first["param_tensors"] > 0
+    assert first["kept_bytes"] > 0
+
+
+@needs_core
+def test_a_full_nvme_tier_spills_as_the_python_path_does(nvme_dir, monkeypatch):
+    def run():
+        torch.manual_seed(0)
+        x = torch.randn(64, 1024, requires_grad=True)     # 256 KiB per saved tensor
+        with offload.activations(tiers="nvme,host", nvme_dir=nvme_dir, nvme_bytes="1MiB",
+                                 min_bytes=0) as ctx:
+            y = x * 1
+            for _ in range(8):
+                y = y.sin()
+            y.sum().backward()
+        return _figures(ctx.stats), x.grad
+
+    core, core_grad = run()
+    monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
+    python, python_grad = run()
+    assert core == python and torch.equal(core_grad, python_grad)
+    assert core["spilled_bytes"] > 0 and core["nvme_bytes"] > 0
+
+
+@needs_core
+def test_a_forced_decision_is_kept_by_the_move_path_and_standing_comes_back(nvme_dir):
+    x = torch.randn(256, requires_grad=True)
+    keep = Decision((), "forced keep")
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        placement = ctx._hooks.placement
+        standing = placement.standing
+        assert standing is not None and standing.targets == ("nvme",)
+        h = (x * 1).sin()                      # the first store opens the tier's store_cpu
+        with placement.forced(keep):
+            assert placement.standing is None
+            kept = h.sin().sin()
+        assert placement.standing is standing
+        moved = kept.sin()
+        moved.sum().backward()
+    s = ctx.stats
+    assert s.nvme_bytes == 2 * 1024            # h's input and kept: not the two forced saves
+    assert s.kept_bytes == 2 * 1024
+
+
+class _Plan:
+    """A round-trip plan that keeps the storages at the given positions (1 KiB each)."""
+
+    def __init__(self, positions) -> None:
+        self.keep = {(p, 1024) for p in positions}
+
+
+@needs_core
+def test_the_round_trip_plan_keeps_what_it_names_on_the_move_path(nvme_dir, monkeypatch):
+    calls = _counting_python_path(monkeypatch)
+    x = torch.randn(256, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        ctx._hooks.placement.round_trip = _Plan([3, 4, 9])
+        h = x * 1
+        for _ in range(12):
+            h = h.sin()
+        h.sum().backward()
+    s = ctx.stats
+    assert s.round_trip_kept_bytes == 3 * 1024 and s.nvme_bytes == 9 * 1024
+    assert calls[0] == 1 + 3   # the first store, and each kept one: the Python path's
+
+
+def test_standing_is_what_decide_answers_when_nothing_keeps():
+    placement = Placement(Config.from_env(env={}, tiers="host", min_bytes=16))
+    info = TensorInfo(1024, key=(0, 1024))
+    assert placement.standing is placement.decide(info)
+    for kept in (TensorInfo(1024, no_offload=True), TensorInfo(1024, in_backward=True),
+                 TensorInfo(8)):
+        assert placement.decide(kept).keep
+    with placement.forced(Decision((), "forced")):
+        assert placement.standing is None
+    assert placement.standing is placement.decide(info)
+    assert Placement(Config.from_env(env={}, tiers="host", policy="recompute")).standing is None
+
+
+def _changed_in_place(kind: str):
+    """A graph whose saved tensor is then changed in place; autograd's error on backward."""
+    x = torch.randn(1024, requires_grad=True)
+    a = (x * 1).sin()            # with offload: the first store opens the tier's store_cpu
+    if kind == "input":          # sin saves its input b; mul_ names itself at unpack
+        b = a * 2
+        y = b.sin()
+        b.mul_(3)
+    elif kind == "output":       # exp saves its output; the message names exp
+        b = a.exp()
+        y = b * 1
+        b.add_(1)
+    else:                        # a view saved, then dropped after its base changed
+        base = a * 2
+        view = base[:512]
+        y = view.sin()
+        del view
+        base.add_(1)
+    with pytest.raises(RuntimeError) as raised:
+        y.sum().backward()
+    return str(raised.value)
+
+
+@needs_core
+@pytest.mark.parametrize("kind", ["input", "output", "view"])
+def test_a_tensor_changed_after_the_move_path_stored_it_raises_autograds_error(kind, nvme_dir,
+                                                                                 monkeypatch):
+    plain = _changed_in_place(kind)
+    calls = _counting_python_path(monkeypatch)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
+        moved = _changed_in_place(kind)
+    assert calls[0] == 1   # only the first store went through the Python hooks
+    assert "modified by an inplace operation" in moved
+    if kind != "view":     # version_check.py: a dead view is named as autograd would not
+        assert moved == plain
+
+
+@needs_core
+def test_a_moved_save_dropped_unpacked_gives_its_space_back(nvme_dir):
+    x = torch.randn(1024, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        h = x * 1
+        for _ in range(20):
+            h = h.sin()
+        assert ctx._hooks.live_records == 20
+        del h                    # the graph dies without a backward
+        assert ctx._hooks.live_records == 0
+    assert ctx.stats.as_dict()["exit_nvme_used_bytes"] == 0
