@@ -175,30 +175,31 @@ PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
       "profiling", "next_sequence_nr", "record_type",
       // The move path (all or none): pack_moved.hpp's MovePath.
       "index", "timeline", "prefetcher", "lock", "param_ids", "no_offload", "graph_task_id",
-      "empty", nullptr};
+      "empty", "cpu_device", nullptr};
   PyObject *owner_ref, *full, *strided_pack, *meter, *tensor_type, *strided, *profiling,
       *next_sequence_nr, *record_type;
   long long min_bytes;
   MovePath moves;   // borrowed until the packer takes them
   if (!PyArg_ParseTupleAndKeywords(
-          args, kwargs, "OOOOLOOOOO|$OOOOO!OOO", const_cast<char**>(keywords), &owner_ref,
+          args, kwargs, "OOOOLOOOOO|$OOOOO!OOOO", const_cast<char**>(keywords), &owner_ref,
           &full, &strided_pack, &meter, &min_bytes, &tensor_type, &strided, &profiling,
           &next_sequence_nr, &record_type, &moves.index, &moves.timeline, &moves.prefetcher,
           &moves.lock, &PyDict_Type, &moves.param_ids, &moves.no_offload, &moves.graph_task_id,
-          &moves.empty))
+          &moves.empty, &moves.cpu_device))
     return nullptr;
   const bool any_move = moves.index != nullptr || moves.timeline != nullptr ||
                         moves.prefetcher != nullptr || moves.lock != nullptr ||
                         moves.param_ids != nullptr || moves.no_offload != nullptr ||
-                        moves.graph_task_id != nullptr || moves.empty != nullptr;
+                        moves.graph_task_id != nullptr || moves.empty != nullptr ||
+                        moves.cpu_device != nullptr;
   if (any_move && (moves.index == nullptr || moves.timeline == nullptr ||
                    moves.prefetcher == nullptr ||
                    moves.lock == nullptr || moves.param_ids == nullptr ||
                    moves.no_offload == nullptr || moves.graph_task_id == nullptr ||
-                   moves.empty == nullptr)) {
+                   moves.empty == nullptr || moves.cpu_device == nullptr)) {
     PyErr_SetString(PyExc_TypeError, "offload: Packer's move path takes all of index, "
-                    "timeline, prefetcher, lock, param_ids, no_offload, graph_task_id and "
-                    "empty, or none");
+                    "timeline, prefetcher, lock, param_ids, no_offload, graph_task_id, empty "
+                    "and cpu_device, or none");
     return nullptr;
   }
   std::shared_ptr<SavedBytes> counted;
@@ -228,8 +229,9 @@ PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   self->meter_obj = Py_NewRef(meter);
   new (&self->moves) MovePath();
   if (any_move) {
-    for (PyObject* field : {moves.index, moves.timeline, moves.prefetcher, moves.lock, moves.param_ids, moves.no_offload,
-                            moves.graph_task_id, moves.empty})
+    for (PyObject* field : {moves.index, moves.timeline, moves.prefetcher, moves.lock,
+                            moves.param_ids, moves.no_offload, moves.graph_task_id, moves.empty,
+                            moves.cpu_device})
       Py_INCREF(field);
     self->moves = moves;
   }
@@ -293,7 +295,7 @@ PyTypeObject packer_type = [] {
       "offload._C.Packer", sizeof(Packer),
       "Packer(owner_ref, full, strided_pack, meter, min_bytes, tensor_type, strided, "
       "profiling, next_sequence_nr, record_type, *, index, timeline, prefetcher, lock, "
-      "param_ids, no_offload, graph_task_id, empty): the pack hook's front "
+      "param_ids, no_offload, graph_task_id, empty, cpu_device): the pack hook's front "
       "(hooks.py NOTE [Handles in C]; the keywords: its move path, NOTE [Move path in C]).",
       packer_new, packer_dealloc);
   type.tp_getset = packer_getset;

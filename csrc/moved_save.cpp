@@ -58,6 +58,7 @@ struct MovedCalls {
   PyObject* empty = nullptr;          // torch.empty
   PyObject* neg_view = nullptr;       // torch._neg_view
   PyObject* version_error = nullptr;  // records.moved_version_error
+  PyObject* next_sequence_nr = nullptr;  // version_check.next_sequence_nr (None: unknown)
 } calls;
 
 PyObject* n_dtype;
@@ -71,6 +72,9 @@ PyObject* n_is_neg;
 PyObject* n_conj;
 PyObject* n_set;
 PyObject* n_acquire;
+PyObject* n_view;
+PyObject* n_is_complex;
+PyObject* n_as_strided;
 PyObject* n_release;
 PyObject* kw_dtype_device;   // ("dtype", "device")
 
@@ -85,6 +89,22 @@ void moved_save_dealloc(PyObject* obj) {
   Py_CLEAR(self->origin);
   Py_CLEAR(self->node_name);
   Py_TYPE(obj)->tp_free(obj);
+}
+
+// Whether `dtype` is complex, remembered per dtype (torch's dtypes live for the process).
+bool is_complex(PyObject* dtype) {
+  static PyObject* seen[16];
+  static bool complex_[16];
+  static int known = 0;
+  for (int i = 0; i < known; ++i)
+    if (seen[i] == dtype) return complex_[i];
+  const bool complex = attr(dtype, n_is_complex).ptr() == Py_True;
+  if (known < 16) {
+    seen[known] = Py_NewRef(dtype);
+    complex_[known] = complex;
+    ++known;
+  }
+  return complex;
 }
 
 // Raises autograd's error when the tensor changed in place since pack (NOTE [Version check]).
@@ -102,10 +122,10 @@ void check_version(MovedSave* self) {
 
 // records.load under the hooks' `lock` (the record's cache and the tier's queues are
 // shared with autograd's other threads).
-py::object load_locked(MovedSave* self, PyObject* lock, Py_ssize_t* offset) {
+py::object load_locked(MovedSave* self, PyObject* lock, Py_ssize_t* offset, bool* flat) {
   call_method(lock, n_acquire);
   const LoadCalls load{calls.load, calls.perf_counter};
-  PyObject* storage = record_load(self->record, load, offset);
+  PyObject* storage = record_load(self->record, load, offset, flat);
   // Released whatever the load did; its error (if any) is kept across the release.
   PyObject *type, *value, *trace;
   PyErr_Fetch(&type, &value, &trace);
@@ -188,6 +208,51 @@ py::object rebuild(MovedSave* self, const py::object& storage, Py_ssize_t byte_o
   return out;
 }
 
+// Whether the saved layout is its whole storage, contiguous from its start (the common
+// saved activation: `view(size)` of the stored bytes rebuilds it).
+bool spans_storage(const MovedSave* self) {
+  if (self->storage_offset != 0) return false;
+  long long expected = 1;
+  for (Py_ssize_t i = self->ndim - 1; i >= 0; --i) {
+    const long long size = self->dims[i];
+    // Every stride as view(size) makes it, a size-1 dimension's too: a backward may read
+    // those (a memory format is told by them), and the rebuilt tensor must be the saved one.
+    if (self->dims[self->ndim + i] != expected) return false;
+    expected *= size;
+  }
+  return expected * self->itemsize == record_nbytes(self->record);
+}
+
+// The saved layout over `bytes`, the uint8 tensor a CPU nvme payload was handed out as
+// (its bytes start at `byte_offset` of its storage): a view of it as the saved dtype, then
+// the saved size, stride and offset over that (two torch calls, not the four of building
+// a tensor over its storage). A storage whose size or offset is not a multiple of the
+// dtype's size (bytes reinterpreted by a view of another dtype) is rebuilt over its storage.
+py::object rebuild_flat(MovedSave* self, const py::object& bytes, Py_ssize_t byte_offset) {
+  if (byte_offset % self->itemsize != 0 || record_nbytes(self->record) % self->itemsize != 0)
+    return rebuild(self, call_method(bytes.ptr(), names.untyped_storage), byte_offset);
+  py::object typed = call_with(attr(bytes.ptr(), n_view).ptr(), py::handle(self->dtype));
+  py::object size = dims_tuple(self, 0);
+  if (spans_storage(self)) {   // the whole storage, contiguous: a view of it (no strides)
+    py::object out = call_with(attr(typed.ptr(), n_view).ptr(), size);
+    if (self->conj) out = call_method(out.ptr(), n_conj);
+    if (self->neg) out = call_with(calls.neg_view, out);
+    return out;
+  }
+  py::object stride = dims_tuple(self, self->ndim);
+  py::object offset = py::reinterpret_steal<py::object>(
+      PyLong_FromLongLong(byte_offset / self->itemsize + self->storage_offset));
+  if (!offset) throw py::error_already_set();
+  PyObject* args[] = {typed.ptr(), size.ptr(), stride.ptr(), offset.ptr()};
+  PyObject* made = PyObject_VectorcallMethod(n_as_strided, args,
+                                             4 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  if (made == nullptr) throw py::error_already_set();
+  py::object out = py::reinterpret_steal<py::object>(made);
+  if (self->conj) out = call_method(out.ptr(), n_conj);
+  if (self->neg) out = call_with(calls.neg_view, out);
+  return out;
+}
+
 PyObject* moved_save_unpack(PyObject* obj, PyObject* lock) {
   return guarded([&] { return unpack_moved(obj, lock); });
 }
@@ -234,14 +299,17 @@ PyMethodDef moved_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-// configure_moved(load, perf_counter, empty, neg_view, version_error): what unpack calls.
+// configure_moved(load, perf_counter, empty, neg_view, version_error, next_sequence_nr):
+// what a MovedSave calls.
 PyObject* configure_moved(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* keywords[] = {"load", "perf_counter", "empty", "neg_view",
-                                   "version_error", nullptr};
-  PyObject *load, *perf_counter, *empty, *neg_view, *version_error;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO", const_cast<char**>(keywords), &load,
-                                   &perf_counter, &empty, &neg_view, &version_error))
+                                   "version_error", "next_sequence_nr", nullptr};
+  PyObject *load, *perf_counter, *empty, *neg_view, *version_error, *next_sequence_nr;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO", const_cast<char**>(keywords), &load,
+                                   &perf_counter, &empty, &neg_view, &version_error,
+                                   &next_sequence_nr))
     return nullptr;
+  Py_XSETREF(calls.next_sequence_nr, Py_NewRef(next_sequence_nr));
   Py_XSETREF(calls.load, Py_NewRef(load));
   Py_XSETREF(calls.perf_counter, Py_NewRef(perf_counter));
   Py_XSETREF(calls.empty, Py_NewRef(empty));
@@ -250,11 +318,32 @@ PyObject* configure_moved(PyObject*, PyObject* args, PyObject* kwargs) {
   Py_RETURN_NONE;
 }
 
+// moved_save(t, record, version, node, base, empty): the MovedSave of `t` (hooks.py's
+// Python path makes the core's handle too, so a core record is only ever loaded here).
+PyObject* moved_save(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_Format(PyExc_TypeError, "moved_save takes 6 arguments (%zd given)", nargs);
+    return nullptr;
+  }
+  const long long version = PyLong_AsLongLong(args[2]);
+  if (version == -1 && PyErr_Occurred()) return nullptr;
+  if (calls.next_sequence_nr == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "offload: records.py did not configure_moved");
+    return nullptr;
+  }
+  return new_moved_save(args[0], args[1], args[3], args[4], version, calls.next_sequence_nr,
+                        args[5]);
+}
+
 PyMethodDef module_functions[] = {
     {"configure_moved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(configure_moved)),
      METH_VARARGS | METH_KEYWORDS,
-     "configure_moved(load, perf_counter, empty, neg_view, version_error): what a MovedSave's "
-     "unpack calls (records.py sets it at import)."},
+     "configure_moved(load, perf_counter, empty, neg_view, version_error, next_sequence_nr): "
+     "what a MovedSave calls (records.py sets it at import)."},
+    {"moved_save", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(moved_save)),
+     METH_FASTCALL,
+     "moved_save(t, record, version, node, base, empty): the MovedSave of `t`, whose storage "
+     "is the core's `record` (`empty`: a zero-byte tensor on t's device)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -272,7 +361,8 @@ PyTypeObject moved_save_type = [] {
 }();
 
 PyObject* new_moved_save(PyObject* t, PyObject* record, PyObject* node, PyObject* base,
-                         long long version, PyObject* next_sequence_nr, PyObject* empty) {
+                         long long version, PyObject* next_sequence_nr, PyObject* empty,
+                         long long storage_offset) {
   return guarded([&]() -> PyObject* {
     if (!is_record(record)) {
       PyErr_SetString(PyExc_TypeError, "offload: a MovedSave holds the core's Record");
@@ -303,8 +393,10 @@ PyObject* new_moved_save(PyObject* t, PyObject* record, PyObject* node, PyObject
     } else {
       self->dtype = attr(t, n_dtype).release().ptr();
       set_dims(self, attr(t, n_shape).ptr(), call_method(t, n_stride).ptr());
-      self->storage_offset = as_int(call_method(t, names.storage_offset));
-      self->conj = call_method(t, n_is_conj).ptr() == Py_True;
+      self->storage_offset = storage_offset >= 0
+          ? storage_offset : as_int(call_method(t, names.storage_offset));
+      // Only a complex tensor has a conjugate bit (the check is one lookup per dtype).
+      self->conj = is_complex(self->dtype) && call_method(t, n_is_conj).ptr() == Py_True;
       self->neg = call_method(t, n_is_neg).ptr() == Py_True;
     }
     if (self->storage_offset == -1 && PyErr_Occurred()) throw py::error_already_set();
@@ -336,8 +428,9 @@ PyObject* unpack_moved(PyObject* obj, PyObject* lock) {
     auto* self = reinterpret_cast<MovedSave*>(obj);
     check_version(self);
     Py_ssize_t offset = 0;
-    py::object storage = load_locked(self, lock, &offset);
-    py::object out = rebuild(self, storage, offset);
+    bool flat = false;
+    py::object bytes = load_locked(self, lock, &offset, &flat);
+    py::object out = flat ? rebuild_flat(self, bytes, offset) : rebuild(self, bytes, offset);
     if (!self->unpacked) {
       self->unpacked = 1;
       record_handle_done(self->record);
@@ -358,15 +451,20 @@ void bind_moved_save(py::module_& m) {
   n_conj = intern("conj");
   n_set = intern("set_");
   n_acquire = intern("acquire");
+  n_view = intern("view");
+  n_is_complex = intern("is_complex");
+  n_as_strided = intern("as_strided");
   n_release = intern("release");
   kw_dtype_device = Py_BuildValue("(OO)", n_dtype, n_device);
   if (kw_dtype_device == nullptr) throw py::error_already_set();
   if (PyType_Ready(&moved_save_type) < 0) throw py::error_already_set();
   Py_INCREF(&moved_save_type);   // the module holds the type for the process
   m.add_object("MovedSave", reinterpret_cast<PyObject*>(&moved_save_type));
-  PyObject* fn = PyCFunction_New(&module_functions[0], nullptr);
-  if (fn == nullptr) throw py::error_already_set();
-  m.add_object("configure_moved", py::reinterpret_steal<py::object>(fn));
+  for (PyMethodDef* def = module_functions; def->ml_name != nullptr; ++def) {
+    PyObject* fn = PyCFunction_New(def, nullptr);
+    if (fn == nullptr) throw py::error_already_set();
+    m.add_object(def->ml_name, py::reinterpret_steal<py::object>(fn));
+  }
 }
 
 }  // namespace offload::bind

@@ -16,8 +16,10 @@ inline bool is_moved_save(PyObject* obj) { return Py_TYPE(obj) == &moved_save_ty
 // whose storage is the core's `record`: the view layout to rebuild (the record's snapshot
 // layout if it has one), a version sentinel, what autograd's message needs, and one more
 // save of the record (`handles_left`). A new reference, or nullptr with a Python error set.
+// `storage_offset`: t's, when the caller read it already; -1: read it.
 PyObject* new_moved_save(PyObject* t, PyObject* record, PyObject* node, PyObject* base,
-                         long long version, PyObject* next_sequence_nr, PyObject* empty);
+                         long long version, PyObject* next_sequence_nr, PyObject* empty,
+                         long long storage_offset = -1);
 
 // The saved tensor back (records.py `Moved.unpack`): its version checked (NOTE [Version
 // check]), its record's bytes loaded under the hooks' `lock`, its layout rebuilt over them.

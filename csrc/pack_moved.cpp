@@ -62,14 +62,16 @@ MoveNames& move_names() {
 bool is_true(const py::object& value) { return value.ptr() == Py_True; }
 
 // Whether `t` passes hooks.py's tests up to the index (movable_strided, not a weight, not in
-// a backward or no_offload, not an untracked alias). Reads only.
+// a backward or no_offload, not an untracked alias). Reads only; gives back what it read
+// that the handle needs too: `t._base`, and t's storage offset when it read it (else -1).
 bool eligible(const MovePath& path, const MoveNames& n, PyObject* t, PyObject* storage,
-              long long nbytes) {
+              long long nbytes, py::object* base_out, long long* t_offset) {
   if (!is_true(attr(t, n.is_cpu)) || is_true(attr(t, n.is_quantized)) ||
       is_true(attr(t, n.is_nested)) || as_int(call_method(t, n.numel)) == 0)
     return false;
   // is_weight for a tensor with a grad_fn: a view of a leaf that requires grad.
-  py::object base = attr(t, names.base);
+  py::object& base = *base_out;
+  base = attr(t, names.base);
   if (!base.is_none() && is_true(attr(base.ptr(), names.is_leaf)) &&
       is_true(attr(base.ptr(), n.requires_grad)))
     return false;
@@ -84,8 +86,9 @@ bool eligible(const MovePath& path, const MoveNames& n, PyObject* t, PyObject* s
   if (as_int(attr(path.no_offload, n.depth)) > 0) return false;
   // tensor_meta NOTE [Untracked aliases]: the counter's owner spans the storage exactly.
   PyObject* owner = base.is_none() ? t : base.ptr();
-  return as_int(call_method(owner, names.storage_offset)) == 0 &&
-         as_int(attr(owner, names.nbytes)) == nbytes;
+  const long long owner_offset = as_int(call_method(owner, names.storage_offset));
+  if (owner == t) *t_offset = owner_offset;
+  return owner_offset == 0 && as_int(attr(owner, names.nbytes)) == nbytes;
 }
 
 // The hooks' lock held for a scope (the index and the tier's queues are shared with
@@ -148,8 +151,8 @@ PyObject* store(const MovePath& path, const MoveNames& n, PyObject* placement, P
     if (kept) return nullptr;
   }
   py::object tier_ref = py::reinterpret_borrow<py::object>(tier);
-  py::object device = attr(storage, n.device);
-  py::object payload = call_with(store_cpu, py::handle(storage), device);
+  // The storage's device: the CPU's (eligible() took only CPU tensors).
+  py::object payload = call_with(store_cpu, py::handle(storage), py::handle(path.cpu_device));
   if (payload.is_none()) return nullptr;   // full: the Python path spills (and retries it)
   py::object next = py::reinterpret_steal<py::object>(PyLong_FromLongLong(position + 1));
   if (!next || PyObject_SetAttr(owner, n.stored, next.ptr()) < 0) throw py::error_already_set();
@@ -178,7 +181,7 @@ PyObject* store(const MovePath& path, const MoveNames& n, PyObject* placement, P
 
 int MovePath::visit(visitproc visit_fn, void* arg) const {
   for (PyObject* obj : {index, timeline, prefetcher, lock, param_ids,
-                        no_offload, graph_task_id, empty})
+                        no_offload, graph_task_id, empty, cpu_device})
     if (obj != nullptr) {
       const int got = visit_fn(obj, arg);
       if (got != 0) return got;
@@ -188,7 +191,7 @@ int MovePath::visit(visitproc visit_fn, void* arg) const {
 
 void MovePath::clear() {
   for (PyObject** obj : {&index, &timeline, &prefetcher, &lock, &param_ids,
-                         &no_offload, &graph_task_id, &empty})
+                         &no_offload, &graph_task_id, &empty, &cpu_device})
     Py_CLEAR(*obj);
 }
 
@@ -203,7 +206,9 @@ PyObject* pack_moved(const MovePath& path, PyObject* owner, PyObject* t, PyObjec
     PyObject* store_cpu = c_store(n, owner, &placement, &tier);
     if (store_cpu == nullptr) return nullptr;
     py::object store_ref = py::reinterpret_steal<py::object>(store_cpu);
-    if (!eligible(path, n, t, storage, nbytes)) return nullptr;
+    py::object base;
+    long long t_offset = -1;
+    if (!eligible(path, n, t, storage, nbytes, &base, &t_offset)) return nullptr;
     py::object record;
     {
       Locked locked(path.lock);
@@ -219,11 +224,8 @@ PyObject* pack_moved(const MovePath& path, PyObject* owner, PyObject* t, PyObjec
         index_put(path.index, storage, version, record.ptr());
       }
     }
-    PyObject* base = PyObject_GetAttr(t, names.base);
-    if (base == nullptr) throw py::error_already_set();
-    py::object base_ref = py::reinterpret_steal<py::object>(base);
-    PyObject* save = new_moved_save(t, record.ptr(), node, base, version, next_sequence_nr,
-                                    path.empty);
+    PyObject* save = new_moved_save(t, record.ptr(), node, base.ptr(), version,
+                                    next_sequence_nr, path.empty, t_offset);
     if (save == nullptr) throw py::error_already_set();
     meter->offloaded();
     return save;

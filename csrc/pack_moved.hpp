@@ -27,6 +27,7 @@ struct MovePath {
   PyObject* no_offload = nullptr;     // no_offload's thread-local depth
   PyObject* graph_task_id = nullptr;  // torch._C._current_graph_task_id
   PyObject* empty = nullptr;          // a zero-byte CPU tensor (the sentinels' data)
+  PyObject* cpu_device = nullptr;     // torch.device("cpu")
 
   bool configured() const { return index != nullptr; }
   int visit(visitproc visit, void* arg) const;

@@ -588,13 +588,18 @@ bool note_unpacked(Record* record, const LoadCalls& calls) {
 
 }  // namespace
 
-PyObject* record_load(PyObject* record_obj, const LoadCalls& calls, Py_ssize_t* offset) {
+Py_ssize_t record_nbytes(PyObject* record) { return reinterpret_cast<Record*>(record)->nbytes; }
+
+PyObject* record_load(PyObject* record_obj, const LoadCalls& calls, Py_ssize_t* offset,
+                      bool* flat) {
   auto* record = reinterpret_cast<Record*>(record_obj);
+  *flat = false;
   // In C only what a CPU nvme payload holds (no CUDA stream hand-off to make: copies Note
-  // 12); anything else is records.load's.
+  // 12); anything else is records.load's. Only this function loads such a record (the
+  // core's handles are all that hold one), so its cache holds the tier's tensor.
   if (!is_payload(record->payload) || reinterpret_cast<NvmePayload*>(record->payload)->cuda)
     return load_in_python(record_obj, calls, offset);
-  PyObject* storage = nullptr;
+  PyObject* storage = nullptr;   // the uint8 tensor over the bytes
   if (record->cache != Py_None) {
     storage = Py_NewRef(record->cache);
   } else if (record->cache_ref != Py_None) {
@@ -610,18 +615,16 @@ PyObject* record_load(PyObject* record_obj, const LoadCalls& calls, Py_ssize_t* 
     Py_DECREF(closed);
     if (closed != Py_False) return load_in_python(record_obj, calls, offset);
     if (!note_unpacked(record, calls)) return nullptr;
-    PyObject* flat =
+    PyObject* bytes =
         record->prefetcher == Py_None
             ? PyObject_CallMethodOneArg(record->tier, names.fetch, record->payload)
         : is_prefetcher(record->prefetcher)   // the core's: no Python call
             ? prefetcher_fetch(record->prefetcher, record->tier, record->payload)
             : PyObject_CallMethodObjArgs(record->prefetcher, names.fetch, record->tier,
                                          record->payload, nullptr);
-    if (flat == nullptr) return nullptr;
-    storage = PyObject_CallMethodNoArgs(flat, names.untyped_storage);
-    PyObject* off = storage != nullptr ? PyObject_CallMethodNoArgs(flat, names.storage_offset)
-                                       : nullptr;
-    Py_DECREF(flat);
+    if (bytes == nullptr) return nullptr;
+    storage = bytes;
+    PyObject* off = PyObject_CallMethodNoArgs(bytes, names.storage_offset);
     const Py_ssize_t byte_offset = off != nullptr ? PyLong_AsSsize_t(off) : -1;
     Py_XDECREF(off);
     PyObject* ref = PyErr_Occurred() ? nullptr : untracked_weakref(storage);
@@ -634,6 +637,7 @@ PyObject* record_load(PyObject* record_obj, const LoadCalls& calls, Py_ssize_t* 
   }
   if (record->handles_left > 1) Py_XSETREF(record->cache, Py_NewRef(storage));
   *offset = record->cache_offset;
+  *flat = true;
   return storage;
 }
 

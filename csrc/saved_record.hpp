@@ -37,15 +37,19 @@ void index_put(PyObject* index, PyObject* storage, long long version, PyObject* 
 // storage; false with a Python error set.
 bool record_timed(PyObject* record, PyObject* timeline, long long position);
 
-// records.py `load` for the core's `record` of a CPU nvme payload, in C: its bytes' storage
-// (a new reference) and their byte offset in it, loading them at most once while they are
-// needed (NOTE [Unpack cache]); `fetch(tier, payload)` is the prefetcher's fetch, or None
-// for the tier's own. Any other record goes to `py_load` (records.load). nullptr with a
-// Python error set.
+// records.py `load` for the core's `record`: its bytes, loaded at most once while they are
+// needed (NOTE [Unpack cache]), and their byte offset. A CPU nvme payload's in C, as the
+// uint8 tensor the tier handed out (`*flat` set; the record's cache holds that tensor);
+// any other's through `py_load` (records.load), as their storage. A new reference, or
+// nullptr with a Python error set.
 struct LoadCalls {
   PyObject* py_load;          // records.load
   PyObject* perf_counter;     // time.perf_counter (the timeline's clock)
 };
-PyObject* record_load(PyObject* record, const LoadCalls& calls, Py_ssize_t* offset);
+PyObject* record_load(PyObject* record, const LoadCalls& calls, Py_ssize_t* offset,
+                      bool* flat);
+
+// The bytes of the storage `record` was made for.
+Py_ssize_t record_nbytes(PyObject* record);
 
 }  // namespace offload::bind

@@ -360,7 +360,8 @@ def test_what_autograd_holds_is_untracked_with_the_core(path, nvme_dir):
     assert type(held["host"]).__name__ == ("KeptSave" if core else "Kept")
     assert type(held["weight"]).__name__ == ("KeptSave" if core else "Kept")
     assert held["weight"].record is None
-    assert type(held["nvme"]).__name__ == "Moved"
+    assert type(held["nvme"]).__name__ == ("MovedSave" if core else "Moved")
+    assert gc.is_tracked(held["nvme"]) is not core
     for handle in (held["host"], held["nvme"]):
         assert type(handle.record) is (load_core().Record if core else records.PyRecord)
         assert gc.is_tracked(handle.record) is not core

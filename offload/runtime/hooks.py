@@ -80,6 +80,7 @@ log = logging.getLogger("offload")
 
 _Tensor = torch.Tensor
 _strided = torch.strided
+_CPU = torch.device("cpu")
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
 
@@ -90,6 +91,7 @@ class _NoHandle:
 _core = load_core() if core_available() else None   # NOTE [Handles in C]
 _SmallSave = _core.SmallSave if _core is not None else _NoHandle
 _KeptSave = _core.KeptSave if _core is not None else _NoHandle
+_new_moved_save = _core.moved_save if _core is not None else None
 
 
 class OffloadHooks:
@@ -142,7 +144,7 @@ class OffloadHooks:
                 ledger.meter, min_bytes, _Tensor, _strided, _profiler_enabled,
                 next_sequence_nr, self._record_type, index=self.index, timeline=self.timeline, prefetcher=prefetcher, lock=self._lock,
                 param_ids=params.by_storage_id, no_offload=thread_depth, graph_task_id=graph_task_id,
-                empty=sentinel_data(torch.device("cpu")))
+                empty=sentinel_data(_CPU), cpu_device=_CPU)
 
     # ---------------------------------------------------------------- hooks
     @property
@@ -258,7 +260,11 @@ class OffloadHooks:
             # offloaded by whoever holds it (`_handle`, the core's Packer).
             return record
         stats.offloaded_tensors += 1
-        return Moved(t, record, version)   # with the record's layout if it has one (a snapshot)
+        # With the record's layout if it has one (a snapshot). A core record's saves are the
+        # core's handles, which alone load it (csrc/saved_record.cpp `record_load`).
+        if self._packer is not None:
+            return _new_moved_save(t, record, version, node, base, sentinel_data(t.device))
+        return Moved(t, record, version)
 
     def _pack_other(self, t: torch.Tensor, version: int):
         """A tensor our byte round trip cannot hold as it is (subclasses NOTE [Subclasses])."""
@@ -380,8 +386,8 @@ class OffloadHooks:
             return packed.unpack(self._lock)
         if cls is PackedSubclass:
             packed.check_version()  # the outer tensor's counter (NOTE [Subclasses])
-            inner = [self._unpack(x) if isinstance(x, (Kept, Moved, PackedSubclass)) else x
-                     for x in packed.inner]
+            inner = [self._unpack(x) if isinstance(x, (Kept, Moved, MovedSave, PackedSubclass))
+                     else x for x in packed.inner]
             return packed.flat.rebuild(inner)
         return packed.unpack()  # Kept
 

@@ -367,7 +367,8 @@ class _NoMovedSave:
 if core_available():
     MovedSave = load_core().MovedSave
     load_core().configure_moved(load=load, perf_counter=time.perf_counter, empty=torch.empty,
-                                neg_view=torch._neg_view, version_error=moved_version_error)
+                                neg_view=torch._neg_view, version_error=moved_version_error,
+                                next_sequence_nr=_next_sequence_nr)
 else:
     MovedSave = _NoMovedSave
 
