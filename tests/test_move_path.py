@@ -99,10 +99,14 @@ def test_plain_cpu_activations_on_nvme_take_the_move_path(nvme_dir, monkeypatch)
     calls = _counting_python_path(monkeypatch)
     x = torch.randn(256, requires_grad=True)
     with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        tier = ctx._hooks.tiers["nvme"]
+        assert type(tier).stores_cpu_in_core and tier.store_cpu is None   # not before a store
         h = x * 1
         for _ in range(200):
             h = h.sin()
+        assert tier.store_cpu is not None
         h.sum().backward()
+    assert tier.store_cpu is None   # closed: the core's packer may not store through it
     assert ctx.stats.offloaded_tensors == 200 and ctx.stats.nvme_bytes == 200 * 1024
     # The first store goes through the tier's Python `store` (it opens the heap and the
     # tier's `store_cpu`); every later one is the core's.

@@ -138,13 +138,17 @@ class OffloadHooks:
             self.index = StorageIndex()
         else:
             self.index = _core.StorageIndex()
-            # NOTE [Move path in C]: what the packer's move path reads.
-            self._packer = _core.Packer(
-                weakref.ref(self), OffloadHooks.pack_full, OffloadHooks._pack_strided,
-                ledger.meter, min_bytes, _Tensor, _strided, _profiler_enabled,
-                next_sequence_nr, self._record_type, index=self.index, timeline=self.timeline, prefetcher=prefetcher, lock=self._lock,
-                param_ids=params.by_storage_id, no_offload=thread_depth, graph_task_id=graph_task_id,
-                empty=sentinel_data(_CPU), cpu_device=_CPU)
+            front = (weakref.ref(self), OffloadHooks.pack_full, OffloadHooks._pack_strided,
+                     ledger.meter, min_bytes, _Tensor, _strided, _profiler_enabled,
+                     next_sequence_nr, self._record_type)
+            if any(tier.stores_cpu_in_core for tier in tiers.values()):
+                # NOTE [Move path in C]: what the packer's move path reads.
+                self._packer = _core.Packer(
+                    *front, index=self.index, timeline=self.timeline, prefetcher=prefetcher,
+                    lock=self._lock, param_ids=params.by_storage_id, no_offload=thread_depth,
+                    graph_task_id=graph_task_id, empty=sentinel_data(_CPU), cpu_device=_CPU)
+            else:
+                self._packer = _core.Packer(*front)
 
     # ---------------------------------------------------------------- hooks
     @property

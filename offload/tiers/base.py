@@ -61,8 +61,10 @@ class Tier(abc.ABC):
     # `store` for a CPU storage as a core callable, `store_cpu(storage, device)`, or None:
     # the core's packer then stores plain CPU activations through it, without a Python
     # frame (hooks.py NOTE [Move path in C]). A tier that sets it returns payloads that are
-    # not resident and are prefetchable, and sets it back to None when it closes.
+    # not resident and are prefetchable, and sets it back to None when it closes; its class
+    # says so (`stores_cpu_in_core`), so a step whose tiers never do pays nothing for it.
     store_cpu: Callable[[torch.UntypedStorage, torch.device], Payload | None] | None = None
+    stores_cpu_in_core: bool = False
     # The core's NvmeTransfers that read this tier's CPU payloads (the nvme tier's), or None:
     # the core's prefetcher then starts, waits on and hands out their reads itself, with no
     # Python call (offload/runtime/prefetch.py). Its reads are what `prefetch`, `fetch`,

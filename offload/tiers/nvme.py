@@ -88,6 +88,7 @@ class NvmeTier(Tier):
     """Slab files in `dirs` (striped), written and read through a staging arena."""
 
     name = "nvme"
+    stores_cpu_in_core = True   # store_cpu once a CPU storage was stored (Tier.store_cpu)
 
     def __init__(self, dirs: tuple[str, ...], capacity_bytes: Callable[[], int], *,
                  workers: int, staging_bytes: int, stats: Stats, core,
