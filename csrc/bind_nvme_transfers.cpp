@@ -126,10 +126,7 @@ PyObject* m_retire_oldest(PyObject* self, PyObject* const* a, Py_ssize_t nargs) 
 PyObject* m_prefetch(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
   if (!nargs_are("prefetch", nargs, 1)) return nullptr;
   return guarded([&] {
-    NvmePayload* p = payload_arg("prefetch", a[0]);
-    if (p->read || p->released) Py_RETURN_FALSE;
-    start_host_read(state(self), p);
-    Py_RETURN_TRUE;
+    return Py_NewRef(prefetch(state(self), payload_arg("prefetch", a[0])) ? Py_True : Py_False);
   });
 }
 

@@ -26,12 +26,12 @@
 #include "bindings.hpp"
 #include "moved_save.hpp"
 #include "pack_moved.hpp"
+#include "prefetcher.hpp"
 #include "py_calls.hpp"
 #include "py_type.hpp"
 #include "saved_bytes.hpp"
 #include "saved_handles.hpp"
 #include "saved_record.hpp"
-#include "timeline.hpp"
 
 namespace py = pybind11;
 
@@ -91,14 +91,11 @@ py::object packer_owner(const Packer* self) {
 
 // What records.Kept holds, the same way: the tensor as autograd holds it, or for an output
 // of the saving node a detached alias (breaks the tensor -> node -> save cycle) and that
-// node's name. The saving node was made last, so its sequence number is the one just
-// before the thread's next (version_check.py).
+// node's name (`saving_node`: version_check.py).
 void hold(const Packer* self, HeldTensor* save, PyObject* t, const py::object& node,
           const py::object& version) {
   save->version = as_int(version);
-  const bool is_output = !node.is_none() && self->next_sequence_nr != Py_None &&
-      as_int(call_method(node.ptr(), names.sequence_nr)) ==
-          as_int(call(self->next_sequence_nr)) - 1;
+  const bool is_output = saving_node(node.ptr(), self->next_sequence_nr);
   if (is_output) {
     save->tensor = call_method(t, names.detach).release().ptr();
     save->node_name =
@@ -202,6 +199,11 @@ PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
                     "and cpu_device, or none");
     return nullptr;
   }
+  if (any_move && !is_prefetcher(moves.prefetcher)) {
+    PyErr_Format(PyExc_TypeError, "offload: Packer's move path registers payloads with the "
+                 "core's Prefetcher, not %s", Py_TYPE(moves.prefetcher)->tp_name);
+    return nullptr;
+  }
   std::shared_ptr<SavedBytes> counted;
   try {
     counted = py::cast<std::shared_ptr<SavedBytes>>(py::handle(meter));
@@ -299,10 +301,7 @@ PyTypeObject packer_type = [] {
       "(hooks.py NOTE [Handles in C]; the keywords: its move path, NOTE [Move path in C]).",
       packer_new, packer_dealloc);
   type.tp_getset = packer_getset;
-  type.tp_flags |= Py_TPFLAGS_HAVE_GC;
-  type.tp_traverse = packer_traverse;
-  type.tp_clear = packer_clear;
-  type.tp_free = PyObject_GC_Del;
+  tracked(type, packer_traverse, packer_clear);
   return type;
 }();
 
@@ -319,7 +318,6 @@ struct Unpacker {
   PyObject* marks;           // the hooks' BackwardMarks
   PyObject* error;           // records.held_tensor_error
   PyObject* graph_task_id;   // torch._C._current_graph_task_id
-  PyObject* perf_counter;    // time.perf_counter (the Timeline's clock)
   PyObject* profiling;       // torch._C._autograd._profiler_enabled
   PyObject* lock;            // the hooks' lock: a MovedSave loads under it
   bool marked;               // the backward marks were set ...
@@ -343,23 +341,7 @@ void mark_backward(Unpacker* self) {
 // makes the core's records), or None for a weight.
 void kept_unpacked(Unpacker* self, PyObject* record) {
   mark_backward(self);
-  Py_ssize_t row = 0;
-  PyObject* timeline = record == Py_None ? nullptr : record_timeline(record, &row);
-  if (timeline == nullptr) return;
-  py::object now = call(self->perf_counter);
-  if (is_timeline(timeline)) {   // the core's: marked without a Python call
-    const double now_s = PyFloat_AsDouble(now.ptr());
-    if ((now_s == -1.0 && PyErr_Occurred()) || !timeline_unpacked(timeline, row, now_s))
-      throw py::error_already_set();
-  } else {
-    py::object index = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(row));
-    if (!index) throw py::error_already_set();
-    PyObject* argv[] = {timeline, index.ptr(), now.ptr()};
-    PyObject* done = PyObject_VectorcallMethod(names.unpacked, argv,
-                                               3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-    if (done == nullptr) throw py::error_already_set();
-    Py_DECREF(done);
-  }
+  if (record != Py_None && !record_unpacked(record)) throw py::error_already_set();
 }
 
 PyObject* unpack(Unpacker* self, PyObject* packed) {
@@ -389,12 +371,11 @@ PyObject* unpacker_vectorcall(PyObject* obj, PyObject* const* args, size_t nargs
 }
 
 PyObject* unpacker_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* keywords[] = {"slow",         "marks",     "error", "graph_task_id",
-                                   "perf_counter", "profiling", "lock",  nullptr};
-  PyObject *slow, *marks, *error, *graph_task_id, *perf_counter, *profiling, *lock;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO", const_cast<char**>(keywords),
-                                   &slow, &marks, &error, &graph_task_id, &perf_counter,
-                                   &profiling, &lock))
+  static const char* keywords[] = {"slow",      "marks", "error", "graph_task_id",
+                                   "profiling", "lock",  nullptr};
+  PyObject *slow, *marks, *error, *graph_task_id, *profiling, *lock;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO", const_cast<char**>(keywords),
+                                   &slow, &marks, &error, &graph_task_id, &profiling, &lock))
     return nullptr;
   PyObject* obj = type->tp_alloc(type, 0);
   if (obj == nullptr) return nullptr;
@@ -404,7 +385,6 @@ PyObject* unpacker_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   self->marks = Py_NewRef(marks);
   self->error = Py_NewRef(error);
   self->graph_task_id = Py_NewRef(graph_task_id);
-  self->perf_counter = Py_NewRef(perf_counter);
   self->profiling = Py_NewRef(profiling);
   self->lock = Py_NewRef(lock);
   return obj;
@@ -416,7 +396,6 @@ void unpacker_dealloc(PyObject* obj) {
   Py_CLEAR(self->marks);
   Py_CLEAR(self->error);
   Py_CLEAR(self->graph_task_id);
-  Py_CLEAR(self->perf_counter);
   Py_CLEAR(self->profiling);
   Py_CLEAR(self->lock);
   Py_TYPE(obj)->tp_free(obj);
@@ -431,7 +410,7 @@ PyMemberDef unpacker_members[] = {
 PyTypeObject unpacker_type = [] {
   PyTypeObject type = callable_type(
       "offload._C.Unpacker", sizeof(Unpacker),
-      "Unpacker(slow, marks, error, graph_task_id, perf_counter, profiling, lock): the unpack "
+      "Unpacker(slow, marks, error, graph_task_id, profiling, lock): the unpack "
       "hook's front (hooks.py NOTE [Handles in C]).",
       unpacker_new, unpacker_dealloc);
   type.tp_members = unpacker_members;

@@ -54,7 +54,6 @@ struct MovedSave {
 // What unpack calls, set once from records.py (`configure_moved`).
 struct MovedCalls {
   PyObject* load = nullptr;           // records.load
-  PyObject* perf_counter = nullptr;   // time.perf_counter
   PyObject* empty = nullptr;          // torch.empty
   PyObject* neg_view = nullptr;       // torch._neg_view
   PyObject* version_error = nullptr;  // records.moved_version_error
@@ -71,11 +70,9 @@ PyObject* n_is_conj;
 PyObject* n_is_neg;
 PyObject* n_conj;
 PyObject* n_set;
-PyObject* n_acquire;
 PyObject* n_view;
 PyObject* n_is_complex;
 PyObject* n_as_strided;
-PyObject* n_release;
 PyObject* kw_dtype_device;   // ("dtype", "device")
 
 void moved_save_dealloc(PyObject* obj) {
@@ -123,22 +120,11 @@ void check_version(MovedSave* self) {
 // records.load under the hooks' `lock` (the record's cache and the tier's queues are
 // shared with autograd's other threads).
 py::object load_locked(MovedSave* self, PyObject* lock, Py_ssize_t* offset, bool* flat) {
-  call_method(lock, n_acquire);
-  const LoadCalls load{calls.load, calls.perf_counter};
-  PyObject* storage = record_load(self->record, load, offset, flat);
-  // Released whatever the load did; its error (if any) is kept across the release.
-  PyObject *type, *value, *trace;
-  PyErr_Fetch(&type, &value, &trace);
-  PyObject* released = PyObject_CallMethodNoArgs(lock, n_release);
-  if (released == nullptr) {
-    Py_XDECREF(storage);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(trace);
-    throw py::error_already_set();
+  PyObject* storage;
+  {
+    PyLockHeld locked(lock);
+    storage = record_load(self->record, calls.load, offset, flat);
   }
-  Py_DECREF(released);
-  PyErr_Restore(type, value, trace);
   if (storage == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(storage);
 }
@@ -202,7 +188,11 @@ py::object rebuild(MovedSave* self, const py::object& storage, Py_ssize_t byte_o
                                             nullptr);
   if (set == nullptr) throw py::error_already_set();
   Py_DECREF(set);   // set_ returns `out` itself
-  // The conjugate / negative bits are lazy flags on top of the same bytes.
+  return out;
+}
+
+// `out` with the saved conjugate / negative bits: lazy flags on top of the same bytes.
+py::object with_bits(const MovedSave* self, py::object out) {
   if (self->conj) out = call_method(out.ptr(), n_conj);
   if (self->neg) out = call_with(calls.neg_view, out);
   return out;
@@ -233,12 +223,8 @@ py::object rebuild_flat(MovedSave* self, const py::object& bytes, Py_ssize_t byt
     return rebuild(self, call_method(bytes.ptr(), names.untyped_storage), byte_offset);
   py::object typed = call_with(attr(bytes.ptr(), n_view).ptr(), py::handle(self->dtype));
   py::object size = dims_tuple(self, 0);
-  if (spans_storage(self)) {   // the whole storage, contiguous: a view of it (no strides)
-    py::object out = call_with(attr(typed.ptr(), n_view).ptr(), size);
-    if (self->conj) out = call_method(out.ptr(), n_conj);
-    if (self->neg) out = call_with(calls.neg_view, out);
-    return out;
-  }
+  if (spans_storage(self))   // the whole storage, contiguous: a view of it (no strides)
+    return call_with(attr(typed.ptr(), n_view).ptr(), size);
   py::object stride = dims_tuple(self, self->ndim);
   py::object offset = py::reinterpret_steal<py::object>(
       PyLong_FromLongLong(byte_offset / self->itemsize + self->storage_offset));
@@ -247,10 +233,7 @@ py::object rebuild_flat(MovedSave* self, const py::object& bytes, Py_ssize_t byt
   PyObject* made = PyObject_VectorcallMethod(n_as_strided, args,
                                              4 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
   if (made == nullptr) throw py::error_already_set();
-  py::object out = py::reinterpret_steal<py::object>(made);
-  if (self->conj) out = call_method(out.ptr(), n_conj);
-  if (self->neg) out = call_with(calls.neg_view, out);
-  return out;
+  return py::reinterpret_steal<py::object>(made);
 }
 
 PyObject* moved_save_unpack(PyObject* obj, PyObject* lock) {
@@ -299,19 +282,17 @@ PyMethodDef moved_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-// configure_moved(load, perf_counter, empty, neg_view, version_error, next_sequence_nr):
-// what a MovedSave calls.
+// configure_moved(load, empty, neg_view, version_error, next_sequence_nr): what a MovedSave
+// calls.
 PyObject* configure_moved(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* keywords[] = {"load", "perf_counter", "empty", "neg_view",
-                                   "version_error", "next_sequence_nr", nullptr};
-  PyObject *load, *perf_counter, *empty, *neg_view, *version_error, *next_sequence_nr;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO", const_cast<char**>(keywords), &load,
-                                   &perf_counter, &empty, &neg_view, &version_error,
-                                   &next_sequence_nr))
+  static const char* keywords[] = {"load", "empty", "neg_view", "version_error",
+                                   "next_sequence_nr", nullptr};
+  PyObject *load, *empty, *neg_view, *version_error, *next_sequence_nr;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO", const_cast<char**>(keywords), &load,
+                                   &empty, &neg_view, &version_error, &next_sequence_nr))
     return nullptr;
   Py_XSETREF(calls.next_sequence_nr, Py_NewRef(next_sequence_nr));
   Py_XSETREF(calls.load, Py_NewRef(load));
-  Py_XSETREF(calls.perf_counter, Py_NewRef(perf_counter));
   Py_XSETREF(calls.empty, Py_NewRef(empty));
   Py_XSETREF(calls.neg_view, Py_NewRef(neg_view));
   Py_XSETREF(calls.version_error, Py_NewRef(version_error));
@@ -338,8 +319,8 @@ PyObject* moved_save(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef module_functions[] = {
     {"configure_moved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(configure_moved)),
      METH_VARARGS | METH_KEYWORDS,
-     "configure_moved(load, perf_counter, empty, neg_view, version_error, next_sequence_nr): "
-     "what a MovedSave calls (records.py sets it at import)."},
+     "configure_moved(load, empty, neg_view, version_error, next_sequence_nr): what a "
+     "MovedSave calls (records.py sets it at import)."},
     {"moved_save", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(moved_save)),
      METH_FASTCALL,
      "moved_save(t, record, version, node, base, empty): the MovedSave of `t`, whose storage "
@@ -404,8 +385,7 @@ PyObject* new_moved_save(PyObject* t, PyObject* record, PyObject* node, PyObject
     // What autograd's message names (version_check.py SavedOrigin): the saving node for an
     // output (made last, so its sequence number is the one before the thread's next), an
     // input's grad_fn at unpack, through a weak reference to it.
-    self->is_output = node != Py_None && next_sequence_nr != Py_None &&
-        as_int(call_method(node, names.sequence_nr)) == as_int(call(next_sequence_nr)) - 1;
+    self->is_output = saving_node(node, next_sequence_nr);
     self->is_view = base != Py_None;
     self->output_nr = as_int(attr(t, names.output_nr));
     self->node_name = node != Py_None
@@ -430,7 +410,8 @@ PyObject* unpack_moved(PyObject* obj, PyObject* lock) {
     Py_ssize_t offset = 0;
     bool flat = false;
     py::object bytes = load_locked(self, lock, &offset, &flat);
-    py::object out = flat ? rebuild_flat(self, bytes, offset) : rebuild(self, bytes, offset);
+    py::object out = with_bits(
+        self, flat ? rebuild_flat(self, bytes, offset) : rebuild(self, bytes, offset));
     if (!self->unpacked) {
       self->unpacked = 1;
       record_handle_done(self->record);
@@ -450,11 +431,9 @@ void bind_moved_save(py::module_& m) {
   n_is_neg = intern("is_neg");
   n_conj = intern("conj");
   n_set = intern("set_");
-  n_acquire = intern("acquire");
   n_view = intern("view");
   n_is_complex = intern("is_complex");
   n_as_strided = intern("as_strided");
-  n_release = intern("release");
   kw_dtype_device = Py_BuildValue("(OO)", n_dtype, n_device);
   if (kw_dtype_device == nullptr) throw py::error_already_set();
   if (PyType_Ready(&moved_save_type) < 0) throw py::error_already_set();

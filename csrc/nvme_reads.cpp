@@ -60,6 +60,12 @@ void start_host_read(State* s, NvmePayload* p) {
   add_read(s, p, std::move(read));
 }
 
+bool prefetch(State* s, NvmePayload* p) {
+  if (p->read || p->released) return false;
+  start_host_read(s, p);
+  return true;
+}
+
 void reap(State* s, bool wait) {
   std::vector<std::shared_ptr<NvmeRead>> pending;
   pending.swap(s->deferred);   // a release while we wait appends to the new list

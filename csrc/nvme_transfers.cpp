@@ -19,7 +19,6 @@ void init_io_names() {
                      intern("add"),        intern("tensor_for_use"),
                      intern("allocate"),   intern("release"),
                      intern("data_ptr"),   intern("nbytes"),
-                     intern("__enter__"),  intern("__exit__"),
                      intern("span"),       intern("profiling"),
                      intern("WRITE"),      intern("WAIT_READ"),
                      intern("category"),   intern("args"),
@@ -97,21 +96,8 @@ double completion_end_s(const Completion& c) {
 }
 
 Range::Range(const State* s, PyObject* name_attr) {
-  if (!profiler_on(s->profiling)) return;
-  py::object name = attr(s->ranges, name_attr);
-  range_ = call_with(attr(s->ranges, io_names.span).ptr(), name);
-  call_method(range_.ptr(), io_names.enter);
-}
-
-Range::~Range() {
-  if (!range_) return;
-  PyObject *type, *value, *traceback;
-  PyErr_Fetch(&type, &value, &traceback);   // the block may be leaving with an error
-  PyObject* out = PyObject_CallMethodObjArgs(range_.ptr(), io_names.exit, Py_None, Py_None,
-                                             Py_None, nullptr);
-  if (out == nullptr) PyErr_Clear();        // a range that cannot close loses nothing
-  Py_XDECREF(out);
-  PyErr_Restore(type, value, traceback);
+  if (profiler_on(s->profiling))
+    open(attr(s->ranges, io_names.span).ptr(), attr(s->ranges, name_attr).ptr());
 }
 
 void add_stall(const State* s, double start_s, bool backward, const char* what) {

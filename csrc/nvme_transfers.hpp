@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "nvme_payload.hpp"
+#include "py_calls.hpp"
 
 namespace offload::bind::nvme {
 
@@ -62,7 +63,7 @@ namespace py = pybind11;
 // Names the transfers look up and call, interned once (init_io_names, at import).
 struct IoNames {
   PyObject *done, *wait, *end_s, *add_stall, *add, *tensor_for_use, *allocate, *release,
-      *data_ptr, *nbytes, *enter, *exit, *span, *profiling, *write_range, *wait_range,
+      *data_ptr, *nbytes, *span, *profiling, *write_range, *wait_range,
       *category, *args, *io, *bytes, *dtype_kw, *write_kind, *read_kind, *trace, *enabled;
 };
 extern IoNames io_names;
@@ -141,16 +142,11 @@ double completion_end_s(const Completion& c);
 [[noreturn]] void raise_type_error(const char* message);
 void check_open(const State* s);
 
-// A profiler range (util/ranges.py `span`) around a block while torch's profiler runs.
-class Range {
+// A profiler range (util/ranges.py `span`, named by the ranges module's `name_attr`) around
+// a block while torch's profiler runs.
+class Range : public ProfilerRange {
  public:
   Range(const State* s, PyObject* name_attr);
-  Range(const Range&) = delete;
-  Range& operator=(const Range&) = delete;
-  ~Range();
-
- private:
-  py::object range_;
 };
 
 // The training thread waited since `start_s` (Stats.add_stall: its trace span too).
@@ -204,6 +200,9 @@ void observe(State* s, NvmeRead& read);
 void before_read(State* s, NvmePayload* p);
 // A read into host memory of the payload's phase (NOTE [Phase] in tiers/nvme.py).
 void start_host_read(State* s, NvmePayload* p);
+// The tier's `prefetch` of a CPU payload: starts its host read; false (nothing started)
+// when one is in flight or landed, or the payload was released.
+bool prefetch(State* s, NvmePayload* p);
 // Notes the reads that landed, oldest first; drops released payloads' reads that landed.
 void poll_reads(State* s);
 // Drops released payloads' reads once they landed (all of them, waiting, with `wait`).

@@ -18,7 +18,6 @@
 #include "prefetcher.hpp"
 #include "py_calls.hpp"
 #include "saved_record.hpp"
-#include "timeline.hpp"
 
 namespace py = pybind11;
 
@@ -39,11 +38,6 @@ struct MoveNames {
   PyObject* requires_grad;
   PyObject* depth;
   PyObject* stored;
-  PyObject* device;
-  PyObject* register_;
-  PyObject* note_packed;
-  PyObject* acquire;
-  PyObject* release;
   PyObject* placement;
   PyObject* tiers;
 };
@@ -53,9 +47,7 @@ MoveNames& move_names() {
                         intern("targets"),       intern("store_cpu"),  intern("is_cpu"),
                         intern("is_quantized"),  intern("is_nested"),  intern("numel"),
                         intern("requires_grad"), intern("depth"),      intern("_stored"),
-                        intern("device"),        intern("register"),   intern("note_packed"),
-                        intern("acquire"),       intern("release"),    intern("placement"),
-                        intern("tiers")};
+                        intern("placement"),     intern("tiers")};
   return n;
 }
 
@@ -91,21 +83,6 @@ bool eligible(const MovePath& path, const MoveNames& n, PyObject* t, PyObject* s
   return owner_offset == 0 && as_int(attr(owner, names.nbytes)) == nbytes;
 }
 
-// The hooks' lock held for a scope (the index and the tier's queues are shared with
-// autograd's other threads; the tier's store may let go of the GIL while it waits).
-struct Locked {
-  PyObject* lock;
-  explicit Locked(PyObject* l) : lock(l) { call_method(lock, move_names().acquire); }
-  ~Locked() {
-    PyObject *type, *value, *trace;
-    PyErr_Fetch(&type, &value, &trace);
-    PyObject* done = PyObject_CallMethodNoArgs(lock, move_names().release);
-    if (done == nullptr) PyErr_WriteUnraisable(lock);
-    Py_XDECREF(done);
-    PyErr_Restore(type, value, trace);
-  }
-};
-
 // A record of the index that holds moved bytes: a MovedSave of it is what Python's
 // `_pack_plain` returns for it (not a kept record, nor a resident one without a layout).
 bool holds_moved_bytes(PyObject* record) {
@@ -113,25 +90,25 @@ bool holds_moved_bytes(PyObject* record) {
          !(record_resident(record) && record_meta(record) == Py_None);
 }
 
-// The standing decision's first tier, when it stores CPU storages in C (a new reference to
-// its `store_cpu`; `*placement`, `*tier`: new references), else nullptr (no error).
-PyObject* c_store(const MoveNames& n, PyObject* owner, py::object* placement, py::object* tier) {
+// The standing decision's first tier's `store_cpu` when it stores CPU storages in C (with
+// `*placement` and `*tier`), else an empty object.
+py::object c_store(const MoveNames& n, PyObject* owner, py::object* placement, py::object* tier) {
   // placement.py NOTE [Standing decision]: None while forced, and for the scheduler's.
   *placement = attr(owner, n.placement);
   py::object standing = attr(placement->ptr(), n.standing);
-  if (standing.is_none()) return nullptr;
+  if (standing.is_none()) return {};
   py::object targets = attr(standing.ptr(), n.targets);
-  if (!PyTuple_Check(targets.ptr()) || PyTuple_GET_SIZE(targets.ptr()) == 0) return nullptr;
+  if (!PyTuple_Check(targets.ptr()) || PyTuple_GET_SIZE(targets.ptr()) == 0) return {};
   py::object tiers = attr(owner, n.tiers);
-  if (!PyDict_Check(tiers.ptr())) return nullptr;
+  if (!PyDict_Check(tiers.ptr())) return {};
   PyObject* found = PyDict_GetItemWithError(tiers.ptr(), PyTuple_GET_ITEM(targets.ptr(), 0));
   if (found == nullptr) {
     if (PyErr_Occurred()) throw py::error_already_set();
-    return nullptr;
+    return {};
   }
   *tier = py::reinterpret_borrow<py::object>(found);
   py::object store_cpu = attr(found, n.store_cpu);
-  return store_cpu.is_none() ? nullptr : store_cpu.release().ptr();   // None: not open for it
+  return store_cpu.is_none() ? py::object() : store_cpu;   // None: not open for it
 }
 
 // `_store` for the storage through `store_cpu` (its tier `tier`): its record (a new
@@ -150,7 +127,6 @@ PyObject* store(const MovePath& path, const MoveNames& n, PyObject* placement, P
     if (kept < 0) throw py::error_already_set();
     if (kept) return nullptr;
   }
-  py::object tier_ref = py::reinterpret_borrow<py::object>(tier);
   // The storage's device: the CPU's (eligible() took only CPU tensors).
   py::object payload = call_with(store_cpu, py::handle(storage), py::handle(path.cpu_device));
   if (payload.is_none()) return nullptr;   // full: the Python path spills (and retries it)
@@ -160,20 +136,12 @@ PyObject* store(const MovePath& path, const MoveNames& n, PyObject* placement, P
   // lifetime]); a tier with a store in C is prefetchable and its payload not resident.
   py::object nbytes_obj = py::reinterpret_steal<py::object>(PyLong_FromLongLong(nbytes));
   if (!nbytes_obj) throw py::error_already_set();
-  py::object record = call_with(record_type, py::handle(storage), tier_ref, payload,
+  py::object record = call_with(record_type, py::handle(storage), py::handle(tier), payload,
                                 nbytes_obj, py::handle(Py_False), py::handle(Py_None),
                                 py::handle(meter_obj), py::handle(path.prefetcher));
   if (!prefetcher_register(path.prefetcher, tier, payload.ptr()))   // its place in pack order
     throw py::error_already_set();
-  if (is_timeline(path.timeline)) {
-    if (!record_timed(record.ptr(), path.timeline, position)) throw py::error_already_set();
-  } else {
-    PyObject* argv[] = {record.ptr(), path.timeline, position_obj.ptr()};
-    PyObject* done = PyObject_VectorcallMethod(n.note_packed, argv,
-                                               3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-    if (done == nullptr) throw py::error_already_set();
-    Py_DECREF(done);
-  }
+  if (!record_timed(record.ptr(), path.timeline, position)) throw py::error_already_set();
   return record.release().ptr();
 }
 
@@ -203,21 +171,22 @@ PyObject* pack_moved(const MovePath& path, PyObject* owner, PyObject* t, PyObjec
     const MoveNames& n = move_names();
     if (nbytes < min_bytes) return nullptr;   // the placement keeps it
     py::object placement, tier;
-    PyObject* store_cpu = c_store(n, owner, &placement, &tier);
-    if (store_cpu == nullptr) return nullptr;
-    py::object store_ref = py::reinterpret_steal<py::object>(store_cpu);
+    py::object store_cpu = c_store(n, owner, &placement, &tier);
+    if (!store_cpu) return nullptr;
     py::object base;
     long long t_offset = -1;
     if (!eligible(path, n, t, storage, nbytes, &base, &t_offset)) return nullptr;
     py::object record;
     {
-      Locked locked(path.lock);
+      // The hooks' lock: the index and the tier's queues are shared with autograd's other
+      // threads, and the tier's store may let go of the GIL while it waits.
+      PyLockHeld locked(path.lock);
       PyObject* found = index_find(path.index, storage, version);
       if (found != nullptr) {
         record = py::reinterpret_steal<py::object>(found);
         if (!holds_moved_bytes(record.ptr())) return nullptr;   // kept: the Python path's
       } else {
-        PyObject* stored = store(path, n, placement.ptr(), tier.ptr(), store_cpu, owner,
+        PyObject* stored = store(path, n, placement.ptr(), tier.ptr(), store_cpu.ptr(), owner,
                                  storage, nbytes, record_type, meter_obj);
         if (stored == nullptr) return nullptr;
         record = py::reinterpret_steal<py::object>(stored);

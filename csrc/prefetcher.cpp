@@ -69,9 +69,6 @@ struct Names {
   PyObject* hits;
   PyObject* misses;
   PyObject* peak;
-  PyObject* enter;
-  PyObject* exit;
-  PyObject* register_;
 };
 Names n;
 
@@ -80,40 +77,10 @@ Prefetcher* as_prefetcher(PyObject* obj) { return reinterpret_cast<Prefetcher*>(
 // The lock, taken without holding up a thread that needs the GIL to let go of it.
 class Locked {
  public:
-  explicit Locked(std::mutex& m) : lock_(m, std::try_to_lock) {
-    if (lock_.owns_lock()) return;
-    Py_BEGIN_ALLOW_THREADS
-    lock_.lock();
-    Py_END_ALLOW_THREADS
-  }
+  explicit Locked(std::mutex& m) : lock_(m, std::defer_lock) { lock_releasing_gil(lock_); }
 
  private:
   std::unique_lock<std::mutex> lock_;
-};
-
-// The profiler's PREFETCH range around the read-ahead, while a profiler runs.
-class Range {
- public:
-  explicit Range(const Prefetcher* self) {
-    if (!profiler_on(self->profiling)) return;
-    range_ = call_with(self->span, py::handle(self->span_name));
-    call_method(range_.ptr(), n.enter);
-  }
-  Range(const Range&) = delete;
-  Range& operator=(const Range&) = delete;
-  ~Range() {
-    if (!range_) return;
-    PyObject *type, *value, *trace;
-    PyErr_Fetch(&type, &value, &trace);
-    PyObject* out = PyObject_CallMethodObjArgs(range_.ptr(), n.exit, Py_None, Py_None, Py_None,
-                                               nullptr);
-    if (out == nullptr) PyErr_Clear();   // a range that cannot close loses nothing
-    Py_XDECREF(out);
-    PyErr_Restore(type, value, trace);
-  }
-
- private:
-  py::object range_;
 };
 
 NvmePayload* fast(const Entry& e) {
@@ -136,11 +103,7 @@ py::object tier_call(PyObject* name, const Entry& e) {
 
 // tier.prefetch(payload): True when a load was started (tiers/base.py).
 bool start(const Entry& e) {
-  if (NvmePayload* p = fast(e)) {
-    if (p->read || p->released) return false;
-    nvme::start_host_read(nvme::transfers_state(e.transfers), p);
-    return true;
-  }
+  if (NvmePayload* p = fast(e)) return nvme::prefetch(nvme::transfers_state(e.transfers), p);
   return truthy(tier_call(n.prefetch, e));
 }
 
@@ -177,7 +140,8 @@ void prune(Prefetcher* self) {
 
 // prefetch.py `_issue`: read ahead below `pos` up to the budget (at least one).
 void issue(Prefetcher* self, Py_ssize_t pos) {
-  Range range(self);
+  ProfilerRange range;   // util/ranges.py PREFETCH, while a profiler runs
+  if (profiler_on(self->profiling)) range.open(self->span, self->span_name);
   Orders& o = *self->orders;
   if (!self->has_cursor || pos - 1 < self->cursor) {
     self->cursor = pos - 1;
@@ -428,10 +392,7 @@ PyTypeObject prefetcher_type = [] {
       "Prefetcher(budget_bytes, stats, profiling, span, span_name): the backward's "
       "read-ahead (offload/runtime/prefetch.py's, in C).",
       prefetcher_new, prefetcher_dealloc);
-  type.tp_flags |= Py_TPFLAGS_HAVE_GC;
-  type.tp_traverse = prefetcher_traverse;
-  type.tp_clear = prefetcher_clear;
-  type.tp_free = PyObject_GC_Del;
+  tracked(type, prefetcher_traverse, prefetcher_clear);
   type.tp_methods = methods;
   type.tp_getset = getset;
   type.tp_members = members;
@@ -443,13 +404,6 @@ PyTypeObject prefetcher_type = [] {
 bool is_prefetcher(PyObject* obj) { return Py_TYPE(obj) == &prefetcher_type; }
 
 bool prefetcher_register(PyObject* obj, PyObject* tier, PyObject* payload) {
-  if (!is_prefetcher(obj)) {
-    PyObject* argv[] = {obj, tier, payload};
-    PyObject* out = PyObject_VectorcallMethod(n.register_, argv,
-                                              3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-    Py_XDECREF(out);
-    return out != nullptr;
-  }
   PyObject* done = guarded([&] {
     add(as_prefetcher(obj), tier, payload);
     Py_RETURN_NONE;
@@ -465,8 +419,7 @@ PyObject* prefetcher_fetch(PyObject* obj, PyObject* tier, PyObject* payload) {
 void bind_prefetcher(py::module_& m) {
   n = {intern("prefetch"),    intern("fetch"),         intern("released"),
        intern("prefetched"),  intern("nbytes"),        intern("cpu_reads"),
-       intern("prefetch_hits"), intern("prefetch_misses"), intern("peak_prefetch_bytes"),
-       intern("__enter__"),   intern("__exit__"),      intern("register")};
+       intern("prefetch_hits"), intern("prefetch_misses"), intern("peak_prefetch_bytes")};
   if (PyType_Ready(&prefetcher_type) < 0) throw py::error_already_set();
   Py_INCREF(&prefetcher_type);   // the module holds the type for the process
   m.add_object("Prefetcher", reinterpret_cast<PyObject*>(&prefetcher_type));

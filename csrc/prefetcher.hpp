@@ -11,8 +11,8 @@ namespace offload::bind {
 // Whether `obj` is the core's Prefetcher.
 bool is_prefetcher(PyObject* obj);
 
-// `prefetcher.register(tier, payload)`, for the core's Prefetcher without a Python call, for
-// any other through its method; false with a Python error set.
+// `prefetcher.register(tier, payload)` for the core's Prefetcher; false with a Python error
+// set.
 bool prefetcher_register(PyObject* prefetcher, PyObject* tier, PyObject* payload);
 
 // `prefetcher.fetch(tier, payload)` for the core's Prefetcher: the payload's bytes as the

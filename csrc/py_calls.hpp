@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <mutex>
 
 #include "bindings.hpp"
 
@@ -40,10 +41,8 @@ struct Names {
   PyObject* is_leaf;
   PyObject* version;
   PyObject* detach;
-  PyObject* sequence_nr;
   PyObject* output_nr;
   PyObject* name;
-  PyObject* unpacked;
   PyObject* epoch;
   PyObject* closed;
   PyObject* fetch;
@@ -102,10 +101,92 @@ inline bool profiler_on(PyObject* profiling) {
   return call(profiling).ptr() == Py_True;
 }
 
+// A profiler range around a scope (util/ranges.py `span`): `open(span, name)` enters
+// `span(name)` (call it only while torch's profiler runs: a range costs ~µs to make); the
+// destructor exits it, keeping the error the scope may be leaving with.
+class ProfilerRange {
+ public:
+  ProfilerRange() = default;
+  ProfilerRange(const ProfilerRange&) = delete;
+  ProfilerRange& operator=(const ProfilerRange&) = delete;
+
+  void open(PyObject* span, PyObject* name) {
+    static PyObject* enter = intern("__enter__");
+    py::object range = call_with(span, py::handle(name));
+    call_method(range.ptr(), enter);
+    range_ = std::move(range);
+  }
+
+  ~ProfilerRange() {
+    if (!range_) return;
+    static PyObject* exit = intern("__exit__");
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject* out = PyObject_CallMethodObjArgs(range_.ptr(), exit, Py_None, Py_None, Py_None,
+                                               nullptr);
+    if (out == nullptr) PyErr_Clear();   // a range that cannot close loses nothing
+    Py_XDECREF(out);
+    PyErr_Restore(type, value, traceback);
+  }
+
+ private:
+  py::object range_;
+};
+
+// A Python lock (`threading.RLock`, the hooks') held for a scope: acquired on construction,
+// released at its end, keeping the error the scope may be leaving with.
+class PyLockHeld {
+ public:
+  explicit PyLockHeld(PyObject* lock) : lock_(lock) {
+    static PyObject* acquire = intern("acquire");
+    call_method(lock_, acquire);
+  }
+  PyLockHeld(const PyLockHeld&) = delete;
+  PyLockHeld& operator=(const PyLockHeld&) = delete;
+
+  ~PyLockHeld() {
+    static PyObject* release = intern("release");
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject* done = PyObject_CallMethodNoArgs(lock_, release);
+    if (done == nullptr) PyErr_WriteUnraisable(lock_);   // never seen: an RLock we hold
+    Py_XDECREF(done);
+    PyErr_Restore(type, value, traceback);
+  }
+
+ private:
+  PyObject* lock_;
+};
+
+// `lock` (not yet held) taken without holding up a thread that needs the GIL to let it go:
+// tried first, then waited for with the GIL released.
+template <typename Mutex>
+void lock_releasing_gil(std::unique_lock<Mutex>& lock) {
+  if (lock.try_lock()) return;
+  std::exception_ptr error;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    lock.lock();
+  } catch (...) {   // std::system_error: the thread state must come back first
+    error = std::current_exception();
+  }
+  Py_END_ALLOW_THREADS
+  if (error) std::rethrow_exception(error);
+}
+
 inline int64_t as_int(const py::object& value) {
   const long long v = PyLong_AsLongLong(value.ptr());
   if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
   return v;
+}
+
+// Whether `node` (a grad_fn, or None) is the node saving its tensor right now: it was made
+// last, so its sequence number is the one before the thread's next (`next_sequence_nr`,
+// torch's; None where torch has none). Autograd's version error names such an output's node.
+inline bool saving_node(PyObject* node, PyObject* next_sequence_nr) {
+  static PyObject* sequence_nr = intern("_sequence_nr");
+  return node != Py_None && next_sequence_nr != Py_None &&
+         as_int(call_method(node, sequence_nr)) == as_int(call(next_sequence_nr)) - 1;
 }
 
 }  // namespace offload::bind

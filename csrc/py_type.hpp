@@ -1,8 +1,9 @@
 // The CPython types of the hooks' C front (hook_front.cpp, saved_handles.cpp,
-// saved_record.cpp, storage_ref.cpp, timeline.cpp) and of the nvme tier's records
-// (nvme_payload.cpp, nvme_transfers.cpp) start here: written against the C API, not pybind11, and not tracked
-// by the garbage collector (no Py_TPFLAGS_HAVE_GC; each file says why that is safe for its
-// types).
+// saved_record.cpp, storage_ref.cpp, timeline.cpp, moved_save.cpp, prefetcher.cpp) and of the
+// nvme tier's records (nvme_payload.cpp, nvme_transfers.cpp) start here: written against the
+// C API, not pybind11. Most are not tracked by the garbage collector (no Py_TPFLAGS_HAVE_GC;
+// each file says why that is safe for its types); the per-step objects that hold the step's
+// own (the packer's move path, the prefetcher) are, through `tracked`.
 #pragma once
 
 #include <Python.h>
@@ -22,6 +23,14 @@ inline PyTypeObject plain_type(const char* name, Py_ssize_t size, const char* do
   type.tp_new = new_object;
   type.tp_dealloc = dealloc;
   return type;
+}
+
+// `type` tracked by the garbage collector, with these slots.
+inline void tracked(PyTypeObject& type, traverseproc traverse, inquiry clear) {
+  type.tp_flags |= Py_TPFLAGS_HAVE_GC;
+  type.tp_traverse = traverse;
+  type.tp_clear = clear;
+  type.tp_free = PyObject_GC_Del;
 }
 
 // Sequence slots with only a length (`len(obj)`).

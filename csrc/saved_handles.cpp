@@ -135,10 +135,9 @@ PyTypeObject kept_save_type = [] {
 void bind_saved_handles(py::module_& m) {
   names = Names{intern("layout"),    intern("untyped_storage"), intern("nbytes"),
                 intern("grad_fn"),   intern("_base"),           intern("is_leaf"),
-                intern("_version"),  intern("detach"),          intern("_sequence_nr"),
-                intern("output_nr"), intern("__name__"),        intern("unpacked"),
-                intern("epoch"),     intern("closed"),          intern("fetch"),
-                intern("storage_offset")};
+                intern("_version"),  intern("detach"),          intern("output_nr"),
+                intern("__name__"),  intern("epoch"),           intern("closed"),
+                intern("fetch"),     intern("storage_offset")};
 
   py::class_<SavedBytes, std::shared_ptr<SavedBytes>>(
       m, "SavedBytes",

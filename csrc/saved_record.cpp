@@ -108,17 +108,11 @@ PyObject* release_name = nullptr;   // "release", interned
 // to finish). An error is swallowed: interpreter shutdown or a closed tier, nothing left to
 // free.
 void give_back(Record* self) {
-  std::unique_lock<std::recursive_mutex> lock(self->counts->release_lock(), std::try_to_lock);
-  if (!lock.owns_lock()) {
-    bool locked = true;
-    Py_BEGIN_ALLOW_THREADS
-    try {
-      lock.lock();
-    } catch (...) {   // std::system_error: never seen; nothing may leave a dealloc
-      locked = false;
-    }
-    Py_END_ALLOW_THREADS
-    if (!locked) return;
+  std::unique_lock<std::recursive_mutex> lock(self->counts->release_lock(), std::defer_lock);
+  try {
+    lock_releasing_gil(lock);
+  } catch (...) {   // std::system_error: never seen; nothing may leave a dealloc
+    return;
   }
   PyObject* done = PyObject_CallMethodOneArg(self->tier, release_name, self->payload);
   if (done == nullptr) PyErr_Clear();
@@ -296,10 +290,7 @@ PyObject* record_note_packed(PyObject* self_obj, PyObject* const* args, Py_ssize
   }
   const long long position = PyLong_AsLongLong(args[1]);
   if (position == -1 && PyErr_Occurred()) return nullptr;
-  const Py_ssize_t row = timeline_add_row(args[0], position, self->nbytes, perf_counter_s());
-  if (row < 0) return nullptr;
-  Py_XSETREF(self->timeline, Py_NewRef(args[0]));
-  self->row = row;
+  if (!record_timed(self_obj, args[0], position)) return nullptr;
   Py_RETURN_NONE;
 }
 
@@ -328,8 +319,8 @@ PyMemberDef record_members[] = {
     RECORD_MEMBER(cache_ref, T_OBJECT, 0),
     RECORD_MEMBER(cache_offset, T_PYSSIZET, 0),
     RECORD_MEMBER(shared, T_OBJECT, 0),
-    RECORD_MEMBER(timeline, T_OBJECT, 0),
-    RECORD_MEMBER(row, T_PYSSIZET, 0),
+    RECORD_MEMBER(timeline, T_OBJECT, READONLY),   // set by note_packed: a core Timeline
+    RECORD_MEMBER(row, T_PYSSIZET, READONLY),
     RECORD_MEMBER(version, T_PYSSIZET, 0),
     {nullptr, 0, 0, 0, nullptr},
 };
@@ -501,14 +492,6 @@ PyTypeObject index_type = [] {
 
 }  // namespace
 
-PyObject* record_timeline(PyObject* record_obj, Py_ssize_t* row) {
-  if (Py_TYPE(record_obj) != &record_type) return nullptr;
-  auto* record = reinterpret_cast<Record*>(record_obj);
-  if (record->timeline == nullptr || record->timeline == Py_None) return nullptr;
-  *row = record->row;
-  return record->timeline;
-}
-
 bool record_holds_space(PyObject* record_obj) {
   if (Py_TYPE(record_obj) != &record_type) return false;
   return reinterpret_cast<Record*>(record_obj)->payload != Py_None;
@@ -548,6 +531,11 @@ void index_put(PyObject* index_obj, PyObject* storage, long long version, PyObje
 }
 
 bool record_timed(PyObject* record_obj, PyObject* timeline, long long position) {
+  if (!is_timeline(timeline)) {
+    PyErr_Format(PyExc_TypeError, "offload: the core's Record is timed on the core's "
+                 "Timeline, not %s", Py_TYPE(timeline)->tp_name);
+    return false;
+  }
   auto* record = reinterpret_cast<Record*>(record_obj);
   const Py_ssize_t row = timeline_add_row(timeline, position, record->nbytes, perf_counter_s());
   if (row < 0) return false;
@@ -559,9 +547,9 @@ bool record_timed(PyObject* record_obj, PyObject* timeline, long long position) 
 namespace {
 
 // records.load(record): (storage, byte offset).
-PyObject* load_in_python(PyObject* record, const LoadCalls& calls, Py_ssize_t* offset) {
+PyObject* load_in_python(PyObject* record, PyObject* py_load, Py_ssize_t* offset) {
   PyObject* argv[] = {record};
-  PyObject* got = PyObject_Vectorcall(calls.py_load, argv, 1, nullptr);
+  PyObject* got = PyObject_Vectorcall(py_load, argv, 1, nullptr);
   if (got == nullptr) return nullptr;
   PyObject* storage = Py_NewRef(PyTuple_GET_ITEM(got, 0));
   *offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(got, 1));
@@ -570,35 +558,26 @@ PyObject* load_in_python(PyObject* record, const LoadCalls& calls, Py_ssize_t* o
   return storage;
 }
 
-// The first unpack of `record`'s storage on its timeline, if it is timed.
-bool note_unpacked(Record* record, const LoadCalls& calls) {
-  if (record->timeline == Py_None) return true;
-  if (is_timeline(record->timeline))
-    return timeline_unpacked(record->timeline, record->row, perf_counter_s());
-  PyObject* now = PyObject_CallNoArgs(calls.perf_counter);
-  PyObject* row = now != nullptr ? PyLong_FromSsize_t(record->row) : nullptr;
-  PyObject* done = row != nullptr
-      ? PyObject_CallMethodObjArgs(record->timeline, names.unpacked, row, now, nullptr)
-      : nullptr;
-  Py_XDECREF(now);
-  Py_XDECREF(row);
-  Py_XDECREF(done);
-  return done != nullptr;
-}
-
 }  // namespace
+
+bool record_unpacked(PyObject* record_obj) {
+  auto* record = reinterpret_cast<Record*>(record_obj);
+  if (record->timeline == nullptr || record->timeline == Py_None) return true;
+  return timeline_unpacked(record->timeline, record->row, perf_counter_s());
+}
 
 Py_ssize_t record_nbytes(PyObject* record) { return reinterpret_cast<Record*>(record)->nbytes; }
 
-PyObject* record_load(PyObject* record_obj, const LoadCalls& calls, Py_ssize_t* offset,
-                      bool* flat) {
+PyObject* record_load(PyObject* record_obj, PyObject* py_load, Py_ssize_t* offset, bool* flat) {
   auto* record = reinterpret_cast<Record*>(record_obj);
   *flat = false;
   // In C only what a CPU nvme payload holds (no CUDA stream hand-off to make: copies Note
   // 12); anything else is records.load's. Only this function loads such a record (the
   // core's handles are all that hold one), so its cache holds the tier's tensor.
-  if (!is_payload(record->payload) || reinterpret_cast<NvmePayload*>(record->payload)->cuda)
-    return load_in_python(record_obj, calls, offset);
+  // (A prefetcher that is not the core's is records.load's too.)
+  if (!is_payload(record->payload) || reinterpret_cast<NvmePayload*>(record->payload)->cuda ||
+      (record->prefetcher != Py_None && !is_prefetcher(record->prefetcher)))
+    return load_in_python(record_obj, py_load, offset);
   PyObject* storage = nullptr;   // the uint8 tensor over the bytes
   if (record->cache != Py_None) {
     storage = Py_NewRef(record->cache);
@@ -609,19 +588,15 @@ PyObject* record_load(PyObject* record_obj, const LoadCalls& calls, Py_ssize_t* 
   if (storage == nullptr) {
     // A released payload or a closed tier: records.load raises the error it says.
     if (reinterpret_cast<NvmePayload*>(record->payload)->released)
-      return load_in_python(record_obj, calls, offset);
+      return load_in_python(record_obj, py_load, offset);
     PyObject* closed = PyObject_GetAttr(record->tier, names.closed);
     if (closed == nullptr) return nullptr;
     Py_DECREF(closed);
-    if (closed != Py_False) return load_in_python(record_obj, calls, offset);
-    if (!note_unpacked(record, calls)) return nullptr;
-    PyObject* bytes =
-        record->prefetcher == Py_None
-            ? PyObject_CallMethodOneArg(record->tier, names.fetch, record->payload)
-        : is_prefetcher(record->prefetcher)   // the core's: no Python call
-            ? prefetcher_fetch(record->prefetcher, record->tier, record->payload)
-            : PyObject_CallMethodObjArgs(record->prefetcher, names.fetch, record->tier,
-                                         record->payload, nullptr);
+    if (closed != Py_False) return load_in_python(record_obj, py_load, offset);
+    if (!record_unpacked(record_obj)) return nullptr;
+    PyObject* bytes = record->prefetcher == Py_None
+        ? PyObject_CallMethodOneArg(record->tier, names.fetch, record->payload)
+        : prefetcher_fetch(record->prefetcher, record->tier, record->payload);   // no Python
     if (bytes == nullptr) return nullptr;
     storage = bytes;
     PyObject* off = PyObject_CallMethodNoArgs(bytes, names.storage_offset);

@@ -6,10 +6,6 @@
 
 namespace offload::bind {
 
-// The Timeline and row where `record`'s unpack is noted (timeline borrowed; nullptr when the
-// storage is not timed or `record` is not the core's Record).
-PyObject* record_timeline(PyObject* record, Py_ssize_t* row);
-
 // Whether `record` is the core's Record and has a payload in a tier.
 bool record_holds_space(PyObject* record);
 
@@ -34,20 +30,19 @@ PyObject* index_find(PyObject* index, PyObject* storage, long long version);
 void index_put(PyObject* index, PyObject* storage, long long version, PyObject* record);
 
 // A row on the core's `timeline` for `record`, packed now as the `position`-th stored
-// storage; false with a Python error set.
+// storage; false with a Python error set (also when `timeline` is not the core's: a core
+// record is only ever timed on one, so its unpacks are noted without a Python call).
 bool record_timed(PyObject* record, PyObject* timeline, long long position);
+// The first unpack of `record`'s storage on its timeline, if it is timed; false with a
+// Python error set.
+bool record_unpacked(PyObject* record);
 
 // records.py `load` for the core's `record`: its bytes, loaded at most once while they are
 // needed (NOTE [Unpack cache]), and their byte offset. A CPU nvme payload's in C, as the
 // uint8 tensor the tier handed out (`*flat` set; the record's cache holds that tensor);
 // any other's through `py_load` (records.load), as their storage. A new reference, or
 // nullptr with a Python error set.
-struct LoadCalls {
-  PyObject* py_load;          // records.load
-  PyObject* perf_counter;     // time.perf_counter (the timeline's clock)
-};
-PyObject* record_load(PyObject* record, const LoadCalls& calls, Py_ssize_t* offset,
-                      bool* flat);
+PyObject* record_load(PyObject* record, PyObject* py_load, Py_ssize_t* offset, bool* flat);
 
 // The bytes of the storage `record` was made for.
 Py_ssize_t record_nbytes(PyObject* record);

@@ -66,8 +66,7 @@ from ..util.sizes import format_bytes
 from .backward_marks import BackwardMarks, graph_task_id
 from .no_offload import no_offload_active, thread_depth
 from .placement import Placement, TensorInfo
-from .records import (Kept, Ledger, Moved, MovedSave, PackedSubclass, PyRecord, SmallKept,
-                      held_tensor_error)
+from .records import Kept, Ledger, Moved, PackedSubclass, PyRecord, SmallKept, held_tensor_error
 from .subclasses import TRACING_TYPES, flatten, kind_name, unmoved_bytes
 from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable,
                           movable_strided, snapshot, untracked_alias, view_meta)
@@ -91,6 +90,7 @@ class _NoHandle:
 _core = load_core() if core_available() else None   # NOTE [Handles in C]
 _SmallSave = _core.SmallSave if _core is not None else _NoHandle
 _KeptSave = _core.KeptSave if _core is not None else _NoHandle
+_MovedSave = _core.MovedSave if _core is not None else _NoHandle
 _new_moved_save = _core.moved_save if _core is not None else None
 
 
@@ -164,7 +164,7 @@ class OffloadHooks:
         if self._packer is None:
             return self.unpack
         return _core.Unpacker(self.unpack, self.marks, held_tensor_error, graph_task_id,
-                              time.perf_counter, _profiler_enabled, self._lock)
+                              _profiler_enabled, self._lock)
 
     # ---------------------------------------------------------------- pack
     def pack_full(self, t: torch.Tensor):
@@ -386,11 +386,11 @@ class OffloadHooks:
             packed.check_version()  # NOTE [Version check]
             return packed.tensor
         self.marks()
-        if cls is Moved or cls is MovedSave:
+        if cls is Moved or cls is _MovedSave:
             return packed.unpack(self._lock)
         if cls is PackedSubclass:
             packed.check_version()  # the outer tensor's counter (NOTE [Subclasses])
-            inner = [self._unpack(x) if isinstance(x, (Kept, Moved, MovedSave, PackedSubclass))
+            inner = [self._unpack(x) if isinstance(x, (Kept, Moved, _MovedSave, PackedSubclass))
                      else x for x in packed.inner]
             return packed.flat.rebuild(inner)
         return packed.unpack()  # Kept

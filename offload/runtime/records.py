@@ -55,7 +55,7 @@ from .version_check import NOBODY, SavedOrigin, next_sequence_nr as _next_sequen
     node_at_unpack, version_error, version_sentinel
 
 __all__ = ["Ledger", "Record", "PyRecord", "load", "handle_done", "Kept", "SmallKept", "Moved",
-           "MovedSave", "PackedSubclass"]
+           "PackedSubclass"]
 
 _UNSET: Any = object()
 
@@ -362,17 +362,10 @@ def moved_version_error(save) -> RuntimeError:
                          save.version, sentinel._version)
 
 
-class _NoMovedSave:
-    """Stands for the core's MovedSave where the core is not built (never made)."""
-
-
-if core_available():
-    MovedSave = load_core().MovedSave
-    load_core().configure_moved(load=load, perf_counter=time.perf_counter, empty=torch.empty,
-                                neg_view=torch._neg_view, version_error=moved_version_error,
+if core_available():   # what the core's MovedSave calls (hooks.py NOTE [Move path in C])
+    load_core().configure_moved(load=load, empty=torch.empty, neg_view=torch._neg_view,
+                                version_error=moved_version_error,
                                 next_sequence_nr=_next_sequence_nr)
-else:
-    MovedSave = _NoMovedSave
 
 
 class PackedSubclass(SavedOrigin):
