@@ -3,6 +3,7 @@
     python benchmarks/hook_cost.py                      # CPU, 1 thread, 5,000 x 4 KiB
     python benchmarks/hook_cost.py --device cuda        # on a GPU: issue cost of a D2H
     python benchmarks/hook_cost.py --json out.json
+    python benchmarks/hook_cost.py --cpu 1              # the timed thread on CPU 1
 
 A chain of N ops (`sin`), each saving one fresh tensor of `--bytes`, runs forward and
 backward under each path; every path is timed in every round, in turn (alternating, so
@@ -14,7 +15,11 @@ is part of what a saved tensor costs. Time is
 the training thread's own CPU time (`time.thread_time`, `--clock thread`, the default):
 what the hooks cost that thread, unmoved by other processes on a shared machine and not
 counting the tier's I/O threads (the I/O itself is asynchronous); `--clock wall` measures
-wall time instead (on a GPU, use wall: the thread sleeps in synchronize). Each path runs
+wall time instead (on a GPU, use wall: the thread sleeps in synchronize). Once the tiers'
+I/O threads exist, the timed thread is pinned to a CPU that takes none of the nvme
+directory's disk interrupts (`--cpu auto`, when there is one; the note above `disk_irqs`
+says why; `--cpu none` leaves it to the scheduler, `--cpu N` pins it to CPU N), and the
+header says how many of them landed on it. Each path runs
 `--steps` steps in a row after one `gc.collect()`, so it pays, on average, for the garbage
 collections its own objects cause (`timed_block`); the `collector` column says how much of
 its total those collections took (timed through `gc.callbacks`), and the `objects` column
@@ -145,6 +150,57 @@ def _identity(t):
     return t
 
 
+# --- Where the disk's interrupts land. The thread clock charges a hardware interrupt to
+# whichever thread was running on the CPU that took it, and a disk with one queue (a VM's
+# virtio disk) delivers every completion to one CPU: a training thread there pays for the
+# I/O threads' completions (some 4 µs each here, two per nvme save), a thread on another
+# CPU does not. That is the I/O's cost, not the hooks' issue cost, and which of the two a
+# run gets is up to the scheduler: it moved nvme's figure by ~12 µs from run to run
+# (docs/benchmarks.md *Hook cost*). So the timed thread runs on a CPU that takes none of
+# them (`--cpu auto`), and the table says how many landed on it.
+
+def disk_irqs(path: str) -> list[str]:
+    """The interrupt numbers of the PCI device behind `path`'s block device (its
+    `msi_irqs`), [] when there is none to find (tmpfs, a loop device, no sysfs)."""
+    st = os.stat(path)
+    node = os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    while node.startswith("/sys/devices/"):
+        irqs = os.path.join(node, "msi_irqs")
+        if os.path.isdir(irqs):
+            return sorted(os.listdir(irqs), key=int)
+        node = os.path.dirname(node)
+    return []
+
+
+def irq_counts(irqs: list[str]) -> list[int]:
+    """Interrupts taken so far per CPU, summed over `irqs` (/proc/interrupts)."""
+    totals: list[int] = []
+    wanted = set(irqs)
+    try:
+        with open("/proc/interrupts") as f:
+            ncpu = len(f.readline().split())
+            totals = [0] * ncpu
+            for line in f:
+                fields = line.split()
+                if fields and fields[0].rstrip(":") in wanted:
+                    for cpu, count in enumerate(fields[1:1 + ncpu]):
+                        totals[cpu] += int(count)
+    except OSError:
+        pass
+    return totals
+
+
+def quiet_cpu(irqs: list[str]) -> int | None:
+    """A CPU this process may run on that has taken none of `irqs`, None if there is none
+    (or they cannot be read)."""
+    counts = irq_counts(irqs)
+    if not counts:
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    quiet = [cpu for cpu in allowed if cpu < len(counts) and counts[cpu] == 0]
+    return quiet[0] if quiet and sum(counts) > 0 else None
+
+
 def empty_step_s(reps: int, kwargs: dict, clock) -> float:
     start = clock()
     for _ in range(reps):
@@ -166,8 +222,15 @@ def main() -> int:
                     help="the training thread's CPU time (default) or wall time")
     ap.add_argument("--nvme-dir", default=os.environ.get("OFFLOAD_NVME_DIR", "/var/tmp"),
                     help="parent directory of the nvme tier's temporary directory")
+    ap.add_argument("--cpu", default="auto",
+                    help="the CPU the timed (training) thread runs on once the tiers' I/O "
+                         "threads exist: auto (default: one that takes none of the nvme "
+                         "directory's disk interrupts, when there is one), none (where the "
+                         "scheduler puts it), or a CPU number")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
+    if args.cpu not in ("auto", "none") and not args.cpu.isdigit():
+        ap.error(f"--cpu={args.cpu!r}: give auto, none or a CPU number")
     for name, least in (("tensors", 1), ("bytes", 4), ("rounds", 1), ("steps", 1)):
         if getattr(args, name) < least:
             ap.error(f"--{name}={getattr(args, name)}: must be at least {least}")
@@ -193,6 +256,13 @@ def main() -> int:
         }
         for make in paths.values():  # warm-up: stores, arenas, first-call costs
             timed_step(x0, n, make(), sync, clock)
+        # Pinned now: the I/O threads started above keep the whole machine.
+        irqs = disk_irqs(nvme)
+        cpu = quiet_cpu(irqs) if args.cpu == "auto" else \
+            None if args.cpu == "none" else int(args.cpu)
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})   # this thread only
+        irqs_before = irq_counts(irqs)
         objects = {name: objects_kept(x0, n, make()) for name, make in paths.items()}
         parts = ("forward_us", "backward_us", "end_us", "collector_us")
         times: dict[str, dict[str, list[float]]] = {k: {p: [] for p in parts} for k in paths}
@@ -204,9 +274,19 @@ def main() -> int:
                 for part, t, b in zip(parts, got, base):
                     times[name][part].append(t / n if name == "plain" else (t - b) / n)
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        irqs_after = irq_counts(irqs)
         empty = statistics.median(empty_step_s(200, {"tiers": "host"}, clock)
                                   for _ in range(5))
         offload.empty_cache()
+    landed = [b - a for a, b in zip(irqs_before, irqs_after)]
+    if cpu is not None and cpu < len(landed):
+        where = (f"timed thread on CPU {cpu}, which took {landed[cpu]} of the nvme disk's "
+                 f"{sum(landed)} interrupts during the rounds")
+    else:
+        where = ("timed thread where the scheduler put it" if args.cpu != "auto" else
+                 "timed thread not pinned (no CPU found that takes none of the nvme disk's "
+                 "interrupts)") + (f"; the disk took {sum(landed)} interrupts during the rounds"
+                                   if landed else "")
     us = 1e6
     rows = {name: {part: statistics.median(times[name][part]) * us for part in parts}
             for name in paths}
@@ -216,7 +296,7 @@ def main() -> int:
           f"{args.clock} clock, blocks of {args.steps} steps, medians of {args.rounds} "
           f"alternating rounds (µs per saved tensor; plain: absolute, others: above plain; "
           f"collector: the part of the total spent in garbage collections; objects: tracked "
-          f"Python objects alive after the forward, per saved tensor)\n")
+          f"Python objects alive after the forward, per saved tensor; {where})\n")
     print("| path | forward (pack) | backward (unpack) | step end (exit) | total | collector "
           "| objects |")
     print("|---|---|---|---|---|---|---|")
@@ -229,7 +309,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tensors": n, "bytes": args.bytes, "device": str(device),
-                       "clock": args.clock, "steps": args.steps,
+                       "clock": args.clock, "steps": args.steps, "cpu": cpu,
+                       "disk_interrupts_by_cpu": landed,
                        "threads": args.threads, "rounds": args.rounds, "rows": rows,
                        "empty_step_us": empty * us, "torch": torch.__version__}, f, indent=1)
     return 0

@@ -88,20 +88,26 @@ void moved_save_dealloc(PyObject* obj) {
   Py_TYPE(obj)->tp_free(obj);
 }
 
-// Whether `dtype` is complex, remembered per dtype (torch's dtypes live for the process).
-bool is_complex(PyObject* dtype) {
-  static PyObject* seen[16];
-  static bool complex_[16];
+// What a save reads of its dtype: remembered per dtype (torch's dtypes live for the
+// process, and a handful is in use), each read costs a Python attribute lookup.
+struct DtypeFacts {
+  PyObject* dtype;
+  long long itemsize;
+  bool complex;
+};
+
+DtypeFacts facts_of(PyObject* dtype) {
+  static DtypeFacts seen[32];
   static int known = 0;
   for (int i = 0; i < known; ++i)
-    if (seen[i] == dtype) return complex_[i];
-  const bool complex = attr(dtype, n_is_complex).ptr() == Py_True;
-  if (known < 16) {
-    seen[known] = Py_NewRef(dtype);
-    complex_[known] = complex;
-    ++known;
+    if (seen[i].dtype == dtype) return seen[i];
+  const DtypeFacts facts{dtype, as_int(attr(dtype, n_itemsize)),
+                         attr(dtype, n_is_complex).ptr() == Py_True};
+  if (known < 32) {
+    seen[known] = facts;
+    seen[known++].dtype = Py_NewRef(dtype);
   }
-  return complex;
+  return facts;
 }
 
 // Raises autograd's error when the tensor changed in place since pack (NOTE [Version check]).
@@ -118,12 +124,14 @@ void check_version(MovedSave* self) {
 }
 
 // records.load under the hooks' `lock` (the record's cache and the tier's queues are
-// shared with autograd's other threads).
+// shared with autograd's other threads); a CPU nvme payload's bytes come as the saved dtype
+// when its storage holds a whole number of them (see rebuild_flat).
 py::object load_locked(MovedSave* self, PyObject* lock, Py_ssize_t* offset, bool* flat) {
   PyObject* storage;
+  PyObject* dtype = record_nbytes(self->record) % self->itemsize == 0 ? self->dtype : nullptr;
   {
     PyLockHeld locked(lock);
-    storage = record_load(self->record, calls.load, offset, flat);
+    storage = record_load(self->record, calls.load, offset, flat, dtype);
   }
   if (storage == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(storage);
@@ -213,18 +221,42 @@ bool spans_storage(const MovedSave* self) {
   return expected * self->itemsize == record_nbytes(self->record);
 }
 
-// The saved layout over `bytes`, the uint8 tensor a CPU nvme payload was handed out as
-// (its bytes start at `byte_offset` of its storage): a view of it as the saved dtype, then
-// the saved size, stride and offset over that (two torch calls, not the four of building
-// a tensor over its storage). A storage whose size or offset is not a multiple of the
-// dtype's size (bytes reinterpreted by a view of another dtype) is rebuilt over its storage.
+// `flat.view(*size)`: the size as separate arguments, which torch parses in about half the
+// time of a tuple (docs/benchmarks.md *Hook cost*).
+py::object view_as_size(const MovedSave* self, const py::object& flat) {
+  constexpr Py_ssize_t kMaxArgs = 16;
+  if (self->ndim == 0 || self->ndim > kMaxArgs)   // view(()) takes the tuple
+    return call_with(attr(flat.ptr(), n_view).ptr(), dims_tuple(self, 0));
+  PyObject* args[kMaxArgs + 1] = {flat.ptr()};
+  Py_ssize_t made = 0;
+  PyObject* out = nullptr;
+  for (; made < self->ndim; ++made) {
+    args[made + 1] = PyLong_FromLongLong(self->dims[made]);
+    if (args[made + 1] == nullptr) break;
+  }
+  if (made == self->ndim)
+    out = PyObject_VectorcallMethod(n_view, args, (1 + made) | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                    nullptr);
+  for (Py_ssize_t i = 1; i <= made; ++i) Py_DECREF(args[i]);
+  if (out == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(out);
+}
+
+// The saved layout over `bytes`, the flat tensor a CPU nvme payload was handed out as (its
+// bytes start at `byte_offset` of its storage): as the saved dtype (handed out so, or a
+// view of it as that dtype), then the saved size, stride and offset over that. The whole
+// storage as one contiguous dimension is that tensor itself: plain autograd too gives
+// every save of one tensor the same tensor back. A storage whose size or offset is not a
+// multiple of the dtype's size (bytes reinterpreted by a view of another dtype) is rebuilt
+// over its storage.
 py::object rebuild_flat(MovedSave* self, const py::object& bytes, Py_ssize_t byte_offset) {
   if (byte_offset % self->itemsize != 0 || record_nbytes(self->record) % self->itemsize != 0)
     return rebuild(self, call_method(bytes.ptr(), names.untyped_storage), byte_offset);
-  py::object typed = call_with(attr(bytes.ptr(), n_view).ptr(), py::handle(self->dtype));
-  py::object size = dims_tuple(self, 0);
+  py::object typed = attr(bytes.ptr(), n_dtype).ptr() == self->dtype
+      ? bytes : call_with(attr(bytes.ptr(), n_view).ptr(), py::handle(self->dtype));
   if (spans_storage(self))   // the whole storage, contiguous: a view of it (no strides)
-    return call_with(attr(typed.ptr(), n_view).ptr(), size);
+    return self->ndim == 1 ? typed : view_as_size(self, typed);
+  py::object size = dims_tuple(self, 0);
   py::object stride = dims_tuple(self, self->ndim);
   py::object offset = py::reinterpret_steal<py::object>(
       PyLong_FromLongLong(byte_offset / self->itemsize + self->storage_offset));
@@ -377,11 +409,11 @@ PyObject* new_moved_save(PyObject* t, PyObject* record, PyObject* node, PyObject
       self->storage_offset = storage_offset >= 0
           ? storage_offset : as_int(call_method(t, names.storage_offset));
       // Only a complex tensor has a conjugate bit (the check is one lookup per dtype).
-      self->conj = is_complex(self->dtype) && call_method(t, n_is_conj).ptr() == Py_True;
+      self->conj = facts_of(self->dtype).complex && call_method(t, n_is_conj).ptr() == Py_True;
       self->neg = call_method(t, n_is_neg).ptr() == Py_True;
     }
     if (self->storage_offset == -1 && PyErr_Occurred()) throw py::error_already_set();
-    self->itemsize = as_int(attr(self->dtype, n_itemsize));
+    self->itemsize = facts_of(self->dtype).itemsize;
     // What autograd's message names (version_check.py SavedOrigin): the saving node for an
     // output (made last, so its sequence number is the one before the thread's next), an
     // input's grad_fn at unpack, through a weak reference to it.

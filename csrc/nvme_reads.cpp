@@ -97,13 +97,52 @@ void poll_reads(State* s) {
 
 namespace {
 
-// A fetched host read's bytes as a uint8 tensor over its memory (storage offset 0, exactly
-// `nbytes`, the payload's phase), which the tensor keeps alive.
+// NOTE [Wait for the group] A wait that sleeps costs the training thread a futex sleep and
+// wake-up and the GIL's hand-off (some 10 µs of its CPU on a 2-core VM), not counting the
+// time it sleeps. When the backward uses small reads faster than the disk serves them,
+// every fetch would sleep once. The engine serves reads first in, first out with several
+// workers, so the few small reads queued right behind this one (the next ones the
+// backward asks for: the read-ahead starts them in that order) land at about the same
+// time: one sleep waits for them too, and their fetches find them landed. Only reads
+// smaller in all than kGroupBytes are waited for so (a disk moves that in tens of µs):
+// a large read is waited for alone, and the backward's compute overlaps the rest.
+constexpr uint64_t kGroupBytes = 256 * 1024;
+constexpr size_t kGroupReads = 16;
+
+// The last host read queued behind `read` within the group's bounds (or `read` itself).
+std::shared_ptr<IoRequest> group_end(const State* s, const NvmeRead& read) {
+  std::shared_ptr<IoRequest> end = read.done.request;
+  size_t at = 0;
+  const size_t n = s->reads.size() < 4 * kGroupReads ? s->reads.size() : 4 * kGroupReads;
+  while (at < n && s->reads[at].get() != &read) ++at;
+  if (at == n) return end;
+  uint64_t bytes = read.nbytes;
+  for (size_t i = at + 1, taken = 1; i < s->reads.size() && taken < kGroupReads; ++i, ++taken) {
+    const NvmeRead& next = *s->reads[i];
+    if (next.chained || !next.done.request) break;
+    bytes += next.nbytes;
+    if (bytes > kGroupBytes) break;
+    end = next.done.request;
+  }
+  return end;
+}
+
+// Sleeps until `request` is done, the GIL let go; its outcome is its own fetch's to see.
+void wait_quietly(const std::shared_ptr<IoRequest>& request) {
+  if (request->done()) return;
+  Py_BEGIN_ALLOW_THREADS
+  request->wait(std::nullopt);
+  Py_END_ALLOW_THREADS
+}
+
+// A fetched host read's bytes as a tensor of `dtype` (uint8 when null) over its memory
+// (storage offset 0, exactly `nbytes`, the payload's phase), which the tensor keeps alive.
+// Typed here, its unpack needs no view as the saved dtype (moved_save.cpp rebuild_flat).
 py::object hand_out(const State* s, std::shared_ptr<HostRegion> memory, uint64_t skip,
-                    uint64_t nbytes) {
+                    uint64_t nbytes, PyObject* dtype) {
   py::object buffer = steal(new_read_buffer(std::move(memory), skip, nbytes));
   if (!buffer) throw py::error_already_set();
-  PyObject* argv[] = {buffer.ptr(), s->uint8};
+  PyObject* argv[] = {buffer.ptr(), dtype != nullptr ? dtype : s->uint8};
   PyObject* out = PyObject_Vectorcall(s->frombuffer, argv, 1, io_names.dtype_kw);
   if (out == nullptr) throw py::error_already_set();
   return steal(out);
@@ -111,7 +150,7 @@ py::object hand_out(const State* s, std::shared_ptr<HostRegion> memory, uint64_t
 
 }  // namespace
 
-py::object fetch(State* s, NvmePayload* p) {
+py::object fetch(State* s, NvmePayload* p, PyObject* dtype) {
   if (p->released) raise_used_after_close(kFetchReleased);
   poll(s);   // retire landed writes first: their memory goes back sooner
   if (!p->read) start_host_read(s, p);
@@ -144,6 +183,7 @@ py::object fetch(State* s, NvmePayload* p) {
       const double start = perf_counter_s();
       std::exception_ptr error;
       try {
+        wait_quietly(group_end(s, *read));   // NOTE [Wait for the group]
         moved = completion_wait(read->done);
       } catch (...) {
         error = std::current_exception();
@@ -162,7 +202,7 @@ py::object fetch(State* s, NvmePayload* p) {
   std::shared_ptr<HostRegion> memory = std::move(read->memory);
   read->done.request.reset();
   s->read_bytes += moved;
-  return hand_out(s, std::move(memory), read->skip, read->nbytes);
+  return hand_out(s, std::move(memory), read->skip, read->nbytes, dtype);
 }
 
 }  // namespace offload::bind::nvme

@@ -119,8 +119,9 @@ PyObject* store(const MovePath& path, const MoveNames& n, PyObject* placement, P
   py::object position_obj = attr(owner, n.stored);
   const long long position = as_int(position_obj);
   py::object round_trip = attr(placement, n.round_trip);
-  if (!round_trip.is_none()) {   // the plan keeps (position, nbytes)?
-    py::object keep = attr(round_trip.ptr(), n.keep);
+  py::object keep = round_trip.is_none() ? py::object() : attr(round_trip.ptr(), n.keep);
+  // The plan keeps (position, nbytes)? Nothing to ask of an empty set.
+  if (keep && !(PyAnySet_Check(keep.ptr()) && PySet_GET_SIZE(keep.ptr()) == 0)) {
     py::object key = py::reinterpret_steal<py::object>(Py_BuildValue("(OL)", position_obj.ptr(), nbytes));
     if (!key) throw py::error_already_set();
     const int kept = PySequence_Contains(keep.ptr(), key.ptr());

@@ -166,7 +166,7 @@ void issue(Prefetcher* self, Py_ssize_t pos) {
   }
 }
 
-py::object fetch(Prefetcher* self, PyObject* tier, PyObject* payload) {
+py::object fetch(Prefetcher* self, PyObject* tier, PyObject* payload, PyObject* dtype) {
   nvme::State* reads = nullptr;   // a CPU nvme payload's: its bytes with no Python call
   {
     Locked locked(self->orders->lock);
@@ -189,7 +189,7 @@ py::object fetch(Prefetcher* self, PyObject* tier, PyObject* payload) {
   }
   // Waited for outside the lock, as the tier's fetch: other threads may read ahead meanwhile.
   // The payload and its tier's transfers live on: the caller's record holds them.
-  if (reads != nullptr) return nvme::fetch(reads, reinterpret_cast<NvmePayload*>(payload));
+  if (reads != nullptr) return nvme::fetch(reads, reinterpret_cast<NvmePayload*>(payload), dtype);
   PyObject* argv[] = {tier, payload};
   PyObject* out = PyObject_VectorcallMethod(n.fetch, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
                                             nullptr);
@@ -412,8 +412,8 @@ bool prefetcher_register(PyObject* obj, PyObject* tier, PyObject* payload) {
   return done != nullptr;
 }
 
-PyObject* prefetcher_fetch(PyObject* obj, PyObject* tier, PyObject* payload) {
-  return guarded([&] { return fetch(as_prefetcher(obj), tier, payload).release().ptr(); });
+PyObject* prefetcher_fetch(PyObject* obj, PyObject* tier, PyObject* payload, PyObject* dtype) {
+  return guarded([&] { return fetch(as_prefetcher(obj), tier, payload, dtype).release().ptr(); });
 }
 
 void bind_prefetcher(py::module_& m) {

@@ -16,7 +16,10 @@ bool is_prefetcher(PyObject* obj);
 bool prefetcher_register(PyObject* prefetcher, PyObject* tier, PyObject* payload);
 
 // `prefetcher.fetch(tier, payload)` for the core's Prefetcher: the payload's bytes as the
-// tier hands them out (a new reference), or nullptr with a Python error set.
-PyObject* prefetcher_fetch(PyObject* prefetcher, PyObject* tier, PyObject* payload);
+// tier hands them out (a new reference), or nullptr with a Python error set. A CPU nvme
+// payload's are a tensor of `dtype` with storage offset 0 (uint8 when null; see
+// nvme::fetch), any other's what its tier's `fetch` returns.
+PyObject* prefetcher_fetch(PyObject* prefetcher, PyObject* tier, PyObject* payload,
+                           PyObject* dtype = nullptr);
 
 }  // namespace offload::bind

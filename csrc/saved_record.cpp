@@ -568,7 +568,8 @@ bool record_unpacked(PyObject* record_obj) {
 
 Py_ssize_t record_nbytes(PyObject* record) { return reinterpret_cast<Record*>(record)->nbytes; }
 
-PyObject* record_load(PyObject* record_obj, PyObject* py_load, Py_ssize_t* offset, bool* flat) {
+PyObject* record_load(PyObject* record_obj, PyObject* py_load, Py_ssize_t* offset, bool* flat,
+                      PyObject* dtype) {
   auto* record = reinterpret_cast<Record*>(record_obj);
   *flat = false;
   // In C only what a CPU nvme payload holds (no CUDA stream hand-off to make: copies Note
@@ -578,7 +579,7 @@ PyObject* record_load(PyObject* record_obj, PyObject* py_load, Py_ssize_t* offse
   if (!is_payload(record->payload) || reinterpret_cast<NvmePayload*>(record->payload)->cuda ||
       (record->prefetcher != Py_None && !is_prefetcher(record->prefetcher)))
     return load_in_python(record_obj, py_load, offset);
-  PyObject* storage = nullptr;   // the uint8 tensor over the bytes
+  PyObject* storage = nullptr;   // the flat tensor over the bytes
   if (record->cache != Py_None) {
     storage = Py_NewRef(record->cache);
   } else if (record->cache_ref != Py_None) {
@@ -594,14 +595,17 @@ PyObject* record_load(PyObject* record_obj, PyObject* py_load, Py_ssize_t* offse
     Py_DECREF(closed);
     if (closed != Py_False) return load_in_python(record_obj, py_load, offset);
     if (!record_unpacked(record_obj)) return nullptr;
-    PyObject* bytes = record->prefetcher == Py_None
-        ? PyObject_CallMethodOneArg(record->tier, names.fetch, record->payload)
-        : prefetcher_fetch(record->prefetcher, record->tier, record->payload);   // no Python
-    if (bytes == nullptr) return nullptr;
-    storage = bytes;
-    PyObject* off = PyObject_CallMethodNoArgs(bytes, names.storage_offset);
-    const Py_ssize_t byte_offset = off != nullptr ? PyLong_AsSsize_t(off) : -1;
-    Py_XDECREF(off);
+    Py_ssize_t byte_offset = 0;   // the core prefetcher's hand-out starts its storage
+    if (record->prefetcher == Py_None) {   // the tier's (uint8, wherever it starts)
+      storage = PyObject_CallMethodOneArg(record->tier, names.fetch, record->payload);
+      if (storage == nullptr) return nullptr;
+      PyObject* off = PyObject_CallMethodNoArgs(storage, names.storage_offset);
+      byte_offset = off != nullptr ? PyLong_AsSsize_t(off) : -1;
+      Py_XDECREF(off);
+    } else {   // no Python
+      storage = prefetcher_fetch(record->prefetcher, record->tier, record->payload, dtype);
+      if (storage == nullptr) return nullptr;
+    }
     PyObject* ref = PyErr_Occurred() ? nullptr : untracked_weakref(storage);
     if (ref == nullptr) {
       Py_XDECREF(storage);

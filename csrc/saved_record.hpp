@@ -39,10 +39,13 @@ bool record_unpacked(PyObject* record);
 
 // records.py `load` for the core's `record`: its bytes, loaded at most once while they are
 // needed (NOTE [Unpack cache]), and their byte offset. A CPU nvme payload's in C, as the
-// uint8 tensor the tier handed out (`*flat` set; the record's cache holds that tensor);
-// any other's through `py_load` (records.load), as their storage. A new reference, or
-// nullptr with a Python error set.
-PyObject* record_load(PyObject* record, PyObject* py_load, Py_ssize_t* offset, bool* flat);
+// flat tensor the tier handed out (`*flat` set; the record's cache holds that tensor):
+// of `dtype` when it loads them now and `dtype` is not null (the storage's nbytes a
+// multiple of its size), else uint8, and a cached one of whatever dtype its first load
+// gave it; any other's through `py_load` (records.load), as their storage. A new
+// reference, or nullptr with a Python error set.
+PyObject* record_load(PyObject* record, PyObject* py_load, Py_ssize_t* offset, bool* flat,
+                      PyObject* dtype);
 
 // The bytes of the storage `record` was made for.
 Py_ssize_t record_nbytes(PyObject* record);

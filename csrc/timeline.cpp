@@ -15,10 +15,12 @@
 #include <cmath>
 #include <cstdint>
 #include <new>
+#include <utility>
 #include <vector>
 
 #include "bindings.hpp"
 #include "py_type.hpp"
+#include "round_trip.hpp"
 #include "timeline.hpp"
 
 namespace py = pybind11;
@@ -142,6 +144,37 @@ PyObject* timeline_columns(PyObject* self, PyObject*) {
   return Py_BuildValue("NNNN", positions, nbytes, pack_s, unpack_s.release().ptr());
 }
 
+// round_trip_keep(out_bytes_per_s, in_bytes_per_s, latency_s, safety, max_fraction): the
+// keys (position, nbytes) of the rows the round-trip plan keeps next step
+// (RoundTripPlan.learn_timeline; csrc/round_trip.hpp), with no Python object per row.
+PyObject* timeline_round_trip_keep(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arguments("round_trip_keep", nargs, 5)) return nullptr;
+  double values[5];
+  for (Py_ssize_t i = 0; i < 5; ++i) {
+    values[i] = PyFloat_AsDouble(args[i]);
+    if (values[i] == -1.0 && PyErr_Occurred()) return nullptr;
+  }
+  const Rows& rows = rows_of(self);
+  std::vector<std::pair<long long, long long>> keys;
+  try {
+    for (size_t i : round_trip_keep(rows.nbytes, rows.pack_s, rows.unpack_s,
+                                    LinkSpeeds{values[0], values[1], values[2]}, values[3],
+                                    values[4]))
+      keys.emplace_back(rows.position[i], rows.nbytes[i]);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  // The keys are copied out first: making their objects may run the collector, and so
+  // other threads, which may add rows.
+  auto out = py::reinterpret_steal<py::object>(PyFrozenSet_New(nullptr));
+  if (!out) return nullptr;
+  for (const auto& [position, nbytes] : keys) {
+    auto key = py::reinterpret_steal<py::object>(Py_BuildValue("(LL)", position, nbytes));
+    if (!key || PySet_Add(out.ptr(), key.ptr()) < 0) return nullptr;
+  }
+  return out.release().ptr();
+}
+
 Py_ssize_t timeline_len(PyObject* self) {
   return static_cast<Py_ssize_t>(rows_of(self).pack_s.size());
 }
@@ -158,6 +191,10 @@ PyMethodDef timeline_methods[] = {
      "[key, nbytes, pack_s, unpack_s] per row; unpack_s None where never unpacked."},
     {"columns", timeline_columns, METH_NOARGS,
      "(positions, nbytes, pack_s, unpack_s): the rows as columns."},
+    {"round_trip_keep",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(timeline_round_trip_keep)),
+     METH_FASTCALL, "round_trip_keep(out_bytes_per_s, in_bytes_per_s, latency_s, safety, "
+     "max_fraction): the keys (position, nbytes) of the rows the round-trip plan keeps."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -255,3 +255,72 @@ def test_a_moved_save_dropped_unpacked_gives_its_space_back(nvme_dir):
         del h                    # the graph dies without a backward
         assert ctx._hooks.live_records == 0
     assert ctx.stats.as_dict()["exit_nvme_used_bytes"] == 0
+
+
+class _SavesEachWay(torch.autograd.Function):
+    """Saves one storage as several tensors (other dtypes, sizes, strides, offsets, the
+    same tensor twice, a 0-d one, conj and neg bits) in the order given, and checks in the
+    backward that each comes back as saved: values, dtype, size, stride, storage offset and
+    bits. The references are kept on ctx, which the saved-tensor hooks never see."""
+
+    @staticmethod
+    def forward(ctx, x, order):
+        flat = x.detach()
+        views = {
+            "float": flat,
+            "again": flat,                                  # the same tensor, saved twice
+            "int32": flat.view(torch.int32),                # the bytes as another dtype
+            "int64": flat.view(torch.int64),
+            "2d": flat.view(8, -1),
+            "3d": flat.view(2, 4, -1),
+            "t": flat.view(8, -1).t(),                      # strided
+            "tail": flat[5:],                               # an offset into the storage
+            "scalar": flat[3],                              # 0-d
+            "complex": flat.view(torch.complex64).conj(),   # a conjugate bit
+            "neg": torch._neg_view(flat.view(8, -1)),       # a negative bit
+        }
+        ctx.refs = [(name, views[name].clone(), views[name].stride(),
+                     views[name].storage_offset(), views[name].is_conj(),
+                     views[name].is_neg()) for name in order]
+        ctx.save_for_backward(*(views[name] for name in order))
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = torch.zeros((), dtype=torch.float64)
+        for saved, (name, ref, stride, offset, conj, neg) in zip(ctx.saved_tensors, ctx.refs):
+            assert saved.dtype == ref.dtype and saved.shape == ref.shape, name
+            assert (saved.stride(), saved.storage_offset()) == (stride, offset), name
+            assert (saved.is_conj(), saved.is_neg()) == (conj, neg), name
+            assert torch.equal(saved.resolve_conj().resolve_neg(), ref), name
+            total = total + saved.resolve_conj().resolve_neg().abs().double().sum()
+        return grad * 2 + total.float() * 1e-9, None
+
+
+@needs_core
+@pytest.mark.parametrize("order", [
+    ("float", "again", "int32", "2d", "3d", "t", "tail", "scalar", "complex", "neg"),
+    ("int32", "float", "again", "int64", "neg", "2d"),   # loaded first as int32
+    ("complex", "3d", "scalar", "float"),                 # ... as complex64
+    ("t", "tail", "2d"),
+])
+def test_a_moved_storage_comes_back_as_each_save_saw_it(order, nvme_dir):
+    # The core hands a CPU nvme payload out typed as the first unpack's dtype, and the other
+    # saves of the storage view that tensor (csrc/moved_save.cpp rebuild_flat): each must get
+    # exactly what it saved, whichever loads first. (These saves have no grad_fn, so the
+    # Python hooks pack them; they make the core's MovedSave, which the core unpacks.)
+    x0 = torch.randn(64)
+
+    def step():
+        x = x0.clone().requires_grad_()
+        h = x.sin()
+        for _ in range(3):
+            h = _SavesEachWay.apply(h, order)
+        h.sum().backward()
+        return x.grad
+
+    plain = step()
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        moved = step()
+    assert torch.equal(moved, plain)
+    assert ctx.stats.nvme_bytes == 3 * 64 * 4 and ctx.stats.offloaded_tensors == 3 * len(order)

@@ -139,6 +139,14 @@ def _reference_keep(timings, link, safety=1.5):
     return keep, gap
 
 
+def _timelines():
+    """A new Python timeline, and the core's when it is built."""
+    from offload._ext import core_available, load_core
+    from offload.runtime.timeline import PyTimeline
+
+    return [PyTimeline()] + ([load_core().Timeline()] if core_available() else [])
+
+
 def _random_step(rng, n):
     # Coarse grids make ties in pack, unpack and gap common; some never come back.
     return [TensorTiming(key=(i, nb), nbytes=nb, pack_s=rng.randrange(50) * 1e-3,
@@ -168,7 +176,41 @@ def test_column_engine_decides_as_the_per_object_simulation(seed):
     plan = RoundTripPlan(max_fraction=fraction)
     plan.learn(timings, link)
     assert plan.keep == chosen
-    columns = RoundTripPlan(max_fraction=fraction)
-    columns.learn_columns([t.key[0] for t in timings], [t.nbytes for t in timings],
-                          [t.pack_s for t in timings], [t.unpack_s for t in timings], link)
-    assert columns.keep == chosen
+    # From a step's Timeline: the Python one (choose_kept over its columns) and the core's
+    # (csrc/round_trip.cpp, in C++), which must choose the very same rows.
+    for timeline in _timelines():
+        for t in timings:
+            row = timeline.add(t.key[0], t.nbytes, t.pack_s)
+            if t.unpack_s is not None:
+                timeline.unpacked(row, t.unpack_s)
+        from_timeline = RoundTripPlan(max_fraction=fraction)
+        from_timeline.learn_timeline(timeline, link)
+        assert from_timeline.keep == chosen, type(timeline)
+
+
+@pytest.mark.skipif(not __import__("offload._ext", fromlist=["x"]).core_available(),
+                    reason="the compiled core is not built")
+def test_the_cores_round_trip_plan_chooses_the_pythons_rows():
+    # csrc/round_trip.cpp against choose_kept, on many steps where ties decide: coarse time
+    # grids, few sizes, caps that bind, safeties from 1 up, a latency, rows never unpacked.
+    from offload.runtime.round_trip import choose_kept
+
+    rng = random.Random(1234)
+    for _ in range(400):
+        n = rng.randrange(1, 200)
+        timings = _random_step(rng, n)
+        link = LinkSpeed(rng.choice((0.1e9, 1e9, 7e9)), rng.choice((0.1e9, 1e9, 7e9)),
+                         rng.choice((0.0, 1e-5, 3e-4)))
+        safety = rng.choice((1.0, 1.25, 1.5, 3.0))
+        fraction = rng.choice((0.01, 0.05, 0.1, 0.5, 1.0))
+        python, core = _timelines()
+        for timeline in (python, core):
+            for t in timings:
+                row = timeline.add(t.key[0], t.nbytes, t.pack_s)
+                if t.unpack_s is not None:
+                    timeline.unpacked(row, t.unpack_s)
+        expected = choose_kept(*python.columns(), link, safety, fraction)
+        assert core.round_trip_keep(link.out_bytes_per_s, link.in_bytes_per_s, link.latency_s,
+                                    safety, fraction) == expected
+        assert python.round_trip_keep(link.out_bytes_per_s, link.in_bytes_per_s,
+                                      link.latency_s, safety, fraction) == expected

@@ -31,10 +31,11 @@ down (its tier, the prefetcher, the meter); nothing it does calls the hooks that
 NOTE [Unpack cache] Several saved tensors of one storage are unpacked at different times.
 The loaded bytes stay referenced by the record while some of its saved tensors have not been
 unpacked yet (so the storage is read once), then only weakly: their storage here, or for a
-CPU nvme payload the tier's uint8 tensor over them (the core loads those records itself,
-csrc/saved_record.cpp `record_load`). A reloaded CUDA storage may
-be unpacked on several streams (autograd runs each node on its forward's stream): every
-stream after the first waits for the first one's hand-off (copies Note 12).
+CPU nvme payload the flat tensor the tier handed them out as, typed as the first unpack's
+dtype; later saves of another dtype view it as theirs (the core loads those records itself,
+csrc/saved_record.cpp `record_load`, csrc/moved_save.cpp `rebuild_flat`). A reloaded CUDA
+storage may be unpacked on several streams (autograd runs each node on its forward's
+stream): every stream after the first waits for the first one's hand-off (copies Note 12).
 """
 from __future__ import annotations
 

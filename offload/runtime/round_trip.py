@@ -29,7 +29,7 @@ from ..util import per_model
 from ..util.constants import ROUND_TRIP_MAX_KEPT_FRACTION, ROUND_TRIP_SAFETY
 
 __all__ = ["LinkSpeed", "TensorTiming", "pays_off", "free_windows", "keep_on_device",
-           "RoundTripPlan", "plan_for"]
+           "RoundTripPlan", "choose_kept", "plan_for"]
 
 
 @dataclass(frozen=True)
@@ -222,6 +222,7 @@ class RoundTripPlan:
 
     def __init__(self, safety: float = ROUND_TRIP_SAFETY,
                  max_fraction: float = ROUND_TRIP_MAX_KEPT_FRACTION) -> None:
+        _check_safety(safety)
         self.safety = safety
         self.max_fraction = max_fraction
         self.keep: frozenset = frozenset()
@@ -234,35 +235,48 @@ class RoundTripPlan:
             self.keep = frozenset()
             return
         cols = _Columns.of(timings, link)
-        self.keep = frozenset(cols.keys[i] for i in self._choose(cols))
+        self.keep = frozenset(cols.keys[i] for i in _choose(cols, self.safety,
+                                                              self.max_fraction))
 
-    def learn_columns(self, positions, nbytes, pack_s, unpack_s: list,
-                      link: LinkSpeed | None) -> None:
-        """`learn` from a step's timeline as columns (Timeline.columns()): row i has the
-        key ``(positions[i], nbytes[i])``; `unpack_s[i]` is None when never unpacked. Only
-        the kept rows' keys are made (no object per row)."""
+    def learn_timeline(self, timeline, link: LinkSpeed | None) -> None:
+        """Plan the next step from a step's Timeline (runtime/timeline.py), whose
+        `round_trip_keep` makes the choice of `choose_kept` over its rows: the core's in C
+        (csrc/round_trip.cpp, the same rows float for float, no object per row), the
+        Python one through `choose_kept` itself."""
         self.link = link
         if link is None:
             self.keep = frozenset()
             return
-        cols = _Columns(range(len(positions)), nbytes, pack_s, unpack_s, link)
-        self.keep = frozenset((positions[i], nbytes[i]) for i in self._choose(cols))
+        self.keep = timeline.round_trip_keep(link.out_bytes_per_s, link.in_bytes_per_s,
+                                             link.latency_s, self.safety, self.max_fraction)
 
-    def _choose(self, cols: _Columns) -> list[int]:
-        """Rows to keep: those whose round trip does not pay off, shortest pack → unpack
-        gaps first, up to the cap."""
-        if not cols.keys:
-            return []
-        budget = self.max_fraction * sum(cols.nbytes)
-        chosen, total = [], 0
-        # Row order, then by gap (stable): ties go to the earlier row.
-        for i in sorted(sorted(cols.keep(self.safety, 0.0)), key=cols.gap_s):
-            nbytes = cols.nbytes[i]
-            if total + nbytes > budget:
-                continue   # a smaller one with a longer gap may still fit
-            chosen.append(i)
-            total += nbytes
-        return chosen
+
+def choose_kept(positions, nbytes, pack_s, unpack_s: list, link: LinkSpeed,
+                safety: float = ROUND_TRIP_SAFETY,
+                max_fraction: float = ROUND_TRIP_MAX_KEPT_FRACTION) -> frozenset:
+    """The keys ``(positions[i], nbytes[i])`` of the rows a `RoundTripPlan` keeps, from a
+    step's timeline as columns (Timeline.columns(); `unpack_s[i]` None when never
+    unpacked): only the kept rows' keys are made (no object per row)."""
+    _check_safety(safety)
+    cols = _Columns(range(len(positions)), nbytes, pack_s, unpack_s, link)
+    return frozenset((positions[i], nbytes[i]) for i in _choose(cols, safety, max_fraction))
+
+
+def _choose(cols: _Columns, safety: float, max_fraction: float) -> list[int]:
+    """Rows to keep: those whose round trip does not pay off, shortest pack → unpack gaps
+    first, up to `max_fraction` of the bytes (csrc/round_trip.cpp does the same in C)."""
+    if not cols.keys:
+        return []
+    budget = max_fraction * sum(cols.nbytes)
+    chosen, total = [], 0
+    # Row order, then by gap (stable): ties go to the earlier row.
+    for i in sorted(sorted(cols.keep(safety, 0.0)), key=cols.gap_s):
+        nbytes = cols.nbytes[i]
+        if total + nbytes > budget:
+            continue   # a smaller one with a longer gap may still fit
+        chosen.append(i)
+        total += nbytes
+    return chosen
 
 
 def plan_for(model: Any, key: Hashable) -> RoundTripPlan | None:

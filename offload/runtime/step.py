@@ -227,7 +227,7 @@ class Step:
         link = _link(s.nvme_write_gbps, s.nvme_read_gbps) if s.nvme_written_bytes else None
         if link is None and s.d2h_bytes:
             link = _link(s.d2h_gbps, s.h2d_gbps)
-        self.round_trip.learn_columns(*self.timeline.columns(), link)
+        self.round_trip.learn_timeline(self.timeline, link)
 
     def _write_trace(self, end_s: float) -> None:
         """Add the compute spans and write OFFLOAD_TRACE (never fails the step)."""

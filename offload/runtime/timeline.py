@@ -4,12 +4,13 @@
 Rows live in flat arrays (no Python object per storage: the garbage collector walks every
 tracked object again and again while a step holds thousands). A record keeps its row's index
 and marks its first unpack; `rows()` gives `[key, nbytes, pack_s, unpack_s]` per row, the key
-being (position among the step's stored storages, nbytes), as placement sees it, and
-`columns()` the same without an object per row (what the step end learns from).
+being (position among the step's stored storages, nbytes), as placement sees it,
+`columns()` the same without an object per row, and `round_trip_keep()` the keys the
+round-trip plan keeps next step (what the step end learns).
 
-`Timeline` is the compiled core's (csrc/timeline.cpp: a row costs no Python frame, and the
-core's Unpacker marks it without a Python call), or without the core `PyTimeline`, the same
-in Python.
+`Timeline` is the compiled core's (csrc/timeline.cpp: a row costs no Python frame, the
+core's Unpacker marks it without a Python call, and the round-trip plan is chosen in C,
+csrc/round_trip.cpp), or without the core `PyTimeline`, the same in Python.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import math
 from array import array
 
 from .._ext import core_available, load_core
+from .round_trip import LinkSpeed, choose_kept
 
 __all__ = ["Timeline", "PyTimeline"]
 
@@ -56,11 +58,18 @@ class PyTimeline:
 
     def columns(self) -> tuple:
         """(positions, nbytes, pack_s, unpack_s): the rows as columns, unpack_s None where
-        never unpacked (RoundTripPlan.learn_columns; no object per row)."""
+        never unpacked (no object per row)."""
         unpack_s = [None if math.isnan(u) else u for u in self._unpack_s]
         # Copies, as the core's: later rows do not grow what was handed out.
         return array("q", self._position), array("q", self._nbytes), array("d", self._pack_s), \
             unpack_s
+
+    def round_trip_keep(self, out_bytes_per_s: float, in_bytes_per_s: float,
+                        latency_s: float, safety: float, max_fraction: float) -> frozenset:
+        """The keys (position, nbytes) of the rows the round-trip plan keeps next step
+        (RoundTripPlan.learn_timeline)."""
+        return choose_kept(*self.columns(), LinkSpeed(out_bytes_per_s, in_bytes_per_s,
+                                                      latency_s), safety, max_fraction)
 
     def __len__(self) -> int:
         return len(self._pack_s)
