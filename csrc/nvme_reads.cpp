@@ -98,9 +98,9 @@ void poll_reads(State* s) {
 namespace {
 
 // NOTE [Wait for the group] A wait that sleeps costs the training thread a futex sleep and
-// wake-up and the GIL's hand-off (some 10 µs of its CPU on a 2-core VM), not counting the
-// time it sleeps. When the backward uses small reads faster than the disk serves them,
-// every fetch would sleep once. The engine serves reads first in, first out with several
+// wake-up and the GIL's hand-off, CPU time on top of the time it sleeps. When the backward
+// uses small reads faster than the disk serves them, every fetch would sleep once
+// (docs/benchmarks.md *Hook cost* has the figures). The engine serves reads first in, first out with several
 // workers, so the few small reads queued right behind this one (the next ones the
 // backward asks for: the read-ahead starts them in that order) land at about the same
 // time: one sleep waits for them too, and their fetches find them landed. Only reads
@@ -117,7 +117,7 @@ std::shared_ptr<IoRequest> group_end(const State* s, const NvmeRead& read) {
   while (at < n && s->reads[at].get() != &read) ++at;
   if (at == n) return end;
   uint64_t bytes = read.nbytes;
-  for (size_t i = at + 1, taken = 1; i < s->reads.size() && taken < kGroupReads; ++i, ++taken) {
+  for (size_t i = at + 1; i < s->reads.size() && i - at < kGroupReads; ++i) {
     const NvmeRead& next = *s->reads[i];
     if (next.chained || !next.done.request) break;
     bytes += next.nbytes;

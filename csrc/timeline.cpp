@@ -154,6 +154,14 @@ PyObject* timeline_round_trip_keep(PyObject* self, PyObject* const* args, Py_ssi
     values[i] = PyFloat_AsDouble(args[i]);
     if (values[i] == -1.0 && PyErr_Occurred()) return nullptr;
   }
+  if (!(values[3] >= 1.0)) {   // as round_trip.py's _check_safety says it
+    PyObject* shown = PyObject_Repr(args[3]);
+    if (shown == nullptr) return nullptr;
+    PyErr_Format(PyExc_ValueError, "safety=%U: must be >= 1 (the round trip has to fit into "
+                 "the pack-to-unpack gap at least once)", shown);
+    Py_DECREF(shown);
+    return nullptr;
+  }
   const Rows& rows = rows_of(self);
   std::vector<std::pair<long long, long long>> keys;
   try {

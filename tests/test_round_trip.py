@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from offload._ext import core_available, load_core
 from offload.runtime.round_trip import LinkSpeed, TensorTiming, free_windows, keep_on_device, pays_off
 
 MiB = 1 << 20
@@ -101,6 +102,9 @@ def test_safety_below_one_is_rejected():
         pays_off(1.0, 0.1, 0.1, safety=0.5)
     with pytest.raises(ValueError, match=r"safety=0.9: must be >= 1"):
         keep_on_device([], LinkSpeed(1e9, 1e9), safety=0.9)
+    for timeline in _timelines():   # both timelines' plan refuse it alike
+        with pytest.raises(ValueError, match=r"safety=0.75: must be >= 1"):
+            timeline.round_trip_keep(1e9, 1e9, 0.0, 0.75, 0.1)
 
 
 # --- The step end learns from columns (round_trip._Columns): it must decide exactly what the
@@ -141,7 +145,6 @@ def _reference_keep(timings, link, safety=1.5):
 
 def _timelines():
     """A new Python timeline, and the core's when it is built."""
-    from offload._ext import core_available, load_core
     from offload.runtime.timeline import PyTimeline
 
     return [PyTimeline()] + ([load_core().Timeline()] if core_available() else [])
@@ -188,8 +191,7 @@ def test_column_engine_decides_as_the_per_object_simulation(seed):
         assert from_timeline.keep == chosen, type(timeline)
 
 
-@pytest.mark.skipif(not __import__("offload._ext", fromlist=["x"]).core_available(),
-                    reason="the compiled core is not built")
+@pytest.mark.skipif(not core_available(), reason="the compiled core is not built")
 def test_the_cores_round_trip_plan_chooses_the_pythons_rows():
     # csrc/round_trip.cpp against choose_kept, on many steps where ties decide: coarse time
     # grids, few sizes, caps that bind, safeties from 1 up, a latency, rows never unpacked.
