@@ -212,3 +212,40 @@ def test_auto_runs_compiled_blocks_whole(backend, nvme_dir, _auto_env):
     assert plan is not None and not any(bp.per_op for bp in plan.blocks.values())
     assert "compiled with torch.compile, so run whole" in str(plan)
     assert ctx.stats.nvme_bytes > 0
+
+
+# ---------------------------------------------------------------- eager parts of a compiled model
+class Recurrent(nn.Module):
+    """Linear → a 2-layer RNN → Linear: dynamo does not trace nn.GRU / nn.LSTM, so the RNN
+    runs eagerly inside the compiled call, with dynamo's frame evaluator installed."""
+
+    def __init__(self, kind) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 32)
+        self.rnn = kind(32, 32, num_layers=2, batch_first=True)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.out(self.rnn(torch.relu(self.inp(x)))[0]).pow(2).mean()
+
+
+@pytest.mark.parametrize("kind, tiers", [(nn.GRU, "nvme"), (nn.LSTM, "host")])
+def test_an_rnn_in_a_compiled_model_saves_through_the_hooks_as_python(kind, tiers, nvme_dir):
+    """The RNN's saves reach our hooks while dynamo's frame evaluator is installed; the
+    hooks, the records and the tiers run as Python, not compiled (util/never_compiled.py
+    NOTE [Never compiled]). Before: dynamo compiled the hooks per save and raised "Cannot
+    call numel() on tensor with symbolic sizes/strides" once the lengths varied. Gradients
+    bit-exact against the same compiled model without offload, at a new length each step."""
+    from offload.util.never_compiled import marks_available
+
+    assert marks_available(), "this torch has no dynamo frame marks: the hooks get compiled"
+    model = Recurrent(kind)
+    compiled = torch.compile(model, backend="aot_eager")
+    kw = {"tiers": tiers, "nvme_dir": nvme_dir, "min_bytes": 0}
+    for step in range(4):
+        x = torch.randn(4, 5 + 3 * step, 16)
+        ref, _ = _grads(model, compiled, x, step)
+        ours, stats = _grads(model, compiled, x, step, kw)
+        assert all(torch.equal(a, b) for a, b in zip(ref, ours)), f"step {step}"
+        assert getattr(stats, f"{tiers}_bytes") > 0, "the RNN's saves were not offloaded"

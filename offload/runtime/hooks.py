@@ -61,6 +61,7 @@ import torch
 
 from .._ext import core_available, load_core
 from ..errors import TierFullError
+from ..util.never_compiled import never_compiled
 from ..util.ranges import PACK, UNPACK, profiling, span
 from ..util.sizes import format_bytes
 from .backward_marks import BackwardMarks, graph_task_id
@@ -94,6 +95,7 @@ _MovedSave = _core.MovedSave if _core is not None else _NoHandle
 _new_moved_save = _core.moved_save if _core is not None else None
 
 
+@never_compiled   # autograd and the core call in here under torch.compile too
 class OffloadHooks:
     """pack / unpack for `torch.autograd.graph.saved_tensors_hooks`.
 

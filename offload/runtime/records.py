@@ -49,6 +49,7 @@ import torch
 from .._ext import core_available, load_core
 from ..errors import UsedAfterCloseError
 from ..tiers.base import on_cuda
+from ..util.never_compiled import never_compiled
 from ..tiers.copy_tickets import SharedReload
 from .saved_bytes import PySavedBytes, saved_bytes_meter
 from .tensor_meta import ViewMeta, rebuild, view_meta
@@ -115,6 +116,7 @@ class Ledger:
         return self.meter.idle_since_s
 
 
+@never_compiled   # freed (payload given back) wherever its last save dies: NOTE [Never compiled]
 class PyRecord(weakref.ref):
     """One stored storage: where its bytes are (tier and payload; none when kept).
 
@@ -174,6 +176,7 @@ class PyRecord(weakref.ref):
 Record = load_core().Record if core_available() else PyRecord
 
 
+@never_compiled   # the core's unpack calls it (NOTE [Never compiled])
 def load(record) -> tuple[torch.UntypedStorage, int]:
     """A moved record's bytes (loading them at most once while they are needed)."""
     storage = record.cache if record.cache is not None else \
@@ -208,6 +211,7 @@ def handle_done(record) -> None:
         record.cache = None
 
 
+@never_compiled   # autograd frees and unpacks it: NOTE [Never compiled]
 class Kept:
     """A saved tensor that stays where it is (see the module doc)."""
 
@@ -276,6 +280,7 @@ def held_tensor_error(save) -> RuntimeError:
     return kept_version_error(save.tensor, save.version, save.node_name, save.output_nr)
 
 
+@never_compiled   # autograd frees and unpacks it: NOTE [Never compiled]
 class SmallKept(Kept):
     """A saved tensor below OFFLOAD_MIN_BYTES: the step's ledger counts its storage once
     while any save of it lives (no record: the fast path)."""
@@ -295,6 +300,7 @@ class SmallKept(Kept):
             pass
 
 
+@never_compiled   # autograd frees and unpacks it: NOTE [Never compiled]
 class Moved(SavedOrigin):
     """A saved tensor whose storage went to a tier (see the module doc).
 
@@ -369,6 +375,7 @@ if core_available():   # what the core's MovedSave calls (hooks.py NOTE [Move pa
                                 next_sequence_nr=_next_sequence_nr)
 
 
+@never_compiled   # autograd frees and unpacks it: NOTE [Never compiled]
 class PackedSubclass(SavedOrigin):
     """What autograd holds for a saved wrapper subclass: its inner tensors, packed each
     (subclasses NOTE [Subclasses])."""

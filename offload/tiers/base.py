@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..util.never_compiled import never_compiled
 from .cuda_backend import refuse_graph_capture
 
 __all__ = ["Tier", "Payload", "on_cuda", "flat_bytes", "sync_d2h", "sync_h2d"]
@@ -54,6 +55,7 @@ class Payload:
         self.device = device  # where the bytes came from and must go back to
 
 
+@never_compiled
 class Tier(abc.ABC):
     """A place for payloads with a capacity. `store` returns None when it is full."""
 
@@ -70,6 +72,12 @@ class Tier(abc.ABC):
     # Python call (offload/runtime/prefetch.py). Its reads are what `prefetch`, `fetch`,
     # `prefetched` and `released` do for such a payload.
     cpu_reads: Any = None
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        # The core and the hooks call a tier's methods from inside ops that save or unpack
+        # tensors, also where torch.compile runs a part eagerly: NOTE [Never compiled].
+        super().__init_subclass__(**kwargs)
+        never_compiled(cls)
 
     @classmethod
     @abc.abstractmethod

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .never_compiled import never_compiled
 from .trace import NULL_RECORDER
 
 __all__ = ["Stats", "TierStats", "BusyClock"]
@@ -99,6 +100,7 @@ _TIER_FIELDS = (("exit_", "_used_bytes", "exit_used_bytes"),
                 ("", "_bytes", "bytes"))
 
 
+@never_compiled   # the core's I/O adds its stalls from inside unpacks: NOTE [Never compiled]
 @dataclass
 class Stats:
     """Counters for one `with offload.activations()` block (one training step).

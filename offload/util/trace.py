@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from .never_compiled import never_compiled
+
 __all__ = ["TRACKS", "TraceRecorder", "NullRecorder", "NULL_RECORDER", "recorder_from_env"]
 
 _log = logging.getLogger("offload")
@@ -61,6 +63,7 @@ class _Span:
                       category=self._category, args=self._args)
 
 
+@never_compiled   # the core's I/O adds its events from inside unpacks: NOTE [Never compiled]
 class TraceRecorder:
     """Thread-safe collector of complete ("X") events for one step.
 
