@@ -275,11 +275,17 @@ class Config:
         the memory this process may use now (the RAM available, or less in a memory cgroup:
         memory_limits NOTE [Memory limits]), divided among the processes of this host
         (NOTE [Host share] in ranks.py)."""
+        global _host_seen
         if self.host_bytes.fraction is None:
             return self.host_bytes.nbytes, "OFFLOAD_HOST_BYTES"
-        limit = available_memory()
-        return self._resolve_share(self.host_bytes, lambda: limit.available_bytes, "ram"), \
-            f"{self.host_bytes} of {limit.source}"
+        limit = available_memory()   # the same object while its reading stands
+        seen = _host_seen
+        if seen is not None and seen[0] is self and seen[1] is limit:
+            return seen[2]   # asked every step: worked out once per reading
+        capacity = (self._resolve_share(self.host_bytes, lambda: limit.available_bytes, "ram"),
+                    f"{self.host_bytes} of {limit.source}")
+        _host_seen = (self, limit, capacity)
+        return capacity
 
     def nvme_capacity_bytes(self) -> int:
         """Capacity of the nvme tier in bytes, checked against the free space; a percentage
@@ -325,6 +331,10 @@ class Config:
         """Set the `offload` logger's level from OFFLOAD_LOG (kept when unset) and which
         ranks log INFO lines from OFFLOAD_LOG_RANKS (offload/util/logs.py)."""
         logs.configure(self.log, self.log_ranks)
+
+
+# (config, the MemoryLimit it read, its host capacity): the last answer of `host_capacity`.
+_host_seen: tuple | None = None
 
 
 def _knobs():

@@ -151,3 +151,29 @@ def test_v1_mount_root_is_stripped_from_the_path(tmp_path):
     """A container whose v1 memory mount is rooted at its own cgroup (/docker/abc)."""
     proc = _tree(tmp_path, 1, "/docker/abc", {"": _v1(GiB, GiB // 2)}, mount_root="/docker/abc")
     assert available_memory(proc).available_bytes == GiB // 2
+
+
+def test_a_new_ram_reading_gives_a_new_limit_and_host_capacity(tmp_path, monkeypatch):
+    """The limit and the host tier's capacity are kept between steps only while their RAM
+    reading stands (0.1 s): a reading taken after it gives the new figures."""
+    import offload.config as config_module
+    from offload.config import Config
+    from offload.util import memory_limits
+
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)   # no cgroup: the RAM figure alone
+    meminfo = proc / "meminfo"
+    meminfo.write_text(f"MemTotal: {8 * GiB // 1024} kB\nMemAvailable: {4 * GiB // 1024} kB\n")
+    first = available_memory(str(proc))
+    assert available_memory(str(proc)) is first   # the reading stands: the same limit
+    meminfo.write_text(f"MemTotal: {8 * GiB // 1024} kB\nMemAvailable: {2 * GiB // 1024} kB\n")
+    assert available_memory(str(proc)).available_bytes == 4 * GiB
+    monkeypatch.setattr(memory_limits, "_RAM_FRESH_S", 0.0)   # every call a new reading
+    assert available_memory(str(proc)).available_bytes == 2 * GiB
+
+    monkeypatch.setattr(config_module, "available_memory", lambda: limit)
+    config = Config.from_env(env={}, host_bytes="50%")
+    limit = first
+    assert config.host_capacity() == (2 * GiB, "50% of RAM available")
+    limit = available_memory(str(proc))
+    assert config.host_capacity() == (GiB, "50% of RAM available")

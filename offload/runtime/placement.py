@@ -62,26 +62,42 @@ class Decision:
         return not self.targets
 
 
+# Decisions are immutable: each is built once (decide runs once per saved storage, and a
+# Placement is made every step), and the hooks tell some apart by identity.
+_ROUND_TRIP = Decision((), "round trip would not pay off")
+_NO_OFFLOAD = Decision((), "no_offload")
+# Saved while a backward runs (reentrant checkpoint's recompute, double backward): needed
+# again within the same backward, so moving it out and back is pure waste.
+_IN_BACKWARD = Decision((), "saved during backward")
+_SMALL = Decision((), "below min_bytes")
+_by_settings: dict[tuple, tuple[Decision, Decision]] = {}   # (policy, tiers) -> the two below
+
+
+def _setting_decisions(policy: str, tiers: tuple[str, ...]) -> tuple[Decision, Decision]:
+    """(keep by the policy, move to `tiers`) for these settings."""
+    key = (policy, tiers)
+    made = _by_settings.get(key)
+    if made is None:
+        made = _by_settings[key] = (Decision((), f"policy={policy}"), Decision(tiers, "offload"))
+    return made
+
+
 class Placement:
     """The default decision: every eligible storage goes to OFFLOAD_TIERS in order."""
+
+    round_trip_decision = _ROUND_TRIP
+    backward_decision = _IN_BACKWARD
 
     def __init__(self, config: Config, round_trip: RoundTripPlan | None = None,
                  moves: bool | None = None) -> None:
         self.config = config
         self.round_trip = round_trip
-        self.round_trip_decision = Decision((), "round trip would not pay off")
         self._forced: Decision | None = None
         self._min_bytes = config.min_bytes
-        # Decisions are immutable: build each once (decide runs once per saved storage).
-        self._by_policy = Decision((), f"policy={config.policy}")
-        self._no_offload = Decision((), "no_offload")
-        # Saved while a backward runs (reentrant checkpoint's recompute, double backward):
-        # needed again within the same backward, so moving it out and back is pure waste.
-        self.backward_decision = Decision((), "saved during backward")
-        self._small = Decision((), "below min_bytes")
+        self._by_policy, offload = _setting_decisions(config.policy, config.tiers)
         # `moves`: the scheduler's policies move too (default: only under `offload`).
         moves = config.policy == "offload" if moves is None else moves
-        self._offload = Decision(config.tiers, "offload") if moves else None
+        self._offload = offload if moves else None
         self.standing: Decision | None = self._offload   # NOTE [Standing decision]
 
     @contextlib.contextmanager
@@ -100,11 +116,11 @@ class Placement:
         if self._offload is None:
             return self._by_policy
         if info.no_offload:
-            return self._no_offload
+            return _NO_OFFLOAD
         if info.in_backward:
-            return self.backward_decision
+            return _IN_BACKWARD
         if info.nbytes < self._min_bytes:
-            return self._small
+            return _SMALL
         if self.round_trip is not None and info.key in self.round_trip.keep:
-            return self.round_trip_decision
+            return _ROUND_TRIP
         return self._offload

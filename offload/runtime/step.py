@@ -34,7 +34,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -56,8 +56,7 @@ _pending_lock = threading.Lock()
 _pending: set["Step"] = set()  # exited steps whose saved tensors were still alive
 
 
-@dataclass(frozen=True)
-class StepView:
+class StepView(NamedTuple):   # immutable, and made every step: a tuple, not a dataclass
     """What the policy's scheduler gets of a step when it starts (schedule/session.py)."""
 
     hooks: OffloadHooks              # pack / unpack (blocks store op outputs through them)
@@ -66,8 +65,7 @@ class StepView:
     start_s: float
 
 
-@dataclass(frozen=True)
-class StepReport:
+class StepReport(NamedTuple):
     """What the policy's scheduler gets of a step when it is over."""
 
     stats: Stats

@@ -50,9 +50,15 @@ class _Cgroup:
 
 def available_memory(proc: str = "/proc") -> MemoryLimit:
     """The RAM available to this process now (NOTE [Memory limits])."""
-    available, total = _ram(proc)
-    best = MemoryLimit(available, total, "RAM available")
-    for version, directory, shown in _limited_cgroups(proc):
+    cgroups = _limited_cgroups(proc)
+    ram = _ram(proc)
+    if not cgroups:   # the RAM reading alone: one object per reading (made every step)
+        seen = _ram_limits.get(proc)
+        if seen is None or seen[0] is not ram:
+            seen = _ram_limits[proc] = (ram, MemoryLimit(ram[0], ram[1], "RAM available"))
+        return seen[1]
+    best = MemoryLimit(ram[0], ram[1], "RAM available")
+    for version, directory, shown in cgroups:
         room = _room(version, directory)
         if room is not None and room[0] < best.available_bytes:
             limit, usage = room[1], room[2]
@@ -64,6 +70,7 @@ def available_memory(proc: str = "/proc") -> MemoryLimit:
 
 _RAM_FRESH_S = 0.1  # a reading this recent stands (a context is entered every step)
 _ram_seen: dict[str, tuple[float, tuple[int, int]]] = {}
+_ram_limits: dict[str, tuple[tuple[int, int], MemoryLimit]] = {}  # proc -> (reading, its limit)
 
 
 def _ram(proc: str) -> tuple[int, int]:
