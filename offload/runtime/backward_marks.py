@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ..util.never_compiled import never_compiled
 from .deep_graphs import check as check_graph_depth, nodes_made, running_node_number
 
 __all__ = ["BackwardMarks", "graph_task_id"]
@@ -25,6 +26,7 @@ __all__ = ["BackwardMarks", "graph_task_id"]
 graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
+@never_compiled   # the core's unpacker calls it at every unpack: NOTE [Never compiled]
 class BackwardMarks:
     """Args:
         prefetcher: Started at the backward's first unpack.

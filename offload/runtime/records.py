@@ -274,6 +274,7 @@ def kept_version_error(tensor: torch.Tensor, expected: int, node_name: str | Non
                          _KeptOrigin(tensor, node_name, output_nr), expected, tensor._version)
 
 
+@never_compiled   # the core's unpacker calls it (NOTE [Never compiled])
 def held_tensor_error(save) -> RuntimeError:
     """The error for the core's `SmallSave` / `KeptSave` whose tensor changed (its unpack
     raises it)."""
@@ -362,6 +363,7 @@ class _MovedOrigin:
         return node_at_unpack(tensor, save.node_name, save.is_view)
 
 
+@never_compiled   # the core's MovedSave calls it
 def moved_version_error(save) -> RuntimeError:
     """The error for the core's MovedSave whose tensor changed (its unpack raises it)."""
     sentinel = save.sentinel

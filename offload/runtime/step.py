@@ -29,7 +29,6 @@ step's.
 from __future__ import annotations
 
 import atexit
-from dataclasses import dataclass
 import logging
 import sys
 import threading

@@ -1,14 +1,15 @@
 """NOTE [Never compiled] torch.compile must run the hooks' Python as Python.
 
 Autograd calls the saved-tensor hooks, and the core calls back into the runtime (a tier's
-`fetch` / `release`, `records.load`, the step's Stats), from inside whatever op saves or
-unpacks a tensor. Under `torch.compile`, a part dynamo does not put in a graph (an
-`nn.GRU` / `nn.LSTM`, a graph break's skipped function) runs eagerly *with dynamo's frame
-evaluator still installed*: every Python frame it reaches that does not live in torch is
-compiled as user code. Our hooks then ran as a traced frame, once per save, with the saved
-tensor symbolic after the first few shapes: `owner.nbytes` raised "Cannot call numel() on
-tensor with symbolic sizes/strides" (a GRU inside `offload.activations()`), and had it not,
-each save would have been a dynamo trace.
+`fetch` / `release`, `records.load`, the backward's marks, the version errors' builders, the
+step's Stats and trace), from inside whatever op saves or unpacks a tensor. Under
+`torch.compile`, a part dynamo does not put in a graph (an `nn.GRU` / `nn.LSTM`, a graph
+break's skipped function) runs eagerly *with dynamo's frame evaluator still installed*:
+every Python frame it reaches that does not live in torch is compiled as user code. Our
+hooks then ran as a traced frame, once per save, with the saved tensor symbolic after the
+first few shapes: `owner.nbytes` raised "Cannot call numel() on tensor with symbolic
+sizes/strides" (a GRU inside `offload.activations()`), and had it not, each save would have
+been a dynamo trace.
 
 `never_compiled` marks a function's code object, or every function of a class, so that
 dynamo's frame evaluator skips that frame *and everything it calls*: the same action
@@ -23,6 +24,7 @@ nothing, and tests/test_compile.py's RNN test says so.
 """
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any, TypeVar
 
@@ -37,7 +39,7 @@ def _skip_strategy() -> Any:
                                                  set_code_exec_strategy)
     except ImportError:   # a torch built without dynamo, or one that renamed these
         return None
-    # (this frame, every frame it calls): as convert_frame's SkipCodeRecursiveException.
+    # Skip this frame, and every frame it calls (the recursive action).
     return set_code_exec_strategy, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
 
 
@@ -46,20 +48,22 @@ _SKIP = _skip_strategy()
 
 def _functions(owner: Any):
     """The plain functions `owner` runs: itself, or a class's methods, static and class
-    methods and properties' accessors (its own; a subclass is marked on its own)."""
+    methods and properties' accessors (its own; a subclass is marked on its own). Only
+    functions of the class's module: a wrapper another module made (dataclasses' `__repr__`
+    guard) is shared with every class that module made, the user's too."""
     if isinstance(owner, types.FunctionType):
         yield owner
         return
     if not isinstance(owner, type):
         raise TypeError(f"never_compiled: expected a function or a class, got {owner!r}")
+    home = getattr(sys.modules.get(owner.__module__), "__file__", None)
     for value in vars(owner).values():
         if isinstance(value, (staticmethod, classmethod)):
             value = value.__func__
-        if isinstance(value, property):
-            yield from (f for f in (value.fget, value.fset, value.fdel)
-                        if isinstance(f, types.FunctionType))
-        elif isinstance(value, types.FunctionType):
-            yield value
+        found = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
+        # By the code's file: `functools.wraps` gives a wrapper its wrapped one's module.
+        yield from (f for f in found if isinstance(f, types.FunctionType)
+                    and f.__code__.co_filename in (home, "<string>"))
 
 
 def never_compiled(owner: Owner) -> Owner:
