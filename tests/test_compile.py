@@ -249,3 +249,27 @@ def test_an_rnn_in_a_compiled_model_saves_through_the_hooks_as_python(kind, tier
         ours, stats = _grads(model, compiled, x, step, kw)
         assert all(torch.equal(a, b) for a, b in zip(ref, ours)), f"step {step}"
         assert getattr(stats, f"{tiers}_bytes") > 0, "the RNN's saves were not offloaded"
+
+
+def test_a_compiled_training_step_with_its_backward_inside(nvme_dir):
+    """`loss.backward()` inside the compiled function: the unpacks, the backward's marks
+    and the step's end run under dynamo's frame evaluator too (NOTE [Never compiled])."""
+    model = Recurrent(nn.GRU)
+
+    def train_step(x):
+        loss = model(x)
+        loss.backward()
+        return loss.detach()
+
+    compiled = torch.compile(train_step, backend="aot_eager")
+    for step in range(3):
+        x = torch.randn(4, 5 + 2 * step, 16)
+        model.zero_grad(set_to_none=True)
+        train_step(x)
+        ref = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0,
+                                 model=model) as ctx:
+            compiled(x)
+        assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters())), step
+        assert ctx.stats.nvme_bytes > 0
