@@ -100,12 +100,12 @@ namespace {
 // NOTE [Wait for the group] A wait that sleeps costs the training thread a futex sleep and
 // wake-up and the GIL's hand-off, CPU time on top of the time it sleeps. When the backward
 // uses small reads faster than the disk serves them, every fetch would sleep once
-// (docs/benchmarks.md *Hook cost* has the figures). The engine serves reads first in, first out with several
-// workers, so the few small reads queued right behind this one (the next ones the
-// backward asks for: the read-ahead starts them in that order) land at about the same
-// time: one sleep waits for them too, and their fetches find them landed. Only reads
-// smaller in all than kGroupBytes are waited for so (a disk moves that in tens of µs):
-// a large read is waited for alone, and the backward's compute overlaps the rest.
+// (docs/benchmarks.md *Hook cost* has the figures). The engine serves reads first in, first
+// out with several workers, so the few small reads queued right behind this one (the next
+// ones the backward asks for: the read-ahead starts them in that order) land at about the
+// same time: one sleep waits for them too, and their fetches find them landed. Only reads
+// smaller in all than kGroupBytes are waited for so: a large read is waited for alone, and
+// the backward's compute overlaps the rest.
 constexpr uint64_t kGroupBytes = 256 * 1024;
 constexpr size_t kGroupReads = 16;
 

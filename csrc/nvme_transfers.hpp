@@ -207,9 +207,11 @@ bool prefetch(State* s, NvmePayload* p);
 void poll_reads(State* s);
 // Drops released payloads' reads once they landed (all of them, waiting, with `wait`).
 void reap(State* s, bool wait);
-// The payload's bytes: waits for this payload's read only. A host read's are handed out as
-// a tensor of `dtype` over the read's memory (storage offset 0; uint8 when null, else the
-// payload's nbytes must be a multiple of its size), a chained read's as its ticket says.
+// The payload's bytes: waits for this payload's read (a wait that must sleep, for the small
+// reads queued behind it too: nvme_reads.cpp NOTE [Wait for the group]). A host read's are
+// handed out as a tensor of `dtype` over the read's memory (storage offset 0; uint8 when
+// null, else the payload's nbytes must be a multiple of its size), a chained read's as its
+// ticket says.
 py::object fetch(State* s, NvmePayload* p, PyObject* dtype = nullptr);
 
 // ---- bind_nvme_transfers.cpp

@@ -49,8 +49,8 @@ import torch
 from .._ext import core_available, load_core
 from ..errors import UsedAfterCloseError
 from ..tiers.base import on_cuda
-from ..util.never_compiled import never_compiled
 from ..tiers.copy_tickets import SharedReload
+from ..util.never_compiled import never_compiled
 from .saved_bytes import PySavedBytes, saved_bytes_meter
 from .tensor_meta import ViewMeta, rebuild, view_meta
 from .version_check import NOBODY, SavedOrigin, next_sequence_nr as _next_sequence_nr, \

@@ -48,9 +48,10 @@ _SKIP = _skip_strategy()
 
 def _functions(owner: Any):
     """The plain functions `owner` runs: itself, or a class's methods, static and class
-    methods and properties' accessors (its own; a subclass is marked on its own). Only
-    functions of the class's module: a wrapper another module made (dataclasses' `__repr__`
-    guard) is shared with every class that module made, the user's too."""
+    methods and properties' accessors (its own; a subclass is marked on its own). Only code
+    compiled from the class's own file, or generated for it (`<string>`: a dataclass's
+    `__init__`, `__eq__`): a wrapper another module made (dataclasses' `__repr__` guard) is
+    one code object shared with every class that module made, the user's too."""
     if isinstance(owner, types.FunctionType):
         yield owner
         return
