@@ -58,7 +58,8 @@ bool one_argument(const char* what, size_t nargsf, PyObject* kwnames) {
 // (hooks.py's `_pack_strided`), which returns the handle, or what this makes a KeptSave of:
 // a Record (the tensor stays; its storage's record) or None (a weight that stays).
 // Anything else goes to `full(owner, tensor)` (`pack_full`). With a move path (the hooks'
-// NOTE [Move path in C]) a CPU activation its standing decision moves is stored here.
+// NOTE [Move path in C]) a CPU activation its standing decision sends to a tier with a
+// store in C is stored here: pack_moved gives the handle, or the record it stays with.
 struct Packer {
   Callable head;
   // The hooks object whose pack this is (a weak reference: the hooks hold this packer, and
@@ -138,15 +139,16 @@ PyObject* pack(const Packer* self, PyObject* t) {
   }
   py::object owner = packer_owner(self);
   self->meter->packed();
+  py::object got;
   if (self->moves.configured() && !node.is_none()) {
-    PyObject* moved = pack_moved(self->moves, owner.ptr(), t, storage.ptr(), nbytes, node.ptr(),
+    PyObject* taken = pack_moved(self->moves, owner.ptr(), t, storage.ptr(), nbytes, node.ptr(),
                                  as_int(version), self->min_bytes, self->record_type,
                                  self->meter_obj, self->meter.get(), self->next_sequence_nr);
-    if (moved != nullptr) return moved;
-    if (PyErr_Occurred()) throw py::error_already_set();
+    if (taken != nullptr) got = py::reinterpret_steal<py::object>(taken);
+    else if (PyErr_Occurred()) throw py::error_already_set();
   }
-  py::object got = call_with(self->strided_pack, owner, py::handle(t), version, storage,
-                             nbytes_obj, node);
+  if (!got)
+    got = call_with(self->strided_pack, owner, py::handle(t), version, storage, nbytes_obj, node);
   if (!got.is_none() &&
       reinterpret_cast<PyObject*>(Py_TYPE(got.ptr())) != self->record_type)
     return got.release().ptr();  // a finished handle (moved, or not a plain strided tensor)

@@ -6,8 +6,10 @@
 // to a tier that stores CPU storages in C. Each test that does not hold returns "not
 // taken" before anything changed, so the Python path, which redoes all of them, decides
 // as it would have. What it then does is what `_store` does: the next position, the
-// tier's store, the record (counting itself into the meter), the prefetcher's order, the
-// timeline's row, the index entry, and a MovedSave (moved_save.cpp).
+// tier's store, the record (counting itself into the meter), the prefetcher's order (a
+// payload that left the device's memory), the timeline's row, the index entry; then a
+// MovedSave (moved_save.cpp) for bytes that moved, or the record itself for a tensor that
+// stays with it (the host tier's StorageRef on a CPU run), as `_pack_plain` returns it.
 #include "pack_moved.hpp"
 
 #include <Python.h>
@@ -18,6 +20,7 @@
 #include "prefetcher.hpp"
 #include "py_calls.hpp"
 #include "saved_record.hpp"
+#include "storage_ref.hpp"
 
 namespace py = pybind11;
 
@@ -58,7 +61,7 @@ bool is_true(const py::object& value) { return value.ptr() == Py_True; }
 // that the handle needs too: `t._base`, and t's storage offset when it read it (else -1).
 bool eligible(const MovePath& path, const MoveNames& n, PyObject* t, PyObject* storage,
               long long nbytes, py::object* base_out, long long* t_offset) {
-  if (!is_true(attr(t, n.is_cpu)) || is_true(attr(t, n.is_quantized)) ||
+  if (is_true(attr(t, n.is_quantized)) ||
       is_true(attr(t, n.is_nested)) || as_int(call_method(t, n.numel)) == 0)
     return false;
   // is_weight for a tensor with a grad_fn: a view of a leaf that requires grad.
@@ -134,14 +137,18 @@ PyObject* store(const MovePath& path, const MoveNames& n, PyObject* placement, P
   py::object next = py::reinterpret_steal<py::object>(PyLong_FromLongLong(position + 1));
   if (!next || PyObject_SetAttr(owner, n.stored, next.ptr()) < 0) throw py::error_already_set();
   // The record counts the storage into the step's meter, as the tier's (NOTE [Record
-  // lifetime]); a tier with a store in C is prefetchable and its payload not resident.
+  // lifetime]). A tier's store in C returns a StorageRef (resident: nothing to reload) or a
+  // payload that left the device's memory, which the prefetcher brings back (Tier.store_cpu).
+  const bool resident = is_storage_ref(payload.ptr());
+  PyObject* prefetcher = resident ? Py_None : path.prefetcher;
   py::object nbytes_obj = py::reinterpret_steal<py::object>(PyLong_FromLongLong(nbytes));
   if (!nbytes_obj) throw py::error_already_set();
   py::object record = call_with(record_type, py::handle(storage), py::handle(tier), payload,
-                                nbytes_obj, py::handle(Py_False), py::handle(Py_None),
-                                py::handle(meter_obj), py::handle(path.prefetcher));
-  if (!prefetcher_register(path.prefetcher, tier, payload.ptr()))   // its place in pack order
-    throw py::error_already_set();
+                                nbytes_obj, py::handle(resident ? Py_True : Py_False),
+                                py::handle(Py_None), py::handle(meter_obj),
+                                py::handle(prefetcher));
+  if (!resident && !prefetcher_register(path.prefetcher, tier, payload.ptr()))
+    throw py::error_already_set();   // its place in pack order
   if (!record_timed(record.ptr(), path.timeline, position)) throw py::error_already_set();
   return record.release().ptr();
 }
@@ -171,6 +178,8 @@ PyObject* pack_moved(const MovePath& path, PyObject* owner, PyObject* t, PyObjec
   return guarded([&]() -> PyObject* {
     const MoveNames& n = move_names();
     if (nbytes < min_bytes) return nullptr;   // the placement keeps it
+    // The first of eligible()'s tests, first: a GPU run's saves leave at once.
+    if (!is_true(attr(t, n.is_cpu))) return nullptr;
     py::object placement, tier;
     py::object store_cpu = c_store(n, owner, &placement, &tier);
     if (!store_cpu) return nullptr;
@@ -185,7 +194,6 @@ PyObject* pack_moved(const MovePath& path, PyObject* owner, PyObject* t, PyObjec
       PyObject* found = index_find(path.index, storage, version);
       if (found != nullptr) {
         record = py::reinterpret_steal<py::object>(found);
-        if (!holds_moved_bytes(record.ptr())) return nullptr;   // kept: the Python path's
       } else {
         PyObject* stored = store(path, n, placement.ptr(), tier.ptr(), store_cpu.ptr(), owner,
                                  storage, nbytes, record_type, meter_obj);
@@ -194,6 +202,9 @@ PyObject* pack_moved(const MovePath& path, PyObject* owner, PyObject* t, PyObjec
         index_put(path.index, storage, version, record.ptr());
       }
     }
+    // A tensor that stays (a kept storage, or one the tier holds by reference): its
+    // record, which the packer holds it with, as `_pack_plain` returns it.
+    if (!holds_moved_bytes(record.ptr())) return record.release().ptr();
     PyObject* save = new_moved_save(t, record.ptr(), node, base.ptr(), version,
                                     next_sequence_nr, path.empty, t_offset);
     if (save == nullptr) throw py::error_already_set();

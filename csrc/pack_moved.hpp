@@ -1,6 +1,7 @@
 // The packer's move path (pack_moved.cpp): a saved CPU tensor that the standing decision
-// sends to a tier with a store in C (the nvme tier's `store_cpu`) is stored, recorded,
-// indexed and handed to autograd as a MovedSave with no Python frame but the prefetcher's.
+// sends to a tier with a store in C (the nvme tier's or the host tier's `store_cpu`) is
+// stored, recorded, indexed and handed to autograd as a MovedSave (or, when it stays, its
+// record) with no Python frame.
 // Every other case, and every case it is not sure of, goes on to the Python hooks
 // (hooks.py NOTE [Move path in C]).
 #pragma once
@@ -34,10 +35,12 @@ struct MovePath {
   void clear();
 };
 
-// The MovedSave for `t` (its storage `storage` of `nbytes`, grad_fn `node` not None,
-// `version`) when the move path takes it: a new reference. nullptr with no error set when
-// it does not (the caller goes on to the Python hooks, which redo every test: nothing was
-// changed); nullptr with an error set on failure. `owner`: the hooks (their `_stored`
+// What `_pack_plain` returns for `t` (its storage `storage` of `nbytes`, grad_fn `node` not
+// None, `version`) when the move path takes it, a new reference: a MovedSave when its bytes
+// moved, else its storage's record (the tensor stays with it: the host tier's StorageRef,
+// a storage kept, found in the index), which the packer makes a KeptSave of. nullptr with
+// no error set when it does not (the caller goes on to the Python hooks, which redo every
+// test: nothing was changed); nullptr with an error set on failure. `owner`: the hooks (their `_stored`
 // position counter), `record_type`, `meter`: the step's records and meter.
 PyObject* pack_moved(const MovePath& path, PyObject* owner, PyObject* t, PyObject* storage,
                      long long nbytes, PyObject* node, long long version, long long min_bytes,

@@ -8,12 +8,24 @@
 // device, neither of which refers to anything of the user's, so no cycle can run through
 // it. Same fields as a Python `Payload` (`nbytes`, `device`, `resident`) plus `storage`,
 // which the tier sets to None when it releases the bytes.
+//
+// HostLedger: the host tier's byte count and its live StorageRefs, so that the core's
+// packer can store a CPU activation in the host tier without a Python frame (its `store`
+// is the tier's `store_cpu`: hooks.py NOTE [Move path in C]). The tier's Python code
+// counts its pinned copies through the same ledger (`take` / `give`): one count, one
+// capacity, whichever path stored.
+#include "storage_ref.hpp"
+
 #include <Python.h>
 #include <structmember.h>
 
 #include <pybind11/pybind11.h>
 
+#include <unordered_set>
+#include <vector>
+
 #include "bindings.hpp"
+#include "py_calls.hpp"
 #include "py_type.hpp"
 
 namespace py = pybind11;
@@ -83,9 +95,207 @@ PyTypeObject storage_ref_type = [] {
   return type;
 }();
 
+// ------------------------------------------------------------------------- HostLedger
+
+struct HostLedger {
+  PyObject_HEAD
+  long long capacity;
+  long long used;
+  // The StorageRefs stored and not yet released (a strong reference each; `abort`
+  // releases them). Not tracked: a StorageRef refers to no Python object of the user's.
+  std::unordered_set<PyObject*>* live;
+};
+
+PyObject* n_nbytes = nullptr;
+
+HostLedger* as_ledger(PyObject* obj) { return reinterpret_cast<HostLedger*>(obj); }
+
+bool parse_nbytes(PyObject* arg, long long* out) {
+  *out = PyLong_AsLongLong(arg);
+  if (*out == -1 && PyErr_Occurred()) return false;
+  if (*out < 0) {
+    PyErr_Format(PyExc_ValueError, "offload: HostLedger: nbytes must be >= 0, got %lld", *out);
+    return false;
+  }
+  return true;
+}
+
+// Counts `nbytes` if they fit the capacity.
+bool take(HostLedger* self, long long nbytes) {
+  if (self->used + nbytes > self->capacity) return false;
+  self->used += nbytes;
+  return true;
+}
+
+PyObject* ledger_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* keywords[] = {"capacity_bytes", nullptr};
+  long long capacity;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "L", const_cast<char**>(keywords), &capacity))
+    return nullptr;
+  if (capacity < 0) {
+    PyErr_Format(PyExc_ValueError, "offload: HostLedger: capacity_bytes must be >= 0, got %lld",
+                 capacity);
+    return nullptr;
+  }
+  PyObject* obj = type->tp_alloc(type, 0);
+  if (obj == nullptr) return nullptr;
+  auto* self = as_ledger(obj);
+  self->capacity = capacity;
+  self->used = 0;
+  self->live = new (std::nothrow) std::unordered_set<PyObject*>();
+  if (self->live == nullptr) {
+    Py_DECREF(obj);
+    return PyErr_NoMemory();
+  }
+  return obj;
+}
+
+void ledger_dealloc(PyObject* obj) {
+  auto* self = as_ledger(obj);
+  if (self->live != nullptr) {
+    std::vector<PyObject*> refs(self->live->begin(), self->live->end());
+    delete self->live;
+    self->live = nullptr;
+    for (PyObject* ref : refs) Py_DECREF(ref);
+  }
+  Py_TYPE(obj)->tp_free(obj);
+}
+
+// store(storage, device): a StorageRef of the CPU storage, counted; None when it does not
+// fit (the tier is full: the caller spills).
+PyObject* ledger_store(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_Format(PyExc_TypeError, "offload: HostLedger.store(storage, device) takes 2 "
+                 "arguments (%zd given)", nargs);
+    return nullptr;
+  }
+  auto* self = as_ledger(obj);
+  return guarded([&]() -> PyObject* {
+    const long long nbytes = as_int(call_method(args[0], n_nbytes));
+    if (!take(self, nbytes)) Py_RETURN_NONE;
+    PyObject* ref = make(&storage_ref_type, args[0], static_cast<Py_ssize_t>(nbytes), args[1]);
+    if (ref == nullptr) {
+      self->used -= nbytes;
+      throw py::error_already_set();
+    }
+    self->live->insert(Py_NewRef(ref));
+    return ref;
+  });
+}
+
+// Uncounts a StorageRef's bytes and lets go of its storage (once).
+void release_ref(HostLedger* self, PyObject* ref) {
+  auto* fields = reinterpret_cast<StorageRef*>(ref);
+  if (fields->storage == nullptr || fields->storage == Py_None) return;   // released
+  PyObject* storage = fields->storage;
+  fields->storage = Py_NewRef(Py_None);
+  self->used -= fields->nbytes;
+  auto found = self->live->find(ref);
+  if (found != self->live->end()) {
+    self->live->erase(found);
+    Py_DECREF(ref);   // the caller's reference keeps it meanwhile
+  }
+  Py_DECREF(storage);
+}
+
+PyObject* ledger_release(PyObject* obj, PyObject* ref) {
+  if (Py_TYPE(ref) != &storage_ref_type) {
+    PyErr_Format(PyExc_TypeError, "offload: HostLedger.release takes a StorageRef, not %s",
+                 Py_TYPE(ref)->tp_name);
+    return nullptr;
+  }
+  release_ref(as_ledger(obj), ref);
+  Py_RETURN_NONE;
+}
+
+// take(nbytes) -> bool: counts bytes stored elsewhere (the tier's pinned copies) if they fit.
+PyObject* ledger_take(PyObject* obj, PyObject* arg) {
+  long long nbytes;
+  if (!parse_nbytes(arg, &nbytes)) return nullptr;
+  return PyBool_FromLong(take(as_ledger(obj), nbytes));
+}
+
+// give(nbytes): uncounts what `take` counted.
+PyObject* ledger_give(PyObject* obj, PyObject* arg) {
+  long long nbytes;
+  if (!parse_nbytes(arg, &nbytes)) return nullptr;
+  auto* self = as_ledger(obj);
+  if (nbytes > self->used) {
+    PyErr_Format(PyExc_ValueError, "offload: HostLedger.give(%lld) with only %lld bytes "
+                 "counted", nbytes, self->used);
+    return nullptr;
+  }
+  self->used -= nbytes;
+  Py_RETURN_NONE;
+}
+
+// abort(): releases every StorageRef not yet released.
+PyObject* ledger_abort(PyObject* obj, PyObject*) {
+  auto* self = as_ledger(obj);
+  std::vector<PyObject*> refs(self->live->begin(), self->live->end());
+  for (PyObject* ref : refs) Py_INCREF(ref);
+  for (PyObject* ref : refs) {
+    release_ref(self, ref);
+    Py_DECREF(ref);
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* ledger_used(PyObject* obj, void*) { return PyLong_FromLongLong(as_ledger(obj)->used); }
+
+PyObject* ledger_capacity(PyObject* obj, void*) {
+  return PyLong_FromLongLong(as_ledger(obj)->capacity);
+}
+
+Py_ssize_t ledger_len(PyObject* obj) {
+  return static_cast<Py_ssize_t>(as_ledger(obj)->live->size());
+}
+
+PyMethodDef ledger_methods[] = {
+    {"store", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ledger_store)),
+     METH_FASTCALL,
+     "store(storage, device): a StorageRef of the CPU storage, its bytes counted; None when "
+     "they do not fit (the host tier's `store_cpu`)."},
+    {"release", ledger_release, METH_O,
+     "release(ref): uncount a StorageRef's bytes and drop its storage (once)."},
+    {"take", ledger_take, METH_O,
+     "take(nbytes) -> bool: count bytes stored elsewhere (pinned copies) if they fit."},
+    {"give", ledger_give, METH_O, "give(nbytes): uncount what take counted."},
+    {"abort", ledger_abort, METH_NOARGS, "abort(): release every StorageRef still held."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef ledger_getset[] = {
+    {const_cast<char*>("used_bytes"), ledger_used, nullptr,
+     const_cast<char*>("Bytes counted (stored by reference, or taken)."), nullptr},
+    {const_cast<char*>("capacity_bytes"), ledger_capacity, nullptr,
+     const_cast<char*>("What `store` and `take` fit into."), nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PySequenceMethods ledger_sequence = length_only(ledger_len);
+
+PyTypeObject host_ledger_type = [] {
+  PyTypeObject type = plain_type(
+      "offload._C.HostLedger", sizeof(HostLedger),
+      "HostLedger(capacity_bytes): the host tier's byte count and the StorageRefs it holds "
+      "(`len`: how many are not yet released).",
+      ledger_new, ledger_dealloc);
+  type.tp_methods = ledger_methods;
+  type.tp_getset = ledger_getset;
+  type.tp_as_sequence = &ledger_sequence;
+  return type;
+}();
+
 }  // namespace
 
+bool is_storage_ref(PyObject* obj) { return Py_TYPE(obj) == &storage_ref_type; }
+
 void bind_storage_ref(py::module_& m) {
+  n_nbytes = intern("nbytes");
+  if (PyType_Ready(&host_ledger_type) < 0) throw py::error_already_set();
+  Py_INCREF(&host_ledger_type);   // the module holds the type for the process
+  m.add_object("HostLedger", reinterpret_cast<PyObject*>(&host_ledger_type));
   if (PyType_Ready(&storage_ref_type) < 0) throw py::error_already_set();
   // A class attribute, as Payload.resident: the bytes still occupy the device's memory.
   if (PyDict_SetItemString(storage_ref_type.tp_dict, "resident", Py_True) < 0)

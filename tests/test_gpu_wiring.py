@@ -59,9 +59,9 @@ def _tier():
 
 def _pinned(tier, host, d2h=None):
     """A payload as HostTier.store makes it for a CUDA source (the tier counts its bytes)."""
-    tier._used_bytes += host.numel()
+    assert tier._ledger.take(host.numel())
     payload = _PinnedPayload(host, CUDA, d2h)
-    tier._live.add(payload)
+    tier._pinned.add(payload)
     return payload
 
 

@@ -1,6 +1,6 @@
 """The core's move path (hooks.py NOTE [Move path in C]): a plain CPU activation that the
-standing decision sends to the nvme tier is stored by the core's packer and unpacked by its
-unpacker, with no Python frame of the hooks. These tests check that it is taken, and that
+standing decision sends to the nvme tier (or the host tier, which holds it by reference) is
+stored by the core's packer and unpacked by its unpacker, with no Python frame of the hooks. These tests check that it is taken, and that
 every case it must leave to the Python path (weights, no_offload, a backward's saves,
 untracked aliases, a full tier, the round-trip plan, a forced decision) comes out as the
 Python path alone decides it: same gradients bit for bit, same figures."""
@@ -115,7 +115,33 @@ def test_plain_cpu_activations_on_nvme_take_the_move_path(nvme_dir, monkeypatch)
 
 
 @needs_core
-@pytest.mark.parametrize("tiers", ["nvme", "nvme,host", "host,nvme"])
+def test_plain_cpu_activations_on_the_host_tier_take_the_move_path(monkeypatch):
+    calls = _counting_python_path(monkeypatch)
+    x = torch.randn(256, requires_grad=True)
+
+    def chain():
+        h = x * 1
+        for _ in range(200):
+            h = h.sin()
+        return h
+
+    plain = torch.autograd.grad(chain().sum(), x)[0]
+    with offload.activations(tiers="host", min_bytes=0) as ctx:
+        tier = ctx._hooks.tiers["host"]
+        assert type(tier).stores_cpu_in_core and tier.store_cpu is not None
+        h = chain()
+        assert tier.used_bytes == 200 * 1024 and len(tier._ledger) == 200
+        grad = torch.autograd.grad(h.sum(), x)[0]
+    assert tier.store_cpu is None   # closed: the core's packer may not store through it
+    assert calls[0] == 0            # every store was the core's, the first one too
+    s = ctx.stats.as_dict()
+    assert s["offloaded_tensors"] == 200 and s["host_bytes"] == 200 * 1024
+    assert s["exit_host_used_bytes"] == 0 and ctx._hooks.live_records == 0
+    assert torch.equal(grad, plain)
+
+
+@needs_core
+@pytest.mark.parametrize("tiers", ["nvme", "nvme,host", "host,nvme", "host"])
 def test_the_move_path_decides_what_the_python_path_decides(tiers, nvme_dir, monkeypatch):
     plain = _plain_grads()
     core_figures, core_grads = _run(tiers, nvme_dir)
@@ -150,6 +176,30 @@ def test_a_full_nvme_tier_spills_as_the_python_path_does(nvme_dir, monkeypatch):
     python, python_grad = run()
     assert core == python and torch.equal(core_grad, python_grad)
     assert core["spilled_bytes"] > 0 and core["nvme_bytes"] > 0
+
+
+@needs_core
+def test_a_full_host_tier_spills_as_the_python_path_does(nvme_dir, monkeypatch):
+    def run():
+        torch.manual_seed(0)
+        x = torch.randn(64, 1024, requires_grad=True)     # 256 KiB per saved tensor
+        with offload.activations(tiers="host,nvme", nvme_dir=nvme_dir, host_bytes="1MiB",
+                                 min_bytes=0) as ctx:
+            y = x * 1
+            for _ in range(8):
+                y = y.sin()
+            assert ctx._hooks.tiers["host"].used_bytes == 4 * 256 * 1024   # full
+            y.sum().backward()
+        return _figures(ctx.stats), x.grad
+
+    calls = _counting_python_path(monkeypatch)
+    core, core_grad = run()
+    assert calls[0] == 4   # the 4 that did not fit: the Python path spills them
+    monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
+    python, python_grad = run()
+    assert core == python and torch.equal(core_grad, python_grad)
+    assert core["spilled_bytes"] == 4 * 256 * 1024 and core["host_bytes"] == 4 * 256 * 1024
+    assert core["exit_host_used_bytes"] == 0
 
 
 @needs_core
@@ -231,30 +281,36 @@ def _changed_in_place(kind: str):
 
 
 @needs_core
+@pytest.mark.parametrize("tiers", ["nvme", "host"])
 @pytest.mark.parametrize("kind", ["input", "output", "view"])
-def test_a_tensor_changed_after_the_move_path_stored_it_raises_autograds_error(kind, nvme_dir,
+def test_a_tensor_changed_after_the_move_path_stored_it_raises_autograds_error(kind, tiers,
+                                                                                 nvme_dir,
                                                                                  monkeypatch):
     plain = _changed_in_place(kind)
     calls = _counting_python_path(monkeypatch)
-    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
+    with offload.activations(tiers=tiers, nvme_dir=nvme_dir, min_bytes=0):
         moved = _changed_in_place(kind)
-    assert calls[0] == 1   # only the first store went through the Python hooks
+    # Only nvme's first store goes through the Python hooks (it opens the tier's store_cpu).
+    assert calls[0] == (1 if tiers == "nvme" else 0)
     assert "modified by an inplace operation" in moved
     if kind != "view":     # version_check.py: a dead view is named as autograd would not
         assert moved == plain
 
 
 @needs_core
-def test_a_moved_save_dropped_unpacked_gives_its_space_back(nvme_dir):
+@pytest.mark.parametrize("tiers", ["nvme", "host"])
+def test_a_moved_save_dropped_unpacked_gives_its_space_back(tiers, nvme_dir):
     x = torch.randn(1024, requires_grad=True)
-    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+    with offload.activations(tiers=tiers, nvme_dir=nvme_dir, min_bytes=0) as ctx:
         h = x * 1
         for _ in range(20):
             h = h.sin()
         assert ctx._hooks.live_records == 20
+        assert ctx._hooks.tiers[tiers].used_bytes == 20 * 4096
         del h                    # the graph dies without a backward
         assert ctx._hooks.live_records == 0
-    assert ctx.stats.as_dict()["exit_nvme_used_bytes"] == 0
+        assert ctx._hooks.tiers[tiers].used_bytes == 0
+    assert ctx.stats.as_dict()[f"exit_{tiers}_used_bytes"] == 0
 
 
 class _SavesEachWay(torch.autograd.Function):

@@ -95,6 +95,7 @@ def ref_payload(request, monkeypatch):
         assert host_mod._RefPayload is CORE.StorageRef
     else:
         monkeypatch.setattr(host_mod, "_RefPayload", host_mod._PyStorageRef)
+        monkeypatch.setattr(host_mod, "_HostLedger", host_mod._PyHostLedger)
     return request.param
 
 
@@ -115,6 +116,25 @@ def test_host_tier_on_cpu_holds_references_and_counts_capacity(ref_payload):
     assert tier.used_bytes == 0 and tier.released(p)
     with pytest.raises(RuntimeError, match="after release"):
         tier.fetch(p)
+
+
+def test_the_host_ledger_counts_refs_and_pinned_copies_against_one_capacity(ref_payload):
+    ledger = host_mod._HostLedger(1000)
+    storage = torch.zeros(600, dtype=torch.uint8).untyped_storage()
+    assert ledger.take(500) and ledger.used_bytes == 500           # a pinned copy's bytes
+    assert ledger.store(storage, storage.device) is None            # 500 + 600 > 1000
+    assert not ledger.take(501) and ledger.used_bytes == 500
+    ledger.give(500)
+    ref = ledger.store(storage, storage.device)
+    assert type(ref) is host_mod._RefPayload and ref.storage is storage and len(ledger) == 1
+    assert ledger.used_bytes == 600 and ledger.capacity_bytes == 1000
+    with pytest.raises(ValueError, match="give"):
+        ledger.give(601)                                             # more than counted
+    with pytest.raises(ValueError, match="nbytes"):
+        ledger.take(-1)
+    ledger.release(ref)
+    ledger.release(ref)                                              # once
+    assert ledger.used_bytes == 0 and len(ledger) == 0 and ref.storage is None
 
 
 def test_abort_frees_every_payload_at_once(ref_payload):
@@ -152,3 +172,15 @@ def test_on_cuda_tells_devices_apart_without_a_gpu():
     for _ in range(2):   # the second time from what it remembered
         assert not on_cuda(torch.device("cpu")) and not on_cuda(torch.device("meta"))
         assert on_cuda(torch.device("cuda", 0)) and on_cuda(torch.device("cuda"))
+
+
+def test_a_host_tier_whose_store_is_overridden_is_stored_through_it():
+    # The core's packer stores through `store_cpu`: a subclass with its own `store` (a
+    # stand-in, a copying tier) must not be gone around.
+    class OwnStore(host_mod.HostTier):
+        def store(self, storage, device):
+            return super().store(storage, device)
+
+    assert OwnStore(1000, Stats()).store_cpu is None
+    plain = host_mod.HostTier(1000, Stats())
+    assert (plain.store_cpu is not None) is (CORE is not None)

@@ -194,10 +194,9 @@ def _timed_copy_tier(at_pack: bool):
         the copy taken at one extreme: at pack (the fastest D2H) or at fetch (the
         slowest; reads the storage as late as anything could)."""
 
-        def store(self, storage, device):
-            if self._used_bytes + storage.nbytes() > self._capacity_bytes:
+        def store(self, storage, device):   # (the core's packer calls it: no store_cpu)
+            if not self._ledger.take(storage.nbytes()):
                 return None
-            self._used_bytes += storage.nbytes()
             return _CopyPayload(storage, device, at_pack)
 
         def prefetchable(self, payload):
@@ -212,7 +211,7 @@ def _timed_copy_tier(at_pack: bool):
         def release(self, payload):
             if not self.released(payload):
                 payload.source = payload.copy = None
-                self._used_bytes -= payload.nbytes
+                self._ledger.give(payload.nbytes)
     return _TimedCopyTier
 
 

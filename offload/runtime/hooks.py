@@ -38,11 +38,13 @@ per tier) and the core's packer the saves it packs: the step folds the meter int
 whenever they are read (`Step.fold`).
 
 NOTE [Move path in C] A plain CPU activation that the standing decision (placement.py NOTE
-[Standing decision]) sends to a tier with a store in C (`Tier.store_cpu`: the nvme tier's)
-is stored by the core's Packer itself (csrc/pack_moved.cpp): the same tests as
-`_pack_strided` → `_pack_plain` → `_store`, in their order, then the tier's store, the
-record, the prefetcher's order, the timeline's row and the index entry, and a `MovedSave`
-(records.Moved in C) for autograd; the Unpacker unpacks it in C, calling `records.load`
+[Standing decision]) sends to a tier with a store in C (`Tier.store_cpu`: the nvme tier's,
+and the host tier's ledger, which holds a CPU storage by reference) is stored by the core's
+Packer itself (csrc/pack_moved.cpp): the same tests as `_pack_strided` → `_pack_plain` →
+`_store`, in their order, then the tier's store, the record, the prefetcher's order (bytes
+that left the device), the timeline's row and the index entry, and a `MovedSave`
+(records.Moved in C) for autograd, or for a tensor that stays (the host tier's reference) a
+`KeptSave` with its record, as the Python path makes them; the Unpacker unpacks it in C, calling `records.load`
 only for what it does not load itself (csrc/saved_record.cpp `record_load`: a CPU nvme
 payload is fetched without it). Anything the move path is not sure of (a weight, an
 untracked alias, a full tier, a storage the round-trip plan keeps, a save in a backward

@@ -62,8 +62,9 @@ class Tier(abc.ABC):
     name: str = "?"
     # `store` for a CPU storage as a core callable, `store_cpu(storage, device)`, or None:
     # the core's packer then stores plain CPU activations through it, without a Python
-    # frame (hooks.py NOTE [Move path in C]). A tier that sets it returns payloads that are
-    # not resident and are prefetchable, and sets it back to None when it closes; its class
+    # frame (hooks.py NOTE [Move path in C]). A tier that sets it returns the core's
+    # StorageRef (resident: the host tier's) or payloads that are not resident and are
+    # prefetchable (the nvme tier's), and sets it back to None when it closes; its class
     # says so (`stores_cpu_in_core`), so a step whose tiers never do pays nothing for it.
     store_cpu: Callable[[torch.UntypedStorage, torch.device], Payload | None] | None = None
     stores_cpu_in_core: bool = False

@@ -3,6 +3,8 @@
 CPU tensors: the compute device *is* host RAM, so the payload just holds a reference to the
 storage's bytes (no copy; counted as resident). The capacity still applies, so
 `OFFLOAD_TIERS=host,nvme OFFLOAD_HOST_BYTES=1GiB` keeps 1 GiB in RAM and spills the rest.
+With the core, the tier's ledger makes these payloads in C, and the core's packer stores
+plain CPU activations through it without a Python frame (`store_cpu`).
 
 CUDA tensors: bytes are copied into a block of a pinned host arena and copied back on fetch.
 Pinned memory is allocated in chunks of `PINNED_CHUNK_BYTES` as the tier fills (never one
@@ -55,6 +57,57 @@ class _PyStorageRef(Payload):
 _RefPayload = _ext.load_core().StorageRef if _ext.core_available() else _PyStorageRef
 
 
+class _PyHostLedger:
+    """The tier's byte count against its capacity, and the CPU payloads it holds: the core's
+    `HostLedger` (csrc/storage_ref.cpp, whose `store` the core's packer calls: the tier's
+    `store_cpu`) for a process without the core. Pinned copies are counted through `take`
+    and `give`, so both kinds of payload share one count and one capacity."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._live: set[_PyStorageRef] = set()
+
+    def take(self, nbytes: int) -> bool:
+        if nbytes < 0:
+            raise ValueError(f"offload: HostLedger: nbytes must be >= 0, got {nbytes}")
+        if self.used_bytes + nbytes > self.capacity_bytes:
+            return False
+        self.used_bytes += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        if not 0 <= nbytes <= self.used_bytes:
+            raise ValueError(f"offload: HostLedger.give({nbytes}) with only "
+                             f"{self.used_bytes} bytes counted")
+        self.used_bytes -= nbytes
+
+    def store(self, storage: torch.UntypedStorage, device: torch.device) -> Payload | None:
+        nbytes = storage.nbytes()
+        if not self.take(nbytes):
+            return None
+        ref = _PyStorageRef(storage, nbytes, device)
+        self._live.add(ref)
+        return ref
+
+    def release(self, ref: _PyStorageRef) -> None:
+        if ref.storage is None:
+            return
+        ref.storage = None
+        self.used_bytes -= ref.nbytes
+        self._live.discard(ref)
+
+    def abort(self) -> None:
+        for ref in list(self._live):
+            self.release(ref)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+_HostLedger = _ext.load_core().HostLedger if _ext.core_available() else _PyHostLedger
+
+
 class _PinnedPayload(Payload):
     """A CUDA storage's bytes copied into pinned host memory, and its transfers: the D2H
     ticket, the H2D ticket of a reload (the tier starts and uses them: NOTE [One owner])."""
@@ -72,6 +125,9 @@ class HostTier(Tier):
     """Host RAM with a byte capacity; pinned arena for CUDA sources."""
 
     name = "host"
+    # A CPU run's payloads are made by the ledger's `store`, in C with the core: the core's
+    # packer stores plain CPU activations through it (Tier.store_cpu).
+    stores_cpu_in_core = _ext.core_available()
 
     def __init__(self, capacity_bytes: int, stats: Stats, capacity_key: Hashable = None,
                  copies: Callable[[torch.device], object] | None = None) -> None:
@@ -82,10 +138,15 @@ class HostTier(Tier):
         self._copies = copies
         self._capacity_bytes = capacity_bytes
         self._capacity_key = capacity_key if capacity_key is not None else capacity_bytes
-        self._used_bytes = 0
+        # The byte count of both kinds of payload, and the CPU ones (abort frees them).
+        self._ledger = _HostLedger(capacity_bytes)
+        # The core's ledger makes the core's refs; a subclass with its own `store` is
+        # called through it (the core's packer must not go around it).
+        if _RefPayload is not _PyStorageRef and type(self).store is HostTier.store:
+            self.store_cpu = self._ledger.store
         self._stats = stats
         self._arenas: list | None = None  # pinned HostArena chunks, taken from the pool lazily
-        self._live: set[Payload] = set()  # stored, not yet released (abort frees them)
+        self._pinned: set[Payload] = set()  # pinned copies not yet released (abort frees them)
         self._closed = False
 
     @classmethod
@@ -105,29 +166,28 @@ class HostTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        return self._used_bytes
+        return self._ledger.used_bytes
 
     # ---------------------------------------------------------------- store / load
     def store(self, storage: torch.UntypedStorage, device: torch.device) -> Payload | None:
-        nbytes = storage.nbytes()
-        if self._used_bytes + nbytes > self._capacity_bytes:
-            return None
         if not on_cuda(device):
-            payload: Payload = _RefPayload(storage, nbytes, device)
+            return self._ledger.store(storage, device)
+        nbytes = storage.nbytes()
+        if not self._ledger.take(nbytes):
+            return None
+        flat = flat_bytes(storage)
+        host = self._allocate_pinned(nbytes)
+        if host is None:
+            self._ledger.give(nbytes)
+            return None
+        if self._copies is not None:
+            with span(D2H) if profiling() else NO_SPAN:  # returns at once
+                ticket = self._copies(device).offload(flat, host)
+            payload = _PinnedPayload(host, device, ticket)
         else:
-            flat = flat_bytes(storage)
-            host = self._allocate_pinned(nbytes)
-            if host is None:
-                return None
-            if self._copies is not None:
-                with span(D2H) if profiling() else NO_SPAN:  # returns at once
-                    ticket = self._copies(device).offload(flat, host)
-                payload = _PinnedPayload(host, device, ticket)
-            else:
-                sync_d2h(flat, host, self._stats)
-                payload = _PinnedPayload(host, device)
-        self._used_bytes += nbytes
-        self._live.add(payload)
+            sync_d2h(flat, host, self._stats)
+            payload = _PinnedPayload(host, device)
+        self._pinned.add(payload)
         return payload
 
     def prefetchable(self, payload: Payload) -> bool:
@@ -167,20 +227,19 @@ class HostTier(Tier):
 
     def release(self, payload: Payload) -> None:
         if type(payload) is _RefPayload:
-            if payload.storage is None:
-                return
-            payload.storage = None
-        else:
-            if payload.host is None:
-                return
-            # The block returns to the arena with its last view; a pending copy holds its
-            # own references (copies Notes 3, 8), so dropping ours never races.
-            payload.host = payload.d2h = payload.h2d = None
-        self._used_bytes -= payload.nbytes
-        self._live.discard(payload)
+            self._ledger.release(payload)
+            return
+        if payload.host is None:
+            return
+        # The block returns to the arena with its last view; a pending copy holds its
+        # own references (copies Notes 3, 8), so dropping ours never races.
+        payload.host = payload.d2h = payload.h2d = None
+        self._ledger.give(payload.nbytes)
+        self._pinned.discard(payload)
 
     def abort(self) -> None:
-        for payload in list(self._live):
+        self._ledger.abort()
+        for payload in list(self._pinned):
             self.release(payload)
 
     def _reload(self, payload: _PinnedPayload):
@@ -211,6 +270,7 @@ class HostTier(Tier):
         # Blocks still viewed by live tensors keep their memory; such an arena goes away
         # with the last of them instead of being reused.
         self._closed = True
+        self.store_cpu = None   # the core's packer may not store through it any more
         arenas, self._arenas = self._arenas, None
         if arenas and reuse and all(a.used_bytes == 0 for a in arenas):
             pool.give_back("host-pinned", self._capacity_key, arenas)
