@@ -40,8 +40,8 @@ struct MovePath {
 // moved, else its storage's record (the tensor stays with it: the host tier's StorageRef,
 // a storage kept, found in the index), which the packer makes a KeptSave of. nullptr with
 // no error set when it does not (the caller goes on to the Python hooks, which redo every
-// test: nothing was changed); nullptr with an error set on failure. `owner`: the hooks (their `_stored`
-// position counter), `record_type`, `meter`: the step's records and meter.
+// test: nothing was changed); nullptr with an error set on failure. `owner`: the hooks
+// (their `_stored` position counter), `record_type`, `meter`: the step's records and meter.
 PyObject* pack_moved(const MovePath& path, PyObject* owner, PyObject* t, PyObject* storage,
                      long long nbytes, PyObject* node, long long version, long long min_bytes,
                      PyObject* record_type, PyObject* meter_obj, SavedBytes* meter,

@@ -158,45 +158,37 @@ def test_the_move_path_decides_what_the_python_path_decides(tiers, nvme_dir, mon
     assert first["kept_bytes"] > 0
 
 
+def _spilling_run(tiers: str, nvme_dir: str, **kw):
+    """8 saved tensors of 256 KiB on `tiers`, whose first tier holds 4 of them (`kw`): the
+    figures, x's gradient, and the first tier's used bytes once the forward filled it."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 1024, requires_grad=True)
+    with offload.activations(tiers=tiers, nvme_dir=nvme_dir, min_bytes=0, **kw) as ctx:
+        y = x * 1
+        for _ in range(8):
+            y = y.sin()
+        full = ctx._hooks.tiers[tiers.split(",")[0]].used_bytes
+        y.sum().backward()
+    return _figures(ctx.stats), x.grad, full
+
+
 @needs_core
 def test_a_full_nvme_tier_spills_as_the_python_path_does(nvme_dir, monkeypatch):
-    def run():
-        torch.manual_seed(0)
-        x = torch.randn(64, 1024, requires_grad=True)     # 256 KiB per saved tensor
-        with offload.activations(tiers="nvme,host", nvme_dir=nvme_dir, nvme_bytes="1MiB",
-                                 min_bytes=0) as ctx:
-            y = x * 1
-            for _ in range(8):
-                y = y.sin()
-            y.sum().backward()
-        return _figures(ctx.stats), x.grad
-
-    core, core_grad = run()
+    core, core_grad, _ = _spilling_run("nvme,host", nvme_dir, nvme_bytes="1MiB")
     monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
-    python, python_grad = run()
+    python, python_grad, _ = _spilling_run("nvme,host", nvme_dir, nvme_bytes="1MiB")
     assert core == python and torch.equal(core_grad, python_grad)
     assert core["spilled_bytes"] > 0 and core["nvme_bytes"] > 0
 
 
 @needs_core
 def test_a_full_host_tier_spills_as_the_python_path_does(nvme_dir, monkeypatch):
-    def run():
-        torch.manual_seed(0)
-        x = torch.randn(64, 1024, requires_grad=True)     # 256 KiB per saved tensor
-        with offload.activations(tiers="host,nvme", nvme_dir=nvme_dir, host_bytes="1MiB",
-                                 min_bytes=0) as ctx:
-            y = x * 1
-            for _ in range(8):
-                y = y.sin()
-            assert ctx._hooks.tiers["host"].used_bytes == 4 * 256 * 1024   # full
-            y.sum().backward()
-        return _figures(ctx.stats), x.grad
-
     calls = _counting_python_path(monkeypatch)
-    core, core_grad = run()
+    core, core_grad, full = _spilling_run("host,nvme", nvme_dir, host_bytes="1MiB")
+    assert full == 4 * 256 * 1024
     assert calls[0] == 4   # the 4 that did not fit: the Python path spills them
     monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
-    python, python_grad = run()
+    python, python_grad, _ = _spilling_run("host,nvme", nvme_dir, host_bytes="1MiB")
     assert core == python and torch.equal(core_grad, python_grad)
     assert core["spilled_bytes"] == 4 * 256 * 1024 and core["host_bytes"] == 4 * 256 * 1024
     assert core["exit_host_used_bytes"] == 0
