@@ -103,7 +103,7 @@ void bind_store(py::module_& m) {
       "Private preallocated slab files (one per directory, striped), O_DIRECT, async I/O.")
       .def(py::init([](const py::object& dirs, int64_t capacity_bytes, int64_t workers,
                        int64_t chunk_bytes, int64_t max_inflight_bytes, bool checksum,
-                       int64_t throttle_bytes_per_s, bool direct) {
+                       int64_t throttle_bytes_per_s, bool direct, int64_t coalesce_bytes) {
              StoreOptions o;
              o.workers = non_negative(workers, "NvmeStore: workers");
              o.chunk_bytes = non_negative(chunk_bytes, "NvmeStore: chunk_bytes");
@@ -111,6 +111,7 @@ void bind_store(py::module_& m) {
              o.checksum = checksum;
              o.throttle_bytes_per_s = non_negative(throttle_bytes_per_s, "NvmeStore: throttle_bytes_per_s");
              o.direct = direct;
+             o.coalesce_bytes = non_negative(coalesce_bytes, "NvmeStore: coalesce_bytes");
              const uint64_t cap = non_negative(capacity_bytes, "NvmeStore: capacity_bytes");
              std::vector<std::string> paths = to_dirs(dirs);
              std::vector<LogNote> notes;
@@ -125,7 +126,7 @@ void bind_store(py::module_& m) {
            py::arg("dirs"), py::arg("capacity_bytes"), py::kw_only(), py::arg("workers") = 4,
            py::arg("chunk_bytes") = 1 << 20, py::arg("max_inflight_bytes") = 64 << 20,
            py::arg("checksum") = false, py::arg("throttle_bytes_per_s") = 0,
-           py::arg("direct") = true)
+           py::arg("direct") = true, py::arg("coalesce_bytes") = 256 * 1024)
       .def(
           "allocate",
           [](Store& s, int64_t nbytes, int64_t phase) -> std::shared_ptr<Extent> {
@@ -211,6 +212,10 @@ void bind_store(py::module_& m) {
       .def_property_readonly("bytes_bounced", &Store::bytes_bounced,
                              "Payload bytes copied through bounce buffers (memory whose address "
                              "is out of phase with the extent, partial end sectors).")
+      .def_property_readonly("transfers", &Store::transfers,
+                             "Reads and writes issued to the slab files; small adjacent chunks "
+                             "queued together move as one (coalesce_bytes).")
+      .def_property_readonly("coalesce_bytes", [](const Store& s) { return s.options().coalesce_bytes; })
       .def_property_readonly("workers", [](const Store& s) { return s.options().workers; })
       .def_property_readonly("chunk_bytes", [](const Store& s) { return s.options().chunk_bytes; })
       .def_property_readonly("stripe_bytes", &Store::stripe_bytes)

@@ -1,5 +1,7 @@
 #include "io_engine.hpp"
 
+#include <sched.h>
+
 #include <cstring>
 #include <string>
 
@@ -24,10 +26,13 @@ void Throttle::acquire(uint64_t nbytes) {
 }
 
 IoEngine::IoEngine(size_t workers, uint64_t bounce_bytes, uint64_t bounce_alignment,
-                   uint64_t max_inflight_bytes, uint64_t throttle_bytes_per_s)
+                   uint64_t max_inflight_bytes, uint64_t throttle_bytes_per_s,
+                   uint64_t coalesce_bytes)
     : bounce_bytes_(bounce_bytes),
       bounce_alignment_(bounce_alignment),
       max_inflight_bytes_(max_inflight_bytes),
+      coalesce_bytes_(std::min(coalesce_bytes, bounce_bytes)),
+      block_bytes_(bounce_alignment),
       throttle_(throttle_bytes_per_s) {
   start_threads(threads_, workers, "NvmeStore I/O worker", [this] { worker_loop(); },
                 [this] { stop(); });
@@ -36,18 +41,12 @@ IoEngine::IoEngine(size_t workers, uint64_t bounce_bytes, uint64_t bounce_alignm
 IoEngine::~IoEngine() { stop(); }
 
 void IoEngine::submit(std::vector<Chunk> chunks) {
-  const size_t count = chunks.size();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) throw UseAfterClose("NvmeStore is closed");
     for (auto& c : chunks) queue_.push_back(std::move(c));
   }
-  // Wake only as many workers as there is work: on a machine with few cores every spurious
-  // wake-up preempts a compute thread (and stalls its OpenMP team at the next barrier).
-  if (count == 1)
-    cv_.notify_one();
-  else
-    cv_.notify_all();
+  cv_.notify_one();   // NOTE [Chained wake-ups]
 }
 
 void IoEngine::stop() {
@@ -67,40 +66,171 @@ bool IoEngine::admissible() const {
   return inflight_bytes_ == 0 || inflight_bytes_ + queue_.front().nbytes <= max_inflight_bytes_;
 }
 
+// NOTE [Workers do not preempt]
+// A worker wakes for every batch of chunks. Under the default policy a waking thread may
+// preempt the thread running on its CPU, and that is usually the training thread issuing
+// the next op: its step then pays for the worker's context switch and cache misses.
+// SCHED_BATCH marks a worker as throughput work: the scheduler runs it on an idle CPU (or
+// at the running thread's next tick) but never preempts on its wake-up. A worker somebody
+// waits on still runs at once, since the waiter sleeps and frees its CPU. Best effort: an
+// unsupported policy leaves the worker as it was.
+static void run_as_batch_work() {
+#ifdef SCHED_BATCH
+  sched_param param{};
+  param.sched_priority = 0;
+  (void)sched_setscheduler(0, SCHED_BATCH, &param);   // 0: the calling thread on Linux
+#endif
+}
+
+// NOTE [Chained wake-ups]
+// A submission wakes one worker, and a worker that takes work and leaves more that it may
+// start wakes one more: as many workers run as there is work for, however many chunks one
+// submission queues (a batch of small chunks may all go to one worker as one transfer).
+// On a machine with few cores every spurious wake-up preempts a compute thread (and stalls
+// its OpenMP team at the next barrier). A worker that finishes needs no wake-up: it looks
+// at the queue again itself.
+//
+// NOTE [Small chunks travel together]
+// Every pread/pwrite costs a system call and, on a virtual machine, a doorbell to the
+// virtual disk, more than the copy of a few KiB: a backward that reads 4 KiB tensors one at
+// a time is bound by those calls, not by the disk. A worker therefore takes, behind the
+// chunk at the queue's front, the queued chunks whose blocks extend the run's on the same
+// slab in the same direction (a write batch, or the read-ahead's reads, which walk down),
+// each spanning at most kSmallChunkBytes, the run spanning at most `coalesce_bytes`, and
+// moves them as one transfer through its bounce buffer. An idle worker takes a chunk
+// queued alone at once: runs form only while work waits anyway. Each chunk keeps its own checksum,
+// byte count and outcome. A chunk spans whole blocks of the store's alignment (the
+// allocator's unit, which may exceed a slab's sector): those belong to its extent alone (its
+// phase padding or the allocator's rounding, as in run_in_place), so the gaps are zero-filled.
+// Only neighbours in the queue merge: the FIFO order of everything else is kept.
+constexpr uint64_t kSmallChunkBytes = 64 * 1024;
+
+uint64_t IoEngine::span_start(const Chunk& c) const {
+  return c.file_offset / block_bytes_ * block_bytes_;
+}
+uint64_t IoEngine::span_end(const Chunk& c) const {
+  return align_up(c.file_offset + c.nbytes, block_bytes_);
+}
+
+bool IoEngine::mergeable(const Chunk& c) const {
+  if (coalesce_bytes_ == 0 || !c.slab->direct() || c.request->failed()) return false;
+  const uint64_t span = span_end(c) - span_start(c);
+  return span <= kSmallChunkBytes && span <= coalesce_bytes_;
+}
+
+void IoEngine::take_run(std::vector<Chunk>& run) {
+  run.push_back(std::move(queue_.front()));
+  queue_.pop_front();
+  inflight_bytes_ += run.front().nbytes;
+  if (!mergeable(run.front())) return;
+  // Copied out: the pushes below may move the run's chunks.
+  const SlabFile* slab = run.front().slab;
+  const bool write = run.front().write;
+  uint64_t lo = span_start(run.front()), hi = span_end(run.front());
+  while (!queue_.empty()) {
+    const Chunk& next = queue_.front();
+    if (next.slab != slab || next.write != write || !mergeable(next)) break;
+    uint64_t new_lo = lo, new_hi = hi;
+    if (span_start(next) == hi)
+      new_hi = span_end(next);
+    else if (span_end(next) == lo)
+      new_lo = span_start(next);
+    else
+      break;
+    if (new_hi - new_lo > coalesce_bytes_ || inflight_bytes_ + next.nbytes > max_inflight_bytes_)
+      break;
+    lo = new_lo;
+    hi = new_hi;
+    inflight_bytes_ += next.nbytes;
+    run.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  }
+}
+
 void IoEngine::worker_loop() {
+  run_as_batch_work();
   AlignedBuffer bounce;  // allocated on first unaligned chunk, reused after
+  std::vector<Chunk> run;
+  std::vector<std::exception_ptr> errors;
   for (;;) {
-    Chunk chunk;
+    bool more = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return admissible() || (stopping_ && queue_.empty()); });
       if (queue_.empty()) return;
-      chunk = std::move(queue_.front());
-      queue_.pop_front();
-      inflight_bytes_ += chunk.nbytes;
+      take_run(run);
+      more = admissible();
     }
-    std::exception_ptr err;
-    if (!chunk.request->failed()) {  // a failed request's remaining chunks are skipped
+    if (more) cv_.notify_one();   // NOTE [Chained wake-ups]
+    errors.assign(run.size(), nullptr);
+    uint64_t nbytes = 0;
+    for (const Chunk& c : run) nbytes += c.nbytes;
+    // A failed request's remaining chunks are skipped (a run holds none: see mergeable).
+    if (run.size() > 1 || !run.front().request->failed()) {
       try {
-        if (bounce.data() == nullptr && chunk.slab->direct())
+        if (bounce.data() == nullptr && run.front().slab->direct())
           bounce = AlignedBuffer(bounce_bytes_, bounce_alignment_);
-        throttle_.acquire(chunk.nbytes);
-        run_chunk(chunk, bounce);
+        throttle_.acquire(nbytes);
+        if (run.size() == 1)
+          run_chunk(run.front(), bounce);
+        else
+          run_merged(run, bounce, errors);
       } catch (...) {
-        err = std::current_exception();
+        for (auto& e : errors)
+          if (!e) e = std::current_exception();
       }
     }
-    const uint64_t nbytes = chunk.nbytes;
-    chunk.request->chunk_done(err);
-    chunk.request.reset();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      inflight_bytes_ -= nbytes;
-    }
-    // The in-flight cap may now admit one more chunk for a waiting worker; this worker
-    // itself checks the queue again right away.
-    cv_.notify_one();
+    for (size_t i = 0; i < run.size(); ++i) run[i].request->chunk_done(errors[i]);
+    run.clear();   // drops the requests, and what they keep alive
+    std::lock_guard<std::mutex> lock(mu_);
+    inflight_bytes_ -= nbytes;
   }
+}
+
+// NOTE [Small chunks travel together]
+void IoEngine::run_merged(const std::vector<Chunk>& run, AlignedBuffer& bounce,
+                          std::vector<std::exception_ptr>& errors) {
+  const SlabFile& slab = *run.front().slab;
+  uint64_t lo = span_start(run.front()), hi = span_end(run.front()), total = 0;
+  for (const Chunk& c : run) {
+    lo = std::min(lo, span_start(c));
+    hi = std::max(hi, span_end(c));
+    total += c.nbytes;
+  }
+  if (hi - lo > bounce.nbytes())
+    throw std::logic_error("merged run of " + std::to_string(hi - lo) +
+                           " bytes exceeds the bounce buffer");
+  char* buf = bounce.data();
+  counters_.bytes_bounced.fetch_add(total, std::memory_order_relaxed);
+  if (run.front().write) {
+    std::memset(buf, 0, hi - lo);
+    for (const Chunk& c : run) std::memcpy(buf + (c.file_offset - lo), c.mem, c.nbytes);
+    write_slab(slab, buf, hi - lo, lo);
+    for (const Chunk& c : run)
+      finish_write(c, c.sum ? crc32c(buf + (c.file_offset - lo), c.nbytes) : 0);
+    return;
+  }
+  read_slab(slab, buf, hi - lo, lo);
+  for (size_t i = 0; i < run.size(); ++i) {
+    const Chunk& c = run[i];
+    std::memcpy(c.mem, buf + (c.file_offset - lo), c.nbytes);
+    try {
+      finish_read(c);
+    } catch (...) {
+      errors[i] = std::current_exception();   // this chunk's checksum: the others stand
+    }
+  }
+}
+
+void IoEngine::write_slab(const SlabFile& slab, const void* buf, uint64_t nbytes,
+                          uint64_t offset) {
+  counters_.transfers.fetch_add(1, std::memory_order_relaxed);
+  slab.pwrite_full(buf, nbytes, offset);
+}
+
+void IoEngine::read_slab(const SlabFile& slab, void* buf, uint64_t nbytes, uint64_t offset) {
+  counters_.transfers.fetch_add(1, std::memory_order_relaxed);
+  slab.pread_full(buf, nbytes, offset);
 }
 
 // Memory and file offset share their phase: the aligned middle moves in place, and each
@@ -116,9 +246,9 @@ void IoEngine::run_in_place(const Chunk& c, AlignedBuffer& bounce) {
     if (c.write) {
       std::memset(bounce.data(), 0, align);
       std::memcpy(bounce.data() + (offset - base), mem, n);
-      slab.pwrite_full(bounce.data(), align, base);
+      write_slab(slab, bounce.data(), align, base);
     } else {
-      slab.pread_full(bounce.data(), align, base);
+      read_slab(slab, bounce.data(), align, base);
       std::memcpy(mem, bounce.data() + (offset - base), n);
     }
   };
@@ -138,9 +268,9 @@ void IoEngine::run_in_place(const Chunk& c, AlignedBuffer& bounce) {
     body = align_up(left, align);
   if (body > 0) {
     if (c.write)
-      slab.pwrite_full(mem, body, offset);
+      write_slab(slab, mem, body, offset);
     else
-      slab.pread_full(mem, body, offset);
+      read_slab(slab, mem, body, offset);
   }
   if (left > body) edge(mem + body, offset + body, left - body);
 }
@@ -152,9 +282,9 @@ void IoEngine::run_chunk(const Chunk& c, AlignedBuffer& bounce) {
 
   if (!slab.direct()) {
     if (c.write)
-      slab.pwrite_full(c.mem, c.nbytes, c.file_offset);
+      write_slab(slab, c.mem, c.nbytes, c.file_offset);
     else
-      slab.pread_full(c.mem, c.nbytes, c.file_offset);
+      read_slab(slab, c.mem, c.nbytes, c.file_offset);
   } else {
     const uint64_t align = slab.alignment();
     const uint64_t start = c.file_offset % align;
@@ -177,19 +307,27 @@ void IoEngine::run_chunk(const Chunk& c, AlignedBuffer& bounce) {
       if (c.write) {
         std::memset(bounce.data(), 0, span);
         std::memcpy(bounce.data() + start, c.mem, c.nbytes);
-        slab.pwrite_full(bounce.data(), span, base);
+        write_slab(slab, bounce.data(), span, base);
       } else {
-        slab.pread_full(bounce.data(), span, base);
+        read_slab(slab, bounce.data(), span, base);
         std::memcpy(c.mem, bounce.data() + start, c.nbytes);
       }
     }
   }
 
-  if (c.write) {
-    if (c.sum) *c.sum = ChunkSum{crc, c.nbytes, true};
-    counters_.bytes_written.fetch_add(c.nbytes, std::memory_order_relaxed);
-    return;
-  }
+  if (c.write)
+    finish_write(c, crc);
+  else
+    finish_read(c);
+}
+
+void IoEngine::finish_write(const Chunk& c, uint32_t crc) {
+  if (c.sum) *c.sum = ChunkSum{crc, c.nbytes, true};
+  counters_.bytes_written.fetch_add(c.nbytes, std::memory_order_relaxed);
+}
+
+void IoEngine::finish_read(const Chunk& c) {
+  const SlabFile& slab = *c.slab;
   if (c.sum && c.sum->valid && c.sum->nbytes == c.nbytes) {
     const uint32_t got = crc32c(c.mem, c.nbytes);
     if (got != c.sum->crc)

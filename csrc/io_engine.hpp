@@ -58,12 +58,18 @@ struct EngineCounters {
   // Payload bytes copied through a bounce buffer (memory out of phase with the file, or a
   // partial sector at an end): CPU work that in-place transfers avoid.
   std::atomic<uint64_t> bytes_bounced{0};
+  // Reads and writes issued to the slab files (one per pread/pwrite the engine asks for):
+  // how many the merging of small chunks saves.
+  std::atomic<uint64_t> transfers{0};
 };
 
 class IoEngine {
  public:
+  // `bounce_alignment`: the store's alignment, also its allocator's unit (no two extents
+  // share such a block). `coalesce_bytes`: the largest span one transfer of merged small
+  // chunks may cover (NOTE [Small chunks travel together] in io_engine.cpp); 0: no merging.
   IoEngine(size_t workers, uint64_t bounce_bytes, uint64_t bounce_alignment,
-           uint64_t max_inflight_bytes, uint64_t throttle_bytes_per_s);
+           uint64_t max_inflight_bytes, uint64_t throttle_bytes_per_s, uint64_t coalesce_bytes);
   ~IoEngine();  // stop()
   IoEngine(const IoEngine&) = delete;
   IoEngine& operator=(const IoEngine&) = delete;
@@ -79,11 +85,29 @@ class IoEngine {
   void worker_loop();
   void run_chunk(const Chunk& chunk, AlignedBuffer& bounce);
   void run_in_place(const Chunk& chunk, AlignedBuffer& bounce);
+  // Moves a run of small adjacent chunks through the bounce buffer as one transfer; the
+  // error each chunk ends with goes into `errors` (same order).
+  void run_merged(const std::vector<Chunk>& run, AlignedBuffer& bounce,
+                  std::vector<std::exception_ptr>& errors);
+  void write_slab(const SlabFile& slab, const void* buf, uint64_t nbytes, uint64_t offset);
+  void read_slab(const SlabFile& slab, void* buf, uint64_t nbytes, uint64_t offset);
+  // The checksum and byte count of a chunk moved: a write records its sum, a read checks it.
+  void finish_write(const Chunk& c, uint32_t crc);
+  void finish_read(const Chunk& c);
   bool admissible() const;  // caller holds mu_
+  // Pops the queue's front chunk into `run`, and behind it the queued chunks that extend
+  // the run's span (caller holds mu_).
+  void take_run(std::vector<Chunk>& run);
+  bool mergeable(const Chunk& c) const;
+  // The whole blocks (block_bytes_) a chunk's bytes touch in its slab file.
+  uint64_t span_start(const Chunk& c) const;
+  uint64_t span_end(const Chunk& c) const;
 
   const uint64_t bounce_bytes_;
   const uint64_t bounce_alignment_;
   const uint64_t max_inflight_bytes_;
+  const uint64_t coalesce_bytes_;   // <= bounce_bytes_
+  const uint64_t block_bytes_;      // the allocator's unit
   Throttle throttle_;
   EngineCounters counters_;
 

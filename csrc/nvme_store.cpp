@@ -80,7 +80,8 @@ NvmeStore::NvmeStore(const std::vector<std::string>& dirs, uint64_t capacity_byt
 
   allocator_ = std::make_shared<RangeAllocator>(slab_bytes_ * slabs_.size(), alignment_);
   engine_ = std::make_unique<IoEngine>(options.workers, stripe_bytes_, alignment_,
-                                       options.max_inflight_bytes, options.throttle_bytes_per_s);
+                                       options.max_inflight_bytes, options.throttle_bytes_per_s,
+                                       options.coalesce_bytes);
 }
 
 NvmeStore::~NvmeStore() { close(); }

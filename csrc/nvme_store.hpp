@@ -27,6 +27,9 @@ struct StoreOptions {
   bool checksum = false;
   uint64_t throttle_bytes_per_s = 0;
   bool direct = true;
+  // The largest span one transfer of merged small chunks may cover (io_engine.cpp NOTE
+  // [Small chunks travel together]); 0: every chunk is a transfer of its own.
+  uint64_t coalesce_bytes = 256 * 1024;
 };
 
 // A range of the striped slab space. Returns itself to the allocator when the last
@@ -128,6 +131,7 @@ class NvmeStore {
   uint64_t bytes_written() const noexcept { return engine_->counters().bytes_written.load(); }
   uint64_t bytes_read() const noexcept { return engine_->counters().bytes_read.load(); }
   uint64_t bytes_bounced() const noexcept { return engine_->counters().bytes_bounced.load(); }
+  uint64_t transfers() const noexcept { return engine_->counters().transfers.load(); }
   const StoreOptions& options() const noexcept { return options_; }
   uint64_t stripe_bytes() const noexcept { return stripe_bytes_; }
 

@@ -128,7 +128,9 @@ def test_memory_in_phase_with_the_extent_moves_in_place(nvme_dir, tmp_path, nbyt
 
 
 def test_memory_out_of_phase_is_bounced_whole_and_neighbours_stay_intact(nvme_dir):
-    store = C.NvmeStore([nvme_dir], 8 * MiB, chunk_bytes=64 * 1024)
+    # One chunk's own path (each a transfer of its own): small neighbours queued together
+    # would merge and bounce whole (the merge tests below).
+    store = C.NvmeStore([nvme_dir], 8 * MiB, chunk_bytes=64 * 1024, coalesce_bytes=0)
     sizes_phases = [(5000, 64), (7000, 4000), (70_001, 128), (1, 4095)]
     exts, srcs = [], []
     for i, (n, phase) in enumerate(sizes_phases):  # adjacent extents, written at once
@@ -144,6 +146,113 @@ def test_memory_out_of_phase_is_bounced_whole_and_neighbours_stay_intact(nvme_di
         store.read_ptr(ext, dst.data_ptr(), n).wait()
         assert torch.equal(src, dst)
     assert store.bytes_bounced == in_place + sum(n for n, _ in sizes_phases)
+    store.close()
+
+
+# ------------------------------------------------ small chunks travel together
+
+def _small_neighbours(store, sizes_phases, seed=0):
+    """Adjacent extents (a fresh store's allocator carves them in order) and a source of
+    random bytes for each, at its phase."""
+    exts = [store.allocate(n, phase=p) for n, p in sizes_phases]
+    for a, b in zip(exts, exts[1:]):
+        assert b.offset // store.alignment * store.alignment == \
+            -(-(a.offset + a.nbytes) // store.alignment) * store.alignment, "not adjacent"
+    srcs = [_unaligned(n, p).copy_(_random_bytes(n, seed=seed + i))
+            for i, (n, p) in enumerate(sizes_phases)]
+    return exts, srcs
+
+
+def _read_back_queued(store, exts, sizes_phases, order):
+    """Reads in `order`, queued one by one as the read-ahead queues them; returns the
+    destinations (out of phase for odd positions: every byte bounced)."""
+    dsts = [_unaligned(n, (p + 64 * (i % 2)) % 4096).zero_()
+            for i, (n, p) in enumerate(sizes_phases)]
+    reads = [(i, store.read_ptr(exts[i], dsts[i].data_ptr(), dsts[i].numel())) for i in order]
+    return dsts, reads
+
+
+# What the nvme tier queues on a CPU run: a write batch of small tensors at torch's phases.
+_SMALL = [(4096, 64 * k % 4096) for k in range(16)] + [(1, 4095), (5000, 64), (7000, 4000)]
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_small_neighbours_queued_together_move_as_one_transfer_each_way(nvme_dir, checksum):
+    # Throttled, one worker: the first read sleeps in the worker while the rest queue
+    # behind it, as when the read-ahead runs ahead of the disk (then one more transfer moves
+    # them all). An idle worker takes a read queued alone at once: no wait to merge.
+    store = C.NvmeStore([nvme_dir], 8 * MiB, checksum=checksum, workers=1,
+                        throttle_bytes_per_s=2 * MiB)
+    exts, srcs = _small_neighbours(store, _SMALL)
+    writes = store.write_ptr_many(exts, [s.data_ptr() for s in srcs], [s.numel() for s in srcs])
+    assert [w.wait() for w in writes] == [n for n, _ in _SMALL]
+    assert store.transfers == 1            # one batch, queued at once: one pwrite
+    assert store.bytes_written == sum(n for n, _ in _SMALL)
+    assert store.bytes_bounced == sum(n for n, _ in _SMALL)
+    order = list(reversed(range(len(_SMALL))))   # the backward's order: walking down
+    dsts, reads = _read_back_queued(store, exts, _SMALL, order)
+    assert [r.wait() for _, r in reads] == [_SMALL[i][0] for i in order]
+    assert store.transfers == 1 + 2        # the first read alone, the rest as one
+    for i, (src, dst) in enumerate(zip(srcs, dsts)):
+        assert torch.equal(src, dst), f"extent {i} differs"
+    assert store.bytes_read == sum(n for n, _ in _SMALL)
+    store.close()
+
+
+def test_merged_writes_leave_the_neighbours_they_do_not_cover_intact(nvme_dir):
+    store = C.NvmeStore([nvme_dir], 8 * MiB, throttle_bytes_per_s=8 * MiB)
+    exts, srcs = _small_neighbours(store, _SMALL, seed=10)
+    store.write_ptr_many(exts, [s.data_ptr() for s in srcs], [s.numel() for s in srcs])[-1].wait()
+    # Two runs written again, each one transfer between neighbours it does not cover (the
+    # first run ends in a block of its own, the second at an odd phase next to them).
+    again = [_unaligned(n, p).copy_(_random_bytes(n, seed=99 + i))
+             for i, (n, p) in enumerate(_SMALL)]
+    covered = [*range(3, 9), *range(12, 17)]
+    before = store.transfers
+    for w in store.write_ptr_many([exts[i] for i in covered],
+                                  [again[i].data_ptr() for i in covered],
+                                  [again[i].numel() for i in covered]):
+        w.wait()
+    assert store.transfers - before == 2
+    dsts, reads = _read_back_queued(store, exts, _SMALL, range(len(_SMALL)))
+    for _, r in reads:
+        r.wait()
+    for i, dst in enumerate(dsts):
+        assert torch.equal(dst, again[i] if i in covered else srcs[i]), f"extent {i} differs"
+    store.close()
+
+
+def test_a_corrupt_chunk_in_a_merged_read_fails_alone(nvme_dir):
+    store = C.NvmeStore([nvme_dir], 8 * MiB, checksum=True, workers=1,
+                        throttle_bytes_per_s=2 * MiB)
+    exts, srcs = _small_neighbours(store, _SMALL, seed=20)
+    store.write_ptr_many(exts, [s.data_ptr() for s in srcs], [s.numel() for s in srcs])[-1].wait()
+    bad = 5
+    store._corrupt_for_test(exts[bad], 100)
+    before = store.transfers
+    dsts, reads = _read_back_queued(store, exts, _SMALL, list(reversed(range(len(_SMALL)))))
+    for i, r in reads:
+        if i == bad:
+            with pytest.raises(StorageError, match="checksum mismatch") as info:
+                r.wait()
+            assert info.value.errno == errno.EBADMSG
+        else:
+            r.wait()
+            assert torch.equal(dsts[i], srcs[i]), f"extent {i} differs"
+    assert store.transfers - before == 2   # the corrupt chunk was read in the merged run
+    store.close()
+
+
+def test_coalesce_bytes_zero_keeps_every_chunk_a_transfer_of_its_own(nvme_dir):
+    store = C.NvmeStore([nvme_dir], 8 * MiB, coalesce_bytes=0)
+    assert store.coalesce_bytes == 0
+    sizes = [(4096, 0)] * 8     # aligned, in phase: each one pwrite in place
+    exts, srcs = _small_neighbours(store, sizes)
+    for w in store.write_ptr_many(exts, [s.data_ptr() for s in srcs], [s.numel() for s in srcs]):
+        w.wait()
+    assert store.transfers == 8 and store.bytes_bounced == 0
+    with pytest.raises(ValueError, match="coalesce_bytes"):
+        C.NvmeStore([nvme_dir], MiB, coalesce_bytes=-1)
     store.close()
 
 

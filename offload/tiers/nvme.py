@@ -31,7 +31,10 @@ an aligned file offset, with phase = address % alignment; reads land in memory o
 phase: a staging copy of every tensor costs the training thread a memcpy of all it saves
 (docs/benchmarks.md, *Why the runtime's constants*). Phases that are not a multiple of 64 (memory not from torch's
 allocator) use phase 0 and go through the bounce buffer whole, so that the read-back view's
-byte offset stays a multiple of every dtype's size. The engine reads the tensor's memory
+byte offset stays a multiple of every dtype's size. Small tensors whose blocks adjoin and
+whose writes (or reads) queue together are the exception by design: the engine moves them
+as one transfer through its bounce buffer (csrc/io_engine.cpp NOTE [Small chunks travel
+together]), a copy of a few KiB each in place of a system call each. The engine reads the tensor's memory
 while the forward goes on: an in-place change autograd can see (version counter) raises at
 unpack as it would without offload; one made through `.data` (invisible to the version
 counter) before the write lands may or may not reach the disk, where plain autograd would
