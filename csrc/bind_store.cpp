@@ -211,7 +211,8 @@ void bind_store(py::module_& m) {
       .def_property_readonly("bytes_read", &Store::bytes_read)
       .def_property_readonly("bytes_bounced", &Store::bytes_bounced,
                              "Payload bytes copied through bounce buffers (memory whose address "
-                             "is out of phase with the extent, partial end sectors).")
+                             "is out of phase with the extent, partial end sectors, small "
+                             "neighbours moved as one transfer).")
       .def_property_readonly("transfers", &Store::transfers,
                              "Reads and writes issued to the slab files; small adjacent chunks "
                              "queued together move as one (coalesce_bytes).")

@@ -180,7 +180,8 @@ _SMALL = [(4096, 64 * k % 4096) for k in range(16)] + [(1, 4095), (5000, 64), (7
 def test_small_neighbours_queued_together_move_as_one_transfer_each_way(nvme_dir, checksum):
     # Throttled, one worker: the first read sleeps in the worker while the rest queue
     # behind it, as when the read-ahead runs ahead of the disk (then one more transfer moves
-    # them all). An idle worker takes a read queued alone at once: no wait to merge.
+    # them all). An idle worker takes a read queued alone at once (no wait to merge), unless
+    # the machine is so busy that it wakes only once all are queued: one transfer then.
     store = C.NvmeStore([nvme_dir], 8 * MiB, checksum=checksum, workers=1,
                         throttle_bytes_per_s=2 * MiB)
     exts, srcs = _small_neighbours(store, _SMALL)
@@ -192,7 +193,7 @@ def test_small_neighbours_queued_together_move_as_one_transfer_each_way(nvme_dir
     order = list(reversed(range(len(_SMALL))))   # the backward's order: walking down
     dsts, reads = _read_back_queued(store, exts, _SMALL, order)
     assert [r.wait() for _, r in reads] == [_SMALL[i][0] for i in order]
-    assert store.transfers == 1 + 2        # the first read alone, the rest as one
+    assert 1 <= store.transfers - 1 <= 2   # 19 reads: the first alone (or not), the rest as one
     for i, (src, dst) in enumerate(zip(srcs, dsts)):
         assert torch.equal(src, dst), f"extent {i} differs"
     assert store.bytes_read == sum(n for n, _ in _SMALL)
@@ -202,7 +203,8 @@ def test_small_neighbours_queued_together_move_as_one_transfer_each_way(nvme_dir
 def test_merged_writes_leave_the_neighbours_they_do_not_cover_intact(nvme_dir):
     store = C.NvmeStore([nvme_dir], 8 * MiB, throttle_bytes_per_s=8 * MiB)
     exts, srcs = _small_neighbours(store, _SMALL, seed=10)
-    store.write_ptr_many(exts, [s.data_ptr() for s in srcs], [s.numel() for s in srcs])[-1].wait()
+    for w in store.write_ptr_many(exts, [s.data_ptr() for s in srcs], [s.numel() for s in srcs]):
+        w.wait()
     # Two runs written again, each one transfer between neighbours it does not cover (the
     # first run ends in a block of its own, the second at an odd phase next to them).
     again = [_unaligned(n, p).copy_(_random_bytes(n, seed=99 + i))
@@ -226,7 +228,8 @@ def test_a_corrupt_chunk_in_a_merged_read_fails_alone(nvme_dir):
     store = C.NvmeStore([nvme_dir], 8 * MiB, checksum=True, workers=1,
                         throttle_bytes_per_s=2 * MiB)
     exts, srcs = _small_neighbours(store, _SMALL, seed=20)
-    store.write_ptr_many(exts, [s.data_ptr() for s in srcs], [s.numel() for s in srcs])[-1].wait()
+    for w in store.write_ptr_many(exts, [s.data_ptr() for s in srcs], [s.numel() for s in srcs]):
+        w.wait()
     bad = 5
     store._corrupt_for_test(exts[bad], 100)
     before = store.transfers
@@ -239,7 +242,7 @@ def test_a_corrupt_chunk_in_a_merged_read_fails_alone(nvme_dir):
         else:
             r.wait()
             assert torch.equal(dsts[i], srcs[i]), f"extent {i} differs"
-    assert store.transfers - before == 2   # the corrupt chunk was read in the merged run
+    assert store.transfers - before <= 2   # 19 reads: the corrupt one was in a merged run
     store.close()
 
 
