@@ -25,14 +25,13 @@ void Throttle::acquire(uint64_t nbytes) {
   std::this_thread::sleep_until(start);
 }
 
-IoEngine::IoEngine(size_t workers, uint64_t bounce_bytes, uint64_t bounce_alignment,
+IoEngine::IoEngine(size_t workers, uint64_t bounce_bytes, uint64_t block_bytes,
                    uint64_t max_inflight_bytes, uint64_t throttle_bytes_per_s,
                    uint64_t coalesce_bytes)
     : bounce_bytes_(bounce_bytes),
-      bounce_alignment_(bounce_alignment),
       max_inflight_bytes_(max_inflight_bytes),
       coalesce_bytes_(std::min(coalesce_bytes, bounce_bytes)),
-      block_bytes_(bounce_alignment),
+      block_bytes_(block_bytes),
       throttle_(throttle_bytes_per_s) {
   start_threads(threads_, workers, "NvmeStore I/O worker", [this] { worker_loop(); },
                 [this] { stop(); });
@@ -169,7 +168,7 @@ void IoEngine::worker_loop() {
     if (run.size() > 1 || !run.front().request->failed()) {
       try {
         if (bounce.data() == nullptr && run.front().slab->direct())
-          bounce = AlignedBuffer(bounce_bytes_, bounce_alignment_);
+          bounce = AlignedBuffer(bounce_bytes_, block_bytes_);
         throttle_.acquire(nbytes);
         if (run.size() == 1)
           run_chunk(run.front(), bounce);

@@ -65,10 +65,11 @@ struct EngineCounters {
 
 class IoEngine {
  public:
-  // `bounce_alignment`: the store's alignment, also its allocator's unit (no two extents
-  // share such a block). `coalesce_bytes`: the largest span one transfer of merged small
-  // chunks may cover (NOTE [Small chunks travel together] in io_engine.cpp); 0: no merging.
-  IoEngine(size_t workers, uint64_t bounce_bytes, uint64_t bounce_alignment,
+  // `block_bytes`: the store's alignment, which its bounce buffers have, and its
+  // allocator's unit (no two extents share such a block). `coalesce_bytes`: the largest span
+  // one transfer of merged small chunks may cover (NOTE [Small chunks travel together] in
+  // io_engine.cpp); 0: no merging.
+  IoEngine(size_t workers, uint64_t bounce_bytes, uint64_t block_bytes,
            uint64_t max_inflight_bytes, uint64_t throttle_bytes_per_s, uint64_t coalesce_bytes);
   ~IoEngine();  // stop()
   IoEngine(const IoEngine&) = delete;
@@ -104,10 +105,9 @@ class IoEngine {
   uint64_t span_end(const Chunk& c) const;
 
   const uint64_t bounce_bytes_;
-  const uint64_t bounce_alignment_;
   const uint64_t max_inflight_bytes_;
   const uint64_t coalesce_bytes_;   // <= bounce_bytes_
-  const uint64_t block_bytes_;      // the allocator's unit
+  const uint64_t block_bytes_;      // the bounce buffers' alignment, the allocator's unit
   Throttle throttle_;
   EngineCounters counters_;
 
