@@ -38,19 +38,12 @@ per tier) and the core's packer the saves it packs: the step folds the meter int
 whenever they are read (`Step.fold`).
 
 NOTE [Move path in C] A plain CPU activation that the standing decision (placement.py NOTE
-[Standing decision]) sends to a tier with a store in C (`Tier.store_cpu`: the nvme tier's,
-and the host tier's ledger, which holds a CPU storage by reference) is stored by the core's
-Packer itself (csrc/pack_moved.cpp): the same tests as `_pack_strided` → `_pack_plain` →
-`_store`, in their order, then the tier's store, the record, the prefetcher's order (bytes
-that left the device), the timeline's row and the index entry, and a `MovedSave`
-(records.Moved in C) for autograd, or for a tensor that stays (the host tier's reference) a
-`KeptSave` with its record, as the Python path makes them; the Unpacker unpacks it in C, calling `records.load`
-only for what it does not load itself (csrc/saved_record.cpp `record_load`: a CPU nvme
-payload is fetched without it). Anything the move path is not sure of (a weight, an
-untracked alias, a full tier, a storage the round-trip plan keeps, a save in a backward
-or under no_offload) goes on to `_pack_strided` before anything was changed, and the
-Python path decides it as it always did. A profiler's ranges come from the Python path:
-while one runs, both hooks take it (a MovedSave then unpacks through its `unpack(lock)`).
+[Standing decision]) sends to a tier with a store in C (`Tier.store_cpu`) is stored by the
+core's Packer itself: the steps of `_pack_strided` → `_pack_plain` → `_store`, in their
+order (csrc/pack_moved.cpp's header lists them), ending in a `MovedSave` (records.Moved in
+C) or a `KeptSave`, which the Unpacker unpacks in C. Whatever it is not sure of goes on to
+`_pack_strided` before anything changed, and while a profiler runs both hooks take the
+Python path, so its ranges are recorded.
 """
 from __future__ import annotations
 
@@ -287,16 +280,8 @@ class OffloadHooks:
             return PackedSubclass(t, flat, inner, version)
         name = kind_name(t)
         if name not in TRACING_TYPES:
-            self._count_unmoved(t, name)
+            self.stats.count_unmoved(name, unmoved_bytes(t))
         return Kept(t, version)
-
-    def _count_unmoved(self, t: torch.Tensor, name: str) -> None:
-        nbytes = unmoved_bytes(t)
-        stats = self.stats
-        stats.unmoved_tensors_by_type[name] = stats.unmoved_tensors_by_type.get(name, 0) + 1
-        stats.unmoved_bytes_by_type[name] = stats.unmoved_bytes_by_type.get(name, 0) + nbytes
-        stats.saved_bytes += nbytes
-        stats.kept_bytes += nbytes
 
     def _store(self, t: torch.Tensor, storage: torch.UntypedStorage, storage_nbytes: int,
                in_backward: bool, no_offload: bool, untracked: bool):
@@ -406,11 +391,3 @@ class OffloadHooks:
         self.marks()
         if record is not None and record.timeline is not None:
             record.timeline.unpacked(record.row, time.perf_counter())
-
-    @property
-    def live_records(self) -> int:
-        return self.ledger.live_records
-
-    @property
-    def idle_since_s(self) -> float | None:
-        return self.ledger.idle_since_s

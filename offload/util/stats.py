@@ -185,6 +185,14 @@ class Stats:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------ updates
+    def count_unmoved(self, type_name: str, nbytes: int) -> None:
+        """A saved tensor of a type the runtime cannot move stays: counted by type, and kept."""
+        tensors, nbytes_by_type = self.unmoved_tensors_by_type, self.unmoved_bytes_by_type
+        tensors[type_name] = tensors.get(type_name, 0) + 1
+        nbytes_by_type[type_name] = nbytes_by_type.get(type_name, 0) + nbytes
+        self.saved_bytes += nbytes
+        self.kept_bytes += nbytes
+
     def add_stall(self, seconds: float, backward: bool, start_s: float | None = None,
                   what: str = "stall") -> None:
         """Count `seconds` the training thread waited; `start_s` places it in the trace."""
@@ -198,7 +206,7 @@ class Stats:
             self.trace.add(what, "stall", start, start + seconds, category="stall")
 
     def add_copy_stats(self, copy) -> None:
-        """Fold in the counters of one CopyStreams (cuda_streams.CopyStats) at context exit.
+        """Fold in the counters of one CopyStreams (copies_in_flight.CopyStats) at context exit.
 
         Their stalls are already in the trace (CopyStreams records them itself).
         """
