@@ -596,6 +596,23 @@ def test_back_pressure_bounds_the_source_bytes_held():
     sim.finish()
 
 
+def test_back_pressure_waits_for_as_many_copies_as_it_takes():
+    """A large source behind small pending ones: one wait on the oldest copy is not enough,
+    offload keeps waiting, oldest first, until the sources held fit again (Note 11)."""
+    sim = SimGpu(0)
+    arena = SimArena(sim)
+    copies = CopyStreams(_backend=sim, max_inflight_bytes=100)
+    for nbytes in (32, 32, 32, 96):
+        x = sim.empty(nbytes, None, sim.compute)
+        sim.fill(x, 1)
+        copies.offload(x, arena.allocate(nbytes))
+        del x
+        assert copies.inflight["held_source_bytes"] <= 100
+    assert copies.inflight == {"d2h": 1, "h2d": 0, "held_source_bytes": 96}
+    copies.close()
+    sim.finish()
+
+
 def test_done_drops_the_source_and_device_tensor_if_held():
     sim = SimGpu(0)
     arena = SimArena(sim)

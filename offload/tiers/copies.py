@@ -105,20 +105,20 @@ the event, on the GPU, and is added to the block's streams by ``record_stream`` 
 outlives its kernels there.
 
 Notes 13 (the streams, one pair per device and process) and 14 (CUDA graph capture) are
-in cuda_backend.py, with the calls they are about; the tickets are in copy_tickets.py.
+in cuda_backend.py, with the calls they are about; the tickets are in copy_tickets.py, and
+what holds and retires the copies in flight (Notes 2, 3, 8, 9, 11) in copies_in_flight.py.
 """
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 from typing import Any, Callable
 
 import torch
 
 from ..errors import UsedAfterCloseError
 from ..util.trace import NULL_RECORDER, NullRecorder, TraceRecorder
-from .copy_tickets import CopyStats, D2HTicket, H2DTicket, SharedReload, _Pending
+from .copies_in_flight import CopyStats, InFlight, _Pending
+from .copy_tickets import D2HTicket, H2DTicket, SharedReload
 from .cuda_backend import GraphCaptureError, TorchCuda as _TorchCuda, refuse_graph_capture
 
 __all__ = ["CopyStreams", "D2HTicket", "H2DTicket", "CopyStats", "SharedReload",
@@ -156,26 +156,14 @@ class CopyStreams:
         self.device = self._backend.device(device)
         self.max_inflight_bytes = int(max_inflight_bytes)
         self.trace = trace
-        self._now = trace.now   # one clock for stall counters and trace spans
         self.timing = bool(timing or trace.enabled)
-        self.stats = CopyStats()
         self.offload_stream, self.prefetch_stream = self._backend.copy_streams(self.device)  # Note 13
         self._ready = self._backend.new_event(timing=False)   # reused: see Note 1 in offload()
-        self._lock = threading.RLock()
-        self._d2h: deque[_Pending] = deque()   # in issue order = completion order (one stream)
-        self._h2d: deque[_Pending] = deque()
-        self._chained: list[_Pending] = []     # engine-submitted: complete in any order
-        self._held_bytes = 0
+        self._flight = InFlight(self._backend, self.device, trace)
+        self.stats: CopyStats = self._flight.stats
+        self._lock = self._flight.lock   # issue and add under one lock: see copies_in_flight
         self._checked_pinned = False
         self._closed = False
-        self._anchor = None
-        if self.trace.enabled:
-            # Map GPU event times onto the host clock: one wait on one event, at context
-            # entry, and only when tracing.
-            self._anchor = self._backend.new_event(timing=True)
-            self._backend.record(self._anchor, self._backend.current_stream(self.device))
-            self._backend.synchronize(self._anchor)
-            self._anchor_s = self.trace.now()
 
     # ---------------------------------------------------------------- forward side
     def offload(self, src: torch.Tensor, block) -> D2HTicket:
@@ -194,9 +182,10 @@ class CopyStreams:
         src = self._bytes_of(src)
         nbytes = src.numel()
         host = self._host_view(block, nbytes, "offload")
+        flight = self._flight
         with self._lock:
             self._check_open()
-            self._sweep()
+            flight.sweep()
             timing = self.timing
             start = b.new_event(timing=True) if timing else None
             done = b.new_event(timing=timing, blocking=True)   # blocking: Note 4
@@ -209,17 +198,9 @@ class CopyStreams:
             b.copy(host, src, self.offload_stream)
             b.record(done, self.offload_stream)
             p = _Pending("d2h", nbytes, done, start, src=src, block=block, host=host)  # Notes 2, 3
-            self._d2h.append(p)
-            self._held_bytes += nbytes
-            s = self.stats
-            s.max_d2h_inflight = max(s.max_d2h_inflight, len(self._d2h))
-            s.max_held_source_bytes = max(s.max_held_source_bytes, self._held_bytes)
-            while self._held_bytes > self.max_inflight_bytes and self._d2h:
-                t0 = self._now()   # Note 11
-                self._wait_pending(self._d2h[0])
-                self._stalled("backpressure_wait_s", t0, "wait d2h (back-pressure)")
-                self._sweep()
-        return D2HTicket(self, p)
+            flight.add_d2h(p)
+            flight.hold_at_most(self.max_inflight_bytes)   # Note 11
+        return D2HTicket(flight, p)
 
     # ---------------------------------------------------------------- backward side
     def reload(self, block, nbytes: int, *, after: D2HTicket | None = None) -> H2DTicket:
@@ -235,7 +216,7 @@ class CopyStreams:
         host = self._host_view(block, nbytes, "reload")
         with self._lock:
             self._check_open()
-            self._sweep()
+            self._flight.sweep()
             if after is not None and not after._p.complete:
                 b.wait_event(self.prefetch_stream, after.event)   # Note 5
             dst = b.empty(nbytes, self.device, self.prefetch_stream)   # Note 6
@@ -246,10 +227,8 @@ class CopyStreams:
             b.copy(dst, host, self.prefetch_stream)
             b.record(done, self.prefetch_stream)
             p = _Pending("h2d", nbytes, done, start, block=block, host=host)   # Note 8
-            self._h2d.append(p)
-            self.stats.max_h2d_inflight = max(self.stats.max_h2d_inflight,
-                                              len(self._h2d) + len(self._chained))
-        return H2DTicket(self, p, dst)
+            self._flight.add_h2d(p)
+        return H2DTicket(self._flight, p, dst)
 
     def reload_chained(self, nbytes: int, submit: Callable[[int, int, int], Any], *,
                        keep: Any = None) -> H2DTicket:
@@ -270,17 +249,15 @@ class CopyStreams:
         refuse_graph_capture("CopyStreams.reload_chained()", b.capturing())   # Note 14
         with self._lock:
             self._check_open()
-            self._sweep()
+            self._flight.sweep()
             dst = b.empty(nbytes, self.device, self.prefetch_stream)   # Note 6
             done = b.new_event(timing=False)
             b.record(done, self.prefetch_stream)   # Note 10
             future = submit(dst.data_ptr(), b.stream_handle(self.prefetch_stream),
                             b.event_handle(done))
             p = _Pending("h2d", nbytes, done, None, block=keep, dst=dst, future=future)  # Notes 8, 9
-            self._chained.append(p)
-            self.stats.max_h2d_inflight = max(self.stats.max_h2d_inflight,
-                                              len(self._h2d) + len(self._chained))
-        return H2DTicket(self, p, dst)
+            self._flight.add_h2d(p, chained=True)
+        return H2DTicket(self._flight, p, dst)
 
     # ---------------------------------------------------------------- bookkeeping
     def poll(self) -> None:
@@ -290,7 +267,7 @@ class CopyStreams:
         if self._backend.capturing():
             return
         with self._lock:
-            self._sweep()
+            self._flight.sweep()
 
     def drain(self) -> None:
         """Wait for every pending copy (these streams' events only, never the whole device).
@@ -298,19 +275,7 @@ class CopyStreams:
         Raises:
             StorageError: a chained NVMe read failed (the first error, after waiting for all).
         """
-        error = None
-        if self._d2h or self._h2d or self._chained:
-            refuse_graph_capture("CopyStreams.drain()", self._backend.capturing())   # Note 14
-        with self._lock:
-            for p in list(self._d2h) + list(self._h2d) + list(self._chained):
-                try:
-                    self._wait_pending(p)
-                except Exception as exc:   # keep draining; report the first failure
-                    error = error or exc
-                    self._finish(p)
-            self._sweep()
-        if error is not None:
-            raise error
+        self._flight.drain()
 
     def close(self) -> None:
         """Drain and refuse new copies. Idempotent."""
@@ -335,9 +300,7 @@ class CopyStreams:
     @property
     def inflight(self) -> dict[str, int]:
         """Queue depths now: pending D2H and H2D copies, and source bytes held."""
-        with self._lock:
-            return {"d2h": len(self._d2h), "h2d": len(self._h2d) + len(self._chained),
-                    "held_source_bytes": self._held_bytes}
+        return self._flight.depths()
 
     # ---------------------------------------------------------------- internals
     def _bytes_of(self, src: torch.Tensor) -> torch.Tensor:
@@ -383,84 +346,3 @@ class CopyStreams:
     def _check_open(self) -> None:
         if self._closed:
             raise UsedAfterCloseError("CopyStreams is closed (its activations() context has exited)")
-
-    def _sweep(self) -> None:
-        """Finish completed copies. Caller holds the lock."""
-        b = self._backend
-        for queue in (self._d2h, self._h2d):
-            # One stream per queue: events complete in issue order, stop at the first not done.
-            while queue and (queue[0].complete or b.query(queue[0].event)):
-                self._finish(queue.popleft())
-        if self._chained:
-            still = []
-            for p in self._chained:
-                if p.future.done() and b.query(p.event):
-                    self._finish(p)
-                else:
-                    still.append(p)
-            self._chained = still
-
-    def _poll_one(self, p: _Pending) -> bool:
-        if p.complete:
-            return True
-        if self._backend.capturing():   # Note 14: no query; it has not been seen done
-            return False
-        with self._lock:
-            if not p.complete and (p.future is None or p.future.done()) \
-                    and self._backend.query(p.event):
-                self._finish(p)
-            return p.complete
-
-    def _wait_one(self, p: _Pending, counter: str) -> float:
-        if p.complete:
-            return 0.0
-        refuse_graph_capture(f"{'D2HTicket' if p.kind == 'd2h' else 'H2DTicket'}.wait()",
-                             self._backend.capturing())   # Note 14
-        t0 = self._now()
-        with self._lock:
-            self._wait_pending(p)
-            self._sweep()
-        return self._stalled(counter, t0, f"wait {p.kind}")
-
-    def _wait_pending(self, p: _Pending) -> None:
-        if p.complete:
-            return
-        if p.future is not None:
-            p.future.wait()   # Note 7: the engine recorded the event before this returns
-        self._backend.synchronize(p.event)
-        self._finish(p)
-
-    def _finish(self, p: _Pending) -> None:
-        if p.complete:
-            return
-        p.complete = True
-        s = self.stats
-        if p.kind == "d2h":
-            self._held_bytes -= p.nbytes
-            s.d2h_bytes += p.nbytes
-            s.d2h_copies += 1
-        else:
-            s.h2d_bytes += p.nbytes
-            s.h2d_copies += 1
-        if p.start_event is not None and (p.future is None or p.future.done()):
-            try:
-                busy_s = self._backend.elapsed_s(p.start_event, p.event)
-            except RuntimeError:   # e.g. the event was never reached after an error
-                busy_s = 0.0
-            if p.kind == "d2h":
-                s.d2h_busy_s += busy_s
-            else:
-                s.h2d_busy_s += busy_s
-            if self._anchor is not None:
-                end_s = self._anchor_s + self._backend.elapsed_s(self._anchor, p.event)
-                self.trace.add(f"{p.kind} {p.nbytes} B", p.kind, end_s - busy_s, end_s,
-                               category="copy", args={"bytes": p.nbytes})
-        # Everything the copy kept alive may go now (Notes 2, 3, 8, 9).
-        p.src = p.block = p.host = p.dst = None
-
-    def _stalled(self, counter: str, t0: float, what: str) -> float:
-        t1 = self._now()
-        setattr(self.stats, counter, getattr(self.stats, counter) + (t1 - t0))
-        if self.trace.enabled:
-            self.trace.add(what, "stall", t0, t1, category="stall")
-        return t1 - t0

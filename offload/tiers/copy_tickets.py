@@ -1,81 +1,29 @@
-"""What `CopyStreams` hands out for one copy, its counters, and the hand-off of one reload to
-more streams (`SharedReload`, Note 12); the Notes are copies.py's.
+"""What `CopyStreams` hands out for one copy, and the hand-off of one reload to more streams
+(`SharedReload`, Note 12); the Notes are copies.py's.
 
 A `D2HTicket` is the forward's handle on a copy out; an `H2DTicket` the backward's on a
-copy back. Each holds its `_Pending` entry, which the owning CopyStreams retires; a ticket
-asks its owner to wait, never the streams itself.
+copy back. Each holds its `_Pending` entry and the `InFlight` that retires it
+(copies_in_flight.py), and asks that, never the streams, whether its copy is done.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from .copies_in_flight import InFlight, _Pending
 from .cuda_backend import TorchCuda as _TorchCuda, refuse_graph_capture
 
-__all__ = ["CopyStats", "D2HTicket", "H2DTicket", "SharedReload"]
-
-
-@dataclass
-class CopyStats:
-    """Counters of one CopyStreams; ``*_busy_s`` are GPU-timed copy durations (timing=True)."""
-
-    d2h_bytes: int = 0
-    d2h_copies: int = 0
-    d2h_busy_s: float = 0.0
-    h2d_bytes: int = 0
-    h2d_copies: int = 0
-    h2d_busy_s: float = 0.0
-    d2h_wait_s: float = 0.0            # host waited in D2HTicket.wait()
-    backpressure_wait_s: float = 0.0   # host waited for held sources (Note 11)
-    h2d_wait_s: float = 0.0            # host waited for I/O in tensor_for_use / H2DTicket.wait
-    max_d2h_inflight: int = 0
-    max_h2d_inflight: int = 0
-    max_held_source_bytes: int = 0
-
-    @property
-    def d2h_gbps(self) -> float:
-        return self.d2h_bytes / self.d2h_busy_s / 1e9 if self.d2h_busy_s > 0 else 0.0
-
-    @property
-    def h2d_gbps(self) -> float:
-        return self.h2d_bytes / self.h2d_busy_s / 1e9 if self.h2d_busy_s > 0 else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        out = asdict(self)
-        out["d2h_gbps"] = self.d2h_gbps
-        out["h2d_gbps"] = self.h2d_gbps
-        return out
-
-
-class _Pending:
-    """One copy in flight and everything it must keep alive until its event completed."""
-
-    __slots__ = ("kind", "nbytes", "event", "start_event", "src", "block", "host", "dst",
-                 "future", "complete")
-
-    def __init__(self, kind: str, nbytes: int, event, start_event, *, src=None, block=None,
-                 host=None, dst=None, future=None):
-        self.kind = kind
-        self.nbytes = nbytes
-        self.event = event
-        self.start_event = start_event
-        self.src = src          # D2H source (Note 2)
-        self.block = block      # pinned block (Notes 3, 8)
-        self.host = host        # frombuffer view of the block
-        self.dst = dst          # chained H2D destination (Note 9)
-        self.future = future    # engine future of a chained copy
-        self.complete = False
+__all__ = ["D2HTicket", "H2DTicket", "SharedReload"]
 
 
 class D2HTicket:
     """A D2H copy in flight. Dropping the ticket is safe: the copy keeps what it needs."""
 
-    __slots__ = ("_owner", "_p", "nbytes", "event", "block")
+    __slots__ = ("_flight", "_p", "nbytes", "event", "block")
 
-    def __init__(self, owner: Any, pending: _Pending):
-        self._owner = owner
+    def __init__(self, flight: InFlight, pending: _Pending):
+        self._flight = flight
         self._p = pending
         self.nbytes = pending.nbytes
         self.event = pending.event   # torch.cuda.Event; .cuda_event is the handle for the engine
@@ -83,11 +31,11 @@ class D2HTicket:
 
     def done(self) -> bool:
         """Whether the copy finished (non-blocking); the source is dropped once it has."""
-        return self._owner._poll_one(self._p)
+        return self._flight.poll_one(self._p)
 
     def wait(self) -> float:
         """Block until the copy finished; returns the seconds waited."""
-        return self._owner._wait_one(self._p, "d2h_wait_s")
+        return self._flight.wait_one(self._p, "d2h_wait_s")
 
     def device_tensor_if_held(self) -> torch.Tensor | None:
         """The source bytes while the copy is still pending, else None.
@@ -101,16 +49,16 @@ class D2HTicket:
     def event_handle(self) -> int:
         """The raw handle of ``event`` (completes when the copy has landed in the block),
         for an engine that waits on it; keep ``event`` alive meanwhile (Note 4)."""
-        return self._owner._backend.event_handle(self.event)
+        return self._flight.backend.event_handle(self.event)
 
 
 class H2DTicket:
     """An H2D copy in flight. ``tensor_for_use()`` hands the uint8 device tensor to a stream."""
 
-    __slots__ = ("_owner", "_p", "_dst", "nbytes", "event")
+    __slots__ = ("_flight", "_p", "_dst", "nbytes", "event")
 
-    def __init__(self, owner: Any, pending: _Pending, dst: torch.Tensor):
-        self._owner = owner
+    def __init__(self, flight: InFlight, pending: _Pending, dst: torch.Tensor):
+        self._flight = flight
         self._p = pending
         self._dst = dst
         self.nbytes = pending.nbytes
@@ -125,27 +73,28 @@ class H2DTicket:
         Raises:
             StorageError: the chained NVMe read failed.
         """
-        backend = self._owner._backend
+        flight = self._flight
+        backend = flight.backend
         refuse_graph_capture("H2DTicket.tensor_for_use()", backend.capturing())   # Note 14
         self._wait_io()
-        consumer = backend.current_stream(self._owner.device)
+        consumer = backend.current_stream(flight.device)
         backend.wait_event(consumer, self.event)   # Note 7
         backend.record_stream(self._dst, consumer)  # Note 6
         return self._dst
 
     def done(self) -> bool:
-        return self._owner._poll_one(self._p)
+        return self._flight.poll_one(self._p)
 
     def wait(self) -> float:
         """Block until the copy finished (host); returns the seconds waited."""
-        return self._owner._wait_one(self._p, "h2d_wait_s")
+        return self._flight.wait_one(self._p, "h2d_wait_s")
 
     def _wait_io(self) -> None:
         future = self._p.future
         if future is not None and not future.done():
-            t0 = self._owner._now()
+            t0 = self._flight.now()
             future.wait()
-            self._owner._stalled("h2d_wait_s", t0, "wait nvme read")
+            self._flight.stalled("h2d_wait_s", t0, "wait nvme read")
         elif future is not None:
             future.wait()   # raises the read's StorageError, if any
 
