@@ -187,6 +187,7 @@ PYBIND11_MODULE(_C, m) {
   bind::bind_moved_save(m);
   bind::bind_prefetcher(m);
   bind::bind_saved_record(m);
+  bind::bind_storage_index(m);
   bind::bind_timeline(m);
   bind::bind_storage_ref(m);
   bind::bind_nvme_payload(m);

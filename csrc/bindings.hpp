@@ -36,6 +36,7 @@ void bind_hook_front(pybind11::module_& m);
 void bind_moved_save(pybind11::module_& m);
 void bind_prefetcher(pybind11::module_& m);
 void bind_saved_record(pybind11::module_& m);
+void bind_storage_index(pybind11::module_& m);
 void bind_timeline(pybind11::module_& m);
 void bind_storage_ref(pybind11::module_& m);
 void bind_nvme_payload(pybind11::module_& m);

@@ -20,6 +20,7 @@
 #include "prefetcher.hpp"
 #include "py_calls.hpp"
 #include "saved_record.hpp"
+#include "storage_index.hpp"
 #include "storage_ref.hpp"
 
 namespace py = pybind11;

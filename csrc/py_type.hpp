@@ -1,7 +1,7 @@
 // The CPython types of the hooks' C front (hook_front.cpp, saved_handles.cpp,
-// saved_record.cpp, storage_ref.cpp, timeline.cpp, moved_save.cpp, prefetcher.cpp) and of the
-// nvme tier's records (nvme_payload.cpp, nvme_transfers.cpp) start here: written against the
-// C API, not pybind11. Most are not tracked by the garbage collector (no Py_TPFLAGS_HAVE_GC;
+// saved_record.cpp, storage_index.cpp, storage_ref.cpp, timeline.cpp, moved_save.cpp,
+// prefetcher.cpp) and of the nvme tier's records (nvme_payload.cpp, nvme_transfers.cpp)
+// start here: written against the C API, not pybind11. Most are not tracked by the garbage collector (no Py_TPFLAGS_HAVE_GC;
 // each file says why that is safe for its types); the per-step objects that hold the step's
 // own (the packer's move path, the prefetcher) are, through `tracked`.
 #pragma once

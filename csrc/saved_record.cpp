@@ -23,7 +23,6 @@
 #include <memory>
 #include <mutex>
 #include <new>
-#include <unordered_map>
 
 #include "bindings.hpp"
 #include "nvme_payload.hpp"
@@ -40,15 +39,6 @@ namespace py = pybind11;
 namespace offload::bind {
 
 namespace {
-
-struct Record;
-
-// A StorageIndex's entries: storage (its Python object's address) -> the record stored for
-// it. The entries do not own their records: a record takes its entry out when it dies
-// (record_dealloc), so an entry always names a live record.
-struct IndexEntries {
-  std::unordered_map<PyObject*, Record*> map;
-};
 
 struct Record {
   PyObject_HEAD
@@ -90,7 +80,8 @@ bool names_storage(const Record* record, PyObject* storage) {
 void leave_index(Record* record) {
   if (auto entries = record->index.lock()) {
     auto it = entries->map.find(record->index_key);
-    if (it != entries->map.end() && it->second == record) entries->map.erase(it);
+    if (it != entries->map.end() && it->second == reinterpret_cast<PyObject*>(record))
+      entries->map.erase(it);
   }
 }
 
@@ -342,154 +333,6 @@ PyTypeObject record_type = [] {
   return type;
 }();
 
-// tensor_meta.StorageIndex for the core's records: storages already stored during a step ->
-// their record (tensor_meta NOTE [Storage identity], NOTE [Versions]). A plain storage's
-// entry lives in C and holds its record without a reference (the record takes the entry out
-// when it dies): no weak-reference object per stored storage. An untracked alias's entries
-// (keyed by its layout too: NOTE [Untracked aliases]) are rare and stay in a dict of weak
-// references, as in the Python index.
-struct StorageIndex {
-  PyObject_HEAD
-  std::shared_ptr<IndexEntries> entries;
-  PyObject* by_layout;   // dict: (id(storage), layout) -> weakref to the record
-};
-
-PyObject* index_new(PyTypeObject* type, PyObject*, PyObject*) {
-  PyObject* self_obj = type->tp_alloc(type, 0);
-  if (self_obj == nullptr) return nullptr;
-  auto* self = reinterpret_cast<StorageIndex*>(self_obj);
-  new (&self->entries) std::shared_ptr<IndexEntries>(std::make_shared<IndexEntries>());
-  self->by_layout = PyDict_New();
-  if (self->by_layout == nullptr) {
-    Py_DECREF(self_obj);
-    return nullptr;
-  }
-  return self_obj;
-}
-
-void index_dealloc(PyObject* self_obj) {
-  auto* self = reinterpret_cast<StorageIndex*>(self_obj);
-  self->entries.~shared_ptr();   // records still alive find their entry gone
-  Py_CLEAR(self->by_layout);
-  Py_TYPE(self_obj)->tp_free(self_obj);
-}
-
-Record* as_record(PyObject* obj) {
-  if (Py_TYPE(obj) != &record_type) {
-    PyErr_Format(PyExc_TypeError, "offload: the core's StorageIndex holds the core's Record, "
-                 "not %s", Py_TYPE(obj)->tp_name);
-    return nullptr;
-  }
-  return reinterpret_cast<Record*>(obj);
-}
-
-PyObject* layout_key(PyObject* storage, PyObject* layout) {
-  PyObject* id = PyLong_FromVoidPtr(storage);
-  if (id == nullptr) return nullptr;
-  PyObject* key = PyTuple_Pack(2, id, layout);
-  Py_DECREF(id);
-  return key;
-}
-
-bool parse_args(const char* name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most) {
-  if (nargs < least || nargs > most) {
-    PyErr_Format(PyExc_TypeError, "StorageIndex.%s takes %zd to %zd arguments (%zd given)",
-                 name, least, most, nargs);
-    return false;
-  }
-  return true;
-}
-
-// lookup(storage, version, layout=None): the record of `storage` at `version` (and, for an
-// untracked alias, `layout`), or None.
-PyObject* index_lookup(PyObject* self_obj, PyObject* const* args, Py_ssize_t nargs) {
-  if (!parse_args("lookup", nargs, 2, 3)) return nullptr;
-  auto* self = reinterpret_cast<StorageIndex*>(self_obj);
-  PyObject* storage = args[0];
-  const Py_ssize_t version = PyLong_AsSsize_t(args[1]);
-  if (version == -1 && PyErr_Occurred()) return nullptr;
-  Record* record = nullptr;
-  if (nargs < 3 || args[2] == Py_None) {
-    auto it = self->entries->map.find(storage);
-    if (it != self->entries->map.end()) record = it->second;
-  } else {
-    PyObject* key = layout_key(storage, args[2]);
-    if (key == nullptr) return nullptr;
-    PyObject* ref = PyDict_GetItemWithError(self->by_layout, key);   // borrowed
-    Py_DECREF(key);
-    if (ref == nullptr) {
-      if (PyErr_Occurred()) return nullptr;
-    } else {
-      PyObject* target = PyWeakref_GetObject(ref);
-      if (target != Py_None) record = reinterpret_cast<Record*>(target);
-    }
-  }
-  if (record == nullptr || record->version != version || !names_storage(record, storage))
-    Py_RETURN_NONE;
-  return Py_NewRef(reinterpret_cast<PyObject*>(record));
-}
-
-// add(storage, version, record, layout=None): index `record` (made for `storage`).
-PyObject* index_add(PyObject* self_obj, PyObject* const* args, Py_ssize_t nargs) {
-  if (!parse_args("add", nargs, 3, 4)) return nullptr;
-  auto* self = reinterpret_cast<StorageIndex*>(self_obj);
-  PyObject* storage = args[0];
-  const Py_ssize_t version = PyLong_AsSsize_t(args[1]);
-  if (version == -1 && PyErr_Occurred()) return nullptr;
-  Record* record = as_record(args[2]);
-  if (record == nullptr) return nullptr;
-  record->version = version;
-  if (nargs < 4 || args[3] == Py_None) {
-    leave_index(record);   // in one entry at most (a storage is stored once per version)
-    self->entries->map[storage] = record;
-    record->index = self->entries;
-    record->index_key = storage;
-  } else {
-    PyObject* key = layout_key(storage, args[3]);
-    if (key == nullptr) return nullptr;
-    PyObject* ref = PyWeakref_NewRef(args[2], nullptr);
-    const int failed = ref == nullptr ? -1 : PyDict_SetItem(self->by_layout, key, ref);
-    Py_DECREF(key);
-    Py_XDECREF(ref);
-    if (failed) return nullptr;
-  }
-  Py_RETURN_NONE;
-}
-
-PyObject* index_clear(PyObject* self_obj, PyObject*) {
-  auto* self = reinterpret_cast<StorageIndex*>(self_obj);
-  self->entries->map.clear();
-  PyDict_Clear(self->by_layout);
-  Py_RETURN_NONE;
-}
-
-Py_ssize_t index_len(PyObject* self_obj) {
-  auto* self = reinterpret_cast<StorageIndex*>(self_obj);
-  return static_cast<Py_ssize_t>(self->entries->map.size()) + PyDict_GET_SIZE(self->by_layout);
-}
-
-PyMethodDef index_methods[] = {
-    {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(index_lookup)),
-     METH_FASTCALL, "lookup(storage, version, layout=None): the record, or None."},
-    {"add", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(index_add)),
-     METH_FASTCALL, "add(storage, version, record, layout=None): index the record."},
-    {"clear", index_clear, METH_NOARGS, "Forget every entry."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PySequenceMethods index_as_sequence = length_only(index_len);
-
-PyTypeObject index_type = [] {
-  PyTypeObject type = plain_type(
-      "offload._C.StorageIndex", sizeof(StorageIndex),
-      "Storages already stored during a step -> their core Record (tensor_meta.StorageIndex "
-      "for the core's records).",
-      index_new, index_dealloc);
-  type.tp_methods = index_methods;
-  type.tp_as_sequence = &index_as_sequence;
-  return type;
-}();
-
 }  // namespace
 
 bool record_holds_space(PyObject* record_obj) {
@@ -511,22 +354,19 @@ void record_handle_done(PyObject* record_obj) {
   if (--record->handles_left <= 0) Py_XSETREF(record->cache, Py_NewRef(Py_None));
 }
 
-PyObject* index_find(PyObject* index_obj, PyObject* storage, long long version) {
-  auto* index = reinterpret_cast<StorageIndex*>(index_obj);
-  auto it = index->entries->map.find(storage);
-  if (it == index->entries->map.end()) return nullptr;
-  Record* record = it->second;
-  if (record->version != version || !names_storage(record, storage)) return nullptr;
-  return Py_NewRef(reinterpret_cast<PyObject*>(record));
+bool record_stored_as(PyObject* record_obj, PyObject* storage, long long version) {
+  const auto* record = reinterpret_cast<Record*>(record_obj);
+  return record->version == version && names_storage(record, storage);
 }
 
-void index_put(PyObject* index_obj, PyObject* storage, long long version, PyObject* record_obj) {
-  auto* index = reinterpret_cast<StorageIndex*>(index_obj);
+void record_indexed(PyObject* record_obj, long long version,
+                    const std::shared_ptr<IndexEntries>* entries, PyObject* storage) {
   auto* record = reinterpret_cast<Record*>(record_obj);
   record->version = version;
-  leave_index(record);
-  index->entries->map[storage] = record;
-  record->index = index->entries;
+  if (entries == nullptr) return;
+  leave_index(record);   // in one entry at most (a storage is stored once per version)
+  (*entries)->map[storage] = record_obj;
+  record->index = *entries;
   record->index_key = storage;
 }
 
@@ -622,13 +462,10 @@ PyObject* record_load(PyObject* record_obj, PyObject* py_load, Py_ssize_t* offse
 
 void bind_saved_record(py::module_& m) {
   release_name = PyUnicode_InternFromString("release");
-  if (release_name == nullptr ||
-      PyType_Ready(&record_type) < 0 || PyType_Ready(&index_type) < 0)
+  if (release_name == nullptr || PyType_Ready(&record_type) < 0)
     throw py::error_already_set();
-  Py_INCREF(&record_type);   // the module holds the types for the process
-  Py_INCREF(&index_type);
+  Py_INCREF(&record_type);   // the module holds the type for the process
   m.add_object("Record", reinterpret_cast<PyObject*>(&record_type));
-  m.add_object("StorageIndex", reinterpret_cast<PyObject*>(&index_type));
 }
 
 }  // namespace offload::bind

@@ -1,10 +1,20 @@
-// What the hooks' C front (hook_front.cpp) reads of the core's records and storage index
-// (saved_record.cpp) directly, without a Python call.
+// What the hooks' C front (hook_front.cpp) and the storage index (storage_index.cpp) read
+// and set of the core's records (saved_record.cpp) directly, without a Python call.
 #pragma once
 
 #include <Python.h>
 
+#include <memory>
+#include <unordered_map>
+
 namespace offload::bind {
+
+// A StorageIndex's entries (storage_index.cpp): a storage (its Python object's address) ->
+// the core Record stored for it. The entries do not own their records: a record takes its
+// entry out when it dies, so an entry always names a live record.
+struct IndexEntries {
+  std::unordered_map<PyObject*, PyObject*> map;
+};
 
 // Whether `record` is the core's Record and has a payload in a tier.
 bool record_holds_space(PyObject* record);
@@ -23,11 +33,14 @@ bool record_resident(PyObject* record);
 void record_handle_added(PyObject* record);
 void record_handle_done(PyObject* record);
 
-// The record of `storage` at `version` in the core's StorageIndex `index` (a new
-// reference), or nullptr (no error set) when it has none; tensor_meta NOTE [Storage identity].
-PyObject* index_find(PyObject* index, PyObject* storage, long long version);
-// Indexes `record` (made for `storage`) at `version`.
-void index_put(PyObject* index, PyObject* storage, long long version, PyObject* record);
+// Whether the core's `record` was indexed for `storage` at `version`, and the storage is
+// still the one it was made for (tensor_meta NOTE [Storage identity]).
+bool record_stored_as(PyObject* record, PyObject* storage, long long version);
+// The core's `record` is indexed at `version`: under `storage` in `entries` (leaving the
+// entry that named it before), or, `entries` null, in an index that keeps it elsewhere
+// (an untracked alias's, by layout).
+void record_indexed(PyObject* record, long long version,
+                    const std::shared_ptr<IndexEntries>* entries, PyObject* storage);
 
 // A row on the core's `timeline` for `record`, packed now as the `position`-th stored
 // storage; false with a Python error set (also when `timeline` is not the core's: a core

@@ -87,7 +87,7 @@ def test_a_hundred_more_steps_hold_nothing_more(tiers, nvme_dir):
         assert after["in_use"] - before["in_use"] < 32 << 10, (before, after)
     # Nothing of the step is still held, and nothing of ours is installed.
     assert ctx.stats.exit_nvme_used_bytes == 0 and ctx.stats.exit_host_used_bytes == 0
-    assert ctx._hooks.live_records == 0
+    assert ctx._hooks.ledger.live_records == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
     assert not heap.HeapSettings.active()
     if tiers == "nvme":

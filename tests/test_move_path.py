@@ -111,7 +111,7 @@ def test_plain_cpu_activations_on_nvme_take_the_move_path(nvme_dir, monkeypatch)
     # The first store goes through the tier's Python `store` (it opens the heap and the
     # tier's `store_cpu`); every later one is the core's.
     assert calls[0] == 1
-    assert ctx._hooks.live_records == 0
+    assert ctx._hooks.ledger.live_records == 0
 
 
 @needs_core
@@ -136,7 +136,7 @@ def test_plain_cpu_activations_on_the_host_tier_take_the_move_path(monkeypatch):
     assert calls[0] == 0            # every store was the core's, the first one too
     s = ctx.stats.as_dict()
     assert s["offloaded_tensors"] == 200 and s["host_bytes"] == 200 * 1024
-    assert s["exit_host_used_bytes"] == 0 and ctx._hooks.live_records == 0
+    assert s["exit_host_used_bytes"] == 0 and ctx._hooks.ledger.live_records == 0
     assert torch.equal(grad, plain)
 
 
@@ -289,6 +289,33 @@ def test_a_tensor_changed_after_the_move_path_stored_it_raises_autograds_error(k
         assert moved == plain
 
 
+def _saved_again_after_a_change():
+    x = torch.linspace(-2.0, 2.0, 4096, requires_grad=True)
+    h = x * 1.5
+    unused = h.sin()   # saves h at version 0; its node never runs in the backward
+    h.mul_(2)          # so autograd never checks that save's version
+    (h.cos() * 3).sum().backward()   # saves h at version 1, and uses it
+    return x.grad, unused
+
+
+@pytest.mark.parametrize("path", [pytest.param("core", marks=needs_core), "python"])
+@pytest.mark.parametrize("tiers", ["nvme", "host"])
+def test_a_storage_saved_again_after_an_in_place_change_is_stored_again(tiers, path, nvme_dir,
+                                                                        monkeypatch):
+    # The storage index finds a stored storage by its version too (tensor_meta NOTE
+    # [Versions]). A save whose node never runs raises no error, so an index that ignored
+    # versions would hand the later save the bytes stored before the change, silently.
+    plain, _ = _saved_again_after_a_change()
+    if path == "python":
+        monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
+    with offload.activations(tiers=tiers, nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        grad, unused = _saved_again_after_a_change()
+        del unused
+    assert torch.equal(grad, plain)
+    # h saved twice (sin, cos; the products by numbers save nothing), stored twice.
+    assert ctx.stats.offloaded_tensors == 2 and ctx.stats.saved_bytes == 2 * 4096 * 4
+
+
 @needs_core
 @pytest.mark.parametrize("tiers", ["nvme", "host"])
 def test_a_moved_save_dropped_unpacked_gives_its_space_back(tiers, nvme_dir):
@@ -297,10 +324,10 @@ def test_a_moved_save_dropped_unpacked_gives_its_space_back(tiers, nvme_dir):
         h = x * 1
         for _ in range(20):
             h = h.sin()
-        assert ctx._hooks.live_records == 20
+        assert ctx._hooks.ledger.live_records == 20
         assert ctx._hooks.tiers[tiers].used_bytes == 20 * 4096
         del h                    # the graph dies without a backward
-        assert ctx._hooks.live_records == 0
+        assert ctx._hooks.ledger.live_records == 0
         assert ctx._hooks.tiers[tiers].used_bytes == 0
     assert ctx.stats.as_dict()[f"exit_{tiers}_used_bytes"] == 0
 

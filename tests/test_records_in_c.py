@@ -1,6 +1,6 @@
 """The core's records, storage index, timeline and kept-tensor handles (hooks.py NOTE
-[Handles in C]: csrc/saved_record.cpp, csrc/timeline.cpp, csrc/saved_handles.cpp,
-csrc/hook_front.cpp) against the Python ones they stand for.
+[Handles in C]: csrc/saved_record.cpp, csrc/storage_index.cpp, csrc/timeline.cpp,
+csrc/saved_handles.cpp, csrc/hook_front.cpp) against the Python ones they stand for.
 
 Most tests run both ways: `core` (the default where the core is built: Record, StorageIndex,
 KeptSave, Timeline) and `python` (the ledger given the Python meter, as in a process without

@@ -299,7 +299,7 @@ def test_repeated_steps_do_not_grow(nvme_dir):
         assert s.exit_nvme_used_bytes == s.exit_staging_used_bytes == 0
         assert s.exit_host_used_bytes == 0
         assert s.nvme_read_bytes >= s.nvme_bytes
-        assert ctx._hooks.live_records == 0
+        assert ctx._hooks.ledger.live_records == 0
         assert s.staging_peak_bytes <= 2 << 20   # bounded by OFFLOAD_STAGING_BYTES
         peaks.append((s.peak_resident_bytes, s.round_trip_kept_bytes))
     # Identical steps must not grow. Step 1 has no round-trip plan; later steps may keep a few

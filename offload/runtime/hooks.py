@@ -26,9 +26,9 @@ a core handle: a `SmallSave` (step 1: made in C, counted once per storage in the
 taken here, in `_pack_strided`, which hands the core a `Record` or None to hold it with).
 The unpacker checks a handle's version and does a KeptSave's part of the unpack in C (the
 backward's marks, its record's timing: `_kept_unpacked` in Python); everything else goes to
-`pack_full` / `unpack`. The core's records and index (csrc/saved_record.cpp) and the step's
-timeline (csrc/timeline.cpp) come with it: all core objects, or all Python ones, as the
-step's ledger chose its meter. Same tests, same holding, same message as the Python path
+`pack_full` / `unpack`. The core's records and index (csrc/saved_record.cpp,
+csrc/storage_index.cpp) and the step's timeline (csrc/timeline.cpp) come with it: all core
+objects, or all Python ones, as the step's ledger chose its meter. Same tests, same holding, same message as the Python path
 (`SmallKept`, `Kept`: taken without the core and while a profiler runs, so the ranges are
 recorded); what differs is the cost: less interpreter, and no object for the garbage
 collector to walk (every object a save keeps alive costs it ~1-2 us, docs/benchmarks.md
