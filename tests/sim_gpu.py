@@ -21,7 +21,7 @@ Strict like CUDA and torch where our stream protocols depend on them:
   a stream that waited on an event recorded in the capture, is captured, not run; an event
   query or synchronization raises, as CUDA refuses it, and invalidates the capture.
 
-`SimGpu` has the methods of offload.tiers.copies._TorchCuda, so `CopyStreams(_backend=sim)`
+`SimGpu` has the methods of offload.tiers.cuda_backend.TorchCuda, so `CopyStreams(_backend=sim)`
 runs its real code against it. Not a test module (no test_ prefix).
 """
 from __future__ import annotations
