@@ -184,6 +184,7 @@ PYBIND11_MODULE(_C, m) {
   bind::bind_store(m);
   bind::bind_saved_handles(m);
   bind::bind_hook_front(m);
+  bind::bind_hook_unpacker(m);
   bind::bind_moved_save(m);
   bind::bind_prefetcher(m);
   bind::bind_saved_record(m);

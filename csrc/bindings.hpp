@@ -33,6 +33,7 @@ void bind_arena(pybind11::module_& m);
 void bind_store(pybind11::module_& m);
 void bind_saved_handles(pybind11::module_& m);
 void bind_hook_front(pybind11::module_& m);
+void bind_hook_unpacker(pybind11::module_& m);
 void bind_moved_save(pybind11::module_& m);
 void bind_prefetcher(pybind11::module_& m);
 void bind_saved_record(pybind11::module_& m);

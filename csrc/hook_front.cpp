@@ -1,7 +1,7 @@
-// The saved-tensor hooks torch calls, in C: Python classes Packer and Unpacker (hooks.py NOTE
-// [Handles in C]). The packer makes the handles of saved tensors that stay
-// (saved_handles.cpp) and hands everything else to the Python hooks with what it read; the
-// unpacker checks a handle's version and does a kept save's part of the unpack.
+// The pack hook torch calls, in C: the Python class Packer (hooks.py NOTE [Handles in C]).
+// It makes the handles of saved tensors that stay (saved_handles.cpp), stores what its move
+// path takes (pack_moved.cpp), and hands everything else to the Python hooks with what it
+// read. Its counterpart, the Unpacker, is hook_unpacker.cpp.
 //
 // Still torch-independent: the tensor is only touched through Python attribute lookups
 // (`_version`, `grad_fn`, `untyped_storage()`...), exactly what the Python path reads, so
@@ -12,9 +12,8 @@
 // and a pybind11 call costs an argument dispatch, several hundred ns per save
 // (docs/benchmarks.md *Hook cost*). The packer is tracked by the garbage collector (its
 // move path holds the step's placement, tiers and prefetcher: one object per step, so
-// tracking it costs nothing per save); the unpacker is not (see its comment).
+// tracking it costs nothing per save).
 #include <Python.h>
-#include <structmember.h>
 
 #include <pybind11/pybind11.h>
 
@@ -24,7 +23,6 @@
 #include <new>
 
 #include "bindings.hpp"
-#include "moved_save.hpp"
 #include "pack_moved.hpp"
 #include "prefetcher.hpp"
 #include "py_calls.hpp"
@@ -38,20 +36,6 @@ namespace py = pybind11;
 namespace offload::bind {
 
 namespace {
-
-// The callable objects' fields, and a vectorcall slot (torch calls the hooks with one
-// argument, through vectorcall where the callable has it).
-struct Callable {
-  PyObject_HEAD
-  vectorcallfunc vectorcall;
-};
-
-bool one_argument(const char* what, size_t nargsf, PyObject* kwnames) {
-  if (PyVectorcall_NARGS(nargsf) == 1 && (kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0))
-    return true;
-  PyErr_Format(PyExc_TypeError, "offload: the %s hook takes one argument", what);
-  return false;
-}
 
 // The pack hook. A small save is made here; a plain strided tensor that is not one goes on
 // to `strided(owner, tensor, version, storage, nbytes, node)` with what was read here
@@ -284,16 +268,6 @@ PyGetSetDef packer_getset[] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
-// A type of this file that torch calls: vectorcall, not tracked (see the file's comment).
-PyTypeObject callable_type(const char* name, Py_ssize_t size, const char* doc, newfunc make,
-                           destructor dealloc) {
-  PyTypeObject type = plain_type(name, size, doc, make, dealloc);
-  type.tp_flags |= Py_TPFLAGS_HAVE_VECTORCALL;
-  type.tp_vectorcall_offset = offsetof(Callable, vectorcall);
-  type.tp_call = PyVectorcall_Call;
-  return type;
-}
-
 PyTypeObject packer_type = [] {
   PyTypeObject type = callable_type(
       "offload._C.Packer", sizeof(Packer),
@@ -307,127 +281,12 @@ PyTypeObject packer_type = [] {
   return type;
 }();
 
-// The unpack hook: a SmallSave or KeptSave here (version checked), everything else to
-// `slow` (hooks.py's unpack). A KeptSave also marks the backward (`marks()`, the step's
-// runtime.backward_marks.BackwardMarks, called again only when what it depends on may
-// have changed: a new graph task, or a new `marks.epoch`) and notes its record's first
-// unpack on the step's Timeline (hooks.py's `_kept_unpacked` does the same in Python). `slow`
-// is a bound method: autograd holds this object with every save, and the saves keep the
-// hooks alive through it, as they would hold the bound method itself.
-struct Unpacker {
-  Callable head;
-  PyObject* slow;            // hooks.py's unpack
-  PyObject* marks;           // the hooks' BackwardMarks
-  PyObject* error;           // records.held_tensor_error
-  PyObject* graph_task_id;   // torch._C._current_graph_task_id
-  PyObject* profiling;       // torch._C._autograd._profiler_enabled
-  PyObject* lock;            // the hooks' lock: a MovedSave loads under it
-  bool marked;               // the backward marks were set ...
-  long long last_task;       // ... for this graph task
-  long long last_epoch;      // ... and this epoch of the marks
-};
-
-// The backward's marks, set again only when what they depend on may have changed.
-void mark_backward(Unpacker* self) {
-  const long long task = as_int(call(self->graph_task_id));
-  const long long epoch = as_int(attr(self->marks, names.epoch));
-  if (!self->marked || task != self->last_task || epoch != self->last_epoch) {
-    call(self->marks);
-    self->marked = true;
-    self->last_task = task;
-    self->last_epoch = epoch;
-  }
-}
-
-// `record`: the core's Record (the packer exists only with the core's meter, whose ledger
-// makes the core's records), or None for a weight.
-void kept_unpacked(Unpacker* self, PyObject* record) {
-  mark_backward(self);
-  if (record != Py_None && !record_unpacked(record)) throw py::error_already_set();
-}
-
-PyObject* unpack(Unpacker* self, PyObject* packed) {
-  PyTypeObject* type = Py_TYPE(packed);
-  const bool small = type == &small_save_type;
-  const bool moved = type == &moved_save_type;
-  if ((!small && !moved && type != &kept_save_type) || profiler_on(self->profiling))
-    return call_with(self->slow, py::handle(packed)).release().ptr();
-  if (moved) {   // records.py `Moved.unpack`, in C (moved_save.cpp)
-    mark_backward(self);
-    return unpack_moved(packed, self->lock);
-  }
-  if (!small) kept_unpacked(self, reinterpret_cast<KeptSave*>(packed)->record);
-  PyObject* tensor = tensor_if_unchanged(reinterpret_cast<HeldTensor*>(packed));
-  if (tensor != Py_None) return tensor;   // or nullptr: the error is set
-  Py_DECREF(tensor);
-  // autograd's own message, made in Python (records.held_tensor_error).
-  py::object exc = call_with(self->error, py::handle(packed));
-  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-  return nullptr;
-}
-
-PyObject* unpacker_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
-                              PyObject* kwnames) {
-  if (!one_argument("unpack", nargsf, kwnames)) return nullptr;
-  return guarded([&] { return unpack(reinterpret_cast<Unpacker*>(obj), args[0]); });
-}
-
-PyObject* unpacker_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* keywords[] = {"slow",      "marks", "error", "graph_task_id",
-                                   "profiling", "lock",  nullptr};
-  PyObject *slow, *marks, *error, *graph_task_id, *profiling, *lock;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO", const_cast<char**>(keywords),
-                                   &slow, &marks, &error, &graph_task_id, &profiling, &lock))
-    return nullptr;
-  PyObject* obj = type->tp_alloc(type, 0);
-  if (obj == nullptr) return nullptr;
-  auto* self = reinterpret_cast<Unpacker*>(obj);
-  self->head.vectorcall = unpacker_vectorcall;
-  self->slow = Py_NewRef(slow);
-  self->marks = Py_NewRef(marks);
-  self->error = Py_NewRef(error);
-  self->graph_task_id = Py_NewRef(graph_task_id);
-  self->profiling = Py_NewRef(profiling);
-  self->lock = Py_NewRef(lock);
-  return obj;
-}
-
-void unpacker_dealloc(PyObject* obj) {
-  auto* self = reinterpret_cast<Unpacker*>(obj);
-  Py_CLEAR(self->slow);
-  Py_CLEAR(self->marks);
-  Py_CLEAR(self->error);
-  Py_CLEAR(self->graph_task_id);
-  Py_CLEAR(self->profiling);
-  Py_CLEAR(self->lock);
-  Py_TYPE(obj)->tp_free(obj);
-}
-
-PyMemberDef unpacker_members[] = {
-    {const_cast<char*>("slow"), T_OBJECT, offsetof(Unpacker, slow), READONLY,
-     const_cast<char*>("hooks.py's unpack, where every other handle goes.")},
-    {nullptr, 0, 0, 0, nullptr},
-};
-
-PyTypeObject unpacker_type = [] {
-  PyTypeObject type = callable_type(
-      "offload._C.Unpacker", sizeof(Unpacker),
-      "Unpacker(slow, marks, error, graph_task_id, profiling, lock): the unpack "
-      "hook's front (hooks.py NOTE [Handles in C]).",
-      unpacker_new, unpacker_dealloc);
-  type.tp_members = unpacker_members;
-  return type;
-}();
-
 }  // namespace
 
 void bind_hook_front(py::module_& m) {
-  for (PyTypeObject* type : {&packer_type, &unpacker_type}) {
-    if (PyType_Ready(type) < 0) throw py::error_already_set();
-    Py_INCREF(type);   // the module holds the types for the process
-  }
+  if (PyType_Ready(&packer_type) < 0) throw py::error_already_set();
+  Py_INCREF(&packer_type);   // the module holds the type for the process
   m.add_object("Packer", reinterpret_cast<PyObject*>(&packer_type));
-  m.add_object("Unpacker", reinterpret_cast<PyObject*>(&unpacker_type));
 }
 
 }  // namespace offload::bind

@@ -1,6 +1,6 @@
 // records.py's `Moved` in C: what autograd holds for a saved tensor whose storage went to a
 // tier (moved_save.hpp). Made by the packer's move path (pack_moved.cpp), unpacked by the
-// Unpacker (hook_front.cpp) or, while a profiler runs, through its `unpack(lock)` method.
+// Unpacker (hook_unpacker.cpp) or, while a profiler runs, through its `unpack(lock)` method.
 //
 // Not tracked by the garbage collector, for the reason the other handles are not
 // (saved_handles.cpp): autograd alone holds one, so a cycle through it runs through an

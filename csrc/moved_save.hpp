@@ -1,6 +1,6 @@
 // What autograd holds for a saved tensor whose storage moved to a tier, in C: records.py's
 // `Moved` (moved_save.cpp). Made by the hooks' move path (pack_moved.cpp) and unpacked by
-// the Unpacker (hook_front.cpp) or its `unpack(lock)` method, with no Python frame between
+// the Unpacker (hook_unpacker.cpp) or its `unpack(lock)` method, with no Python frame between
 // the hook and the tier but the prefetcher's.
 #pragma once
 

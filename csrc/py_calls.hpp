@@ -1,7 +1,7 @@
-// Calls from the hooks' C front (saved_handles.cpp, hook_front.cpp) into Python objects: the
-// tensor's attributes by interned name, and callables through vectorcall. Each raises a
-// Python error as py::error_already_set; the types' entry points turn it back into a set
-// error and a null return.
+// Calls from the hooks' C front (saved_handles.cpp, hook_front.cpp, hook_unpacker.cpp, ...)
+// into Python objects: the tensor's attributes by interned name, and callables through
+// vectorcall. Each raises a Python error as py::error_already_set; the types' entry points
+// turn it back into a set error and a null return.
 #pragma once
 
 #include <Python.h>

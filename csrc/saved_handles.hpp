@@ -1,5 +1,5 @@
 // The handles autograd holds for a saved tensor that stays (saved_handles.cpp): made by the
-// packer and read by the unpacker (hook_front.cpp).
+// packer (hook_front.cpp) and read by the unpacker (hook_unpacker.cpp).
 #pragma once
 
 #include <Python.h>

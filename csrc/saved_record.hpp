@@ -1,5 +1,6 @@
-// What the hooks' C front (hook_front.cpp) and the storage index (storage_index.cpp) read
-// and set of the core's records (saved_record.cpp) directly, without a Python call.
+// What the hooks' C front (hook_front.cpp, hook_unpacker.cpp, pack_moved.cpp) and the
+// storage index (storage_index.cpp) read and set of the core's records (saved_record.cpp)
+// directly, without a Python call.
 #pragma once
 
 #include <Python.h>

@@ -1,4 +1,4 @@
-// What the hooks' C front (hook_front.cpp) uses of the core's Timeline (timeline.cpp)
+// What the core's records (saved_record.cpp) use of the core's Timeline (timeline.cpp)
 // directly, without a Python call.
 #pragma once
 

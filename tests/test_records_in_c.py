@@ -1,6 +1,7 @@
 """The core's records, storage index, timeline and kept-tensor handles (hooks.py NOTE
 [Handles in C]: csrc/saved_record.cpp, csrc/storage_index.cpp, csrc/timeline.cpp,
-csrc/saved_handles.cpp, csrc/hook_front.cpp) against the Python ones they stand for.
+csrc/saved_handles.cpp, csrc/hook_front.cpp, csrc/hook_unpacker.cpp) against the Python
+ones they stand for.
 
 Most tests run both ways: `core` (the default where the core is built: Record, StorageIndex,
 KeptSave, Timeline) and `python` (the ledger given the Python meter, as in a process without
@@ -346,6 +347,17 @@ def test_the_core_index_takes_only_core_records():
     py = records.PyRecord(s, None, None, 16, False, None, PySavedBytes(), None)
     with pytest.raises(TypeError, match="the core's Record"):
         core.StorageIndex().add(s, 0, py)
+
+
+def test_the_core_hooks_take_one_argument_and_say_which_hook_refused():
+    with offload.activations(tiers="host", min_bytes=0) as ctx:
+        hooks = ctx._step.hooks
+        for hook, name in ((hooks.pack, "pack"), (hooks.unpack_hook(), "unpack")):
+            assert type(hook).__name__ == name.capitalize() + "er"   # the core's, not Python
+            for args, kwargs in (((), {}), ((torch.ones(1), torch.ones(1)), {}),
+                                 ((), {"t": torch.ones(1)})):
+                with pytest.raises(TypeError, match=f"the {name} hook takes one argument"):
+                    hook(*args, **kwargs)
 
 
 def test_what_autograd_holds_is_untracked_with_the_core(path, nvme_dir):

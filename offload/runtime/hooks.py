@@ -20,10 +20,11 @@ NOTE [Version check] lives in version_check.py: every saved tensor holds an alia
 sentinel sharing its version counter, and unpack raises autograd's own error when it moved.
 
 NOTE [Handles in C] With the compiled core, the hooks torch calls are the core's `Packer`
-and `Unpacker` (csrc/hook_front.cpp), and what autograd holds for a tensor that stays is
-a core handle: a `SmallSave` (step 1: made in C, counted once per storage in the ledger's
-`SavedBytes` meter) or a `KeptSave` (steps 2 and 3 when the tensor stays: the decision is
-taken here, in `_pack_strided`, which hands the core a `Record` or None to hold it with).
+and `Unpacker` (csrc/hook_front.cpp, csrc/hook_unpacker.cpp), and what autograd holds for
+a tensor that stays is a core handle: a `SmallSave` (step 1: made in C, counted once per
+storage in the ledger's `SavedBytes` meter) or a `KeptSave` (steps 2 and 3 when the tensor
+stays: the decision is taken here, in `_pack_strided`, which hands the core a `Record` or
+None to hold it with).
 The unpacker checks a handle's version and does a KeptSave's part of the unpack in C (the
 backward's marks, its record's timing: `_kept_unpacked` in Python); everything else goes to
 `pack_full` / `unpack`. The core's records and index (csrc/saved_record.cpp,
