@@ -387,9 +387,7 @@ State* nvme::transfers_state(PyObject* obj) {
 
 void bind_nvme_transfers(py::module_& m) {
   init_io_names();
-  if (PyType_Ready(&transfers_type) < 0) throw py::error_already_set();
-  Py_INCREF(&transfers_type);   // the module holds the type for the process
-  m.add_object("NvmeTransfers", reinterpret_cast<PyObject*>(&transfers_type));
+  add_type(m, "NvmeTransfers", transfers_type);
 }
 
 }  // namespace offload::bind

@@ -98,6 +98,7 @@ void bind_store(py::module_& m) {
       });
 
   using Store = NvmeStore;
+  const StoreOptions defaults;   // the keyword arguments' defaults are the options' own
   py::class_<Store, std::shared_ptr<Store>>(
       m, "NvmeStore",
       "Private preallocated slab files (one per directory, striped), O_DIRECT, async I/O.")
@@ -123,10 +124,12 @@ void bind_store(py::module_& m) {
              emit_log_notes(notes);
              return store;
            }),
-           py::arg("dirs"), py::arg("capacity_bytes"), py::kw_only(), py::arg("workers") = 4,
-           py::arg("chunk_bytes") = 1 << 20, py::arg("max_inflight_bytes") = 64 << 20,
-           py::arg("checksum") = false, py::arg("throttle_bytes_per_s") = 0,
-           py::arg("direct") = true, py::arg("coalesce_bytes") = 256 * 1024)
+           py::arg("dirs"), py::arg("capacity_bytes"), py::kw_only(),
+           py::arg("workers") = defaults.workers, py::arg("chunk_bytes") = defaults.chunk_bytes,
+           py::arg("max_inflight_bytes") = defaults.max_inflight_bytes,
+           py::arg("checksum") = defaults.checksum,
+           py::arg("throttle_bytes_per_s") = defaults.throttle_bytes_per_s,
+           py::arg("direct") = defaults.direct, py::arg("coalesce_bytes") = defaults.coalesce_bytes)
       .def(
           "allocate",
           [](Store& s, int64_t nbytes, int64_t phase) -> std::shared_ptr<Extent> {

@@ -284,9 +284,7 @@ PyTypeObject packer_type = [] {
 }  // namespace
 
 void bind_hook_front(py::module_& m) {
-  if (PyType_Ready(&packer_type) < 0) throw py::error_already_set();
-  Py_INCREF(&packer_type);   // the module holds the type for the process
-  m.add_object("Packer", reinterpret_cast<PyObject*>(&packer_type));
+  add_type(m, "Packer", packer_type);
 }
 
 }  // namespace offload::bind

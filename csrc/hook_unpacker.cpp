@@ -141,9 +141,7 @@ PyTypeObject unpacker_type = [] {
 }  // namespace
 
 void bind_hook_unpacker(py::module_& m) {
-  if (PyType_Ready(&unpacker_type) < 0) throw py::error_already_set();
-  Py_INCREF(&unpacker_type);   // the module holds the type for the process
-  m.add_object("Unpacker", reinterpret_cast<PyObject*>(&unpacker_type));
+  add_type(m, "Unpacker", unpacker_type);
 }
 
 }  // namespace offload::bind

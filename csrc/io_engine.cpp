@@ -117,39 +117,42 @@ bool IoEngine::mergeable(const Chunk& c) const {
   return span <= kSmallChunkBytes && span <= coalesce_bytes_;
 }
 
-void IoEngine::take_run(std::vector<Chunk>& run) {
-  run.push_back(std::move(queue_.front()));
-  queue_.pop_front();
-  inflight_bytes_ += run.front().nbytes;
-  if (!mergeable(run.front())) return;
+void IoEngine::take_run(Run& run) {
+  auto take = [&] {
+    inflight_bytes_ += queue_.front().nbytes;
+    run.nbytes += queue_.front().nbytes;
+    run.chunks.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  };
+  run.lo = span_start(queue_.front());
+  run.hi = span_end(queue_.front());
+  run.nbytes = 0;
+  take();
+  if (!mergeable(run.chunks.front())) return;
   // Copied out: the pushes below may move the run's chunks.
-  const SlabFile* slab = run.front().slab;
-  const bool write = run.front().write;
-  uint64_t lo = span_start(run.front()), hi = span_end(run.front());
+  const SlabFile* slab = run.chunks.front().slab;
+  const bool write = run.chunks.front().write;
   while (!queue_.empty()) {
     const Chunk& next = queue_.front();
     if (next.slab != slab || next.write != write || !mergeable(next)) break;
-    uint64_t new_lo = lo, new_hi = hi;
+    uint64_t lo = run.lo, hi = run.hi;
     if (span_start(next) == hi)
-      new_hi = span_end(next);
+      hi = span_end(next);
     else if (span_end(next) == lo)
-      new_lo = span_start(next);
+      lo = span_start(next);
     else
       break;
-    if (new_hi - new_lo > coalesce_bytes_ || inflight_bytes_ + next.nbytes > max_inflight_bytes_)
-      break;
-    lo = new_lo;
-    hi = new_hi;
-    inflight_bytes_ += next.nbytes;
-    run.push_back(std::move(queue_.front()));
-    queue_.pop_front();
+    if (hi - lo > coalesce_bytes_ || inflight_bytes_ + next.nbytes > max_inflight_bytes_) break;
+    run.lo = lo;
+    run.hi = hi;
+    take();
   }
 }
 
 void IoEngine::worker_loop() {
   run_as_batch_work();
   AlignedBuffer bounce;  // allocated on first unaligned chunk, reused after
-  std::vector<Chunk> run;
+  Run run;
   std::vector<std::exception_ptr> errors;
   for (;;) {
     bool more = false;
@@ -161,17 +164,16 @@ void IoEngine::worker_loop() {
       more = admissible();
     }
     if (more) cv_.notify_one();   // NOTE [Chained wake-ups]
-    errors.assign(run.size(), nullptr);
-    uint64_t nbytes = 0;
-    for (const Chunk& c : run) nbytes += c.nbytes;
+    std::vector<Chunk>& chunks = run.chunks;
+    errors.assign(chunks.size(), nullptr);
     // A failed request's remaining chunks are skipped (a run holds none: see mergeable).
-    if (run.size() > 1 || !run.front().request->failed()) {
+    if (chunks.size() > 1 || !chunks.front().request->failed()) {
       try {
-        if (bounce.data() == nullptr && run.front().slab->direct())
+        if (bounce.data() == nullptr && chunks.front().slab->direct())
           bounce = AlignedBuffer(bounce_bytes_, block_bytes_);
-        throttle_.acquire(nbytes);
-        if (run.size() == 1)
-          run_chunk(run.front(), bounce);
+        throttle_.acquire(run.nbytes);
+        if (chunks.size() == 1)
+          run_chunk(chunks.front(), bounce);
         else
           run_merged(run, bounce, errors);
       } catch (...) {
@@ -179,39 +181,34 @@ void IoEngine::worker_loop() {
           if (!e) e = std::current_exception();
       }
     }
-    for (size_t i = 0; i < run.size(); ++i) run[i].request->chunk_done(errors[i]);
-    run.clear();   // drops the requests, and what they keep alive
+    for (size_t i = 0; i < chunks.size(); ++i) chunks[i].request->chunk_done(errors[i]);
+    chunks.clear();   // drops the requests, and what they keep alive
     std::lock_guard<std::mutex> lock(mu_);
-    inflight_bytes_ -= nbytes;
+    inflight_bytes_ -= run.nbytes;
   }
 }
 
 // NOTE [Small chunks travel together]
-void IoEngine::run_merged(const std::vector<Chunk>& run, AlignedBuffer& bounce,
+void IoEngine::run_merged(const Run& run, AlignedBuffer& bounce,
                           std::vector<std::exception_ptr>& errors) {
-  const SlabFile& slab = *run.front().slab;
-  uint64_t lo = span_start(run.front()), hi = span_end(run.front()), total = 0;
-  for (const Chunk& c : run) {
-    lo = std::min(lo, span_start(c));
-    hi = std::max(hi, span_end(c));
-    total += c.nbytes;
-  }
+  const SlabFile& slab = *run.chunks.front().slab;
+  const uint64_t lo = run.lo, hi = run.hi;
   if (hi - lo > bounce.nbytes())
     throw std::logic_error("merged run of " + std::to_string(hi - lo) +
                            " bytes exceeds the bounce buffer");
   char* buf = bounce.data();
-  counters_.bytes_bounced.fetch_add(total, std::memory_order_relaxed);
-  if (run.front().write) {
+  counters_.bytes_bounced.fetch_add(run.nbytes, std::memory_order_relaxed);
+  if (run.chunks.front().write) {
     std::memset(buf, 0, hi - lo);
-    for (const Chunk& c : run) std::memcpy(buf + (c.file_offset - lo), c.mem, c.nbytes);
+    for (const Chunk& c : run.chunks) std::memcpy(buf + (c.file_offset - lo), c.mem, c.nbytes);
     write_slab(slab, buf, hi - lo, lo);
-    for (const Chunk& c : run)
+    for (const Chunk& c : run.chunks)
       finish_write(c, c.sum ? crc32c(buf + (c.file_offset - lo), c.nbytes) : 0);
     return;
   }
   read_slab(slab, buf, hi - lo, lo);
-  for (size_t i = 0; i < run.size(); ++i) {
-    const Chunk& c = run[i];
+  for (size_t i = 0; i < run.chunks.size(); ++i) {
+    const Chunk& c = run.chunks[i];
     std::memcpy(c.mem, buf + (c.file_offset - lo), c.nbytes);
     try {
       finish_read(c);

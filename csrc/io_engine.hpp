@@ -86,19 +86,25 @@ class IoEngine {
   void worker_loop();
   void run_chunk(const Chunk& chunk, AlignedBuffer& bounce);
   void run_in_place(const Chunk& chunk, AlignedBuffer& bounce);
+  // What a worker takes at once: the queue's front chunk, and the small neighbours merged
+  // behind it (NOTE [Small chunks travel together] in io_engine.cpp).
+  struct Run {
+    std::vector<Chunk> chunks;
+    uint64_t lo = 0, hi = 0;   // the whole blocks the chunks touch in their slab file
+    uint64_t nbytes = 0;       // their payload bytes (the in-flight count they hold)
+  };
   // Moves a run of small adjacent chunks through the bounce buffer as one transfer; the
   // error each chunk ends with goes into `errors` (same order).
-  void run_merged(const std::vector<Chunk>& run, AlignedBuffer& bounce,
-                  std::vector<std::exception_ptr>& errors);
+  void run_merged(const Run& run, AlignedBuffer& bounce, std::vector<std::exception_ptr>& errors);
   void write_slab(const SlabFile& slab, const void* buf, uint64_t nbytes, uint64_t offset);
   void read_slab(const SlabFile& slab, void* buf, uint64_t nbytes, uint64_t offset);
   // The checksum and byte count of a chunk moved: a write records its sum, a read checks it.
   void finish_write(const Chunk& c, uint32_t crc);
   void finish_read(const Chunk& c);
   bool admissible() const;  // caller holds mu_
-  // Pops the queue's front chunk into `run`, and behind it the queued chunks that extend
-  // the run's span (caller holds mu_).
-  void take_run(std::vector<Chunk>& run);
+  // Pops the queue's front chunk into `run` (its chunks empty), and behind it the queued
+  // chunks that extend the run's span (caller holds mu_).
+  void take_run(Run& run);
   bool mergeable(const Chunk& c) const;
   // The whole blocks (block_bytes_) a chunk's bytes touch in its slab file.
   uint64_t span_start(const Chunk& c) const;

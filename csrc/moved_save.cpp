@@ -468,9 +468,7 @@ void bind_moved_save(py::module_& m) {
   n_as_strided = intern("as_strided");
   kw_dtype_device = Py_BuildValue("(OO)", n_dtype, n_device);
   if (kw_dtype_device == nullptr) throw py::error_already_set();
-  if (PyType_Ready(&moved_save_type) < 0) throw py::error_already_set();
-  Py_INCREF(&moved_save_type);   // the module holds the type for the process
-  m.add_object("MovedSave", reinterpret_cast<PyObject*>(&moved_save_type));
+  add_type(m, "MovedSave", moved_save_type);
   for (PyMethodDef* def = module_functions; def->ml_name != nullptr; ++def) {
     PyObject* fn = PyCFunction_New(def, nullptr);
     if (fn == nullptr) throw py::error_already_set();

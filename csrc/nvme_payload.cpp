@@ -201,12 +201,8 @@ PyObject* new_read_buffer(std::shared_ptr<HostRegion> memory, uint64_t skip, uin
 }
 
 void bind_nvme_payload(py::module_& m) {
-  for (auto [name, type] : {std::pair{"NvmePayload", &nvme_payload_type},
-                            std::pair{"ReadBuffer", &read_buffer_type}}) {
-    if (PyType_Ready(type) < 0) throw py::error_already_set();
-    Py_INCREF(type);   // the module holds the type for the process
-    m.add_object(name, reinterpret_cast<PyObject*>(type));
-  }
+  add_type(m, "NvmePayload", nvme_payload_type);
+  add_type(m, "ReadBuffer", read_buffer_type);
   // A class attribute, as Payload.resident: the bytes left the device's memory.
   if (PyDict_SetItemString(nvme_payload_type.tp_dict, "resident", Py_False) < 0)
     throw py::error_already_set();

@@ -420,9 +420,7 @@ void bind_prefetcher(py::module_& m) {
   n = {intern("prefetch"),    intern("fetch"),         intern("released"),
        intern("prefetched"),  intern("nbytes"),        intern("cpu_reads"),
        intern("prefetch_hits"), intern("prefetch_misses"), intern("peak_prefetch_bytes")};
-  if (PyType_Ready(&prefetcher_type) < 0) throw py::error_already_set();
-  Py_INCREF(&prefetcher_type);   // the module holds the type for the process
-  m.add_object("Prefetcher", reinterpret_cast<PyObject*>(&prefetcher_type));
+  add_type(m, "Prefetcher", prefetcher_type);
 }
 
 }  // namespace offload::bind

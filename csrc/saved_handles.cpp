@@ -163,13 +163,9 @@ void bind_saved_handles(py::module_& m) {
       .def_property_readonly("idle_since_s", &SavedBytes::idle_since_s,
                              "time.perf_counter() when the last of them died; None before.");
 
-  for (PyTypeObject* type : {&held_type, &small_save_type, &kept_save_type}) {
-    if (PyType_Ready(type) < 0) throw py::error_already_set();
-    Py_INCREF(type);   // the module holds the types for the process
-  }
-  m.add_object("HeldTensor", reinterpret_cast<PyObject*>(&held_type));
-  m.add_object("SmallSave", reinterpret_cast<PyObject*>(&small_save_type));
-  m.add_object("KeptSave", reinterpret_cast<PyObject*>(&kept_save_type));
+  add_type(m, "HeldTensor", held_type);   // first: the base of the other two
+  add_type(m, "SmallSave", small_save_type);
+  add_type(m, "KeptSave", kept_save_type);
 }
 
 }  // namespace offload::bind

@@ -462,10 +462,8 @@ PyObject* record_load(PyObject* record_obj, PyObject* py_load, Py_ssize_t* offse
 
 void bind_saved_record(py::module_& m) {
   release_name = PyUnicode_InternFromString("release");
-  if (release_name == nullptr || PyType_Ready(&record_type) < 0)
-    throw py::error_already_set();
-  Py_INCREF(&record_type);   // the module holds the type for the process
-  m.add_object("Record", reinterpret_cast<PyObject*>(&record_type));
+  if (release_name == nullptr) throw py::error_already_set();
+  add_type(m, "Record", record_type);
 }
 
 }  // namespace offload::bind

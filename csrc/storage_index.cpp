@@ -180,9 +180,7 @@ void index_put(PyObject* index_obj, PyObject* storage, long long version, PyObje
 }
 
 void bind_storage_index(py::module_& m) {
-  if (PyType_Ready(&index_type) < 0) throw py::error_already_set();
-  Py_INCREF(&index_type);   // the module holds the type for the process
-  m.add_object("StorageIndex", reinterpret_cast<PyObject*>(&index_type));
+  add_type(m, "StorageIndex", index_type);
 }
 
 }  // namespace offload::bind

@@ -293,16 +293,12 @@ bool is_storage_ref(PyObject* obj) { return Py_TYPE(obj) == &storage_ref_type; }
 
 void bind_storage_ref(py::module_& m) {
   n_nbytes = intern("nbytes");
-  if (PyType_Ready(&host_ledger_type) < 0) throw py::error_already_set();
-  Py_INCREF(&host_ledger_type);   // the module holds the type for the process
-  m.add_object("HostLedger", reinterpret_cast<PyObject*>(&host_ledger_type));
-  if (PyType_Ready(&storage_ref_type) < 0) throw py::error_already_set();
+  add_type(m, "HostLedger", host_ledger_type);
+  add_type(m, "StorageRef", storage_ref_type);
   // A class attribute, as Payload.resident: the bytes still occupy the device's memory.
   if (PyDict_SetItemString(storage_ref_type.tp_dict, "resident", Py_True) < 0)
     throw py::error_already_set();
   PyType_Modified(&storage_ref_type);
-  Py_INCREF(&storage_ref_type);   // the module holds the type for the process
-  m.add_object("StorageRef", reinterpret_cast<PyObject*>(&storage_ref_type));
 }
 
 }  // namespace offload::bind

@@ -257,9 +257,7 @@ bool is_timeline(PyObject* obj) { return Py_TYPE(obj) == &timeline_type; }
 void bind_timeline(py::module_& m) {
   py::module_ array = py::module_::import("array");
   array_type = py::object(array.attr("array")).release().ptr();   // held for the process
-  if (PyType_Ready(&timeline_type) < 0) throw py::error_already_set();
-  Py_INCREF(&timeline_type);   // the module holds the type for the process
-  m.add_object("Timeline", reinterpret_cast<PyObject*>(&timeline_type));
+  add_type(m, "Timeline", timeline_type);
 }
 
 }  // namespace offload::bind

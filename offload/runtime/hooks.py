@@ -20,23 +20,22 @@ NOTE [Version check] lives in version_check.py: every saved tensor holds an alia
 sentinel sharing its version counter, and unpack raises autograd's own error when it moved.
 
 NOTE [Handles in C] With the compiled core, the hooks torch calls are the core's `Packer`
-and `Unpacker` (csrc/hook_front.cpp, csrc/hook_unpacker.cpp), and what autograd holds for
-a tensor that stays is a core handle: a `SmallSave` (step 1: made in C, counted once per
+and `Unpacker` (csrc/hook_front.cpp, csrc/hook_unpacker.cpp), and what autograd holds for a
+tensor that stays is a core handle: a `SmallSave` (step 1: made in C, counted once per
 storage in the ledger's `SavedBytes` meter) or a `KeptSave` (steps 2 and 3 when the tensor
 stays: the decision is taken here, in `_pack_strided`, which hands the core a `Record` or
-None to hold it with).
-The unpacker checks a handle's version and does a KeptSave's part of the unpack in C (the
-backward's marks, its record's timing: `_kept_unpacked` in Python); everything else goes to
-`pack_full` / `unpack`. The core's records and index (csrc/saved_record.cpp,
-csrc/storage_index.cpp) and the step's timeline (csrc/timeline.cpp) come with it: all core
-objects, or all Python ones, as the step's ledger chose its meter. Same tests, same holding, same message as the Python path
-(`SmallKept`, `Kept`: taken without the core and while a profiler runs, so the ranges are
-recorded); what differs is the cost: less interpreter, and no object for the garbage
-collector to walk (every object a save keeps alive costs it ~1-2 us, docs/benchmarks.md
-*Hook cost*). Both paths count small storages in the same meter (one count per storage,
-whichever path saved it); records count their storages there (saved bytes; kept, or bytes
-per tier) and the core's packer the saves it packs: the step folds the meter into Stats
-whenever they are read (`Step.fold`).
+None to hold it with). The unpacker checks a handle's version and does a KeptSave's part of
+the unpack in C (the backward's marks, its record's timing: `_kept_unpacked` in Python);
+everything else goes to `pack_full` / `unpack`. The core's records and index
+(csrc/saved_record.cpp, csrc/storage_index.cpp) and the step's timeline (csrc/timeline.cpp)
+come with it: all core objects, or all Python ones, as the step's ledger chose its meter.
+Same tests, same holding, same message as the Python path (`SmallKept`, `Kept`: taken
+without the core and while a profiler runs, so the ranges are recorded); what differs is the
+cost: less interpreter, and no object for the garbage collector to walk (every object a save
+keeps alive costs it ~1-2 us, docs/benchmarks.md *Hook cost*). Both paths count small
+storages in the same meter (one count per storage, whichever path saved it); records count
+their storages there (saved bytes; kept, or bytes per tier) and the core's packer the saves
+it packs: the step folds the meter into Stats whenever they are read (`Step.fold`).
 
 NOTE [Move path in C] A plain CPU activation that the standing decision (placement.py NOTE
 [Standing decision]) sends to a tier with a store in C (`Tier.store_cpu`) is stored by the
