@@ -8,9 +8,10 @@
 // by autograd alone, so any cycle through a record runs through an autograd node, whose
 // references the collector cannot see whatever the record's type. Its fields are plain
 // member slots (read and written from Python at slot speed); its logic (loading, the
-// unpack cache) stays in records.py, which works on either record type. What it holds is
-// counted in its step's SavedBytes meter without a Python call (its resident bytes; whether
-// it holds tier space), and at its death it gives its payload back to its tier itself.
+// unpack cache) stays in records.py, which works on either record type, but for a CPU nvme
+// payload's load, which unpack_cache.cpp makes in C. What it holds is counted in its
+// step's SavedBytes meter without a Python call (its resident bytes; whether it holds tier
+// space), and at its death it gives its payload back to its tier itself.
 //
 // Written against the CPython API, not pybind11: member descriptors cost what __slots__
 // cost (a pybind11 property is several times that, on the unpack path), and the type must
@@ -25,14 +26,13 @@
 #include <new>
 
 #include "bindings.hpp"
-#include "nvme_payload.hpp"
 #include "perf_clock.hpp"
-#include "prefetcher.hpp"
 #include "py_calls.hpp"
 #include "py_type.hpp"
 #include "saved_bytes.hpp"
 #include "saved_record.hpp"
 #include "timeline.hpp"
+#include "unpack_cache.hpp"
 
 namespace py = pybind11;
 
@@ -55,11 +55,7 @@ struct Record {
   PyObject* meter;         // the step's SavedBytes: counted in when made, out when freed
   SavedBytes* counts;      // ... its C++ object (alive while `meter` is held)
   PyObject* prefetcher;    // set when the tier's reloads are worth starting early
-  Py_ssize_t handles_left; // saved tensors of this record not yet unpacked
-  PyObject* cache;         // records.py NOTE [Unpack cache]: the loaded storage ...
-  PyObject* cache_ref;     // ... and a weak reference to it
-  Py_ssize_t cache_offset;
-  PyObject* shared;        // a CUDA storage's streams (NOTE [Unpack cache])
+  UnpackCache unpack;      // records.py NOTE [Unpack cache] (unpack_cache.hpp)
   PyObject* timeline;      // the step's Timeline, when this storage is timed
   Py_ssize_t row;          // ... and its row there
   Py_ssize_t version;      // set by the StorageIndex: the version it was stored at
@@ -142,9 +138,7 @@ int record_setup(Record* self, PyObject* storage, PyObject* tier, PyObject* payl
   self->resident = static_cast<char>(resident);
   self->meta = Py_NewRef(meta);
   self->prefetcher = Py_NewRef(prefetcher);
-  self->cache = Py_NewRef(Py_None);
-  self->cache_ref = Py_NewRef(Py_None);
-  self->shared = Py_NewRef(Py_None);
+  init_cache(&self->unpack);
   self->timeline = Py_NewRef(Py_None);
   self->row = -1;
   self->version = -1;
@@ -243,9 +237,7 @@ void record_dealloc(PyObject* self_obj) {
   Py_CLEAR(self->meta);
   Py_CLEAR(self->meter);
   Py_CLEAR(self->prefetcher);
-  Py_CLEAR(self->cache);
-  Py_CLEAR(self->cache_ref);
-  Py_CLEAR(self->shared);
+  clear_cache(&self->unpack);
   Py_CLEAR(self->timeline);
   Py_TYPE(self_obj)->tp_free(self_obj);
 }
@@ -296,6 +288,8 @@ PyMethodDef record_methods[] = {
 
 #define RECORD_MEMBER(name, type, flags) \
   {const_cast<char*>(#name), type, offsetof(Record, name), flags, nullptr}
+#define CACHE_MEMBER(name, type) \
+  {const_cast<char*>(#name), type, offsetof(Record, unpack.name), 0, nullptr}
 
 PyMemberDef record_members[] = {
     RECORD_MEMBER(tier, T_OBJECT, READONLY),
@@ -305,11 +299,11 @@ PyMemberDef record_members[] = {
     RECORD_MEMBER(meta, T_OBJECT, READONLY),
     RECORD_MEMBER(meter, T_OBJECT, READONLY),
     RECORD_MEMBER(prefetcher, T_OBJECT, READONLY),
-    RECORD_MEMBER(handles_left, T_PYSSIZET, 0),
-    RECORD_MEMBER(cache, T_OBJECT, 0),
-    RECORD_MEMBER(cache_ref, T_OBJECT, 0),
-    RECORD_MEMBER(cache_offset, T_PYSSIZET, 0),
-    RECORD_MEMBER(shared, T_OBJECT, 0),
+    CACHE_MEMBER(handles_left, T_PYSSIZET),
+    CACHE_MEMBER(cache, T_OBJECT),
+    CACHE_MEMBER(cache_ref, T_OBJECT),
+    CACHE_MEMBER(cache_offset, T_PYSSIZET),
+    CACHE_MEMBER(shared, T_OBJECT),
     RECORD_MEMBER(timeline, T_OBJECT, READONLY),   // set by note_packed: a core Timeline
     RECORD_MEMBER(row, T_PYSSIZET, READONLY),
     RECORD_MEMBER(version, T_PYSSIZET, 0),
@@ -317,6 +311,7 @@ PyMemberDef record_members[] = {
 };
 
 #undef RECORD_MEMBER
+#undef CACHE_MEMBER
 
 PyTypeObject record_type = [] {
   PyTypeObject type = plain_type(
@@ -345,13 +340,19 @@ bool is_record(PyObject* obj) { return Py_TYPE(obj) == &record_type; }
 PyObject* record_tier(PyObject* record) { return reinterpret_cast<Record*>(record)->tier; }
 PyObject* record_payload(PyObject* record) { return reinterpret_cast<Record*>(record)->payload; }
 PyObject* record_meta(PyObject* record) { return reinterpret_cast<Record*>(record)->meta; }
+PyObject* record_prefetcher(PyObject* record) {
+  return reinterpret_cast<Record*>(record)->prefetcher;
+}
+UnpackCache* record_cache(PyObject* record) { return &reinterpret_cast<Record*>(record)->unpack; }
 bool record_resident(PyObject* record) { return reinterpret_cast<Record*>(record)->resident; }
 
-void record_handle_added(PyObject* record) { ++reinterpret_cast<Record*>(record)->handles_left; }
+void record_handle_added(PyObject* record) {
+  ++reinterpret_cast<Record*>(record)->unpack.handles_left;
+}
 
 void record_handle_done(PyObject* record_obj) {
-  auto* record = reinterpret_cast<Record*>(record_obj);
-  if (--record->handles_left <= 0) Py_XSETREF(record->cache, Py_NewRef(Py_None));
+  UnpackCache* cache = &reinterpret_cast<Record*>(record_obj)->unpack;
+  if (--cache->handles_left <= 0) Py_XSETREF(cache->cache, Py_NewRef(Py_None));
 }
 
 bool record_stored_as(PyObject* record_obj, PyObject* storage, long long version) {
@@ -384,22 +385,6 @@ bool record_timed(PyObject* record_obj, PyObject* timeline, long long position) 
   return true;
 }
 
-namespace {
-
-// records.load(record): (storage, byte offset).
-PyObject* load_in_python(PyObject* record, PyObject* py_load, Py_ssize_t* offset) {
-  PyObject* argv[] = {record};
-  PyObject* got = PyObject_Vectorcall(py_load, argv, 1, nullptr);
-  if (got == nullptr) return nullptr;
-  PyObject* storage = Py_NewRef(PyTuple_GET_ITEM(got, 0));
-  *offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(got, 1));
-  Py_DECREF(got);
-  if (*offset == -1 && PyErr_Occurred()) Py_CLEAR(storage);
-  return storage;
-}
-
-}  // namespace
-
 bool record_unpacked(PyObject* record_obj) {
   auto* record = reinterpret_cast<Record*>(record_obj);
   if (record->timeline == nullptr || record->timeline == Py_None) return true;
@@ -407,58 +392,6 @@ bool record_unpacked(PyObject* record_obj) {
 }
 
 Py_ssize_t record_nbytes(PyObject* record) { return reinterpret_cast<Record*>(record)->nbytes; }
-
-PyObject* record_load(PyObject* record_obj, PyObject* py_load, Py_ssize_t* offset, bool* flat,
-                      PyObject* dtype) {
-  auto* record = reinterpret_cast<Record*>(record_obj);
-  *flat = false;
-  // In C only what a CPU nvme payload holds (no CUDA stream hand-off to make: copies Note
-  // 12); anything else is records.load's. Only this function loads such a record (the
-  // core's handles are all that hold one), so its cache holds the tier's tensor.
-  // (A prefetcher that is not the core's is records.load's too.)
-  if (!is_payload(record->payload) || reinterpret_cast<NvmePayload*>(record->payload)->cuda ||
-      (record->prefetcher != Py_None && !is_prefetcher(record->prefetcher)))
-    return load_in_python(record_obj, py_load, offset);
-  PyObject* storage = nullptr;   // the flat tensor over the bytes
-  if (record->cache != Py_None) {
-    storage = Py_NewRef(record->cache);
-  } else if (record->cache_ref != Py_None) {
-    PyObject* alive = PyWeakref_GetObject(record->cache_ref);   // borrowed
-    if (alive != Py_None) storage = Py_NewRef(alive);
-  }
-  if (storage == nullptr) {
-    // A released payload or a closed tier: records.load raises the error it says.
-    if (reinterpret_cast<NvmePayload*>(record->payload)->released)
-      return load_in_python(record_obj, py_load, offset);
-    PyObject* closed = PyObject_GetAttr(record->tier, names.closed);
-    if (closed == nullptr) return nullptr;
-    Py_DECREF(closed);
-    if (closed != Py_False) return load_in_python(record_obj, py_load, offset);
-    if (!record_unpacked(record_obj)) return nullptr;
-    Py_ssize_t byte_offset = 0;   // the core prefetcher's hand-out starts its storage
-    if (record->prefetcher == Py_None) {   // the tier's (uint8, wherever it starts)
-      storage = PyObject_CallMethodOneArg(record->tier, names.fetch, record->payload);
-      if (storage == nullptr) return nullptr;
-      PyObject* off = PyObject_CallMethodNoArgs(storage, names.storage_offset);
-      byte_offset = off != nullptr ? PyLong_AsSsize_t(off) : -1;
-      Py_XDECREF(off);
-    } else {   // no Python
-      storage = prefetcher_fetch(record->prefetcher, record->tier, record->payload, dtype);
-      if (storage == nullptr) return nullptr;
-    }
-    PyObject* ref = PyErr_Occurred() ? nullptr : untracked_weakref(storage);
-    if (ref == nullptr) {
-      Py_XDECREF(storage);
-      return nullptr;
-    }
-    Py_XSETREF(record->cache_ref, ref);
-    record->cache_offset = byte_offset;
-  }
-  if (record->handles_left > 1) Py_XSETREF(record->cache, Py_NewRef(storage));
-  *offset = record->cache_offset;
-  *flat = true;
-  return storage;
-}
 
 void bind_saved_record(py::module_& m) {
   release_name = PyUnicode_InternFromString("release");

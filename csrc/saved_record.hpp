@@ -1,6 +1,6 @@
-// What the hooks' C front (hook_front.cpp, hook_unpacker.cpp, pack_moved.cpp) and the
-// storage index (storage_index.cpp) read and set of the core's records (saved_record.cpp)
-// directly, without a Python call.
+// What the hooks' C front (hook_front.cpp, hook_unpacker.cpp, pack_moved.cpp), the
+// storage index (storage_index.cpp) and the unpack cache (unpack_cache.cpp) read and set
+// of the core's records (saved_record.cpp) directly, without a Python call.
 #pragma once
 
 #include <Python.h>
@@ -17,6 +17,8 @@ struct IndexEntries {
   std::unordered_map<PyObject*, PyObject*> map;
 };
 
+struct UnpackCache;
+
 // Whether `record` is the core's Record and has a payload in a tier.
 bool record_holds_space(PyObject* record);
 
@@ -27,6 +29,9 @@ bool is_record(PyObject* obj);
 PyObject* record_tier(PyObject* record);
 PyObject* record_payload(PyObject* record);
 PyObject* record_meta(PyObject* record);
+PyObject* record_prefetcher(PyObject* record);
+// Its unpack cache (unpack_cache.hpp: record_load reads and fills it).
+UnpackCache* record_cache(PyObject* record);
 bool record_resident(PyObject* record);
 
 // A saved tensor of `record` was made (`Moved`) / unpacked or died unpacked (records.py
@@ -50,16 +55,6 @@ bool record_timed(PyObject* record, PyObject* timeline, long long position);
 // The first unpack of `record`'s storage on its timeline, if it is timed; false with a
 // Python error set.
 bool record_unpacked(PyObject* record);
-
-// records.py `load` for the core's `record`: its bytes, loaded at most once while they are
-// needed (NOTE [Unpack cache]), and their byte offset. A CPU nvme payload's in C, as the
-// flat tensor the tier handed out (`*flat` set; the record's cache holds that tensor):
-// of `dtype` when it loads them now and `dtype` is not null (the storage's nbytes a
-// multiple of its size), else uint8, and a cached one of whatever dtype its first load
-// gave it; any other's through `py_load` (records.load), as their storage. A new
-// reference, or nullptr with a Python error set.
-PyObject* record_load(PyObject* record, PyObject* py_load, Py_ssize_t* offset, bool* flat,
-                      PyObject* dtype);
 
 // The bytes of the storage `record` was made for.
 Py_ssize_t record_nbytes(PyObject* record);

@@ -381,7 +381,7 @@ class _SavesEachWay(torch.autograd.Function):
 ])
 def test_a_moved_storage_comes_back_as_each_save_saw_it(order, nvme_dir):
     # The core hands a CPU nvme payload out typed as the first unpack's dtype, and the other
-    # saves of the storage view that tensor (csrc/moved_save.cpp rebuild_flat): each must get
+    # saves of the storage view that tensor (csrc/view_layout.cpp rebuild_flat): each must get
     # exactly what it saved, whichever loads first. (These saves have no grad_fn, so the
     # Python hooks pack them; they make the core's MovedSave, which the core unpacks.)
     x0 = torch.randn(64)

@@ -33,7 +33,7 @@ The loaded bytes stay referenced by the record while some of its saved tensors h
 unpacked yet (so the storage is read once), then only weakly: their storage here, or for a
 CPU nvme payload the flat tensor the tier handed them out as, typed as the first unpack's
 dtype; later saves of another dtype view it as theirs (the core loads those records itself,
-csrc/saved_record.cpp `record_load`, csrc/moved_save.cpp `rebuild_flat`). A reloaded CUDA
+csrc/saved_record.cpp `record_load`, csrc/view_layout.cpp `rebuild_over_flat`). A reloaded CUDA
 storage may be unpacked on several streams (autograd runs each node on its forward's
 stream): every stream after the first waits for the first one's hand-off (copies Note 12).
 """

@@ -1,0 +1,97 @@
+// A core Record's unpack cache (unpack_cache.hpp): the load of a CPU nvme payload's bytes
+// through the core's Prefetcher, or the tier, without a Python call; records.load for any
+// other payload.
+#include <Python.h>
+
+#include "nvme_payload.hpp"
+#include "prefetcher.hpp"
+#include "py_calls.hpp"
+#include "saved_record.hpp"
+#include "unpack_cache.hpp"
+
+namespace offload::bind {
+
+namespace {
+
+// records.load(record): (storage, byte offset).
+PyObject* load_in_python(PyObject* record, PyObject* py_load, Py_ssize_t* offset) {
+  PyObject* argv[] = {record};
+  PyObject* got = PyObject_Vectorcall(py_load, argv, 1, nullptr);
+  if (got == nullptr) return nullptr;
+  PyObject* storage = Py_NewRef(PyTuple_GET_ITEM(got, 0));
+  *offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(got, 1));
+  Py_DECREF(got);
+  if (*offset == -1 && PyErr_Occurred()) Py_CLEAR(storage);
+  return storage;
+}
+
+}  // namespace
+
+void init_cache(UnpackCache* cache) {
+  cache->cache = Py_NewRef(Py_None);
+  cache->cache_ref = Py_NewRef(Py_None);
+  cache->shared = Py_NewRef(Py_None);
+}
+
+void clear_cache(UnpackCache* cache) {
+  Py_CLEAR(cache->cache);
+  Py_CLEAR(cache->cache_ref);
+  Py_CLEAR(cache->shared);
+}
+
+PyObject* record_load(PyObject* record, PyObject* py_load, Py_ssize_t* offset, bool* flat,
+                      PyObject* dtype) {
+  UnpackCache* cache = record_cache(record);
+  PyObject* payload = record_payload(record);
+  PyObject* prefetcher = record_prefetcher(record);
+  *flat = false;
+  // In C only what a CPU nvme payload holds (no CUDA stream hand-off to make: copies Note
+  // 12); anything else is records.load's. Only this function loads such a record (the
+  // core's handles are all that hold one), so its cache holds the tier's tensor.
+  // (A prefetcher that is not the core's is records.load's too.)
+  if (!is_payload(payload) || reinterpret_cast<NvmePayload*>(payload)->cuda ||
+      (prefetcher != Py_None && !is_prefetcher(prefetcher)))
+    return load_in_python(record, py_load, offset);
+  PyObject* storage = nullptr;   // the flat tensor over the bytes
+  if (cache->cache != Py_None) {
+    storage = Py_NewRef(cache->cache);
+  } else if (cache->cache_ref != Py_None) {
+    PyObject* alive = PyWeakref_GetObject(cache->cache_ref);   // borrowed
+    if (alive != Py_None) storage = Py_NewRef(alive);
+  }
+  if (storage == nullptr) {
+    // A released payload or a closed tier: records.load raises the error it says.
+    if (reinterpret_cast<NvmePayload*>(payload)->released)
+      return load_in_python(record, py_load, offset);
+    PyObject* tier = record_tier(record);
+    PyObject* closed = PyObject_GetAttr(tier, names.closed);
+    if (closed == nullptr) return nullptr;
+    Py_DECREF(closed);
+    if (closed != Py_False) return load_in_python(record, py_load, offset);
+    if (!record_unpacked(record)) return nullptr;
+    Py_ssize_t byte_offset = 0;   // the core prefetcher's hand-out starts its storage
+    if (prefetcher == Py_None) {   // the tier's (uint8, wherever it starts)
+      storage = PyObject_CallMethodOneArg(tier, names.fetch, payload);
+      if (storage == nullptr) return nullptr;
+      PyObject* off = PyObject_CallMethodNoArgs(storage, names.storage_offset);
+      byte_offset = off != nullptr ? PyLong_AsSsize_t(off) : -1;
+      Py_XDECREF(off);
+    } else {   // no Python
+      storage = prefetcher_fetch(prefetcher, tier, payload, dtype);
+      if (storage == nullptr) return nullptr;
+    }
+    PyObject* ref = PyErr_Occurred() ? nullptr : untracked_weakref(storage);
+    if (ref == nullptr) {
+      Py_XDECREF(storage);
+      return nullptr;
+    }
+    Py_XSETREF(cache->cache_ref, ref);
+    cache->cache_offset = byte_offset;
+  }
+  if (cache->handles_left > 1) Py_XSETREF(cache->cache, Py_NewRef(storage));
+  *offset = cache->cache_offset;
+  *flat = true;
+  return storage;
+}
+
+}  // namespace offload::bind
