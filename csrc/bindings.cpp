@@ -13,12 +13,6 @@ namespace py = pybind11;
 
 namespace offload::bind {
 
-void add_type(py::module_& m, const char* name, PyTypeObject& type) {
-  if (PyType_Ready(&type) < 0) throw py::error_already_set();
-  Py_INCREF(&type);   // a static type: the module's reference keeps it for the process
-  m.add_object(name, reinterpret_cast<PyObject*>(&type));
-}
-
 uint64_t non_negative(int64_t value, const char* name) {
   if (value < 0)
     throw InvalidArgument(std::string(name) + " must be >= 0, got " + std::to_string(value));

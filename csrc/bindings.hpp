@@ -29,10 +29,6 @@ void set_python_error(std::exception_ptr error);
 // Sends notes gathered without the GIL to logging.getLogger("offload").
 void emit_log_notes(const std::vector<LogNote>& notes);
 
-// Readies one of the core's static CPython types and adds it to the module as `name`; the
-// module holds it for the process.
-void add_type(pybind11::module_& m, const char* name, PyTypeObject& type);
-
 void bind_arena(pybind11::module_& m);
 void bind_store(pybind11::module_& m);
 void bind_saved_handles(pybind11::module_& m);

@@ -20,8 +20,8 @@
 #include "moved_save.hpp"
 #include "py_calls.hpp"
 #include "py_type.hpp"
+#include "record_load.hpp"
 #include "saved_record.hpp"
-#include "unpack_cache.hpp"
 #include "view_layout.hpp"
 
 namespace py = pybind11;

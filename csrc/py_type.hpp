@@ -9,6 +9,8 @@
 
 #include <Python.h>
 
+#include <pybind11/pybind11.h>
+
 #include <cstddef>
 
 namespace offload::bind {
@@ -60,6 +62,14 @@ inline bool one_argument(const char* what, size_t nargsf, PyObject* kwnames) {
     return true;
   PyErr_Format(PyExc_TypeError, "offload: the %s hook takes one argument", what);
   return false;
+}
+
+// Readies one of these static types and adds it to the module as `name`; the module holds
+// it for the process.
+inline void add_type(pybind11::module_& m, const char* name, PyTypeObject& type) {
+  if (PyType_Ready(&type) < 0) throw pybind11::error_already_set();
+  Py_INCREF(&type);
+  m.add_object(name, reinterpret_cast<PyObject*>(&type));
 }
 
 // Sequence slots with only a length (`len(obj)`).

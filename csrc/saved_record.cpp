@@ -9,7 +9,7 @@
 // references the collector cannot see whatever the record's type. Its fields are plain
 // member slots (read and written from Python at slot speed); its logic (loading, the
 // unpack cache) stays in records.py, which works on either record type, but for a CPU nvme
-// payload's load, which unpack_cache.cpp makes in C. What it holds is counted in its
+// payload's load, which record_load.cpp makes in C. What it holds is counted in its
 // step's SavedBytes meter without a Python call (its resident bytes; whether it holds tier
 // space), and at its death it gives its payload back to its tier itself.
 //
@@ -32,7 +32,6 @@
 #include "saved_bytes.hpp"
 #include "saved_record.hpp"
 #include "timeline.hpp"
-#include "unpack_cache.hpp"
 
 namespace py = pybind11;
 
@@ -55,7 +54,7 @@ struct Record {
   PyObject* meter;         // the step's SavedBytes: counted in when made, out when freed
   SavedBytes* counts;      // ... its C++ object (alive while `meter` is held)
   PyObject* prefetcher;    // set when the tier's reloads are worth starting early
-  UnpackCache unpack;      // records.py NOTE [Unpack cache] (unpack_cache.hpp)
+  UnpackCache unpack;      // records.py NOTE [Unpack cache] (saved_record.hpp)
   PyObject* timeline;      // the step's Timeline, when this storage is timed
   Py_ssize_t row;          // ... and its row there
   Py_ssize_t version;      // set by the StorageIndex: the version it was stored at
@@ -138,7 +137,9 @@ int record_setup(Record* self, PyObject* storage, PyObject* tier, PyObject* payl
   self->resident = static_cast<char>(resident);
   self->meta = Py_NewRef(meta);
   self->prefetcher = Py_NewRef(prefetcher);
-  init_cache(&self->unpack);
+  self->unpack.cache = Py_NewRef(Py_None);
+  self->unpack.cache_ref = Py_NewRef(Py_None);
+  self->unpack.shared = Py_NewRef(Py_None);
   self->timeline = Py_NewRef(Py_None);
   self->row = -1;
   self->version = -1;
@@ -237,7 +238,9 @@ void record_dealloc(PyObject* self_obj) {
   Py_CLEAR(self->meta);
   Py_CLEAR(self->meter);
   Py_CLEAR(self->prefetcher);
-  clear_cache(&self->unpack);
+  Py_CLEAR(self->unpack.cache);
+  Py_CLEAR(self->unpack.cache_ref);
+  Py_CLEAR(self->unpack.shared);
   Py_CLEAR(self->timeline);
   Py_TYPE(self_obj)->tp_free(self_obj);
 }

@@ -1,6 +1,6 @@
 // What the hooks' C front (hook_front.cpp, hook_unpacker.cpp, pack_moved.cpp), the
-// storage index (storage_index.cpp) and the unpack cache (unpack_cache.cpp) read and set
-// of the core's records (saved_record.cpp) directly, without a Python call.
+// storage index (storage_index.cpp) and the C load (record_load.cpp) read and set of the
+// core's records (saved_record.cpp) directly, without a Python call.
 #pragma once
 
 #include <Python.h>
@@ -17,7 +17,15 @@ struct IndexEntries {
   std::unordered_map<PyObject*, PyObject*> map;
 };
 
-struct UnpackCache;
+// A record's unpack cache (records.py NOTE [Unpack cache]): what it holds of its loaded
+// bytes while saves of its storage are still to be unpacked (record_load.cpp fills it).
+struct UnpackCache {
+  Py_ssize_t handles_left;   // saved tensors of the record not yet unpacked
+  PyObject* cache;           // the loaded storage (None once they all were) ...
+  PyObject* cache_ref;       // ... and a weak reference to it (None before the first load)
+  Py_ssize_t cache_offset;   // the loaded bytes' offset in `cache`
+  PyObject* shared;          // a CUDA storage's streams (records.py)
+};
 
 // Whether `record` is the core's Record and has a payload in a tier.
 bool record_holds_space(PyObject* record);
@@ -30,7 +38,7 @@ PyObject* record_tier(PyObject* record);
 PyObject* record_payload(PyObject* record);
 PyObject* record_meta(PyObject* record);
 PyObject* record_prefetcher(PyObject* record);
-// Its unpack cache (unpack_cache.hpp: record_load reads and fills it).
+// Its unpack cache (record_load reads and fills it).
 UnpackCache* record_cache(PyObject* record);
 bool record_resident(PyObject* record);
 

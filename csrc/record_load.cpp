@@ -1,4 +1,4 @@
-// A core Record's unpack cache (unpack_cache.hpp): the load of a CPU nvme payload's bytes
+// records.py `load` for the core's records (record_load.hpp): a CPU nvme payload's bytes
 // through the core's Prefetcher, or the tier, without a Python call; records.load for any
 // other payload.
 #include <Python.h>
@@ -6,8 +6,8 @@
 #include "nvme_payload.hpp"
 #include "prefetcher.hpp"
 #include "py_calls.hpp"
+#include "record_load.hpp"
 #include "saved_record.hpp"
-#include "unpack_cache.hpp"
 
 namespace offload::bind {
 
@@ -26,18 +26,6 @@ PyObject* load_in_python(PyObject* record, PyObject* py_load, Py_ssize_t* offset
 }
 
 }  // namespace
-
-void init_cache(UnpackCache* cache) {
-  cache->cache = Py_NewRef(Py_None);
-  cache->cache_ref = Py_NewRef(Py_None);
-  cache->shared = Py_NewRef(Py_None);
-}
-
-void clear_cache(UnpackCache* cache) {
-  Py_CLEAR(cache->cache);
-  Py_CLEAR(cache->cache_ref);
-  Py_CLEAR(cache->shared);
-}
 
 PyObject* record_load(PyObject* record, PyObject* py_load, Py_ssize_t* offset, bool* flat,
                       PyObject* dtype) {
