@@ -153,6 +153,36 @@ def test_a_stored_random_op_before_a_recomputed_one_replays_exactly(rule_2, nvme
         assert torch.equal(y.grad, x.grad) is rule_2
 
 
+def test_a_stored_random_op_of_the_users_generator_replays_exactly(nvme_dir):
+    """Rule 2 for the op's own `generator=`: the stored op does not draw in the recompute,
+    so the generator is set to its state after the op, and the recomputed op after it draws
+    what the forward drew; the generator ends where the forward left it."""
+    gen = torch.Generator()
+
+    def fn(x):
+        m1 = torch.rand(x.shape, generator=gen) > 0.5          # stored
+        y = (x * m1).sin()
+        m2 = torch.rand(x.shape, generator=gen) > 0.3          # recomputed
+        return (y * m2).exp().sum()
+
+    x0 = torch.randn(1000)
+    x = x0.clone().requires_grad_()
+    gen.manual_seed(3)
+    fn(x).backward()
+    after = gen.get_state()
+    model = nn.Linear(2, 2)
+    for target in ("keep", "nvme"):
+        with offload.activations(model=model, policy="auto", min_bytes=0, tiers="nvme",
+                                 nvme_dir=nvme_dir, probe=SLOW) as ctx:
+            decision = ctx._hooks.placement.target(target)
+            store = lambda op: decision if op == ("aten.rand.generator", 0) else None  # noqa: E731
+            y = x0.clone().requires_grad_()
+            gen.manual_seed(3)
+            run_block(fn, (y,), {}, store, ctx._hooks, ctx._hooks.placement).backward()
+        assert torch.equal(y.grad, x.grad), target
+        assert torch.equal(gen.get_state(), after), target
+
+
 @pytest.mark.parametrize("build", [MLP, ConvNet])
 def test_models_without_blocks_plan_keep_or_move(build, nvme_dir, caplog):
     torch.manual_seed(0)

@@ -1,7 +1,9 @@
 """`recompute` and `auto` leave the model as plain training does: a layer shared by several
-positions is wrapped once and unwrapped at every exit (blocks.py NOTE [Wrapping]), and
+positions is wrapped once and unwrapped at every exit (blocks.py NOTE [Wrapping]),
 buffers a block changes in its forward are changed once per call, not again by the re-run
-(buffers.py NOTE [Buffers in a re-run]). Weights, gradients and buffers bit-exact against
+(buffers.py NOTE [Buffers in a re-run]), and a block drawing from the user's own random
+generators draws the same numbers again in its re-run (generators.py NOTE [Generators in a
+re-run]). Weights, gradients and buffers bit-exact against
 plain training with AdamW."""
 from __future__ import annotations
 
@@ -175,3 +177,55 @@ def test_a_batchnorm_replaced_between_steps_is_guarded_too(nvme_dir):
     stage.bn1 = nn.BatchNorm2d(4)
     steps(3)
     assert stage.bn1.num_batches_tracked.item() == 3   # 6: updated again by the re-run
+
+
+# ---------------------------------------------------------------- random generators
+NOISE = torch.Generator()   # a generator held outside the model (a module global)
+
+
+class OwnNoise(nn.Module):
+    """Draws from its own generator (an attribute) out of place, and from one held outside
+    the model in place: what a noise layer or an augmentation does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.g = torch.Generator()
+
+    def forward(self, x):
+        x = x + 0.1 * torch.randn(x.shape, generator=self.g)
+        x = x * torch.empty_like(x).bernoulli_(0.9, generator=NOISE)
+        return self.lin(x * torch.rand(x.shape, generator=self.g)).tanh()
+
+
+def _noise_step(model, x, ctx) -> list[torch.Tensor]:
+    """One step from freshly seeded generators: the gradients, and the generators' states
+    after it (plain training advances each once)."""
+    for i, block in enumerate(model):
+        block.g.manual_seed(i)
+    NOISE.manual_seed(7)
+    model.zero_grad(set_to_none=True)
+    with ctx if ctx is not None else torch.enable_grad():
+        model(x).pow(2).mean().backward()
+    return [p.grad for p in model.parameters()] + [NOISE.get_state()] + \
+        [block.g.get_state() for block in model]
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_block_drawing_from_its_own_generators_draws_the_same_in_its_rerun(policy,
+                                                                             nvme_dir):
+    """Before: checkpoint sets back only the default generators, so the re-run drew other
+    noise: gradients ~7e-4 off at every step that recomputed, silently, and each generator
+    advanced twice a step. Bit-exact now, the generators left as plain training leaves
+    them, also after the first call (which finds the outside generator)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[OwnNoise() for _ in range(4)])
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    plain = _noise_step(model, x, None)
+    for step in range(4):
+        ctx = offload.activations(model=model, **_settings(policy, nvme_dir))
+        got = _noise_step(model, x, ctx)
+        assert all(torch.equal(a, b) for a, b in zip(plain, got)), f"step {step}"
+        if policy == "auto" and step == 3:   # the slow link: it re-runs ops
+            assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+        ctx.close()

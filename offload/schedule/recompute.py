@@ -22,7 +22,9 @@ Rule 2 (random ops replay exactly). checkpoint restores the RNG state at the blo
 before recomputing. A stored random op (dropout as one op, attention with dropout) does
 not run in the recompute, so the RNG would not advance past it and every later random op
 would draw different numbers. The forward records the generator state right after each
-stored random op and the recompute sets it back at that point.
+stored random op and the recompute sets it back at that point: the default generators',
+and the one the op was handed (`generator=`), which the re-run set back to its state at the
+block's start (NOTE [Generators in a re-run], offload/schedule/generators.py).
 
 Rule 3 (ops the two passes see differently). checkpoint itself runs `detach` a different
 number of times in forward and recompute, and `prim.device` for its checks: these are not
@@ -58,6 +60,7 @@ from torch.utils.checkpoint import checkpoint
 from ..runtime.placement import Decision
 from ..util.ranges import RECOMPUTE, profiling, span
 from .buffers import guard_buffers
+from .generators import guard_generators
 
 __all__ = ["run_block", "checkpoint_block", "block_inputs", "storable_op", "IGNORED_OPS",
            "op_name"]
@@ -95,13 +98,15 @@ class _Held:
 
 
 class _Entry:
-    __slots__ = ("packed", "cpu_rng", "device_rng", "device")
+    __slots__ = ("packed", "cpu_rng", "device_rng", "device", "generator", "generator_rng")
 
     def __init__(self, packed, cpu_rng=None, device_rng=None, device=None):
         self.packed = packed
         self.cpu_rng = cpu_rng
         self.device_rng = device_rng
         self.device = device
+        self.generator = None       # the op's own `generator=` (Rule 2) ...
+        self.generator_rng = None   # ... and its state after the op
 
 
 class _Store(TorchDispatchMode):
@@ -143,6 +148,9 @@ class _Store(TorchDispatchMode):
                         and o.device.type == "cuda"), None)
             if dev is not None:
                 entry.device, entry.device_rng = dev, torch.cuda.get_rng_state(dev)
+            generator = kwargs.get("generator")
+            if isinstance(generator, torch.Generator):
+                entry.generator, entry.generator_rng = generator, generator.get_state()
 
         def pack(x):
             if not isinstance(x, torch.Tensor):
@@ -187,6 +195,8 @@ class _Replay(TorchDispatchMode):
             torch.set_rng_state(entry.cpu_rng)
             if entry.device_rng is not None:
                 torch.cuda.set_rng_state(entry.device_rng, entry.device)
+            if entry.generator is not None:
+                entry.generator.set_state(entry.generator_rng)
         return out
 
 
@@ -202,8 +212,9 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     also those inside keyword arguments (Hugging Face passes rotary tables and masks that
     way), handed to checkpoint positionally: checkpoint saves positional inputs through the
     saved-tensor hooks (so ours place them), while it would hold keyword ones in a closure,
-    out of our reach. `block` is the module `forward` belongs to: its buffers stay exact
-    across the re-run (offload/schedule/buffers.py)."""
+    out of our reach. `block` is the module `forward` belongs to: its buffers and the
+    random generators it draws from stay exact across the re-run
+    (offload/schedule/buffers.py, offload/schedule/generators.py)."""
     leaves, spec = tree_flatten((args, kwargs))
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     if len(where) == len(args) and all(isinstance(a, torch.Tensor) for a in args) \
@@ -219,7 +230,8 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
             a, kw = tree_unflatten(full, spec)
             return forward(*a, **kw)
     extra = {} if context_fn is None else {"context_fn": context_fn}
-    return checkpoint(_ranged(guard_buffers(block, call)), *tensors, use_reentrant=False,
+    guarded = guard_buffers(block, guard_generators(block, call))
+    return checkpoint(_ranged(guarded), *tensors, use_reentrant=False,
                       **extra)
 
 
