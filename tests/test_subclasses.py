@@ -49,6 +49,31 @@ def test_a_wrapper_subclass_moves_through_its_inner_tensors(tiers, nvme_dir):
     assert ctx.stats.host_bytes + ctx.stats.nvme_bytes > 0
 
 
+def _jagged_grads(ctx, lengths):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 32)
+    parts = [torch.randn(n, 32) for n in lengths]
+    with ctx:
+        nt = torch.nested.nested_tensor(parts, layout=torch.jagged)
+        sum(t.pow(2).sum() for t in lin(nt).relu().unbind()).backward()
+    return [p.grad for p in lin.parameters()]
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_a_jagged_nested_tensor_keeps_its_ragged_size(tiers, nvme_dir):
+    """Before: its offsets were moved like its values and came back as another tensor, so
+    the rebuilt tensor had another ragged size (j5 for j4) and the backward raised a shape
+    mismatch; its empty sequence-length caches were warned about as unmovable. Its values
+    move, its offsets stay the very tensor, and nothing is counted as unmoved."""
+    for lengths in ([30, 20], [7, 40, 1]):
+        ref = _jagged_grads(contextlib.nullcontext(), lengths)
+        ctx = offload.activations(**_kw(tiers, nvme_dir))
+        got = _jagged_grads(ctx, lengths)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), lengths
+        assert ctx.stats.host_bytes + ctx.stats.nvme_bytes > 0
+        assert ctx.stats.unmoved_bytes_by_type == {}
+
+
 @pytest.mark.parametrize("tiers", TIERS)
 def test_a_subclass_changed_in_place_and_dropped_raises_autograds_error(tiers, nvme_dir):
     w = TwoTensor(torch.randn(8, 8), torch.randn(8, 8)).requires_grad_()

@@ -63,7 +63,7 @@ from .backward_marks import BackwardMarks, graph_task_id
 from .no_offload import no_offload_active, thread_depth
 from .placement import Placement, TensorInfo
 from .records import Kept, Ledger, Moved, PackedSubclass, PyRecord, SmallKept, held_tensor_error
-from .subclasses import TRACING_TYPES, flatten, kind_name, unmoved_bytes
+from .subclasses import TRACING_TYPES, flatten, held_as_is, kind_name, unmoved_bytes
 from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable,
                           movable_strided, snapshot, untracked_alias, view_meta)
 from .timeline import Timeline
@@ -274,14 +274,19 @@ class OffloadHooks:
             return Kept(t, version)
         flat = flatten(t)
         if flat is not None:
-            inner = [self._pack_movable(x) if movable(x)
-                     else (self._pack_other(x, x._version)
-                           if isinstance(x, torch.Tensor) else x) for x in flat.inner]
-            return PackedSubclass(t, flat, inner, version)
+            return PackedSubclass(t, flat, [self._pack_inner(x) for x in flat.inner], version)
         name = kind_name(t)
         if name not in TRACING_TYPES:
             self.stats.count_unmoved(name, unmoved_bytes(t))
         return Kept(t, version)
+
+    def _pack_inner(self, x: object):
+        """One inner entry of a flattened subclass (NOTE [Subclasses])."""
+        if not isinstance(x, torch.Tensor):
+            return x
+        if held_as_is(x):
+            return Kept(x, x._version)
+        return self._pack_movable(x) if movable(x) else self._pack_other(x, x._version)
 
     def _store(self, t: torch.Tensor, storage: torch.UntypedStorage, storage_nbytes: int,
                in_backward: bool, no_offload: bool, untracked: bool):

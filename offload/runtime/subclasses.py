@@ -7,7 +7,11 @@ rebuilds it from them. That pair is the round trip torch.compile's AOTAutograd r
 moving the inner tensors through the tiers (each one an ordinary saved tensor: parameter
 check, dedup, placement, version check) and rebuilding at unpack gives back an equal tensor.
 Entries that `__tensor_flatten__` names but are not tensors (DTensor's device mesh) are held
-as they are.
+as they are, and so are inner tensors whose identity is part of a shape (`held_as_is`): a
+jagged nested tensor's offsets name its ragged size (torch's nested int registry is keyed
+by the tensor object), so a rebuilt copy would give the unpacked tensor another size and
+the backward a shape mismatch; they are a few integers per batch. Inner tensors without
+elements or bytes (its sequence-length caches) are held too: there is nothing to move.
 
 The version check must follow the *outer* tensor: an in-place op on it bumps its counter in
 the autograd layer, while the inner tensors are changed below autograd, where no counter
@@ -28,8 +32,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["Flattened", "flatten", "kind_name", "unmoved_bytes", "note_unmoved", "TRACING_TYPES",
-           "forget_warnings"]
+__all__ = ["Flattened", "flatten", "held_as_is", "kind_name", "unmoved_bytes", "note_unmoved",
+           "TRACING_TYPES", "forget_warnings"]
 
 log = logging.getLogger("offload")
 
@@ -72,6 +76,26 @@ def flatten(t: torch.Tensor) -> Flattened | None:
         return None
     names, ctx = t.__tensor_flatten__()
     return Flattened(t, list(names), ctx)
+
+
+def _nested_int_registry():
+    """torch's map from a jagged nested tensor's offsets (or lengths) to the nested int that
+    sizes its ragged dimension; None where this torch has none."""
+    try:
+        from torch.nested._internal import nested_tensor
+    except ImportError:
+        return None
+    return getattr(nested_tensor, "_tensor_symint_registry", None)
+
+
+def held_as_is(inner: torch.Tensor) -> bool:
+    """Whether an inner tensor of a flattened subclass is held as the very tensor (NOTE
+    [Subclasses]): its identity sizes a nested tensor, or it has neither elements nor bytes."""
+    if inner.numel() == 0 and type(inner) is torch.Tensor and inner.layout is torch.strided \
+            and inner.untyped_storage().nbytes() == 0:
+        return True
+    registry = _nested_int_registry()
+    return registry is not None and inner in registry
 
 
 def kind_name(t: torch.Tensor) -> str:
