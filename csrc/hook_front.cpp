@@ -37,6 +37,11 @@ namespace offload::bind {
 
 namespace {
 
+// Bumped in each forked child (`after_fork_in_child`, hooks.py NOTE [Hooks across a fork]):
+// a packer made in an earlier generation hands every save to the Python path, which holds
+// it as it is.
+long long fork_generation = 0;
+
 // The pack hook. A small save is made here; a plain strided tensor that is not one goes on
 // to `strided(owner, tensor, version, storage, nbytes, node)` with what was read here
 // (hooks.py's `_pack_strided`), which returns the handle, or what this makes a KeptSave of:
@@ -60,6 +65,7 @@ struct Packer {
   PyObject* record_type;
   PyObject* meter_obj;       // the meter's Python object (what a record counts itself into)
   MovePath moves;            // empty: no move path (pack_moved.hpp)
+  long long generation;      // fork_generation when it was made
 };
 
 // The owner, or (None) an error saying the context is gone.
@@ -96,7 +102,8 @@ void hold(const Packer* self, HeldTensor* save, PyObject* t, const py::object& n
 PyObject* pack(const Packer* self, PyObject* t) {
   // The same tests, in the same order, as hooks.py's `_pack` step 1.
   if (reinterpret_cast<PyObject*>(Py_TYPE(t)) != self->tensor_type ||
-      profiler_on(self->profiling) || attr(t, names.layout).ptr() != self->strided)
+      self->generation != fork_generation || profiler_on(self->profiling) ||
+      attr(t, names.layout).ptr() != self->strided)
     return call_with(self->full, packer_owner(self), py::handle(t)).release().ptr();
   py::object storage = call_method(t, names.untyped_storage);
   py::object nbytes_obj = call_method(storage.ptr(), names.nbytes);
@@ -215,6 +222,7 @@ PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   self->next_sequence_nr = Py_NewRef(next_sequence_nr);
   self->record_type = Py_NewRef(record_type);
   self->meter_obj = Py_NewRef(meter);
+  self->generation = fork_generation;
   new (&self->moves) MovePath();
   if (any_move) {
     for (PyObject* field : {moves.index, moves.timeline, moves.prefetcher, moves.lock,
@@ -285,6 +293,9 @@ PyTypeObject packer_type = [] {
 
 void bind_hook_front(py::module_& m) {
   add_type(m, "Packer", packer_type);
+  m.def("after_fork_in_child", [] { ++fork_generation; },
+        "In a forked child: the packers made before the fork hand every save to the Python "
+        "path (hooks.py NOTE [Hooks across a fork]).");
 }
 
 }  // namespace offload::bind

@@ -9,6 +9,7 @@ longer is listed here, each piece kept by the module that uses it:
 | stores and arenas pooled for the next step | tiers/pool.py | closed | closed | set aside, never reused or freed (freeing pinned memory would call CUDA) |
 | CUDA copy streams per device (copies Note 13) | tiers/cuda_backend.py | kept | forgotten | forgotten (a child cannot use the parent's CUDA state) |
 | glibc heap settings of a step in progress | tiers/heap.py | – | – | back to normal |
+| saved-tensor hooks of a step in progress (torch's hook stack is the forking thread's) | runtime/hooks.py | – | – | hold every save as it is: the child's own autograd runs as without offload |
 | exited steps whose saved tensors live on | runtime/step.py | finished if idle | finished if idle | – |
 | per-model plans: round trip, `auto`'s sessions, buffer slots | util/per_model.py | kept | cleared | kept |
 | `auto`'s probe figures and warnings said once | schedule/, config.py, runtime/subclasses.py | kept | cleared | kept |
@@ -23,7 +24,7 @@ from __future__ import annotations
 import os
 
 from . import config as _config
-from .runtime import step as _step, subclasses as _subclasses
+from .runtime import hooks as _hooks, step as _step, subclasses as _subclasses
 from .schedule import reset as _schedule_reset
 from .tiers import cuda_backend as _copies, heap as _heap, nvme_space as _nvme_space, pool as _pool
 from .util import per_model as _per_model
@@ -50,6 +51,7 @@ def reset() -> None:
 
 
 def after_fork_in_child() -> None:
+    _hooks.after_fork_in_child()
     _nvme_space.after_fork_in_child()
     _pool.after_fork_in_child()
     _heap.HeapSettings.after_fork_in_child()

@@ -1,6 +1,7 @@
 """Fork safety (offload/process.py): a forked child holds none of our slab files or arena pages,
 so what the parent frees is freed while the child lives; a child that runs a step opens its
-own store.
+own store; a child forked inside the block (a DataLoader worker started there) runs its own
+autograd as without offload.
 """
 from __future__ import annotations
 
@@ -98,6 +99,38 @@ def test_a_forked_child_runs_its_own_step(nvme_dir):
     with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as again:
         (x * 2).sin().sum().backward()
     assert again.stats.nvme_written_bytes > 0
+
+
+class _AutogradInWorker(torch.utils.data.Dataset):
+    """An augmentation that runs autograd in the DataLoader worker."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        w = torch.randn(64, 64, requires_grad=True, generator=torch.Generator().manual_seed(i))
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(10 + i))
+        (x @ w).tanh().sum().backward()
+        return w.grad
+
+
+@pytest.mark.parametrize("tiers", ["nvme", "host"])
+def test_a_worker_forked_inside_the_block_runs_its_own_autograd(tiers, nvme_dir):
+    """Before: the worker inherits the forking thread's saved-tensor hooks, ours, and packed
+    into the parent's nvme store, closed in a child: UsedAfterCloseError in the worker. The
+    hooks made before the fork now hold every save as it is; the parent's step is unchanged."""
+    dataset = _AutogradInWorker()
+    expected = [dataset[i] for i in range(len(dataset))]
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2,
+                                         multiprocessing_context="fork")
+    x = torch.randn(64, 64, requires_grad=True)
+    with offload.activations(tiers=tiers, nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        y = (x * 2).sin()
+        got = list(loader)                   # the workers fork here
+        y.sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert torch.equal(x.grad, 2 * (x * 2).cos())
+    assert ctx.stats.nvme_bytes + ctx.stats.host_bytes > 0
 
 
 def _arena_rss_in_child(base, conn):

@@ -69,7 +69,7 @@ from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, mo
 from .timeline import Timeline
 from .version_check import next_sequence_nr, sentinel_data
 
-__all__ = ["OffloadHooks"]
+__all__ = ["OffloadHooks", "after_fork_in_child"]
 
 log = logging.getLogger("offload")
 
@@ -84,6 +84,18 @@ class _NoHandle:
 
 
 _core = load_core() if core_available() else None   # NOTE [Handles in C]
+
+
+class _Forks:
+    """Bumped in each forked child: hooks made before the fork hold every save as it is
+    (process.py NOTE [Process state])."""
+    generation = 0
+
+
+def after_fork_in_child() -> None:
+    _Forks.generation += 1
+    if _core is not None:
+        _core.after_fork_in_child()
 _SmallSave = _core.SmallSave if _core is not None else _NoHandle
 _KeptSave = _core.KeptSave if _core is not None else _NoHandle
 _MovedSave = _core.MovedSave if _core is not None else _NoHandle
@@ -130,6 +142,7 @@ class OffloadHooks:
         # NOTE [Handles in C]: the core's front, index and handles go with the core's
         # records, which the ledger makes when the core counts its resident bytes.
         self._record_type = ledger.record_type
+        self._generation = _Forks.generation
         self._packer = None
         if self._record_type is PyRecord:
             self.index = StorageIndex()
@@ -172,6 +185,8 @@ class OffloadHooks:
         return self._pack(t)
 
     def _pack(self, t: torch.Tensor):
+        if self._generation != _Forks.generation:   # a child forked inside the block
+            return Kept(t, t._version)
         self.stats.packed_tensors += 1   # every save, whichever step below takes it
         if type(t) is _Tensor and t.layout is _strided:
             storage = t.untyped_storage()
@@ -379,6 +394,8 @@ class OffloadHooks:
         if cls is SmallKept:
             packed.check_version()  # NOTE [Version check]
             return packed.tensor
+        if cls is Kept and self._generation != _Forks.generation:
+            return packed.unpack()   # held in a forked child (`_pack`): no step to mark
         self.marks()
         if cls is Moved or cls is _MovedSave:
             return packed.unpack(self._lock)
