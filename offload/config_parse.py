@@ -56,18 +56,31 @@ def _parse_tiers(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...
 
 
 def _parse_dirs(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]:
-    items = raw.split(",") if isinstance(raw, str) else [os.fspath(p) for p in raw]
+    if isinstance(raw, os.PathLike):
+        raw = os.fspath(raw)
+    try:
+        items = raw.split(",") if isinstance(raw, str) else [os.fspath(p) for p in raw]
+    except TypeError:
+        raise _fail(where, f"{raw!r} is not a path",
+                    "give a path, a comma-separated string of paths or a list of them") from None
     subst = {"rank": env.get("RANK", "0"), "local_rank": env.get("LOCAL_RANK", "0")}
-    dirs = []
+    dirs: list[str] = []
+    seen: dict[str, str] = {}   # real path -> as given: one directory listed twice
     for item in items:
         item = item.strip()
         if not item:
             continue
         try:
-            dirs.append(os.path.expanduser(item.format_map(subst)))
+            path = os.path.expanduser(item.format_map(subst))
         except (KeyError, ValueError, IndexError) as exc:
             raise _fail(where, f"bad placeholder in {item!r}: {exc}",
                         "only {rank} and {local_rank} are expanded") from None
+        real = os.path.realpath(path)
+        if real in seen:
+            raise _fail(where, f"{path!r} is the directory {seen[real]!r} again",
+                        "list each directory once")
+        seen[real] = path
+        dirs.append(path)
     if not dirs:
         raise _fail(where, "names no directory", "give a directory on a local SSD")
     return tuple(dirs)

@@ -22,7 +22,7 @@ import torch
 
 from . import process
 from .config import Config
-from .errors import OffloadError
+from .errors import ConfigError, OffloadError
 from .runtime import hook_stack
 from .runtime.hooks import OffloadHooks
 from .runtime.no_offload import no_offload
@@ -85,6 +85,9 @@ class ActivationOffload:
     def __init__(self, config: Config, model: torch.nn.Module | None = None,
                  blocks: Any = None) -> None:
         config.validate()
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model={model!r}: not a torch.nn.Module (pass the model object "
+                              "you train, or leave model= out)")
         if config.enabled and "nvme" in config.tiers and config.policy != "keep":
             from ._ext import load_core
 

@@ -219,6 +219,29 @@ def test_nvme_dir_missing(tmp_path, monkeypatch):
     assert not gone.exists()  # validation created nothing
 
 
+def test_nvme_dir_as_a_path_object_and_listed_twice(tmp_path):
+    """A pathlib.Path is one directory (was: TypeError, not iterable); one directory listed
+    twice, however spelled, is refused when the context is built (was: a ValueError of the
+    store at entry, not naming the setting)."""
+    ctx = offload.activations(tiers="nvme", nvme_dir=tmp_path, nvme_bytes="64MiB")
+    assert ctx.config.nvme_dir == (str(tmp_path),)
+    for twice in (f"{tmp_path},{tmp_path}/", f"{tmp_path},{tmp_path}/../{tmp_path.name}"):
+        with pytest.raises(ConfigError, match=r"nvme_dir=.*is the directory .* again "
+                           r"\(list each directory once\)"):
+            offload.activations(tiers="nvme", nvme_dir=twice)
+    with pytest.raises(ConfigError, match=r"OFFLOAD_NVME_DIR=.*is the directory .* again"):
+        Config.from_env(env={"OFFLOAD_TIERS": "nvme",
+                             "OFFLOAD_NVME_DIR": f"{tmp_path},{tmp_path}"})
+    with pytest.raises(ConfigError, match=r"nvme_dir=3: 3 is not a path \(give a path"):
+        offload.activations(tiers="nvme", nvme_dir=3)
+
+
+def test_model_must_be_a_module():
+    with pytest.raises(ConfigError, match=r"model='gpt2': not a torch.nn.Module \(pass the "
+                       r"model object"):
+        offload.activations(model="gpt2")
+
+
 def test_nvme_dir_not_a_directory(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
