@@ -147,15 +147,23 @@ def _parse_path(raw: Any, where: str, env: Mapping[str, str]) -> str:
     return value
 
 
+MIN_BANDWIDTH = 10**6   # bytes per second: the lowest nvme_max_bw that is a cap, not a stall
+
+
 def _parse_bandwidth(raw: Any, where: str, env: Mapping[str, str]) -> int:
     text = raw if not isinstance(raw, str) else raw.strip()
     if isinstance(text, str) and text.lower().endswith("/s"):
         text = text[:-2]  # "200MB/s" reads naturally; the unit is per second either way
     try:
-        return parse_size(text).nbytes
+        value = parse_size(text).nbytes
     except ValueError as exc:
         raise _fail(where, str(exc), 'give bytes per second such as "200MB" or "1GiB"; '
                     "0 means no cap") from None
+    if 0 < value < MIN_BANDWIDTH:
+        # A cap this low turns a step's reads into hours of waiting, not a shared disk.
+        raise _fail(where, "is under 1 MB per second", 'give a cap such as "200MB", or 0 '
+                    "for none")
+    return value
 
 
 def _parse_probe(raw: Any, where: str, env: Mapping[str, str]) -> ProbeSetting:

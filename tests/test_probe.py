@@ -200,6 +200,10 @@ def test_nvme_max_bw_parses(raw, nbytes):
 def test_nvme_max_bw_error_names_the_variable():
     with pytest.raises(ConfigError, match=r"OFFLOAD_NVME_MAX_BW='fast': .*bytes per second"):
         Config.from_env(env={"OFFLOAD_NVME_MAX_BW": "fast"})
+    # Was accepted: a step's reads then waited for hours, in backward.
+    with pytest.raises(ConfigError, match=r"OFFLOAD_NVME_MAX_BW='1B': is under 1 MB per "
+                       r"second \(give a cap such as \"200MB\", or 0 for none\)"):
+        Config.from_env(env={"OFFLOAD_NVME_MAX_BW": "1B"})
 
 
 def test_nvme_max_bw_reaches_the_engine(nvme_dir):

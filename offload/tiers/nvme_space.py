@@ -125,10 +125,11 @@ def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core
     except _NoRoom:
         from ..util.sizes import format_bytes
 
-        log.warning("offload: the nvme tier has no room in %s (%s of free space, under the "
-                    "%s minimum); activations that would go there spill to the next tier or "
-                    "stay where they are (free disk space or lower other use of it, or drop "
-                    "'nvme' from OFFLOAD_TIERS)", ", ".join(dirs),
+        log.warning("offload: the nvme tier has no room in %s (room for %s, OFFLOAD_NVME_BYTES "
+                    "or the free disk space if less, under the %s minimum); activations that "
+                    "would go there spill to the next tier or stay where they are (raise "
+                    "OFFLOAD_NVME_BYTES, free disk space, or drop 'nvme' from OFFLOAD_TIERS)",
+                    ", ".join(dirs),
                     format_bytes(room[0]) if room else "?", format_bytes(MIN_STORE_BYTES))
         return None
 
