@@ -215,6 +215,10 @@ class Config:
             self._validate_nvme_dirs()
         if self.trace is not None:
             self._validate_trace()
+        if self.budget is not None and self.policy != "auto":
+            _warn_once(f"budget_unused_{self.policy}",
+                       f"offload: {self.where('budget')} applies to policy='auto' only; under "
+                       f"{self.where('policy')} it is not used")
         self._validate_host_sizes()
 
     def _validate_host_sizes(self) -> None:

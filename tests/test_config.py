@@ -236,6 +236,29 @@ def test_nvme_dir_as_a_path_object_and_listed_twice(tmp_path):
         offload.activations(tiers="nvme", nvme_dir=3)
 
 
+def test_blocks_must_be_modules_of_the_model():
+    """Was: accepted, then nothing recomputed, said only by a log line at INFO."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match=r"blocks\[1\] \(Linear\) is not a module of "
+                       r"model= \(pass the model's own block modules\)"):
+        offload.activations(model=model, policy="recompute",
+                            blocks=[model[0], torch.nn.Linear(2, 2)])
+    offload.activations(model=model, policy="recompute", blocks=[model[0], model[1]])
+
+
+def test_a_budget_outside_auto_is_said_once(caplog):
+    import logging
+    from offload import config as config_mod
+    config_mod.forget_warnings()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        offload.activations(policy="offload", budget="30%")
+        offload.activations(policy="offload", budget="30%")
+        offload.activations(policy="auto", budget="30%")
+    said = [r.getMessage() for r in caplog.records if "budget" in r.getMessage()]
+    assert said == ["offload: budget='30%' applies to policy='auto' only; under "
+                    "policy='offload' it is not used"]
+
+
 def test_model_must_be_a_module():
     with pytest.raises(ConfigError, match=r"model='gpt2': not a torch.nn.Module \(pass the "
                        r"model object"):

@@ -71,7 +71,8 @@ def find_blocks(model: nn.Module | None, blocks: Any = None) -> list[nn.Module]:
             applied to every submodule of `model` (a match inside another match is skipped).
 
     Raises:
-        ConfigError: `blocks` is of the wrong type, or a predicate without `model`.
+        ConfigError: `blocks` is of the wrong type, a predicate without `model`, or a
+            module that `model` does not hold.
     """
     if blocks is not None:
         if isinstance(blocks, nn.Module):
@@ -96,6 +97,15 @@ def find_blocks(model: nn.Module | None, blocks: Any = None) -> list[nn.Module]:
         if found is None or not all(isinstance(m, nn.Module) for m in found):
             raise ConfigError(f"offload.activations(blocks={blocks!r}): expected a list of "
                               "nn.Module blocks or a predicate f(module) -> bool")
+        if model is not None:
+            # A block the model does not hold never runs in its step: nothing would be
+            # checkpointed or planned, which only a log line at INFO said.
+            inside = {id(m) for m in model.modules()}
+            stray = [i for i, m in enumerate(found) if id(m) not in inside]
+            if stray:
+                raise ConfigError(f"offload.activations(blocks=...): blocks[{stray[0]}] "
+                                  f"({type(found[stray[0]]).__name__}) is not a module of "
+                                  "model= (pass the model's own block modules)")
         return found
     if model is None:
         return []
