@@ -105,6 +105,20 @@ def test_what_cannot_move_is_counted_by_type_with_one_warning(caplog, monkeypatc
     assert len(warnings) == 1 and "Tensor(sparse_coo)" in warnings[0] and "5 KiB" in warnings[0]
 
 
+def test_an_empty_view_is_named_for_what_keeps_it(caplog, monkeypatch):
+    """Was counted as `Tensor(cpu)`, with a warning saying the runtime moves plain strided
+    CPU tensors: an empty view has no elements to move, and still holds its storage."""
+    monkeypatch.setattr(subclasses, "_warned", set())
+    w = torch.randn(30, 30, requires_grad=True)
+    caplog.set_level(logging.WARNING, logger="offload")
+    with offload.activations(tiers="host", min_bytes=0) as ctx:
+        z = (w * 1.5)[:0]
+        (z * z).sum().backward()
+    assert set(ctx.stats.unmoved_tensors_by_type) == {"Tensor(cpu, no elements)"}
+    warnings = [r.getMessage() for r in caplog.records if "stayed where they are" in r.getMessage()]
+    assert len(warnings) == 1 and "with elements" in warnings[0]
+
+
 def _dtensor_step(mesh_dir: str, ctx_kwargs):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

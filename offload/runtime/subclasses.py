@@ -100,12 +100,15 @@ def held_as_is(inner: torch.Tensor) -> bool:
 
 def kind_name(t: torch.Tensor) -> str:
     """How `t` is named in `unmoved_*_by_type`: its class, and for plain tensors what makes
-    them unmovable (`Tensor(sparse_coo)`, `Tensor(nested)`, `Tensor(quantized)`, `Tensor(mps)`)."""
+    them unmovable (`Tensor(sparse_coo)`, `Tensor(nested)`, `Tensor(quantized)`, `Tensor(mps)`,
+    `Tensor(cpu, no elements)`: an empty view still holds its storage)."""
     cls = type(t)
     if cls is not torch.Tensor and cls is not torch.nn.Parameter:
         return cls.__name__
     if t.is_nested:
         what = "nested"
+    elif t.layout is torch.strided and t.numel() == 0:
+        what = f"{t.device.type}, no elements"   # nothing to move; its storage stays with it
     elif t.is_quantized:
         what = "quantized"
     elif t.layout is not torch.strided:
@@ -145,6 +148,7 @@ def note_unmoved(type_name: str, nbytes: int, count: int) -> None:
     from ..util.sizes import format_bytes
 
     log.warning("offload: %d saved tensor(s) of type %s (%s) stayed where they are: the runtime "
-                "moves plain strided CPU/CUDA tensors and traceable wrapper subclasses (their "
-                "inner tensors); see ctx.stats.unmoved_bytes_by_type", count, type_name,
+                "moves plain strided CPU/CUDA tensors with elements and traceable wrapper "
+                "subclasses (their inner tensors); see ctx.stats.unmoved_bytes_by_type",
+                count, type_name,
                 format_bytes(nbytes))
