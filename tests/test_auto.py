@@ -123,64 +123,48 @@ def test_random_single_ops_replay_exactly_when_stored(nvme_dir):
     ctx.close()
 
 
+@pytest.mark.parametrize("own_generator", [False, True])
 @pytest.mark.parametrize("rule_2", [True, False])
-def test_a_stored_random_op_before_a_recomputed_one_replays_exactly(rule_2, nvme_dir,
-                                                                    monkeypatch):
+def test_a_stored_random_op_before_a_recomputed_one_replays_exactly(rule_2, own_generator,
+                                                                    nvme_dir, monkeypatch):
     """Rule 2, and that this test can fail: without the RNG restore the second random op
-    draws other numbers in the recompute and the gradient differs."""
+    draws other numbers in the recompute and the gradient differs. Drawn from the default
+    generator, or from the user's own (`generator=`): the stored op does not draw in the
+    recompute, so its generator is set to its state after the op, and ends where the
+    forward left it."""
     if not rule_2:
         monkeypatch.setattr(recompute_mod, "_SEEDED", torch.Tag.pointwise)
+    if own_generator:
+        gen = torch.Generator()
+        seed, state, stored = gen.manual_seed, gen.get_state, "aten.rand.generator"
+        rand = lambda x: torch.rand(x.shape, generator=gen)  # noqa: E731
+    else:
+        seed, state, stored = torch.manual_seed, torch.get_rng_state, "aten.rand_like.default"
+        rand = torch.rand_like
 
     def fn(x):
-        m1 = torch.rand_like(x) > 0.5          # stored
+        m1 = rand(x) > 0.5          # stored
         y = (x * m1).sin()
-        m2 = torch.rand_like(x) > 0.3          # recomputed: must draw what the forward drew
+        m2 = rand(x) > 0.3          # recomputed: must draw what the forward drew
         return (y * m2).exp().sum()
 
     x0 = torch.randn(1000)
     x = x0.clone().requires_grad_()
-    torch.manual_seed(3)
+    seed(3)
     fn(x).backward()
+    after = state()
     model = nn.Linear(2, 2)
     for target in ("keep", "nvme"):
         with offload.activations(model=model, policy="auto", min_bytes=0, tiers="nvme",
                                  nvme_dir=nvme_dir, probe=SLOW) as ctx:
             decision = ctx._hooks.placement.target(target)
-            store = lambda op: decision if op == ("aten.rand_like.default", 0) else None  # noqa: E731
+            store = lambda op: decision if op == (stored, 0) else None  # noqa: E731
             y = x0.clone().requires_grad_()
-            torch.manual_seed(3)
+            seed(3)
             run_block(fn, (y,), {}, store, ctx._hooks, ctx._hooks.placement).backward()
-        assert torch.equal(y.grad, x.grad) is rule_2
-
-
-def test_a_stored_random_op_of_the_users_generator_replays_exactly(nvme_dir):
-    """Rule 2 for the op's own `generator=`: the stored op does not draw in the recompute,
-    so the generator is set to its state after the op, and the recomputed op after it draws
-    what the forward drew; the generator ends where the forward left it."""
-    gen = torch.Generator()
-
-    def fn(x):
-        m1 = torch.rand(x.shape, generator=gen) > 0.5          # stored
-        y = (x * m1).sin()
-        m2 = torch.rand(x.shape, generator=gen) > 0.3          # recomputed
-        return (y * m2).exp().sum()
-
-    x0 = torch.randn(1000)
-    x = x0.clone().requires_grad_()
-    gen.manual_seed(3)
-    fn(x).backward()
-    after = gen.get_state()
-    model = nn.Linear(2, 2)
-    for target in ("keep", "nvme"):
-        with offload.activations(model=model, policy="auto", min_bytes=0, tiers="nvme",
-                                 nvme_dir=nvme_dir, probe=SLOW) as ctx:
-            decision = ctx._hooks.placement.target(target)
-            store = lambda op: decision if op == ("aten.rand.generator", 0) else None  # noqa: E731
-            y = x0.clone().requires_grad_()
-            gen.manual_seed(3)
-            run_block(fn, (y,), {}, store, ctx._hooks, ctx._hooks.placement).backward()
-        assert torch.equal(y.grad, x.grad), target
-        assert torch.equal(gen.get_state(), after), target
+        assert torch.equal(y.grad, x.grad) is rule_2, target
+        # checkpoint itself puts the default generator back after its recompute
+        assert torch.equal(state(), after) is (rule_2 or not own_generator), target
 
 
 @pytest.mark.parametrize("build", [MLP, ConvNet])

@@ -84,6 +84,10 @@ class _NoHandle:
 
 
 _core = load_core() if core_available() else None   # NOTE [Handles in C]
+_SmallSave = _core.SmallSave if _core is not None else _NoHandle
+_KeptSave = _core.KeptSave if _core is not None else _NoHandle
+_MovedSave = _core.MovedSave if _core is not None else _NoHandle
+_new_moved_save = _core.moved_save if _core is not None else None
 
 
 class _Forks:
@@ -96,10 +100,6 @@ def after_fork_in_child() -> None:
     _Forks.generation += 1
     if _core is not None:
         _core.after_fork_in_child()
-_SmallSave = _core.SmallSave if _core is not None else _NoHandle
-_KeptSave = _core.KeptSave if _core is not None else _NoHandle
-_MovedSave = _core.MovedSave if _core is not None else _NoHandle
-_new_moved_save = _core.moved_save if _core is not None else None
 
 
 @never_compiled   # autograd and the core call in here under torch.compile too

@@ -25,6 +25,7 @@ warning per type per process (`note_unmoved`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import Any
@@ -78,9 +79,11 @@ def flatten(t: torch.Tensor) -> Flattened | None:
     return Flattened(t, list(names), ctx)
 
 
+@functools.cache
 def _nested_int_registry():
     """torch's map from a jagged nested tensor's offsets (or lengths) to the nested int that
-    sizes its ragged dimension; None where this torch has none."""
+    sizes its ragged dimension; None where this torch has none. Looked up once: the map
+    itself is torch's one object for the process."""
     try:
         from torch.nested._internal import nested_tensor
     except ImportError:

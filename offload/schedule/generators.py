@@ -10,9 +10,10 @@ the generator would end the step advanced twice. Rules:
 
 1. Which generators: those that are attributes of the block's modules, and those the
    block's first call (per process) hands to an op, seen through a dispatch mode for that
-   call only. Both are remembered per block. An op is handed a new Python object for the
-   same generator each time, so one seen there is held (it keeps only the generator
-   alive, not the block) and told apart from the others by what setting it changes.
+   call only. Both are remembered per block, held (a generator refers to nothing, so the
+   block's entry in the per-model registry still dies with it). An op is handed a new
+   Python object for the same generator each time, so each is told apart from the others
+   by what setting it changes.
 2. The forward notes each one's state before the block draws from it: at the call's start,
    or, for one first seen during the first call, right before that op.
 3. A re-run sets each back to that state, and afterwards to the state it had before the
@@ -26,7 +27,6 @@ generator but the default ones).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -60,23 +60,20 @@ def _same_generator(a: torch.Generator, b: torch.Generator) -> bool:
 
 
 class _Known:
-    """The generators a block draws from (rule 1): the modules' own held weakly (this lives
-    in the per-model registry, whose entry dies with the block only if nothing in it refers
-    back), those seen in an op held as the op was handed them."""
+    """The generators a block draws from (rule 1)."""
 
-    __slots__ = ("refs", "held", "called")
+    __slots__ = ("generators", "called")
 
     def __init__(self) -> None:
-        self.refs: list[weakref.ref] = []
-        self.held: list[torch.Generator] = []
+        self.generators: list[torch.Generator] = []
         self.called = False   # the block's first call ran (rule 1)
 
-    def find(self, generator: torch.Generator) -> torch.Generator | None:
-        """The known generator that is `generator`, if any."""
-        return next((g for g in self.alive() if _same_generator(g, generator)), None)
-
-    def alive(self) -> list[torch.Generator]:
-        return [g for g in (ref() for ref in self.refs) if g is not None] + self.held
+    def add(self, generator: torch.Generator) -> bool:
+        """Remember `generator` unless it is one already known; whether it was new."""
+        if any(_same_generator(g, generator) for g in self.generators):
+            return False
+        self.generators.append(generator)
+        return True
 
 
 class _SeeGenerators(TorchDispatchMode):
@@ -91,10 +88,9 @@ class _SeeGenerators(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         generator = kwargs.get("generator")
-        if isinstance(generator, torch.Generator) and self.known.find(generator) is None:
+        if isinstance(generator, torch.Generator) and self.known.add(generator):
             with _disable_current_modes():
                 self.states[generator] = generator.get_state()
-            self.known.held.append(generator)
         return func(*args, **kwargs)
 
 
@@ -105,7 +101,7 @@ class _Guard:
         self.known = known
         self.first = not known.called
         known.called = True
-        self.states = {g: g.get_state() for g in known.alive()}
+        self.states = {g: g.get_state() for g in known.generators}
         self.calls = 0
 
     def wrap(self, fn: Callable) -> Callable:
@@ -141,8 +137,8 @@ def _known_of(block: nn.Module) -> _Known:
         known = _Known()
         for module in block.modules():
             for value in vars(module).values():
-                if isinstance(value, torch.Generator) and known.find(value) is None:
-                    known.refs.append(weakref.ref(value))
+                if isinstance(value, torch.Generator):
+                    known.add(value)
         return known
     return per_model.state_for(block, _Known, learn)
 
@@ -154,6 +150,6 @@ def guard_generators(block: nn.Module | None, fn: Callable) -> Callable:
     if block is None or torch.compiler.is_compiling():
         return fn
     known = _known_of(block)
-    if known.called and not known.refs and not known.held:
+    if known.called and not known.generators:
         return fn   # its first call drew from none, and none is an attribute
     return _Guard(known).wrap(fn)
