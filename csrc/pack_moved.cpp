@@ -39,6 +39,7 @@ struct MoveNames {
   PyObject* is_quantized;
   PyObject* is_nested;
   PyObject* numel;
+  PyObject* is_zerotensor;
   PyObject* requires_grad;
   PyObject* depth;
   PyObject* stored;
@@ -50,7 +51,7 @@ MoveNames& move_names() {
   static MoveNames n = {intern("standing"),      intern("round_trip"), intern("keep"),
                         intern("targets"),       intern("store_cpu"),  intern("is_cpu"),
                         intern("is_quantized"),  intern("is_nested"),  intern("numel"),
-                        intern("requires_grad"), intern("depth"),      intern("_stored"),
+                        intern("_is_zerotensor"), intern("requires_grad"), intern("depth"),      intern("_stored"),
                         intern("placement"),     intern("tiers")};
   return n;
 }
@@ -63,7 +64,8 @@ bool is_true(const py::object& value) { return value.ptr() == Py_True; }
 bool eligible(const MovePath& path, const MoveNames& n, PyObject* t, PyObject* storage,
               long long nbytes, py::object* base_out, long long* t_offset) {
   if (is_true(attr(t, n.is_quantized)) ||
-      is_true(attr(t, n.is_nested)) || as_int(call_method(t, n.numel)) == 0)
+      is_true(attr(t, n.is_nested)) || as_int(call_method(t, n.numel)) == 0 ||
+      is_true(call_method(t, n.is_zerotensor)))
     return false;
   // is_weight for a tensor with a grad_fn: a view of a leaf that requires grad.
   py::object& base = *base_out;

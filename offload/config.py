@@ -220,6 +220,12 @@ class Config:
                        f"offload: {self.where('budget')} applies to policy='auto' only; under "
                        f"{self.where('policy')} it is not used")
         self._validate_host_sizes()
+        if "nvme" in self.tiers and self.prefetch_bytes > self.staging_bytes:
+            _warn_once("prefetch_over_staging",
+                       f"offload: {self.where('prefetch_bytes')} is more than "
+                       f"{self.where('staging_bytes')}: read-ahead beyond the staging arena "
+                       "lands in buffers allocated per read (more allocations and RSS); lower "
+                       "the first or raise the second")
 
     def _validate_host_sizes(self) -> None:
         if max(self.staging_bytes, self.prefetch_bytes) <= memory_floor_bytes():

@@ -94,8 +94,11 @@ def _size_parser(allow_percent: bool, max_fraction: float | None = None,
         try:
             spec = parse_size(raw, allow_percent=allow_percent)
         except (ValueError, OverflowError) as exc:
+            reason = str(exc)
+            if '"' in reason:   # it gives its own example: say it once
+                raise ConfigError(f"{where}: {reason}") from None
             example = '"8GiB", "512MiB"' + (', "50%"' if allow_percent else "")
-            raise _fail(where, str(exc), f"give a size such as {example}") from None
+            raise _fail(where, reason, f"give a size such as {example}") from None
         if max_fraction is not None and spec.fraction is not None and spec.fraction > max_fraction:
             raise _fail(where, f"{spec} is over {max_fraction * 100:g}%",
                         f"give at most 100%{what}, or an absolute size such as \"4GiB\"")

@@ -130,8 +130,7 @@ def test_a_stored_random_op_before_a_recomputed_one_replays_exactly(rule_2, own_
     """Rule 2, and that this test can fail: without the RNG restore the second random op
     draws other numbers in the recompute and the gradient differs. Drawn from the default
     generator, or from the user's own (`generator=`): the stored op does not draw in the
-    recompute, so its generator is set to its state after the op, and ends where the
-    forward left it."""
+    recompute, so its generator is set to its state after the op."""
     if not rule_2:
         monkeypatch.setattr(recompute_mod, "_SEEDED", torch.Tag.pointwise)
     if own_generator:
@@ -163,8 +162,60 @@ def test_a_stored_random_op_before_a_recomputed_one_replays_exactly(rule_2, own_
             seed(3)
             run_block(fn, (y,), {}, store, ctx._hooks, ctx._hooks.placement).backward()
         assert torch.equal(y.grad, x.grad) is rule_2, target
-        # checkpoint itself puts the default generator back after its recompute
-        assert torch.equal(state(), after) is (rule_2 or not own_generator), target
+        # the generator ends where the forward left it, with or without Rule 2: checkpoint
+        # puts the default one back after its recompute, generators.py the user's own
+        assert torch.equal(state(), after), target
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.lin(x * 3.0).tanh()   # x itself is not saved by any op
+
+
+class _InputChangedAfter(nn.Module):
+    """Changes each block's input in place once the block ran: plain autograd and
+    `offload` train it; a re-run of the block would need the input as it was."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Scaled() for _ in range(3)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            y = block(x)
+            x.mul_(0.5)
+            x = x + y
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_a_block_whose_input_changes_after_it_ran_is_not_rerun(measured, nvme_dir,
+                                                                monkeypatch):
+    """Before: the profile step did not notice, the plan re-ran the blocks, and every step
+    after it raised autograd's in-place error (plain autograd and `offload` train the
+    model). Such a block runs as it is, the plan says why, and no trial checkpoints it."""
+    if measured:   # trial steps of every alternative, checkpoint too unless ruled out
+        monkeypatch.setattr(search_mod, "TRIAL_MARGIN", 100.0)
+    torch.manual_seed(0)
+    model = _InputChangedAfter()
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    ctx = offload.activations(model=model, **_settings(nvme_dir, SLOW))
+    for step in range(6):
+        model.zero_grad(set_to_none=True)
+        model(x.clone()).backward()
+        plain = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            model(x.clone()).backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters())), step
+    assert not any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+    assert any("changed in place after the block runs" in n for n in ctx.plan.notes)
+    assert "checkpoint" not in ctx.plan.trials
+    ctx.close()
 
 
 @pytest.mark.parametrize("build", [MLP, ConvNet])

@@ -458,6 +458,10 @@ def test_buffered_nvme_dir_flagged_end_to_end(tmp_path, capsys):
      "--strategies: unknown strategy 'offlaod-nvme' (choose from: none, checkpoint,"),
     (["--memory-limit", "2 gigs", "--max-batch"], "--memory-limit '2 gigs': unknown unit"),
     (["--memory-limit", "lots"], "--memory-limit 'lots': not a size"),
+    # Was: accepted, the auto row "not available" and a zero exit.
+    (["--budget", "lots"], "--budget 'lots': not a size"),
+    (["--budget", "0.3"], '--budget \'0.3\': a size in bytes must be a whole number (a share '
+                          'is a percentage: "30%")'),
     (["--max-batch"], "--max-batch on CPU needs --memory-limit (e.g. --memory-limit 2GiB)"),
     (["--model", "x:y"], "--model 'x:y' needs --input-shape"),
     (["--model", "no_such_module_zz:build", "--input-shape", "4"],

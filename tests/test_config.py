@@ -144,7 +144,8 @@ def test_with_overrides():
     ({"OFFLOAD_TIERS": "hots"}, r"unknown tier 'hots' \(did you mean 'host'\?"),
     ({"OFFLOAD_TIERS": "host,host"}, r"OFFLOAD_TIERS='host,host': names a tier twice"),
     ({"OFFLOAD_TIERS": ","}, r"OFFLOAD_TIERS=',': names no tier"),
-    ({"OFFLOAD_HOST_BYTES": "lots"}, r"OFFLOAD_HOST_BYTES='lots': not a size .*give a size"),
+    ({"OFFLOAD_HOST_BYTES": "lots"}, r"OFFLOAD_HOST_BYTES='lots': not a size \(examples: "
+                                     r"\"8GiB\", \"512MiB\", \"4096\", \"30%\"\)$"),
     ({"OFFLOAD_HOST_BYTES": "-1GiB"}, r"OFFLOAD_HOST_BYTES='-1GiB': size must not be negative"),
     ({"OFFLOAD_NVME_BYTES": "12 bananas"}, r"OFFLOAD_NVME_BYTES='12 bananas': unknown unit"),
     ({"OFFLOAD_MIN_BYTES": "-5"}, r"OFFLOAD_MIN_BYTES='-5': size must not be negative"),
@@ -244,6 +245,35 @@ def test_blocks_must_be_modules_of_the_model():
         offload.activations(model=model, policy="recompute",
                             blocks=[model[0], torch.nn.Linear(2, 2)])
     offload.activations(model=model, policy="recompute", blocks=[model[0], model[1]])
+
+
+def test_a_share_written_as_a_fraction_is_told_to_be_a_percentage():
+    """Was "a size in bytes must be a whole number (give a size such as ...)": the fix
+    once, and the one meant."""
+    with pytest.raises(ConfigError) as exc:
+        offload.activations(policy="auto", budget="0.3")
+    assert str(exc.value) == ("budget='0.3': a size in bytes must be a whole number (a share "
+                              'is a percentage: "30%")')
+
+
+@pytest.mark.parametrize("tiers, said", [("nvme", True), ("host", False)])
+def test_prefetch_over_staging_is_said_once_on_the_nvme_tier(tiers, said, tmp_path, caplog,
+                                                             monkeypatch):
+    """Was accepted without a word, though read-ahead beyond the arena lands in buffers
+    allocated per read (README: keep it below OFFLOAD_STAGING_BYTES)."""
+    import logging
+    from offload import config as config_mod
+    monkeypatch.setenv("OFFLOAD_PREFETCH_BYTES", "512MiB")
+    monkeypatch.setenv("OFFLOAD_STAGING_BYTES", "1MiB")
+    config_mod.forget_warnings()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        for _ in range(2):
+            offload.activations(tiers=tiers, nvme_dir=str(tmp_path)).close()
+    got = [r.getMessage() for r in caplog.records if "staging arena" in r.getMessage()]
+    assert got == ([
+        "offload: OFFLOAD_PREFETCH_BYTES='512MiB' is more than OFFLOAD_STAGING_BYTES='1MiB': "
+        "read-ahead beyond the staging arena lands in buffers allocated per read (more "
+        "allocations and RSS); lower the first or raise the second"] if said else [])
 
 
 def test_a_budget_outside_auto_is_said_once(caplog):

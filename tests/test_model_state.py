@@ -7,6 +7,10 @@ re-run]). Weights, gradients and buffers bit-exact against
 plain training with AdamW."""
 from __future__ import annotations
 
+import copy
+import functools
+import io
+
 import pytest
 import torch
 import torch.nn as nn
@@ -60,6 +64,53 @@ def test_a_shared_layer_is_wrapped_once_and_unwrapped_at_every_exit(policy, nvme
     if policy == "auto":   # every position planned, one block type
         assert sorted(ctx.plan.signatures) == [0, 1, 2, 3] and len(ctx.plan.blocks) == 1
     ctx.close()
+
+
+# ---------------------------------------------------------------- copies
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.lin(x).tanh()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_copy_made_inside_the_step_runs_its_own_weights_and_carries_nothing(policy,
+                                                                              nvme_dir):
+    """Before: `copy.deepcopy(model)` inside the step (an EMA or teacher copy) gave blocks
+    whose forward was our wrapper of the ORIGINAL blocks' forward, for ever: the copy ran
+    the original's weights, silently, and `torch.save(model)` inside the step raised (a
+    local function cannot be pickled). The copy is now of the model as the wrapping found
+    it, also with a forward of the user's on an instance and two contexts wrapping the
+    same blocks (blocks.py NOTE [Wrapping] Rule 4)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Residual() for _ in range(3)])
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    first = model[0]
+    first.forward = functools.partial(Residual.forward, first)   # the user's, on the instance
+    outer = offload.activations(model=model, **_settings(policy, nvme_dir))
+    inner = offload.activations(model=model, **_settings(policy, nvme_dir))
+    with outer:
+        with inner:
+            copied = copy.deepcopy(model)
+            saved = io.BytesIO()
+            torch.save(model, saved)
+            model(x).pow(2).mean().backward()
+    for m in (copied, torch.load(io.BytesIO(saved.getvalue()), weights_only=False)):
+        assert [set(b.__dict__) & {"forward", "__getstate__"} for b in m] == \
+            [{"forward"}, set(), set()]
+        assert m[0].forward.func is Residual.forward and m[0].forward.args == (m[0],)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.zero_()
+            assert torch.equal(m(x), x)   # its own (zero) weights, not the original's
+    assert first.__dict__["forward"].args == (first,)
+    assert [set(b.__dict__) & {"forward", "__getstate__"} for b in model] == \
+        [{"forward"}, set(), set()]
+    outer.close()
+    inner.close()
 
 
 # ---------------------------------------------------------------- buffers
@@ -229,3 +280,69 @@ def test_a_block_drawing_from_its_own_generators_draws_the_same_in_its_rerun(pol
         if policy == "auto" and step == 3:   # the slow link: it re-runs ops
             assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
         ctx.close()
+
+
+LATE_NOISE = torch.Generator()   # drawn from only once noise is switched on
+NOISE_ON = [False]
+
+
+class LateNoise(nn.Module):
+    """Draws from a generator its caller hands it, or from LATE_NOISE once NOISE_ON: both
+    first drawn from in a later call than the block's first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, gen=None):
+        h = self.lin(x).tanh()
+        if gen is not None:
+            h = h * (torch.rand(h.shape, generator=gen) > 0.3)
+        if NOISE_ON[0]:
+            h = h + 0.1 * torch.randn(h.shape, generator=LATE_NOISE)
+        return x + h.sin()
+
+
+class LateNoiseModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([LateNoise() for _ in range(3)])
+
+    def forward(self, x, gen=None):
+        for block in self.blocks:
+            x = block(x, gen=gen)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+@pytest.mark.parametrize("where", ["new argument each step", "global from step 2"])
+def test_a_generator_first_drawn_from_after_the_first_call_draws_the_same_in_the_rerun(
+        policy, where, nvme_dir):
+    """Before: only generators that were attributes or that the block's first call (ever)
+    drew from were set back, so a generator handed in new each step, or one first drawn
+    from once noise was switched on, drew other numbers in the re-run: gradients ~0.05 off,
+    silently. Bit-exact now, and the generator leaves the step where plain training does."""
+    def step(model, index, ctx):
+        model.zero_grad(set_to_none=True)
+        gen = torch.Generator().manual_seed(13 + index) if where.startswith("new") else None
+        NOISE_ON[0] = where.startswith("global") and index >= 2
+        LATE_NOISE.manual_seed(7)
+        with ctx if ctx is not None else torch.enable_grad():
+            model(x, gen=gen).backward()
+        return [p.grad for p in model.parameters()] + [LATE_NOISE.get_state()] + \
+            ([gen.get_state()] if gen is not None else [])
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = LateNoiseModel()
+    try:
+        plain = [step(model, i, None) for i in range(4)]
+        ctx = offload.activations(model=model, **_settings(policy, nvme_dir))
+        for i in range(4):
+            got = step(model, i, ctx)
+            assert all(torch.equal(a, b) for a, b in zip(plain[i], got)), f"step {i}"
+        if policy == "auto":   # the slow link: it re-runs ops
+            assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+        ctx.close()
+    finally:
+        NOISE_ON[0] = False

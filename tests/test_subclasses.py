@@ -119,6 +119,36 @@ def test_an_empty_view_is_named_for_what_keeps_it(caplog, monkeypatch):
     assert len(warnings) == 1 and "with elements" in warnings[0]
 
 
+def _jvp_then_backward(ctx):
+    """A JVP of an MLP in its input while its weights require grad, and a loss that uses
+    the JVP too: forward-mode AD saves zero tensors for the weights' missing tangents."""
+    import torch.autograd.forward_ad as fwad
+    torch.manual_seed(0)
+    w1 = torch.randn(64, 32, requires_grad=True)
+    w2 = torch.randn(32, 64, requires_grad=True)
+    x, v = torch.randn(8, 32), torch.randn(8, 32)
+    with ctx, fwad.dual_level():
+        y = (fwad.make_dual(x, v) @ w1.t()).tanh() @ w2.t()
+        (y.sum() + fwad.unpack_dual(y).tangent.pow(2).sum()).backward()
+    return w1.grad, w2.grad
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_a_zero_tensor_stays_and_holds_no_bytes(tiers, nvme_dir, caplog, monkeypatch):
+    """Before: the nvme tier read the data of forward-mode AD's zero tensor, which has none
+    ("Attempted to access the data pointer on an invalid python storage"), and the host
+    tier counted its nominal size as moved. It stays, counted with no bytes, unwarned."""
+    monkeypatch.setattr(subclasses, "_warned", set())
+    caplog.set_level(logging.WARNING, logger="offload")
+    plain = _jvp_then_backward(contextlib.nullcontext())
+    ctx = offload.activations(**_kw(tiers, nvme_dir))
+    got = _jvp_then_backward(ctx)
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+    assert ctx.stats.unmoved_tensors_by_type.get("Tensor(cpu, zeros)", 0) >= 1
+    assert ctx.stats.unmoved_bytes_by_type["Tensor(cpu, zeros)"] == 0
+    assert not [r for r in caplog.records if "stayed where they are" in r.getMessage()]
+
+
 def _dtensor_step(mesh_dir: str, ctx_kwargs):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

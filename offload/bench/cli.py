@@ -267,6 +267,11 @@ def _resolve(args, parser) -> Settings:
             # imports itself (its imports print other packages' warnings to its log).
             preload = ("transformers",)
 
+    if args.budget is not None:
+        try:
+            parse_size(args.budget, allow_percent=True)
+        except ValueError as exc:
+            parser.error(f"--budget {args.budget!r}: {exc}")
     for opt, path in (("--json", args.json), ("--plot", args.plot)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"{opt} {path!r}: the directory {os.path.dirname(os.path.abspath(path))!r}"

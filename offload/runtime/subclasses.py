@@ -104,7 +104,8 @@ def held_as_is(inner: torch.Tensor) -> bool:
 def kind_name(t: torch.Tensor) -> str:
     """How `t` is named in `unmoved_*_by_type`: its class, and for plain tensors what makes
     them unmovable (`Tensor(sparse_coo)`, `Tensor(nested)`, `Tensor(quantized)`, `Tensor(mps)`,
-    `Tensor(cpu, no elements)`: an empty view still holds its storage)."""
+    `Tensor(cpu, no elements)`: an empty view still holds its storage; `Tensor(cpu, zeros)`:
+    a zero tensor holds none)."""
     cls = type(t)
     if cls is not torch.Tensor and cls is not torch.nn.Parameter:
         return cls.__name__
@@ -112,6 +113,8 @@ def kind_name(t: torch.Tensor) -> str:
         what = "nested"
     elif t.layout is torch.strided and t.numel() == 0:
         what = f"{t.device.type}, no elements"   # nothing to move; its storage stays with it
+    elif t._is_zerotensor():
+        what = f"{t.device.type}, zeros"   # forward-mode AD's: a size, no memory
     elif t.is_quantized:
         what = "quantized"
     elif t.layout is not torch.strided:
@@ -124,6 +127,8 @@ def kind_name(t: torch.Tensor) -> str:
 def unmoved_bytes(t: torch.Tensor) -> int:
     """What a tensor left in place holds (its storage; for sparse ones their parts)."""
     try:
+        if type(t) is torch.Tensor and t._is_zerotensor():
+            return 0   # its storage's size is nominal: no memory behind it
         if t.layout is torch.strided and not t.is_nested:
             return t.untyped_storage().nbytes()
         if t.is_sparse:
@@ -143,7 +148,10 @@ def forget_warnings() -> None:
 
 
 def note_unmoved(type_name: str, nbytes: int, count: int) -> None:
-    """One warning per type per process: what stayed and why."""
+    """One warning per type per process: what stayed and why (none for what holds no
+    memory: a zero tensor)."""
+    if nbytes == 0 and type_name.endswith(", zeros)"):
+        return
     with _warned_lock:
         if type_name in _warned:
             return

@@ -84,18 +84,19 @@ def rebuild(storage: torch.UntypedStorage, byte_offset: int, meta: Any) -> torch
 def movable_strided(t: torch.Tensor) -> bool:
     """`movable` for a plain strided tensor (the caller checked type and layout)."""
     return (t.is_cpu or t.is_cuda) and not t.is_quantized and not t.is_nested \
-        and t.numel() > 0
+        and t.numel() > 0 and not t._is_zerotensor()
 
 
 def movable(t: torch.Tensor) -> bool:
     """Whether our byte-level storage round trip can represent `t` exactly.
 
-    Subclasses (FakeTensor, DTensor, ...), sparse, quantized and nested tensors, and devices
-    other than CPU/CUDA stay where they are.
+    Subclasses (FakeTensor, DTensor, ...), sparse, quantized and nested tensors, devices
+    other than CPU/CUDA, and torch's zero tensors (forward-mode AD's missing tangents: a
+    size and no memory, their storage has no data to read) stay where they are.
     """
     return (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) \
         and t.layout is torch.strided and not t.is_quantized and not t.is_nested \
-        and t.device.type in ("cpu", "cuda") and t.numel() > 0
+        and t.device.type in ("cpu", "cuda") and t.numel() > 0 and not t._is_zerotensor()
 
 
 def untracked_alias(t: torch.Tensor, storage_nbytes: int, base: Any = _UNSET) -> bool:

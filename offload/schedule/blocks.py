@@ -31,6 +31,12 @@ exit; a forward the user had set on the instance is put back as it was. Rules:
    wrote it, so the compiled graph is the one the model compiles to without offload, and
    none of our Python (checkpoint, dispatch modes, hook bookkeeping) is traced into it.
    What that graph saves for backward goes through the saved-tensor hooks like any tensor.
+4. A copy or a pickle of a wrapped block is of the block as the wrapping found it: entry
+   also shadows `__getstate__` (what `copy.deepcopy`, `copy.copy` and `torch.save` take a
+   module's attributes from) with one that leaves our entries out. Else an EMA or teacher
+   copy made inside the step (`copy.deepcopy(model)`) kept a wrapper that ran the
+   original's forward, its own weights unused, for ever; and `torch.save(model)` inside the
+   step could not pickle the wrapper.
 """
 from __future__ import annotations
 
@@ -152,29 +158,65 @@ class BlockWrappers:
                  run: Callable[[int, Callable, tuple, dict], Any]) -> None:
         self.blocks = list(blocks)
         self._run = run
-        # (block, had its own forward, that forward, our wrapper) per module object
-        self._saved: list[tuple[nn.Module, bool, Any, Callable]] = []
+        # (block, what entry found under _SHADOWED, what it set there) per module object
+        self._saved: list[tuple[nn.Module, dict, dict]] = []
 
     def __enter__(self) -> "BlockWrappers":
         positions: dict[int, tuple[nn.Module, list[int]]] = {}
         for index, block in enumerate(self.blocks):
             positions.setdefault(id(block), (block, []))[1].append(index)
         for block, where in positions.values():  # Rule 1: once per module object
-            own = "forward" in block.__dict__
-            wrapper = _wrapper(block.forward, where, self._run)
-            self._saved.append((block, own, block.__dict__.get("forward"), wrapper))
-            block.__dict__["forward"] = wrapper
+            found = {key: block.__dict__[key] for key in _SHADOWED if key in block.__dict__}
+            # What the block had before any context wrapped it (another context may be
+            # wrapping it too): what its copies get (Rule 4).
+            unwrapped = getattr(found.get("__getstate__"), _UNWRAPPED, found)
+            ours = {"forward": _wrapper(block.forward, where, self._run),
+                    "__getstate__": _state_as_unwrapped(block, unwrapped)}
+            for key, value in ours.items():
+                setattr(value, _UNWRAPPED, unwrapped)
+                block.__dict__[key] = value
+            self._saved.append((block, found, ours))
         return self
 
     def __exit__(self, *exc) -> None:
         saved, self._saved = self._saved, []
-        for block, own, forward, wrapper in reversed(saved):  # Rule 2
-            if block.__dict__.get("forward") is not wrapper:
-                continue  # replaced by someone else meanwhile: theirs now
-            if own:
-                block.__dict__["forward"] = forward
-            else:
-                del block.__dict__["forward"]
+        for block, found, ours in reversed(saved):  # Rule 2
+            for key, value in ours.items():
+                if block.__dict__.get(key) is not value:
+                    continue  # replaced by someone else meanwhile: theirs now
+                if key in found:
+                    block.__dict__[key] = found[key]
+                else:
+                    del block.__dict__[key]
+
+
+# The instance attributes a wrapping sets, and the attribute on each that holds what the
+# block had there before any wrapping (Rule 4).
+_SHADOWED = ("forward", "__getstate__")
+_UNWRAPPED = "_offload_unwrapped"
+
+
+def _state_as_unwrapped(block: nn.Module, unwrapped: dict) -> Callable[[], Any]:
+    """The block's `__getstate__` while wrapped (Rule 4): its state, with each attribute a
+    wrapping set (and still there) as it was before any."""
+    def __getstate__():
+        own = unwrapped.get("__getstate__")
+        if own is not None:
+            state = own()
+        else:
+            of_class = getattr(type(block), "__getstate__", None)   # Python 3.11: object's
+            state = of_class(block) if of_class is not None else block.__dict__
+        if not isinstance(state, dict):
+            return state
+        state = dict(state)
+        for key in _SHADOWED:
+            if getattr(state.get(key), _UNWRAPPED, None) is unwrapped:   # a wrapping's
+                if key in unwrapped:
+                    state[key] = unwrapped[key]
+                else:
+                    del state[key]
+        return state
+    return __getstate__
 
 
 def _wrapper(forward: Callable, where: list[int], run: Callable) -> Callable:

@@ -8,100 +8,74 @@ an augmentation) it does not know. The re-run would draw other numbers, so the b
 would differentiate another function than the forward ran (silently wrong gradients), and
 the generator would end the step advanced twice. Rules:
 
-1. Which generators: those that are attributes of the block's modules, and those the
-   block's first call (per process) hands to an op, seen through a dispatch mode for that
-   call only. Both are remembered per block, held (a generator refers to nothing, so the
-   block's entry in the per-model registry still dies with it). An op is handed a new
-   Python object for the same generator each time, so each is told apart from the others
-   by what setting it changes.
-2. The forward notes each one's state before the block draws from it: at the call's start,
-   or, for one first seen during the first call, right before that op.
+1. Which generators: every one the block's forward hands to a torch function, wherever
+   the block holds it (an attribute, an argument, a module global, one made for this step),
+   seen through a torch function mode around every forward call. Not once per block: a
+   generator first drawn from in a later call (a new one each step, noise switched on
+   after warm-up) is as wrong in its re-run as one drawn from at the first. The default
+   generators are checkpoint's (it sets them back, implicit draws included).
+2. The forward notes each one's state right before the call's first draw from it.
 3. A re-run sets each back to that state, and afterwards to the state it had before the
    re-run: the re-run draws what the forward drew, and the generator ends the step where
-   plain training leaves it. (A stored random op is replayed, not re-run: recompute.py
-   Rule 2 sets its generator to its state after the op.)
+   plain training leaves it. They are set back in the reverse order of their first draws,
+   so two Python objects of one generator (the earlier noted state is the right one) end
+   on the earlier state. (A stored random op is replayed, not re-run: recompute.py Rule 2
+   sets its generator to its state after the op.)
 
-Not seen: a generator held outside the block's modules and first drawn from in a later
-call, or any under torch.compile (torch's own checkpoint has both limits for every
-generator but the default ones).
+Cost: the mode on every forward call of a re-run block, some 5 µs per torch function
+call on a CPU (docs/benchmarks.md *Generators seen at every call*); one `get_state` per
+generator drawn from. Not seen: generators under torch.compile (torch's own checkpoint
+does not see them either).
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
-import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-
-from ..util import per_model
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["guard_generators"]
 
 
-def _same_generator(a: torch.Generator, b: torch.Generator) -> bool:
-    """Whether `a` and `b` are one generator (two Python objects of it compare unequal):
-    seeding `a` twice moves `b` too. Both states are put back; the test runs outside every
-    dispatch mode (recompute.py counts the block's ops by position)."""
-    if a is b:
+def _is_default(generator: torch.Generator) -> bool:
+    """Whether checkpoint sets `generator` back itself (the CPU and CUDA defaults)."""
+    if generator is torch.default_generator:
         return True
-    if a.device != b.device:
-        return False
-    with _disable_current_modes():
-        state_a, state_b = a.get_state(), b.get_state()
-        try:
-            for seed in (1, 2):
-                a.manual_seed(seed)
-                if not torch.equal(b.get_state(), state_b):
-                    return True
-            return False
-        finally:
-            a.set_state(state_a)
-            b.set_state(state_b)
+    return generator.device.type == "cuda" and torch.cuda.is_initialized() and \
+        any(generator is g for g in torch.cuda.default_generators)
 
 
-class _Known:
-    """The generators a block draws from (rule 1)."""
+class _SeeGenerators(TorchFunctionMode):
+    """The forward of one call: each generator handed to a torch function, its state noted
+    before the call's first draw from it (rules 1 and 2)."""
 
-    __slots__ = ("generators", "called")
-
-    def __init__(self) -> None:
-        self.generators: list[torch.Generator] = []
-        self.called = False   # the block's first call ran (rule 1)
-
-    def add(self, generator: torch.Generator) -> bool:
-        """Remember `generator` unless it is one already known; whether it was new."""
-        if any(_same_generator(g, generator) for g in self.generators):
-            return False
-        self.generators.append(generator)
-        return True
-
-
-class _SeeGenerators(TorchDispatchMode):
-    """The first call's forward: every generator an op is handed, its state noted before
-    the op draws (rule 2)."""
-
-    def __init__(self, known: _Known, states: dict) -> None:
+    def __init__(self, states: dict) -> None:
         super().__init__()
-        self.known = known
         self.states = states
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         generator = kwargs.get("generator")
-        if isinstance(generator, torch.Generator) and self.known.add(generator):
-            with _disable_current_modes():
-                self.states[generator] = generator.get_state()
+        if generator is not None:
+            self._note(generator)
+        for arg in args:   # torch's own functions take it by keyword; a user's may not
+            if isinstance(arg, torch.Generator):
+                self._note(arg)
         return func(*args, **kwargs)
+
+    def _note(self, generator) -> None:
+        if isinstance(generator, torch.Generator) and generator not in self.states and \
+                not _is_default(generator):
+            with _disable_current_modes():   # get_state makes a tensor: no op of the block
+                self.states[generator] = generator.get_state()
 
 
 class _Guard:
     """One checkpointed call of a block: the forward notes, the re-runs set back."""
 
-    def __init__(self, known: _Known) -> None:
-        self.known = known
-        self.first = not known.called
-        known.called = True
-        self.states = {g: g.get_state() for g in known.generators}
+    def __init__(self) -> None:
+        self.states: dict = {}   # generator -> its state before the forward's first draw
         self.calls = 0
 
     def wrap(self, fn: Callable) -> Callable:
@@ -109,10 +83,8 @@ class _Guard:
             self.calls += 1
             if self.calls > 1:
                 return self._rerun(fn, args)
-            if self.first:
-                with _SeeGenerators(self.known, self.states):
-                    return fn(*args)
-            return fn(*args)
+            with _SeeGenerators(self.states):
+                return fn(*args)
         return run
 
     def _rerun(self, fn: Callable, args: tuple) -> Any:
@@ -120,7 +92,7 @@ class _Guard:
             return fn(*args)
         with _disable_current_modes():
             now = {g: g.get_state() for g in self.states}
-            for generator, state in self.states.items():
+            for generator, state in reversed(self.states.items()):   # rule 3's order
                 generator.set_state(state)
         try:
             return fn(*args)
@@ -130,26 +102,10 @@ class _Guard:
                     generator.set_state(state)
 
 
-def _known_of(block: nn.Module) -> _Known:
-    """The block's generators, kept per block in util/per_model.py (`offload.process.reset()`
-    forgets them: the next call is a first call again)."""
-    def learn() -> _Known:
-        known = _Known()
-        for module in block.modules():
-            for value in vars(module).values():
-                if isinstance(value, torch.Generator):
-                    known.add(value)
-        return known
-    return per_model.state_for(block, _Known, learn)
-
-
-def guard_generators(block: nn.Module | None, fn: Callable) -> Callable:
-    """`fn` (the function checkpoint runs, forward then re-runs) with the generators of
-    `block` set back for its re-runs (NOTE [Generators in a re-run]); `fn` itself when
-    there is nothing to guard."""
-    if block is None or torch.compiler.is_compiling():
+def guard_generators(fn: Callable) -> Callable:
+    """`fn` (the function checkpoint runs, forward then re-runs) with the generators its
+    forward draws from set back for its re-runs (NOTE [Generators in a re-run]); `fn`
+    itself under torch.compile."""
+    if torch.compiler.is_compiling():
         return fn
-    known = _known_of(block)
-    if known.called and not known.generators:
-        return fn   # its first call drew from none, and none is an attribute
-    return _Guard(known).wrap(fn)
+    return _Guard().wrap(fn)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from ..runtime.version_check import version_sentinel
 from ..util import clock
 from .recompute import IGNORED_OPS, block_inputs, op_name, storable_op
 
@@ -40,6 +41,10 @@ __all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler",
            "signature"]
 
 _SEEDED = torch.Tag.nondeterministic_seeded
+# Inputs whose version counter the profile follows (a subclass's own counter may not be
+# reachable through a detached alias; an inference tensor has none). Not weights: an
+# optimizer step inside the context changes them after the backward, harmlessly.
+_COUNTED = (torch.Tensor, torch.nn.Parameter)
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:
@@ -94,6 +99,10 @@ class BlockRecord:
     ops: list[OpRecord] = field(default_factory=list)
     forward_s: float = 0.0
     opaque: bool = False   # compiled: ran whole, no op seen (BlockProfiler.run)
+    # A tensor input of the call was changed in place after the call began (by the block,
+    # or by its caller before backward): a re-run would not see the input the call saw, and
+    # checkpoint raises autograd's in-place error for it. It runs as it is.
+    inputs_changed: bool = False
 
 
 @dataclass
@@ -230,6 +239,9 @@ class BlockProfiler:
         self.chains: list[tuple[OpRecord, OpRecord]] = []  # (maker, in-place op on its output)
         self._makers: dict[int, tuple[weakref.ref, OpRecord]] = {}
         self._inputs: dict[int, tuple[weakref.ref, int]] = {}
+        # Per call, its tensor inputs' version counters as the call began (zero-byte
+        # sentinels: version_check.py NOTE [Version check]); read at `finish`.
+        self._input_versions: list[tuple[BlockRecord, list[tuple[torch.Tensor, int]]]] = []
 
     def note_storage(self, storage: torch.UntypedStorage, record: OpRecord) -> None:
         # Weak: the profile must not keep activations alive (NOTE [Storage identity]).
@@ -268,6 +280,10 @@ class BlockProfiler:
                 return hooks.pack(t)
 
         block = BlockRecord(index, type_key, type_name, signature(args, kwargs), opaque=opaque)
+        self._input_versions.append((block, [
+            (version_sentinel(a), a._version) for a in block_inputs(args, kwargs)
+            if type(a) in _COUNTED and not a.is_inference()
+            and not (a.is_leaf and a.requires_grad)]))   # a weight: the optimizer's to change
         if opaque:
             t0 = time.perf_counter()
             try:
@@ -301,7 +317,11 @@ class BlockProfiler:
             torch.zeros(1).add_(1)
 
     def finish(self) -> list[BlockRecord]:
+        """The step's block records, once its backward ran."""
         self.timer.resolve()
+        for block, versions in self._input_versions:
+            block.inputs_changed = any(s._version != v for s, v in versions)
+        self._input_versions.clear()
         for maker, inplace in self.chains:
             maker.chain_s += inplace.time_s
         self.chains.clear()

@@ -26,6 +26,7 @@ class TypeInfo:
     saved: dict                  # op id -> saved bytes per instance (max over instances)
     ranking: list[tuple]         # op ids, recompute order
     forced: int                  # how many of the ranking's first entries are forced
+    rerunnable: bool = True      # no instance's inputs changed in place after its call
 
 
 def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
@@ -55,11 +56,15 @@ def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
         if type_key != records[0].type_key:   # profile.py NOTE [Op identity]
             name += f" ({type_key[-1][0]} {type_key[-1][1] + 1})"
         infos.append(TypeInfo(type_key, name, [b.index for b in records],
-                              ops, saved, forced + free, len(forced)))
+                              ops, saved, forced + free, len(forced),
+                              not any(b.inputs_changed for b in records)))
     return infos
 
 
 def candidates(info: TypeInfo) -> list[int]:
-    """Prefix lengths of the ranking worth trying: 0 (plain), then every per-op mode."""
+    """Prefix lengths of the ranking worth trying: 0 (plain), then every per-op mode
+    (none for a type that cannot be re-run)."""
+    if not info.rerunnable:
+        return [0]
     first = max(info.forced, 1)
     return [0] + list(range(first, len(info.ranking) + 1))

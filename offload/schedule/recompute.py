@@ -212,9 +212,9 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     also those inside keyword arguments (Hugging Face passes rotary tables and masks that
     way), handed to checkpoint positionally: checkpoint saves positional inputs through the
     saved-tensor hooks (so ours place them), while it would hold keyword ones in a closure,
-    out of our reach. `block` is the module `forward` belongs to: its buffers and the
-    random generators it draws from stay exact across the re-run
-    (offload/schedule/buffers.py, offload/schedule/generators.py)."""
+    out of our reach. `block` is the module `forward` belongs to: its buffers stay
+    exact across the re-run (offload/schedule/buffers.py), as do the random generators the
+    forward draws from (offload/schedule/generators.py)."""
     leaves, spec = tree_flatten((args, kwargs))
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     if len(where) == len(args) and all(isinstance(a, torch.Tensor) for a in args) \
@@ -230,7 +230,7 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
             a, kw = tree_unflatten(full, spec)
             return forward(*a, **kw)
     extra = {} if context_fn is None else {"context_fn": context_fn}
-    guarded = guard_buffers(block, guard_generators(block, call))
+    guarded = guard_buffers(block, guard_generators(call))
     return checkpoint(_ranged(guarded), *tensors, use_reentrant=False,
                       **extra)
 

@@ -68,6 +68,10 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
         own.append(f"the budget cannot be met: {format_bytes(pred.fixed_bytes)} stay on the "
                    "device whatever the plan does (below OFFLOAD_MIN_BYTES, no_offload(), or "
                    "held by a checkpoint's closure)")
+    changed = sorted({b.type_name for b in profile.blocks if b.inputs_changed})
+    if changed:
+        own.append(f"{', '.join(changed)}: an input is changed in place after the block runs, "
+                   "so it runs as it is (a re-run would not see the input the block saw)")
     opaque = sorted({b.type_name for b in profile.blocks if b.opaque})
     if opaque:
         own.append(f"{', '.join(opaque)}: compiled with torch.compile, so run whole (as they "
@@ -90,7 +94,9 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
     out = {"offload": predict(profile, figures, bare, infos,
                               {i.type_key: 0 for i in infos}, items).prediction.step_s}
     keeps: frozenset = frozenset()
-    if any(i.ranking for i in infos):
+    # A block that cannot be re-run rules out checkpointing every block (its trial would
+    # raise autograd's in-place error in the user's step).
+    if any(i.ranking for i in infos) and all(i.rerunnable for i in infos):
         full = predict(profile, figures, bare, infos,
                        {i.type_key: len(i.ranking) for i in infos}, items).prediction
         dispatch = 2 * (figures.dispatch_op_s or 0.0) * sum(

@@ -81,7 +81,8 @@ def parse_size(value: str | int, *, allow_percent: bool = False) -> SizeSpec:
     if nbytes > _MAX_BYTES:
         raise ValueError("more bytes than a 64-bit count holds (the most is 8 EiB)")
     if unit in ("", "b") and number != int(number):
-        raise ValueError("a size in bytes must be a whole number")
+        raise ValueError("a size in bytes must be a whole number" + (
+            f' (a share is a percentage: "{number * 100:g}%")' if allow_percent else ""))
     return SizeSpec(nbytes=int(nbytes))
 
 
