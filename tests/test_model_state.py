@@ -346,3 +346,46 @@ def test_a_generator_first_drawn_from_after_the_first_call_draws_the_same_in_the
         ctx.close()
     finally:
         NOISE_ON[0] = False
+
+
+# ---------------------------------------------------------------- arguments written into
+class CollectsAux(nn.Module):
+    """Appends an auxiliary loss to the list it is handed and counts itself in a dict, as
+    MoE layers collect their load-balancing losses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.router = nn.Linear(16, 4)
+
+    def forward(self, x, aux, stats, *, scale):
+        aux.append(self.router(x).softmax(-1).pow(2).mean() * scale)
+        stats["calls"] = stats.get("calls", 0) + len(aux)   # reads what earlier blocks wrote
+        return x + torch.tanh(self.lin(x))
+
+
+class CollectsAuxModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([CollectsAux() for _ in range(3)])
+
+    def forward(self, x):
+        aux, stats = [], {}
+        for block in self.blocks:
+            x = block(x, aux, stats, scale=torch.tensor(2.0))
+        assert len(aux) == 3 and stats == {"calls": 6}, (len(aux), stats)
+        return x.pow(2).mean() + sum(aux) + stats["calls"]
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_list_or_dict_a_block_writes_into_is_the_callers(policy, nvme_dir):
+    """Before: the call's arguments were rebuilt for checkpoint (tensors inside them passed
+    positionally), so a block appended its auxiliary loss to a copy of the caller's list:
+    the loss left them out, gradients silently wrong at every checkpointed step. The re-run
+    writes into a copy of the arguments as they were at the call, not the caller's list."""
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    differs, ctx = train_side_by_side(CollectsAuxModel(), lambda m: m(x), 6,
+                                      _settings(policy, nvme_dir))
+    assert differs is None, differs
+    if policy == "auto":   # the slow link: it re-runs ops
+        assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan

@@ -224,6 +224,13 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
         tensors = [leaves[i] for i in where]
 
         def call(*ts):
+            # The forward gets the caller's own objects: a list or dict it was passed and
+            # writes into (MoE auxiliary losses, stats) must be the caller's. The re-run gets
+            # the recomputed inputs in a rebuilt copy of the call's arguments as they were at
+            # the call: what it writes there is thrown away (checkpoint's own re-run would
+            # write into the caller's list a second time).
+            if all(t is tensors[k] for k, t in enumerate(ts)):
+                return forward(*args, **kwargs)
             full = list(leaves)
             for i, t in zip(where, ts):
                 full[i] = t
