@@ -220,23 +220,32 @@ def test_nvme_max_bw_reaches_the_engine(nvme_dir):
 
 
 # ---------------------------------------------------------------- real measurements
-def test_real_measurements_are_positive(nvme_dir, monkeypatch):
+def test_real_measurements_are_positive_and_leave_the_users_random_numbers_alone(
+        nvme_dir, monkeypatch):
+    """`auto` measures inside the user's step the first time it plans on a machine. Before,
+    the operands came from the default generator, so every random number after that step
+    (dropout masks, data order) differed from plain training."""
     from offload._ext import load_core
 
     monkeypatch.setattr(measure, "NVME_PROBE_BYTES", 32 << 20)
+    rng = torch.get_rng_state()
     figures = measure.compute_figures(CPU)
     assert figures["compute_gflops"] > 0 and figures["dispatch_op_s"] >= 0
     disk = measure.nvme_figures((nvme_dir,), 2, load_core())
     assert disk["nvme_write_gbps"] > 0 and disk["nvme_read_gbps"] > 0
     assert disk["nvme_issue_s"] > 0  # (the fixture checks nothing stays on disk)
+    assert torch.equal(torch.get_rng_state(), rng)
 
 
 @pytest.mark.cuda
 def test_pcie_measurement_on_a_gpu():
     from offload._ext import load_core
 
+    rng = torch.cuda.get_rng_state()
     figures = measure.pcie_figures(torch.device("cuda"), load_core())
     assert figures["d2h_gbps"] > 1 and figures["h2d_gbps"] > 1 and figures["copy_issue_s"] > 0
+    figures = measure.compute_figures(torch.device("cuda"))
+    assert torch.equal(torch.cuda.get_rng_state(), rng)   # the user's random numbers
 
 
 def test_probe_command_prints_figures_and_ceilings(nvme_dir, capsys, monkeypatch):

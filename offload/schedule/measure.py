@@ -33,6 +33,14 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _own_generator(device: torch.device) -> torch.Generator:
+    """A generator of the probe's own for its operands. Not the default ones: `auto` runs
+    the probe inside the user's step (its first plan on a machine), and a draw from the
+    default generator there would shift every later random number of the user's (data
+    order, dropout masks), so the run would differ from plain training."""
+    return torch.Generator(device=device).manual_seed(0)
+
+
 def compute_figures(device: torch.device) -> dict[str, float]:
     """Matmul rate and the extra host time per op of a Python dispatch mode."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,8 +48,9 @@ def compute_figures(device: torch.device) -> dict[str, float]:
     cuda = device.type == "cuda"
     n = 4096 if cuda else 1024
     dtype = torch.bfloat16 if cuda else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    own = _own_generator(device)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=own)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=own)
     reps = 10 if cuda else 3
 
     def matmuls() -> None:
@@ -87,7 +96,8 @@ def nvme_figures(dirs: tuple[str, ...], workers: int, core: Any) -> dict[str, fl
         block = arena.allocate(total)
         buf = torch.frombuffer(memoryview(block), dtype=torch.uint8)
         # Not zeros: a device that compresses or dedups zero pages would flatter the figure.
-        buf.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8))
+        buf.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8,
+                                generator=_own_generator(torch.device("cpu"))))
         extents = [store.allocate(request) for _ in range(total // request)]
         base = buf.data_ptr()
 
@@ -123,7 +133,8 @@ def pcie_figures(device: torch.device, core: Any) -> dict[str, float]:
     big, small, count = 256 << 20, 1 << 20, 32
     arena = core.HostArena(big, pinned=True)
     block = arena.allocate(big)
-    src = torch.randint(0, 256, (big,), dtype=torch.uint8, device=device)
+    src = torch.randint(0, 256, (big,), dtype=torch.uint8, device=device,
+                        generator=_own_generator(device))
 
     def d2h_rate(nbytes: int, n: int) -> tuple[float, float]:
         with CopyStreams(device, timing=True) as copies:
