@@ -230,6 +230,133 @@ def test_a_batchnorm_replaced_between_steps_is_guarded_too(nvme_dir):
     assert stage.bn1.num_batches_tracked.item() == 3   # 6: updated again by the re-run
 
 
+UPDATING = [False]   # LateCodebook's switch, shared by the plain and the offload copy
+
+
+class LateCodebook(nn.Module):
+    """A VQ layer whose EMA codebook update is switched on after warm-up: the first change
+    to its buffer comes in a later call than its first, and the output reads the buffer."""
+
+    def __init__(self, d: int = 8, k: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.register_buffer("codebook", torch.randn(k, d))
+
+    def forward(self, x):
+        z = self.inp(x)
+        codes = self.codebook[torch.cdist(z, self.codebook).argmin(-1)]
+        if UPDATING[0]:
+            with torch.no_grad():
+                self.codebook.mul_(0.5).add_(0.5 * z.mean(0))
+        return x + z + (codes - z).detach() + (z - codes.detach()).pow(2).mean()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_buffer_first_changed_in_a_later_call_is_set_back_for_that_calls_rerun(policy,
+                                                                                   nvme_dir):
+    """Before: only the buffers of modules seen changing in an earlier call were copied
+    before the forward, so the call that changed a buffer first re-ran on the value it had
+    written: a gradient ~0.01 off at that step, silently, and every step after differing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[LateCodebook() for _ in range(3)])
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+
+    def each(step, ctx):
+        UPDATING[0] = step >= 3   # from the fifth step on (auto re-runs from the third)
+
+    try:
+        differs, ctx = train_side_by_side(model, lambda m: m(x).pow(2).mean(), 7,
+                                          _settings(policy, nvme_dir), each=each)
+    finally:
+        UPDATING[0] = False
+    assert differs is None, f"differs at step {differs}"
+    if policy == "auto":   # the slow link: re-runs ops, so the buffers were at stake
+        assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+
+
+class NormHandedIn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, norm):
+        return x + torch.tanh(norm(self.lin(x)))
+
+
+class SharesItsNorm(nn.Module):
+    """One BatchNorm of the model's, handed to every block as an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([NormHandedIn() for _ in range(3)])
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, self.norm)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_batchnorm_handed_to_blocks_as_an_argument_counts_each_call_once(policy,
+                                                                          nvme_dir):
+    """Before: only the block's own modules were guarded; the re-run of each block updated
+    the BatchNorm it was handed a second time (num_batches_tracked 2x, running statistics
+    off), as plain checkpoint does."""
+    torch.manual_seed(0)
+    model = SharesItsNorm()
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    differs, ctx = train_side_by_side(model, lambda m: m(x), 4, _settings(policy, nvme_dir))
+    assert differs is None, f"differs at step {differs}"
+    assert model.norm.num_batches_tracked.item() == 12
+    if policy == "auto":   # the slow link: re-runs ops, so the buffers were at stake
+        assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+
+
+class FastWeightsNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+                                     for _ in range(3)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_forward_run_with_other_weights_is_rerun_with_them(policy, nvme_dir):
+    """`torch.func.functional_call` with fast weights (MAML): the module's own parameters
+    are back before the backward. Before, the re-run computed with them instead of the
+    fast weights: gradients ~0.01 off at every checkpointed step, silently (as under
+    torch's checkpoint). After each step the model holds its own parameters again."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = FastWeightsNet()
+    own = {name: p for name, p in model.named_parameters()}
+
+    def step(index, ctx):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(index))
+        fast = {name: (p.detach() * (0.9 - 0.1 * index)).requires_grad_()
+                for name, p in own.items()}
+        with ctx if ctx is not None else torch.enable_grad():
+            loss = functional_call(model, fast, (x,)).pow(2).mean()
+            grads = torch.autograd.grad(loss, list(fast.values()))
+        assert {name: p for name, p in model.named_parameters()} == own
+        return grads
+
+    plain = [step(i, None) for i in range(5)]
+    ctx = offload.activations(model=model, **_settings(policy, nvme_dir))
+    for i in range(5):
+        got = step(i, ctx)
+        assert all(torch.equal(a, b) for a, b in zip(plain[i], got)), f"step {i}"
+    if policy == "auto":   # the slow link: it re-runs ops
+        assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+    ctx.close()
+
+
 # ---------------------------------------------------------------- random generators
 NOISE = torch.Generator()   # a generator held outside the model (a module global)
 

@@ -2,17 +2,21 @@
 
 NOTE [Buffers in a re-run] `recompute` and `auto` re-run blocks in backward (checkpoint's
 recompute). A block that changes a buffer in its forward (BatchNorm's running statistics
-and `num_batches_tracked` in train mode, any module counting its calls) would change it
+and `num_batches_tracked` in train mode, a buffer counting calls) would change it
 again in the re-run: BatchNorm statistics updated twice a step, silently, with the
 gradients still right. The user never asked for checkpointing, so the runtime must leave
 the model's state exactly as plain training does. Rules:
 
-1. Before a block's checkpointed forward, its buffers are noted (object and version
-   counter) and those known to change are copied. A module is known to change its buffers
-   after its first call: that call copies all of them and compares values afterwards, as
-   BatchNorm's kernel writes its running statistics without bumping their version counter.
-   Every later call still catches a change through the version counter or a buffer
-   replaced by another object.
+1. Before every checkpointed forward of a block, its buffers are noted (object and
+   version counter) and copied: all of them, at every call. A module may change a buffer
+   first in a later call than its first (an EMA codebook switched on after warm-up, an
+   update every N steps), and a change is seen only after it happened, when the value
+   before it is gone. After the forward, the copies of modules that changed nothing are
+   dropped (those of modules seen changing in an earlier call are kept). A change shows
+   as a bumped version counter or a buffer replaced by another object; the block's first
+   call also compares values, as BatchNorm's kernel writes its running statistics without
+   bumping their version counter (its `num_batches_tracked` bumps its own, so a BatchNorm
+   first called in eval mode is still seen once it trains).
 2. The re-run runs on copies: every buffer of a module that changed any (all of its
    buffers: BatchNorm counts batches by version but writes statistics without one) is
    swapped for a copy of its value from before the forward (rule 1), so the re-run computes
@@ -20,10 +24,15 @@ the model's state exactly as plain training does. Rules:
    before the re-run. Whatever the re-run writes lands in copies that are dropped.
 3. The copies are taken outside our dispatch modes (recompute.py counts ops by position:
    a copy must not shift the ids of the block's own ops).
+4. The guarded modules are the block's own and those handed to its call as arguments
+   (`block(x, self.norm)`): the re-run calls those again too. A module the block reaches
+   otherwise (a global, a reference to its parent) is not guarded.
 
-What it costs: nothing for blocks without buffers; a look at each buffer's version per
-call; a copy of the changing modules' buffers per call (BatchNorm: a few vectors); one
-copy and compare of every buffer at a module's first call.
+What it costs: nothing for blocks without buffers; per call, a look at each buffer's
+version and a copy of every buffer, held while the forward runs and, for the modules that
+changed, until the re-run (BatchNorm: a few vectors); one compare of every buffer at a
+module's first call. A block holding a large buffer that never changes pays its copy at
+every call.
 """
 from __future__ import annotations
 
@@ -92,10 +101,9 @@ class _Guard:
         self.slots = slots   # held for this call only: the registry holds them weakly
         self.before = [(b, None if b is None else b._version)
                        for b in (m._buffers.get(n) for m, n in slots)]
-        copy = range(len(slots)) if info.changing is None else info.changing
-        with torch.no_grad(), _disable_current_modes():
-            self.copies = {i: self.before[i][0].detach().clone() for i in copy
-                           if self.before[i][0] is not None}
+        with torch.no_grad(), _disable_current_modes():   # rule 1: every buffer
+            self.copies = {i: buf.detach().clone() for i, (buf, _) in enumerate(self.before)
+                           if buf is not None}
         self.swap: list[int] = []
         self.calls = 0
 
@@ -126,8 +134,10 @@ class _Guard:
         whole = {j for i in changed for j in info.owner_of[i]}   # rule 2
         info.changing = whole if info.changing is None else info.changing | whole
         for i in list(self.copies):
+            # Kept for a module seen changing in any call: a later call of a shared one may
+            # change it before this call's re-run. Else the re-run may use the buffer itself.
             if i not in info.changing:
-                del self.copies[i]  # never changes: the re-run may use the buffer itself
+                del self.copies[i]
         self.swap = sorted(whole | set(self.copies))
 
     def _rerun(self, fn: Callable, args: tuple) -> Any:
@@ -138,9 +148,7 @@ class _Guard:
                    for i in self.swap]
         with torch.no_grad(), _disable_current_modes():  # rule 3
             for i, (module, name, now) in zip(self.swap, current):
-                start = self.copies.get(i)
-                if start is None:   # a change first seen in this call: its start is lost
-                    start = self.before[i][0] if now is not self.before[i][0] else now
+                start = self.copies.get(i)   # None: the slot held no buffer at the call
                 module._buffers[name] = None if start is None else start.detach().clone()
         try:
             return fn(*args)

@@ -61,6 +61,7 @@ from ..runtime.placement import Decision
 from ..util.ranges import RECOMPUTE, profiling, span
 from .buffers import guard_buffers
 from .generators import guard_generators
+from .weights import guard_weights
 
 __all__ = ["run_block", "checkpoint_block", "block_inputs", "storable_op", "IGNORED_OPS",
            "op_name"]
@@ -212,9 +213,10 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     also those inside keyword arguments (Hugging Face passes rotary tables and masks that
     way), handed to checkpoint positionally: checkpoint saves positional inputs through the
     saved-tensor hooks (so ours place them), while it would hold keyword ones in a closure,
-    out of our reach. `block` is the module `forward` belongs to: its buffers stay
-    exact across the re-run (offload/schedule/buffers.py), as do the random generators the
-    forward draws from (offload/schedule/generators.py)."""
+    out of our reach. `block` is the module `forward` belongs to: its buffers, and those of
+    modules handed to the call, stay exact across the re-run (offload/schedule/buffers.py),
+    the re-run computes with the weights the forward ran with (weights.py), and draws what
+    the forward drew from the random generators it drew from (generators.py)."""
     leaves, spec = tree_flatten((args, kwargs))
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     if len(where) == len(args) and all(isinstance(a, torch.Tensor) for a in args) \
@@ -238,8 +240,24 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
             return forward(*a, **kw)
     extra = {} if context_fn is None else {"context_fn": context_fn}
     guarded = guard_buffers(block, guard_generators(call))
+    handed_in = _modules_handed_in(leaves, block)
+    for module in handed_in:   # buffers.py rule 4
+        guarded = guard_buffers(module, guarded)
+    roots = handed_in if block is None else [block, *handed_in]
+    if roots:
+        guarded = guard_weights(roots, guarded)   # weights.py NOTE [Weights in a re-run]
     return checkpoint(_ranged(guarded), *tensors, use_reentrant=False,
                       **extra)
+
+
+def _modules_handed_in(leaves: list, block: torch.nn.Module | None) -> list[torch.nn.Module]:
+    """The modules among a call's arguments that are not the block's own (`block(x,
+    self.norm)`): the re-run calls them again, so their buffers are guarded too."""
+    handed = {id(x): x for x in leaves if isinstance(x, torch.nn.Module)}
+    if handed and block is not None:
+        for own in block.modules():
+            handed.pop(id(own), None)
+    return list(handed.values())
 
 
 def _ranged(fn: Callable) -> Callable:

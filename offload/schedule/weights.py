@@ -1,0 +1,58 @@
+"""The weights a block's forward ran with, put back for its re-run.
+
+NOTE [Weights in a re-run] `recompute` and `auto` re-run blocks in backward. A forward may
+run with other weights than the module's own: `torch.func.functional_call(model, fast,
+x)` (MAML, hypernetworks) swaps each module's parameters for the given tensors and puts
+the module's own back when it returns, before the backward. The re-run would compute with
+the module's own weights, another function than the forward ran: silently wrong
+gradients (as under torch's checkpoint). So a call notes the parameter objects of the
+modules it guards (the block's and those handed to it as arguments), and its re-run puts
+back, for itself only, each one that was replaced since; afterwards the module gets what
+it had. A weight changed in place between the forward and the re-run is autograd's to
+catch, as in plain training. Cost: a look at each module's parameters per call and per
+re-run; nothing is copied.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.nn as nn
+
+__all__ = ["guard_weights"]
+
+
+def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
+    """`fn` (the function checkpoint runs, forward then re-runs) with the parameters of
+    `modules` (each with its submodules) as they were at the forward put back for its
+    re-runs (NOTE [Weights in a re-run])."""
+    calls = 0
+    noted: list[tuple[dict, dict]] = []
+
+    def run(*args) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            seen: set[int] = set()
+            for root in modules:
+                for module in root.modules():
+                    if module._parameters and id(module) not in seen:
+                        seen.add(id(module))
+                        noted.append((module._parameters, dict(module._parameters)))
+            return fn(*args)
+        swapped = [(params, name, params.get(name)) for params, then in noted
+                   for name, weight in then.items() if params.get(name) is not weight]
+        if not swapped:
+            return fn(*args)
+        by_params = {id(params): then for params, then in noted}
+        for params, name, _ in swapped:
+            params[name] = by_params[id(params)][name]
+        try:
+            return fn(*args)
+        finally:
+            for params, name, now in swapped:
+                if now is None:
+                    params.pop(name, None)
+                else:
+                    params[name] = now
+
+    return run
