@@ -16,10 +16,12 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
-from .config_parse import PARSERS, POLICIES, TIERS, free_disk_bytes
+from .config_parse import PARSERS, POLICIES, TIERS
 from .errors import ConfigError
+from .tiers import nvme_space
 from .util.figures import ProbeSetting
 from .util import logs
+from .util.disk_space import StripedRoom, striped_room
 from .util.memory_limits import available_memory, memory_floor_bytes
 from .util.ranks import Ranks, agreed_total
 from .util.sizes import SizeSpec, format_bytes
@@ -60,8 +62,9 @@ class Config:
     nvme_dir: tuple[str, ...] = _knob(
         (), env="OFFLOAD_NVME_DIR", kind="path[,path...]", example="/mnt/nvme0/{rank},/mnt/nvme1",
         default_doc="unset",
-        doc="Directory on a local SSD for the `nvme` tier; several are striped. `{rank}` and "
-            "`{local_rank}` expand from RANK / LOCAL_RANK. Files are private and unlinked at once.")
+        doc="Directory on a local SSD for the `nvme` tier; several are striped, each holding an "
+            "equal share of OFFLOAD_NVME_BYTES. `{rank}` and `{local_rank}` expand from RANK / "
+            "LOCAL_RANK. Files are private and unlinked at once.")
     host_bytes: SizeSpec = _knob(
         SizeSpec(fraction=0.5), env="OFFLOAD_HOST_BYTES", kind="size or %", example="8GiB",
         doc="Capacity of the `host` tier; a percentage is of the memory available at entry "
@@ -71,9 +74,11 @@ class Config:
         SizeSpec(fraction=0.5), env="OFFLOAD_NVME_BYTES", kind="size or %", example="64GiB",
         doc="What this process may keep in the NVMe directories, shared by every context alive "
             "at once (one budget per directory set); reserved with fallocate when the first "
-            "context opens it and kept open between steps. A percentage is of the free space of "
-            "the directories' file systems at that moment, divided among the processes of "
-            "this host (LOCAL_WORLD_SIZE); a size is per process. When it is full, tensors spill to the "
+            "context opens it and kept open between steps. A percentage is of what fits at that "
+            "moment in equal shares over the directories (the directory with the least free "
+            "space per share sets it), divided among the processes of this host "
+            "(LOCAL_WORLD_SIZE); a size is per process and is refused when the context is "
+            "built if a directory's share does not fit. When it is full, tensors spill to the "
             "next tier, stay with a warning, or raise TierFullError (OFFLOAD_STRICT).")
     min_bytes: int = _knob(
         _DEFAULT_MIN_BYTES, env="OFFLOAD_MIN_BYTES", kind="size", example="1MiB",
@@ -213,6 +218,7 @@ class Config:
             return  # turned off: nothing else may stop the run (OFFLOAD_ENABLED)
         if "nvme" in self.tiers and self.policy != "keep":
             self._validate_nvme_dirs()
+            self._validate_nvme_size()
         if self.trace is not None:
             self._validate_trace()
         if self.budget is not None and self.policy != "auto":
@@ -298,24 +304,46 @@ class Config:
         return capacity
 
     def nvme_capacity_bytes(self) -> int:
-        """Capacity of the nvme tier in bytes, checked against the free space; a percentage
-        is of the free space now, divided among the processes of this host.
+        """Capacity of the nvme tier in bytes, checked against the free space as the store
+        stripes it (NOTE [Striped room] in util/disk_space.py: an equal share in each
+        directory); a percentage is of what fits now, divided among the processes of this
+        host.
 
         Raises:
-            ConfigError: an absolute size larger than the free space.
+            ConfigError: an absolute size whose share does not fit in some directory.
         """
-        now = free_disk_bytes(self.nvme_dir)   # once: the share and the check read the same
-        devices = ",".join(str(d) for d in sorted({os.stat(p).st_dev for p in self.nvme_dir}))
-        capacity = self._resolve_share(self.nvme_bytes, lambda: now, f"disk-{devices}")
-        if capacity > now:
-            ranks = self.ranks.local_world_size
-            each = (f" (each of the {ranks} processes of this host takes this size: lower it, "
-                    "or give a percentage, which is divided among them)" if ranks > 1 else
-                    " (lower it, or give a percentage such as '50%')")
-            raise ConfigError(
-                f"{self.where('nvme_bytes')}: only {format_bytes(now)} free in "
-                f"{', '.join(self.nvme_dir)}{each}")
+        room = striped_room(self.nvme_dir)   # once: the share and the check read the same
+        capacity = self._resolve_share(self.nvme_bytes, lambda: room.capacity_bytes, room.key)
+        self._check_nvme_fits(capacity, room)
         return capacity
+
+    def _validate_nvme_size(self) -> None:
+        """An absolute OFFLOAD_NVME_BYTES must fit now; slabs of this process's own that
+        opening the store gives back first count as free (nvme_space.slabs_given_back)."""
+        if self.nvme_bytes.fraction is not None:
+            return  # a percentage is of what fits when the store opens
+        held = nvme_space.slabs_given_back(self.nvme_dir)
+        self._check_nvme_fits(self.nvme_bytes.nbytes, striped_room(self.nvme_dir, held))
+
+    def _check_nvme_fits(self, capacity: int, room: StripedRoom) -> None:
+        short = room.short_for(capacity)
+        if short is None:
+            return
+        where = self.where("nvme_bytes")
+        ranks = self.ranks.local_world_size
+        fix = (f"each of the {ranks} processes of this host takes this size: lower it, or "
+               "give a percentage, which is divided among them" if ranks > 1 else
+               "lower it, or give a percentage such as '50%'")
+        free = format_bytes(short.free_bytes)
+        if len(room.file_systems) == 1:
+            raise ConfigError(f"{where}: only {free} free in {', '.join(self.nvme_dir)} ({fix})")
+        # Striped over file systems of unequal room: name the one that is short.
+        raise ConfigError(
+            f"{where}: only {free} free in {' and '.join(map(repr, short.dirs))}, whose share "
+            f"would be {format_bytes(room.share_bytes(short, capacity))}: the store puts an "
+            f"equal share in each of the {room.n_dirs} directories of "
+            f"{self.where('nvme_dir')}, so at most {format_bytes(room.capacity_bytes)} fits "
+            f"({fix}; or free space there, or leave that directory out)")
 
     def _resolve_share(self, spec: SizeSpec, measure: Callable[[], int], what: str) -> int:
         """Bytes of `spec` for this process; a percentage of the host-wide total `measure`

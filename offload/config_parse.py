@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import shutil
 from typing import Any, Callable, Mapping
 
 from . import tiers as tier_registry
@@ -13,8 +12,7 @@ from .errors import ConfigError
 from .util.figures import ProbeSetting, parse_probe_setting
 from .util.sizes import parse_size
 
-__all__ = ["PARSERS", "TIERS", "POLICIES", "CPU_HEAP_MODES", "MAX_IO_WORKERS", "parse_nvme_dirs",
-           "free_disk_bytes"]
+__all__ = ["PARSERS", "TIERS", "POLICIES", "CPU_HEAP_MODES", "MAX_IO_WORKERS", "parse_nvme_dirs"]
 
 TIERS = tier_registry.names()  # fastest first
 POLICIES = ("keep", "offload", "recompute", "auto")
@@ -23,15 +21,6 @@ MAX_IO_WORKERS = 1024  # the engine's own limit (csrc/nvme_store.cpp)
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
-
-
-def free_disk_bytes(dirs: tuple[str, ...]) -> int:
-    """Free bytes summed over the distinct file systems holding `dirs`."""
-    seen: dict[int, int] = {}
-    for path in dirs:
-        seen.setdefault(os.stat(path).st_dev, shutil.disk_usage(path).free)
-    return sum(seen.values())
-
 
 
 def _fail(where: str, reason: str, fix: str) -> ConfigError:

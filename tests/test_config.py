@@ -113,16 +113,15 @@ def test_every_change_of_the_environment_between_contexts_is_seen(monkeypatch):
 @pytest.mark.parametrize("size", ["50%", "1MiB"])
 def test_the_nvme_capacity_reads_the_free_space_once(size, tmp_path, monkeypatch):
     """The share and the check against the free space read one measurement."""
-    import offload.config as config_mod
+    from offload.util import disk_space
 
     cfg = Config.from_env(env={"OFFLOAD_TIERS": "nvme", "OFFLOAD_NVME_DIR": str(tmp_path),
                                "OFFLOAD_NVME_BYTES": size})
     calls = []
-    real = config_mod.free_disk_bytes
-    monkeypatch.setattr(config_mod, "free_disk_bytes",
-                        lambda dirs: calls.append(dirs) or real(dirs))
+    real = disk_space._read_free
+    monkeypatch.setattr(disk_space, "_read_free", lambda path: calls.append(path) or real(path))
     assert cfg.nvme_capacity_bytes() > 0
-    assert len(calls) == 1
+    assert calls == [str(tmp_path)]
 
 
 def test_rank_placeholders(tmp_path):
@@ -381,6 +380,103 @@ def test_nvme_bytes_over_free_space(tmp_path):
                        r"\(lower it, or give a percentage"):
         cfg.nvme_capacity_bytes()
     assert Config.from_env(env={}, nvme_dir=str(tmp_path), nvme_bytes="1%").nvme_capacity_bytes() > 0
+
+
+# ---------------------------------------------------------------- striped directories
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@pytest.fixture
+def two_disks(tmp_path, monkeypatch):
+    """Two directories on (seemingly) different file systems: 1000 MiB and 64 MiB free."""
+    from offload.util import disk_space
+
+    big, small = str(tmp_path / "big"), str(tmp_path / "small")
+    os.mkdir(big), os.mkdir(small)
+    free = {big: (1, 1000 * MiB), small: (2, 64 * MiB)}
+    monkeypatch.setattr(disk_space, "_read_free", lambda path: free[path])
+    return big, small
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_a_percentage_striped_over_unequal_file_systems_fits_the_smallest(two_disks, order):
+    """NOTE [Striped room]: each directory gets half; 50 % of what fits is 64 MiB (32 MiB in
+    the small one), not 50 % of the summed 1064 MiB (266 MiB in a 64 MiB file system)."""
+    dirs = ",".join(two_disks if order == 0 else reversed(two_disks))
+    assert Config.from_env(env={}, nvme_dir=dirs).nvme_capacity_bytes() == 64 * MiB
+    assert Config.from_env(env={}, nvme_dir=dirs, nvme_bytes="100%").nvme_capacity_bytes() \
+        == 128 * MiB
+
+
+def test_directories_sharing_a_file_system_count_together(tmp_path, monkeypatch):
+    """Three directories, two on one file system: that one holds 2/3 of the capacity."""
+    from offload.util import disk_space
+
+    dirs = [str(tmp_path / name) for name in ("a1", "a2", "b")]
+    for path in dirs:
+        os.mkdir(path)
+    monkeypatch.setattr(disk_space, "_read_free",
+                        lambda path: (1, 100 * GiB) if "/a" in path else (2, 100 * GiB))
+    cfg = Config.from_env(env={}, nvme_dir=",".join(dirs))
+    assert cfg.nvme_capacity_bytes() == 75 * GiB   # 50 % of 100 GiB * 3 / 2
+    with pytest.raises(ConfigError, match=r"only 100 GiB free in '.*/a1' and '.*/a2', whose "
+                       r"share would be 100 GiB: .* so at most 150 GiB fits"):
+        cfg.with_overrides(nvme_bytes="150.1GiB").nvme_capacity_bytes()
+
+
+def test_a_size_too_large_for_one_striped_directory_fails_at_build(two_disks):
+    big, small = two_disks
+    dirs = f"{big},{small}"
+    with pytest.raises(ConfigError, match=re.escape(
+            f"nvme_bytes='200MiB': only 64 MiB free in '{small}', whose share would be 100 MiB: "
+            f"the store puts an equal share in each of the 2 directories of nvme_dir='{dirs}', "
+            "so at most 128 MiB fits (lower it, or give a percentage such as '50%'; or free "
+            "space there, or leave that directory out)")):
+        offload.activations(tiers="nvme", nvme_dir=dirs, nvme_bytes="200MiB")
+    offload.activations(tiers="nvme", nvme_dir=dirs, nvme_bytes="128MiB")
+
+
+@pytest.fixture
+def small_tmpfs():
+    """A 64 MiB tmpfs (skipped where mounting is refused), with no store of it left open."""
+    offload.empty_cache()
+    with mounted("tmpfs", size_bytes=64 * MiB) as point:
+        try:
+            yield point
+        finally:
+            offload.empty_cache()   # a slab left open would keep the mount busy
+
+
+def test_striping_over_a_real_small_file_system(small_tmpfs, nvme_dir):
+    """The default 50 % opens and runs over a large disk and a 64 MiB tmpfs (was: ENOSPC at
+    entry); a size the tmpfs cannot hold its share of is refused at build, naming it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
+    x = torch.randn(64, 32)
+    model(x).pow(2).mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    dirs = f"{nvme_dir},{small_tmpfs}"
+    with offload.activations(tiers="nvme", nvme_dir=dirs, min_bytes=0) as ctx:
+        model(x).pow(2).mean().backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+    assert ctx.stats.nvme_bytes > 0
+    assert 0 < ctx.stats.nvme_capacity_bytes <= 64 * MiB   # half of it in the tmpfs
+    with pytest.raises(ConfigError, match=rf"nvme_bytes='200MiB': only .* free in "
+                       rf"'{small_tmpfs}', whose share would be 100 MiB"):
+        offload.activations(tiers="nvme", nvme_dir=dirs, nvme_bytes="200MiB")
+
+
+def test_a_size_is_checked_with_the_processes_own_idle_slabs_counted_free(small_tmpfs):
+    """The store kept open after a step holds 48 MiB of the 64 MiB: building the next
+    step's context must not count that against the same size."""
+    x = torch.randn(64, 64, requires_grad=True)
+    for _ in range(2):
+        ctx = offload.activations(tiers="nvme", nvme_dir=small_tmpfs, nvme_bytes="48MiB",
+                                  min_bytes=0)
+        with ctx:
+            (x @ x).sum().backward()
+        assert ctx.stats.nvme_capacity_bytes == 48 * MiB
 
 
 def test_log_level_applies(monkeypatch):

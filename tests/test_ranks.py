@@ -14,7 +14,7 @@ import torch
 
 import offload
 from offload import config as config_module
-from offload.util import logs
+from offload.util import disk_space, logs
 from offload._ext import core_available
 from offload.config import Config
 from offload.errors import ConfigError
@@ -32,7 +32,7 @@ def machine(monkeypatch):
 
     # (available, total) RAM, as memory_limits reads it from /proc/meminfo.
     monkeypatch.setattr(memory_limits, "_ram", lambda proc: (40 * GiB, 64 * GiB))
-    monkeypatch.setattr(config_module, "free_disk_bytes", lambda dirs: 1000 * GiB)
+    monkeypatch.setattr(disk_space, "_read_free", lambda path: (1, 1000 * GiB))
 
 
 def _cfg(tmp_path, **env):
@@ -94,6 +94,20 @@ def test_a_size_over_the_free_space_names_the_processes(machine, tmp_path):
                        r".*each of the 8 processes of this host takes this size: lower it, or "
                        r"give a percentage, which is divided among them"):
         cfg.nvme_capacity_bytes()
+
+
+def test_ranks_divide_what_fits_when_striped_over_unequal_file_systems(tmp_path, monkeypatch):
+    """NOTE [Striped room] with NOTE [Host share]: 8 ranks striping over a 1000 GiB and a
+    100 GiB file system share 50 % of 200 GiB (each slab is half a rank's capacity)."""
+    big, small = tmp_path / "big", tmp_path / "small"
+    big.mkdir(), small.mkdir()
+    free = {str(big): (1, 1000 * GiB), str(small): (2, 100 * GiB)}
+    monkeypatch.setattr(disk_space, "_read_free", lambda path: free[path])
+    cfg = Config.from_env(env={"OFFLOAD_NVME_DIR": f"{big},{small}", "LOCAL_WORLD_SIZE": "8",
+                               "OFFLOAD_NVME_BYTES": "50%"})
+    assert cfg.nvme_capacity_bytes() == 100 * GiB // 8
+    # The 8 ranks' slabs in the small file system take half of it.
+    assert 8 * cfg.nvme_capacity_bytes() // 2 <= 50 * GiB
 
 
 def test_local_rank_without_local_world_size_warns_once(machine, tmp_path, caplog,

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 from typing import Any, Callable, Hashable
 
-__all__ = ["acquire", "acquire_sized", "release", "close_idle", "open_stores",
+__all__ = ["acquire", "acquire_sized", "release", "close_idle", "open_stores", "slabs_given_back",
            "after_fork_in_child", "CHUNK_BYTES", "MIN_STORE_BYTES"]
 
 log = logging.getLogger("offload")
@@ -164,6 +165,21 @@ def open_stores() -> dict[tuple[str, ...], tuple[Any, int]]:
     """Directories → (store, users) for every store open now (tests, diagnostics)."""
     with _lock:
         return {d: (e.store, e.users) for d, e in _entries.items()}
+
+
+def slabs_given_back(dirs: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(directory, bytes) of each slab this process holds that a store of `dirs` would not
+    count against the free space: `acquire` closes every idle store before it opens one, and
+    a store of `dirs` in use is shared, not opened again. A store of other directories in
+    use keeps its slabs."""
+    dirs = tuple(os.path.realpath(d) for d in dirs)   # the registry's keys (NvmeTier)
+    with _lock:
+        stores = [e.store for d, e in _entries.items() if e.users == 0 or d == dirs]
+    held = []
+    for store in stores:
+        paths = list(store.paths)
+        held += [(path, store.capacity_bytes // len(paths)) for path in paths]
+    return held
 
 
 def after_fork_in_child() -> None:
