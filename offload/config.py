@@ -273,9 +273,11 @@ class Config:
             if not os.path.isdir(path):
                 raise ConfigError(f"{where}: {path!r} is not a directory ({fix})")
             fs = os.statvfs(path)
-            if fs.f_blocks == 0:
-                raise ConfigError(f"{where}: {path!r} is on a virtual file system with no disk "
-                                  f"space, such as /proc or /sys ({fix})")
+            if fs.f_blocks == 0:   # its free space cannot be known; ramfs is RAM besides
+                raise ConfigError(
+                    f"{where}: {path!r} is on a file system that reports no size (ramfs, "
+                    "which keeps files in RAM, or a virtual one such as /proc or /sys); the "
+                    f"nvme tier needs a disk-backed directory ({fix})")
             if fs.f_flag & os.ST_RDONLY:
                 raise ConfigError(f"{where}: {path!r} is on a read-only file system ({fix})")
             if not os.access(path, os.W_OK | os.X_OK):

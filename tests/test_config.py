@@ -345,11 +345,21 @@ def test_host_memory_sizes_beyond_ram_fail_at_construction(name, monkeypatch):
         offload.activations()
 
 
-@pytest.mark.parametrize("path, why", [("/proc", "a virtual file system with no disk space"),
-                                       ("/sys", "a virtual file system with no disk space")])
-def test_nvme_dir_without_disk_space_fails_at_construction(path, why):
-    with pytest.raises(ConfigError, match=rf"nvme_dir='{path}': '{path}' is on {why}"):
+NO_SIZE = ("is on a file system that reports no size (ramfs, which keeps files in RAM, or a "
+           "virtual one such as /proc or /sys); the nvme tier needs a disk-backed directory "
+           "(point it at a writable directory on a local SSD")
+
+
+@pytest.mark.parametrize("path", ["/proc", "/sys"])
+def test_nvme_dir_without_disk_space_fails_at_construction(path):
+    with pytest.raises(ConfigError, match=re.escape(f"nvme_dir='{path}': '{path}' {NO_SIZE}")):
         offload.activations(tiers="nvme", nvme_dir=path)
+
+
+def test_nvme_dir_on_ramfs_fails_at_construction():
+    with mounted("ramfs") as ram:
+        with pytest.raises(ConfigError, match=re.escape(f"nvme_dir='{ram}': '{ram}' {NO_SIZE}")):
+            offload.activations(tiers="nvme", nvme_dir=ram, nvme_bytes="16MiB")
 
 
 def test_unknown_offload_variable_warns_once_naming_the_closest(monkeypatch, caplog):
