@@ -149,6 +149,24 @@ def test_a_zero_tensor_stays_and_holds_no_bytes(tiers, nvme_dir, caplog, monkeyp
     assert not [r for r in caplog.records if "stayed where they are" in r.getMessage()]
 
 
+@pytest.mark.parametrize("tiers", TIERS)
+def test_tensors_with_no_elements_stay_unwarned(tiers, nvme_dir, caplog, monkeypatch):
+    """Before: "2 saved tensor(s) of type Tensor(cpu, no elements) (0 B) stayed where they
+    are" for an empty batch through a matmul: they hold nothing, so nothing could move.
+    They are still counted (an empty view of a storage with bytes still warns: above)."""
+    monkeypatch.setattr(subclasses, "_warned", set())
+    caplog.set_level(logging.WARNING, logger="offload")
+    x = torch.empty(0, 4, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+        # Saved with no elements: the matmul's input and the tanh's output.
+        ((x * 2) @ w.exp()).tanh().sum().backward()
+    assert torch.equal(w.grad, torch.zeros(4, 3)) and x.grad.shape == (0, 4)
+    assert ctx.stats.unmoved_tensors_by_type == {"Tensor(cpu, no elements)": 2}
+    assert ctx.stats.unmoved_bytes_by_type == {"Tensor(cpu, no elements)": 0}
+    assert not [r for r in caplog.records if "stayed where they are" in r.getMessage()]
+
+
 def _dtensor_step(mesh_dir: str, ctx_kwargs):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

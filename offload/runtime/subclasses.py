@@ -147,10 +147,15 @@ def forget_warnings() -> None:
         _warned.clear()
 
 
+# Kinds (kind_name) that have nothing to move when they hold no bytes: a zero tensor, and
+# a tensor with no elements (an empty view of a storage with bytes still pins them: warned).
+_NOTHING_TO_MOVE = (", zeros)", ", no elements)")
+
+
 def note_unmoved(type_name: str, nbytes: int, count: int) -> None:
     """One warning per type per process: what stayed and why (none for what holds no
-    memory: a zero tensor)."""
-    if nbytes == 0 and type_name.endswith(", zeros)"):
+    memory: zero tensors, and tensors with no elements over no bytes)."""
+    if nbytes == 0 and type_name.endswith(_NOTHING_TO_MOVE):
         return
     with _warned_lock:
         if type_name in _warned:
