@@ -21,7 +21,8 @@ its step or a compiling step neither profiles, nor warms up, nor books a trial.
 NOTE [Shape classes] A step's shape class is the signature (shapes, dtypes) of its first
 block call; each class gets its own plan, kept across steps (the MAX_PLANS most recently
 run), so a run whose lengths vary (unpadded batches) profiles each length once and plans
-from then on. Until the first block call the class is not known: the storages saved before
+from then on. A plan holds every call its profiled step made: a step of micro-batches of
+two lengths (gradient accumulation in one context) runs one plan for both. Until the first block call the class is not known: the storages saved before
 it follow the plan of the latest step's class where their size is the one planned for, else
 move (memory-safe), and are recorded in case this step turns out to profile. A block the
 profiled step did not run (layer drop) uses the decisions of the nearest profiled block of
@@ -185,7 +186,7 @@ class AutoSession(Session):
             if plan is None:  # the warm-up step (module doc, 0)
                 return forward(*args, **kwargs)
             if self._fallback is None and (stand_in is None
-                                           or plan.signatures.get(stand_in) != sig):
+                                           or sig not in plan.signatures.get(stand_in, ())):
                 self._fallback = (f"block {index} was called with other shapes than planned "
                                   "for")
                 log.info("offload: auto: %s; it and the blocks after it run checkpointed "

@@ -63,7 +63,7 @@ class Plan:
     params: PlanParams
     figures: Figures
     profile_summary: ReadOnlyDict
-    signatures: ReadOnlyDict     # block index -> call signature planned for
+    signatures: ReadOnlyDict     # block index -> the call signatures planned for (frozenset)
     notes: tuple[str, ...] = ()
     # (block index or None, producing op id or None, bytes, target) per profiled storage
     # that the plan decided ("recompute" for the recomputed ones): for explain.py.

@@ -149,8 +149,9 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
         for index in info.instances:
             block_type[index] = info.type_key
             info_of[index] = info
-    for b in profile.blocks:
-        signatures[b.index] = b.signature
+    for b in profile.blocks:   # every call the step made (micro-batches of other lengths)
+        signatures.setdefault(b.index, set()).add(b.signature)
+    signatures = {index: frozenset(seen) for index, seen in signatures.items()}
     op_outputs = []   # (position in decided, item) of stored op outputs
     for it in items:
         target = targets.get(it.key, "keep")
