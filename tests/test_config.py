@@ -205,6 +205,12 @@ def test_recompute_without_blocks_says_what_to_pass():
         offload.activations(policy="recompute")
     with pytest.raises(ConfigError, match=r"found no blocks to checkpoint in the model"):
         offload.activations(policy="recompute", model=torch.nn.Linear(2, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match=r"blocks=<predicate> matched no module of model= "
+                       r"\(it is called with every submodule"):
+        offload.activations(policy="recompute", model=model, blocks=lambda m: False)
+    with pytest.raises(ConfigError, match=r"blocks= is empty"):
+        offload.activations(policy="recompute", model=model, blocks=[])
 
 
 def test_nvme_dir_missing(tmp_path, monkeypatch):

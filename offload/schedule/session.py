@@ -23,16 +23,26 @@ from .session_base import Session
 __all__ = ["Session", "start_session"]
 
 
+def _no_blocks(model: torch.nn.Module | None, blocks: Any) -> str:
+    """Why `recompute` found no block, and what to pass, for what was passed."""
+    if callable(blocks) and not isinstance(blocks, torch.nn.Module):
+        return ("blocks=<predicate> matched no module of model= (it is called with every "
+                "submodule: check it returns True for your layers, e.g. "
+                "blocks=lambda m: isinstance(m, MyLayer))")
+    if blocks is not None:
+        return "blocks= is empty (give the layers to checkpoint, or a predicate)"
+    what = "model=" if model is None else "the model"
+    return (f"found no blocks to checkpoint in {what} (blocks are the members of an "
+            "nn.ModuleList / nn.Sequential of one layer class); pass model=, or "
+            "blocks=[...] / blocks=lambda m: isinstance(m, MyLayer)")
+
+
 def start_session(config: Config, model: torch.nn.Module | None, blocks: Any) -> Session:
     """The session for `config.policy`; raises ConfigError when `recompute` finds no block."""
     if config.policy == "recompute":
         found = find_blocks(model, blocks)
         if not found:
-            what = "model=" if model is None and blocks is None else "the model"
-            raise ConfigError(
-                f"{config.where('policy')}: found no blocks to checkpoint in {what} (blocks are "
-                "the members of an nn.ModuleList / nn.Sequential of one layer class); pass "
-                "model=, or blocks=[...] / blocks=lambda m: isinstance(m, MyLayer)")
+            raise ConfigError(f"{config.where('policy')}: {_no_blocks(model, blocks)}")
         return RecomputeSession(config, found)
     if config.policy == "auto":
         found = find_blocks(model, blocks)
