@@ -252,11 +252,16 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
 
 def _modules_handed_in(leaves: list, block: torch.nn.Module | None) -> list[torch.nn.Module]:
     """The modules among a call's arguments that are not the block's own (`block(x,
-    self.norm)`): the re-run calls them again, so their buffers are guarded too."""
+    self.norm)`): the re-run calls them again, so their buffers are guarded too. Not one
+    holding the block (its parent handed in: guarding it would copy the whole model's
+    buffers at every call; buffers.py rule 4 leaves a parent's out)."""
     handed = {id(x): x for x in leaves if isinstance(x, torch.nn.Module)}
     if handed and block is not None:
         for own in block.modules():
             handed.pop(id(own), None)
+        for key, module in list(handed.items()):
+            if any(sub is block for sub in module.modules()):
+                del handed[key]
     return list(handed.values())
 
 
