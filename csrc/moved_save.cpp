@@ -6,7 +6,8 @@
 // (saved_handles.cpp): autograd alone holds one, so a cycle through it runs through an
 // autograd node the collector cannot see anyway. It holds no tensor of the forward: its
 // sentinel is a detached alias whose data was swapped for an empty tensor (version_check.py
-// NOTE [Version check]), and an input is named through a weak reference.
+// NOTE [Version check]), and an input is named through a weak reference. What it may hold
+// of the user's is the tensor's attribute dict (tensor_meta.py NOTE [Saved attributes]).
 //
 // Torch-independent like the rest of the front: the tensor is read through Python calls
 // (`detach`, `.data =`), and its layout rebuilt by view_layout.cpp, whose torch functions
@@ -42,6 +43,7 @@ struct MovedSave {
   PyObject* origin;           // an input: a weak reference to it (named at unpack); else None
   PyObject* node_name;        // type(grad_fn).__name__ at pack, None for a leaf
   long long output_nr;
+  PyObject* attrs;            // the tensor's attribute dict, shared; nullptr: it had none
 };
 
 // What unpack calls, set once from records.py (`configure_moved`).
@@ -52,6 +54,7 @@ struct MovedCalls {
 } calls;
 
 PyObject* n_data;
+PyObject* n_dict;
 
 void moved_save_dealloc(PyObject* obj) {
   auto* self = reinterpret_cast<MovedSave*>(obj);
@@ -61,6 +64,7 @@ void moved_save_dealloc(PyObject* obj) {
   Py_CLEAR(self->sentinel);
   Py_CLEAR(self->origin);
   Py_CLEAR(self->node_name);
+  Py_CLEAR(self->attrs);
   Py_TYPE(obj)->tp_free(obj);
 }
 
@@ -108,7 +112,7 @@ PyMemberDef moved_members[] = {
     MOVED_MEMBER(is_view, T_BOOL),        MOVED_MEMBER(unpacked, T_BOOL),
     MOVED_MEMBER(version, T_LONGLONG),    MOVED_MEMBER(sentinel, T_OBJECT),
     MOVED_MEMBER(origin, T_OBJECT),       MOVED_MEMBER(node_name, T_OBJECT),
-    MOVED_MEMBER(output_nr, T_LONGLONG),
+    MOVED_MEMBER(output_nr, T_LONGLONG),   MOVED_MEMBER(attrs, T_OBJECT),
     {nullptr, 0, 0, 0, nullptr},
 };
 
@@ -224,6 +228,7 @@ PyObject* new_moved_save(PyObject* t, PyObject* record, PyObject* node, PyObject
     self->record = Py_NewRef(record);
     self->sentinel = sentinel.release().ptr();
     self->version = version;
+    self->attrs = Py_XNewRef(instance_attrs(t));   // tensor_meta.py NOTE [Saved attributes]
     read_layout(&self->layout, t, record_meta(record), storage_offset);
     // What autograd's message names (version_check.py SavedOrigin): the saving node for an
     // output (made last, so its sequence number is the one before the thread's next), an
@@ -256,6 +261,11 @@ PyObject* unpack_moved(PyObject* obj, PyObject* lock) {
     py::object out = flat
         ? rebuild_over_flat(&self->layout, bytes, offset, record_nbytes(self->record))
         : rebuild_over_storage(&self->layout, bytes, offset);
+    if (self->attrs != nullptr) {   // tensor_meta.py NOTE [Saved attributes]
+      // Never on the flat tensor itself: every save of the storage may be handed it.
+      if (out.ptr() == bytes.ptr()) out = call_method(out.ptr(), names.detach);
+      if (PyObject_SetAttr(out.ptr(), n_dict, self->attrs) < 0) throw py::error_already_set();
+    }
     if (!self->unpacked) {
       self->unpacked = 1;
       record_handle_done(self->record);
@@ -266,6 +276,7 @@ PyObject* unpack_moved(PyObject* obj, PyObject* lock) {
 
 void bind_moved_save(py::module_& m) {
   n_data = intern("data");
+  n_dict = intern("__dict__");
   init_layout_names();
   add_type(m, "MovedSave", moved_save_type);
   for (PyMethodDef* def = module_functions; def->ml_name != nullptr; ++def) {

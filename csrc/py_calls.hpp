@@ -68,6 +68,17 @@ inline PyObject* untracked_weakref(PyObject* obj) {
   return ref;
 }
 
+// `obj`'s attribute dict when it has one with entries (borrowed), else nullptr: never makes
+// one (tensor_meta.py NOTE [Saved attributes]). Reading `__dict__` would make a dict for
+// every tensor that has none; the slot is read as torch's own tensor traversal reads it. A
+// tensor's attributes are always in that dict (torch makes its objects with tp_alloc, so
+// they never have inline values for CPython to turn into one here).
+inline PyObject* instance_attrs(PyObject* obj) {
+  PyObject** slot = _PyObject_GetDictPtr(obj);
+  if (slot == nullptr || *slot == nullptr || PyDict_GET_SIZE(*slot) == 0) return nullptr;
+  return *slot;
+}
+
 inline py::object attr(PyObject* obj, PyObject* name) {
   PyObject* value = PyObject_GetAttr(obj, name);
   if (value == nullptr) throw py::error_already_set();

@@ -52,7 +52,7 @@ from ..tiers.base import on_cuda
 from ..tiers.copy_tickets import SharedReload
 from ..util.never_compiled import never_compiled
 from .saved_bytes import PySavedBytes, saved_bytes_meter
-from .tensor_meta import ViewMeta, rebuild, view_meta
+from .tensor_meta import ViewMeta, instance_attrs, rebuild, view_meta
 from .version_check import NOBODY, SavedOrigin, next_sequence_nr as _next_sequence_nr, \
     node_at_unpack, version_error, version_sentinel
 
@@ -310,7 +310,7 @@ class Moved(SavedOrigin):
     collector to walk (docs/benchmarks.md *Hook cost*), and `rebuild` reads only the fields.
     """
 
-    __slots__ = ("record", "version", "sentinel", "unpacked") + ViewMeta._fields
+    __slots__ = ("record", "version", "sentinel", "unpacked", "attrs") + ViewMeta._fields
 
     def __init__(self, t: torch.Tensor, record: Record, version: int) -> None:
         self.record = record
@@ -320,6 +320,7 @@ class Moved(SavedOrigin):
         self.dtype, self.size, self.stride, self.storage_offset, self.conj, self.neg = meta
         self.version = version
         self.sentinel = version_sentinel(t)  # zero bytes; shares t's version counter
+        self.attrs = instance_attrs(t)  # tensor_meta NOTE [Saved attributes]
         self.unpacked = False
         record.handles_left += 1
 
@@ -334,6 +335,8 @@ class Moved(SavedOrigin):
         with lock:
             storage, offset = load(self.record)
         out = rebuild(storage, offset, self)   # its layout fields (class doc)
+        if self.attrs is not None:
+            out.__dict__ = self.attrs   # shared, not copied: tensor_meta NOTE [Saved attributes]
         if not self.unpacked:
             self.unpacked = True
             handle_done(self.record)

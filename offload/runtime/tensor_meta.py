@@ -30,6 +30,20 @@ version) key. What that cannot see: bytes changed through an alias autograd does
 parts of one owner; without offload the second save sees the change, with offload it may
 not. That is the class of change through `.data` the README documents; torch's own ops do
 not do it (docs/design.md lists what was checked).
+
+NOTE [Saved attributes] A tensor's Python attributes (`s.scale = 3.0`) live in its object's
+`__dict__`. Plain autograd hands a saved input back as the very object it saved, so backward
+sees them, as they are when it reads them. A tier that hands back a new tensor (every
+`Moved`: nvme, host on a GPU, a snapshot) would lose them, and `getattr(s, "scale", 1.0)`
+would silently compute another gradient. So a `Moved` holds the saved object's attribute
+dict itself, not a copy, and its unpack gives the new tensor that same dict: an attribute
+changed or added before backward is seen, as on the object autograd would have returned.
+A tensor without attributes has no dict until something reads `__dict__`, which would make
+one per saved tensor (time and memory on every save), so pack only looks (`instance_attrs`;
+the core reads the slot in C) and holds nothing when there is none: an attribute first set
+after the forward on a tensor that had none is not seen. Where autograd itself makes a new
+tensor of what unpack returns (one that requires grad), the attributes are lost under any
+saved-tensor hooks, torch's own included; that is not ours to change.
 """
 from __future__ import annotations
 
@@ -41,7 +55,7 @@ import torch
 _UNSET: Any = object()
 
 __all__ = ["ViewMeta", "view_meta", "rebuild", "movable", "movable_strided", "untracked_alias",
-           "snapshot",
+           "snapshot", "instance_attrs",
            "StorageIndex", "ParamStorages", "is_weight"]
 
 
@@ -79,6 +93,23 @@ def rebuild(storage: torch.UntypedStorage, byte_offset: int, meta: Any) -> torch
     if meta.neg:
         out = torch._neg_view(out)
     return out
+
+
+# object.__getstate__ (Python 3.11+) returns an object's attribute dict itself, or None when
+# it has none or an empty one, without making one; `t.__dict__` would make one.
+_object_state = getattr(object, "__getstate__", None)
+
+
+def instance_attrs(t: torch.Tensor) -> dict | None:
+    """`t`'s attribute dict when it has attributes, else None; never makes one (NOTE [Saved
+    attributes]). Python 3.10 has no way to look without making one: None there (the
+    core's handles read the slot in C on every version)."""
+    if _object_state is None:
+        return None
+    state = _object_state(t)
+    if type(state) is tuple:   # a class with __slots__: (its dict or None, its slots)
+        state = state[0]
+    return state
 
 
 def movable_strided(t: torch.Tensor) -> bool:
