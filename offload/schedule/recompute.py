@@ -224,14 +224,18 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
         tensors, call = args, forward
     else:
         tensors = [leaves[i] for i in where]
+        calls = [0]
 
         def call(*ts):
-            # The forward gets the caller's own objects: a list or dict it was passed and
-            # writes into (MoE auxiliary losses, stats) must be the caller's. The re-run gets
-            # the recomputed inputs in a rebuilt copy of the call's arguments as they were at
-            # the call: what it writes there is thrown away (checkpoint's own re-run would
-            # write into the caller's list a second time).
-            if all(t is tensors[k] for k, t in enumerate(ts)):
+            # The forward (checkpoint's first call) gets the caller's own objects: a list or
+            # dict it was passed and writes into (MoE auxiliary losses, stats) must be the
+            # caller's. A re-run gets the inputs in a rebuilt copy of the call's arguments as
+            # they were at the call: what the caller or later blocks changed there since is
+            # not seen, and what it writes is thrown away (checkpoint's own re-run would
+            # write into the caller's list a second time). Told apart by count, not by the
+            # tensors: a re-run is handed the very input objects that need no gradient.
+            calls[0] += 1
+            if calls[0] == 1:
                 return forward(*args, **kwargs)
             full = list(leaves)
             for i, t in zip(where, ts):
