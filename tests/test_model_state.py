@@ -353,8 +353,8 @@ def test_a_batchnorm_handed_to_blocks_as_an_argument_counts_each_call_once(polic
 class FastWeightsNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh())
-                                     for _ in range(3)])
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8),
+                                                   nn.Tanh()) for _ in range(3)])
 
     def forward(self, x):
         for block in self.blocks:
@@ -362,8 +362,9 @@ class FastWeightsNet(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("buffers", [False, True])
 @pytest.mark.parametrize("policy", ["recompute", "auto"])
-def test_a_forward_run_with_other_weights_is_rerun_with_them(policy, nvme_dir):
+def test_a_forward_run_with_other_weights_is_rerun_with_them(policy, buffers, nvme_dir):
     """`torch.func.functional_call` with fast weights (MAML): the module's own parameters
     are back before the backward. Before, the re-run computed with them instead of the
     fast weights: gradients ~0.01 off at every checkpointed step, silently (as under
@@ -372,14 +373,18 @@ def test_a_forward_run_with_other_weights_is_rerun_with_them(policy, nvme_dir):
 
     torch.manual_seed(0)
     model = FastWeightsNet()
+    model.train(not buffers)
     own = {name: p for name, p in model.named_parameters()}
 
     def step(index, ctx):
         x = torch.randn(6, 8, generator=torch.Generator().manual_seed(index))
         fast = {name: (p.detach() * (0.9 - 0.1 * index)).requires_grad_()
                 for name, p in own.items()}
+        # (params, buffers): in eval mode the BatchNorms normalise with these statistics
+        weights = (fast, {name: b * 2 if b.is_floating_point() else b
+                          for name, b in model.named_buffers()}) if buffers else fast
         with ctx if ctx is not None else torch.enable_grad():
-            loss = functional_call(model, fast, (x,)).pow(2).mean()
+            loss = functional_call(model, weights, (x,)).pow(2).mean()
             grads = torch.autograd.grad(loss, list(fast.values()))
         assert {name: p for name, p in model.named_parameters()} == own
         return grads

@@ -2,15 +2,16 @@
 
 NOTE [Weights in a re-run] `recompute` and `auto` re-run blocks in backward. A forward may
 run with other weights than the module's own: `torch.func.functional_call(model, fast,
-x)` (MAML, hypernetworks) swaps each module's parameters for the given tensors and puts
-the module's own back when it returns, before the backward. The re-run would compute with
-the module's own weights, another function than the forward ran: silently wrong
-gradients (as under torch's checkpoint). So a call notes the parameter objects of the
-modules it guards (the block's and those handed to it as arguments), and its re-run puts
-back, for itself only, each one that was replaced since; afterwards the module gets what
-it had. A weight changed in place between the forward and the re-run is autograd's to
-catch, as in plain training. Cost: a look at each module's parameters per call and per
-re-run; nothing is copied.
+x)` (MAML, hypernetworks) swaps each module's parameters (and buffers, given as
+`(params, buffers)`) for the given tensors and puts the module's own back when it
+returns, before the backward. The re-run would compute with the module's own, another
+function than the forward ran: silently wrong gradients (as under torch's checkpoint).
+So a call notes the parameter and buffer objects of the modules it guards (the block's and
+those handed to it as arguments), and its re-run puts back, for itself only, each one
+that was replaced since (buffers.py then sets a changed buffer's value back, as for any
+block); afterwards the module gets what it had. A weight changed in place between the
+forward and the re-run is autograd's to catch, as in plain training. Cost: a look at each
+module's parameters and buffers per call and per re-run; nothing is copied.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ __all__ = ["guard_weights"]
 
 
 def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
-    """`fn` (the function checkpoint runs, forward then re-runs) with the parameters of
-    `modules` (each with its submodules) as they were at the forward put back for its
-    re-runs (NOTE [Weights in a re-run])."""
+    """`fn` (the function checkpoint runs, forward then re-runs) with the parameter and
+    buffer objects of `modules` (each with its submodules) as they were at the forward put
+    back for its re-runs (NOTE [Weights in a re-run])."""
     calls = 0
     noted: list[tuple[dict, dict]] = []
 
@@ -35,9 +36,12 @@ def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
             seen: set[int] = set()
             for root in modules:
                 for module in root.modules():
-                    if module._parameters and id(module) not in seen:
-                        seen.add(id(module))
-                        noted.append((module._parameters, dict(module._parameters)))
+                    if id(module) in seen:
+                        continue
+                    seen.add(id(module))
+                    for slots in (module._parameters, module._buffers):
+                        if slots:
+                            noted.append((slots, dict(slots)))
             return fn(*args)
         swapped = [(params, name, params.get(name)) for params, then in noted
                    for name, weight in then.items() if params.get(name) is not weight]
