@@ -7,9 +7,11 @@ re-run]). Weights, gradients and buffers bit-exact against
 plain training with AdamW."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import io
+from typing import Callable
 
 import pytest
 import torch
@@ -272,6 +274,154 @@ def test_a_buffer_first_changed_in_a_later_call_is_set_back_for_that_calls_rerun
     assert differs is None, f"differs at step {differs}"
     if policy == "auto":   # the slow link: re-runs ops, so the buffers were at stake
         assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+
+
+class DelayedScale(nn.Module):
+    """Delayed scaling (FP8 recipes): a buffer registered as None, set at the first call
+    and updated from then on; the output is scaled by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("amax", None)
+
+    def forward(self, x):
+        y = self.lin(x)
+        seen = y.detach().abs().amax()
+        self.amax = seen if self.amax is None else torch.maximum(0.9 * self.amax, seen)
+        return x + torch.tanh(y / self.amax)
+
+
+class ReadsScale(nn.Module):
+    """Reads its buffer `scale`; the model changes it outside the block's forward."""
+
+    def __init__(self, scale: torch.Tensor | None = None, writes: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8) if scale is None else scale)
+        self.writes = writes
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x) + self.scale)   # autograd saves no buffer: may change
+        if self.writes:   # the last block updates the buffer all blocks share
+            with torch.no_grad():
+                self.scale.mul_(0.5).add_(y.mean(0))
+        return x + y
+
+
+class ParentUpdates(nn.Module):
+    """After all blocks ran, the parent updates each block's buffer: in place, through
+    `.data` (no version bump), or by assigning a new tensor."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ReadsScale() for _ in range(3)])
+        self.how = how
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        with torch.no_grad():
+            for block in self.blocks:
+                new = 0.5 * block.scale + x.mean(0)
+                if self.how == "in place":
+                    block.scale.copy_(new)
+                elif self.how == ".data":
+                    block.scale.data.copy_(new)
+                else:
+                    block.scale = new
+        return x.pow(2).mean()
+
+
+class SharedState(nn.Module):
+    """One buffer tensor registered in every block; only the last block writes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        state = torch.ones(8)
+        self.blocks = nn.ModuleList([ReadsScale(state, writes=i == 2) for i in range(3)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+class LateDataCodebook(LateCodebook):
+    """LateCodebook updating through `.data`: the change bumps no version counter."""
+
+    def forward(self, x):
+        z = self.inp(x)
+        codes = self.codebook[torch.cdist(z, self.codebook).argmin(-1)]
+        if UPDATING[0]:
+            self.codebook.data.mul_(0.5).add_(0.5 * z.detach().mean(0))
+        return x + z + (codes - z).detach() + (z - codes.detach()).pow(2).mean()
+
+
+def _buffer_model(case: str) -> tuple[nn.Module, Callable]:
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    if case == "None at first":
+        model = nn.Sequential(*[DelayedScale() for _ in range(3)])
+        return model, lambda m: m(x).pow(2).mean()
+    if case == "shared, last writes":
+        return SharedState(), lambda m: m(x)
+    if case == "late, through .data":
+        return nn.Sequential(*[LateDataCodebook() for _ in range(3)]), \
+            lambda m: m(x).pow(2).mean()
+    return ParentUpdates(case.removeprefix("parent, ")), lambda m: m(x)
+
+
+@pytest.mark.parametrize("case", ["None at first", "parent, in place", "parent, .data",
+                                  "parent, assign", "shared, last writes",
+                                  "late, through .data"])
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_rerun_reads_every_buffer_as_it_was_at_the_call(policy, case, nvme_dir):
+    """Whoever changed a buffer between a block's call and its re-run, the re-run reads it
+    as it was at the call. Before: a buffer registered as None was never guarded; a change
+    made outside the block's forward (the parent, a later block sharing the tensor) or
+    through `.data` in a later call than the block's first was not seen, and the copy taken
+    at the call was dropped: gradients off from the step it happened, silently (plain
+    checkpoint does the same)."""
+    torch.manual_seed(0)
+    model, loss = _buffer_model(case)
+
+    def each(step, ctx):
+        UPDATING[0] = step >= 3   # late, through .data: from the fifth step on
+
+    try:
+        differs, ctx = train_side_by_side(model, loss, 6, _settings(policy, nvme_dir),
+                                          each=each)
+    finally:
+        UPDATING[0] = False
+    assert differs is None, f"differs at step {differs}"
+    if policy == "auto":   # the slow link: re-runs ops, so the buffers were at stake
+        assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_retained_graphs_second_backward_reruns_from_the_calls_buffers(policy, nvme_dir):
+    """A second backward of a retained graph re-runs each block again. Its first re-run
+    wrote into the buffer copies it ran on (the counter's `+= 1`, BatchNorm's statistics);
+    the second must start from the values at the call again (buffers.py rule 3)."""
+    torch.manual_seed(0)
+    model = Net()
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    ctx = offload.activations(model=model, **_settings(policy, nvme_dir))
+    for step in range(4):   # auto: warm-up, profile, planned steps
+        for m in (plain, model):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            with ctx if m is model else contextlib.nullcontext():
+                loss = m(x).pow(2).mean()
+                loss.backward(retain_graph=True)
+                loss.backward()
+        assert [n for (n, a), b in zip(model.named_parameters(), plain.parameters())
+                if not torch.equal(a.grad, b.grad)] == [], f"step {step}"
+        assert all(torch.equal(a, b) for a, b in zip(model.buffers(), plain.buffers()))
+    if policy == "auto":   # the slow link: re-runs ops, so the buffers were at stake
+        assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+    ctx.close()
 
 
 class ReadsMemory(nn.Module):

@@ -51,11 +51,11 @@ def test_buffers_reset_makes_the_next_call_a_first_call():
     """A block's buffer slots live in the one per-model registry: the process reset forgets
     them, and they die with the block."""
     block = torch.nn.BatchNorm1d(4)
-    buffers._slots_of(block).changing = {0}
-    assert buffers._slots_of(block).changing == {0}     # kept between calls
+    buffers._modules_of(block).changing = {0}
+    assert buffers._modules_of(block).changing == {0}     # kept between calls
     offload.process.reset()
-    assert buffers._slots_of(block).changing is None   # rule 1: learned again
-    buffers._slots_of(block)
+    assert buffers._modules_of(block).changing is None   # rule 3: learned again
+    buffers._modules_of(block)
     alive = weakref.ref(block)
     del block
     gc.collect()

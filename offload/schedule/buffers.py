@@ -1,38 +1,38 @@
-"""Buffers a block changes in its forward, kept exact when the block is run again.
+"""Buffers as they were at a block's call, put back for its re-run.
 
 NOTE [Buffers in a re-run] `recompute` and `auto` re-run blocks in backward (checkpoint's
-recompute). A block that changes a buffer in its forward (BatchNorm's running statistics
-and `num_batches_tracked` in train mode, a buffer counting calls) would change it
-again in the re-run: BatchNorm statistics updated twice a step, silently, with the
-gradients still right. The user never asked for checkpointing, so the runtime must leave
-the model's state exactly as plain training does. Rules:
+recompute). The re-run must compute what the forward computed, so it must read every
+buffer as it was at the call, whoever changed it since: the forward itself (BatchNorm's
+running statistics, a counter), the block's forward in a later call than its first (an
+EMA codebook switched on after warm-up), code outside the block before the backward (a
+parent updating each block's buffer after all ran, one buffer registered in every block
+and written by the last), through `.data` (no version bump) or by a kernel that does not
+bump versions (BatchNorm's statistics). And the re-run must leave the model's state
+exactly as plain training does. A change is seen only after it happened, when the value
+before it is gone, and some changes are not seen at all; so nothing is guessed. Rules:
 
-1. Before every checkpointed forward of a block, its buffers are noted (object and
-   version counter) and copied: all of them, at every call. A module may change a buffer
-   first in a later call than its first (an EMA codebook switched on after warm-up, an
-   update every N steps), and a change is seen only after it happened, when the value
-   before it is gone. After the forward, the copies of modules that changed nothing are
-   dropped (those of modules seen changing in an earlier call are kept). A change shows
-   as a bumped version counter or a buffer replaced by another object; the block's first
-   call also compares values, as BatchNorm's kernel writes its running statistics without
-   bumping their version counter (its `num_batches_tracked` bumps its own, so a BatchNorm
-   first called in eval mode is still seen once it trains).
-2. The re-run runs on copies: every buffer of a module that changed any (all of its
-   buffers: BatchNorm counts batches by version but writes statistics without one) is
-   swapped for a copy of its value from before the forward (rule 1), so the re-run computes
-   what the forward computed; afterwards the module gets back the very buffers it had
-   before the re-run. Whatever the re-run writes lands in copies that are dropped.
-3. The copies are taken outside our dispatch modes (recompute.py counts ops by position:
+1. At every checkpointed call, each guarded module's buffer slots are noted, name by name,
+   `None` slots included (a buffer registered as None and set in forward: delayed
+   scaling's `amax`), and every buffer is copied (one copy per tensor object, however many
+   slots hold it). The copies are held until the call's re-run.
+2. The re-run runs on them: each guarded module's slots are set to what they held at the
+   call (a copy, None, a name absent then is absent), and afterwards the module gets back
+   the very slots it had before the re-run. Whatever the re-run writes lands in the copies.
+3. A module seen changing its buffers in a forward (a bumped version counter, an object
+   replaced, a slot added or removed; at the block's first call also a compare of values,
+   for BatchNorm's kernel) gets fresh clones of the copies in each re-run, so a second
+   re-run (a retained graph's second backward) starts from the values at the call too.
+4. The copies are taken outside our dispatch modes (recompute.py counts ops by position:
    a copy must not shift the ids of the block's own ops).
-4. The guarded modules are the block's own and those handed to its call as arguments
-   (`block(x, self.norm)`): the re-run calls those again too. A module the block reaches
-   otherwise (a global, a reference to its parent) is not guarded.
+5. The guarded modules are the block's own that hold buffer slots and those handed to its
+   call as arguments (`block(x, self.norm)`): the re-run calls those again too. A module
+   the block reaches otherwise (a global, a reference to its parent) is not guarded; nor
+   is a buffer that requires grad (a copy would cut its gradient), nor a module that held
+   no buffer slot when the block was first seen.
 
-What it costs: nothing for blocks without buffers; per call, a look at each buffer's
-version and a copy of every buffer, held while the forward runs and, for the modules that
-changed, until the re-run (BatchNorm: a few vectors); one compare of every buffer at a
-module's first call. A block holding a large buffer that never changes pays its copy at
-every call.
+What it costs: nothing for blocks without buffers; per call, one copy of every buffer,
+held until the re-run (BatchNorm: a few vectors; a block holding a large buffer that never
+changes pays its copy at every call and holds it until backward).
 """
 from __future__ import annotations
 
@@ -48,63 +48,60 @@ from ..util import per_model
 __all__ = ["guard_buffers"]
 
 
-class _Slots:
-    """A block's buffers as (owning module, name), and what its calls showed.
+class _Modules:
+    """A block's modules that hold buffer slots, and which of them its calls saw changing.
 
     The modules are held weakly: this lives in the per-model registry, whose entry dies
-    with the block only if nothing in it refers back to the block (a BatchNorm block owns
-    its buffers itself).
+    with the block only if nothing in it refers back to the block (a BatchNorm block is
+    its own buffer holder).
     """
 
-    __slots__ = ("refs", "names", "owner_of", "changing")
+    __slots__ = ("refs", "changing")
 
     def __init__(self, block: nn.Module) -> None:
         self.learn(block)
 
     def learn(self, block: nn.Module) -> None:
-        """Read the block's buffer slots afresh; what calls showed is forgotten (rule 1)."""
-        modules: list[nn.Module] = []
-        self.names: list[str] = []
-        for module in block.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    modules.append(module)
-                    self.names.append(name)
-        self.refs = [weakref.ref(module) for module in modules]
-        # Slot -> all slots of its module (rule 2).
-        by_module: dict[int, list[int]] = {}
-        for i, module in enumerate(modules):
-            by_module.setdefault(id(module), []).append(i)
-        self.owner_of = [by_module[id(module)] for module in modules]
-        self.changing: set[int] | None = None   # None until the first call (rule 1)
+        """Find the modules afresh; what calls showed is forgotten (rule 3)."""
+        self.refs = [weakref.ref(module) for module in block.modules() if module._buffers]
+        self.changing: set[int] | None = None   # module positions; None until a first call
 
-    def slots(self, block: nn.Module) -> list[tuple[nn.Module, str]]:
-        """(module, name) per slot; read afresh when a module of the block was replaced."""
+    def modules(self, block: nn.Module) -> list[nn.Module]:
+        """The modules; found afresh when one of them was replaced (and freed)."""
         modules = [ref() for ref in self.refs]
         if any(module is None for module in modules):
             self.learn(block)
             modules = [ref() for ref in self.refs]
-        return list(zip(modules, self.names))
+        return modules
 
 
-def _slots_of(block: nn.Module) -> _Slots:
-    """The block's slots, kept per block in util/per_model.py (which dies with the block;
+def _modules_of(block: nn.Module) -> _Modules:
+    """The block's modules, kept per block in util/per_model.py (which dies with the block;
     `offload.process.reset()` forgets them: each block's next call is a first call again)."""
-    return per_model.state_for(block, _Slots, lambda: _Slots(block))
+    return per_model.state_for(block, _Modules, lambda: _Modules(block))
 
 
 class _Guard:
-    """One checkpointed call of a block: the forward notes, the re-runs swap (module doc)."""
+    """One checkpointed call of a block: the forward notes and copies, re-runs swap."""
 
-    def __init__(self, info: _Slots, slots: list[tuple[nn.Module, str]]) -> None:
+    def __init__(self, info: _Modules, modules: list[nn.Module]) -> None:
         self.info = info
-        self.slots = slots   # held for this call only: the registry holds them weakly
-        self.before = [(b, None if b is None else b._version)
-                       for b in (m._buffers.get(n) for m, n in slots)]
-        with torch.no_grad(), _disable_current_modes():   # rule 1: every buffer
-            self.copies = {i: buf.detach().clone() for i, (buf, _) in enumerate(self.before)
-                           if buf is not None}
-        self.swap: list[int] = []
+        self.modules = modules   # held for this call only: the registry holds them weakly
+        # The slots as found, held until the forward ended (rule 3 compares with them).
+        self.found = [dict(module._buffers) for module in modules]
+        self.versions = [{name: buf._version for name, buf in slots.items() if buf is not None}
+                         for slots in self.found]
+        copies: dict[int, torch.Tensor] = {}
+        with torch.no_grad(), _disable_current_modes():   # rule 4
+            for slots in self.found:
+                for buf in slots.values():
+                    if buf is not None and not buf.requires_grad and id(buf) not in copies:
+                        copies[id(buf)] = buf.detach().clone()
+        # Rule 1: per module, what its slots held at the call (our copies in place of the
+        # buffers; a buffer that requires grad is itself).
+        self.at_call = [{name: copies.get(id(buf), buf) for name, buf in slots.items()}
+                        for slots in self.found]
+        self.ours = {id(copy) for copy in copies.values()}
         self.calls = 0
 
     def wrap(self, fn: Callable) -> Callable:
@@ -118,53 +115,60 @@ class _Guard:
         return run
 
     def _forward_done(self) -> None:
-        info, slots = self.info, self.slots
+        """Rule 3: which modules changed their buffers in this forward."""
         changed = set()
-        for i, (module, name) in enumerate(slots):
-            buf, version = self.before[i]
-            now = module._buffers.get(name)
-            if now is not buf or (buf is not None and buf._version != version):
+        for i, (module, found, versions) in enumerate(zip(self.modules, self.found,
+                                                          self.versions)):
+            now = module._buffers
+            if now.keys() != found.keys() or any(
+                    now[name] is not buf or (buf is not None and buf._version != versions[name])
+                    for name, buf in found.items()):
                 changed.add(i)
-        if info.changing is None:  # rule 1: the first call compares values too
+        info = self.info
+        if info.changing is None:   # the block's first call compares values too
             with torch.no_grad(), _disable_current_modes():
-                for i, copy in self.copies.items():
-                    now = slots[i][0]._buffers.get(slots[i][1])
-                    if i not in changed and now is not None and not torch.equal(copy, now):
+                for i, (found, at_call) in enumerate(zip(self.found, self.at_call)):
+                    if i not in changed and any(
+                            buf is not None and at_call[name] is not buf
+                            and not torch.equal(at_call[name], buf)
+                            for name, buf in found.items()):
                         changed.add(i)
-        whole = {j for i in changed for j in info.owner_of[i]}   # rule 2
-        info.changing = whole if info.changing is None else info.changing | whole
-        for i in list(self.copies):
-            # Kept for a module seen changing in any call: a later call of a shared one may
-            # change it before this call's re-run. Else the re-run may use the buffer itself.
-            if i not in info.changing:
-                del self.copies[i]
-        self.swap = sorted(whole | set(self.copies))
+        info.changing = changed if info.changing is None else info.changing | changed
+        self.found = self.versions = None   # the copies stand for them from here on
 
     def _rerun(self, fn: Callable, args: tuple) -> Any:
-        if not self.swap:
-            return fn(*args)
-        slots = self.slots
-        current = [(slots[i][0], slots[i][1], slots[i][0]._buffers.get(slots[i][1]))
-                   for i in self.swap]
-        with torch.no_grad(), _disable_current_modes():  # rule 3
-            for i, (module, name, now) in zip(self.swap, current):
-                start = self.copies.get(i)   # None: the slot held no buffer at the call
-                module._buffers[name] = None if start is None else start.detach().clone()
+        changing = self.info.changing or ()
+        # Rule 3: a copy held by a module seen changing is cloned, once, for every slot
+        # holding it (a tensor shared by two modules stays shared in the re-run).
+        refresh = {id(buf) for i in changing if i < len(self.at_call)
+                   for buf in self.at_call[i].values() if id(buf) in self.ours}
+        live = [dict(module._buffers) for module in self.modules]
+        with torch.no_grad(), _disable_current_modes():   # rules 2 and 4
+            fresh: dict[int, torch.Tensor] = {}
+            for slots in self.at_call:
+                for buf in slots.values():
+                    if id(buf) in refresh and id(buf) not in fresh:
+                        fresh[id(buf)] = buf.clone()
+            for module, at_call in zip(self.modules, self.at_call):
+                slots = module._buffers
+                slots.clear()
+                slots.update((name, fresh.get(id(buf), buf)) for name, buf in at_call.items())
         try:
             return fn(*args)
         finally:
-            for module, name, now in current:
-                module._buffers[name] = now
+            for module, slots in zip(self.modules, live):
+                module._buffers.clear()
+                module._buffers.update(slots)
 
 
 def guard_buffers(block: nn.Module | None, fn: Callable) -> Callable:
-    """`fn` (the function checkpoint runs, forward then re-runs) with `block`'s buffers kept
-    exact across its re-runs (NOTE [Buffers in a re-run]); `fn` itself for a block without
-    buffers."""
+    """`fn` (the function checkpoint runs, forward then re-runs) with `block`'s buffers as
+    they were at the call put back for its re-runs (NOTE [Buffers in a re-run]); `fn`
+    itself for a block without buffers."""
     if block is None:
         return fn
-    info = _slots_of(block)
-    slots = info.slots(block)
-    if not slots:
+    info = _modules_of(block)
+    modules = info.modules(block)
+    if not modules:
         return fn
-    return _Guard(info, slots).wrap(fn)
+    return _Guard(info, modules).wrap(fn)
