@@ -174,17 +174,20 @@ def first_difference(a: nn.Module, b: nn.Module, grads: bool = False) -> str | N
 
 
 def train_side_by_side(model: nn.Module, loss_fn, steps: int, settings: dict,
-                       lr: float = 1e-3, each=None, pass_model: bool = True) -> tuple:
+                       lr: float = 1e-3, each=None, pass_model: bool = True,
+                       plain: nn.Module | None = None) -> tuple:
     """Train a copy of `model` plainly and `model` inside a fresh offload context per step,
     AdamW, the same seed per step (dropout masks); stop at the first step whose gradients,
     weights or buffers differ bit for bit.
 
-    `loss_fn(model)` runs the forward; `each(step, ctx)` checks more after each step.
+    `loss_fn(model)` runs the forward; `each(step, ctx)` checks more after each step;
+    `plain`: the model trained plainly, built like `model` (a lazy one cannot be copied).
     Returns (first differing step and what, or None; the last context)."""
     import copy
 
-    plain = copy.deepcopy(model)
+    plain = copy.deepcopy(model) if plain is None else plain
     before = module_state(model)
+    lazy = any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules())
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr)
             for m in (plain, model)]
     ctx = None
@@ -204,6 +207,8 @@ def train_side_by_side(model: nn.Module, loss_fn, steps: int, settings: dict,
         what = what or first_difference(plain, model)
         if what is not None:
             return (step, what), ctx
+        if lazy and step == 0:   # its first forward made the lazy modules plain ones
+            before = module_state(model)
         assert module_state(model) == before, f"step {step}: offload left something on the model"
         if each is not None:
             each(step, ctx)

@@ -708,3 +708,47 @@ def test_a_list_or_dict_a_block_writes_into_is_the_callers(policy, nvme_dir):
     assert differs is None, differs
     if policy == "auto":   # the slow link: it re-runs ops
         assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+
+
+# ---------------------------------------------------------------- lazy modules
+class LazyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.LazyLinear(16)
+        self.norm = nn.LazyBatchNorm1d()
+
+    def forward(self, x):
+        return x + torch.tanh(self.norm(self.lin(x)))
+
+
+class LazyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.LazyLinear(16)
+        self.blocks = nn.ModuleList([LazyBlock() for _ in range(3)])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute", "auto"])
+def test_a_lazy_model_trains_bit_exact_and_its_blocks_are_checkpointed_once_they_ran(
+        policy, nvme_dir):
+    """Before: `model=` with `nn.LazyLinear` raised ValueError (an uninitialised parameter
+    has no storage) at entry under every policy. A lazy block's first call runs as is (its
+    re-run could not start from the call's state); from its second call it is
+    checkpointed: `recompute`'s later steps save fewer tensors than its first."""
+    model, plain = (torch.manual_seed(0) and LazyNet() for _ in range(2))
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    saved = []
+    differs, ctx = train_side_by_side(model, lambda m: m(x), 4, _settings(policy, nvme_dir),
+                                      each=lambda step, c: saved.append(c.stats.packed_tensors),
+                                      plain=plain)
+    assert differs is None, f"differs at step {differs}"
+    assert isinstance(model.blocks[0].lin, nn.Linear) and saved[2] == saved[3], saved
+    if policy == "recompute":
+        assert saved[0] > saved[1] == saved[3], saved
+    ctx.close()

@@ -51,6 +51,7 @@ import weakref
 from typing import Any, NamedTuple
 
 import torch
+from torch.nn.parameter import is_lazy
 
 _UNSET: Any = object()
 
@@ -221,10 +222,14 @@ class ParamStorages:
         self._ids[id(storage)] = weakref.ref(storage)
 
     def add_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
+        # A lazy module's (LazyLinear's) parameters and buffers have no storage until its
+        # first forward; once materialised, its parameters are recognised by what they
+        # are (`is_weight`) and its buffers are found at the next context entry.
         for p in module.parameters(recurse=recurse):
-            self.add_tensor(p)
+            if not is_lazy(p):
+                self.add_tensor(p)
         for b in module.buffers(recurse=recurse):
-            if b is not None:
+            if b is not None and not is_lazy(b):
                 self.add_tensor(b)
 
     def is_param(self, t: torch.Tensor, storage: torch.UntypedStorage | None,

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 
 from ..errors import ConfigError
 
@@ -58,7 +59,9 @@ _MIN_SHARE = 0.25  # a second stack counts when it has this share of the largest
 
 
 def _nparams(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    # A lazy module's parameter (LazyLinear's before its first forward) has no size yet:
+    # it counts as one element, so a stack of lazy layers is still a stack.
+    return sum(1 if is_lazy(p) else p.numel() for p in module.parameters())
 
 
 def _is_stack(module: nn.Module) -> bool:
@@ -132,7 +135,8 @@ def find_blocks(model: nn.Module | None, blocks: Any = None) -> list[nn.Module]:
 def block_type_key(block: nn.Module) -> tuple:
     """Blocks with equal keys are structurally identical and share one plan."""
     return (type(block).__qualname__,
-            tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters()))
+            tuple((name, None if is_lazy(p) else tuple(p.shape), p.dtype)
+                  for name, p in block.named_parameters()))
 
 
 def ours_innermost(pack: Callable) -> bool:

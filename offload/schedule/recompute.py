@@ -49,15 +49,18 @@ version check catches. Not storing is always safe: the op re-runs.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from ..runtime.placement import Decision
+from ..util import per_model
 from ..util.ranges import RECOMPUTE, profiling, span
 from .buffers import guard_buffers
 from .generators import guard_generators
@@ -217,6 +220,8 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     modules handed to the call, stay exact across the re-run (offload/schedule/buffers.py),
     the re-run computes with the weights the forward ran with (weights.py), and draws what
     the forward drew from the random generators it drew from (generators.py)."""
+    if block is not None and _still_lazy(block):
+        return forward(*args, **kwargs)
     leaves, spec = tree_flatten((args, kwargs))
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     if len(where) == len(args) and all(isinstance(a, torch.Tensor) for a in args) \
@@ -252,6 +257,31 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
         guarded = guard_weights(roots, guarded)   # weights.py NOTE [Weights in a re-run]
     return checkpoint(_ranged(guarded), *tensors, use_reentrant=False,
                       **extra)
+
+
+class _LazyModules:
+    """A block's lazy modules (`nn.LazyLinear`, `nn.LazyBatchNorm1d`) that have not run yet,
+    held weakly. Their parameters and buffers get their shape and values in their first
+    forward: that forward runs as is, not checkpointed, since its re-run could not start
+    from the call's state (an uninitialised buffer has no value to copy). A module that
+    has run becomes its plain class (`nn.Linear`) and leaves the list: then the check is
+    free."""
+
+    __slots__ = ("refs",)
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        self.refs = [weakref.ref(m) for m in block.modules() if isinstance(m, LazyModuleMixin)]
+
+    def pending(self) -> bool:
+        if self.refs:
+            self.refs = [ref for ref in self.refs if isinstance(module := ref(), LazyModuleMixin)
+                         and module.has_uninitialized_params()]
+        return bool(self.refs)
+
+
+def _still_lazy(block: torch.nn.Module) -> bool:
+    """Whether `block` holds a lazy module that has not run yet (`_LazyModules`)."""
+    return per_model.state_for(block, _LazyModules, lambda: _LazyModules(block)).pending()
 
 
 def _modules_handed_in(leaves: list, block: torch.nn.Module | None) -> list[torch.nn.Module]:
