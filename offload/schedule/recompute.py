@@ -56,12 +56,13 @@ from typing import Any, Callable
 import torch
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from ..runtime.placement import Decision
 from ..util import per_model
 from ..util.ranges import RECOMPUTE, profiling, span
+from .arguments import flatten_call
 from .buffers import guard_buffers
 from .generators import guard_generators
 from .weights import guard_weights
@@ -207,7 +208,7 @@ class _Replay(TorchDispatchMode):
 def block_inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors a block call receives, in the order checkpoint_block passes them (and
     the profile numbers them): positional ones, then those inside keyword arguments."""
-    return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    return [x for x in flatten_call(args, kwargs)[0] if isinstance(x, torch.Tensor)]
 
 
 def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=None,
@@ -222,7 +223,7 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     the forward drew from the random generators it drew from (generators.py)."""
     if block is not None and _still_lazy(block):
         return forward(*args, **kwargs)
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, rebuild = flatten_call(args, kwargs)   # NOTE [Arguments as at the call]
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     if len(where) == len(args) and all(isinstance(a, torch.Tensor) for a in args) \
             and not kwargs:
@@ -245,7 +246,7 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
             full = list(leaves)
             for i, t in zip(where, ts):
                 full[i] = t
-            a, kw = tree_unflatten(full, spec)
+            a, kw = rebuild(full)
             return forward(*a, **kw)
     extra = {} if context_fn is None else {"context_fn": context_fn}
     guarded = guard_buffers(block, guard_generators(call))
