@@ -527,6 +527,37 @@ def test_trials_run_each_strategy_bit_exact_then_keep_the_fastest(nvme_dir, monk
     ctx.close()
 
 
+@pytest.mark.parametrize("mode", ["offload", "unplanned"])
+def test_on_a_cpu_what_the_plan_did_not_decide_moves_to_a_tier_that_frees_memory(
+        nvme_dir, monkeypatch, mode):
+    """`tiers="host,nvme"` on a CPU: host is the same RAM. Before, the `offload` trial and
+    a storage the plan did not know went to host, the first tier: the trial step held every
+    saved byte (2.0 MB against a budget of 0.6 MB). They now move to nvme, the first tier
+    that frees memory (the plan's `params.tiers`)."""
+    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
+    model, loss_fn = small_gpt(layers=4, seq=64)
+    settings = dict(_settings(nvme_dir, SLOW, budget="30%"), tiers="host,nvme")
+    _, ctx = compare_steps(model, loss_fn, 2, **settings)        # warm-up, profile
+    plan = ctx.plan
+    assert plan.params.tiers == ("nvme",)
+    if mode == "offload":
+        plan.trial_steps.pending = ["offload"] * 50
+    else:   # every storage looked up misses: the plan is of another step's storages
+        import dataclasses
+
+        from offload.schedule.readonly import ReadOnlyDict
+        plan.trial_steps.pending = []
+        plan.plan = dataclasses.replace(plan.plan, item_targets=ReadOnlyDict(),
+                                        input_targets=ReadOnlyDict())
+    differs, ctx = compare_steps(model, loss_fn, 2, **settings)
+    assert differs is None, f"gradients differ at step {differs}"
+    stats = ctx.stats
+    assert stats.host_bytes == 0 and stats.nvme_bytes > 0
+    if mode == "offload":
+        assert stats.peak_resident_bytes < stats.saved_bytes / 2
+    ctx.close()
+
+
 def test_checkpoint_strategy_keeps_the_last_blocks_the_budget_holds(nvme_dir, monkeypatch):
     """The `checkpoint` strategy with a budget: the last blocks whose storages fit run as
     they are and keep them, the others are checkpointed, the rest moves; bit-exact, and the

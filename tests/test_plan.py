@@ -187,6 +187,27 @@ def test_pure_strategies_are_priced_and_the_close_ones_measured():
     assert "offload" not in slow.trials
 
 
+def test_a_pure_strategy_that_would_keep_more_than_the_budget_is_not_tried(monkeypatch):
+    """No tier frees memory (a CPU with `tiers="host"`: host is the same RAM): moving
+    everything keeps it all. Before, `offload` was still tried against the plan, a trial
+    step holding every saved byte against a budget the plan met by recomputing. Now it is
+    left out (a note says why) however close its predicted step, and what is tried keeps no
+    more than the budget."""
+    from offload.schedule import search as search_mod
+
+    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
+    plan = make_plan(profile(), figures(0.05), params(tiers=()))
+    assert plan.prediction.feasible and plan.prediction.kept_bytes <= plan.params.budget_bytes
+    assert plan.trials == ("checkpoint",)   # its block inputs stay, and they fit
+    assert [n for n in plan.notes if n.startswith("not measured")] == [
+        "not measured against the plan: offload, which would keep 936 MiB on the device, "
+        "over the budget (what no tier of OFFLOAD_TIERS frees stays: on a CPU, host memory "
+        "is the same RAM)"]
+    moving = make_plan(profile(), figures(0.05), params())   # nvme frees memory: tried
+    assert moving.trials == ("offload", "checkpoint") and not any(
+        n.startswith("not measured") for n in moving.notes)
+
+
 def test_checkpoint_strategy_keeps_last_blocks_within_the_budget():
     """More budget, more blocks kept as they are (always the last ones), never over the
     budget; each kept block takes its re-run out of the prediction."""

@@ -29,14 +29,13 @@ def summary(plan: Plan, mode: str = "plan") -> str:
     """One line: what the plan keeps, moves and recomputes, its predicted step, and what runs
     instead when a trial chose a whole-block strategy (`mode`)."""
     p = plan.prediction
-    gib = 2 ** 30
-    moved = ", ".join(f"{t} {b / gib:.2f} GiB" for t, b in p.moved_bytes.items() if b)
+    moved = ", ".join(f"{t} {format_bytes(b)}" for t, b in p.moved_bytes.items() if b)
     per_op = [bp for bp in plan.blocks.values() if bp.per_op]
     runs = "" if mode == "plan" else \
         f"; measured faster and run instead: {mode} ({PURE[mode]})"
-    return (f"kept {p.kept_bytes / gib:.2f} GiB (budget "
-            f"{plan.params.budget_bytes / gib:.2f} GiB), {moved or 'nothing moved'}, "
-            f"recomputed {p.recomputed_bytes / gib:.2f} GiB in {len(per_op)} of "
+    return (f"kept {format_bytes(p.kept_bytes)} (budget "
+            f"{format_bytes(plan.params.budget_bytes)}), {moved or 'nothing moved'}, "
+            f"recomputed {format_bytes(p.recomputed_bytes)} in {len(per_op)} of "
             f"{len(plan.blocks)} block types; predicted step {p.step_s:.3g} s against "
             f"{p.compute_s:.3g} s of compute (recompute {p.recompute_s:.3g} s, stall "
             f"{p.stall_s:.3g} s){runs}")

@@ -109,7 +109,7 @@ class SchedulePlacement(Placement):
             if choice.mode == "checkpoint" and region[0] == "block" \
                     and region[1] in plan.checkpoint_keeps:
                 return self.target("keep")
-            return base
+            return self._move(plan, base)
         moved = False
         if region[0] == "block":
             block = self._stand_in
@@ -124,8 +124,15 @@ class SchedulePlacement(Placement):
             name = self._item(plan, (region, ordinal), info.nbytes)
         if name is None:
             self.unplanned += 1
-            return base  # not in the plan (another step shape): move it, memory-safe
+            return self._move(plan, base)  # not in the plan (another step shape): memory-safe
         return self.target(name, moved)
+
+    def _move(self, plan: Plan, base: Decision) -> Decision:
+        """Where a storage the plan did not decide moves: to the first tier that frees
+        memory, the plan's `params.tiers` (on a CPU, host is the same RAM and frees none,
+        so `tiers="host,nvme"` moves to nvme); `base` when no tier frees any."""
+        tiers = plan.params.tiers
+        return self.target(tiers[0]) if tiers else base
 
     @staticmethod
     def _item(plan, key: tuple, nbytes: int) -> str | None:

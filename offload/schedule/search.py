@@ -16,7 +16,10 @@ budget, which run as they are and keep them). Those predicted within TRIAL_MARGI
 plan become `Plan.trials`: the session runs each of them and the plan for a few steps,
 alternating, and keeps whichever step was fastest (trials.py NOTE [Trials]); the cost model
 is a model, and a whole-block strategy has beaten a mixed plan it was predicted to lose to
-(docs/benchmarks.md). Both keep no more than the budget, so it holds whichever wins.
+(docs/benchmarks.md). One that would keep more than the budget (the plan's own bytes,
+where the plan cannot meet it either) is not tried, so the budget holds whichever wins:
+with no tier that frees memory (host on a CPU is the same RAM) moving everything keeps it
+all, and checkpointing whole blocks keeps their inputs.
 """
 from __future__ import annotations
 
@@ -57,10 +60,21 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
         if not changed:
             break
     pred = best.prediction
-    alternatives, checkpoint_keeps = _pure_predictions(profile, figures, params, infos, items)
+    alternatives, kept, checkpoint_keeps = _pure_predictions(profile, figures, params, infos,
+                                                             items)
+    # A trial keeps no more than the budget (the plan's own bytes where it cannot meet it):
+    # a strategy that would keep more is not run, even for one step (trials.py NOTE [Trials]).
+    limit = max(params.budget_bytes, pred.kept_bytes)
+    over = [name for name in alternatives if kept[name] > limit]
     trials = tuple(name for name, step_s in alternatives.items()
-                   if pred.feasible and step_s <= (1 + TRIAL_MARGIN) * pred.step_s)
+                   if pred.feasible and name not in over
+                   and step_s <= (1 + TRIAL_MARGIN) * pred.step_s)
     own = []
+    if over:
+        own.append(f"not measured against the plan: {', '.join(over)}, which would keep "
+                   f"{' and '.join(format_bytes(kept[n]) for n in over)} on the device, over "
+                   "the budget (what no tier of OFFLOAD_TIERS frees stays: on a CPU, host "
+                   "memory is the same RAM)")
     if not pred.feasible:
         own.append(f"the budget cannot be met: {format_bytes(pred.kept_bytes)} stay on the "
                    "device (the tiers are full, or there is no block to recompute)")
@@ -82,8 +96,10 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
 
 
 def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
-                      infos: list[TypeInfo], items: list[ItemRecord]) -> tuple[dict, frozenset]:
-    """Predicted step of each PURE strategy, and the blocks `checkpoint` keeps.
+                      infos: list[TypeInfo], items: list[ItemRecord]
+                      ) -> tuple[dict, dict, frozenset]:
+    """Predicted step and kept bytes of each PURE strategy, and the blocks `checkpoint`
+    keeps.
 
     `offload`: the budget at 0, blocks as they are. `checkpoint`: every op of every block
     re-run without the per-op dispatch modes, less the re-run of the last blocks whose
@@ -91,8 +107,10 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
     those run as they are and keep their storages."""
     bare = PlanParams(0, params.tiers, params.capacity_bytes, params.device_type,
                       params.staging_bytes)
-    out = {"offload": predict(profile, figures, bare, infos,
-                              {i.type_key: 0 for i in infos}, items).prediction.step_s}
+    moved = predict(profile, figures, bare, infos, {i.type_key: 0 for i in infos},
+                    items).prediction
+    out = {"offload": moved.step_s}
+    kept = {"offload": moved.kept_bytes}
     keeps: frozenset = frozenset()
     # A block that cannot be re-run rules out checkpointing every block (its trial would
     # raise autograd's in-place error in the user's step).
@@ -116,7 +134,8 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
             chosen.append(index)
         keeps = frozenset(chosen)
         out["checkpoint"] = full.step_s - dispatch - sum(rerun[i] for i in keeps)
-    return out, keeps
+        kept["checkpoint"] = full.kept_bytes + sum(block_bytes.get(i, 0) for i in keeps)
+    return out, kept, keeps
 
 
 def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: list[TypeInfo],

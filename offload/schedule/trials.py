@@ -6,7 +6,8 @@ steps start with TRIAL_ROUNDS rounds that run the plan and each such strategy in
 the steps after run whichever had the fastest step (best of its rounds; a pure strategy
 must beat the plan by TRIAL_WIN, so noise does not flip it). The measured seconds and the
 choice are in `ctx.plan` (`mode`, `measured`; one INFO line). Every candidate is bit-exact
-and keeps no more than the plan, so a trial step costs time at most, never memory or
+and keeps no more than the budget (search.py leaves out one that would keep more), so a
+trial step costs time at most, never memory or
 correctness. A re-plan measures again. Steps are timed on the device's clock
 (offload/util/clock.py): on CUDA the host's is launch time.
 
