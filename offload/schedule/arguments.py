@@ -23,11 +23,13 @@ __all__ = ["flatten_call"]
 
 
 def _is_dataclass_instance(x: Any) -> bool:
-    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+    return hasattr(type(x), "__dataclass_fields__") and not isinstance(x, type)
 
 
 def _flatten(obj: Any, inside: frozenset) -> tuple[list, Callable[[list], Any]]:
     leaves, spec = tree_flatten(obj)
+    if not any(map(_is_dataclass_instance, leaves)):   # the common call: pytree alone
+        return leaves, lambda new: tree_unflatten(new, spec)
     out: list = []
     parts: list[tuple[int, Callable[[list], Any] | None]] = []
     for leaf in leaves:
