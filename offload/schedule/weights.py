@@ -8,8 +8,8 @@ returns, before the backward. The re-run would compute with the module's own, an
 function than the forward ran: silently wrong gradients (as under torch's checkpoint).
 So a call notes the parameter and buffer objects of the modules it guards (the block's and
 those handed to it as arguments), and its re-run puts back, for itself only, each one
-that was replaced since (buffers.py then sets a changed buffer's value back, as for any
-block); afterwards the module gets what it had. A weight changed in place between the
+that was replaced since (buffers.py then sets each buffer to its value at the call, as
+for any block); afterwards the module gets what it had. A weight changed in place between the
 forward and the re-run is autograd's to catch, as in plain training. Cost: a look at each
 module's parameters and buffers per call and per re-run; nothing is copied.
 """
