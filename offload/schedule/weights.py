@@ -6,12 +6,13 @@ x)` (MAML, hypernetworks) swaps each module's parameters (and buffers, given as
 `(params, buffers)`) for the given tensors and puts the module's own back when it
 returns, before the backward. The re-run would compute with the module's own, another
 function than the forward ran: silently wrong gradients (as under torch's checkpoint).
-So a call notes the parameter and buffer objects of the modules it guards (the block's and
-those handed to it as arguments), and its re-run puts back, for itself only, each one
-that was replaced since (buffers.py then sets each buffer to its value at the call, as
-for any block); afterwards the module gets what it had. A weight changed in place between the
-forward and the re-run is autograd's to catch, as in plain training. Cost: a look at each
-module's parameters and buffers per call and per re-run; nothing is copied.
+So a call notes the parameter objects of the modules it guards (the block's and those
+handed to it as arguments), and its re-run puts back, for itself only, each one that was
+replaced since; afterwards the module gets what it had. Buffers are buffers.py's: its
+re-run sets every buffer slot to what it held at the call, functional_call's included. A
+weight changed in place between the forward and the re-run is autograd's to catch, as in
+plain training. Cost: a look at each module's parameters per call and per re-run;
+nothing is copied.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ __all__ = ["guard_weights"]
 
 
 def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
-    """`fn` (the function checkpoint runs, forward then re-runs) with the parameter and
-    buffer objects of `modules` (each with its submodules) as they were at the forward put
+    """`fn` (the function checkpoint runs, forward then re-runs) with the parameter
+    objects of `modules` (each with its submodules) as they were at the forward put
     back for its re-runs (NOTE [Weights in a re-run])."""
     calls = 0
     noted: list[tuple[dict, dict]] = []
@@ -39,9 +40,9 @@ def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
                     if id(module) in seen:
                         continue
                     seen.add(id(module))
-                    for slots in (module._parameters, module._buffers):
-                        if slots:
-                            noted.append((slots, dict(slots)))
+                    slots = module._parameters
+                    if slots:
+                        noted.append((slots, dict(slots)))
             return fn(*args)
         swapped = [(params, name, params.get(name)) for params, then in noted
                    for name, weight in then.items() if params.get(name) is not weight]
