@@ -3,8 +3,9 @@
     python benchmarks/buffer_copies.py                   # CPU, 1 thread
     python benchmarks/buffer_copies.py --buffer-mib 16 --rounds 15 --device cuda
 
-`recompute` copies every buffer of a checkpointed block at each call and holds the copies
-until the block's re-run (offload/schedule/buffers.py NOTE [Buffers in a re-run]). Three
+`recompute` copies every buffer of a checkpointed block at each call, holds the copies
+until the block's re-run and runs the re-run on fresh copies of them
+(offload/schedule/buffers.py NOTE [Buffers in a re-run]). Three
 models of 8 blocks, each step timed under plain training, torch's own non-reentrant
 checkpoint per block (which copies nothing, and counts BatchNorm's batches twice), and
 `offload.activations(policy="recompute")`, in turn in every round (alternating, so drift

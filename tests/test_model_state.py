@@ -11,7 +11,9 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import io
+import weakref
 from typing import Callable
 
 import pytest
@@ -359,8 +361,27 @@ class LateDataCodebook(LateCodebook):
         return x + z + (codes - z).detach() + (z - codes.detach()).pow(2).mean()
 
 
+class ReadsAView(nn.Module):
+    """Keeps statistics in one buffer and a named row of it as another (a view): the
+    forward updates the whole buffer in place and reads the row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("stats", torch.ones(2, 8))
+        self.register_buffer("scale", self.stats[1])
+
+    def forward(self, x):
+        y = self.lin(x)
+        with torch.no_grad():
+            self.stats.mul_(0.5).add_(y.mean(0))
+        return x + torch.tanh(y * self.scale)
+
+
 def _buffer_model(case: str) -> tuple[nn.Module, Callable]:
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    if case == "a view of another":
+        return nn.Sequential(*[ReadsAView() for _ in range(3)]), lambda m: m(x).pow(2).mean()
     if case == "None at first":
         model = nn.Sequential(*[DelayedScale() for _ in range(3)])
         return model, lambda m: m(x).pow(2).mean()
@@ -374,7 +395,7 @@ def _buffer_model(case: str) -> tuple[nn.Module, Callable]:
 
 @pytest.mark.parametrize("case", ["None at first", "parent, in place", "parent, .data",
                                   "parent, assign", "shared, last writes",
-                                  "late, through .data"])
+                                  "late, through .data", "a view of another"])
 @pytest.mark.parametrize("policy", ["recompute", "auto"])
 def test_a_rerun_reads_every_buffer_as_it_was_at_the_call(policy, case, nvme_dir):
     """Whoever changed a buffer between a block's call and its re-run, the re-run reads it
@@ -382,7 +403,9 @@ def test_a_rerun_reads_every_buffer_as_it_was_at_the_call(policy, case, nvme_dir
     made outside the block's forward (the parent, a later block sharing the tensor) or
     through `.data` in a later call than the block's first was not seen, and the copy taken
     at the call was dropped: gradients off from the step it happened, silently (plain
-    checkpoint does the same)."""
+    checkpoint does the same). A buffer that is a view of another was copied apart from
+    it: the re-run's update of the one did not reach the other (off from the first
+    step; plain checkpoint too)."""
     torch.manual_seed(0)
     model, loss = _buffer_model(case)
 
@@ -399,17 +422,27 @@ def test_a_rerun_reads_every_buffer_as_it_was_at_the_call(policy, case, nvme_dir
         assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
 
 
+@pytest.mark.parametrize("model_name", ["Net", "late, through .data"])
 @pytest.mark.parametrize("policy", ["recompute", "auto"])
-def test_a_retained_graphs_second_backward_reruns_from_the_calls_buffers(policy, nvme_dir):
+def test_a_retained_graphs_second_backward_reruns_from_the_calls_buffers(policy, model_name,
+                                                                        nvme_dir):
     """A second backward of a retained graph re-runs each block again. Its first re-run
-    wrote into the buffer copies it ran on (the counter's `+= 1`, BatchNorm's statistics);
-    the second must start from the values at the call again (buffers.py rule 3)."""
+    wrote into the buffer copies it ran on (the counter's `+= 1`, BatchNorm's statistics,
+    an update through `.data` switched on in a later call than the first); the second must
+    start from the values at the call again (buffers.py rule 2). Before, only modules seen
+    changing at a first call or bumping a version got fresh copies: the late `.data`
+    update's second re-run ran on what the first re-run wrote, silently."""
     torch.manual_seed(0)
-    model = Net()
+    if model_name == "Net":
+        model = Net()
+        x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    else:
+        model = nn.Sequential(*[LateDataCodebook() for _ in range(3)])
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
     plain = copy.deepcopy(model)
-    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
     ctx = offload.activations(model=model, **_settings(policy, nvme_dir))
-    for step in range(4):   # auto: warm-up, profile, planned steps
+    for step in range(5):   # auto: warm-up, profile, planned steps
+        UPDATING[0] = step >= 3
         for m in (plain, model):
             m.zero_grad(set_to_none=True)
             torch.manual_seed(step)
@@ -417,12 +450,197 @@ def test_a_retained_graphs_second_backward_reruns_from_the_calls_buffers(policy,
                 loss = m(x).pow(2).mean()
                 loss.backward(retain_graph=True)
                 loss.backward()
+        UPDATING[0] = False
         assert [n for (n, a), b in zip(model.named_parameters(), plain.parameters())
                 if not torch.equal(a.grad, b.grad)] == [], f"step {step}"
         assert all(torch.equal(a, b) for a, b in zip(model.buffers(), plain.buffers()))
     if policy == "auto":   # the slow link: re-runs ops, so the buffers were at stake
         assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
     ctx.close()
+
+
+class RotaryCache(nn.Module):
+    """A rotary table regrown in forward when a longer sequence comes (Hugging Face's
+    LlamaRotaryEmbedding up to 4.36, remote-code models): the buffers are registered anew
+    and a plain int says how long they are."""
+
+    def __init__(self, dim: int = 8, length: int = 4) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 100 ** (torch.arange(0, dim, 2) / dim),
+                             persistent=False)
+        self._grow(length)
+
+    def _grow(self, length: int) -> None:
+        self.max_seq_len_cached = length
+        freqs = torch.outer(torch.arange(length, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cached", emb.cos(), persistent=False)
+        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+
+    def forward(self, length: int):
+        if length > self.max_seq_len_cached:
+            self._grow(length)
+        return self.cos_cached[:length], self.sin_cached[:length]
+
+
+class RotaryBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.rope = RotaryCache()
+
+    def forward(self, x):
+        cos, sin = self.rope(x.shape[1])
+        q = self.q(x)
+        return x + torch.tanh(q * cos + torch.cat((-q[..., 4:], q[..., :4]), -1) * sin)
+
+
+class BiasCorrected(nn.Module):
+    """An EMA buffer divided by its bias correction, whose step count is a plain int."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+        self.t = 0
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.t += 1
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * y.mean((0, 1)))
+        return x + torch.tanh(y * self.ema / (1 - 0.9 ** self.t))
+
+
+class ReadsThroughAttributes(nn.Module):
+    """Reads its statistics through attributes: the buffer itself, or a row of it."""
+
+    def __init__(self, row: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("stats", torch.ones(2, 8))
+        self.scale = self.stats[1] if row else self.stats
+
+    def forward(self, x):
+        y = self.lin(x)
+        out = x + torch.tanh(y * self.scale.mean(0))   # read, then updated
+        with torch.no_grad():
+            self.stats.mul_(0.5).add_(y.mean((0, 1)))
+        return out
+
+
+class SetsUpOnce(nn.Module):
+    """A one-time setup in its first forward, kept in an attribute: a hook registered on a
+    child (the re-run must not register it again), and a counting buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+        self.handle = None
+
+    def forward(self, x):
+        if self.handle is None:
+            self.handle = self.lin.register_forward_hook(lambda m, i, out: out * 1.5)
+        self.calls += 1
+        return x + torch.tanh(self.lin(x))
+
+
+_ATTRIBUTE_BLOCKS = {"rotary cache regrown": RotaryBlock, "step count": BiasCorrected,
+                     "an attribute that is the buffer": lambda: ReadsThroughAttributes(False),
+                     "an attribute that is a view of it": lambda: ReadsThroughAttributes(True),
+                     "a hook set up once": SetsUpOnce}
+
+
+@pytest.mark.parametrize("case", list(_ATTRIBUTE_BLOCKS))
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_rerun_reads_a_modules_attributes_as_they_were_at_the_call(policy, case,
+                                                                      nvme_dir):
+    """A module's buffers go with the values it keeps in attributes (buffers.py rule 2).
+    Before, the re-run got the rotary table of the call back but the int already said the
+    longer length: a size mismatch in backward at the first longer sequence (plain
+    checkpoint runs); a step count advanced in forward was read advanced by the re-run,
+    and an attribute that is the buffer or a row of it was read as later changed:
+    gradients off, silently (plain checkpoint too). An attribute holding an object is
+    left as it is: a hook set up in the first forward is not set up again by its re-run
+    (when all attributes were set back, it was: two hooks, silently wrong gradients)."""
+    torch.manual_seed(0)
+    block = _ATTRIBUTE_BLOCKS[case]
+    model = nn.Sequential(*[block() for _ in range(3)])
+    lengths = [4, 4, 6, 6, 9, 9]   # the forward regrows the table at 6 and at 9
+    length = [lengths[0]]
+    x = torch.randn(2, 9, 8, generator=torch.Generator().manual_seed(1))
+
+    def each(step, ctx):
+        length[0] = lengths[step + 1] if step + 1 < len(lengths) else lengths[-1]
+
+    differs, ctx = train_side_by_side(model, lambda m: m(x[:, :length[0]]).pow(2).mean(),
+                                      len(lengths), _settings(policy, nvme_dir), each=each)
+    assert differs is None, f"differs at step {differs}"
+    if case.startswith("rotary"):
+        assert model[0].rope.max_seq_len_cached == 9 and len(model[0].rope.cos_cached) == 9
+    elif case == "step count":
+        assert model[0].t == len(lengths)
+    elif case.startswith("a hook"):
+        assert len(model[0].lin._forward_hooks) == 1 and model[0].calls.item() == 6
+    if policy == "auto":   # the slow link: re-runs ops, so the buffers were at stake
+        assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+
+
+class JoinedLater(nn.Module):
+    """A block into which a module holding buffers comes after its first calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.Identity()
+        self.scale = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.norm(self.lin(x))
+        if "amax" in self.scale._buffers:   # registered from the third step on
+            self.scale.amax = 0.9 * self.scale.amax + 0.1 * y.detach().abs().amax()
+            y = y / self.scale.amax
+        return x + torch.tanh(self.scale(y))
+
+
+def _join(model: nn.Module, step: int, how: str) -> None:
+    for block in model:
+        if how == "BatchNorm in place of Identity" and step == 1:
+            block.norm = nn.BatchNorm1d(8)
+        elif how == "a first buffer" and step == 1:
+            block.scale.register_buffer("amax", torch.ones(()))
+        elif how == "QAT observers" and step == 0:
+            import torch.ao.quantization as tq
+
+            block.qconfig = tq.get_default_qat_qconfig("fbgemm")
+            tq.prepare_qat(block, inplace=True)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+@pytest.mark.parametrize("how", ["BatchNorm in place of Identity", "a first buffer",
+                                 "QAT observers"])
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_module_that_joins_a_block_after_its_first_call_is_guarded(policy, how, nvme_dir):
+    """The modules a re-run guards were found at the block's first call. Before, a module
+    holding buffers that came later (QAT's observers after a float warm-up, a BatchNorm in
+    place of an Identity, a first buffer registered on a module that had none) was not
+    guarded: its re-run updated the observers or the running statistics a second time,
+    silently. Found again now whenever a module joins (structure.py)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[JoinedLater() for _ in range(3)])
+    plain = copy.deepcopy(model)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+
+    def each(step, ctx):
+        for m in (plain, model):
+            _join(m, step, how)
+
+    differs, ctx = train_side_by_side(model, lambda m: m(x).pow(2).mean(), 6,
+                                      _settings(policy, nvme_dir), each=each, plain=plain)
+    assert differs is None, f"differs at step {differs}"
+    if how.startswith("BatchNorm"):
+        assert model[0].norm.num_batches_tracked.item() == 4
 
 
 class ReadsMemory(nn.Module):
@@ -452,9 +670,13 @@ class ReadsMemoryModel(nn.Module):
 
 @dataclasses.dataclass
 class Memory:
-    """A block's memory as a dataclass: `h` replaced by every block, `seen` appended to."""
+    """A block's memory as a dataclass: `h` replaced by every block, `seen` appended to,
+    and `gain`, not a field, set anew by every block."""
     h: torch.Tensor
     seen: list
+
+    def __post_init__(self) -> None:
+        self.gain = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,8 +693,10 @@ class ReadsDataclass(nn.Module):
 
     def forward(self, x, memory):
         h = memory.h if isinstance(memory, Memory) else memory.slots["h"]
-        out = torch.tanh(self.lin(x)) * (1 + h.mean())
+        gain = memory.gain if isinstance(memory, Memory) else 1.0
+        out = torch.tanh(self.lin(x) * gain) * (1 + h.mean())
         if isinstance(memory, Memory):
+            memory.gain *= 1.5
             memory.h = out
             memory.seen.append(out)
         else:
@@ -501,7 +725,9 @@ class ReadsDataclassModel(nn.Module):
 def test_a_rerun_sees_a_dataclass_argument_as_it_was_at_the_call(policy, frozen, nvme_dir):
     """A dataclass is one leaf to torch's pytree. Before, the re-run got the caller's own
     object, whose field (or dict entry) later blocks had replaced: gradients off, silently
-    (plain checkpoint does the same). The forward still writes into the caller's object."""
+    (plain checkpoint does the same); then a copy made at the re-run, with an attribute
+    that is not a field (`gain`) as later blocks had set it. The forward still writes into
+    the caller's object."""
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     settings = dict(_settings(policy, nvme_dir), tiers="host")
     differs, ctx = train_side_by_side(ReadsDataclassModel(frozen), lambda m: m(x), 5, settings)
@@ -771,6 +997,93 @@ def test_a_list_or_dict_a_block_writes_into_is_the_callers(policy, nvme_dir):
         assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
 
 
+class TakesOptions(nn.Module):
+    """Called as Hugging Face decoder layers are: keyword and non-tensor arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x, mask=None, *, scale: float = 1.0):
+        return x + torch.tanh(self.lin(x)) * scale
+
+
+class KeepsTrack(nn.Module):
+    """Notes a weak reference to each block's input: what is alive before the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([TakesOptions() for _ in range(4)])
+        self.inputs: list = []
+
+    def forward(self, x):
+        self.inputs = []
+        for block in self.blocks:
+            x = x * 1.0001   # a fresh input for each block, referenced by nothing else
+            self.inputs.append(weakref.ref(x))
+            x = block(x, mask=None, scale=0.5)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_a_blocks_inputs_are_not_held_until_backward_when_called_with_options(tiers,
+                                                                             nvme_dir):
+    """checkpoint saves a block's inputs through our hooks, which move them. Before, the
+    function we hand checkpoint held the call's arguments for its re-run, so every block
+    called with a keyword or a non-tensor argument (every Hugging Face decoder layer) kept
+    its input tensor in memory until backward. Now none is alive between the forward and
+    the backward, and the gradients are plain training's."""
+    torch.manual_seed(0)
+    model = KeepsTrack()
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    plain = copy.deepcopy(model)
+    plain(x).backward()
+    with offload.activations(model=model, **dict(_settings("recompute", nvme_dir),
+                                                 tiers=tiers)):
+        loss = model(x)
+        gc.collect()
+        alive = [ref() is not None for ref in model.inputs]
+        loss.backward()
+    assert alive == [False] * 4
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(),
+                                                             plain.parameters()))
+
+
+class KeepsLastMap(nn.Module):
+    """Holds a mask buffer and keeps its last attention map in an attribute (to plot)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(16, 32)
+        self.register_buffer("mask", torch.tril(torch.ones(12, 12, dtype=torch.bool)))
+        self.last_map = None
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, -1)
+        att = (q @ k.transpose(-1, -2)).masked_fill(~self.mask, -1e9).softmax(-1)
+        self.last_map = att.detach()
+        return x + att @ x
+
+
+def test_a_tensor_a_guarded_module_kept_in_an_attribute_is_not_held_until_backward(
+        nvme_dir):
+    """A module holding buffers is guarded (buffers.py): what its attributes held at the
+    call is noted. A tensor there (the last step's attention map) must not be held by us
+    until this call's backward, where plain training frees it as the forward replaces it
+    (when every attribute was noted, each block's previous map stayed alive)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[KeepsLastMap() for _ in range(3)])
+    x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(1))
+    with offload.activations(model=model, **_settings("recompute", nvme_dir)):
+        model(x).pow(2).mean().backward()
+        previous = [weakref.ref(block.last_map) for block in model]
+        loss = model(x).pow(2).mean()
+        gc.collect()
+        alive = [ref() is not None for ref in previous]
+        loss.backward()
+    assert alive == [False] * 3
+
+
 # ---------------------------------------------------------------- lazy modules
 class LazyBlock(nn.Module):
     def __init__(self) -> None:
@@ -812,4 +1125,77 @@ def test_a_lazy_model_trains_bit_exact_and_its_blocks_are_checkpointed_once_they
     assert isinstance(model.blocks[0].lin, nn.Linear) and saved[2] == saved[3], saved
     if policy == "recompute":
         assert saved[0] > saved[1] == saved[3], saved
+    ctx.close()
+
+
+class LazyNormHandedIn(nn.Module):
+    """One lazy BatchNorm of the model's, handed to every block as an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([NormHandedIn() for _ in range(3)])
+        self.norm = nn.LazyBatchNorm1d()
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, self.norm)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_lazy_module_handed_to_blocks_runs_its_first_call_as_is(policy, nvme_dir):
+    """Before: only the block's own modules were checked for lazy ones; a lazy BatchNorm
+    handed in as an argument made the call copy its uninitialised buffers: ValueError at
+    the first step. Now that call runs as is, and training is plain training's."""
+    model, plain = (torch.manual_seed(0) and LazyNormHandedIn() for _ in range(2))
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    differs, ctx = train_side_by_side(model, lambda m: m(x), 4, _settings(policy, nvme_dir),
+                                      plain=plain)
+    assert differs is None, f"differs at step {differs}"
+    assert model.norm.num_batches_tracked.item() == 12
+    ctx.close()
+
+
+class LazyBranch(nn.Module):
+    """A lazy layer used only once `deep` is switched on (a branch not taken at first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.extra = nn.LazyLinear(8)
+        self.deep = False
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.deep:
+            h = h + self.extra(x)
+        return x + torch.tanh(h)
+
+
+def test_a_block_whose_lazy_module_has_not_run_says_so_and_is_checkpointed_once_it_ran(
+        nvme_dir, caplog):
+    """A lazy module in a branch the calls do not take keeps its block's calls as is (its
+    re-run could not start from the call's state): said once per block, in the log; from
+    the first call after the branch ran, the block is checkpointed. Before, nothing was
+    said. Gradients plain training's."""
+    model, plain = (torch.manual_seed(0) and nn.Sequential(LazyBranch(), LazyBranch())
+                    for _ in range(2))
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    saved = []
+
+    def each(step, ctx):
+        saved.append(ctx.stats.packed_tensors)
+        for m in (model, plain):
+            for block in m:
+                block.deep = step >= 1
+
+    with caplog.at_level("INFO", logger="offload"):
+        differs, ctx = train_side_by_side(model, lambda m: m(x).pow(2).mean(), 5,
+                                          _settings("recompute", nvme_dir), each=each,
+                                          plain=plain)
+    assert differs is None, f"differs at step {differs}"
+    said = [r.message for r in caplog.records if "lazy modules" in r.message]
+    assert len(said) == 2 and "LazyLinear" in said[0], said   # once per block
+    # as is, the branch not taken; as is, the branch taken (runs it first); checkpointed
+    assert saved[0] == saved[1] < saved[2] and saved[3] == saved[4] < saved[0], saved
     ctx.close()

@@ -7,7 +7,8 @@ append to, a dataclass whose field they set (`mem.h = out`). So the call's argum
 taken apart into leaves at the call, and the re-run gets a copy rebuilt from those leaves.
 Containers are what torch's pytree knows (tuples, lists, dicts, named tuples, types
 registered with it: Hugging Face's ModelOutput) and, beyond it, dataclass instances: a
-rebuilt one is a shallow copy (`copy.copy`) whose fields are set to their rebuilt values.
+rebuilt one is a shallow copy (`copy.copy`, taken at the call: an attribute that is not a
+field is as it was then) whose fields are set to their rebuilt values.
 Other objects are leaves: the re-run gets the object itself, as it is then. An object met
 again inside itself (a dataclass holding itself) is a leaf there.
 """
@@ -55,8 +56,16 @@ def _flatten(obj: Any, inside: frozenset) -> tuple[list, Callable[[list], Any]]:
 
 def _dataclass_builder(original: Any, names: list[str],
                        rebuild: Callable[[list], Any]) -> Callable[[list], Any]:
+    # The shallow copy is taken now, at the call: what is not a field (an attribute set in
+    # `__post_init__` or later: a gain the block scales by, then updates) is as at the call.
+    # Its fields are cleared (the leaves hold their values): the template holds no input
+    # tensor until backward (recompute.py `checkpoint_block`).
+    template = copy.copy(original)
+    for name in names:
+        object.__setattr__(template, name, None)
+
     def build(leaves: list) -> Any:
-        new = copy.copy(original)
+        new = copy.copy(template)
         for name, value in zip(names, rebuild(leaves)):
             object.__setattr__(new, name, value)   # frozen dataclasses too
         return new

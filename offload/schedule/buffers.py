@@ -1,4 +1,4 @@
-"""Buffers as they were at a block's call, put back for its re-run.
+"""Modules as they were at a block's call, put back for its re-run: buffers and attributes.
 
 NOTE [Buffers in a re-run] `recompute` and `auto` re-run blocks in backward (checkpoint's
 recompute). The re-run must compute what the forward computed, so it must read every
@@ -7,67 +7,97 @@ running statistics, a counter), the block's forward in a later call than its fir
 EMA codebook switched on after warm-up), code outside the block before the backward (a
 parent updating each block's buffer after all ran, one buffer registered in every block
 and written by the last), through `.data` (no version bump) or by a kernel that does not
-bump versions (BatchNorm's statistics). And the re-run must leave the model's state
-exactly as plain training does. A change is seen only after it happened, when the value
-before it is gone, and some changes are not seen at all; so nothing is guessed. Rules:
+bump versions (BatchNorm's statistics). A module's buffers go with the plain values it
+keeps beside them: a rotary table regrown in forward is re-registered next to the int
+that says how long it is (`max_seq_len_cached`); a re-run that got the table back but not
+the int would slice the short table to the new length. And the re-run must leave the
+model's state exactly as plain training does. A change is seen only after it happened,
+when the value before it is gone, and some changes are not seen at all; so nothing is
+guessed. Rules:
 
-1. At every checkpointed call, each guarded module's buffer slots are noted, name by name,
-   `None` slots included (a buffer registered as None and set in forward: delayed
-   scaling's `amax`), and every buffer is copied (one copy per tensor object, however many
-   slots hold it). The copies are held until the call's re-run.
-2. The re-run runs on them: each guarded module's slots are set to what they held at the
-   call (a copy, None, a name absent then is absent), and afterwards the module gets back
-   the very slots it had before the re-run. Whatever the re-run writes lands in the copies.
-3. A module seen changing its buffers in a forward (a bumped version counter, an object
-   replaced, a slot added or removed; at the block's first call also a compare of values,
-   for BatchNorm's kernel) gets fresh clones of the copies in each re-run, so a second
-   re-run (a retained graph's second backward) starts from the values at the call too.
-4. The copies are taken outside our dispatch modes (recompute.py counts ops by position:
+1. At every checkpointed call, each guarded module's state is noted: its buffer slots,
+   name by name, `None` slots included (a buffer registered as None and set in forward:
+   delayed scaling's `amax`); its attributes that are values (None, bools, numbers,
+   strings, dtypes, devices, enums, and tuples of them: a step count, a cached length, the
+   `training` flag) and those that are one of its buffers or a view of one (`self.scale =
+   self.ema`, `self.row = self.stats[0]`); which attribute names it has. Every buffer is
+   copied, one copy per stretch of memory however many slots hold it or views of it (a
+   buffer that is a view of another stays a view of the other's copy). The copies and the
+   values are held until the call's re-run.
+2. Each re-run runs on the call's state: each guarded module's slots are set to fresh
+   copies of the call's copies (a name absent then is absent), so a second re-run (a
+   retained graph's second backward) starts from the call's values too, however the first
+   wrote into them; its value attributes to their values at the call (one added since is
+   removed); an attribute that was a buffer or a view of one to its copy. An attribute
+   that holds another object now (a hook's handle, a list, a tensor, a module) is left as
+   it is, as under checkpoint: a one-time setup the first call made (`if self.handle is
+   None: self.handle = self.lin.register_forward_hook(...)`) is not made again, and no
+   tensor an attribute held at the call is kept alive until backward. Afterwards the
+   module gets back the very attributes and slots it had before the re-run.
+3. The copies are taken outside our dispatch modes (recompute.py counts ops by position:
    a copy must not shift the ids of the block's own ops).
-5. The guarded modules are the block's own that hold buffer slots and those handed to its
-   call as arguments (`block(x, self.norm)`): the re-run calls those again too. A module
-   the block reaches otherwise (a global, a reference to its parent) is not guarded; nor
-   is a buffer that requires grad (a copy would cut its gradient), nor a module that held
-   no buffer slot when the block was first seen.
+4. The guarded modules are the block's own that hold buffer slots and those handed to its
+   call as arguments (`block(x, self.norm)`): the re-run calls those again too. They are
+   found again when a module joined anywhere or a module got its first buffer since
+   (structure.py NOTE [Module structure]) or one of them was freed. A module the block
+   reaches otherwise (a global, a reference to its parent) is not guarded; nor is a buffer
+   that requires grad (a copy would cut its gradient).
 
-What it costs: nothing for blocks without buffers; per call, one copy of every buffer,
-held until the re-run (BatchNorm: a few vectors; a block holding a large buffer that never
-changes pays its copy at every call and holds it until backward).
+Not set back: the attributes of modules holding no buffer (`self.calls += 1` there is
+counted again by the re-run, as under checkpoint). What it costs: nothing for blocks
+without buffers; per call, a look at each guarded module's attributes and one copy of
+every buffer, held until the re-run, and a second copy in the re-run (BatchNorm: a few
+vectors; a block holding a large buffer that never changes pays both at every step, and
+holds the first until backward: docs/benchmarks.md *Buffer copies*).
 """
 from __future__ import annotations
 
+import collections
+import enum
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..util import per_model
+from . import structure
 
 __all__ = ["guard_buffers"]
 
+# The types of attributes that are values (rule 1); tuples of them too.
+_VALUES = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype,
+                     torch.device, torch.Size})
+_CONTAINERS = frozenset({dict, collections.OrderedDict, set})   # nn.Module's own: no value
+_ABSENT = object()
+
+
+def _is_value(x: Any) -> bool:
+    kind = type(x)
+    if kind in _VALUES or isinstance(x, enum.Enum):
+        return True
+    return kind is tuple and all(map(_is_value, x))
+
 
 class _Modules:
-    """A block's modules that hold buffer slots, and which of them its calls saw changing.
+    """A block's modules that hold buffer slots, held weakly: this lives in the per-model
+    registry, whose entry dies with the block only if nothing in it refers back to the
+    block (a BatchNorm block is its own buffer holder)."""
 
-    The modules are held weakly: this lives in the per-model registry, whose entry dies
-    with the block only if nothing in it refers back to the block (a BatchNorm block is
-    its own buffer holder).
-    """
-
-    __slots__ = ("refs", "changing")
+    __slots__ = ("refs", "count")
 
     def __init__(self, block: nn.Module) -> None:
         self.learn(block)
 
     def learn(self, block: nn.Module) -> None:
-        """Find the modules afresh; what calls showed is forgotten (rule 3)."""
+        self.count = structure.count()
         self.refs = [weakref.ref(module) for module in block.modules() if module._buffers]
-        self.changing: set[int] | None = None   # module positions; None until a first call
 
     def modules(self, block: nn.Module) -> list[nn.Module]:
-        """The modules; found afresh when one of them was replaced (and freed)."""
+        """The modules; found afresh when the structure moved or one was freed (rule 4)."""
+        if self.count != structure.count():
+            self.learn(block)
         modules = [ref() for ref in self.refs]
         if any(module is None for module in modules):
             self.learn(block)
@@ -77,98 +107,171 @@ class _Modules:
 
 def _modules_of(block: nn.Module) -> _Modules:
     """The block's modules, kept per block in util/per_model.py (which dies with the block;
-    `offload.process.reset()` forgets them: each block's next call is a first call again)."""
+    `offload.process.reset()` forgets them)."""
     return per_model.state_for(block, _Modules, lambda: _Modules(block))
+
+
+def _copy_together(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """A copy of each tensor (keyed by the original's id) in which tensors whose memory
+    overlaps overlap again: each stretch of memory overlapping tensors cover is copied
+    once, and every tensor on it becomes the same view of the copy (rule 1). Tensors that
+    overlap nothing (the common buffer) are cloned one by one. Runs under no_grad."""
+    copies: dict[int, torch.Tensor] = {}
+    spans: list[tuple[int, int, torch.Tensor]] = []   # first byte, end byte, tensor
+    for t in tensors:
+        if id(t) in copies:
+            continue
+        if type(t) is torch.Tensor and t.layout is torch.strided and t.numel() \
+                and not t.is_quantized and not t.is_meta:
+            first = t.data_ptr()
+            end = first + (t.nbytes if t.is_contiguous() else t.element_size() * (
+                1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))))
+            spans.append((first, end, t))
+            copies[id(t)] = t   # set below
+        else:   # a subclass, or no bytes (an observer's empty `min_val`, resized in forward)
+            copies[id(t)] = t.clone()
+    spans.sort(key=_first_byte)
+    i = 0
+    while i < len(spans):
+        first, end, t = spans[i]
+        j = i + 1
+        while j < len(spans) and spans[j][0] < end and spans[j][2].device == t.device:
+            end = max(end, spans[j][1])
+            j += 1
+        if j == i + 1:
+            copies[id(t)] = t.clone()
+        else:
+            _copy_stretch(spans[i:j], first, end, copies)
+        i = j
+    return copies
+
+
+def _first_byte(span: tuple) -> int:
+    return span[0]
+
+
+def _copy_stretch(group: list[tuple], start: int, end: int,
+                  copies: dict[int, torch.Tensor]) -> None:
+    """Copy the memory of overlapping tensors once and make each the same view of it; each
+    alone when they overlap on storages of their own (`torch.from_numpy` of overlapping
+    slices of one array: no storage holds the stretch)."""
+    storage = group[0][2].untyped_storage()
+    base = storage.data_ptr()
+    if any(t.untyped_storage().data_ptr() != base for _, _, t in group):
+        for _, _, t in group:
+            copies[id(t)] = t.clone()
+        return
+    start -= (start - base) % 16   # every element size divides it: each view starts on one
+    raw = torch.empty(0, dtype=torch.uint8, device=group[0][2].device)
+    raw.set_(storage, start - base, (end - start,), (1,))
+    stretch = raw.clone().untyped_storage()
+    for first, _, t in group:
+        view = torch.empty(0, dtype=t.dtype, device=t.device)
+        view.set_(stretch, (first - start) // t.element_size(), t.shape, t.stride())
+        copies[id(t)] = view
+
+
+def _attributes(module: nn.Module) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+    """`module`'s attributes that are values (rule 1), and those that are plain tensors."""
+    values, tensors = {}, []
+    for name, value in module.__dict__.items():
+        kind = type(value)
+        if kind in _VALUES:
+            values[name] = value
+        elif kind is torch.Tensor:
+            tensors.append((name, value))
+        elif kind not in _CONTAINERS and _is_value(value):
+            values[name] = value
+    return values, tensors
+
+
+def _views_of_buffers(tensors: list[tuple[str, torch.Tensor]],
+                      buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensor attributes that share storage with one of `buffers` without being one
+    (`self.row = self.stats[0]`): copied with them, they stay views of the buffers' copies
+    (rule 1)."""
+    held = {id(buf) for buf in buffers}
+    tensors = [t for _, t in tensors if id(t) not in held and t.layout is torch.strided]
+    if not tensors:   # the common module: no tensor attribute besides its buffers
+        return []
+    storages = {buf.untyped_storage().data_ptr() for buf in buffers
+                if type(buf) is torch.Tensor and buf.layout is torch.strided}
+    return [t for t in tensors if t.untyped_storage().data_ptr() in storages]
 
 
 class _Guard:
     """One checkpointed call of a block: the forward notes and copies, re-runs swap."""
 
-    def __init__(self, info: _Modules, modules: list[nn.Module]) -> None:
-        self.info = info
+    def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules   # held for this call only: the registry holds them weakly
-        # The slots as found, held until the forward ended (rule 3 compares with them).
-        self.found = [dict(module._buffers) for module in modules]
-        self.versions = [{name: buf._version for name, buf in slots.items() if buf is not None}
-                         for slots in self.found]
-        copies: dict[int, torch.Tensor] = {}
-        with torch.no_grad(), _disable_current_modes():   # rule 4
-            for slots in self.found:
-                for buf in slots.values():
-                    if buf is not None and not buf.requires_grad and id(buf) not in copies:
-                        copies[id(buf)] = buf.detach().clone()
+        found = [dict(module._buffers) for module in modules]
+        buffers = [buf for slots in found for buf in slots.values()
+                   if buf is not None and not buf.requires_grad]
+        attributes = [_attributes(module) for module in modules]
+        views = _views_of_buffers([t for _, tensors in attributes for t in tensors], buffers)
+        with torch.no_grad(), _disable_current_modes():   # rule 3
+            copies = _copy_together(buffers + views)
         # Rule 1: per module, what its slots held at the call (our copies in place of the
-        # buffers; a buffer that requires grad is itself).
+        # buffers; a buffer that requires grad is itself), its value attributes and those
+        # that were buffers or views of one (their copies), and the names it had.
         self.at_call = [{name: copies.get(id(buf), buf) for name, buf in slots.items()}
-                        for slots in self.found]
-        self.ours = {id(copy) for copy in copies.values()}
+                        for slots in found]
+        self.values = [values for values, _ in attributes]
+        self.aliases = [{name: copies[id(t)] for name, t in tensors if id(t) in copies}
+                        for _, tensors in attributes]
+        self.names = [frozenset(module.__dict__) for module in modules]
+        self.held = list(copies.values())
+        self.ours = {id(copy) for copy in self.held}
         self.calls = 0
 
     def wrap(self, fn: Callable) -> Callable:
         def run(*args):
             self.calls += 1
             if self.calls == 1:
-                out = fn(*args)
-                self._forward_done()
-                return out
+                return fn(*args)
             return self._rerun(fn, args)
         return run
 
-    def _forward_done(self) -> None:
-        """Rule 3: which modules changed their buffers in this forward."""
-        changed = set()
-        for i, (module, found, versions) in enumerate(zip(self.modules, self.found,
-                                                          self.versions)):
-            now = module._buffers
-            if now.keys() != found.keys() or any(
-                    now[name] is not buf or (buf is not None and buf._version != versions[name])
-                    for name, buf in found.items()):
-                changed.add(i)
-        info = self.info
-        if info.changing is None:   # the block's first call compares values too
-            with torch.no_grad(), _disable_current_modes():
-                for i, (found, at_call) in enumerate(zip(self.found, self.at_call)):
-                    if i not in changed and any(
-                            buf is not None and at_call[name] is not buf
-                            and not torch.equal(at_call[name], buf)
-                            for name, buf in found.items()):
-                        changed.add(i)
-        info.changing = changed if info.changing is None else info.changing | changed
-        self.found = self.versions = None   # the copies stand for them from here on
-
     def _rerun(self, fn: Callable, args: tuple) -> Any:
-        changing = self.info.changing or ()
-        # Rule 3: a copy held by a module seen changing is cloned, once, for every slot
-        # holding it (a tensor shared by two modules stays shared in the re-run).
-        refresh = {id(buf) for i in changing if i < len(self.at_call)
-                   for buf in self.at_call[i].values() if id(buf) in self.ours}
-        live = [dict(module._buffers) for module in self.modules]
-        with torch.no_grad(), _disable_current_modes():   # rules 2 and 4
-            fresh: dict[int, torch.Tensor] = {}
-            for slots in self.at_call:
-                for buf in slots.values():
-                    if id(buf) in refresh and id(buf) not in fresh:
-                        fresh[id(buf)] = buf.clone()
-            for module, at_call in zip(self.modules, self.at_call):
-                slots = module._buffers
-                slots.clear()
-                slots.update((name, fresh.get(id(buf), buf)) for name, buf in at_call.items())
+        live_slots = [dict(module._buffers) for module in self.modules]
+        live_attributes = [dict(module.__dict__) for module in self.modules]
+        with torch.no_grad(), _disable_current_modes():   # rules 2 and 3
+            fresh = _copy_together(self.held)
+        for module, at_call, values, aliases, names, live in zip(
+                self.modules, self.at_call, self.values, self.aliases, self.names,
+                live_attributes):
+            state = module.__dict__
+            for name, value in values.items():   # rule 2
+                now = live.get(name, _ABSENT)
+                if now is _ABSENT or _is_value(now):
+                    state[name] = value
+            for name, now in live.items():
+                if name not in names and _is_value(now):
+                    del state[name]
+            for name, copy in aliases.items():
+                now = live.get(name, _ABSENT)
+                if now is _ABSENT or isinstance(now, torch.Tensor):
+                    state[name] = fresh.get(id(copy), copy)
+            slots = module._buffers
+            slots.clear()
+            slots.update((name, fresh.get(id(buf), buf)) for name, buf in at_call.items())
         try:
             return fn(*args)
         finally:
-            for module, slots in zip(self.modules, live):
+            for module, live, slots in zip(self.modules, live_attributes, live_slots):
+                module.__dict__.clear()
+                module.__dict__.update(live)
                 module._buffers.clear()
                 module._buffers.update(slots)
 
 
 def guard_buffers(block: nn.Module | None, fn: Callable) -> Callable:
-    """`fn` (the function checkpoint runs, forward then re-runs) with `block`'s buffers as
-    they were at the call put back for its re-runs (NOTE [Buffers in a re-run]); `fn`
-    itself for a block without buffers."""
+    """`fn` (the function checkpoint runs, forward then re-runs) with `block`'s modules
+    holding buffers, buffers and attributes, put back as they were at the call for its
+    re-runs (NOTE [Buffers in a re-run]); `fn` itself for a block without buffers."""
     if block is None:
         return fn
-    info = _modules_of(block)
-    modules = info.modules(block)
+    modules = _modules_of(block).modules(block)
     if not modules:
         return fn
-    return _Guard(info, modules).wrap(fn)
+    return _Guard(modules).wrap(fn)

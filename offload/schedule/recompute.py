@@ -62,6 +62,7 @@ from torch.utils.checkpoint import checkpoint
 from ..runtime.placement import Decision
 from ..util import per_model
 from ..util.ranges import RECOMPUTE, profiling, span
+from . import structure
 from .arguments import flatten_call
 from .buffers import guard_buffers
 from .generators import guard_generators
@@ -221,16 +222,17 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     modules handed to the call, stay exact across the re-run (offload/schedule/buffers.py),
     the re-run computes with the weights the forward ran with (weights.py), and draws what
     the forward drew from the random generators it drew from (generators.py)."""
-    if block is not None and _still_lazy(block):
-        return forward(*args, **kwargs)
     leaves, rebuild = flatten_call(args, kwargs)   # NOTE [Arguments as at the call]
+    handed_in = _modules_handed_in(leaves, block)
+    if any(map(_still_lazy, handed_in if block is None else [block, *handed_in])):
+        return forward(*args, **kwargs)
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     if len(where) == len(args) and all(isinstance(a, torch.Tensor) for a in args) \
             and not kwargs:
         tensors, call = args, forward
     else:
         tensors = [leaves[i] for i in where]
-        calls = [0]
+        first: list | None = [args, kwargs]
 
         def call(*ts):
             # The forward (checkpoint's first call) gets the caller's own objects: a list or
@@ -240,9 +242,15 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
             # not seen, and what it writes is thrown away (checkpoint's own re-run would
             # write into the caller's list a second time). Told apart by count, not by the
             # tensors: a re-run is handed the very input objects that need no gradient.
-            calls[0] += 1
-            if calls[0] == 1:
-                return forward(*args, **kwargs)
+            # After the forward this closure holds no input tensor: checkpoint saves them
+            # through our hooks (which move them) and hands them to the re-run as `ts`;
+            # holding them here would keep every block's inputs in memory until backward.
+            nonlocal first
+            if first is not None:
+                (a, kw), first = first, None
+                for i in where:
+                    leaves[i] = None
+                return forward(*a, **kw)
             full = list(leaves)
             for i, t in zip(where, ts):
                 full[i] = t
@@ -250,7 +258,6 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
             return forward(*a, **kw)
     extra = {} if context_fn is None else {"context_fn": context_fn}
     guarded = guard_buffers(block, guard_generators(call))
-    handed_in = _modules_handed_in(leaves, block)
     for module in handed_in:   # buffers.py rule 4
         guarded = guard_buffers(module, guarded)
     roots = handed_in if block is None else [block, *handed_in]
@@ -266,23 +273,38 @@ class _LazyModules:
     forward: that forward runs as is, not checkpointed, since its re-run could not start
     from the call's state (an uninitialised buffer has no value to copy). A module that
     has run becomes its plain class (`nn.Linear`) and leaves the list: then the check is
-    free."""
+    free. Found again when a module joined since (structure.py NOTE [Module structure])."""
 
-    __slots__ = ("refs",)
+    __slots__ = ("refs", "count", "calls")
 
     def __init__(self, block: torch.nn.Module) -> None:
+        self.calls = 0   # calls run as is
+        self.learn(block)
+
+    def learn(self, block: torch.nn.Module) -> None:
+        self.count = structure.count()
         self.refs = [weakref.ref(m) for m in block.modules() if isinstance(m, LazyModuleMixin)]
 
-    def pending(self) -> bool:
+    def pending(self, block: torch.nn.Module) -> bool:
+        if self.count != structure.count():
+            self.learn(block)
         if self.refs:
             self.refs = [ref for ref in self.refs if isinstance(module := ref(), LazyModuleMixin)
                          and module.has_uninitialized_params()]
-        return bool(self.refs)
+        if not self.refs:
+            return False
+        self.calls += 1
+        if self.calls == 2:   # one call ran and left it lazy: a branch not taken (yet)
+            names = sorted({type(ref()).__name__ for ref in self.refs if ref() is not None})
+            log.info("offload: a %s holds lazy modules its calls have not run yet (%s): its "
+                     "calls run as is, not checkpointed, until they have",
+                     type(block).__name__, ", ".join(names))
+        return True
 
 
 def _still_lazy(block: torch.nn.Module) -> bool:
     """Whether `block` holds a lazy module that has not run yet (`_LazyModules`)."""
-    return per_model.state_for(block, _LazyModules, lambda: _LazyModules(block)).pending()
+    return per_model.state_for(block, _LazyModules, lambda: _LazyModules(block)).pending(block)
 
 
 def _modules_handed_in(leaves: list, block: torch.nn.Module | None) -> list[torch.nn.Module]:
