@@ -42,14 +42,10 @@ guessed. Rules:
    (structure.py NOTE [Module structure]) or one of them was freed. A module the block
    reaches otherwise (a global, a reference to its parent) is not guarded; nor is a buffer
    that requires grad (a copy would cut its gradient).
-5. A module of the block that got its first buffer slots in the call's forward (`if "n"
-   not in self._buffers: self.register_buffer("n", ...)`) had none at the call: its
-   re-run runs it with none, so the re-run registers them afresh into slots that are
-   thrown away afterwards. Seen by the count of structure.py moving during the forward.
 
 Not set back: the attributes of modules holding no buffer (`self.calls += 1` there is
-counted again by the re-run, as under checkpoint). What it costs: ~2 µs per call for a
-block without buffers; per call, a look at each guarded module's attributes and one copy of
+counted again by the re-run, as under checkpoint). What it costs: nothing for blocks
+without buffers; per call, a look at each guarded module's attributes and one copy of
 every buffer, held until the re-run, and a second copy in the re-run (BatchNorm: a few
 vectors; a block holding a large buffer that never changes pays both at every step, and
 holds the first until backward: docs/benchmarks.md *Buffer copies*).
@@ -206,20 +202,15 @@ def _views_of_buffers(tensors: list[tuple[str, torch.Tensor]],
 class _Guard:
     """One checkpointed call of a block: the forward notes and copies, re-runs swap."""
 
-    def __init__(self, block: nn.Module, modules: list[nn.Module]) -> None:
-        self.block = block       # held for this call only: the registry holds them weakly
-        self.modules = modules
-        self.count = structure.count()
-        self.joined: list[nn.Module] = []   # rule 5, known once the forward ran
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules   # held for this call only: the registry holds them weakly
         found = [dict(module._buffers) for module in modules]
         buffers = [buf for slots in found for buf in slots.values()
                    if buf is not None and not buf.requires_grad]
         attributes = [_attributes(module) for module in modules]
         views = _views_of_buffers([t for _, tensors in attributes for t in tensors], buffers)
-        copies: dict[int, torch.Tensor] = {}
-        if buffers:
-            with torch.no_grad(), _disable_current_modes():   # rule 3
-                copies = _copy_together(buffers + views)
+        with torch.no_grad(), _disable_current_modes():   # rule 3
+            copies = _copy_together(buffers + views)
         # Rule 1: per module, what its slots held at the call (our copies in place of the
         # buffers; a buffer that requires grad is itself), its value attributes and those
         # that were buffers or views of one (their copies), and the names it had.
@@ -237,10 +228,8 @@ class _Guard:
         def run(*args):
             self.calls += 1
             if self.calls == 1:
-                out = fn(*args)
-                self.joined = _joined(self.block, self.modules, self.count)
-                return out
-            return _without_slots(self.joined, lambda: self._rerun(fn, args))
+                return fn(*args)
+            return self._rerun(fn, args)
         return run
 
     def _rerun(self, fn: Callable, args: tuple) -> Any:
@@ -279,45 +268,10 @@ class _Guard:
 def guard_buffers(block: nn.Module | None, fn: Callable) -> Callable:
     """`fn` (the function checkpoint runs, forward then re-runs) with `block`'s modules
     holding buffers, buffers and attributes, put back as they were at the call for its
-    re-runs (NOTE [Buffers in a re-run])."""
+    re-runs (NOTE [Buffers in a re-run]); `fn` itself for a block without buffers."""
     if block is None:
         return fn
     modules = _modules_of(block).modules(block)
-    if modules:
-        return _Guard(block, modules).wrap(fn)
-    count = structure.count()   # rule 5 alone: the common block, holding no buffer
-    joined: list | None = None
-
-    def run(*args):
-        nonlocal joined
-        if joined is None:
-            out = fn(*args)
-            joined = _joined(block, (), count)
-            return out
-        return _without_slots(joined, lambda: fn(*args))
-    return run
-
-
-def _joined(block: nn.Module, modules, count: int) -> list[nn.Module]:
-    """The block's modules that got their first buffer slots in the forward just run: not
-    among `modules`, the count of structure.py moved since it was `count` (rule 5)."""
-    if structure.count() == count:
-        return []
-    known = {id(module) for module in modules}
-    return [module for module in block.modules() if module._buffers and id(module) not in known]
-
-
-def _without_slots(joined: list[nn.Module], rerun: Callable[[], Any]) -> Any:
-    """`rerun()` with the slots of `joined` emptied, as they were at the call (rule 5), and
-    put back afterwards."""
-    if not joined:
-        return rerun()
-    live = [dict(module._buffers) for module in joined]
-    for module in joined:
-        module._buffers.clear()
-    try:
-        return rerun()
-    finally:
-        for module, slots in zip(joined, live):
-            module._buffers.clear()
-            module._buffers.update(slots)
+    if not modules:
+        return fn
+    return _Guard(modules).wrap(fn)
