@@ -16,6 +16,7 @@ import io
 import weakref
 from typing import Callable
 
+import numpy
 import pytest
 import torch
 import torch.nn as nn
@@ -546,10 +547,44 @@ class SetsUpOnce(nn.Module):
         return x + torch.tanh(self.lin(x))
 
 
+class CreatesOnFirstUse(nn.Module):
+    """Holds a counting buffer; creates a submodule, with weights, in its first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+        self.extra = None
+
+    def forward(self, x):
+        if self.extra is None:
+            self.extra = nn.Linear(8, 8)
+        self.calls += 1
+        return x + torch.tanh(self.lin(x) + self.extra(x))
+
+
+class Anneals(nn.Module):
+    """A temperature kept as a numpy scalar, annealed at every call, and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+        self.temperature = numpy.float64(2.0)
+
+    def forward(self, x):
+        out = x + torch.tanh(self.lin(x) / float(self.temperature))
+        self.temperature = self.temperature * numpy.float64(0.9)
+        self.calls += 1
+        return out
+
+
 _ATTRIBUTE_BLOCKS = {"rotary cache regrown": RotaryBlock, "step count": BiasCorrected,
                      "an attribute that is the buffer": lambda: ReadsThroughAttributes(False),
                      "an attribute that is a view of it": lambda: ReadsThroughAttributes(True),
-                     "a hook set up once": SetsUpOnce}
+                     "a hook set up once": SetsUpOnce,
+                     "a submodule created on first use": CreatesOnFirstUse,
+                     "a numpy scalar": Anneals}
 
 
 @pytest.mark.parametrize("case", list(_ATTRIBUTE_BLOCKS))
@@ -561,9 +596,12 @@ def test_a_rerun_reads_a_modules_attributes_as_they_were_at_the_call(policy, cas
     longer length: a size mismatch in backward at the first longer sequence (plain
     checkpoint runs); a step count advanced in forward was read advanced by the re-run,
     and an attribute that is the buffer or a row of it was read as later changed:
-    gradients off, silently (plain checkpoint too). An attribute holding an object is
-    left as it is: a hook set up in the first forward is not set up again by its re-run
-    (when all attributes were set back, it was: two hooks, silently wrong gradients)."""
+    gradients off, silently (plain checkpoint too; also a temperature kept as a numpy
+    scalar). An attribute holding an object is left as it is: a hook set up in the first
+    forward is not set up again by its re-run (when all attributes were set back, it was:
+    two hooks, silently wrong gradients); nor is a submodule created in the first forward
+    (setting its `None` back made the re-run create another: the model's got no
+    gradient)."""
     torch.manual_seed(0)
     block = _ATTRIBUTE_BLOCKS[case]
     model = nn.Sequential(*[block() for _ in range(3)])
@@ -583,6 +621,8 @@ def test_a_rerun_reads_a_modules_attributes_as_they_were_at_the_call(policy, cas
         assert model[0].t == len(lengths)
     elif case.startswith("a hook"):
         assert len(model[0].lin._forward_hooks) == 1 and model[0].calls.item() == 6
+    elif case.startswith("a submodule"):   # the first forward's, trained: not a re-run's
+        assert model[0].extra.weight.grad is not None
     if policy == "auto":   # the slow link: re-runs ops, so the buffers were at stake
         assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
 

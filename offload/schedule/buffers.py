@@ -18,22 +18,25 @@ guessed. Rules:
 1. At every checkpointed call, each guarded module's state is noted: its buffer slots,
    name by name, `None` slots included (a buffer registered as None and set in forward:
    delayed scaling's `amax`); its attributes that are values (None, bools, numbers,
-   strings, dtypes, devices, enums, and tuples of them: a step count, a cached length, the
-   `training` flag) and those that are one of its buffers or a view of one (`self.scale =
-   self.ema`, `self.row = self.stats[0]`); which attribute names it has. Every buffer is
-   copied, one copy per stretch of memory however many slots hold it or views of it (a
-   buffer that is a view of another stays a view of the other's copy). The copies and the
-   values are held until the call's re-run.
+   numpy's scalars too, strings, dtypes, devices, enums, and tuples of them: a step count,
+   a cached length, the `training` flag) and those that are one of its buffers or a view
+   of one (`self.scale = self.ema`, `self.row = self.stats[0]`); which attribute names it
+   has. Every buffer is copied, one copy per stretch of memory however many slots hold it
+   or views of it (a buffer that is a view of another stays a view of the other's copy).
+   The copies and the values are held until the call's re-run.
 2. Each re-run runs on the call's state: each guarded module's slots are set to fresh
    copies of the call's copies (a name absent then is absent), so a second re-run (a
    retained graph's second backward) starts from the call's values too, however the first
-   wrote into them; its value attributes to their values at the call (one added since is
-   removed); an attribute that was a buffer or a view of one to its copy. An attribute
-   that holds another object now (a hook's handle, a list, a tensor, a module) is left as
-   it is, as under checkpoint: a one-time setup the first call made (`if self.handle is
-   None: self.handle = self.lin.register_forward_hook(...)`) is not made again, and no
-   tensor an attribute held at the call is kept alive until backward. Afterwards the
-   module gets back the very attributes and slots it had before the re-run.
+   wrote into them; its value attributes that hold a value now to their values at the call
+   (one added since is removed; a name that moved to the submodules is left: `if self.sub
+   is None: self.sub = nn.Linear(...)` in the first forward must not make the re-run
+   create another); an attribute that was a buffer or a view of one to its copy. An
+   attribute that holds another object now (a hook's handle, a list, a tensor, a module)
+   is left as it is, as under checkpoint: a one-time setup the first call made (`if
+   self.handle is None: self.handle = self.lin.register_forward_hook(...)`) is not made
+   again, and no tensor an attribute held at the call is kept alive until backward.
+   Afterwards the module gets back the very attributes, slots and submodules it had before
+   the re-run.
 3. The copies are taken outside our dispatch modes (recompute.py counts ops by position:
    a copy must not shift the ids of the block's own ops).
 4. The guarded modules are the block's own that hold buffer slots and those handed to its
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import numbers
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -75,8 +79,8 @@ _ABSENT = object()
 
 def _is_value(x: Any) -> bool:
     kind = type(x)
-    if kind in _VALUES or isinstance(x, enum.Enum):
-        return True
+    if kind in _VALUES or isinstance(x, (enum.Enum, numbers.Number)):   # numpy's scalars
+        return not isinstance(x, torch.Tensor)
     return kind is tuple and all(map(_is_value, x))
 
 
@@ -235,6 +239,7 @@ class _Guard:
     def _rerun(self, fn: Callable, args: tuple) -> Any:
         live_slots = [dict(module._buffers) for module in self.modules]
         live_attributes = [dict(module.__dict__) for module in self.modules]
+        live_children = [dict(module._modules) for module in self.modules]
         with torch.no_grad(), _disable_current_modes():   # rules 2 and 3
             fresh = _copy_together(self.held)
         for module, at_call, values, aliases, names, live in zip(
@@ -243,7 +248,7 @@ class _Guard:
             state = module.__dict__
             for name, value in values.items():   # rule 2
                 now = live.get(name, _ABSENT)
-                if now is _ABSENT or _is_value(now):
+                if now is not _ABSENT and _is_value(now):
                     state[name] = value
             for name, now in live.items():
                 if name not in names and _is_value(now):
@@ -258,11 +263,14 @@ class _Guard:
         try:
             return fn(*args)
         finally:
-            for module, live, slots in zip(self.modules, live_attributes, live_slots):
+            for module, live, slots, children in zip(self.modules, live_attributes,
+                                                     live_slots, live_children):
                 module.__dict__.clear()
                 module.__dict__.update(live)
                 module._buffers.clear()
                 module._buffers.update(slots)
+                module._modules.clear()
+                module._modules.update(children)
 
 
 def guard_buffers(block: nn.Module | None, fn: Callable) -> Callable:
