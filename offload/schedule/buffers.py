@@ -58,6 +58,7 @@ from __future__ import annotations
 import collections
 import enum
 import numbers
+import operator
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -80,7 +81,7 @@ _ABSENT = object()
 def _is_value(x: Any) -> bool:
     kind = type(x)
     if kind in _VALUES or isinstance(x, (enum.Enum, numbers.Number)):   # numpy's scalars
-        return not isinstance(x, torch.Tensor)
+        return True
     return kind is tuple and all(map(_is_value, x))
 
 
@@ -134,7 +135,7 @@ def _copy_together(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
             copies[id(t)] = t   # set below
         else:   # a subclass, or no bytes (an observer's empty `min_val`, resized in forward)
             copies[id(t)] = t.clone()
-    spans.sort(key=_first_byte)
+    spans.sort(key=operator.itemgetter(0))
     i = 0
     while i < len(spans):
         first, end, t = spans[i]
@@ -148,10 +149,6 @@ def _copy_together(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
             _copy_stretch(spans[i:j], first, end, copies)
         i = j
     return copies
-
-
-def _first_byte(span: tuple) -> int:
-    return span[0]
 
 
 def _copy_stretch(group: list[tuple], start: int, end: int,
@@ -194,10 +191,10 @@ def _views_of_buffers(tensors: list[tuple[str, torch.Tensor]],
     """The tensor attributes that share storage with one of `buffers` without being one
     (`self.row = self.stats[0]`): copied with them, they stay views of the buffers' copies
     (rule 1)."""
+    if not tensors:   # the common module: no tensor attribute
+        return []
     held = {id(buf) for buf in buffers}
     tensors = [t for _, t in tensors if id(t) not in held and t.layout is torch.strided]
-    if not tensors:   # the common module: no tensor attribute besides its buffers
-        return []
     storages = {buf.untyped_storage().data_ptr() for buf in buffers
                 if type(buf) is torch.Tensor and buf.layout is torch.strided}
     return [t for t in tensors if t.untyped_storage().data_ptr() in storages]
@@ -225,7 +222,6 @@ class _Guard:
                         for _, tensors in attributes]
         self.names = [frozenset(module.__dict__) for module in modules]
         self.held = list(copies.values())
-        self.ours = {id(copy) for copy in self.held}
         self.calls = 0
 
     def wrap(self, fn: Callable) -> Callable:
@@ -257,20 +253,22 @@ class _Guard:
                 now = live.get(name, _ABSENT)
                 if now is _ABSENT or isinstance(now, torch.Tensor):
                     state[name] = fresh.get(id(copy), copy)
-            slots = module._buffers
-            slots.clear()
-            slots.update((name, fresh.get(id(buf), buf)) for name, buf in at_call.items())
+            _refill(module._buffers, {name: fresh.get(id(buf), buf)
+                                      for name, buf in at_call.items()})
         try:
             return fn(*args)
         finally:
             for module, live, slots, children in zip(self.modules, live_attributes,
                                                      live_slots, live_children):
-                module.__dict__.clear()
-                module.__dict__.update(live)
-                module._buffers.clear()
-                module._buffers.update(slots)
-                module._modules.clear()
-                module._modules.update(children)
+                _refill(module.__dict__, live)
+                _refill(module._buffers, slots)
+                _refill(module._modules, children)
+
+
+def _refill(into: dict, items: dict) -> None:
+    """Make `into` (the very dict object: modules hold it) hold exactly `items`."""
+    into.clear()
+    into.update(items)
 
 
 def guard_buffers(block: nn.Module | None, fn: Callable) -> Callable:

@@ -295,7 +295,8 @@ class _LazyModules:
             return False
         self.calls += 1
         if self.calls == 2:   # one call ran and left it lazy: a branch not taken (yet)
-            names = sorted({type(ref()).__name__ for ref in self.refs if ref() is not None})
+            names = sorted({type(module).__name__ for ref in self.refs
+                            if (module := ref()) is not None})
             log.info("offload: a %s holds lazy modules its calls have not run yet (%s): its "
                      "calls run as is, not checkpointed, until they have",
                      type(block).__name__, ", ".join(names))
