@@ -198,6 +198,8 @@ void bind_store(py::module_& m) {
              s.corrupt_for_test(e, off);
            }, py::arg("extent"), py::arg("offset"),
            "Test hook: flip one byte of the extent's data on disk.")
+      .def("_hold_workers_for_test", &Store::hold_workers_for_test, py::arg("held"),
+           "Test hook: while held, the I/O workers start nothing queued (close() releases).")
       .def_property_readonly("direct", &Store::direct)
       .def_property_readonly("alignment", &Store::alignment)
       .def_property_readonly("paths", &Store::paths)

@@ -53,14 +53,23 @@ void IoEngine::stop() {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ && threads_.empty()) return;
     stopping_ = true;
+    held_ = false;   // the queue drains before the workers stop
   }
   cv_.notify_all();
   for (auto& t : threads_) t.join();
   threads_.clear();
 }
 
+void IoEngine::hold_for_test(bool held) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_ = held;
+  }
+  if (!held) cv_.notify_one();   // NOTE [Chained wake-ups]
+}
+
 bool IoEngine::admissible() const {
-  if (queue_.empty()) return false;
+  if (queue_.empty() || held_) return false;
   // A chunk larger than the cap still runs when nothing else is in flight.
   return inflight_bytes_ == 0 || inflight_bytes_ + queue_.front().nbytes <= max_inflight_bytes_;
 }

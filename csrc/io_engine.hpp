@@ -79,6 +79,10 @@ class IoEngine {
   void submit(std::vector<Chunk> chunks);
   // Finishes queued chunks, then joins the workers. Idempotent.
   void stop();
+  // Test hook: while held, workers take nothing from the queue (what they run goes on), so
+  // a test queues chunks one by one as a busy worker would find them, with no race against
+  // a worker that wakes in between. stop() releases the hold (so does NvmeStore::close).
+  void hold_for_test(bool held);
 
   const EngineCounters& counters() const noexcept { return counters_; }
 
@@ -122,6 +126,7 @@ class IoEngine {
   std::deque<Chunk> queue_;
   uint64_t inflight_bytes_ = 0;
   bool stopping_ = false;
+  bool held_ = false;   // hold_for_test
   std::vector<std::thread> threads_;
 };
 

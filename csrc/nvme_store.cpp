@@ -89,6 +89,7 @@ NvmeStore::~NvmeStore() { close(); }
 void NvmeStore::close() {
   std::lock_guard<std::mutex> lock(close_mu_);
   if (closed_.exchange(true)) return;
+  engine_->hold_for_test(false);   // a test's hold would keep the requests below waiting
   tracker_->wait_zero();  // every submitted request, including ones staged behind CUDA events
   engine_->stop();
   std::shared_ptr<ThreadPool> write_stager, release_stager;
@@ -379,6 +380,11 @@ std::shared_ptr<IoRequest> NvmeStore::read_then_h2d(const Extent& extent, const 
   });
   dispatch(*engine_, *p.request, std::move(p.chunks));
   return p.request;
+}
+
+void NvmeStore::hold_workers_for_test(bool held) {
+  check_open();
+  engine_->hold_for_test(held);
 }
 
 void NvmeStore::corrupt_for_test(const Extent& extent, uint64_t offset) {

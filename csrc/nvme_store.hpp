@@ -122,6 +122,8 @@ class NvmeStore {
 
   // Test hook: flips one byte of the extent's data on disk, behind the store's back.
   void corrupt_for_test(const Extent& extent, uint64_t offset);
+  // Test hook: IoEngine::hold_for_test.
+  void hold_workers_for_test(bool held);
 
   bool direct() const noexcept;
   uint64_t alignment() const noexcept { return alignment_; }

@@ -163,12 +163,18 @@ def _small_neighbours(store, sizes_phases, seed=0):
     return exts, srcs
 
 
-def _read_back_queued(store, exts, sizes_phases, order):
+def _read_back_queued(store, exts, sizes_phases, order, busy=False):
     """Reads in `order`, queued one by one as the read-ahead queues them; returns the
-    destinations (out of phase for odd positions: every byte bounced)."""
+    destinations (out of phase for odd positions: every byte bounced). `busy`: the workers
+    take nothing until all are queued, as when the read-ahead runs ahead of the disk (held,
+    not timed: a 2-core machine under load may wake a worker between any two reads)."""
     dsts = [_unaligned(n, (p + 64 * (i % 2)) % 4096).zero_()
             for i, (n, p) in enumerate(sizes_phases)]
+    if busy:
+        store._hold_workers_for_test(True)
     reads = [(i, store.read_ptr(exts[i], dsts[i].data_ptr(), dsts[i].numel())) for i in order]
+    if busy:
+        store._hold_workers_for_test(False)
     return dsts, reads
 
 
@@ -178,12 +184,9 @@ _SMALL = [(4096, 64 * k % 4096) for k in range(16)] + [(1, 4095), (5000, 64), (7
 
 @pytest.mark.parametrize("checksum", [False, True])
 def test_small_neighbours_queued_together_move_as_one_transfer_each_way(nvme_dir, checksum):
-    # Throttled, one worker: the first read sleeps in the worker while the rest queue
-    # behind it, as when the read-ahead runs ahead of the disk (then one more transfer moves
-    # them all). An idle worker takes a read queued alone at once (no wait to merge), unless
-    # the machine is so busy that it wakes only once all are queued: one transfer then.
-    store = C.NvmeStore([nvme_dir], 8 * MiB, checksum=checksum, workers=1,
-                        throttle_bytes_per_s=2 * MiB)
+    # One worker, busy while the reads queue one by one behind each other (the read-ahead
+    # running ahead of the disk): it takes them all as one transfer.
+    store = C.NvmeStore([nvme_dir], 8 * MiB, checksum=checksum, workers=1)
     exts, srcs = _small_neighbours(store, _SMALL)
     writes = store.write_ptr_many(exts, [s.data_ptr() for s in srcs], [s.numel() for s in srcs])
     assert [w.wait() for w in writes] == [n for n, _ in _SMALL]
@@ -191,9 +194,9 @@ def test_small_neighbours_queued_together_move_as_one_transfer_each_way(nvme_dir
     assert store.bytes_written == sum(n for n, _ in _SMALL)
     assert store.bytes_bounced == sum(n for n, _ in _SMALL)
     order = list(reversed(range(len(_SMALL))))   # the backward's order: walking down
-    dsts, reads = _read_back_queued(store, exts, _SMALL, order)
+    dsts, reads = _read_back_queued(store, exts, _SMALL, order, busy=True)
     assert [r.wait() for _, r in reads] == [_SMALL[i][0] for i in order]
-    assert 1 <= store.transfers - 1 <= 2   # 19 reads: the first alone (or not), the rest as one
+    assert store.transfers == 2            # 19 reads, one pread
     for i, (src, dst) in enumerate(zip(srcs, dsts)):
         assert torch.equal(src, dst), f"extent {i} differs"
     assert store.bytes_read == sum(n for n, _ in _SMALL)
@@ -225,15 +228,15 @@ def test_merged_writes_leave_the_neighbours_they_do_not_cover_intact(nvme_dir):
 
 
 def test_a_corrupt_chunk_in_a_merged_read_fails_alone(nvme_dir):
-    store = C.NvmeStore([nvme_dir], 8 * MiB, checksum=True, workers=1,
-                        throttle_bytes_per_s=2 * MiB)
+    store = C.NvmeStore([nvme_dir], 8 * MiB, checksum=True, workers=1)
     exts, srcs = _small_neighbours(store, _SMALL, seed=20)
     for w in store.write_ptr_many(exts, [s.data_ptr() for s in srcs], [s.numel() for s in srcs]):
         w.wait()
     bad = 5
     store._corrupt_for_test(exts[bad], 100)
     before = store.transfers
-    dsts, reads = _read_back_queued(store, exts, _SMALL, list(reversed(range(len(_SMALL)))))
+    dsts, reads = _read_back_queued(store, exts, _SMALL, list(reversed(range(len(_SMALL)))),
+                                    busy=True)
     for i, r in reads:
         if i == bad:
             with pytest.raises(StorageError, match="checksum mismatch") as info:
@@ -242,8 +245,25 @@ def test_a_corrupt_chunk_in_a_merged_read_fails_alone(nvme_dir):
         else:
             r.wait()
             assert torch.equal(dsts[i], srcs[i]), f"extent {i} differs"
-    assert store.transfers - before <= 2   # 19 reads: the corrupt one was in a merged run
+    assert store.transfers - before == 1   # 19 reads in one run, the corrupt one among them
     store.close()
+
+
+def test_an_idle_worker_takes_a_read_queued_alone_and_close_releases_a_hold(nvme_dir):
+    store = C.NvmeStore([nvme_dir], MiB, workers=1)
+    (ext,), (src,) = _small_neighbours(store, [(4096, 0)])
+    store.write_ptr(ext, src.data_ptr(), src.numel()).wait()
+    dst = torch.zeros_like(src)
+    assert store.read_ptr(ext, dst.data_ptr(), dst.numel()).wait() == 4096   # no merge wait
+    store._hold_workers_for_test(True)
+    dst.zero_()
+    read = store.read_ptr(ext, dst.data_ptr(), dst.numel())
+    time.sleep(0.05)
+    assert not read.done()                 # held: queued, not started
+    store.close()                          # drains the queue: the hold does not hang it
+    assert read.done() and read.wait() == 4096 and torch.equal(dst, src)
+    with pytest.raises(UsedAfterCloseError):
+        store._hold_workers_for_test(False)
 
 
 def test_coalesce_bytes_zero_keeps_every_chunk_a_transfer_of_its_own(nvme_dir):

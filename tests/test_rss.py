@@ -1,10 +1,16 @@
 """Peak RSS with OFFLOAD_TIERS=nvme on CPU: with OFFLOAD_CPU_HEAP=release it must fall by
->= 70% of the activation bytes; with the default `reuse` (faster: freed memory stays in the
+>= 85% of the activation bytes; with the default `reuse` (faster: freed memory stays in the
 heap for reuse) by >= 50%.
 
-Each variant runs in a fresh subprocess (peak RSS is per process: `ru_maxrss`), one
-training step of the built-in GPT at the CPU size of `gpt_for_machine` (about
-1.8 GB of activations at batch 5). Also runnable by hand for the report:
+Each variant runs in a fresh subprocess, two training steps of the built-in GPT at the CPU
+size of `gpt_for_machine` (about 1.7 GiB of activations at batch 5); the second step is
+measured, as a training run's steps after the first are. Its peak is of *anonymous* memory
+(what activations, the heap and the runtime's arenas use): the kernel's peak RSS (VmHWM,
+reset by /proc/self/clear_refs before the step) less the file-backed pages mapped then. The
+file-backed part, torch's shared libraries, depends on the page cache and not on the
+step: on a kernel that maps large page-cache folios whole (6.18 here), a freshly installed
+torch maps 2 MiB at a time and the same step measured 0.26 GiB higher in one environment
+than in another. Also runnable by hand for the report:
 
     python tests/test_rss.py --batch 8 --nvme-dir /var/tmp
 """
@@ -20,31 +26,50 @@ import tempfile
 import pytest
 
 WORKER = r"""
-import json, resource, sys, time, torch
+import gc, json, sys, time, torch
 import offload
 from offload.bench.models import GPT, gpt_for_machine
 
 variant, batch, nvme_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+
+def status_bytes(*fields):
+    with open("/proc/self/status") as f:
+        values = {line.split(":")[0]: line.split()[1:] for line in f}
+    return sum(int(values[k][0]) * 1024 for k in fields)   # "VmHWM:  123 kB"
+
+
 torch.manual_seed(0)
 cfg, _ = gpt_for_machine("cpu")
 model = GPT(cfg)
 idx, tgt = model.example_batch(batch)
-rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-start = time.perf_counter()
-stats = None
-if variant == "plain":
-    model.loss(idx, tgt).backward()
-else:
-    kw = {"policy": "keep"} if variant == "keep" else {"tiers": "nvme", "nvme_dir": nvme_dir,
-                                                      "nvme_bytes": "8GiB"}
-    if variant == "nvme-release":
-        kw["cpu_heap"] = "release"
+kw = {"tiers": "nvme", "nvme_dir": nvme_dir, "nvme_bytes": "8GiB"}
+if variant == "nvme-release":
+    kw["cpu_heap"] = "release"
+
+
+def step():
+    model.zero_grad(set_to_none=True)
+    if variant == "plain":
+        model.loss(idx, tgt).backward()
+        return None
     with offload.activations(**kw) as ctx:
         model.loss(idx, tgt).backward()
-    stats = ctx.stats.as_dict()
+    return ctx.stats.as_dict()
+
+
+step()              # the first step maps torch's code and makes what the runtime pools
+gc.collect()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")    # VmHWM := VmRSS now
+file_before = status_bytes("RssFile", "RssShmem")
+start = time.perf_counter()
+stats = step()
 step_s = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"variant": variant, "peak_rss_bytes": peak, "rss_before_bytes": rss_before,
+file_after = status_bytes("RssFile", "RssShmem")
+peak = status_bytes("VmHWM")
+print(json.dumps({"variant": variant, "peak_anon_bytes": peak - file_after,
+                  "peak_rss_bytes": peak, "file_growth_bytes": file_after - file_before,
                   "step_s": step_s, "stats": stats}))
 """
 
@@ -60,16 +85,18 @@ def run_variant(variant: str, batch: int, nvme_dir: str) -> dict:
 
 
 def measure(batch: int, nvme_dir: str) -> dict:
-    keep = run_variant("keep", batch, nvme_dir)       # saved_bytes of this model and batch
     plain = run_variant("plain", batch, nvme_dir)
     nvme = run_variant("nvme", batch, nvme_dir)
     release = run_variant("nvme-release", batch, nvme_dir)
-    saved = keep["stats"]["saved_bytes"]
+    saved = nvme["stats"]["saved_bytes"]   # what autograd saved in the step: the same model
+    if release["stats"]["saved_bytes"] != saved:
+        raise RuntimeError(f"the two nvme runs saved {saved} and "
+                           f"{release['stats']['saved_bytes']} bytes: not the same step")
 
     def drop(run):
-        return (plain["peak_rss_bytes"] - run["peak_rss_bytes"]) / saved
+        return (plain["peak_anon_bytes"] - run["peak_anon_bytes"]) / saved
 
-    return {"batch": batch, "saved_bytes": saved, "plain": plain, "keep": keep, "nvme": nvme,
+    return {"batch": batch, "saved_bytes": saved, "plain": plain, "nvme": nvme,
             "nvme_release": release, "drop_fraction_of_saved": drop(nvme),
             "release_drop_fraction_of_saved": drop(release)}
 
@@ -78,17 +105,17 @@ def measure(batch: int, nvme_dir: str) -> dict:
 def test_nvme_tier_cuts_peak_rss(nvme_dir):
     result = measure(5, nvme_dir)
     gib = 1 << 30
-    msg = (f"saved {result['saved_bytes'] / gib:.2f} GiB, peak RSS plain "
-           f"{result['plain']['peak_rss_bytes'] / gib:.2f} GiB, nvme (reuse) "
-           f"{result['nvme']['peak_rss_bytes'] / gib:.2f} GiB = drop of "
+    msg = (f"saved {result['saved_bytes'] / gib:.2f} GiB, peak anonymous RSS plain "
+           f"{result['plain']['peak_anon_bytes'] / gib:.2f} GiB, nvme (reuse) "
+           f"{result['nvme']['peak_anon_bytes'] / gib:.2f} GiB = drop of "
            f"{result['drop_fraction_of_saved']:.0%} of saved, nvme (release) "
-           f"{result['nvme_release']['peak_rss_bytes'] / gib:.2f} GiB = "
+           f"{result['nvme_release']['peak_anon_bytes'] / gib:.2f} GiB = "
            f"{result['release_drop_fraction_of_saved']:.0%}")
     print(msg)
     assert result["saved_bytes"] >= 1.5e9, msg
     for run in (result["nvme"], result["nvme_release"]):
         assert run["stats"]["nvme_bytes"] >= 0.9 * result["saved_bytes"], msg
-    assert result["release_drop_fraction_of_saved"] >= 0.70, msg
+    assert result["release_drop_fraction_of_saved"] >= 0.85, msg
     assert result["drop_fraction_of_saved"] >= 0.50, msg
 
 
