@@ -4,7 +4,9 @@ Each variant runs in a fresh process (so peak RSS is per process), in rounds who
 is reversed each round (alternating, so machine-load drift hits all variants alike). A run
 does one untimed warm-up step, then `--steps` timed steps. Reported per variant: median
 step time with min-max over every timed step of every round, peak RSS of the process
-(ru_maxrss: model, inputs and the steps), and for the offload variant the runtime's stall
+(ru_maxrss: model, inputs and all steps), the peak of its anonymous memory over the timed
+steps (peak RSS less file-backed pages, which depend on the page cache: see
+offload/bench/measure.py `peak_anon_rss_bytes`), and for the offload variant the runtime's stall
 time and overlap fraction; each variant's step time over `none`'s in the same round.
 
 Gradients: every step of every run reseeds the RNG the same way, so every step of every
@@ -47,7 +49,7 @@ def run_one(variant: str, args) -> dict:
     import torch
 
     import offload
-    from offload.bench.measure import grad_hashes
+    from offload.bench.measure import grad_hashes, peak_anon_rss_bytes, reset_peak_rss
     from offload.bench.models import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -59,11 +61,16 @@ def run_one(variant: str, args) -> dict:
     cap = {"nvme_max_bw": args.nvme_max_bw} if args.nvme_max_bw else {}
     ctx = None
     i = 0
+    untimed_peak, peak_reset = 0, False
     while len(step_s) < args.steps:
         settled = variant != "auto" or (ctx is not None and ctx.plan is not None
                                         and ctx.plan.settled)
         if i > untimed + 20:
             raise RuntimeError("auto did not settle on a plan in 20 steps")
+        timed = i >= untimed and settled  # warm-up (auto: profile and trial steps) not timed
+        if timed and not step_s:     # the kernel's peak from here on is the timed steps'
+            untimed_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            peak_reset = reset_peak_rss()
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1000)   # every step draws the same dropout masks, in every variant
         t0 = time.perf_counter()
@@ -78,14 +85,16 @@ def run_one(variant: str, args) -> dict:
             model.loss(idx, tgt, checkpoint_blocks=variant == "recompute").backward()
         dt = time.perf_counter() - t0
         hashes.append(grad_hashes(model))   # after the clock: not part of the step
-        if i >= untimed and settled:  # warm-up (auto: profile and trial steps) not timed
+        if timed:
             step_s.append(dt)
             if stats:
                 stall_s.append(stats["stall_s"])
                 overlap.append(stats["overlap_fraction"])
         i += 1
     out = {"variant": variant, "step_s": step_s, "stall_s": stall_s, "overlap": overlap,
-           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "peak_rss_bytes": max(untimed_peak,
+                                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+           "timed_peak_anon_bytes": peak_anon_rss_bytes() if peak_reset else None,
            "nvme_bytes": stats.get("nvme_bytes", 0), "grad_hashes": hashes,
            "bounce_kept_bytes": stats.get("bounce_kept_bytes", 0)}
     if variant == "auto" and ctx is not None and ctx.plan is not None:
@@ -153,7 +162,8 @@ def main(argv=None) -> int:
             runs.append(run)
             sys.stderr.write(f"round {r + 1}/{args.rounds} {v}: "
                              f"{statistics.median(run['step_s']):.2f} s/step, peak RSS "
-                             f"{run['peak_rss_bytes'] / 2**30:.2f} GiB\n")
+                             f"{run['peak_rss_bytes'] / 2**30:.2f} GiB, timed steps' peak "
+                             f"anonymous {_gib(run['timed_peak_anon_bytes'])} GiB\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=1)
@@ -162,13 +172,16 @@ def main(argv=None) -> int:
     print(f"GPT h{args.hidden} L{args.layers} heads{args.heads} seq{args.seq} batch "
           f"{args.batch} fp32, {args.rounds} rounds x {args.steps} steps (medians)")
     print("| variant | step s median (min-max) | vs none | peak RSS GiB (median) "
-          "| stall s (share of step) | I/O hidden |")
-    print("|---|---|---|---|---|---|")
+          "| timed steps' peak anonymous RSS GiB (median) | stall s (share of step) "
+          "| I/O hidden |")
+    print("|---|---|---|---|---|---|---|")
     for v in variants:
         rs = [r for r in runs if r["variant"] == v]
         steps = [s for r in rs for s in r["step_s"]]
         med = statistics.median(steps)
         rss = statistics.median(r["peak_rss_bytes"] for r in rs) / 2**30
+        anon = [r["timed_peak_anon_bytes"] for r in rs]
+        anon = _gib(statistics.median(anon) if None not in anon else None)
         stalls = [s for r in rs for s in r["stall_s"]]
         stall = (f"{statistics.median(stalls):.2f} ({statistics.median(stalls) / med:.1%})"
                  if stalls else "-")
@@ -176,7 +189,7 @@ def main(argv=None) -> int:
         hidden = f"{statistics.median(ov):.0%}" if ov else "-"
         rel = f"{med / ref:.2f}x" if ref else "-"
         print(f"| {v} | {med:.2f} ({min(steps):.2f}-{max(steps):.2f}) | {rel} | {rss:.2f} "
-              f"| {stall} | {hidden} |")
+              f"| {anon} | {stall} | {hidden} |")
     medians = {v: statistics.median(s for r in runs if r["variant"] == v for s in r["step_s"])
                for v in variants}
     by_round = [{run["variant"]: statistics.median(run["step_s"])
@@ -211,6 +224,10 @@ def main(argv=None) -> int:
         print("auto plan (last round):")
         print(a["plan"])
     return 0 if grads_ok else 1
+
+
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.2f}"
 
 
 def _compare_grads(runs: list[dict], ref_variant: str) -> bool:

@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 
 import pytest
 import torch
@@ -631,3 +634,26 @@ def test_json_has_one_versioned_schema():
         rows_mod.from_json(json.dumps({**doc, "schema_version": 0}))
     with pytest.raises(ValueError, match="not an offload-bench --json document"):
         rows_mod.from_json(json.dumps(doc["rows"]))  # the list the old --json wrote
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")
+def test_peak_anonymous_rss_is_the_peak_since_the_reset():
+    # In a child: the reset would move this process's ru_maxrss under other tests' feet.
+    script = textwrap.dedent("""
+        import torch
+        from offload.bench.measure import peak_anon_rss_bytes, reset_peak_rss
+        big = torch.ones(256 << 20, dtype=torch.uint8)   # 256 MiB touched, then unmapped
+        del big
+        before = peak_anon_rss_bytes()
+        assert reset_peak_rss()
+        start = peak_anon_rss_bytes()
+        x = torch.ones(64 << 20, dtype=torch.uint8)
+        print(before, start, peak_anon_rss_bytes())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, start, grown = map(int, out.stdout.split())
+    mib = 1 << 20
+    assert before - start >= 240 * mib           # the freed 256 MiB left the peak
+    assert 60 * mib <= grown - start <= 72 * mib  # the 64 MiB since the reset, no more

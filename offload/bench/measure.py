@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["current_rss_bytes", "RssPeak", "release_free_memory", "fs_type", "RAM_FS_TYPES",
+__all__ = ["current_rss_bytes", "RssPeak", "release_free_memory", "reset_peak_rss",
+           "peak_anon_rss_bytes", "fs_type", "RAM_FS_TYPES",
            "SavedBytesCounter",
            "param_storage_ptrs", "grad_hashes", "compare_grad_hashes", "save_grads",
            "compare_grads", "synchronize"]
@@ -127,6 +128,45 @@ class RssPeak:
     @property
     def peak_delta_bytes(self) -> int:
         return max(0, self.peak_bytes - self.baseline_bytes)
+
+
+def reset_peak_rss() -> bool:
+    """Linux: set the kernel's peak RSS (VmHWM, which ``ru_maxrss`` reads) to the RSS now, so
+    that a later :func:`peak_anon_rss_bytes` is the peak of what ran in between. False where
+    the kernel refuses (``/proc/self/clear_refs`` missing or not writable)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _status_bytes(*fields: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            values = {line.split(":")[0]: line.split()[1:] for line in f}   # "VmHWM: 12 kB"
+        return sum(int(values[k][0]) * 1024 for k in fields)
+    except (OSError, KeyError, IndexError, ValueError):
+        return None
+
+
+def peak_anon_rss_bytes() -> int | None:
+    """Peak RSS since the process started or :func:`reset_peak_rss`, less the file-backed and
+    shared pages mapped now: the peak of anonymous memory (tensors, the heap, arenas). None
+    off Linux.
+
+    Exact when no file-backed page was mapped after the peak, which holds once a warm-up step
+    has run the same code; an over-count of file pages only lowers the figure. File-backed
+    pages are torch's shared libraries, and how many count depends on the page cache, not on
+    the step: a kernel that maps large page-cache folios whole (6.18 does) maps a freshly
+    installed torch 2 MiB at a time (docs/benchmarks.md, *Peak RSS per process*).
+    """
+    peak = _status_bytes("VmHWM")
+    files = _status_bytes("RssFile", "RssShmem")
+    if peak is None or files is None:
+        return None
+    return peak - files
 
 
 def release_free_memory() -> None:
