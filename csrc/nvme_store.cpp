@@ -383,6 +383,7 @@ std::shared_ptr<IoRequest> NvmeStore::read_then_h2d(const Extent& extent, const 
 }
 
 void NvmeStore::hold_workers_for_test(bool held) {
+  std::lock_guard<std::mutex> lock(close_mu_);   // not between close()'s release and its wait
   check_open();
   engine_->hold_for_test(held);
 }

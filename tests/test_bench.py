@@ -648,12 +648,24 @@ def test_peak_anonymous_rss_is_the_peak_since_the_reset():
         assert reset_peak_rss()
         start = peak_anon_rss_bytes()
         x = torch.ones(64 << 20, dtype=torch.uint8)
-        print(before, start, peak_anon_rss_bytes())
+        grown = peak_anon_rss_bytes()
+        hwm = lambda: int(next(l for l in open("/proc/self/status")
+                               if l.startswith("VmHWM")).split()[1]) * 1024
+        hwm_before_file = hwm()
+        with tempfile.TemporaryFile(dir=sys.argv[1]) as f:   # 64 MiB of file pages mapped
+            f.write(b"\1" * (64 << 20))
+            f.flush()
+            with mmap.mmap(f.fileno(), 64 << 20, prot=mmap.PROT_READ) as m:
+                touched = sum(m[i] for i in range(0, 64 << 20, 4096))
+                print(before, start, grown, peak_anon_rss_bytes(), hwm() - hwm_before_file)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120)
+    script = "import mmap, sys, tempfile\n" + script
+    out = subprocess.run([sys.executable, "-c", script, tempfile.gettempdir()],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    before, start, grown = map(int, out.stdout.split())
+    before, start, grown, with_file, hwm_file = map(int, out.stdout.split())
     mib = 1 << 20
     assert before - start >= 240 * mib           # the freed 256 MiB left the peak
     assert 60 * mib <= grown - start <= 72 * mib  # the 64 MiB since the reset, no more
+    assert hwm_file >= 56 * mib                  # the file's pages count in the kernel's peak
+    assert abs(with_file - grown) <= 4 * mib     # ... and not in the anonymous one

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -249,18 +250,19 @@ def test_a_corrupt_chunk_in_a_merged_read_fails_alone(nvme_dir):
     store.close()
 
 
-def test_an_idle_worker_takes_a_read_queued_alone_and_close_releases_a_hold(nvme_dir):
+def test_a_held_read_stays_queued_and_close_releases_the_hold(nvme_dir):
     store = C.NvmeStore([nvme_dir], MiB, workers=1)
     (ext,), (src,) = _small_neighbours(store, [(4096, 0)])
     store.write_ptr(ext, src.data_ptr(), src.numel()).wait()
     dst = torch.zeros_like(src)
-    assert store.read_ptr(ext, dst.data_ptr(), dst.numel()).wait() == 4096   # no merge wait
     store._hold_workers_for_test(True)
-    dst.zero_()
     read = store.read_ptr(ext, dst.data_ptr(), dst.numel())
     time.sleep(0.05)
     assert not read.done()                 # held: queued, not started
-    store.close()                          # drains the queue: the hold does not hang it
+    closer = threading.Thread(target=store.close, daemon=True)
+    closer.start()                         # close drains the queue: the hold must not hang it
+    closer.join(timeout=30)
+    assert not closer.is_alive(), "close() hangs on a held queue"
     assert read.done() and read.wait() == 4096 and torch.equal(dst, src)
     with pytest.raises(UsedAfterCloseError):
         store._hold_workers_for_test(False)

@@ -131,9 +131,11 @@ class RssPeak:
 
 
 def reset_peak_rss() -> bool:
-    """Linux: set the kernel's peak RSS (VmHWM, which ``ru_maxrss`` reads) to the RSS now, so
-    that a later :func:`peak_anon_rss_bytes` is the peak of what ran in between. False where
-    the kernel refuses (``/proc/self/clear_refs`` missing or not writable)."""
+    """Linux: set the kernel's peak RSS of this process's memory map (VmHWM in
+    ``/proc/self/status``) to the RSS now, so that a later :func:`peak_anon_rss_bytes` is the
+    peak of what ran in between. ``ru_maxrss`` is not reset: it also keeps the peak seen when
+    any thread exited. False where the kernel refuses (``/proc/self/clear_refs`` missing or
+    not writable)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -153,11 +155,14 @@ def _status_bytes(*fields: str) -> int | None:
 
 def peak_anon_rss_bytes() -> int | None:
     """Peak RSS since the process started or :func:`reset_peak_rss`, less the file-backed and
-    shared pages mapped now: the peak of anonymous memory (tensors, the heap, arenas). None
-    off Linux.
+    shared-memory pages mapped now: the peak of private anonymous memory (tensors, the heap,
+    arenas; tensors in shared memory, such as batches from DataLoader workers, are not
+    counted). None off Linux.
 
-    Exact when no file-backed page was mapped after the peak, which holds once a warm-up step
-    has run the same code; an over-count of file pages only lowers the figure. File-backed
+    The pages subtracted are those mapped at the call, not at the peak: file pages mapped
+    after the peak lower the figure, file pages unmapped or reclaimed after it raise it. It
+    is exact when neither happened, which holds once a warm-up step has run the same code
+    (0 bytes of file-backed growth over a second step of the built-in GPT). File-backed
     pages are torch's shared libraries, and how many count depends on the page cache, not on
     the step: a kernel that maps large page-cache folios whole (6.18 does) maps a freshly
     installed torch 2 MiB at a time (docs/benchmarks.md, *Peak RSS per process*).
