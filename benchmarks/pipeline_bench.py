@@ -180,8 +180,8 @@ def main(argv=None) -> int:
         steps = [s for r in rs for s in r["step_s"]]
         med = statistics.median(steps)
         rss = statistics.median(r["peak_rss_bytes"] for r in rs) / 2**30
-        anon = [r["timed_peak_anon_bytes"] for r in rs]
-        anon = _gib(statistics.median(anon) if None not in anon else None)
+        anons = [r["timed_peak_anon_bytes"] for r in rs]
+        anon = _gib(statistics.median(anons) if None not in anons else None)
         stalls = [s for r in rs for s in r["stall_s"]]
         stall = (f"{statistics.median(stalls):.2f} ({statistics.median(stalls) / med:.1%})"
                  if stalls else "-")

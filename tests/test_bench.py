@@ -641,7 +641,7 @@ def test_peak_anonymous_rss_is_the_peak_since_the_reset():
     # In a child: the reset would move this process's ru_maxrss under other tests' feet.
     script = textwrap.dedent("""
         import torch
-        from offload.bench.measure import peak_anon_rss_bytes, reset_peak_rss
+        from offload.bench.measure import _status_bytes, peak_anon_rss_bytes, reset_peak_rss
         big = torch.ones(256 << 20, dtype=torch.uint8)   # 256 MiB touched, then unmapped
         del big
         before = peak_anon_rss_bytes()
@@ -649,8 +649,7 @@ def test_peak_anonymous_rss_is_the_peak_since_the_reset():
         start = peak_anon_rss_bytes()
         x = torch.ones(64 << 20, dtype=torch.uint8)
         grown = peak_anon_rss_bytes()
-        hwm = lambda: int(next(l for l in open("/proc/self/status")
-                               if l.startswith("VmHWM")).split()[1]) * 1024
+        hwm = lambda: _status_bytes()["VmHWM"]
         hwm_before_file = hwm()
         with tempfile.TemporaryFile(dir=sys.argv[1]) as f:   # 64 MiB of file pages mapped
             f.write(b"\1" * (64 << 20))

@@ -144,13 +144,15 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def _status_bytes(*fields: str) -> int | None:
+def _status_bytes() -> dict[str, int]:
+    """The sizes in /proc/self/status ("VmHWM:  12 kB" -> {"VmHWM": 12288}); {} off Linux."""
     try:
         with open("/proc/self/status") as f:
-            values = {line.split(":")[0]: line.split()[1:] for line in f}   # "VmHWM: 12 kB"
-        return sum(int(values[k][0]) * 1024 for k in fields)
-    except (OSError, KeyError, IndexError, ValueError):
-        return None
+            lines = [line.split() for line in f]
+    except OSError:
+        return {}
+    return {words[0].rstrip(":"): int(words[1]) * 1024 for words in lines
+            if len(words) == 3 and words[2] == "kB"}
 
 
 def peak_anon_rss_bytes() -> int | None:
@@ -167,11 +169,11 @@ def peak_anon_rss_bytes() -> int | None:
     the step: a kernel that maps large page-cache folios whole (6.18 does) maps a freshly
     installed torch 2 MiB at a time (docs/benchmarks.md, *Peak RSS per process*).
     """
-    peak = _status_bytes("VmHWM")
-    files = _status_bytes("RssFile", "RssShmem")
-    if peak is None or files is None:
+    sizes = _status_bytes()
+    try:
+        return sizes["VmHWM"] - sizes["RssFile"] - sizes["RssShmem"]
+    except KeyError:
         return None
-    return peak - files
 
 
 def release_free_memory() -> None:
