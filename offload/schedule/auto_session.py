@@ -50,6 +50,7 @@ from .placement import SchedulePlacement, StepChoice
 from .plan_cache import NO_BLOCK, ClassPlan, PlanCache
 from .probe import figures_for
 from .profile import BlockProfiler, Profile, signature
+from .arguments import flatten_call
 from .recompute import block_inputs, checkpoint_block, run_block
 from .search import make_plan
 from .session_base import UNRUN, Session, holds_cache, say_unrun_once
@@ -175,8 +176,9 @@ class AutoSession(Session):
             self._choose(sig)
         plan = choice.plan
         stand_in = index if plan is None else plan.stand_in(index, self.types[index])
+        flat = flatten_call(args, kwargs)   # once for the inputs and checkpoint_block
         inputs = {id(a.untyped_storage()): i
-                  for i, a in reversed(list(enumerate(block_inputs(args, kwargs))))}
+                  for i, a in reversed(list(enumerate(block_inputs(args, kwargs, flat[0]))))}
         placement.enter_region(("block", index), inputs, stand_in)
         block = self.blocks[index]
         try:
@@ -196,10 +198,10 @@ class AutoSession(Session):
             if choice.mode == "checkpoint":
                 if index in plan.checkpoint_keeps and self._fallback is None:
                     return forward(*args, **kwargs)
-                return checkpoint_block(forward, args, kwargs, block=block)
+                return checkpoint_block(forward, args, kwargs, block=block, flat=flat)
             bp = plan.block_plan(stand_in)
             if self._fallback is not None or bp is None:
-                return checkpoint_block(forward, args, kwargs, block=block)
+                return checkpoint_block(forward, args, kwargs, block=block, flat=flat)
             if choice.mode == "offload" or not bp.per_op:
                 return forward(*args, **kwargs)
             targets = plan.op_targets
@@ -213,7 +215,7 @@ class AutoSession(Session):
                 return None if name is None else placement.target(name, moved)
 
             return run_block(forward, args, kwargs, store, hooks, placement, block,
-                             bp.positions)
+                             bp.positions, flat)
         finally:
             placement.enter_region(("after", index))
 

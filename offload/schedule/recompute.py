@@ -206,14 +206,17 @@ class _Replay(TorchDispatchMode):
         return out
 
 
-def block_inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def block_inputs(args: tuple, kwargs: dict, leaves: list | None = None) -> list[torch.Tensor]:
     """The tensors a block call receives, in the order checkpoint_block passes them (and
-    the profile numbers them): positional ones, then those inside keyword arguments."""
-    return [x for x in flatten_call(args, kwargs)[0] if isinstance(x, torch.Tensor)]
+    the profile numbers them): positional ones, then those inside keyword arguments.
+    `leaves`: the call's `flatten_call` leaves, when the caller took them apart already."""
+    if leaves is None:
+        leaves = flatten_call(args, kwargs)[0]
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=None,
-                     block: torch.nn.Module | None = None) -> Any:
+                     block: torch.nn.Module | None = None, flat: tuple | None = None) -> Any:
     """Non-reentrant checkpoint of `forward(*args, **kwargs)` with every tensor argument,
     also those inside keyword arguments (Hugging Face passes rotary tables and masks that
     way), handed to checkpoint positionally: checkpoint saves positional inputs through the
@@ -221,8 +224,11 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     out of our reach. `block` is the module `forward` belongs to: its buffers, and those of
     modules handed to the call, stay exact across the re-run (offload/schedule/buffers.py),
     the re-run computes with the weights the forward ran with (weights.py), and draws what
-    the forward drew from the random generators it drew from (generators.py)."""
-    leaves, rebuild = flatten_call(args, kwargs)   # NOTE [Arguments as at the call]
+    the forward drew from the random generators it drew from (generators.py). `flat`:
+    `flatten_call(args, kwargs)` taken at this call by the caller (auto takes the call apart
+    once for both); its leaves become this call's own."""
+    # NOTE [Arguments as at the call]
+    leaves, rebuild = flatten_call(args, kwargs) if flat is None else flat
     handed_in = _modules_handed_in(leaves, block)
     if any(map(_still_lazy, handed_in if block is None else [block, *handed_in])):
         return forward(*args, **kwargs)
@@ -335,7 +341,8 @@ def _ranged(fn: Callable) -> Callable:
 
 def run_block(forward: Callable, args: tuple, kwargs: dict,
               store: Callable[[tuple], Decision | None], hooks, placement,
-              block: torch.nn.Module | None = None, positions: dict | None = None) -> Any:
+              block: torch.nn.Module | None = None, positions: dict | None = None,
+              flat: tuple | None = None) -> Any:
     """`forward(*args, **kwargs)` under non-reentrant checkpoint with per-op storing.
 
     Args:
@@ -344,9 +351,10 @@ def run_block(forward: Callable, args: tuple, kwargs: dict,
         placement: has `forced(decision)`, a context manager making the next pack use it.
         block: the module `forward` belongs to (its buffers, see checkpoint_block).
         positions: op_id -> position in the profiled op sequence (Rule 5); None: no check.
+        flat: the call taken apart already (checkpoint_block).
     """
     def context_fn():
         stash: dict = {}
         return _Store(stash, store, hooks, placement, positions), _Replay(stash, hooks)
 
-    return checkpoint_block(forward, args, kwargs, context_fn, block)
+    return checkpoint_block(forward, args, kwargs, context_fn, block, flat)
