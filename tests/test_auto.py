@@ -446,6 +446,55 @@ def test_an_op_is_stored_only_at_the_position_the_plan_saw_it(where, nvme_dir):
     assert packed == (2 if where == 1 else 1)  # addmm is the second op, after t()
 
 
+class _TableInAttributes(nn.Module):
+    """A table kept in plain attributes of a module without buffers, rebuilt (one `mm` of
+    the projections' shape) when the length changed: the forward rebuilds it, the re-run
+    finds it built and runs one `mm` fewer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table, self.length = None, None
+
+    def forward(self, n: int) -> torch.Tensor:
+        if self.length != n:
+            self.table = torch.mm(torch.ones(n, 16), torch.full((16, 16), 0.5))
+            self.length = n
+        return self.table
+
+
+def test_a_rerun_that_runs_other_ops_than_its_forward_hands_back_no_stored_output(
+        nvme_dir, caplog):
+    """Rule 6: stored outputs are found by (op, n-th call); a re-run with one `mm` fewer
+    than its forward would hand the `u` projection the `g` projection's stored output (same
+    shape: no error, wrong gradients). From the first op that differs, every op re-runs."""
+    torch.manual_seed(0)
+    g, u, table = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False), \
+        _TableInAttributes()
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def fn(t):
+        bias = table(t.shape[0])   # the rebuild comes first: every later `mm` shifts
+        return (g(t) * torch.sigmoid(u(t)) + bias).pow(2).sum()
+
+    fn(x).backward()
+    want = [x.grad.clone(), g.weight.grad.clone(), u.weight.grad.clone()]
+    for t in (x, g.weight, u.weight):
+        t.grad = None
+    table.length = None   # stale again: the forward below rebuilds it, its re-run will not
+    model = nn.ModuleDict({"g": g, "u": u, "table": table})
+    with caplog.at_level(logging.INFO, logger="offload"), offload.activations(
+            model=model, policy="auto", min_bytes=0, tiers="nvme", nvme_dir=nvme_dir,
+            probe=SLOW) as ctx:
+        decision = ctx._hooks.placement.target("nvme")
+        store = lambda op: decision if op[0] == "aten.mm.default" else None  # noqa: E731
+        before = ctx.stats.packed_tensors
+        out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.placement)
+        assert ctx.stats.packed_tensors - before == 4   # the input and three mm outputs
+        out.backward()
+    assert all(torch.equal(a, b) for a, b in zip(want, [x.grad, g.weight.grad, u.weight.grad]))
+    assert "re-run ran other ops than its forward" in caplog.text
+
+
 class _Recurrent(nn.Module):
     """Two GRU layers: the first gets a non-contiguous input (an embedding's output,
     transposed inside nn.GRU), so its `linear` runs other ops than the second's and every

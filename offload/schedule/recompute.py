@@ -45,6 +45,15 @@ ops differ from the profiled ones (another input layout, a block standing in for
 profile did not run) could otherwise store an output that a later op changes in place
 through an alias autograd does not track (the CPU GRU cell's `unsafe_split`), which no
 version check catches. Not storing is always safe: the op re-runs.
+
+Rule 6 (the re-run's ops). A stored output is handed back only while the re-run has run
+exactly the forward's ops, in order, up to it: an op's id `(op name, n)` alone shifts when
+the re-run runs more or fewer ops of a kind than the forward did, and would then hand one
+op another's output of the same shape (a rotary table kept in plain attributes of a module
+without buffers is rebuilt by the forward when the length changed and found built by the
+re-run, one `mm` fewer: the next stored `mm` went to the wrong projection). From the first
+op that differs the re-run runs every op, as plain checkpoint does, and the stored entries
+are dropped (said once per block type).
 """
 from __future__ import annotations
 
@@ -118,15 +127,15 @@ class _Entry:
 class _Store(TorchDispatchMode):
     """Forward: run every op; hand the chosen outputs to our hooks."""
 
-    def __init__(self, stash: dict, store: Callable[[tuple], Decision | None],
+    def __init__(self, stash: dict, ops: list, store: Callable[[tuple], Decision | None],
                  hooks, placement, positions: dict | None = None) -> None:
         super().__init__()
         self.stash = stash
+        self.ops = ops   # the forward's ops in order, for the re-run (Rule 6)
         self.store = store
         self.hooks = hooks
         self.placement = placement
         self.positions = positions
-        self.position = 0
         self.counter: dict[Any, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -136,8 +145,8 @@ class _Store(TorchDispatchMode):
             return out
         n = self.counter[func]
         self.counter[func] = n + 1
-        position = self.position
-        self.position = position + 1
+        position = len(self.ops)
+        self.ops.append(func)
         op_id = (op_name(func), n)
         decision = self.store(op_id)
         if decision is None or storable_op(func) is not None:
@@ -176,19 +185,30 @@ class _Store(TorchDispatchMode):
 class _Replay(TorchDispatchMode):
     """Recompute: stored ops return their stored bytes, every other op runs."""
 
-    def __init__(self, stash: dict, hooks) -> None:
+    def __init__(self, stash: dict, ops: list, hooks, block_name: str) -> None:
         super().__init__()
         self.stash = stash
+        self.ops = ops
         self.hooks = hooks
+        self.block_name = block_name
         self.counter: dict[Any, int] = defaultdict(int)
+        self.position = 0
+        self.diverged = False
 
     def __enter__(self):
         self.counter.clear()  # a second backward (retain_graph) replays from the start
+        self.position = 0
+        self.diverged = False
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in IGNORED_OPS:
+        if func in IGNORED_OPS or self.diverged:
+            return func(*args, **kwargs)
+        position = self.position
+        self.position = position + 1
+        if position >= len(self.ops) or self.ops[position] is not func:   # Rule 6
+            self._diverge(func, position)
             return func(*args, **kwargs)
         n = self.counter[func]
         self.counter[func] = n + 1
@@ -204,6 +224,23 @@ class _Replay(TorchDispatchMode):
             if entry.generator is not None:
                 entry.generator.set_state(entry.generator_rng)
         return out
+
+    def _diverge(self, func, position: int) -> None:
+        """Rule 6: the re-run left the forward's ops; no stored output is handed back."""
+        self.diverged = True
+        self.stash.clear()   # their tier space returns now
+        if self.block_name not in _said_diverged:
+            _said_diverged.add(self.block_name)
+            forward = op_name(self.ops[position]) if position < len(self.ops) else "none"
+            log.info("offload: auto: a %s's re-run ran other ops than its forward (op %d: "
+                     "%s, where the forward ran %s; state kept outside its inputs and "
+                     "buffers, such as a cache in plain attributes?): from there it "
+                     "recomputes every op, as plain checkpoint does", self.block_name,
+                     position, op_name(func), forward)
+
+
+# Block types whose re-run left the forward's ops (Rule 6), said once.
+_said_diverged: set[str] = set()
 
 
 def block_inputs(args: tuple, kwargs: dict, leaves: list | None = None) -> list[torch.Tensor]:
@@ -353,8 +390,12 @@ def run_block(forward: Callable, args: tuple, kwargs: dict,
         positions: op_id -> position in the profiled op sequence (Rule 5); None: no check.
         flat: the call taken apart already (checkpoint_block).
     """
+    block_name = "block" if block is None else type(block).__name__
+
     def context_fn():
         stash: dict = {}
-        return _Store(stash, store, hooks, placement, positions), _Replay(stash, hooks)
+        ops: list = []
+        return (_Store(stash, ops, store, hooks, placement, positions),
+                _Replay(stash, ops, hooks, block_name))
 
     return checkpoint_block(forward, args, kwargs, context_fn, block, flat)
