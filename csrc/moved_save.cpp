@@ -51,6 +51,7 @@ struct MovedCalls {
   PyObject* load = nullptr;           // records.load
   PyObject* version_error = nullptr;  // records.moved_version_error
   PyObject* next_sequence_nr = nullptr;  // version_check.next_sequence_nr (None: unknown)
+  PyObject* rebuild_as_resized = nullptr;  // tensor_meta.rebuild_as_resized
 } calls;
 
 PyObject* n_data;
@@ -147,15 +148,17 @@ PyMethodDef moved_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-// configure_moved(load, empty, neg_view, version_error, next_sequence_nr): what a MovedSave
-// calls.
+// configure_moved(load, empty, neg_view, version_error, next_sequence_nr,
+// rebuild_as_resized): what a MovedSave calls.
 PyObject* configure_moved(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* keywords[] = {"load", "empty", "neg_view", "version_error",
-                                   "next_sequence_nr", nullptr};
-  PyObject *load, *empty, *neg_view, *version_error, *next_sequence_nr;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO", const_cast<char**>(keywords), &load,
-                                   &empty, &neg_view, &version_error, &next_sequence_nr))
+                                   "next_sequence_nr", "rebuild_as_resized", nullptr};
+  PyObject *load, *empty, *neg_view, *version_error, *next_sequence_nr, *rebuild_as_resized;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO", const_cast<char**>(keywords), &load,
+                                   &empty, &neg_view, &version_error, &next_sequence_nr,
+                                   &rebuild_as_resized))
     return nullptr;
+  Py_XSETREF(calls.rebuild_as_resized, Py_NewRef(rebuild_as_resized));
   Py_XSETREF(calls.next_sequence_nr, Py_NewRef(next_sequence_nr));
   Py_XSETREF(calls.load, Py_NewRef(load));
   configure_layout(empty, neg_view);
@@ -251,16 +254,34 @@ PyObject* new_moved_save(PyObject* t, PyObject* record, PyObject* node, PyObject
   });
 }
 
+// The storage itself, when it still lives with another size than it was stored at
+// (records.py NOTE [A storage resized since its pack]); None otherwise.
+py::object resized_storage(MovedSave* self) {
+  py::object live = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(self->record));
+  if (!live) throw py::error_already_set();
+  if (live.ptr() == Py_None ||
+      as_int(call_method(live.ptr(), names.nbytes)) == record_nbytes(self->record)) {
+    return py::none();
+  }
+  return live;
+}
+
 PyObject* unpack_moved(PyObject* obj, PyObject* lock) {
   return guarded([&] {
     auto* self = reinterpret_cast<MovedSave*>(obj);
     check_version(self);
-    Py_ssize_t offset = 0;
-    bool flat = false;
-    py::object bytes = load_locked(self, lock, &offset, &flat);
-    py::object out = flat
-        ? rebuild_over_flat(&self->layout, bytes, offset, record_nbytes(self->record))
-        : rebuild_over_storage(&self->layout, bytes, offset);
+    py::object bytes = resized_storage(self);
+    py::object out;
+    if (!bytes.is_none()) {   // as autograd would: over the storage as it is now
+      out = call_with(calls.rebuild_as_resized, bytes, py::handle(obj));
+    } else {
+      Py_ssize_t offset = 0;
+      bool flat = false;
+      bytes = load_locked(self, lock, &offset, &flat);
+      out = flat
+          ? rebuild_over_flat(&self->layout, bytes, offset, record_nbytes(self->record))
+          : rebuild_over_storage(&self->layout, bytes, offset);
+    }
     if (self->attrs != nullptr) {   // tensor_meta.py NOTE [Saved attributes]
       // Never on the flat tensor itself: every save of the storage may be handed it.
       if (out.ptr() == bytes.ptr()) out = call_method(out.ptr(), names.detach);

@@ -209,3 +209,64 @@ def test_inplace_change_raises_on_cuda(case, tiers, nvme_dir):
             with pytest.raises(RuntimeError) as ours:
                 case(x.clone().requires_grad_()).backward()
     assert str(ours.value) == expected
+
+
+def _resized_after_the_forward(x, w, new_nbytes):
+    """A saved input whose memory the user's code frees (`resize_(0)`, as FSDP and ZeRO do
+    with their buffers) or grows (its bytes move to new memory) after the forward."""
+    kept = x.clone()
+    y = (kept @ w).tanh()
+    kept.untyped_storage().resize_(new_nbytes(kept))
+    y.sum().backward()
+    return kept
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+@pytest.mark.parametrize("path", ["core", "python"])
+def test_a_saved_storage_freed_after_the_forward_raises_as_in_autograd(tiers, path, nvme_dir,
+                                                                      monkeypatch):
+    """records.py NOTE [A storage resized since its pack]: plain autograd raises torch's
+    bounds error in backward; a moved save came back from its tier's copy instead, read
+    from memory freed while its write was in flight (wrong gradients, silently). The
+    storage is not grown back by the unpack either."""
+    from offload.runtime import records
+    from offload.runtime.saved_bytes import PySavedBytes
+
+    if path == "python":
+        monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
+    torch.manual_seed(0)
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(256, 256)
+    with pytest.raises(RuntimeError, match="out of bounds for storage of size 0"):
+        _resized_after_the_forward(x, w, lambda t: 0)
+    for attempt in range(3):   # the write in flight or landed when the memory is freed
+        with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+            with pytest.raises(RuntimeError, match="out of bounds for storage of size 0"):
+                _resized_after_the_forward(x, w, lambda t: 0)
+        assert ctx.stats.host_bytes + ctx.stats.nvme_bytes > 0
+        assert w.grad is None
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+@pytest.mark.parametrize("path", ["core", "python"])
+def test_a_saved_storage_grown_after_the_forward_gives_autograds_gradient(tiers, path,
+                                                                         nvme_dir, monkeypatch):
+    """Grown, the storage's bytes move to new memory: autograd computes from them, and so
+    does a moved save (its tier's copy may have been read from the freed old memory)."""
+    from offload.runtime import records
+    from offload.runtime.saved_bytes import PySavedBytes
+
+    if path == "python":
+        monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
+    torch.manual_seed(0)
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(256, 256)
+    grown = lambda t: 2 * t.untyped_storage().nbytes()   # noqa: E731
+    _resized_after_the_forward(x, w, grown)
+    want, w.grad = w.grad, None
+    for attempt in range(3):
+        with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+            _resized_after_the_forward(x, w, grown)
+        assert torch.equal(w.grad, want)
+        assert ctx.stats.host_bytes + ctx.stats.nvme_bytes > 0
+        w.grad = None

@@ -28,6 +28,16 @@ backward loads again. When the step is aborted (the block raised) its tiers are 
 a later unpack of such a record raises UsedAfterCloseError. Every call a record makes goes
 down (its tier, the prefetcher, the meter); nothing it does calls the hooks that made it.
 
+NOTE [A storage resized since its pack] Code that frees a saved tensor's memory after the
+forward (`t.untyped_storage().resize_(0)`, as FSDP and ZeRO do with their own buffers)
+makes plain autograd raise in backward: the saved tensor no longer fits its storage. A
+moved save would come back from its tier's copy, taken from memory that may have been
+freed while the write was in flight. So a moved save whose storage still lives with
+another size than it was stored at is rebuilt over that storage as it is now, as autograd
+would: torch raises autograd's error for a storage too small, and a storage grown (moved
+by the resize, its bytes kept) gives its bytes. A storage freed and grown back to its size
+in place, or one that died after being resized, is not seen.
+
 NOTE [Unpack cache] Several saved tensors of one storage are unpacked at different times.
 The loaded bytes stay referenced by the record while some of its saved tensors have not been
 unpacked yet (so the storage is read once), then only weakly: their storage here, or for a
@@ -52,7 +62,7 @@ from ..tiers.base import on_cuda
 from ..tiers.copy_tickets import SharedReload
 from ..util.never_compiled import never_compiled
 from .saved_bytes import PySavedBytes, saved_bytes_meter
-from .tensor_meta import ViewMeta, instance_attrs, rebuild, view_meta
+from .tensor_meta import ViewMeta, instance_attrs, rebuild, rebuild_as_resized, view_meta
 from .version_check import NOBODY, SavedOrigin, next_sequence_nr as _next_sequence_nr, \
     node_at_unpack, version_error, version_sentinel
 
@@ -332,9 +342,13 @@ class Moved(SavedOrigin):
 
     def unpack(self, lock) -> torch.Tensor:
         self.check_version()  # NOTE [Version check]
-        with lock:
-            storage, offset = load(self.record)
-        out = rebuild(storage, offset, self)   # its layout fields (class doc)
+        live = self.record()   # NOTE [A storage resized since its pack]
+        if live is not None and live.nbytes() != self.record.nbytes:
+            out = rebuild_as_resized(live, self)
+        else:
+            with lock:
+                storage, offset = load(self.record)
+            out = rebuild(storage, offset, self)   # its layout fields (class doc)
         if self.attrs is not None:
             out.__dict__ = self.attrs   # shared, not copied: tensor_meta NOTE [Saved attributes]
         if not self.unpacked:
@@ -377,7 +391,8 @@ def moved_version_error(save) -> RuntimeError:
 if core_available():   # what the core's MovedSave calls (hooks.py NOTE [Move path in C])
     load_core().configure_moved(load=load, empty=torch.empty, neg_view=torch._neg_view,
                                 version_error=moved_version_error,
-                                next_sequence_nr=_next_sequence_nr)
+                                next_sequence_nr=_next_sequence_nr,
+                                rebuild_as_resized=rebuild_as_resized)
 
 
 @never_compiled   # autograd frees and unpacks it: NOTE [Never compiled]

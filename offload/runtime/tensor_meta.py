@@ -96,6 +96,21 @@ def rebuild(storage: torch.UntypedStorage, byte_offset: int, meta: Any) -> torch
     return out
 
 
+def rebuild_as_resized(storage: torch.UntypedStorage, meta: Any) -> torch.Tensor:
+    """`meta`'s layout over `storage` as it is now, which a resize changed since the save
+    (records.py NOTE [A storage resized since its pack]). Not grown to fit, as `set_` with
+    the layout would: torch's own bounds check raises autograd's error where it no longer
+    fits."""
+    out = torch.empty(0, dtype=meta.dtype, device=storage.device)
+    out.set_(storage, 0, (0,), (1,))
+    out = out.as_strided(meta.size, meta.stride, meta.storage_offset)
+    if meta.conj:
+        out = out.conj()
+    if meta.neg:
+        out = torch._neg_view(out)
+    return out
+
+
 # object.__getstate__ (Python 3.11+) returns an object's attribute dict itself, or None when
 # it has none or an empty one, without making one; `t.__dict__` would make one.
 _object_state = getattr(object, "__getstate__", None)
