@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
-from .config_parse import PARSERS, POLICIES, TIERS
+from .config_parse import PARSERS, POLICIES, TIERS, knob
 from .errors import ConfigError
 from .tiers import nvme_space
 from .util.figures import ProbeSetting
@@ -259,15 +259,18 @@ class Config:
                               f"process ({fix})")
 
     def _validate_nvme_dirs(self) -> None:
+        tiers = self.where("tiers")
         if not self.nvme_dir:
+            unset, fix = ("OFFLOAD_NVME_DIR is not set", "set OFFLOAD_NVME_DIR to") \
+                if tiers.startswith("OFFLOAD_") else \
+                ("nvme_dir= is not given (nor OFFLOAD_NVME_DIR set)", "pass nvme_dir=")
             raise ConfigError(
-                f"OFFLOAD_NVME_DIR is not set but {self.where('tiers')} includes 'nvme' (set "
-                "OFFLOAD_NVME_DIR to a writable directory on a local SSD, or drop 'nvme' from "
-                "OFFLOAD_TIERS)")
+                f"{unset} but {tiers} includes 'nvme' ({fix} a writable directory on a "
+                f"local SSD, or drop 'nvme' from {knob(tiers, 'tiers')})")
         where = self.where("nvme_dir")
         for path in self.nvme_dir:
             fix = ("point it at a writable directory on a local SSD, or drop 'nvme' "
-                   "from OFFLOAD_TIERS")
+                   f"from {knob(tiers, 'tiers')}")
             if not os.path.exists(path):
                 raise ConfigError(f"{where}: {path!r} does not exist ({fix})")
             if not os.path.isdir(path):

@@ -27,6 +27,12 @@ def _fail(where: str, reason: str, fix: str) -> ConfigError:
     return ConfigError(f"{where}: {reason} ({fix})")
 
 
+def knob(where: str, name: str) -> str:
+    """How a fix names another knob: `name=` when the value in `where` came from a keyword
+    argument, its environment variable when it came from the environment."""
+    return f"OFFLOAD_{name.upper()}" if where.startswith("OFFLOAD_") else f"{name}="
+
+
 def _parse_tiers(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]:
     items = raw.split(",") if isinstance(raw, str) else list(raw)
     tiers = tuple(str(t).strip().lower() for t in items if str(t).strip())
@@ -92,7 +98,8 @@ def _size_parser(allow_percent: bool, max_fraction: float | None = None,
             raise _fail(where, f"{spec} is over {max_fraction * 100:g}%",
                         f"give at most 100%{what}, or an absolute size such as \"4GiB\"")
         if zero_fix is not None and not (spec.nbytes or spec.fraction):
-            raise _fail(where, "leaves the tier no room", zero_fix)
+            raise _fail(where, "leaves the tier no room",
+                        zero_fix.format(tiers=knob(where, "tiers")))
         return spec if allow_percent else spec.nbytes
     return parse
 
@@ -204,10 +211,10 @@ PARSERS: dict[str, Callable[[Any, str, Mapping[str, str]], Any]] = {
     "nvme_dir": _parse_dirs,
     "host_bytes": _size_parser(True, max_fraction=1.0, what=" of the available RAM",
                                zero_fix="give a size such as \"8GiB\" or \"50%\", or drop "
-                                        "'host' from OFFLOAD_TIERS"),
+                                        "'host' from {tiers}"),
     "nvme_bytes": _size_parser(True, max_fraction=1.0, what=" of the free disk space",
                                zero_fix="give a size such as \"64GiB\" or \"50%\", or drop "
-                                        "'nvme' from OFFLOAD_TIERS"),
+                                        "'nvme' from {tiers}"),
     "min_bytes": _size_parser(False),
     "policy": _parse_choice,
     "budget": _size_parser(True, max_fraction=1.0, what=" of the no-offload peak"),

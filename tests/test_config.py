@@ -215,14 +215,30 @@ def test_recompute_without_blocks_says_what_to_pass():
 
 def test_nvme_dir_missing(tmp_path, monkeypatch):
     monkeypatch.delenv("OFFLOAD_NVME_DIR", raising=False)
-    with pytest.raises(ConfigError, match=r"OFFLOAD_NVME_DIR is not set but tiers='nvme' "
-                       r"includes 'nvme' \(set OFFLOAD_NVME_DIR"):
+    # The fix names knobs the way the user set them: keywords, or environment variables.
+    with pytest.raises(ConfigError, match=r"nvme_dir= is not given \(nor OFFLOAD_NVME_DIR "
+                       r"set\) but tiers='nvme' includes 'nvme' \(pass nvme_dir= a writable "
+                       r"directory on a local SSD, or drop 'nvme' from tiers=\)"):
         offload.activations(tiers="nvme")
+    monkeypatch.setenv("OFFLOAD_TIERS", "nvme")
+    with pytest.raises(ConfigError, match=r"OFFLOAD_NVME_DIR is not set but OFFLOAD_TIERS="
+                       r"'nvme' includes 'nvme' \(set OFFLOAD_NVME_DIR to a writable directory "
+                       r"on a local SSD, or drop 'nvme' from OFFLOAD_TIERS\)"):
+        offload.activations()
+    monkeypatch.delenv("OFFLOAD_TIERS")
     gone = tmp_path / "gone"
     with pytest.raises(ConfigError, match=rf"nvme_dir='{gone}': '{gone}' does not exist "
-                       r"\(point it at a writable directory on a local SSD"):
+                       r"\(point it at a writable directory on a local SSD, or drop 'nvme' "
+                       r"from tiers=\)"):
         offload.activations(tiers="nvme", nvme_dir=str(gone))
     assert not gone.exists()  # validation created nothing
+    with pytest.raises(ConfigError, match=r"host_bytes=0: leaves the tier no room \(.*, or "
+                       r"drop 'host' from tiers=\)"):
+        offload.activations(host_bytes=0)
+    monkeypatch.setenv("OFFLOAD_HOST_BYTES", "0")
+    with pytest.raises(ConfigError, match=r"OFFLOAD_HOST_BYTES='0': leaves the tier no room "
+                       r"\(.*, or drop 'host' from OFFLOAD_TIERS\)"):
+        offload.activations()
 
 
 def test_nvme_dir_as_a_path_object_and_listed_twice(tmp_path):

@@ -270,3 +270,27 @@ def test_a_saved_storage_grown_after_the_forward_gives_autograds_gradient(tiers,
         assert torch.equal(w.grad, want)
         assert ctx.stats.host_bytes + ctx.stats.nvme_bytes > 0
         w.grad = None
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+@pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16, torch.complex64, torch.int64,
+                                   torch.float16], ids=str)
+def test_the_error_names_each_dtype_as_autograd_does(dtype, tiers, nvme_dir):
+    """Autograd names a tensor's type `torch.FloatTensor` where torch has a legacy name and
+    `CPUBoolType` / `CPUBFloat16Type` / `CPUComplexFloatType` where it has none; a saved mask
+    or a bfloat16 activation changed in place must read the same."""
+    def case():
+        w = torch.randn(64, 64, dtype=torch.complex64 if dtype.is_complex else torch.float32,
+                        requires_grad=True)
+        m = (torch.rand(64, 64) * 5).to(dtype)
+        y = torch.where(m, w, w * 2) if dtype == torch.bool else (w * 1) * m   # saves m
+        m.logical_not_() if dtype == torch.bool else m.add_(1)
+        y.abs().sum().backward()
+
+    with pytest.raises(RuntimeError) as plain:
+        case()
+    with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+        with pytest.raises(RuntimeError) as ours:
+            case()
+    assert str(ours.value) == str(plain.value)
+    assert ctx.stats.saved_bytes > 0

@@ -129,10 +129,60 @@ def _view_replay_enabled() -> bool:
     return bool(check()) if check is not None else False
 
 
+class _SavesOne(torch.autograd.Function):
+    """Saves its second input for backward: the tensor autograd's message names."""
+
+    @staticmethod
+    def forward(ctx, x, saved):
+        ctx.save_for_backward(saved)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved_tensors
+        return grad, None
+
+
+_type_names: dict[tuple[torch.dtype, torch.device], str] = {}
+
+
+def _type_name(dtype: torch.dtype, device: torch.device) -> str:
+    """How autograd's message names a tensor's type: `torch.FloatTensor` for the types that
+    have a legacy name, `CPUBoolType`, `CUDABFloat16Type`, `CPUComplexFloatType` for the
+    others. Read once per (dtype, device) from autograd's own message, so it follows torch."""
+    key = (dtype, device)
+    name = _type_names.get(key)
+    if name is not None:
+        return name
+    said: list[str] = []
+
+    def provoke() -> None:
+        # On a thread of its own: no saved-tensor hooks (ours are this thread's), so
+        # autograd checks the version itself and says the name.
+        try:
+            saved = torch.empty(0, dtype=dtype, device=device)
+            out = _SavesOne.apply(torch.zeros((), requires_grad=True), saved)
+            torch.autograd.graph.increment_version(saved)
+            out.backward()
+        except RuntimeError as e:
+            text = str(e)
+            start, end = text.find("operation: ["), text.find(" [0]]")
+            if 0 <= start < end:
+                said.append(text[start + len("operation: ["):end])
+
+    thread = threading.Thread(target=provoke, name="offload-type-name")
+    thread.start()
+    thread.join()
+    # If autograd did not say (another torch's wording), its legacy name.
+    name = said[0] if said else torch.empty(0, dtype=dtype, device=device).type()
+    _type_names[key] = name
+    return name
+
+
 def version_error(dtype: torch.dtype, device: torch.device, size, origin: SavedOrigin,
                   expected: int, seen: int) -> RuntimeError:
     """Autograd's error for a saved tensor changed in place, word for word."""
-    type_name = torch.empty(0, dtype=dtype, device=device).type()
+    type_name = _type_name(dtype, device)
     text = (f"one of the variables needed for gradient computation has been modified by an "
             f"inplace operation: [{type_name} {list(size)}]")
     name = origin.node_at_unpack()
