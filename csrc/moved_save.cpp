@@ -257,6 +257,9 @@ PyObject* new_moved_save(PyObject* t, PyObject* record, PyObject* node, PyObject
 // The storage itself, when it still lives with another size than it was stored at
 // (records.py NOTE [A storage resized since its pack]); None otherwise.
 py::object resized_storage(MovedSave* self) {
+  // A snapshot's record (it has a layout of its own: tensor_meta NOTE [Untracked aliases])
+  // stored a private copy of part of the storage, taken at the pack: not this case.
+  if (record_meta(self->record) != Py_None) return py::none();
   py::object live = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(self->record));
   if (!live) throw py::error_already_set();
   if (live.ptr() == Py_None ||

@@ -36,7 +36,9 @@ freed while the write was in flight. So a moved save whose storage still lives w
 another size than it was stored at is rebuilt over that storage as it is now, as autograd
 would: torch raises autograd's error for a storage too small, and a storage grown (moved
 by the resize, its bytes kept) gives its bytes. A storage freed and grown back to its size
-in place, or one that died after being resized, is not seen.
+in place, or one that died after being resized, is not seen; nor is a resize of a storage
+whose saved piece was stored as a private copy taken at the pack (a snapshot: tensor_meta
+NOTE [Untracked aliases]), which comes back as it was saved.
 
 NOTE [Unpack cache] Several saved tensors of one storage are unpacked at different times.
 The loaded bytes stay referenced by the record while some of its saved tensors have not been
@@ -342,7 +344,9 @@ class Moved(SavedOrigin):
 
     def unpack(self, lock) -> torch.Tensor:
         self.check_version()  # NOTE [Version check]
-        live = self.record()   # NOTE [A storage resized since its pack]
+        # NOTE [A storage resized since its pack]; a snapshot's record stored a private
+        # copy of part of the storage (tensor_meta NOTE [Untracked aliases]): not this case.
+        live = self.record() if self.record.meta is None else None
         if live is not None and live.nbytes() != self.record.nbytes:
             out = rebuild_as_resized(live, self)
         else:
