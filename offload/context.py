@@ -195,7 +195,9 @@ class ActivationOffload:
                 log.exception("offload: error while freeing the step after an exception")
             return False  # re-raise the original exception
         step.exited()
-        if log.isEnabledFor(logging.INFO):  # from OFFLOAD_LOG_RANKS only (logs.py)
+        # From OFFLOAD_LOG_RANKS only (logs.py). A step whose backward runs after the block
+        # says it when that backward ends (step.py `finish`).
+        if step.finished and log.isEnabledFor(logging.INFO):
             log.info("offload: %s", step.stats.summary())
         return False
 

@@ -71,6 +71,30 @@ def test_trace_is_written_when_backward_runs_after_the_block(tmp_path, nvme_dir)
     assert _events(doc, "backward") and _events(doc, "nvme read")
 
 
+def test_a_step_whose_backward_runs_after_the_block_ends_with_that_backward(nvme_dir, caplog):
+    """README: "the step then ends when that backward finishes". Its `step_s` covers the
+    backward (it covered the forward alone: `stall_fraction` read over 1 with a backward
+    stall), and its INFO line comes when the backward ends, with those figures."""
+    import time
+
+    model = _model()
+    x = torch.randn(512, 256)
+    with caplog.at_level(logging.INFO, logger="offload"):
+        with offload.activations(model=model, tiers="nvme", nvme_dir=nvme_dir,
+                                 min_bytes=0) as ctx:
+            loss = model(x).pow(2).mean()
+        forward_s = ctx.stats.step_s
+        assert not [r for r in caplog.records if "stall" in r.getMessage()]  # not over yet
+        time.sleep(0.3)   # between the block and its backward: part of the step
+        loss.backward()
+        del loss
+    s = ctx.stats
+    assert s.step_s >= forward_s + 0.3
+    assert s.stall_fraction <= 1.0
+    (line,) = [r.getMessage() for r in caplog.records if "stall" in r.getMessage()]
+    assert f"of {s.step_s:.3f} s" in line
+
+
 def test_stats_report_overlap_and_queue_depths(nvme_dir):
     ctx = _step(_model(), tiers="nvme", nvme_dir=nvme_dir, min_bytes=0)
     s = ctx.stats.as_dict()

@@ -186,6 +186,9 @@ class Step:
             _pending.discard(self)
         self.hooks.marks.on_backward_end = None
         self.fold()
+        after_exit = self.exit_s is not None and end_s > self.exit_s
+        if after_exit:   # backward after the block: the step ends with it (point 2 or 3)
+            self.stats.step_s = end_s - self.start_s
         close_tiers(self.tiers, self.stats, before=self.close_copies)
         try:
             self._learn_round_trip()
@@ -201,6 +204,13 @@ class Step:
             except Exception:  # same: the step itself went through
                 log.exception("offload: could not plan the next step (OFFLOAD_POLICY=auto)")
         self._write_trace(end_s)
+        if after_exit and log.isEnabledFor(logging.INFO):   # the block's exit did not say
+            log.info("offload: %s", self.stats.summary())
+
+    @property
+    def finished(self) -> bool:
+        """The step has ended (its figures are final)."""
+        return self._finished
 
     def abort(self) -> None:
         """Free everything now (an exception, or `ActivationOffload.close()`)."""

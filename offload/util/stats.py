@@ -140,7 +140,8 @@ class Stats:
     backward_kept_bytes: int = 0  # bytes saved while a backward ran (reentrant checkpoint's
     #                               recompute, double backward): used at once, never moved
     pending_copy_hits: int = 0    # unpacks served from the source while its D2H was pending
-    step_s: float = 0.0           # wall time of the block
+    step_s: float = 0.0           # wall time of the step: entry to the block's exit, or
+    #                               to the end of its backward when that runs after it
     staging_peak_bytes: int = 0   # peak use of the nvme tier's staging arena
     exit_staging_used_bytes: int = 0  # staging arena still used when the tiers closed
     # Saved tensors left where they are because the runtime cannot move their type (sparse,
