@@ -97,7 +97,8 @@ class Config:
     strict: bool = _knob(
         False, env="OFFLOAD_STRICT", kind="bool", example="1",
         doc="When every tier is full, raise TierFullError instead of keeping the tensor on the "
-            "device with a one-time warning.")
+            "device with a warning said once per process and tier list (every step's "
+            "`ctx.stats.full_kept_bytes` counts what stayed).")
     log: str | None = _knob(
         None, env="OFFLOAD_LOG", kind="log level", example="INFO", default_doc="unset",
         doc="Level of the `offload` logger; per-step stats are logged at INFO. Unset leaves "

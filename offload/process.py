@@ -48,6 +48,7 @@ def reset() -> None:
     _schedule_reset()
     _config.forget_warnings()
     _subclasses.forget_warnings()
+    _hooks.forget_warnings()
 
 
 def after_fork_in_child() -> None:

@@ -325,13 +325,20 @@ def test_spill_to_next_tier(nvme_dir):
 
 
 def test_all_tiers_full_warns_once_and_keeps(caplog):
+    """Once per process and tier list (OFFLOAD_STRICT's "one-time warning"): not again in
+    later steps, reused context or new; every step's figure counts what stayed."""
+    offload.process.reset()   # this process may have said it already
     x = torch.randn(64, 1024, requires_grad=True)
+    reused = offload.activations(tiers="host", host_bytes="300KiB", min_bytes=0)
     with caplog.at_level(logging.WARNING, logger="offload"):
-        with offload.activations(tiers="host", host_bytes="300KiB", min_bytes=0) as ctx:
-            y = x * 1
-            for _ in range(4):
-                y = y.sin()
-            y.sum().backward()
+        for ctx in (reused, reused, offload.activations(tiers="host", host_bytes="300KiB",
+                                                        min_bytes=0)):
+            with ctx:
+                y = x * 1
+                for _ in range(4):
+                    y = y.sin()
+                y.sum().backward()
+            assert ctx.stats.full_kept_bytes == 3 * 256 * 1024
     warnings = [r for r in caplog.records if "every tier is full" in r.getMessage()]
     assert len(warnings) == 1
     assert "Raise OFFLOAD_HOST_BYTES" in warnings[0].getMessage()

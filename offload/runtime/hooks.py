@@ -96,6 +96,16 @@ class _Forks:
     generation = 0
 
 
+# Tier lists whose "every tier is full" was said (OFFLOAD_STRICT: a one-time warning; the
+# figure, `full_kept_bytes`, is every step's). offload.process.reset forgets them.
+_said_full: set[tuple[str, ...]] = set()
+
+
+def forget_warnings() -> None:
+    """Say "every tier is full" again (offload.process.reset)."""
+    _said_full.clear()
+
+
 def after_fork_in_child() -> None:
     _Forks.generation += 1
     if _core is not None:
@@ -130,7 +140,6 @@ class OffloadHooks:
         self.strict = strict
         self._min_bytes = min_bytes
         self._param_ids: set[int] = set()
-        self._warned_full = False
         self._lock = threading.RLock()
         self._stored = 0  # storages decided so far: their position is the round-trip key
         self.timeline = timeline if timeline is not None else Timeline()
@@ -366,8 +375,8 @@ class OffloadHooks:
                 "OFFLOAD_NVME_BYTES, add a tier to OFFLOAD_TIERS, or unset OFFLOAD_STRICT to "
                 "keep such tensors on the device)")
         self.stats.full_kept_bytes += nbytes
-        if not self._warned_full:
-            self._warned_full = True
+        if targets not in _said_full:   # once per process and tier list, as documented
+            _said_full.add(targets)
             log.warning("offload: every tier is full (%s); a %s activation stays on the "
                         "device, and so will every later one that does not fit (smaller ones "
                         "still move while there is room; ctx.stats.full_kept_bytes counts "
