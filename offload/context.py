@@ -15,6 +15,7 @@ hooks) and the original exception propagates unchanged.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import Any
 
@@ -100,7 +101,8 @@ class ActivationOffload:
         self.model = model
         self._step: Step | None = None       # the latest block's (offload/runtime/step.py)
         self._steps: weakref.WeakSet[Step] = weakref.WeakSet()  # every one not yet freed
-        self._hook_thread: int | None = None
+        self._hook_thread: int | None = None   # the thread its hooks are on, while active
+        self._claim = threading.Lock()
         self._round_trip = RoundTripPlan()  # learned across this context's steps (no model=)
         # recompute / auto: blocks and the plan (offload/schedule/session.py); a disabled
         # context looks for no block and wraps nothing.
@@ -137,9 +139,18 @@ class ActivationOffload:
 
     # ---------------------------------------------------------------- enter / exit
     def __enter__(self) -> "ActivationOffload":
-        if self.active:
-            raise OffloadError("offload.activations(): this context is already active; "
-                               "create one context per step or nest different ones")
+        with self._claim:   # one enter at a time: two threads may not both pass the check
+            if self.active:
+                raise OffloadError("offload.activations(): this context is already active; "
+                                   "create one context per step or nest different ones")
+            self._hook_thread = _ENTERING
+        try:
+            return self._enter()
+        except BaseException:
+            self._hook_thread = None
+            raise
+
+    def _enter(self) -> "ActivationOffload":
         if not self.config.enabled:  # OFFLOAD_ENABLED=0: install and open nothing
             self._hook_thread = _DISABLED
             return self
@@ -213,6 +224,8 @@ class ActivationOffload:
 
 # `_hook_thread` of an entered context that installed nothing (enabled=False).
 _DISABLED = object()
+# `_hook_thread` while one thread enters: the context counts as active for every other.
+_ENTERING = object()
 
 
 def _is_offload_hooks(owner: Any) -> bool:

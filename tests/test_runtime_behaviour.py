@@ -563,3 +563,39 @@ def test_no_offload_region_keeps_a_storage_moved_earlier(nvme_dir):
         (a + b).sum().backward()
     assert ctx.stats.kept_bytes >= y.numel() * 4
     assert ctx.stats.nvme_bytes >= y.numel() * 4
+
+
+def test_one_context_entered_from_two_threads_at_once_is_refused_cleanly():
+    """The "already active" check and the claim are one step: two threads entering one
+    context at once get one step and one clear refusal, never two steps (the second
+    overwrote the first's, whose exit then failed and left its hooks on its thread)."""
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+    x = torch.randn(512, 64)
+    for _ in range(20):
+        ctx = offload.activations(model=model, tiers="host", min_bytes=0)
+        both_in = threading.Barrier(2)
+        results = [None, None]
+
+        def work(i, ctx=ctx, both_in=both_in, results=results):
+            both_in.wait()
+            try:
+                with ctx:
+                    loss = model(x).pow(2).sum()
+                loss.backward()
+                error = None
+            except offload.OffloadError as e:
+                error = str(e)
+            left = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            results[i] = (error, left is None)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(clean for _, clean in results), "hooks left on a thread"
+        errors = sorted((e for e, _ in results), key=lambda e: e is not None)
+        assert errors[0] is None
+        assert errors[1] is None or "already active" in errors[1]
+        assert not ctx.active
