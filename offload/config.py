@@ -77,7 +77,8 @@ class Config:
             "context opens it and kept open between steps. A percentage is of what fits at that "
             "moment in equal shares over the directories (the directory with the least free "
             "space per share sets it), divided among the processes of this host "
-            "(LOCAL_WORLD_SIZE); a size is per process and is refused when the context is "
+            "(LOCAL_WORLD_SIZE); a size is per process, at least 1 MiB per directory, and is "
+            "refused when the context is "
             "built if a directory's share does not fit. When it is full, tensors spill to the "
             "next tier, stay with a warning, or raise TierFullError (OFFLOAD_STRICT).")
     min_bytes: int = _knob(
@@ -328,6 +329,12 @@ class Config:
         opening the store gives back first count as free (nvme_space.slabs_given_back)."""
         if self.nvme_bytes.fraction is not None:
             return  # a percentage is of what fits when the store opens
+        smallest = nvme_space.smallest_store_bytes(len(self.nvme_dir))
+        if self.nvme_bytes.nbytes < smallest:
+            raise ConfigError(
+                f"{self.where('nvme_bytes')}: is under the nvme tier's smallest store, "
+                f"{format_bytes(smallest)} (1 MiB per directory; give a size such as "
+                "'64GiB' or a percentage such as '50%')")
         held = nvme_space.slabs_given_back(self.nvme_dir)
         self._check_nvme_fits(self.nvme_bytes.nbytes, striped_room(self.nvme_dir, held))
 

@@ -543,3 +543,17 @@ def test_readme_env_table_matches_config():
     assert m is not None, "README.md lost its <!-- env-table:start/end --> markers"
     assert m.group(1).strip() == env_table_markdown().strip(), (
         "README env table is stale; paste offload.env_table_markdown() between the markers")
+
+
+@pytest.mark.parametrize("size", ["1", "512KiB", "1048575"])
+def test_an_nvme_size_under_the_smallest_store_is_refused_when_built(size, tmp_path):
+    """Below 1 MiB per directory the store cannot open: said when the context is built,
+    as "0" is, not as a warning at the first save and every tensor kept."""
+    with pytest.raises(ConfigError, match=rf"nvme_bytes='{size}': is under the nvme tier's "
+                       r"smallest store, 1 MiB \(1 MiB per directory"):
+        offload.activations(tiers="nvme", nvme_dir=str(tmp_path), nvme_bytes=size)
+    second = tmp_path / "b"
+    second.mkdir()
+    with pytest.raises(ConfigError, match=r"smallest store, 2 MiB"):
+        offload.activations(tiers="nvme", nvme_dir=f"{tmp_path},{second}", nvme_bytes="1MiB")
+    offload.activations(tiers="nvme", nvme_dir=str(tmp_path), nvme_bytes="1MiB")

@@ -95,6 +95,12 @@ class _NoRoom(Exception):
     """The resolved capacity is below MIN_STORE_BYTES."""
 
 
+def smallest_store_bytes(n_dirs: int) -> int:
+    """The least capacity a store over `n_dirs` directories opens with: a whole small
+    chunk (1 MiB) per directory, and MIN_STORE_BYTES in all (`acquire_sized`)."""
+    return max(MIN_STORE_BYTES, (1 << 20) * n_dirs)
+
+
 def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core, *,
                   workers: int, checksum: bool, max_bytes_per_s: int,
                   capacity_key: Hashable) -> Any | None:
@@ -115,7 +121,7 @@ def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core
         # would overrun the host's share between them (ranks.py NOTE [Host share]).
         chunk = CHUNK_BYTES if capacity >= 64 * CHUNK_BYTES * len(dirs) else 1 << 20
         capacity -= capacity % (chunk * len(dirs))
-        if capacity < MIN_STORE_BYTES:
+        if capacity < smallest_store_bytes(len(dirs)):
             room.append(capacity)
             raise _NoRoom
         return core.NvmeStore(list(dirs), capacity, workers=workers, chunk_bytes=chunk,
