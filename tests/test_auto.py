@@ -467,6 +467,7 @@ def test_a_rerun_that_runs_other_ops_than_its_forward_hands_back_no_stored_outpu
     """Rule 6: stored outputs are found by (op, n-th call); a re-run with one `mm` fewer
     than its forward would hand the `u` projection the `g` projection's stored output (same
     shape: no error, wrong gradients). From the first op that differs, every op re-runs."""
+    offload.process.reset()   # the message is said once per block type and process
     torch.manual_seed(0)
     g, u, table = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False), \
         _TableInAttributes()
@@ -493,6 +494,39 @@ def test_a_rerun_that_runs_other_ops_than_its_forward_hands_back_no_stored_outpu
         out.backward()
     assert all(torch.equal(a, b) for a, b in zip(want, [x.grad, g.weight.grad, u.weight.grad]))
     assert "re-run ran other ops than its forward" in caplog.text
+
+
+def test_a_rerun_that_finds_a_weight_cast_in_autocasts_cache_hands_back_no_stored_output(
+        nvme_dir):
+    """Rule 6: a backward run inside `torch.autocast` finds the forward's weight casts in
+    autocast's cache, so its re-run runs one `_to_copy` fewer per linear. The next
+    `_to_copy` is of the activation, at the position where the forward cast the weight:
+    the same op, on another argument (a parameter then, an activation now), so the
+    weight's stored cast is not handed back for it (same element count: the `view` after
+    it ran, and gradients were wrong)."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(64, 64), nn.Linear(64, 64)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+
+    def fn(t):
+        return lin2(torch.relu(lin1(t))).float().pow(2).sum()
+
+    def grads(run):
+        for p in (x, *lin1.parameters(), *lin2.parameters()):
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            run().backward()   # inside autocast: its cache holds the weights' casts
+        return [p.grad.clone() for p in (x, *lin1.parameters(), *lin2.parameters())]
+
+    want = grads(lambda: fn(x))
+    model = nn.ModuleDict({"a": lin1, "b": lin2})
+    with offload.activations(model=model, policy="auto", min_bytes=0, tiers="nvme",
+                             nvme_dir=nvme_dir, probe=SLOW) as ctx:
+        decision = ctx._hooks.placement.target("nvme")
+        store = lambda op: decision if op[0] == "aten._to_copy.default" else None  # noqa: E731
+        got = grads(lambda: run_block(fn, (x,), {}, store, ctx._hooks,
+                                      ctx._hooks.placement))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
 class _Recurrent(nn.Module):

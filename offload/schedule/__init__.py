@@ -13,6 +13,7 @@ def reset() -> None:
     """Forget the scheduler's process-wide state (offload.process.reset): per-model plan
     caches and buffer slots live in util/per_model.py (cleared there); here, what schedule
     modules keep themselves: the messages said once."""
-    from . import session_base
+    from . import recompute, session_base
 
     session_base.reset()
+    recompute.forget_messages()

@@ -47,13 +47,18 @@ through an alias autograd does not track (the CPU GRU cell's `unsafe_split`), wh
 version check catches. Not storing is always safe: the op re-runs.
 
 Rule 6 (the re-run's ops). A stored output is handed back only while the re-run has run
-exactly the forward's ops, in order, up to it: an op's id `(op name, n)` alone shifts when
-the re-run runs more or fewer ops of a kind than the forward did, and would then hand one
-op another's output of the same shape (a rotary table kept in plain attributes of a module
-without buffers is rebuilt by the forward when the length changed and found built by the
-re-run, one `mm` fewer: the next stored `mm` went to the wrong projection). From the first
-op that differs the re-run runs every op, as plain checkpoint does, and the stored entries
-are dropped (said once per block type).
+the forward's ops, in order, up to it, each on the same kind of arguments: the same op, on
+the same parameters (the objects), other tensors of the same size, dtype and stride, and
+equal other arguments (`op_entry`; a pass's own intermediates are other objects in each
+pass, so they are told apart by their layout only: two same-shaped projections of
+non-parameter weights would not be). An op's id `(op name, n)` alone shifts when the re-run runs more or fewer
+ops of a kind than the forward did, and would then hand one op another's output: a rotary
+table kept in plain attributes of a module without buffers is rebuilt by the forward when
+the length changed and found built by the re-run (one `mm` fewer: the next stored `mm`
+went to the wrong projection); under autocast a backward run inside the autocast region
+finds a weight's cast in autocast's cache (one `_to_copy` fewer). From the first op that
+differs the re-run runs every op, as plain checkpoint does, and the stored entries are
+dropped (said once per block type).
 """
 from __future__ import annotations
 
@@ -103,6 +108,26 @@ def storable_op(func) -> str | None:
     return None
 
 
+def _argument(x: Any) -> Any:
+    """An op argument as Rule 6 compares it: a parameter by identity, another tensor by size,
+    dtype and stride (a pass's own intermediates are other objects in each pass), a list or
+    tuple item by item, anything else by value."""
+    if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.nn.Parameter):
+            return ("parameter", id(x))
+        return ("tensor", tuple(x.shape), x.dtype, tuple(x.stride()))
+    if isinstance(x, (list, tuple)):
+        return tuple(map(_argument, x))
+    return x
+
+
+def op_entry(func, args: tuple, kwargs: dict) -> tuple:
+    """One op of a pass as Rule 6 compares it with the forward's: what it is and what it
+    ran on."""
+    return (func, tuple(map(_argument, args)),
+            tuple((k, _argument(v)) for k, v in kwargs.items()))
+
+
 class _Held:
     """A stored tensor output: what our hooks' pack returned for it."""
 
@@ -146,7 +171,7 @@ class _Store(TorchDispatchMode):
         n = self.counter[func]
         self.counter[func] = n + 1
         position = len(self.ops)
-        self.ops.append(func)
+        self.ops.append(op_entry(func, args, kwargs))
         op_id = (op_name(func), n)
         decision = self.store(op_id)
         if decision is None or storable_op(func) is not None:
@@ -207,8 +232,8 @@ class _Replay(TorchDispatchMode):
             return func(*args, **kwargs)
         position = self.position
         self.position = position + 1
-        if position >= len(self.ops) or self.ops[position] is not func:   # Rule 6
-            self._diverge(func, position)
+        if position >= len(self.ops) or self.ops[position] != op_entry(func, args, kwargs):
+            self._diverge(func, position)   # Rule 6
             return func(*args, **kwargs)
         n = self.counter[func]
         self.counter[func] = n + 1
@@ -231,16 +256,22 @@ class _Replay(TorchDispatchMode):
         self.stash.clear()   # their tier space returns now
         if self.block_name not in _said_diverged:
             _said_diverged.add(self.block_name)
-            forward = op_name(self.ops[position]) if position < len(self.ops) else "none"
-            log.info("offload: auto: a %s's re-run ran other ops than its forward (op %d: "
-                     "%s, where the forward ran %s; state kept outside its inputs and "
-                     "buffers, such as a cache in plain attributes?): from there it "
+            forward = op_name(self.ops[position][0]) if position < len(self.ops) else "none"
+            log.info("offload: auto: a %s's re-run ran other ops than its forward, or on "
+                     "other arguments (op %d: %s, where the forward ran %s; state kept "
+                     "outside its inputs and buffers, such as a cache in plain attributes, or "
+                     "a backward run under autocast, whose cache holds casts): from there it "
                      "recomputes every op, as plain checkpoint does", self.block_name,
                      position, op_name(func), forward)
 
 
 # Block types whose re-run left the forward's ops (Rule 6), said once.
 _said_diverged: set[str] = set()
+
+
+def forget_messages() -> None:
+    """Say Rule 6's message again (offload.process.reset)."""
+    _said_diverged.clear()
 
 
 def block_inputs(args: tuple, kwargs: dict, leaves: list | None = None) -> list[torch.Tensor]:
