@@ -161,6 +161,9 @@ class _Store(TorchDispatchMode):
         self.hooks = hooks
         self.placement = placement
         self.positions = positions
+        # Rule 6 compares ops up to the last one the plan may store (all without a plan).
+        self.last = max(positions.values(), default=-1) if positions is not None else None
+        self.position = 0
         self.counter: dict[Any, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -170,8 +173,10 @@ class _Store(TorchDispatchMode):
             return out
         n = self.counter[func]
         self.counter[func] = n + 1
-        position = len(self.ops)
-        self.ops.append(op_entry(func, args, kwargs))
+        position = self.position
+        self.position = position + 1
+        if self.last is None or position <= self.last:
+            self.ops.append(op_entry(func, args, kwargs))
         op_id = (op_name(func), n)
         decision = self.store(op_id)
         if decision is None or storable_op(func) is not None:
@@ -228,7 +233,7 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in IGNORED_OPS or self.diverged:
+        if func in IGNORED_OPS or self.diverged or not self.stash:   # nothing left to hand
             return func(*args, **kwargs)
         position = self.position
         self.position = position + 1
