@@ -102,7 +102,6 @@ class ActivationOffload:
         self._step: Step | None = None       # the latest block's (offload/runtime/step.py)
         self._steps: weakref.WeakSet[Step] = weakref.WeakSet()  # every one not yet freed
         self._hook_thread: int | None = None   # the thread its hooks are on, while active
-        self._claim = threading.Lock()
         self._round_trip = RoundTripPlan()  # learned across this context's steps (no model=)
         # recompute / auto: blocks and the plan (offload/schedule/session.py); a disabled
         # context looks for no block and wraps nothing.
@@ -139,7 +138,7 @@ class ActivationOffload:
 
     # ---------------------------------------------------------------- enter / exit
     def __enter__(self) -> "ActivationOffload":
-        with self._claim:   # one enter at a time: two threads may not both pass the check
+        with _CLAIM:   # one enter at a time: two threads may not both pass the check
             if self.active:
                 raise OffloadError("offload.activations(): this context is already active; "
                                    "create one context per step or nest different ones")
@@ -205,10 +204,9 @@ class ActivationOffload:
             except Exception:  # never mask the user's exception
                 log.exception("offload: error while freeing the step after an exception")
             return False  # re-raise the original exception
-        step.exited()
         # From OFFLOAD_LOG_RANKS only (logs.py). A step whose backward runs after the block
         # says it when that backward ends (step.py `finish`).
-        if step.finished and log.isEnabledFor(logging.INFO):
+        if step.exited() and log.isEnabledFor(logging.INFO):
             log.info("offload: %s", step.stats.summary())
         return False
 
@@ -226,6 +224,9 @@ class ActivationOffload:
 _DISABLED = object()
 # `_hook_thread` while one thread enters: the context counts as active for every other.
 _ENTERING = object()
+# Held while a context checks that it is not active and claims itself (microseconds): one
+# for all contexts, so a context holds no lock of its own (it can be copied or pickled).
+_CLAIM = threading.Lock()
 
 
 def _is_offload_hooks(owner: Any) -> bool:

@@ -2,6 +2,7 @@
 spill order, errors inside the block, lifetimes, stats."""
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import logging
@@ -599,3 +600,6 @@ def test_one_context_entered_from_two_threads_at_once_is_refused_cleanly():
         assert errors[0] is None
         assert errors[1] is None or "already active" in errors[1]
         assert not ctx.active
+    # A context holds no lock of its own: one built and not yet entered can be copied (a
+    # model holding it, copied for an EMA).
+    copy.deepcopy(offload.activations(model=model, tiers="host"))

@@ -95,6 +95,21 @@ def test_a_step_whose_backward_runs_after_the_block_ends_with_that_backward(nvme
     assert f"of {s.step_s:.3f} s" in line
 
 
+def test_a_step_whose_graph_dies_without_backward_keeps_the_blocks_time(nvme_dir):
+    """No backward: the step's time is the block's, however long its graph lives on."""
+    import time
+
+    model = _model()
+    with offload.activations(model=model, tiers="nvme", nvme_dir=nvme_dir,
+                             min_bytes=0) as ctx:
+        loss = model(torch.randn(512, 256)).pow(2).mean()
+    block_s = ctx.stats.step_s
+    time.sleep(0.3)
+    del loss
+    offload.empty_cache()   # finishes steps whose saved tensors are gone
+    assert ctx.stats.step_s == block_s
+
+
 def test_stats_report_overlap_and_queue_depths(nvme_dir):
     ctx = _step(_model(), tiers="nvme", nvme_dir=nvme_dir, min_bytes=0)
     s = ctx.stats.as_dict()

@@ -132,8 +132,9 @@ class Step:
             raise error
 
     # ---------------------------------------------------------------- the end
-    def exited(self) -> None:
-        """The block is over (NOTE [End of step], point 1)."""
+    def exited(self) -> bool:
+        """The block is over (NOTE [End of step], point 1). True when the step ended with it
+        (no saved tensor outlives the block); otherwise it ends, and says so, later."""
         self.exit_s = time.perf_counter()
         # Before the graph can be freed after the block (deep_graphs.py NOTE [Deep graphs]);
         # the step's first node is the one its backward marks counted from.
@@ -145,7 +146,7 @@ class Step:
             tier.poll()
         if self.ledger.live_records == 0:
             self.finish(self.exit_s, timed=True)
-            return
+            return True
         # Backward runs after the block: the tiers stay open for it; Stats shows the forward's
         # figures until the step ends.
         self.fold()
@@ -154,6 +155,7 @@ class Step:
         with _pending_lock:
             _pending.add(self)
         self.hooks.marks.on_backward_end = self._backward_ended
+        return False
 
     def fold(self) -> None:
         """Bring what the step's saves counted into its Stats (at the block's exit, the
@@ -187,7 +189,7 @@ class Step:
         self.hooks.marks.on_backward_end = None
         self.fold()
         after_exit = self.exit_s is not None and end_s > self.exit_s
-        if after_exit:   # backward after the block: the step ends with it (point 2 or 3)
+        if after_exit and timed:   # backward after the block: the step ends with it (point 2)
             self.stats.step_s = end_s - self.start_s
         close_tiers(self.tiers, self.stats, before=self.close_copies)
         try:
@@ -206,11 +208,6 @@ class Step:
         self._write_trace(end_s)
         if after_exit and log.isEnabledFor(logging.INFO):   # the block's exit did not say
             log.info("offload: %s", self.stats.summary())
-
-    @property
-    def finished(self) -> bool:
-        """The step has ended (its figures are final)."""
-        return self._finished
 
     def abort(self) -> None:
         """Free everything now (an exception, or `ActivationOffload.close()`)."""
