@@ -51,8 +51,9 @@ the forward's ops, in order, up to it, each on the same kind of arguments: the s
 the same parameters (the objects), other tensors of the same size, dtype and stride, and
 equal other arguments (`op_entry`; a pass's own intermediates are other objects in each
 pass, so they are told apart by their layout only: two same-shaped projections of
-non-parameter weights would not be). An op's id `(op name, n)` alone shifts when the re-run runs more or fewer
-ops of a kind than the forward did, and would then hand one op another's output: a rotary
+non-parameter weights would not be). An op's id `(op name, n)` alone shifts when the
+re-run runs more or fewer ops of a kind than the forward did, and would then hand one op
+another's output: a rotary
 table kept in plain attributes of a module without buffers is rebuilt by the forward when
 the length changed and found built by the re-run (one `mm` fewer: the next stored `mm`
 went to the wrong projection); under autocast a backward run inside the autocast region
