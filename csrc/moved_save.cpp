@@ -273,10 +273,10 @@ PyObject* unpack_moved(PyObject* obj, PyObject* lock) {
   return guarded([&] {
     auto* self = reinterpret_cast<MovedSave*>(obj);
     check_version(self);
-    py::object bytes = resized_storage(self);
-    py::object out;
-    if (!bytes.is_none()) {   // as autograd would: over the storage as it is now
-      out = call_with(calls.rebuild_as_resized, bytes, py::handle(obj));
+    py::object resized = resized_storage(self);
+    py::object bytes, out;
+    if (!resized.is_none()) {   // as autograd would: over the storage as it is now
+      out = call_with(calls.rebuild_as_resized, resized, py::handle(obj));
     } else {
       Py_ssize_t offset = 0;
       bool flat = false;

@@ -88,7 +88,11 @@ def rebuild(storage: torch.UntypedStorage, byte_offset: int, meta: Any) -> torch
         raise ValueError(f"byte offset {byte_offset} is not a multiple of {meta.dtype}'s size")
     out = torch.empty(0, dtype=meta.dtype, device=storage.device)
     out.set_(storage, byte_offset // itemsize + meta.storage_offset, meta.size, meta.stride)
-    # The conjugate / negative bits are lazy flags on top of the same bytes.
+    return _with_bits(out, meta)
+
+
+def _with_bits(out: torch.Tensor, meta: Any) -> torch.Tensor:
+    """`out` with `meta`'s conjugate / negative bits: lazy flags on top of the same bytes."""
     if meta.conj:
         out = out.conj()
     if meta.neg:
@@ -103,12 +107,7 @@ def rebuild_as_resized(storage: torch.UntypedStorage, meta: Any) -> torch.Tensor
     fits."""
     out = torch.empty(0, dtype=meta.dtype, device=storage.device)
     out.set_(storage, 0, (0,), (1,))
-    out = out.as_strided(meta.size, meta.stride, meta.storage_offset)
-    if meta.conj:
-        out = out.conj()
-    if meta.neg:
-        out = torch._neg_view(out)
-    return out
+    return _with_bits(out.as_strided(meta.size, meta.stride, meta.storage_offset), meta)
 
 
 # object.__getstate__ (Python 3.11+) returns an object's attribute dict itself, or None when

@@ -40,6 +40,7 @@ CHUNK_BYTES = 4 << 20
 # A store smaller than one 1 MiB stripe per directory is not worth reserving: the tier
 # then has no room (full from the start), instead of failing to open.
 MIN_STORE_BYTES = 1 << 20
+SMALL_CHUNK_BYTES = 1 << 20   # the chunk of a store too small for CHUNK_BYTES ones
 
 
 class _Entry:
@@ -98,7 +99,7 @@ class _NoRoom(Exception):
 def smallest_store_bytes(n_dirs: int) -> int:
     """The least capacity a store over `n_dirs` directories opens with: a whole small
     chunk (1 MiB) per directory, and MIN_STORE_BYTES in all (`acquire_sized`)."""
-    return max(MIN_STORE_BYTES, (1 << 20) * n_dirs)
+    return max(MIN_STORE_BYTES, SMALL_CHUNK_BYTES * n_dirs)
 
 
 def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core, *,
@@ -119,7 +120,7 @@ def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core
         # The slabs are whole chunks per directory (a small store keeps 1 MiB chunks).
         # Round down, never up: N ranks each reserving a chunk more than their share
         # would overrun the host's share between them (ranks.py NOTE [Host share]).
-        chunk = CHUNK_BYTES if capacity >= 64 * CHUNK_BYTES * len(dirs) else 1 << 20
+        chunk = CHUNK_BYTES if capacity >= 64 * CHUNK_BYTES * len(dirs) else SMALL_CHUNK_BYTES
         capacity -= capacity % (chunk * len(dirs))
         if capacity < smallest_store_bytes(len(dirs)):
             room.append(capacity)
