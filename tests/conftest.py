@@ -76,3 +76,15 @@ def small_disk():
     with mounted("ext4", size_bytes=64 << 20) as point:
         yield point
         offload.empty_cache()
+
+
+@pytest.fixture(params=["core", "python"])
+def path(request, monkeypatch):
+    """The core's records and handles, or the Python path's (a Python meter makes Python
+    records, and their saves Python handles)."""
+    if request.param == "python":
+        from offload.runtime import records
+        from offload.runtime.saved_bytes import PySavedBytes
+
+        monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
+    return request.param

@@ -222,18 +222,11 @@ def _resized_after_the_forward(x, w, new_nbytes):
 
 
 @pytest.mark.parametrize("tiers", TIERS)
-@pytest.mark.parametrize("path", ["core", "python"])
-def test_a_saved_storage_freed_after_the_forward_raises_as_in_autograd(tiers, path, nvme_dir,
-                                                                      monkeypatch):
+def test_a_saved_storage_freed_after_the_forward_raises_as_in_autograd(tiers, path, nvme_dir):
     """records.py NOTE [A storage resized since its pack]: plain autograd raises torch's
     bounds error in backward; a moved save came back from its tier's copy instead, read
     from memory freed while its write was in flight (wrong gradients, silently). The
     storage is not grown back by the unpack either."""
-    from offload.runtime import records
-    from offload.runtime.saved_bytes import PySavedBytes
-
-    if path == "python":
-        monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
     torch.manual_seed(0)
     w = torch.randn(256, 256, requires_grad=True)
     x = torch.randn(256, 256)
@@ -248,16 +241,10 @@ def test_a_saved_storage_freed_after_the_forward_raises_as_in_autograd(tiers, pa
 
 
 @pytest.mark.parametrize("tiers", TIERS)
-@pytest.mark.parametrize("path", ["core", "python"])
 def test_a_saved_storage_grown_after_the_forward_gives_autograds_gradient(tiers, path,
-                                                                         nvme_dir, monkeypatch):
+                                                                         nvme_dir):
     """Grown, the storage's bytes move to new memory: autograd computes from them, and so
     does a moved save (its tier's copy may have been read from the freed old memory)."""
-    from offload.runtime import records
-    from offload.runtime.saved_bytes import PySavedBytes
-
-    if path == "python":
-        monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
     torch.manual_seed(0)
     w = torch.randn(256, 256, requires_grad=True)
     x = torch.randn(256, 256)

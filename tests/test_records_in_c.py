@@ -37,13 +37,6 @@ _VARIES = ("_s", "_gbps", "fraction", "inflight", "peak_prefetch_bytes", "bounce
            "staging_peak_bytes")
 
 
-@pytest.fixture(params=["core", "python"])
-def path(request, monkeypatch):
-    if request.param == "python":
-        monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
-    return request.param
-
-
 class _Tier:
     """What a record needs of its tier: `release`, noting every payload given back."""
 

@@ -16,8 +16,6 @@ import torch
 
 import offload
 from offload._ext import core_available
-from offload.runtime import records
-from offload.runtime.saved_bytes import PySavedBytes
 
 pytestmark = pytest.mark.skipif(not core_available(), reason="the nvme tier needs the core")
 
@@ -103,14 +101,6 @@ def _scaled_step(fn, tiers: str | None, nvme_dir: str, scale_after_forward=None)
                 s.scale = scale_after_forward
         y.sum().backward()
     return x.grad, ctx
-
-
-@pytest.fixture(params=["core", "python"])
-def path(request, monkeypatch):
-    """The core's handles, or the Python ones (a Python meter makes Python records)."""
-    if request.param == "python":
-        monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
-    return request.param
 
 
 @pytest.mark.parametrize("tiers", TIERS)

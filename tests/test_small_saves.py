@@ -27,13 +27,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 _TIMED = ("_s", "_gbps", "fraction", "step_s")
 
 
-@pytest.fixture(params=["core", "python"])
-def path(request, monkeypatch):
-    if request.param == "python":
-        monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
-    return request.param
-
-
 class Net(nn.Module):
     """Small saves of every kind: inputs (linear, mul), outputs (gelu's input, exp's
     result, sigmoid's), a storage saved twice (`h * h`), views, a weight view (`w.t()`)."""
