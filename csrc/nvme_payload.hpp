@@ -54,6 +54,8 @@ struct NvmeWrite {
   //                               (nvme_transfers.cpp NOTE [Deferred free])
   PyObject* d2h = nullptr;      // the D2HTicket of the device copy a chained write follows
   uintptr_t address = 0;        // where a direct write reads from
+  std::shared_ptr<HostRegion> copy;  // a copy of `source`'s bytes written instead (its memory
+  //                                    moved: nvme_transfers.hpp NOTE [A source that moved])
   uint64_t direct_bytes = 0;    // bytes of `source` counted against the direct-write cap
   double start_s = 0.0;         // when it was queued (time.perf_counter()'s clock)
 };

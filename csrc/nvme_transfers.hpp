@@ -15,6 +15,17 @@
 // no Python code between taking the batch and handing it over: no release can come in
 // between (the garbage collector runs only where Python code or a tracked allocation does).
 //
+// NOTE [A source that moved] A direct write takes its storage's address at the pack and
+// keeps the storage alive, not that memory. Code that gives a live storage new memory
+// (`share_memory_()`, which a torch.multiprocessing queue's `put` calls; a storage
+// `resize_` there and back) frees the old memory while the write may still wait in its
+// batch, or while the engine writes it. So before a batch goes to the engine, each write
+// asks its storage where its bytes are now; one that moved is written from a copy of its
+// bytes as they are now (the bytes autograd reads in backward), at the same phase. Retiring
+// a write asks again (a storage moved while the engine wrote it is written once more, from
+// a copy); every read retires its payload's write first (NOTE [Read after write]). A move
+// after the retire is harmless: the write had landed before the old memory was freed.
+//
 // NOTE [Read after write] The engine does not order a read after a write of the same
 // extent; reading before the write landed returns stale bytes. Every read first retires its
 // payload's write.

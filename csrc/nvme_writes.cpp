@@ -4,6 +4,10 @@
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
 #include "bindings.hpp"
 #include "nvme_transfers.hpp"
 #include "perf_clock.hpp"
@@ -11,14 +15,52 @@
 
 namespace offload::bind::nvme {
 
+namespace {
+
+// Whether `write`'s storage keeps its bytes elsewhere than where the write reads them
+// (NOTE [A source that moved]). Runs Python (the storage's `data_ptr`).
+bool source_moved(const NvmeWrite& write) {
+  if (write.source == nullptr || write.copy) return false;
+  return static_cast<uintptr_t>(as_int(call_method(write.source, io_names.data_ptr))) !=
+         write.address;
+}
+
+// Points `write` at a copy of its storage's bytes as they are now, at the payload's phase.
+void copy_moved_source(State* s, const NvmePayload* p, NvmeWrite* write) {
+  const auto now = static_cast<uintptr_t>(as_int(call_method(write->source, io_names.data_ptr)));
+  // A storage shrunk below the saved bytes (`resize_(0)`) gives what is left; autograd
+  // raises for it in backward (records.py), so the zeros after it are never read.
+  const auto left = static_cast<uint64_t>(as_int(call_method(write->source, io_names.nbytes)));
+  const uint64_t room = p->nbytes + s->alignment;   // fits `nbytes` at any phase
+  std::shared_ptr<HostRegion> memory = HostArena::create(room, false)->allocate(room);
+  const auto base = reinterpret_cast<uintptr_t>(memory->data());
+  char* to = memory->data() + (p->phase + s->alignment - base % s->alignment) % s->alignment;
+  const uint64_t kept = std::min<uint64_t>(left, p->nbytes);
+  if (kept > 0) std::memcpy(to, reinterpret_cast<const void*>(now), kept);
+  if (kept < p->nbytes) std::memset(to + kept, 0, p->nbytes - kept);
+  write->copy = std::move(memory);
+  write->address = reinterpret_cast<uintptr_t>(to);
+}
+
+}  // namespace
+
 void retire(State* s, NvmePayload* p) {
   std::shared_ptr<NvmeWrite> write = p->write;
   if (!write) return;
   if (!write->done.set()) submit(s);
   std::exception_ptr error;
-  uint64_t moved = 0;
+  uint64_t written = 0;
   try {
-    moved = completion_wait(write->done);
+    written = completion_wait(write->done);
+    // NOTE [A source that moved], while the engine wrote it: written again, from a copy.
+    if (!p->released && s->store && p->extent && source_moved(*write)) {
+      copy_moved_source(s, p, write.get());
+      std::shared_ptr<IoRequest> again = s->store->write_ptr(*p->extent, write->address, p->nbytes);
+      Py_BEGIN_ALLOW_THREADS
+      again->wait(std::nullopt);
+      Py_END_ALLOW_THREADS
+      written = again->result();
+    }
   } catch (...) {
     error = std::current_exception();
   }
@@ -29,13 +71,26 @@ void retire(State* s, NvmePayload* p) {
   s->write_busy.emplace_back(write->start_s, end);
   trace_io(s, true, write->nbytes, write->start_s, end);
   if (error) std::rethrow_exception(error);
-  s->written_bytes += moved;
+  s->written_bytes += written;
 }
 
 // NOTE [Write batches]
 void submit(State* s) {
   if (s->batch.empty()) return;
   Range range(s, io_names.write_range);   // (its Python runs before the batch is taken)
+  {
+    // NOTE [A source that moved]. Python runs here too, so each payload is held, and one a
+    // nested submit took already (its write handed over) is left alone.
+    std::vector<py::object> held;
+    held.reserve(s->batch.size());
+    for (PyObject* obj : s->batch) held.push_back(borrow(obj));
+    for (const py::object& obj : held) {
+      NvmePayload* p = as_payload(obj.ptr());
+      std::shared_ptr<NvmeWrite> write = p->write;
+      if (write && !write->done.set() && source_moved(*write)) copy_moved_source(s, p, write.get());
+    }
+  }
+  if (s->batch.empty()) return;
   std::vector<const Extent*> extents;
   std::vector<uintptr_t> ptrs;
   std::vector<uint64_t> sizes;

@@ -259,6 +259,71 @@ def test_a_saved_storage_grown_after_the_forward_gives_autograds_gradient(tiers,
         w.grad = None
 
 
+def _moved_after_the_forward(x, w, move):
+    """A saved input whose bytes the user's code moves to new memory after the forward,
+    values kept: `share_memory_()` (a torch.multiprocessing queue's `put` calls it), or a
+    storage resized there and back."""
+    kept = x.clone()
+    y = (kept @ w).tanh()
+    move(kept)
+    assert torch.equal(kept, x)
+    y.sum().backward()
+
+
+def _there_and_back(t):
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(2 * nbytes)
+    storage.resize_(nbytes)
+
+
+@pytest.mark.parametrize("move", [torch.Tensor.share_memory_, _there_and_back],
+                         ids=["share_memory", "resized-there-and-back"])
+@pytest.mark.parametrize("tiers", TIERS)
+def test_a_saved_storage_moved_after_the_forward_gives_autograds_gradient(move, tiers, path,
+                                                                          nvme_dir):
+    """csrc/nvme_transfers.hpp NOTE [A source that moved]: a small save's nvme write waits
+    in its batch; the move frees the memory it was to be written from (wrong gradients,
+    silently, in nearly every run). Autograd reads the bytes where they are now."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(64, 64)
+    _moved_after_the_forward(x, w, move)
+    want, w.grad = w.grad, None
+    for attempt in range(5):
+        with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+            _moved_after_the_forward(x, w, move)
+        assert torch.equal(w.grad, want)
+        assert ctx.stats.host_bytes + ctx.stats.nvme_bytes > 0
+        w.grad = None
+
+
+def test_a_storage_moved_after_its_write_was_handed_over_is_written_from_its_new_memory(
+        path, nvme_dir):
+    """NOTE [A source that moved], the retire side: a 4 MiB save goes to the engine at once;
+    the storage then moves (its old memory freed, free to be reused while the write reads
+    it). Retiring the write, before backward reads it, writes the bytes where the storage
+    keeps them now. Seen here through a change made after the move through `.data`, which
+    autograd reads and which only the new memory holds."""
+    torch.manual_seed(0)
+    w = torch.randn(1024, 8, requires_grad=True)
+    x = torch.randn(1024, 1024)
+
+    def step():
+        kept = x.clone()
+        y = (kept @ w).tanh()
+        kept.share_memory_()
+        kept.data.mul_(2)
+        y.sum().backward()
+
+    step()
+    want, w.grad = w.grad, None
+    with offload.activations(**_kw("nvme", nvme_dir)) as ctx:
+        step()
+    assert torch.equal(w.grad, want)
+    assert ctx.stats.nvme_bytes >= x.nbytes
+
+
 @pytest.mark.parametrize("tiers", TIERS)
 @pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16, torch.complex64, torch.int64,
                                    torch.float16], ids=str)
