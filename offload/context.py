@@ -192,7 +192,7 @@ class ActivationOffload:
             self._hook_thread = None
             return False
         step = self._step
-        hook_stack.remove(step.hooks, self._hook_thread, _is_offload_hooks)
+        hook_stack.remove(step.hooks, self._hook_thread)
         self._hook_thread = None
         self._schedule.exit()  # blocks run as they are again (backward recomputes unwrapped)
         if exc_type is not None:
@@ -227,10 +227,6 @@ _ENTERING = object()
 # Held while a context checks that it is not active and claims itself (microseconds): one
 # for all contexts, so a context holds no lock of its own (it can be copied or pickled).
 _CLAIM = threading.Lock()
-
-
-def _is_offload_hooks(owner: Any) -> bool:
-    return isinstance(owner, OffloadHooks)
 
 
 _FUNC_TRANSFORM_HINT = (
