@@ -69,32 +69,45 @@ void moved_save_dealloc(PyObject* obj) {
   Py_TYPE(obj)->tp_free(obj);
 }
 
-// Raises autograd's error when the tensor changed in place since pack (NOTE [Version check]).
-void check_version(MovedSave* self) {
-  const long long seen = as_int(attr(self->sentinel, names.version));
-  if (seen == self->version) return;
+// Raises autograd's error for `self` at version `seen` (records.moved_version_error).
+[[noreturn]] void raise_version_error(MovedSave* self, long long seen) {
   if (calls.version_error == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "offload: records.py did not configure_moved");
     throw py::error_already_set();
   }
-  py::object exc = call_with(calls.version_error, py::handle(reinterpret_cast<PyObject*>(self)));
+  py::object at = py::reinterpret_steal<py::object>(PyLong_FromLongLong(seen));
+  if (!at) throw py::error_already_set();
+  py::object exc = call_with(calls.version_error, py::handle(reinterpret_cast<PyObject*>(self)),
+                             at);
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   throw py::error_already_set();
+}
+
+// Raises autograd's error when the tensor changed in place since pack (NOTE [Version check]).
+void check_version(MovedSave* self) {
+  const long long seen = as_int(attr(self->sentinel, names.version));
+  if (seen != self->version) raise_version_error(self, seen);
 }
 
 // records.load under the hooks' `lock` (the record's cache and the tier's queues are
 // shared with autograd's other threads); a CPU nvme payload's bytes come as the saved dtype
 // when its storage holds a whole number of them (view_layout.cpp rebuild_over_flat).
+// A copy that earlier saves of the storage were handed and wrote into since it was loaded
+// raises autograd's error, for the writes autograd would have counted on the saved tensor
+// (records.py NOTE [Writes into a shared copy]).
 py::object load_locked(MovedSave* self, PyObject* lock, Py_ssize_t* offset, bool* flat) {
   PyObject* storage;
   PyObject* dtype = record_nbytes(self->record) % self->layout.itemsize == 0
       ? self->layout.dtype : nullptr;
+  long long written = 0;
   {
     PyLockHeld locked(lock);
-    storage = record_load(self->record, calls.load, offset, flat, dtype);
+    storage = record_load(self->record, calls.load, offset, flat, dtype, &written);
   }
   if (storage == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(storage);
+  py::object out = py::reinterpret_steal<py::object>(storage);
+  if (written != 0) raise_version_error(self, self->version + written);
+  return out;
 }
 
 PyObject* moved_save_unpack(PyObject* obj, PyObject* lock) {

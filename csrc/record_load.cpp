@@ -13,6 +13,15 @@ namespace offload::bind {
 
 namespace {
 
+// `t._version`, or -1 with a Python error set.
+long long tensor_version(PyObject* t) {
+  PyObject* v = PyObject_GetAttr(t, names.version);
+  if (v == nullptr) return -1;
+  const long long out = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  return out;
+}
+
 // records.load(record): (storage, byte offset).
 PyObject* load_in_python(PyObject* record, PyObject* py_load, Py_ssize_t* offset) {
   PyObject* argv[] = {record};
@@ -28,11 +37,12 @@ PyObject* load_in_python(PyObject* record, PyObject* py_load, Py_ssize_t* offset
 }  // namespace
 
 PyObject* record_load(PyObject* record, PyObject* py_load, Py_ssize_t* offset, bool* flat,
-                      PyObject* dtype) {
+                      PyObject* dtype, long long* written) {
   UnpackCache* cache = record_cache(record);
   PyObject* payload = record_payload(record);
   PyObject* prefetcher = record_prefetcher(record);
   *flat = false;
+  *written = 0;
   // In C only what a CPU nvme payload holds (no CUDA stream hand-off to make: copies Note
   // 12); anything else is records.load's. Only this function loads such a record (the
   // core's handles are all that hold one), so its cache holds the tier's tensor.
@@ -75,6 +85,18 @@ PyObject* record_load(PyObject* record, PyObject* py_load, Py_ssize_t* offset, b
     }
     Py_XSETREF(cache->cache_ref, ref);
     cache->cache_offset = byte_offset;
+    cache->cache_version = tensor_version(storage);
+    if (cache->cache_version < 0) {
+      Py_DECREF(storage);
+      return nullptr;
+    }
+  } else {   // handed out before: its saves share its version counter (views of it)
+    const long long now = tensor_version(storage);
+    if (now < 0) {
+      Py_DECREF(storage);
+      return nullptr;
+    }
+    *written = now - cache->cache_version;
   }
   if (cache->handles_left > 1) Py_XSETREF(cache->cache, Py_NewRef(storage));
   *offset = cache->cache_offset;

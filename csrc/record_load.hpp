@@ -12,9 +12,11 @@ namespace offload::bind {
 // handed out (`*flat` set; the record's cache holds that tensor): of `dtype` when it loads
 // them now and `dtype` is not null (the storage's nbytes a multiple of its size), else
 // uint8, and a cached one of whatever dtype its first load gave it; any other's through
-// `py_load` (records.load), as their storage. A new reference, or nullptr with a Python
-// error set.
+// `py_load` (records.load), as their storage. `*written`: the in-place changes made to a
+// cached flat tensor since it was loaded, through the saves it was handed to (records.py
+// NOTE [Writes into a shared copy]); 0 for a fresh load and for anything else. A new
+// reference, or nullptr with a Python error set.
 PyObject* record_load(PyObject* record, PyObject* py_load, Py_ssize_t* offset, bool* flat,
-                      PyObject* dtype);
+                      PyObject* dtype, long long* written);
 
 }  // namespace offload::bind

@@ -24,6 +24,8 @@ struct UnpackCache {
   PyObject* cache;           // the loaded storage (None once they all were) ...
   PyObject* cache_ref;       // ... and a weak reference to it (None before the first load)
   Py_ssize_t cache_offset;   // the loaded bytes' offset in `cache`
+  long long cache_version;   // a CPU nvme payload's flat tensor's version when loaded
+  //                            (records.py NOTE [Writes into a shared copy])
   PyObject* shared;          // a CUDA storage's streams (records.py)
 };
 

@@ -324,6 +324,58 @@ def test_a_storage_moved_after_its_write_was_handed_over_is_written_from_its_new
     assert ctx.stats.nvme_bytes >= x.nbytes
 
 
+class _DoublesItsSave(torch.autograd.Function):
+    """A backward that writes into the tensor it unpacked (to save memory, say)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = ctx.saved_tensors
+        x.mul_(2)
+        return grad * x
+
+
+def _write_by_a_backward(x0):
+    x = x0.clone().requires_grad_()
+    h = x.sin()
+    p = h.pow(3)                 # PowBackward saves h and runs after the Function's backward
+    (p.sum() + _DoublesItsSave.apply(h).sum()).backward()
+
+
+def _write_through_saved_self(x0):
+    x = x0.clone().requires_grad_()
+    a = x.tanh()
+    b = a * x                    # MulBackward saves a (`_saved_self`) ...
+    y = a.exp() * b              # ... and so does ExpBackward (its result, another tensor)
+    with torch.no_grad():
+        b.grad_fn._saved_self.mul_(2)
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("write", [_write_by_a_backward, _write_through_saved_self],
+                         ids=["backward-writes-its-save", "saved_self-written"])
+@pytest.mark.parametrize("tiers", TIERS)
+def test_a_write_into_an_unpacked_copy_raises_for_the_next_save_as_in_autograd(write, tiers,
+                                                                                nvme_dir):
+    """records.py NOTE [Writes into a shared copy]: every save of a storage is handed the
+    same loaded copy on nvme; a write into it reached the saves unpacked after it, which
+    computed with the changed values where autograd raises its in-place error."""
+    torch.manual_seed(0)
+    x0 = torch.randn(4096)
+    with pytest.raises(RuntimeError) as plain:
+        write(x0)
+    for attempt in range(2):
+        with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+            with pytest.raises(RuntimeError) as ours:
+                write(x0)
+        assert str(ours.value) == str(plain.value)
+        assert ctx.stats.host_bytes + ctx.stats.nvme_bytes > 0
+
+
 @pytest.mark.parametrize("tiers", TIERS)
 @pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16, torch.complex64, torch.int64,
                                    torch.float16], ids=str)

@@ -40,6 +40,19 @@ in place, or one that died after being resized, is not seen; nor is a resize of 
 whose saved piece was stored as a private copy taken at the pack (a snapshot: tensor_meta
 NOTE [Untracked aliases]), which comes back as it was saved.
 
+NOTE [Writes into a shared copy] Autograd unpacks a moved save as a copy of its bytes (on
+`nvme`, and `host` on a GPU), and every save of one storage is handed the same loaded copy
+(NOTE [Unpack cache]). A backward that writes into a tensor it unpacked (a custom
+`Function` changing `ctx.saved_tensors` in place) or code writing into one read through
+`grad_fn._saved_self` changes that copy, not the forward's tensor, and no version counter
+autograd checks. Plain autograd raises its in-place error when another save of that tensor
+is unpacked after such a write. A CPU nvme payload's copy is one flat tensor and each save
+is a view of it, sharing its version counter: its version is noted when it is loaded, and an
+unpack from the cache that finds it moved on raises autograd's error, with the version
+autograd would report (the save's own plus the writes). The copies rebuilt over a storage
+(a CUDA storage's, and the Python records') have counters of their own: not seen there
+(README, *Limits*).
+
 NOTE [Unpack cache] Several saved tensors of one storage are unpacked at different times.
 The loaded bytes stay referenced by the record while some of its saved tensors have not been
 unpacked yet (so the storage is read once), then only weakly: their storage here, or for a
@@ -385,11 +398,12 @@ class _MovedOrigin:
 
 
 @never_compiled   # the core's MovedSave calls it
-def moved_version_error(save) -> RuntimeError:
-    """The error for the core's MovedSave whose tensor changed (its unpack raises it)."""
-    sentinel = save.sentinel
-    return version_error(save.dtype, sentinel.device, save.size, _MovedOrigin(save),
-                         save.version, sentinel._version)
+def moved_version_error(save, seen: int) -> RuntimeError:
+    """The error for the core's MovedSave whose tensor is at version `seen` (its unpack
+    raises it): changed in place since the pack, or its shared copy since the load (NOTE
+    [Writes into a shared copy])."""
+    return version_error(save.dtype, save.sentinel.device, save.size, _MovedOrigin(save),
+                         save.version, seen)
 
 
 if core_available():   # what the core's MovedSave calls (hooks.py NOTE [Move path in C])
