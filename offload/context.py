@@ -59,9 +59,9 @@ def activations(*, model: torch.nn.Module | None = None, blocks: Any = None,
         **settings: Override the OFFLOAD_* environment variables; same names in lower case
             without the prefix: enabled, tiers, nvme_dir, host_bytes, nvme_bytes, min_bytes,
             policy, budget, strict, log, log_ranks, prefetch_bytes, io_workers, nvme_checksum,
-            staging_bytes, cpu_heap, trace. `enabled=False` makes the context do nothing at
-            all (no hook, no tier, no other setting checked): one flag to compare with and
-            without.
+            staging_bytes, cpu_heap, nvme_max_bw, probe, trace. `enabled=False` makes the
+            context do nothing at all (no hook, no tier; the other settings are parsed but
+            not checked against the machine): one flag to compare with and without.
 
     Returns:
         The context manager; `__enter__` returns it, and `.stats` is readable inside and after

@@ -557,3 +557,12 @@ def test_an_nvme_size_under_the_smallest_store_is_refused_when_built(size, tmp_p
     with pytest.raises(ConfigError, match=r"smallest store, 2 MiB"):
         offload.activations(tiers="nvme", nvme_dir=f"{tmp_path},{second}", nvme_bytes="1MiB")
     offload.activations(tiers="nvme", nvme_dir=str(tmp_path), nvme_bytes="1MiB")
+
+
+def test_the_docstring_of_activations_names_every_setting():
+    """`help(offload.activations)` lists the keyword settings; one added to Config must be
+    named there too (nvme_max_bw and probe were not)."""
+    from offload.config import _knobs
+    doc = " ".join(offload.activations.__doc__.split())
+    listed = doc.split("without the prefix:", 1)[1].split(".", 1)[0]
+    assert [name.strip() for name in listed.split(",")] == [f.name for f in _knobs()]

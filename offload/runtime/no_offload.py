@@ -27,7 +27,8 @@ def no_offload_active() -> bool:
 def no_offload():
     """A region whose saved tensors stay where they are (counted as kept).
 
-    Nests, and works as a decorator. Outside `offload.activations()` it does nothing.
+    Nests, and works as a decorator (`@offload.no_offload()`). Outside
+    `offload.activations()` it does nothing.
 
     Example:
         >>> with offload.activations():
