@@ -25,7 +25,7 @@ extern Py_ssize_t nvme_reads_alive;
 
 // A transfer's completion: the core's request, or a Python object with done(), wait() and
 // an `end_s` (a chained write's nvme_device.WriteBehind, a chained read's H2DTicket). Unset
-// while a direct write waits in its batch (nvme_transfers.cpp NOTE [Write batches]).
+// while a direct write waits in its batch (nvme_transfers.hpp NOTE [Write batches]).
 struct Completion {
   std::shared_ptr<IoRequest> request;
   PyObject* future = nullptr;   // owned
@@ -51,7 +51,7 @@ struct NvmeWrite {
   const uint64_t nbytes;
   Completion done;
   PyObject* source = nullptr;   // memory a direct write reads from, kept until it is retired
-  //                               (nvme_transfers.cpp NOTE [Deferred free])
+  //                               (nvme_transfers.hpp NOTE [Deferred free])
   PyObject* d2h = nullptr;      // the D2HTicket of the device copy a chained write follows
   uintptr_t address = 0;        // where a direct write reads from
   std::shared_ptr<HostRegion> copy;  // a copy of `source`'s bytes written instead (its memory

@@ -67,7 +67,7 @@ __all__ = ["NvmeTier", "phase_buffer", "WRITE_BATCH"]
 
 log = logging.getLogger("offload")
 
-# Direct writes handed to the engine at once (csrc/nvme_transfers.cpp NOTE [Write batches]).
+# Direct writes handed to the engine at once (csrc/nvme_transfers.hpp NOTE [Write batches]).
 WRITE_BATCH = 32
 
 # Every write and read in flight for one tier's payloads, and the payloads themselves (what
