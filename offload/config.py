@@ -21,7 +21,7 @@ from .errors import ConfigError
 from .tiers import nvme_space
 from .util.figures import ProbeSetting
 from .util import logs
-from .util.disk_space import StripedRoom, striped_room
+from .util.disk_space import RAM_FS_TYPES, StripedRoom, fs_type, striped_room
 from .util.memory_limits import available_memory, memory_floor_bytes
 from .util.ranks import Ranks, agreed_total
 from .util.sizes import SizeSpec, format_bytes
@@ -64,7 +64,8 @@ class Config:
         default_doc="unset",
         doc="Directory on a local SSD for the `nvme` tier; several are striped, each holding an "
             "equal share of OFFLOAD_NVME_BYTES. `{rank}` and `{local_rank}` expand from RANK / "
-            "LOCAL_RANK. Files are private and unlinked at once.")
+            "LOCAL_RANK. Files are private and unlinked at once. On tmpfs (RAM) a warning "
+            "says so; ramfs and read-only file systems are refused.")
     host_bytes: SizeSpec = _knob(
         SizeSpec(fraction=0.5), env="OFFLOAD_HOST_BYTES", kind="size or %", example="8GiB",
         doc="Capacity of the `host` tier; a percentage is of the memory available at entry "
@@ -287,6 +288,13 @@ class Config:
                 raise ConfigError(f"{where}: {path!r} is on a read-only file system ({fix})")
             if not os.access(path, os.W_OK | os.X_OK):
                 raise ConfigError(f"{where}: {path!r} is not writable by this process ({fix})")
+            kind = fs_type(path)
+            if kind in RAM_FS_TYPES:   # ramfs reports no size: refused above
+                _warn_once(f"nvme_dir_in_ram:{os.path.realpath(path)}",
+                           f"offload: {where}: {path!r} is on {kind}, whose files are RAM: "
+                           f"the nvme tier reserves its capacity ({self.nvme_bytes}) there "
+                           "in host memory, and nothing it writes leaves RAM (fine for a "
+                           "test; for training point it at a directory on a local SSD)")
 
     # ---------------------------------------------------------------- capacities
     def host_capacity_bytes(self) -> int:

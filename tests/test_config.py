@@ -310,6 +310,23 @@ def test_a_budget_outside_auto_is_said_once(caplog):
                     "policy='offload' it is not used"]
 
 
+def test_an_nvme_dir_in_ram_is_said_once_and_a_disk_one_is_not(nvme_dir, caplog):
+    """A tmpfs directory (/dev/shm) passes every check, and the store then reserved half of
+    its free space in RAM without a word: 12 GB of RAM on the dev VM for a 1 MiB step."""
+    import logging
+    from offload import config as config_mod
+    config_mod.forget_warnings()
+    with mounted("tmpfs") as ram, caplog.at_level(logging.WARNING, logger="offload"):
+        for _ in range(2):
+            offload.activations(tiers="nvme", nvme_dir=ram, nvme_bytes="4MiB")
+        offload.activations(tiers="nvme", nvme_dir=nvme_dir)
+    said = [r.getMessage() for r in caplog.records if "whose files are RAM" in r.getMessage()]
+    assert said == [f"offload: nvme_dir={ram!r}: {ram!r} is on tmpfs, whose files are RAM: "
+                    "the nvme tier reserves its capacity (4 MiB) there in host memory, and "
+                    "nothing it writes leaves RAM (fine for a test; for training point it at "
+                    "a directory on a local SSD)"]
+
+
 def test_model_must_be_a_module():
     with pytest.raises(ConfigError, match=r"model='gpt2': not a torch.nn.Module \(pass the "
                        r"model object"):

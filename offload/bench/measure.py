@@ -34,6 +34,9 @@ from typing import Any, Callable
 
 import torch
 
+# Where the nvme tier's files live: rows.py and worker.py read them from here.
+from offload.util.disk_space import RAM_FS_TYPES, fs_type  # noqa: F401
+
 __all__ = ["current_rss_bytes", "RssPeak", "release_free_memory", "reset_peak_rss",
            "peak_anon_rss_bytes", "fs_type", "RAM_FS_TYPES",
            "SavedBytesCounter",
@@ -185,34 +188,6 @@ def release_free_memory() -> None:
     from offload.tiers.heap import trim_heap
 
     trim_heap()
-
-
-# File systems whose files are RAM: what the nvme tier writes there stays in host memory
-# (shmem), whatever O_DIRECT does (tmpfs accepts O_DIRECT since Linux 6.6), and RSS does not
-# count it.
-RAM_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
-
-
-def fs_type(path: str) -> str | None:
-    """The file system type of the mount holding `path` (Linux; None when unknown)."""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    target = os.path.realpath(path)
-    best, best_len = None, -1
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        fields = left.split()
-        if not sep or len(fields) < 5 or not right.split():
-            continue
-        # Mount points escape blanks and backslashes as octal (\040).
-        point = fields[4].encode().decode("unicode_escape")
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= best_len:  # the last of equal mounts is the visible one
-            best, best_len = right.split()[0], len(point)
-    return best
 
 
 def param_storage_ptrs(model: torch.nn.Module) -> set[int]:

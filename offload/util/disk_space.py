@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Iterable
 
-__all__ = ["FileSystemRoom", "StripedRoom", "striped_room"]
+__all__ = ["FileSystemRoom", "StripedRoom", "striped_room", "RAM_FS_TYPES", "fs_type"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +88,31 @@ def striped_room(dirs: Iterable[str], held: Iterable[tuple[str, int]] = ()) -> S
 def _read_free(path: str) -> tuple[int, int]:
     """(st_dev, free bytes) of the file system holding `path` (tests replace it)."""
     return os.stat(path).st_dev, shutil.disk_usage(path).free
+
+
+# File systems whose files are RAM: what the nvme tier writes there stays in host memory
+# (shmem), whatever O_DIRECT does (tmpfs accepts O_DIRECT since Linux 6.6), and RSS does not
+# count it.
+RAM_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+
+
+def fs_type(path: str) -> str | None:
+    """The file system type of the mount holding `path` (Linux; None when unknown)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, best_len = None, -1
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5 or not right.split():
+            continue
+        # Mount points escape blanks and backslashes as octal (\040).
+        point = fields[4].encode().decode("unicode_escape")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= best_len:  # the last of equal mounts is the visible one
+            best, best_len = right.split()[0], len(point)
+    return best
