@@ -332,6 +332,12 @@ class Config:
         self._check_nvme_fits(capacity, room)
         return capacity
 
+    def nvme_capacity_source(self) -> str:
+        """What `nvme_capacity_bytes` is taken of, in words (Stats' capacity_source)."""
+        if self.nvme_bytes.fraction is None:
+            return "OFFLOAD_NVME_BYTES"
+        return f"{self.nvme_bytes} of the free space in {', '.join(self.nvme_dir)}"
+
     def _validate_nvme_size(self) -> None:
         """An absolute OFFLOAD_NVME_BYTES must fit now; slabs of this process's own that
         opening the store gives back first count as free (nvme_space.slabs_given_back)."""

@@ -97,7 +97,7 @@ class NvmeTier(Tier):
                  workers: int, staging_bytes: int, stats: Stats, core,
                  cpu_heap: str = "reuse", checksum: bool = False,
                  max_bytes_per_s: int = 0,
-                 capacity_key: Hashable = None,
+                 capacity_key: Hashable = None, capacity_source: str = "",
                  copies: Callable[[torch.device], Any] | None = None) -> None:
         """Take the process's store for `dirs` (NOTE [One budget] in nvme_space.py) and a
         staging arena from the pool.
@@ -109,6 +109,8 @@ class NvmeTier(Tier):
                 raise TierFullError.
             capacity_key: What the capacity was derived from (the OFFLOAD_NVME_BYTES spec);
                 with `workers` and `checksum` it decides whether an idle store fits.
+            capacity_source: What a new store's capacity is taken of, in words (a store
+                shared with another context says its own: `self.capacity_source`).
             copies: Returns the context's CopyStreams for a CUDA device; with a CUDA build
                 of the extension device copies are then chained with the I/O.
             max_bytes_per_s: The engine's throughput cap (OFFLOAD_NVME_MAX_BW; 0: none).
@@ -127,7 +129,9 @@ class NvmeTier(Tier):
         self._closed = False
         self._store = nvme_space.acquire_sized(
             self._dirs, capacity_bytes, core, workers=workers, checksum=checksum,
-            max_bytes_per_s=max_bytes_per_s, capacity_key=capacity_key)
+            max_bytes_per_s=max_bytes_per_s, capacity_key=capacity_key,
+            source=capacity_source)
+        self.capacity_source = nvme_space.capacity_source(self._dirs) if self._store else ""
         # CPU sources: freed activation RAM should be reused, not returned and refaulted.
         self._heap = HeapSettings(cpu_heap)
         if self._store is None:
@@ -163,8 +167,10 @@ class NvmeTier(Tier):
                    staging_bytes=config.staging_bytes, cpu_heap=config.cpu_heap,
                    checksum=config.nvme_checksum, max_bytes_per_s=config.nvme_max_bw,
                    stats=stats, core=load_core(), capacity_key=config.nvme_bytes,
-                   copies=copies)
-        stats.tier(cls.name).capacity_bytes = tier.capacity_bytes
+                   capacity_source=config.nvme_capacity_source(), copies=copies)
+        figures = stats.tier(cls.name)
+        figures.capacity_bytes, figures.capacity_source = tier.capacity_bytes, \
+            tier.capacity_source
         return tier
 
     def fold(self, stats: Stats) -> None:

@@ -44,13 +44,14 @@ SMALL_CHUNK_BYTES = 1 << 20   # the chunk of a store too small for CHUNK_BYTES o
 
 
 class _Entry:
-    __slots__ = ("store", "settings", "users", "told")
+    __slots__ = ("store", "settings", "users", "told", "source")
 
-    def __init__(self, store: Any, settings: Hashable) -> None:
+    def __init__(self, store: Any, settings: Hashable, source: str) -> None:
         self.store = store
         self.settings = settings
         self.users = 1
         self.told: set = set()  # settings already told they share another's store
+        self.source = source    # what its capacity was taken of (Stats' capacity_source)
 
 
 _lock = threading.Lock()          # guards _entries
@@ -58,7 +59,8 @@ _open_lock = threading.Lock()     # one store opened at a time (it stats and res
 _entries: dict[tuple[str, ...], _Entry] = {}
 
 
-def acquire(dirs: tuple[str, ...], settings: Hashable, open_store: Callable[[], Any]) -> Any:
+def acquire(dirs: tuple[str, ...], settings: Hashable, open_store: Callable[[], Any],
+            source: str = "") -> Any:
     """The process's store for `dirs`, opened with `open_store()` if there is none.
 
     Args:
@@ -66,6 +68,7 @@ def acquire(dirs: tuple[str, ...], settings: Hashable, open_store: Callable[[], 
         settings: What `open_store` depends on besides `dirs`; an idle store made with
             other settings is closed and replaced.
         open_store: Makes the store; called without the registry lock, may raise.
+        source: What a new store's capacity is taken of (`capacity_source`).
     """
     with _open_lock:
         with _lock:
@@ -88,8 +91,15 @@ def acquire(dirs: tuple[str, ...], settings: Hashable, open_store: Callable[[], 
             store.close()  # idle: no I/O in flight, nothing of it is referenced
         store = open_store()
         with _lock:
-            _entries[dirs] = _Entry(store, settings)
+            _entries[dirs] = _Entry(store, settings, source)
         return store
+
+
+def capacity_source(dirs: tuple[str, ...]) -> str:
+    """What the capacity of the process's store for `dirs` was taken of ("" if none)."""
+    with _lock:
+        entry = _entries.get(dirs)
+        return entry.source if entry is not None else ""
 
 
 class _NoRoom(Exception):
@@ -104,7 +114,7 @@ def smallest_store_bytes(n_dirs: int) -> int:
 
 def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core, *,
                   workers: int, checksum: bool, max_bytes_per_s: int,
-                  capacity_key: Hashable) -> Any | None:
+                  capacity_key: Hashable, source: str = "") -> Any | None:
     """`acquire` with the engine's store for an NvmeTier: slabs of whole chunks per
     directory, `capacity_bytes()` resolved only when a new store is made (it stats the
     disk). None, with a warning, when that leaves less than MIN_STORE_BYTES: the tier then
@@ -129,7 +139,8 @@ def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core
                               checksum=checksum, throttle_bytes_per_s=max_bytes_per_s)
 
     try:
-        return acquire(dirs, (capacity_key, workers, checksum, max_bytes_per_s), open_store)
+        return acquire(dirs, (capacity_key, workers, checksum, max_bytes_per_s), open_store,
+                       source)
     except _NoRoom:
         from ..util.sizes import format_bytes
 
