@@ -108,6 +108,52 @@ def test_layer_drop_runs_the_plan(nvme_dir):
     ctx.close()
 
 
+class TwoCrops(nn.Module):
+    """One backbone on a long and a short crop per step; every other step the short crop
+    runs under no_grad (a teacher's view, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32),
+                                                  nn.GELU(), nn.Linear(32, 16))
+                                    for _ in range(3))
+        self.calls = 0
+
+    def encode(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.mean(1)
+
+    def forward(self, x):
+        self.calls += 1
+        long = self.encode(x)    # first: the step's shape class
+        short = x[:, ::2]
+        if self.calls % 2 == 0:   # the profiled step (the second) is one of these
+            with torch.no_grad():
+                other = self.encode(short)
+        else:
+            other = self.encode(short)
+        return (long - other).pow(2).mean()
+
+
+def test_calls_of_another_shape_every_other_step_stop_profiling(nvme_dir, caplog):
+    """NOTE [Shape classes]: the short crop runs with grad only in the steps the profile
+    did not see, so each of them fell back and the next step profiled again, for good.
+    After SHAPE_REPROFILES profiles the plan stays (such calls run checkpointed), exact."""
+    from offload.schedule.constants import SHAPE_REPROFILES
+    model = TwoCrops()
+    x = torch.randn(4, 12, 16, generator=torch.Generator().manual_seed(1))
+    with caplog.at_level(logging.INFO, logger="offload"):
+        differs, ctx = train_side_by_side(model, lambda m: m(x), 16, _settings(nvme_dir))
+    assert differs is None, f"differs at step {differs}"
+    said = [r.getMessage() for r in caplog.records]
+    plans = [m for m in said if "auto plan" in m]
+    assert len(plans) == 1 + SHAPE_REPROFILES, plans
+    assert sum("its plan stays" in m for m in said) == 1
+    ctx.close()
+
+
 # ---------------------------------------------------------------- which steps count
 @pytest.mark.trials
 def test_only_training_steps_are_booked_as_trials(nvme_dir, monkeypatch):

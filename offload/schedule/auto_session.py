@@ -22,7 +22,11 @@ NOTE [Shape classes] A step's shape class is the signature (shapes, dtypes) of i
 block call; each class gets its own plan, kept across steps (the MAX_PLANS most recently
 run), so a run whose lengths vary (unpadded batches) profiles each length once and plans
 from then on. A plan holds every call its profiled step made: a step of micro-batches of
-two lengths (gradient accumulation in one context) runs one plan for both. Until the first block call the class is not known: the storages saved before
+two lengths (gradient accumulation in one context) runs one plan for both. A call with
+other shapes than the plan holds runs checkpointed, with the blocks after it, and the class
+profiles again; after SHAPE_REPROFILES such profiles (calls of another shape every other
+step: the profiled step may never see them) the class keeps its plan, and such calls run
+checkpointed (said once). Until the first block call the class is not known: the storages saved before
 it follow the plan of the latest step's class where their size is the one planned for, else
 move (memory-safe), and are recorded in case this step turns out to profile. A block the
 profiled step did not run (layer drop) uses the decisions of the nearest profiled block of
@@ -44,7 +48,7 @@ from ..runtime.no_offload import no_offload_active
 from ..runtime.placement import Placement
 from .blocks import BlockWrappers, block_type_key, ours_innermost
 from ..util.clock import clock_for
-from .constants import TRIAL_MARGIN
+from .constants import SHAPE_REPROFILES, TRIAL_MARGIN
 from .costs import PlanParams
 from .placement import SchedulePlacement, StepChoice
 from .plan_cache import NO_BLOCK, ClassPlan, PlanCache
@@ -129,6 +133,7 @@ class AutoSession(Session):
         self._hooks, self._start_s, self._readahead = view.hooks, view.start_s, view.readahead
         self._t0 = self._clock.mark(view.start_s)
         self._fallback = None
+        self._shape_miss = False
         self.choice.profiler = None
         self._set_class(_UNKNOWN, False)
         # Tiers are open now (closed again before step_done): note what they may hold.
@@ -191,8 +196,10 @@ class AutoSession(Session):
                                            or sig not in plan.signatures.get(stand_in, ())):
                 self._fallback = (f"block {index} was called with other shapes than planned "
                                   "for")
-                log.info("offload: auto: %s; it and the blocks after it run checkpointed "
-                         "this step, and its shape class profiles again", self._fallback)
+                self._shape_miss = True
+                if not self._keeps_plan():
+                    log.info("offload: auto: %s; it and the blocks after it run checkpointed "
+                             "this step, and its shape class profiles again", self._fallback)
             if holds_cache(args, kwargs, self):
                 return forward(*args, **kwargs)
             if choice.mode == "checkpoint":
@@ -231,6 +238,11 @@ class AutoSession(Session):
         key = self.key
         if self._fallback is not None:
             with state.lock:
+                if self._shape_miss and key in state.plans:
+                    keep = state.shape_misses.get(key, 0) >= SHAPE_REPROFILES
+                    state.shape_misses[key] = state.shape_misses.get(key, 0) + 1
+                    if keep:
+                        return
                 state.plans.pop(key, None)
                 state.reasons[key] = self._fallback
             return
@@ -255,6 +267,16 @@ class AutoSession(Session):
             log.info("offload: auto: measured step %s; running %s", ", ".join(
                 f"{m} {min(t):.3g} s" for m, t in trials.measured.items()),
                 "the plan" if trials.mode == "plan" else f"{trials.mode} ({PURE[trials.mode]})")
+
+    def _keeps_plan(self) -> bool:
+        """NOTE [Shape classes]: this step's class keeps its plan through calls of other
+        shapes (said once per class)."""
+        misses = self.state.shape_misses.get(self.key, 0)
+        if misses == SHAPE_REPROFILES:
+            log.info("offload: auto: block calls with other shapes than planned for keep "
+                     "coming after %d profiles of shapes %s; its plan stays, and such calls "
+                     "run checkpointed with the blocks after them", misses, _shapes(self.key))
+        return misses >= SHAPE_REPROFILES
 
     def _make_plan(self, key, report) -> None:
         profile = self._profile(report)

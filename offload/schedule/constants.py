@@ -8,7 +8,7 @@ the plan predicts what the runtime's round-trip plan does.
 from __future__ import annotations
 
 __all__ = ["ETA", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TRIAL_WIN", "SLOW_READ_SHARE",
-           "MAX_PLANS"]
+           "MAX_PLANS", "SHAPE_REPROFILES"]
 
 # Share of the compute a transfer may hide behind (DESIGN cost model): the copy engine and
 # the I/O threads take some of the time they overlap.
@@ -32,3 +32,8 @@ SLOW_READ_SHARE = 0.25
 # Shape classes whose plans are kept (plan_cache.py NOTE [Shape classes]): lengths that vary
 # every step stay planned without the cache growing without bound.
 MAX_PLANS = 32
+
+# Profiles again a shape class may take for calls with other shapes than its plan holds
+# (auto_session.py NOTE [Shape classes]): a pattern the profiled step may not see (calls of
+# another shape every other step) would otherwise profile every other step for good.
+SHAPE_REPROFILES = 2
