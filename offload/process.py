@@ -12,7 +12,7 @@ longer is listed here, each piece kept by the module that uses it:
 | saved-tensor hooks of a step in progress (torch's hook stack is the forking thread's) | runtime/hooks.py | – | – | hold every save as it is: the child's own autograd runs as without offload |
 | exited steps whose saved tensors live on | runtime/step.py | finished if idle | finished if idle | – |
 | per-model plans: round trip, `auto`'s sessions, buffer slots | util/per_model.py | kept | cleared | kept |
-| `auto`'s probe figures and warnings said once | schedule/, config.py, runtime/subclasses.py, runtime/hooks.py | kept | cleared | kept |
+| `auto`'s probe figures and warnings said once | schedule/, config.py, runtime/subclasses.py, runtime/hooks.py, tiers/nvme_space.py | kept | cleared | kept |
 
 Arena memory itself is never shared with a child (MADV_WIPEONFORK / MADV_DONTFORK,
 csrc/host_arena.cpp) and slabs are opened O_CLOEXEC, so an exec'd program inherits none.
@@ -49,6 +49,7 @@ def reset() -> None:
     _config.forget_warnings()
     _subclasses.forget_warnings()
     _hooks.forget_warnings()
+    _nvme_space.forget_warnings()
 
 
 def after_fork_in_child() -> None:

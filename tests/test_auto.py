@@ -266,7 +266,7 @@ def test_models_without_blocks_plan_keep_or_move(build, nvme_dir, caplog):
     with caplog.at_level(logging.INFO, logger="offload"):
         differs, ctx = compare_steps(model, loss_fn, 4, **_settings(nvme_dir, FAST))
     assert differs is None
-    assert "auto found no repeated blocks" in caplog.text
+    assert "auto found no repeated blocks (pass blocks=)" in caplog.text   # model= was given
     assert ctx.plan is not None and not ctx.plan.blocks
     assert ctx.stats.nvme_bytes > 0
     ctx.close()

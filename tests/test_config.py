@@ -200,11 +200,13 @@ def test_budget_over_100_percent_keyword():
 
 
 def test_recompute_without_blocks_says_what_to_pass():
-    with pytest.raises(ConfigError, match=r"policy='recompute': found no blocks to checkpoint in "
-                       r"model= .*pass model=, or blocks="):
+    with pytest.raises(ConfigError, match=r"policy='recompute': found no blocks to checkpoint: "
+                       r"pass model= .*, or blocks="):
         offload.activations(policy="recompute")
-    with pytest.raises(ConfigError, match=r"found no blocks to checkpoint in the model"):
+    with pytest.raises(ConfigError, match=r"found no blocks to checkpoint in the model .*\); "
+                       r"pass blocks=\[") as said:   # not "pass model=": it was passed
         offload.activations(policy="recompute", model=torch.nn.Linear(2, 2))
+    assert "model=" not in str(said.value).split(";")[-1]
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match=r"blocks=<predicate> matched no module of model= "
                        r"\(it is called with every submodule"):

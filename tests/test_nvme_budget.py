@@ -126,13 +126,19 @@ def test_no_room_on_the_disk_is_a_full_tier_not_a_value_error(small_disk, strict
         ctx = offload.activations(tiers="nvme", nvme_dir=small_disk, min_bytes=0,
                                   strict=strict)
         if strict:
-            with pytest.raises(offload.TierFullError):
+            with pytest.raises(offload.TierFullError, match=r"\(raise OFFLOAD_NVME_BYTES, add"):
                 with ctx:
                     (x * 2).tanh().sum().backward()
         else:
-            with caplog.at_level(logging.WARNING, logger="offload"), ctx:
-                (x * 2).tanh().sum().backward()
-            assert "has no room" in caplog.text
+            from offload.runtime import hooks
+            hooks.forget_warnings()     # said once per process: maybe by an earlier test
+            with caplog.at_level(logging.WARNING, logger="offload"):
+                for step in range(3):   # said once, not every step
+                    x.grad = None
+                    with ctx:
+                        (x * 2).tanh().sum().backward()
+            assert caplog.text.count("has no room") == 1, caplog.text
+            assert "Raise OFFLOAD_NVME_BYTES or add a tier" in caplog.text
             assert ctx.stats.full_kept_bytes > 0 and ctx.stats.nvme_bytes == 0
             x_ref = x.detach().clone().requires_grad_()
             (x_ref * 2).tanh().sum().backward()

@@ -144,3 +144,25 @@ def test_nothing_is_held_after_a_step(where, small_disk):
         with pytest.raises(Boom):
             _step(model, x, where, **kw)
     assert_nothing_held(small_disk, free_before)
+
+
+def test_an_nvme_directory_removed_after_the_check_names_itself_and_the_fix(tmp_path):
+    """A context built, the store closed, the directory removed, then entered: a bare
+    FileNotFoundError from the free-space check, naming no setting and no fix."""
+    gone = tmp_path / "nvme"
+    gone.mkdir()
+    x = torch.randn(64, 64, requires_grad=True)
+    ctx = offload.activations(tiers="nvme", nvme_dir=str(gone), min_bytes=0)
+    offload.empty_cache()
+    gone.rmdir()
+    with pytest.raises(offload.StorageError, match=r"the NVMe directory cannot be read now "
+                       r"\(No such file or directory\); recreate it, or point "
+                       r"OFFLOAD_NVME_DIR / nvme_dir= at an existing directory") as err:
+        with ctx:
+            (x * 2).tanh().sum().backward()
+    assert err.value.errno == errno.ENOENT and err.value.filename == str(gone)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    gone.mkdir()
+    with ctx:                                   # and it works again once it is back
+        (x * 2).tanh().sum().backward()
+    assert ctx.stats.nvme_bytes > 0

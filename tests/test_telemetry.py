@@ -224,3 +224,15 @@ def test_a_cpu_nvme_step_without_torch_thp_says_so_once(monkeypatch, caplog):
             h.release()
     hints = [r for r in caplog.records if "THP_MEM_ALLOC_ENABLE=1" in r.getMessage()]
     assert len(hints) == 1 and hints[0].levelno == logging.INFO
+
+
+def test_the_info_line_names_the_nvme_rates_only_with_an_nvme_tier(nvme_dir):
+    """`tiers=host` printed "nvme w/r 0.00/0.00 GB/s" every step."""
+    x = torch.randn(256, 256, requires_grad=True)
+    lines = {}
+    for tiers in ("host", "host,nvme"):
+        with offload.activations(tiers=tiers, nvme_dir=nvme_dir, min_bytes=0) as ctx:
+            (x * 2).tanh().sum().backward()
+        lines[tiers] = ctx.stats.summary()
+    assert "nvme" not in lines["host"], lines["host"]
+    assert "nvme w/r" in lines["host,nvme"] and "nvme capacity" in lines["host,nvme"]

@@ -368,21 +368,21 @@ class OffloadHooks:
 
     def _all_full(self, nbytes: int, targets: tuple[str, ...]) -> None:
         usage = ", ".join(self.tiers[name].usage_text() for name in targets)
+        sizes = " / ".join(f"OFFLOAD_{name.upper()}_BYTES" for name in targets)
         if self.strict:
             raise TierFullError(
                 f"offload: every tier is full ({usage}) and OFFLOAD_STRICT=1, so a "
-                f"{format_bytes(nbytes)} activation cannot be placed (raise OFFLOAD_HOST_BYTES / "
-                "OFFLOAD_NVME_BYTES, add a tier to OFFLOAD_TIERS, or unset OFFLOAD_STRICT to "
-                "keep such tensors on the device)")
+                f"{format_bytes(nbytes)} activation cannot be placed (raise {sizes}, add a "
+                "tier to OFFLOAD_TIERS, or unset OFFLOAD_STRICT to keep such tensors on the "
+                "device)")
         self.stats.full_kept_bytes += nbytes
         if targets not in _said_full:   # once per process and tier list, as documented
             _said_full.add(targets)
             log.warning("offload: every tier is full (%s); a %s activation stays on the "
                         "device, and so will every later one that does not fit (smaller ones "
                         "still move while there is room; ctx.stats.full_kept_bytes counts "
-                        "what stayed). Raise OFFLOAD_HOST_BYTES / OFFLOAD_NVME_BYTES or add a "
-                        "tier; OFFLOAD_STRICT=1 makes this an error", usage,
-                        format_bytes(nbytes))
+                        "what stayed). Raise %s or add a tier; OFFLOAD_STRICT=1 makes this "
+                        "an error", usage, format_bytes(nbytes), sizes)
 
     # ---------------------------------------------------------------- unpack
     def unpack(self, packed) -> torch.Tensor:

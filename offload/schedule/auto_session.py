@@ -90,6 +90,7 @@ class AutoSession(Session):
         super().__init__(config)
         self.state = state
         self.blocks = blocks
+        self._what_to_pass = "model= or blocks=" if model is None else "blocks="
         self.types = [block_type_key(b) for b in blocks]
         self.opaque = [_compiled(b) for b in blocks]
         self.choice = StepChoice()   # what this step runs (the placement reads it)
@@ -143,8 +144,9 @@ class AutoSession(Session):
         if not state.warm:
             BlockProfiler.prime()  # the warm-up step pays for it
             if not self.blocks:
-                log.info("offload: auto found no repeated blocks (pass model= or blocks=); "
-                         "planning keep / host / nvme for every saved tensor, no recompute")
+                log.info("offload: auto found no repeated blocks (pass %s); planning keep / "
+                         "host / nvme for every saved tensor, no recompute",
+                         self._what_to_pass)
         if not self.blocks:
             self._choose(NO_BLOCK)
         self._wrappers = BlockWrappers(self.blocks, self._run).__enter__()

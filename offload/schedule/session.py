@@ -31,10 +31,13 @@ def _no_blocks(model: torch.nn.Module | None, blocks: Any) -> str:
                 "blocks=lambda m: isinstance(m, MyLayer))")
     if blocks is not None:
         return "blocks= is empty (give the layers to checkpoint, or a predicate)"
-    what = "model=" if model is None else "the model"
-    return (f"found no blocks to checkpoint in {what} (blocks are the members of an "
-            "nn.ModuleList / nn.Sequential of one layer class); pass model=, or "
-            "blocks=[...] / blocks=lambda m: isinstance(m, MyLayer)")
+    if model is None:
+        return ("found no blocks to checkpoint: pass model= (its blocks are the members of an "
+                "nn.ModuleList / nn.Sequential of one layer class), or blocks=[...] / "
+                "blocks=lambda m: isinstance(m, MyLayer)")
+    return ("found no blocks to checkpoint in the model (blocks are the members of an "
+            "nn.ModuleList / nn.Sequential of one layer class); pass blocks=[...] / "
+            "blocks=lambda m: isinstance(m, MyLayer)")
 
 
 def start_session(config: Config, model: torch.nn.Module | None, blocks: Any) -> Session:

@@ -144,6 +144,9 @@ def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core
     except _NoRoom:
         from ..util.sizes import format_bytes
 
+        if dirs in _said_no_room:   # every step would say it again
+            return None
+        _said_no_room.add(dirs)
         log.warning("offload: the nvme tier has no room in %s (room for %s, OFFLOAD_NVME_BYTES "
                     "or the free disk space if less, under the %s minimum); activations that "
                     "would go there spill to the next tier or stay where they are (raise "
@@ -151,6 +154,15 @@ def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core
                     ", ".join(dirs),
                     format_bytes(room[0]) if room else "?", format_bytes(MIN_STORE_BYTES))
         return None
+
+
+# Directory sets whose "no room" was said (once per process; offload.process.reset forgets).
+_said_no_room: set[tuple[str, ...]] = set()
+
+
+def forget_warnings() -> None:
+    """Say "no room" again (offload.process.reset)."""
+    _said_no_room.clear()
 
 
 def release(dirs: tuple[str, ...], store: Any, keep: bool) -> None:

@@ -16,6 +16,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Iterable
 
+from ..errors import StorageError
+
 __all__ = ["FileSystemRoom", "StripedRoom", "striped_room", "RAM_FS_TYPES", "fs_type"]
 
 
@@ -71,7 +73,12 @@ def striped_room(dirs: Iterable[str], held: Iterable[tuple[str, int]] = ()) -> S
     dirs = tuple(dirs)
     found: dict[int, tuple[list[str], int]] = {}
     for path in dirs:
-        device, free = _read_free(path)
+        try:
+            device, free = _read_free(path)
+        except OSError as exc:   # gone since the settings were checked (removed, unmounted)
+            raise StorageError(exc.errno or 0, "the NVMe directory cannot be read now "
+                               f"({exc.strerror}); recreate it, or point OFFLOAD_NVME_DIR / "
+                               "nvme_dir= at an existing directory", path) from exc
         found.setdefault(device, ([], free))[0].append(path)
     back: dict[int, int] = {}
     for path, nbytes in held:

@@ -289,7 +289,8 @@ class Stats:
         return (f"saved {self.saved_bytes / gib:.3f} GiB (kept {self.kept_bytes / gib:.3f}"
                 f"{tiers}); "
                 f"peak resident {self.peak_resident_bytes / gib:.3f} GiB; "
-                f"nvme w/r {self.nvme_write_gbps:.2f}/{self.nvme_read_gbps:.2f} GB/s; "
+                + (f"nvme w/r {self.nvme_write_gbps:.2f}/{self.nvme_read_gbps:.2f} GB/s; "
+                   if "nvme" in self.tiers else "") +
                 f"stall {self.stall_s:.3f} s of {self.step_s:.3f} s "
                 f"({self.overlap_fraction:.0%} of I/O hidden); "
                 f"{self.packed_tensors} tensors"
