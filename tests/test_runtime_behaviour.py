@@ -357,7 +357,7 @@ def test_strict_raises_tier_full(tiers, nvme_dir):
     kw = _kw(tiers, nvme_dir, strict=True, host_bytes="300KiB", nvme_bytes="1MiB")
     with pytest.raises(TierFullError, match=r"every tier is full \(" + tiers + r" .* used\) and "
                        r"OFFLOAD_STRICT=1, so a 256 KiB activation cannot be placed \(raise "
-                       r"OFFLOAD_HOST_BYTES / OFFLOAD_NVME_BYTES"):
+                       rf"OFFLOAD_{tiers.upper()}_BYTES, add a tier"):   # only the tier in use
         with offload.activations(**kw):
             y = x * 1
             for _ in range(6):
