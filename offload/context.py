@@ -138,15 +138,22 @@ class ActivationOffload:
 
     # ---------------------------------------------------------------- enter / exit
     def __enter__(self) -> "ActivationOffload":
-        with _CLAIM:   # one enter at a time: two threads may not both pass the check
-            if self.active:
-                raise OffloadError("offload.activations(): this context is already active; "
-                                   "create one context per step or nest different ones")
-            self._hook_thread = _ENTERING
+        # A KeyboardInterrupt may land between any two lines here: everything this enter
+        # claimed or installed is inside a `try` that gives it back, or the context would
+        # stay active (or its hooks installed) for good.
+        claimed = False
         try:
+            with _CLAIM:   # one enter at a time: two threads may not both pass the check
+                if self.active:
+                    raise OffloadError("offload.activations(): this context is already "
+                                       "active; create one context per step or nest "
+                                       "different ones")
+                claimed = True   # (set first: nobody else can claim it while we hold _CLAIM)
+                self._hook_thread = _ENTERING
             return self._enter()
         except BaseException:
-            self._hook_thread = None
+            if claimed:
+                self._hook_thread = None
             raise
 
     def _enter(self) -> "ActivationOffload":
@@ -178,13 +185,16 @@ class ActivationOffload:
                                                        for name, tier in tiers.items()},
                                           prefetcher, step.start_s))
             step.after_finish.append(self._schedule.step_done)
+            previous, self._step = self._step, step
             self._hook_thread = hook_stack.install(step.hooks)
+            self._steps.add(step)
         except BaseException:
+            if self._step is step:
+                self._step = previous
+            hook_stack.discard(step.hooks)   # pushed before the interrupt, maybe
             self._schedule.exit()
             close_tiers(tiers, stats, reuse=False)
             raise
-        self._step = step
-        self._steps.add(step)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:

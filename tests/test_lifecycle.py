@@ -266,3 +266,91 @@ def test_torch_func_inside_the_context_says_what_to_do():
     assert "Call the transform outside the `with offload.activations()` block" in notes
     torch.testing.assert_close(torch.func.grad(f)(x), x.cos() * x + x.sin())  # outside: works
     assert _hook_stack_empty()
+
+
+# ---------------------------------------------------------------- interrupted enters
+class _InterruptAfterRelease:
+    """context._CLAIM whose release is followed by a KeyboardInterrupt: where a Ctrl-C's
+    handler runs when it lands while the lock is held."""
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def __enter__(self):
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        self.lock.__exit__(*exc)
+        raise KeyboardInterrupt
+
+
+def _interrupted_then_exact(ctx, interrupt, monkeypatch, x):
+    with monkeypatch.context() as patch:
+        interrupt(patch)
+        with pytest.raises(KeyboardInterrupt):
+            with ctx:
+                (x * 2).tanh().sum().backward()
+    assert not ctx.active and _hook_stack_empty()
+    x.grad = None
+    with ctx:                                      # the context is usable again
+        (x * 3).tanh().sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    (x_ref * 3).tanh().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+
+
+def test_an_interrupt_after_the_claim_leaves_the_context_usable(nvme_dir, monkeypatch):
+    """A Ctrl-C between the claim and the `try` left the context active for good: every
+    later `with ctx:` said it was already active."""
+    from offload import context as context_mod
+    x = torch.randn(64, 64, requires_grad=True)
+    _interrupted_then_exact(
+        _nvme(nvme_dir),
+        lambda patch: patch.setattr(context_mod, "_CLAIM",
+                                    _InterruptAfterRelease(context_mod._CLAIM)),
+        monkeypatch, x)
+
+
+def test_an_interrupt_after_the_hooks_are_pushed_leaves_none(nvme_dir, monkeypatch):
+    """A Ctrl-C right after the push left the aborted step's hooks on the thread: later
+    plain steps went through them to a closed tier (UsedAfterCloseError on nvme)."""
+    from offload.runtime import hook_stack
+
+    def push_then_interrupt(patch):
+        real = hook_stack.install
+
+        def install(hooks):
+            real(hooks)
+            raise KeyboardInterrupt
+        patch.setattr(hook_stack, "install", install)
+
+    x = torch.randn(64, 64, requires_grad=True)
+    _interrupted_then_exact(_nvme(nvme_dir), push_then_interrupt, monkeypatch, x)
+
+
+def test_an_interrupt_while_blocks_are_wrapped_leaves_none_wrapped(nvme_dir, monkeypatch):
+    """A Ctrl-C half-way through wrapping left block 0 wrapped through every later step
+    and context."""
+    from offload.schedule import blocks as blocks_mod
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)])
+
+    def interrupt_at_the_second(patch):
+        real, calls = blocks_mod._wrapper, []
+
+        def wrapper(*args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return real(*args)
+        patch.setattr(blocks_mod, "_wrapper", wrapper)
+
+    ctx = offload.activations(model=model, policy="recompute", tiers="nvme",
+                              nvme_dir=nvme_dir, min_bytes=0)
+    with monkeypatch.context() as patch:
+        interrupt_at_the_second(patch)
+        with pytest.raises(KeyboardInterrupt):
+            with ctx:
+                pass
+    assert not ctx.active and _hook_stack_empty()
+    assert not any("forward" in block.__dict__ for block in model)

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import OffloadError
 
-__all__ = ["install", "remove"]
+__all__ = ["install", "remove", "discard"]
 
 _autograd = torch._C._autograd
 log = logging.getLogger("offload")
@@ -44,19 +44,29 @@ def remove(hooks, thread: int) -> None:
         raise OffloadError("offload.activations(): exited on another thread than the one that "
                            "entered it (saved-tensor hooks belong to a thread; enter and exit "
                            "each context on the same thread)")
+    if not _pop(hooks):   # popped by someone else already: nothing of ours to remove
+        log.warning("offload: this context's saved-tensor hooks were already removed by "
+                    "someone else (torch's hook stack was popped by hand?)")
+
+
+def discard(hooks) -> None:
+    """Pop `hooks`' entry from this thread's stack if it is there (an enter interrupted
+    around `install`)."""
+    if hooks is not None:
+        _pop(hooks)
+
+
+def _pop(hooks) -> bool:
+    """Take `hooks`' entry off this thread's stack wherever it is, the entries above it put
+    back in their order; whether it was there."""
     above = []
     try:
-        while True:
-            top = _autograd._top_saved_tensors_default_hooks(True)
-            if top is None:  # popped by someone else already: nothing of ours to remove
-                log.warning("offload: this context's saved-tensor hooks were already removed "
-                            "by someone else (torch's hook stack was popped by hand?)")
-                return
+        while (top := _autograd._top_saved_tensors_default_hooks(True)) is not None:
             _autograd._pop_saved_tensors_default_hooks()
             if getattr(top[0], "__self__", None) is hooks:
-                return
+                return True
             above.append(top)
+        return False
     finally:
         for pack, unpack in reversed(above):
             _autograd._push_saved_tensors_default_hooks(pack, unpack)
-

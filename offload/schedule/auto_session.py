@@ -149,7 +149,8 @@ class AutoSession(Session):
                          self._what_to_pass)
         if not self.blocks:
             self._choose(NO_BLOCK)
-        self._wrappers = BlockWrappers(self.blocks, self._run).__enter__()
+        self._wrappers = BlockWrappers(self.blocks, self._run)   # known before any is set
+        self._wrappers.__enter__()
 
     def exit(self) -> None:
         if self._wrappers is not None:

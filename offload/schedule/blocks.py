@@ -169,17 +169,22 @@ class BlockWrappers:
         positions: dict[int, tuple[nn.Module, list[int]]] = {}
         for index, block in enumerate(self.blocks):
             positions.setdefault(id(block), (block, []))[1].append(index)
-        for block, where in positions.values():  # Rule 1: once per module object
-            found = {key: block.__dict__[key] for key in _SHADOWED if key in block.__dict__}
-            # What the block had before any context wrapped it (another context may be
-            # wrapping it too): what its copies get (Rule 4).
-            unwrapped = getattr(found.get("__getstate__"), _UNWRAPPED, found)
-            ours = {"forward": _wrapper(block.forward, where, self._run),
-                    "__getstate__": _state_as_unwrapped(block, unwrapped)}
-            for key, value in ours.items():
-                setattr(value, _UNWRAPPED, unwrapped)
-                block.__dict__[key] = value
-            self._saved.append((block, found, ours))
+        try:   # an interrupt half-way leaves no block wrapped
+            for block, where in positions.values():  # Rule 1: once per module object
+                found = {key: block.__dict__[key] for key in _SHADOWED if key in block.__dict__}
+                # What the block had before any context wrapped it (another context may be
+                # wrapping it too): what its copies get (Rule 4).
+                unwrapped = getattr(found.get("__getstate__"), _UNWRAPPED, found)
+                ours = {"forward": _wrapper(block.forward, where, self._run),
+                        "__getstate__": _state_as_unwrapped(block, unwrapped)}
+                for value in ours.values():
+                    setattr(value, _UNWRAPPED, unwrapped)
+                self._saved.append((block, found, ours))   # before any is set (Rule 2)
+                for key, value in ours.items():
+                    block.__dict__[key] = value
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

@@ -37,7 +37,8 @@ class RecomputeSession(Session):
             self._ran += 1
             return checkpoint_block(forward, args, kwargs, block=self.blocks[index])
 
-        self._wrappers = BlockWrappers(self.blocks, run).__enter__()
+        self._wrappers = BlockWrappers(self.blocks, run)   # known before any is set
+        self._wrappers.__enter__()
 
     def exit(self) -> None:
         if self._wrappers is not None:
