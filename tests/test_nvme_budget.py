@@ -145,3 +145,27 @@ def test_no_room_on_the_disk_is_a_full_tier_not_a_value_error(small_disk, strict
             assert torch.equal(x.grad, x_ref.grad)
     finally:
         os.unlink(filler)
+
+
+def test_a_percentage_store_measures_again_when_the_space_went_meanwhile(small_disk):
+    """Two processes sized 70% of one disk's free space from the same reading: the second
+    one's reservation failed with ENOSPC on its first step. A percentage is measured again
+    once (an absolute size is not: it was checked against the disk when the context was
+    built)."""
+    from offload._ext import load_core
+    from offload.util.sizes import SizeSpec
+    readings = iter([256 << 20, 16 << 20])   # the first read before someone took the space
+    store = nvme_space.acquire_sized((small_disk,), lambda: next(readings), load_core(),
+                                     workers=1, checksum=False, max_bytes_per_s=0,
+                                     capacity_key=SizeSpec(fraction=0.7))
+    try:
+        assert store.capacity_bytes == 16 << 20
+    finally:
+        nvme_space.release((small_disk,), store, keep=False)
+    readings = iter([256 << 20, 16 << 20])
+    with pytest.raises(OSError) as err:
+        nvme_space.acquire_sized((small_disk,), lambda: next(readings), load_core(),
+                                 workers=1, checksum=False, max_bytes_per_s=0,
+                                 capacity_key=SizeSpec(nbytes=256 << 20))
+    assert err.value.errno == 28
+    assert os.listdir(small_disk) == ["lost+found"]

@@ -22,6 +22,7 @@ exception). In a forked child every inherited store is abandoned (see `after_for
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
 import threading
@@ -124,19 +125,30 @@ def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core
     `checksum` and `max_bytes_per_s` decide whether an idle store fits.
     """
     room: list[int] = []
+    # A percentage is of the free space when measured; another process (another rank's
+    # store, any writer) may take some before the reservation lands: measured again once.
+    remeasure = getattr(capacity_key, "fraction", None) is not None
 
     def open_store():
-        capacity = capacity_bytes()
-        # The slabs are whole chunks per directory (a small store keeps 1 MiB chunks).
-        # Round down, never up: N ranks each reserving a chunk more than their share
-        # would overrun the host's share between them (ranks.py NOTE [Host share]).
-        chunk = CHUNK_BYTES if capacity >= 64 * CHUNK_BYTES * len(dirs) else SMALL_CHUNK_BYTES
-        capacity -= capacity % (chunk * len(dirs))
-        if capacity < smallest_store_bytes(len(dirs)):
-            room.append(capacity)
-            raise _NoRoom
-        return core.NvmeStore(list(dirs), capacity, workers=workers, chunk_bytes=chunk,
-                              checksum=checksum, throttle_bytes_per_s=max_bytes_per_s)
+        for attempt in (1, 2):
+            capacity = capacity_bytes()
+            # The slabs are whole chunks per directory (a small store keeps 1 MiB chunks).
+            # Round down, never up: N ranks each reserving a chunk more than their share
+            # would overrun the host's share between them (ranks.py NOTE [Host share]).
+            chunk = CHUNK_BYTES if capacity >= 64 * CHUNK_BYTES * len(dirs) else \
+                SMALL_CHUNK_BYTES
+            capacity -= capacity % (chunk * len(dirs))
+            if capacity < smallest_store_bytes(len(dirs)):
+                room.append(capacity)
+                raise _NoRoom
+            try:
+                return core.NvmeStore(list(dirs), capacity, workers=workers, chunk_bytes=chunk,
+                                      checksum=checksum, throttle_bytes_per_s=max_bytes_per_s)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC or not remeasure or attempt == 2:
+                    raise
+                log.info("offload: the free space in %s shrank before the nvme tier's "
+                         "reservation (%s); measuring it again", ", ".join(dirs), exc)
 
     try:
         return acquire(dirs, (capacity_key, workers, checksum, max_bytes_per_s), open_store,
