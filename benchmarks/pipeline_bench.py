@@ -51,6 +51,7 @@ def run_one(variant: str, args) -> dict:
     import offload
     from offload.bench.measure import grad_hashes, peak_anon_rss_bytes, reset_peak_rss
     from offload.bench.models import GPT, GPTConfig
+    from offload.bench.strategies import SETTLE_MAX_STEPS, auto_unsettled
 
     torch.manual_seed(0)
     cfg = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq_len=args.seq)
@@ -63,10 +64,11 @@ def run_one(variant: str, args) -> dict:
     i = 0
     untimed_peak, peak_reset = 0, False
     while len(step_s) < args.steps:
-        settled = variant != "auto" or (ctx is not None and ctx.plan is not None
-                                        and ctx.plan.settled)
-        if i > untimed + 20:
-            raise RuntimeError("auto did not settle on a plan in 20 steps")
+        # The same wait as offload-bench's auto row (offload/bench/worker.py).
+        unsettled = auto_unsettled(ctx) if variant == "auto" else None
+        if unsettled and i >= untimed + SETTLE_MAX_STEPS:
+            raise RuntimeError(f"auto did not settle in {SETTLE_MAX_STEPS} steps: {unsettled}")
+        settled = unsettled is None
         timed = i >= untimed and settled  # warm-up (auto: profile and trial steps) not timed
         if timed and not step_s:     # the kernel's peak from here on is the timed steps'
             untimed_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

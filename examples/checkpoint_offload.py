@@ -57,9 +57,13 @@ def train(args, nvme_dir: str | None) -> list[torch.Tensor]:
 
 def main() -> None:
     p = example_parser(__doc__, steps=5, tiers="nvme")
-    p.add_argument("--checkpoint-every", type=int, default=2)
+    p.add_argument("--checkpoint-every", type=int, default=2,
+                   help="checkpoint blocks 0, N, 2N, ... (1: every block; default 2)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
+    if args.checkpoint_every < 1:
+        p.error(f"--checkpoint-every {args.checkpoint_every}: must be at least 1 (1 checkpoints "
+                "every block, 2 every other one)")
 
     nvme_dir = os.environ.get("OFFLOAD_NVME_DIR")
     scratch = None if nvme_dir else tempfile.mkdtemp(prefix="offload-example-", dir="/var/tmp")

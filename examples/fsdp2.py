@@ -19,7 +19,8 @@ from torch.distributed.fsdp import fully_shard
 
 import offload
 from offload.bench.models import GPT, GPTConfig
-from support import check_weights, example_parser, rank_dirs, say, torchrun_device
+from support import (check_weights, example_parser, rank_dirs, remove_dirs, say,
+                     torchrun_device)
 
 
 def train(args, device: torch.device, use_offload: bool) -> list[torch.Tensor]:
@@ -65,8 +66,7 @@ def main() -> None:
             check_weights(weights, train(args, device, use_offload=False),
                           f"rank {dist.get_rank()}: weights vs no offload")
     finally:
-        for d in made:
-            os.rmdir(d)  # fails if anything was left behind (nothing should be)
+        remove_dirs(made)  # fails if anything was left behind (nothing should be)
         dist.destroy_process_group()
 
 

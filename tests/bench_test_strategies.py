@@ -8,6 +8,8 @@ benchmark's own checks work, and are no part of the shipped CLI.
 - `pooled-arena`: `none` plus a staging arena pooled between steps like the runtime's (the
   RSS peak must count memory kept between steps).
 - `crash`: the worker is killed mid-step (the parent must report it and clean up).
+- `never-settles`: `none` that always says it has not settled (the worker must stop waiting
+  for it after SETTLE_MAX_STEPS untimed steps, and the row must say so).
 """
 from __future__ import annotations
 
@@ -94,5 +96,13 @@ class Crash(NoneStrategy):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-for _strategy in (Corrupt(), CorruptEarly(), PooledArena(), Crash()):
+class NeverSettles(NoneStrategy):
+    name = "never-settles"
+    description = "test only: none, never settled"
+
+    def unsettled(self, outcome):
+        return "test only: never settles"
+
+
+for _strategy in (Corrupt(), CorruptEarly(), PooledArena(), Crash(), NeverSettles()):
     register(_strategy)

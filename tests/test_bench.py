@@ -1,7 +1,8 @@
 """offload-bench: end to end through the real CLI entry on a tiny GPT, the gradient check
 catching a one-ulp corruption (in every step, or only an early one), memory kept between
 steps counted, the RSS cross-check, buffered NVMe flagged, crash handling, cleanup,
---max-batch, argument errors. The test-only strategies come from a plugin
+--max-batch, `auto` timed only once its trial steps are done, argument and OFFLOAD_*
+errors before the run. The test-only strategies come from a plugin
 (tests/bench_test_strategies.py), never from the shipped CLI.
 
 Each worker is a fresh Python process (importing torch costs seconds here), so the end-to-end
@@ -32,7 +33,7 @@ from mounts import mounted
 MiB = 1 << 20
 # Registered by a plugin each run names (importing it here would register them in this
 # process for good, and the shipped CLI must not know them).
-TEST_STRATEGIES = ["corrupt", "corrupt-early", "pooled-arena", "crash"]
+TEST_STRATEGIES = ["corrupt", "corrupt-early", "pooled-arena", "crash", "never-settles"]
 PLUGIN = ["--plugin", os.path.join(os.path.dirname(__file__), "bench_test_strategies.py")]
 ARENA_BYTES = 64 << 20  # bench_test_strategies.PooledArena's
 
@@ -207,6 +208,43 @@ def test_crashed_worker_is_a_row_and_leaves_nothing(e2e):
     assert e2e["new_workspaces"] == set()  # specs, results, logs, gradient files: all gone
 
 
+def test_a_strategy_that_never_settles_is_timed_after_the_cap_and_said(e2e):
+    from offload.bench.strategies import SETTLE_MAX_STEPS
+
+    row = e2e["rows"]["never-settles"]
+    assert row.available and len(row.step_times_s) == 2
+    assert row.untimed_steps == 1 + SETTLE_MAX_STEPS  # --warmup 1, then the most it waits
+    assert row.unsettled == "test only: never settles"
+    assert (f"  never-settles: had not settled after {1 + SETTLE_MAX_STEPS} untimed steps "
+            "(test only: never settles)") in "\n".join(report.footnotes(e2e["order"]))
+    assert e2e["rows"]["none"].untimed_steps == 1 and e2e["rows"]["none"].unsettled is None
+
+
+@pytest.mark.skipif(not _runtime_available(), reason="needs offload.activations()")
+def test_auto_is_timed_once_its_trials_settle(tmp_path, nvme_dir, capsys):
+    # Figures that make the plan move everything, as `offload` does: predicted alike, so
+    # the plan's first steps are trials against offload (offload/schedule/trials.py); the
+    # timed steps must come after them, all running the one strategy auto settled on.
+    out = tmp_path / "rows.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OFFLOAD_MIN_BYTES", "0")
+        mp.setenv("OFFLOAD_PROBE", "nvme_write_gbps=50,nvme_read_gbps=50,nvme_issue_s=1e-6,"
+                                   "compute_gflops=1,dispatch_op_s=1e-3")
+        code = main(TINY + ["--strategies", "auto", "--explain", "--nvme-dir", nvme_dir,
+                            "--json", str(out)])
+    assert code == 0
+    auto = {r.strategy: r for r in rows_mod.from_json(out.read_text())}["auto"]
+    assert auto.available, auto.reason
+    assert "measured against the plan: offload" in auto.plan, auto.plan  # trials ran
+    assert "trials still running" not in auto.plan, auto.plan
+    assert auto.unsettled is None
+    # warm-up, profile, then 2 rounds of the plan and at least offload
+    assert auto.untimed_steps >= 1 + 1 + 2 * 2, auto.untimed_steps
+    printed = capsys.readouterr().out
+    assert f"  auto: timed after {auto.untimed_steps} untimed steps" in printed
+    assert printed.count("auto plan:") == 1  # the plan's own first line, not a heading too
+
+
 def test_plot_written(e2e):
     with open(e2e["plot"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -246,7 +284,7 @@ def test_user_model_checkpoints_the_runtimes_blocks(tmp_path, nvme_dir, capsys):
     (tmp_path / "mymodel.py").write_text(ENC_DEC)
     out = tmp_path / "rows.json"
     code = main(["--model", f"{tmp_path}/mymodel.py:build", "--input-shape", "16",
-                 "--batch", "4", "--steps", "1", "--warmup", "0",
+                 "--batch", "4", "--steps", "1", "--warmup", "1",
                  "--strategies", "checkpoint,recompute,ckpt+save_on_cpu",
                  "--nvme-dir", nvme_dir, "--json", str(out)])
     assert code == 0
@@ -281,7 +319,7 @@ def test_a_model_without_blocks_says_so(tmp_path, nvme_dir, capsys):
         "def build():\n"
         "    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.Tanh())\n")
     code = main(["--model", f"{tmp_path}/mlp.py:build", "--input-shape", "16", "--batch", "2",
-                 "--steps", "1", "--warmup", "0", "--strategies", "checkpoint",
+                 "--steps", "1", "--warmup", "1", "--strategies", "checkpoint",
                  "--nvme-dir", nvme_dir])
     assert code == 0
     assert "checkpoint: not available: found no blocks to checkpoint in the model" \
@@ -474,14 +512,43 @@ def test_buffered_nvme_dir_flagged_end_to_end(tmp_path, capsys):
     (["--gpt", "hiden=3"], "--gpt 'hiden=3': expected KEY=VALUE with KEY one of"),
     (["--gpt", "hidden=100,heads=3"], "--gpt: GPTConfig: hidden=100 is not divisible by heads=3"),
     (["--steps", "0"], "--steps 0: must be at least 1"),
-    (["--nvme-dir", "/no/such/dir"], "--nvme-dir '/no/such/dir': '/no/such/dir' is not a "
-                                     "directory"),
+    # Were: a ZeroDivisionError, or a model that cannot run, after the parent's checks.
+    (["--gpt", "heads=0"], "--gpt: GPTConfig: heads=0 must be a whole number of at least 1"),
+    (["--gpt", "heads=-1"], "--gpt: GPTConfig: heads=-1 must be a whole number of at least 1"),
+    (["--gpt", "hidden=0"], "--gpt: GPTConfig: hidden=0 must be a whole number of at least 1"),
+    (["--gpt", "vocab_size=0"], "--gpt: GPTConfig: vocab_size=0 must be a whole number"),
+    (["--gpt", "seq_len=0"], "--gpt: GPTConfig: seq_len=0 must be a whole number"),
+    (["--gpt", "dropout=2"], "--gpt: GPTConfig: dropout=2.0 must be a probability from 0 to 1"),
+    (["--gpt", "dropout=-1"], "--gpt: GPTConfig: dropout=-1.0 must be a probability"),
+    # Were: accepted (a worker killed at once; 0 warm-up timed one-time setup).
+    (["--timeout-s", "0"], "--timeout-s 0: must be more than 0 seconds"),
+    (["--timeout-s", "-5"], "--timeout-s -5: must be more than 0 seconds"),
+    (["--warmup", "0"], "--warmup 0: must be at least 1 (the first step pays one-time setup"),
+    # Was: accepted by the CLI, then the auto row "not available" with a zero exit.
+    (["--budget=150%"], "--budget '150%': 150% is over 100% (give at most 100%"),
+    # The runtime's own checks of the directory (offload.config), not a traceback from
+    # making the workspace there.
+    (["--nvme-dir", "/no/such/dir"], "--nvme-dir '/no/such/dir': '/no/such/dir' does not "
+                                     "exist (point it at a writable directory"),
+    (["--nvme-dir", "/proc"], "--nvme-dir '/proc': '/proc' is on a file system that reports "
+                              "no size"),
+    (["--nvme-dir", "/sys"], "--nvme-dir '/sys': '/sys' is on a file system that reports no "
+                             "size"),
     # The runtime's OFFLOAD_NVME_DIR rules (offload.config): no unknown placeholder kept.
     (["--nvme-dir", "/var/tmp/{rnak}"], "--nvme-dir '/var/tmp/{rnak}': bad placeholder in "
                                         "'/var/tmp/{rnak}'"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"],
      "--device"),
     (["--json", "/no/such/dir/rows.json"], "--json '/no/such/dir/rows.json': the directory"),
+    # Were: the whole run, then a traceback writing the file (and a rows.json.part left).
+    (["--json", tempfile.gettempdir()], f"--json {tempfile.gettempdir()!r}: "
+                                        f"{tempfile.gettempdir()!r} is a directory; name a "
+                                        "file in it"),
+    (["--json", "/proc/rows.json"], "--json '/proc/rows.json': cannot create a file in "
+                                    "'/proc'"),
+    (["--plot", "plot.txt"], "--plot 'plot.txt': matplotlib writes no '.txt' files (use "
+                             ".png, .svg or .pdf"),
+    (["--plot", "plot"], "--plot 'plot': no extension to tell matplotlib the format"),
     # Test-only strategies are not shipped: only a --plugin registers them.
     (["--strategies", "none,corrupt"], "--strategies: unknown strategy 'corrupt' (choose from: "
                                        "none, checkpoint, recompute, ckpt+save_on_cpu,"),
@@ -507,8 +574,45 @@ def test_nvme_dir_from_env(monkeypatch, capsys):
     monkeypatch.setenv("OFFLOAD_NVME_DIR", "/no/such/env/dir")
     with pytest.raises(SystemExit):
         main(["--strategies", "none"])
-    assert ("OFFLOAD_NVME_DIR='/no/such/env/dir': '/no/such/env/dir' is not a directory"
+    assert ("OFFLOAD_NVME_DIR='/no/such/env/dir': '/no/such/env/dir' does not exist"
             in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("OFFLOAD_HOST_BYTES", "abc", "OFFLOAD_HOST_BYTES='abc': not a size"),
+    ("OFFLOAD_IO_WORKERS", "0", "OFFLOAD_IO_WORKERS='0': must be at least 1"),
+    # Was: every offload row ran with offload off and said "bit-exact", 0 B moved.
+    ("OFFLOAD_ENABLED", "0", "OFFLOAD_ENABLED='0' turns offload off, so the offload-nvme, "
+                             "auto row(s) would measure plain autograd"),
+])
+def test_offload_settings_are_checked_before_the_run(name, value, message, monkeypatch,
+                                                     nvme_dir, capsys):
+    # Were: every offload row "not available" (or measuring nothing) and a zero exit.
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exc:
+        main(TINY + ["--strategies", "offload-nvme,auto", "--nvme-dir", nvme_dir])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    # Rows that do not run the runtime do not read its settings.
+    from offload.bench.cli import _resolve, build_parser
+
+    parser = build_parser()
+    _resolve(parser.parse_args(TINY + ["--strategies", "checkpoint", "--nvme-dir", nvme_dir]),
+             parser)
+
+
+def test_a_misspelled_variable_is_said_in_the_parent(monkeypatch, nvme_dir, caplog):
+    # Was: said only in the worker's log, which is deleted with the workspace.
+    from offload.bench.cli import _resolve, build_parser
+    from offload.config import forget_warnings
+
+    monkeypatch.setenv("OFFLOAD_TIRES", "nvme")
+    forget_warnings()  # said once per process: maybe already, by another test
+    parser = build_parser()
+    _resolve(parser.parse_args(TINY + ["--strategies", "offload-host", "--nvme-dir",
+                                       nvme_dir]), parser)
+    assert any("OFFLOAD_TIRES='nvme' is not a variable offload knows" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_nvme_dir_placeholders_expand(monkeypatch, tmp_path, capsys):
@@ -520,11 +624,36 @@ def test_nvme_dir_placeholders_expand(monkeypatch, tmp_path, capsys):
 
 
 def test_explain_says_why_or_prints_plan(nvme_dir, capsys):
-    code = main(TINY + ["--steps", "1", "--warmup", "0", "--strategies", "none", "--explain",
+    code = main(TINY + ["--steps", "1", "--strategies", "none", "--explain",
                         "--nvme-dir", nvme_dir])
     out = capsys.readouterr().out
     assert code == 0
     assert "auto plan:" in out and "block Block x2" in out and "figures:" in out
+    assert out.count("auto plan:") == 1  # the plan's own first line, no heading above it
+
+
+def test_explain_heads_a_plan_only_when_it_has_no_heading():
+    row = Row(strategy="auto", available=True, plan="auto plan: kept 0 B\n  profile: ...")
+    assert report.explain_text([row]) == row.plan
+    row.plan = "kept 0 B"
+    assert report.explain_text([row]) == "auto plan:\nkept 0 B"
+
+
+def test_hf_directory_without_config_says_so(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    with pytest.raises(SystemExit) as exc:
+        main(["--hf", str(tmp_path)])
+    assert exc.value.code == 2
+    assert (f"--hf {str(tmp_path)!r}: the directory has no config.json (save one there with "
+            "config.save_pretrained(DIR)") in capsys.readouterr().err
+
+
+def test_help_gives_each_default_batch():
+    from offload.bench.cli import CPU_DEFAULT_BATCH, MODEL_DEFAULT_BATCH, build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert (f"batch size (default: {CPU_DEFAULT_BATCH} on CPU, gpt_for_machine's on CUDA; "
+            f"{MODEL_DEFAULT_BATCH} with --model)") in text
 
 
 def test_a_reference_that_varies_across_rounds_is_called_out():
@@ -634,6 +763,14 @@ def test_json_has_one_versioned_schema():
         rows_mod.from_json(json.dumps({**doc, "schema_version": 0}))
     with pytest.raises(ValueError, match="not an offload-bench --json document"):
         rows_mod.from_json(json.dumps(doc["rows"]))  # the list the old --json wrote
+
+
+def test_json_that_cannot_be_written_leaves_no_part_file(tmp_path):
+    target = tmp_path / "rows.json"
+    target.mkdir()  # became a directory after the CLI's check
+    with pytest.raises(OSError):
+        report.write_json([_row("none", 1000 * MiB, 800 * MiB)], str(target))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")

@@ -64,3 +64,26 @@ def test_example_runs_bit_exact(script, nvme_dir):
     steps = re.findall(r"offload( \[rank \d+\])?: saved .*?, nvme ([\d.]+)\)", out)
     assert steps and all(float(nvme) > 0 for _, nvme in steps), out[-4000:]
     assert {rank for rank, _ in steps} == ({" [rank 0]"} if ranks > 1 else {""}), out[-4000:]
+
+
+@pytest.mark.parametrize("script", ["ddp_torchrun.py", "fsdp2.py"])
+def test_distributed_example_removes_the_parent_it_made(script, nvme_dir):
+    # As its default /var/tmp/offload-ddp/{rank} does: the ranks make the parent too, and
+    # once the last one is done nothing is left of it (was: the empty parent stayed).
+    parent = os.path.join(nvme_dir, "made-here")
+    cmd = TORCHRUN + [str(EXAMPLES / script)] + SMALL + ["--tiers", "nvme", "--nvme-dir",
+                                                         parent + "/{rank}"]
+    env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_NVME_DIR"}
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert not os.path.exists(parent)
+
+
+def test_checkpoint_every_must_be_at_least_one():
+    # Was: a ZeroDivisionError in the first forward.
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "checkpoint_offload.py"),
+                           "--checkpoint-every", "0"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: --checkpoint-every 0: must be at least 1" in proc.stderr

@@ -257,6 +257,23 @@ def test_probe_command_prints_figures_and_ceilings(nvme_dir, capsys, monkeypatch
     assert "GB free" in out and "host RAM" in out
 
 
+@pytest.mark.parametrize("argv, message", [
+    # Was: 0 taken as "not given" while -3 was refused.
+    (["--io-workers", "0"], "--io-workers 0: must be at least 1"),
+    (["--io-workers", "-3"], "--io-workers -3: must be at least 1"),
+    # Were: the figures measured, then a traceback writing the file.
+    (["--json", "/no/such/dir/figures.json"], "--json '/no/such/dir/figures.json': the "
+                                              "directory '/no/such/dir' does not exist"),
+    (["--json", tempfile.gettempdir()], f"--json {tempfile.gettempdir()!r}: "
+                                        f"{tempfile.gettempdir()!r} is a directory"),
+])
+def test_probe_command_argument_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        probe_main(["--device", "cpu"] + argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_pcie_theoretical_rates():
     assert pcie_gbps(5, 16) == pytest.approx(63.0, abs=0.1)
     assert pcie_gbps(4, 16) == pytest.approx(31.5, abs=0.1)

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["example_parser", "check_weights", "say", "torchrun_device", "rank_dirs",
-           "run_trainer_example"]
+           "remove_dirs", "run_trainer_example"]
 
 
 def example_parser(doc: str, *, steps: int, tiers: str,
@@ -61,15 +61,43 @@ def torchrun_device() -> torch.device:
     return device
 
 
-def rank_dirs(spec: str) -> list[str]:
-    """Make this rank's NVMe directories that do not exist yet; return them (to remove with
-    os.rmdir afterwards, which fails if anything was left behind)."""
+def rank_dirs(spec: str) -> tuple[list[str], list[str]]:
+    """Make this rank's NVMe directories that do not exist yet, with their parents; return
+    (them, the parents the ranks of this host made) for `remove_dirs` afterwards. Call it on
+    every rank once the process group is up."""
+    import socket
+
+    import torch.distributed as dist
     from offload.config_parse import parse_nvme_dirs
 
     made = [d for d in parse_nvme_dirs(spec) if not os.path.isdir(d)]
+    parents = set()
+    for d in made:
+        parent = os.path.dirname(os.path.abspath(d))
+        while not os.path.isdir(parent):
+            parents.add(parent)
+            parent = os.path.dirname(parent)
     for d in made:
         os.makedirs(d)
-    return made
+    if dist.is_initialized():  # another rank of this host may have made a parent first
+        host, everyone = socket.gethostname(), [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (host, sorted(parents)))
+        parents = {p for h, theirs in everyone if h == host for p in theirs}
+    return made, sorted(parents, key=len, reverse=True)  # deepest first
+
+
+def remove_dirs(made: tuple[list[str], list[str]]) -> None:
+    """Remove what `rank_dirs` made: this rank's directories with os.rmdir, which fails if
+    anything was left behind, then each parent once it is empty (so the last rank to finish
+    removes the default /var/tmp/offload-ddp)."""
+    own, parents = made
+    for d in own:
+        os.rmdir(d)
+    for parent in parents:
+        try:
+            os.rmdir(parent)
+        except OSError:  # another rank's directory is still in it: that rank removes it
+            pass
 
 
 def run_trainer_example(args, train, offload_trainer, plain_trainer, prefix: str) -> None:

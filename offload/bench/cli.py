@@ -34,11 +34,13 @@ __all__ = ["main", "build_parser"]
 
 # The CPU default: activations must dominate the fixed per-tensor and arena costs (the
 # 256 MiB staging arena, the heap the runtime keeps) so that each strategy's trade-off
-# shows, and every strategy (auto with its profile step) must finish within 4 minutes on
-# 2 cores. Batch 1 (357 MiB saved, 1.3 s steps) showed NVMe offload saving 28% of memory
-# against 78% at batch 8; batch 8 (2.66 GiB, 12-16 s steps) takes over 6 minutes for all
-# rows. Batch 3 saves about 1 GiB per step (four times the staging arena) at 5-6 s a step.
+# shows, and every strategy (auto with its profile and trial steps) must finish within 4
+# minutes on 2 cores. Batch 1 (357 MiB saved, 1.3 s steps) showed NVMe offload saving 28%
+# of memory against 78% at batch 8; batch 8 (2.66 GiB, 12-16 s steps) takes over 6 minutes
+# for all rows. Batch 3 saves about 1 GiB per step (four times the staging arena) at 5-6 s
+# a step.
 CPU_DEFAULT_BATCH = 3
+MODEL_DEFAULT_BATCH = 8  # --model's, on every device
 _GPT_KEYS = {f.name for f in dataclasses.fields(GPTConfig)}
 
 
@@ -60,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
       help="fp32, or bf16 autocast (default: bf16 on CUDA, fp32 on CPU)")
     a("--batch", type=int, help=f"batch size (default: {CPU_DEFAULT_BATCH} on CPU, "
-                                "gpt_for_machine's on CUDA)")
+                                f"gpt_for_machine's on CUDA; {MODEL_DEFAULT_BATCH} with --model)")
     a("--seq", type=int, help="sequence length of the built-in GPT (default: its config's)")
     a("--gpt", metavar="K=V,...", default="",
       help="override GPTConfig fields, e.g. hidden=1024,layers=12,heads=16")
@@ -74,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--input-shape", metavar="D1,D2,...",
       help="per-sample input shape for --model, e.g. 3,224,224")
     a("--steps", type=int, default=3, help="timed steps per run (default 3)")
-    a("--warmup", type=int, default=1, help="untimed warm-up steps per run (default 1)")
+    a("--warmup", type=int, default=1,
+      help="untimed warm-up steps per run, at least 1 (default 1); auto also runs its profile "
+           "and trial steps untimed")
     a("--rounds", type=int, default=1,
       help="run every strategy this many times, order reversed each round (default 1)")
     a("--seed", type=int, default=0)
@@ -93,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-batch-cap", type=int, help="largest batch --max-batch tries (default 8x --batch)")
     a("--max-batch-time-s", type=float, default=180.0,
       help="time budget per strategy for --max-batch probes (default 180)")
-    a("--timeout-s", type=float, default=1800.0, help="kill a worker after this long")
+    a("--timeout-s", type=float, default=1800.0,
+      help="kill a worker after this many seconds (default 1800)")
     a("--plugin", metavar="MODULE", action="append", default=[],
       help="import MODULE (or FILE.py) first, in this process and every worker: it may "
            "add strategies with offload.bench.strategies.register(); repeatable")
@@ -146,6 +151,7 @@ def _parse_gpt(text: str, parser) -> dict[str, Any]:
 
 
 def _nvme_bases(arg: str | None, parser) -> list[str]:
+    from offload.config import Config
     from offload.config_parse import parse_nvme_dirs
     from offload.errors import ConfigError
 
@@ -156,31 +162,69 @@ def _nvme_bases(arg: str | None, parser) -> list[str]:
               else "the default NVMe directory (set --nvme-dir)")
     try:
         bases = list(parse_nvme_dirs(text, source))
+        # And its checks of the directories (they exist, are writable, on a file system
+        # that is a disk: not /proc, /sys or ramfs), its messages naming `source`.
+        config = Config.from_env(env={}, tiers="nvme", nvme_dir=",".join(bases))
+        dataclasses.replace(config, sources={**config.sources, "nvme_dir": source}).validate()
     except ConfigError as exc:
         parser.error(str(exc))
-    for d in bases:
-        if not os.path.isdir(d):
-            parser.error(f"{source}: {d!r} is not a directory (point it at a writable "
-                         "directory on a local SSD)")
-        if not os.access(d, os.W_OK | os.X_OK):
-            parser.error(f"{source}: {d!r} is not writable (choose a directory you can write)")
     return bases
+
+
+def _check_runtime_settings(strategies: list[str], device, nvme_bases: list[str],
+                            budget: str | None, parser) -> None:
+    """Build the runtime's settings of every row that runs it, from this environment as its
+    worker will: a bad OFFLOAD_* variable is a usage error now rather than "not available"
+    rows after the run, and a warning (a misspelled variable) shows once here, not only in
+    a worker's log, which is deleted."""
+    from offload.config import Config
+    from offload.errors import ConfigError
+
+    off = []
+    for name in strategies:
+        strategy = strategies_mod.get(name)
+        if not isinstance(strategy, strategies_mod.Offload):
+            continue
+        settings = strategy.kwargs(device, ",".join(nvme_bases), budget)
+        del settings["model"]
+        try:
+            config = Config.from_env(**settings)
+            config.validate()
+        except ConfigError as exc:
+            parser.error(str(exc))
+        if not config.enabled:
+            off.append(name)
+    if off:
+        parser.error(f"{config.where('enabled')} turns offload off, so the {', '.join(off)} "
+                     "row(s) would measure plain autograd and move nothing: unset "
+                     "OFFLOAD_ENABLED, or leave those rows out of --strategies")
 
 
 def _resolve(args, parser) -> Settings:
     import torch
 
     from offload.bench.models import gpt_for_machine
+    from offload.config import Config
+    from offload.errors import ConfigError
+    from offload.util.output_files import output_file_problem
     from offload.util.sizes import parse_size
 
     strategies = _parse_strategies(args.strategies, parser)
     if args.explain and "auto" not in strategies:
         strategies.append("auto")
-    for name, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
-                             ("--rounds", args.rounds, 1), ("--batch", args.batch, 1),
-                             ("--seq", args.seq, 1), ("--max-batch-cap", args.max_batch_cap, 1)):
+    for name, value, low in (("--steps", args.steps, 1), ("--rounds", args.rounds, 1),
+                             ("--batch", args.batch, 1), ("--seq", args.seq, 1),
+                             ("--max-batch-cap", args.max_batch_cap, 1)):
         if value is not None and value < low:
             parser.error(f"{name} {value}: must be at least {low}")
+    if args.warmup < 1:
+        # A run's first step pays one-time costs (kernel choice, first touches of memory,
+        # the runtime's arenas): the timings and the memory baseline begin after it.
+        parser.error(f"--warmup {args.warmup}: must be at least 1 (the first step pays "
+                     "one-time setup, which the timed steps and the memory baseline exclude)")
+    if not args.timeout_s > 0:
+        parser.error(f"--timeout-s {args.timeout_s:g}: must be more than 0 seconds (a worker "
+                     "is killed after it; the default is 1800)")
     device_text = args.device
     if device_text == "auto":
         device_text = "cuda" if torch.cuda.is_available() else "cpu"
@@ -230,7 +274,7 @@ def _resolve(args, parser) -> Settings:
             load_factory(args.model)  # fail now, not in every worker
         except ValueError as exc:
             parser.error(str(exc))
-        gpt, batch = None, args.batch or 8
+        gpt, batch = None, args.batch or MODEL_DEFAULT_BATCH
         model_label, seq_len = args.model, None
     else:
         if args.input_shape:
@@ -268,17 +312,25 @@ def _resolve(args, parser) -> Settings:
             preload = ("transformers",)
 
     if args.budget is not None:
-        try:
-            parse_size(args.budget, allow_percent=True)
-        except ValueError as exc:
-            parser.error(f"--budget {args.budget!r}: {exc}")
-    for opt, path in (("--json", args.json), ("--plot", args.plot)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            parser.error(f"{opt} {path!r}: the directory {os.path.dirname(os.path.abspath(path))!r}"
-                         " does not exist")
-    if args.plot and report.plot_unavailable_reason():
-        parser.error(report.plot_unavailable_reason())
+        try:  # the runtime's own rules for OFFLOAD_BUDGET (a share is at most 100%)
+            Config.from_env(env={}, budget=args.budget)
+        except ConfigError as exc:
+            parser.error(f"--budget {args.budget!r}: "
+                         + str(exc).removeprefix(f"budget={args.budget!r}: "))
+    # Written after the run: a path that cannot be written fails now, not after it.
+    for opt, path, example in (("--json", args.json, "rows.json"),
+                               ("--plot", args.plot, "plot.png")):
+        problem = path and output_file_problem(path, example)
+        if problem:
+            parser.error(f"{opt} {path!r}: {problem}")
+    if args.plot:
+        problem = report.plot_unavailable_reason() or report.plot_format_problem(args.plot)
+        if problem:
+            parser.error(problem if problem.startswith("--plot") else
+                         f"--plot {args.plot!r}: {problem}")
 
+    nvme_bases = _nvme_bases(args.nvme_dir, parser)
+    _check_runtime_settings(strategies, device, nvme_bases, args.budget, parser)
     spec = RunSpec(strategy="none", device=str(device), dtype=dtype, batch=batch,
                    warmup=args.warmup, steps=args.steps, seed=args.seed, gpt=gpt,
                    model=args.model, input_shape=shape if args.model else None,
@@ -286,7 +338,7 @@ def _resolve(args, parser) -> Settings:
                    budget=args.budget, explain=args.explain, plugins=tuple(args.plugin))
     return Settings(
         strategies=strategies, spec=spec, rounds=args.rounds,
-        nvme_bases=_nvme_bases(args.nvme_dir, parser), model_label=model_label,
+        nvme_bases=nvme_bases, model_label=model_label,
         seq_len=seq_len, json_path=args.json, plot_path=args.plot, explain=args.explain,
         max_batch=args.max_batch, memory_limit_bytes=memory_limit,
         max_batch_cap=args.max_batch_cap or 8 * batch, max_batch_time_s=args.max_batch_time_s,

@@ -115,6 +115,9 @@ def resolve(text: str, size: dict[str, int], seq_len: int | None) -> HfModel:
         config["use_cache"] = False  # training: no key/value cache
         where = os.path.abspath(path)  # "dir/file.json" names it in messages and the title
         source = os.path.join(os.path.basename(os.path.dirname(where)), os.path.basename(where))
+    elif os.path.isdir(text):
+        raise ValueError(f"--hf {text!r}: the directory has no config.json (save one there "
+                         "with config.save_pretrained(DIR), or pass a model type such as gpt2)")
     elif os.sep in text or text.endswith(".json"):
         raise ValueError(f"--hf {text!r}: no such file (pass a model type such as gpt2, or a "
                          "path to a config.json)")

@@ -26,6 +26,14 @@ class GPTConfig:
     dropout: float = 0.1
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden", "layers", "heads", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig: {name}={value!r} must be a whole number of at "
+                                 "least 1")
+        if not 0.0 <= self.dropout <= 1.0:  # nn.Dropout's range
+            raise ValueError(f"GPTConfig: dropout={self.dropout!r} must be a probability "
+                             "from 0 to 1")
         if self.hidden % self.heads:
             raise ValueError(
                 f"GPTConfig: hidden={self.hidden} is not divisible by heads={self.heads}"

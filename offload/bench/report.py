@@ -1,6 +1,7 @@
 """Presenting rows: the rich table, ``--json``, ``--plot``, ``--explain``."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import TYPE_CHECKING
 
@@ -11,7 +12,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 __all__ = ["print_table", "footnotes", "write_json", "write_plot", "plot_unavailable_reason",
-           "explain_text"]
+           "plot_format_problem", "explain_text"]
 
 
 def _bytes(v: int | None) -> str:
@@ -200,6 +201,15 @@ def footnotes(rows: list[Row]) -> list[str]:
                        "(OFFLOAD_CPU_HEAP=reuse, the default; =release returns it to the OS "
                        "at about twice the page faults)")
             lines.append(f"  {_UNEXPLAINED} {r.strategy}: {r.resident_check}: {why}")
+    for r in shown:
+        if r.unsettled:
+            lines.append(f"  {r.strategy}: had not settled after {r.untimed_steps} untimed steps "
+                         f"({r.unsettled}), so its times are not yet what a longer run gets")
+        elif r.untimed_steps and r.warmup is not None and r.untimed_steps > r.warmup:
+            lines.append(f"  {r.strategy}: timed after {r.untimed_steps} untimed steps "
+                         f"({r.warmup} warm-up, then until it settled"
+                         + (": its profile and trial steps" if r.strategy == "auto" else "")
+                         + "), so its times are those of what it settled on")
     no_thp = [r.strategy for r in shown
               if r.device == "cpu" and r.nvme_bytes and r.torch_thp is False]
     if no_thp:
@@ -232,9 +242,14 @@ def footnotes(rows: list[Row]) -> list[str]:
 def write_json(rows: list[Row], path: str) -> None:
     """The --json file (rows.to_json: one schema, versioned)."""
     tmp = path + ".part"
-    with open(tmp, "w") as f:
-        f.write(to_json(rows))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(to_json(rows))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # no half-written file left behind
+            os.unlink(tmp)
+        raise
 
 
 def plot_unavailable_reason() -> str | None:
@@ -245,6 +260,19 @@ def plot_unavailable_reason() -> str | None:
         return "--plot needs matplotlib, an optional extra: pip install 'offload[bench]' " \
                "(or pip install matplotlib), or drop --plot"
     return None
+
+
+def plot_format_problem(path: str) -> str | None:
+    """Why matplotlib cannot write `path` (its extension names the format), or None."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # write_plot's backend
+
+    formats = sorted(FigureCanvasAgg.get_supported_filetypes())
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext in formats:
+        return None
+    what = f"matplotlib writes no '.{ext}' files" if ext else \
+        "no extension to tell matplotlib the format"
+    return f"{what} (use .png, .svg or .pdf; it writes {', '.join(formats)})"
 
 
 def write_plot(rows: list[Row], path: str) -> None:
@@ -281,4 +309,5 @@ def explain_text(rows: list[Row]) -> str:
         return f"--explain: the auto policy is not available: {row.reason}"
     if not row.plan:
         return "--explain: auto ran, but the runtime exposed no plan (ctx.plan is missing)"
-    return "auto plan:\n" + row.plan
+    # The runtime's text opens with its own "auto plan: ..." line (schedule/explain.py).
+    return row.plan if row.plan.startswith("auto plan") else "auto plan:\n" + row.plan

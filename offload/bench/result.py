@@ -31,6 +31,8 @@ class RunResult:
     samples_per_step: int | None = None
     # time
     step_times_s: list[float] = field(default_factory=list)
+    untimed_steps: int | None = None   # steps before the timed ones (warm-up, settling)
+    unsettled: str | None = None       # why the timed steps began before the strategy settled
     # memory (see measure's module doc)
     cuda_peak_bytes: int | None = None
     cuda_total_bytes: int | None = None

@@ -93,6 +93,8 @@ class Row:
     tokens_per_s: float | None = None
     samples_per_s: float | None = None
     overhead_vs_none: float | None = None
+    untimed_steps: int | None = None  # before the timed ones: warm-up, profile, trials
+    unsettled: str | None = None      # why it was timed before it settled (Strategy.unsettled)
     # memory
     peak_activation_bytes: int | None = None
     peak_activation_source: str | None = None  # "cuda allocator" | "process rss"
@@ -198,6 +200,8 @@ def make_row(strategy: str, description: str, meta: Meta, results: list[RunResul
     if len(times) >= 2:
         q = statistics.quantiles(times, n=4, method="inclusive")
         row.step_s_iqr = q[2] - q[0]
+    row.untimed_steps = _max_or_none([r.untimed_steps for r in ok])
+    row.unsettled = next((r.unsettled for r in ok if r.unsettled), None)
     if row.tokens_per_step:
         row.tokens_per_s = row.tokens_per_step / row.step_s_median
     row.samples_per_s = (first.samples_per_step or 0) / row.step_s_median

@@ -29,8 +29,14 @@ import torch
 
 from offload.bench.workload import Workload, checkpointed, load_module
 
-__all__ = ["Strategy", "StepOutcome", "Unavailable", "PUBLIC_STRATEGIES", "register", "get",
-           "names", "load_plugins", "plugins"]
+__all__ = ["Strategy", "StepOutcome", "Unavailable", "PUBLIC_STRATEGIES", "SETTLE_MAX_STEPS",
+           "auto_unsettled", "register", "get", "names", "load_plugins", "plugins"]
+
+# Untimed steps a strategy may take to settle (Strategy.unsettled) beyond its warm-up before
+# its steps are timed anyway (the row then says so). auto's trials take at most 6 steps (2
+# rounds of the plan and up to two whole-block strategies: offload/schedule/trials.py); room
+# for a re-profile and its trials besides.
+SETTLE_MAX_STEPS = 20
 
 
 class Unavailable(Exception):
@@ -55,6 +61,12 @@ class Strategy:
 
     def resident(self, device: torch.device) -> str | None:
         return "counted"
+
+    def unsettled(self, outcome: StepOutcome | None) -> str | None:
+        """Why the next step would not yet run what this strategy runs from then on (auto:
+        trial steps still to run), or None. The worker runs untimed steps until it is None,
+        at most SETTLE_MAX_STEPS; `outcome` is the latest step's (None before the first)."""
+        return None
 
     def step(self, wl: Workload, nvme_dir: str | None, budget: str | None) -> StepOutcome:
         """One forward + backward of `wl` under this strategy."""
@@ -134,7 +146,8 @@ class Offload(Strategy):
                  cpu_tiers: str, cuda_tiers: str):
         self.name, self.policy, self.description = name, policy, description
         self._tiers = {"cpu": cpu_tiers, "cuda": cuda_tiers}
-        # auto's first step warms up (--warmup covers it), its second profiles: untimed too.
+        # auto's first step warms up (--warmup covers it), its second profiles: untimed too;
+        # its trial steps after that are waited out (unsettled).
         self.extra_warmup = 1 if policy == "auto" else 0
 
     def tiers(self, device: torch.device) -> str:
@@ -153,6 +166,11 @@ class Offload(Strategy):
         # Our hooks see what stays between forward and backward; a block being recomputed
         # saves its own set inside checkpoint, where no outer hook looks.
         return "stats+block" if self.policy == "recompute" else "stats"
+
+    def unsettled(self, outcome):
+        if self.policy != "auto":
+            return None
+        return auto_unsettled(outcome.ctx if outcome is not None else None)
 
     def unavailable_reason(self, device, nvme_dir):
         reason = _runtime_reason()
@@ -176,6 +194,18 @@ class Offload(Strategy):
             direct = _store_direct(ctx)  # the tiers close when backward is done
             loss.backward()
         return StepOutcome(stats=ctx.stats.as_dict(), ctx=ctx, nvme_direct=direct)
+
+
+def auto_unsettled(ctx: Any) -> str | None:
+    """Why the next step of an `auto` context would not run the strategy it settled on, or
+    None: no plan yet (warm-up and profile steps), or trial steps still to run
+    (offload/schedule/trials.py NOTE [Trials]). Reads the public `ctx.plan`."""
+    plan = getattr(ctx, "plan", None)
+    if plan is None:
+        return "no plan yet"
+    if not plan.settled:
+        return "trial steps still to run: " + ", ".join(plan.pending)
+    return None
 
 
 def _store_direct(ctx: Any) -> bool | None:

@@ -33,7 +33,7 @@ import torch
 from offload.bench import measure
 from offload.bench.result import RunResult
 from offload.bench.spec import RunSpec
-from offload.bench.strategies import Unavailable, get, load_plugins
+from offload.bench.strategies import SETTLE_MAX_STEPS, Unavailable, get, load_plugins
 from offload.bench.workload import Workload, block_names, build_workload, checkpointed
 from offload.schedule.blocks import block_type_key
 from offload.tiers.heap import torch_thp_enabled
@@ -172,12 +172,22 @@ def _measure(spec: RunSpec, result: RunResult) -> None:
         torch.manual_seed(spec.seed + 2)  # identical dropout masks in every step/strategy
 
     try:
-        # A strategy may need untimed steps of its own (auto: its profile step).
+        # A strategy may need untimed steps of its own (auto: its profile step), and more
+        # until it settles (auto: its trial steps), so that the timed steps run what a long
+        # run gets; at most SETTLE_MAX_STEPS more, then the row says it never settled.
         warmup = spec.warmup + strategy.extra_warmup
-        for i in range(warmup + spec.steps):
-            if i == warmup and i > 0:
-                # CPU: the pooled staging arena must not hide in the baseline (measure doc).
-                rss.rebase(release=_drop_runtime_pool if device.type == "cpu" else None)
+        i, timing = 0, False
+        while len(result.step_times_s) < spec.steps:
+            if not timing and i >= warmup:
+                result.unsettled = strategy.unsettled(outcome)
+                timing = result.unsettled is None or i >= warmup + SETTLE_MAX_STEPS
+                if timing:
+                    result.untimed_steps = i
+                    if i > 0:
+                        # CPU: the pooled staging arena must not hide in the baseline
+                        # (measure doc).
+                        rss.rebase(release=_drop_runtime_pool if device.type == "cpu"
+                                   else None)
             reset()
             measure.synchronize(device)
             if device.type == "cuda":
@@ -187,7 +197,8 @@ def _measure(spec: RunSpec, result: RunResult) -> None:
             outcome = _step(strategy, wl, spec, result, reset)
             measure.synchronize(device)
             elapsed_s = time.perf_counter() - t0
-            if i < warmup:
+            i += 1
+            if not timing:
                 continue
             result.step_times_s.append(elapsed_s)
             result.stats_steps.append(outcome.stats)

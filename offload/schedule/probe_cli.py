@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..config import Config
     from ..errors import ConfigError
+    from ..util.output_files import output_file_problem
     from . import probe
 
     p = argparse.ArgumentParser(prog="offload-probe", description=__doc__.splitlines()[0])
@@ -126,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--refresh", action="store_true", help="measure again, update the cache")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
+    if args.io_workers is not None and args.io_workers < 1:
+        p.error(f"--io-workers {args.io_workers}: must be at least 1 (leave it out for "
+                "$OFFLOAD_IO_WORKERS, default 4)")
+    # Written after measuring: a path that cannot be written fails now, not after it.
+    problem = args.json and output_file_problem(args.json, "figures.json")
+    if problem:
+        p.error(f"--json {args.json!r}: {problem}")
     text = args.device if args.device != "auto" else \
         ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -137,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides: dict[str, Any] = {}
     if args.nvme_dir:
         overrides["nvme_dir"] = args.nvme_dir
-    if args.io_workers:
+    if args.io_workers is not None:
         overrides["io_workers"] = args.io_workers
     if args.refresh:
         overrides["probe"] = "refresh"
