@@ -107,9 +107,11 @@ void SlabFile::reserve(uint64_t nbytes, std::vector<LogNote>* notes) {
                    "cannot reserve " + std::to_string(nbytes_) + " bytes for the NVMe slab" +
                        free_space_note(dir_) + "; lower the NVMe capacity or free space on that disk",
                    dir_);
-  notes->push_back({10, "fallocate is not supported in '" + dir_ +
-                            "'; space is not reserved up front, so a full disk shows up as "
-                            "ENOSPC on a later write"});
+  notes->push_back({30, "fallocate is not supported in '" + dir_ +
+                            "', so the nvme tier's space is not reserved up front: a disk that "
+                            "fills up while it writes fails that step with ENOSPC (keep more "
+                            "free space there than OFFLOAD_NVME_BYTES, or use a file system "
+                            "with fallocate: ext4, xfs)"});
   if (::ftruncate(fd_.get(), static_cast<off_t>(nbytes_)) != 0)
     throw_io_error(errno, "cannot size the NVMe slab file", dir_, 0,
                    static_cast<int64_t>(nbytes_));
@@ -167,8 +169,11 @@ void SlabFile::transfer_full(bool write, char* p, size_t nbytes, uint64_t offset
     if (n < 0) {
       if (errno == EINTR) continue;
       throw_io_error(errno,
-                     write ? "write to the NVMe slab file failed"
-                           : "read from the NVMe slab file failed",
+                     !write             ? "read from the NVMe slab file failed"
+                     : errno == ENOSPC ? "write to the NVMe slab file failed: the disk is "
+                                         "full (its file system reserves no space up front; "
+                                         "free space there or lower OFFLOAD_NVME_BYTES)"
+                                       : "write to the NVMe slab file failed",
                      label_, static_cast<int64_t>(offset + done), static_cast<int64_t>(nbytes - done));
     }
     if (n == 0)  // the slab was sized up front, so EOF means it was truncated under us

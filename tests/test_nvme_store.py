@@ -600,7 +600,9 @@ def test_enospc_during_a_write_reaches_the_future():
         store = C.NvmeStore([small], 32 * MiB, chunk_bytes=256 * 1024)
         src = _random_bytes(16 * MiB, seed=6)
         ext = store.allocate(src.numel())
-        with pytest.raises(StorageError, match="write to the NVMe slab file failed") as info:
+        with pytest.raises(StorageError, match="write to the NVMe slab file failed: the disk is "
+                           r"full \(its file system reserves no space up front; free space "
+                           "there or lower OFFLOAD_NVME_BYTES") as info:
             store.write_ptr(ext, src.data_ptr(), src.numel()).wait()
         assert info.value.errno == errno.ENOSPC and info.value.filename == small
         assert info.value.offset is not None and info.value.nbytes is not None
@@ -608,13 +610,15 @@ def test_enospc_during_a_write_reaches_the_future():
         assert [f for f in os.listdir(small) if f != "lost+found"] == []
 
 
-def test_fallocate_fallback_is_logged_at_debug(caplog):
+def test_fallocate_fallback_is_a_warning(caplog):
+    """Without fallocate a full disk fails a later step's write (ENOSPC): said up front, at
+    WARNING (a DEBUG note was all a user got before the failure)."""
     with _mounted("ext2", size_bytes=8 * MiB) as small:
-        with caplog.at_level(logging.DEBUG, logger="offload"):
+        with caplog.at_level(logging.WARNING, logger="offload"):
             store = C.NvmeStore([small], MiB)
         store.close()
-    assert any("fallocate is not supported" in r.message and r.levelno == logging.DEBUG
-               for r in caplog.records)
+    assert any("fallocate is not supported" in r.message and r.levelno == logging.WARNING
+               and "fails that step with ENOSPC" in r.message for r in caplog.records)
 
 
 def test_bad_arguments_name_the_argument(nvme_dir):
