@@ -136,6 +136,16 @@ class ActivationOffload:
     def active(self) -> bool:
         return self._hook_thread is not None
 
+    def __repr__(self) -> str:
+        config = self.config
+        if not config.enabled:
+            return "<offload.activations disabled>"
+        where = ",".join(config.tiers) + (f" nvme_dir={','.join(config.nvme_dir)}"
+                                          if "nvme" in config.tiers else "")
+        model = f" model={type(self.model).__name__}" if self.model is not None else ""
+        return (f"<offload.activations policy={config.policy} tiers={where}{model}"
+                f"{' active' if self.active else ''}>")
+
     # ---------------------------------------------------------------- enter / exit
     def __enter__(self) -> "ActivationOffload":
         # A KeyboardInterrupt may land between any two lines here: everything this enter

@@ -354,3 +354,15 @@ def test_an_interrupt_while_blocks_are_wrapped_leaves_none_wrapped(nvme_dir, mon
                 pass
     assert not ctx.active and _hook_stack_empty()
     assert not any("forward" in block.__dict__ for block in model)
+
+
+def test_a_context_says_what_it_is(nvme_dir):
+    """repr(ctx) was `<offload.context.ActivationOffload object at 0x...>`."""
+    model = nn.Linear(4, 4)
+    ctx = offload.activations(model=model, policy="offload", tiers="host,nvme",
+                              nvme_dir=nvme_dir)
+    assert repr(ctx) == (f"<offload.activations policy=offload tiers=host,nvme "
+                         f"nvme_dir={nvme_dir} model=Linear>")
+    with ctx:
+        assert repr(ctx).endswith(" active>")
+    assert repr(offload.activations(enabled=False)) == "<offload.activations disabled>"
