@@ -22,9 +22,14 @@
 // batch, or while the engine writes it. So before a batch goes to the engine, each write
 // asks its storage where its bytes are now; one that moved is written from a copy of its
 // bytes as they are now (the bytes autograd reads in backward), at the same phase. Retiring
-// a write asks again (a storage moved while the engine wrote it is written once more, from
-// a copy); every read retires its payload's write first (NOTE [Read after write]). A move
-// after the retire is harmless: the write had landed before the old memory was freed.
+// a write asks again, and a write that failed with EFAULT (its memory was unmapped under
+// the engine) counts as moved: it is written once more, from a copy; every read retires its
+// payload's write first (NOTE [Read after write]). A move after the retire is harmless: the
+// write had landed before the old memory was freed. Not seen: a storage that moves while
+// the engine reads it and comes back to the same address (a resize there and back can),
+// whose write may hold bytes of neither; with OFFLOAD_NVME_CHECKSUM=1 the engine's checksum
+// of the freed memory can even crash. Moving a saved tensor's storage while the step runs
+// is what this covers as far as it can, not something to do.
 //
 // NOTE [Read after write] The engine does not order a read after a write of the same
 // extent; reading before the write landed returns stale bytes. Every read first retires its

@@ -5,10 +5,12 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <vector>
 
 #include "bindings.hpp"
+#include "error.hpp"
 #include "nvme_transfers.hpp"
 #include "perf_clock.hpp"
 #include "py_calls.hpp"
@@ -26,6 +28,9 @@ bool source_moved(const NvmeWrite& write) {
 }
 
 // Points `write` at a copy of its storage's bytes as they are now, at the payload's phase.
+// Its callers run it right after `source_moved`, with nothing between that could run Python
+// (`data_ptr` and `nbytes` are C methods of the storage): no nested submit can hand the
+// write over in between.
 void copy_moved_source(State* s, const NvmePayload* p, NvmeWrite* write) {
   const auto now = static_cast<uintptr_t>(as_int(call_method(write->source, io_names.data_ptr)));
   // A storage shrunk below the saved bytes (`resize_(0)`) gives what is left; autograd
@@ -51,11 +56,20 @@ void retire(State* s, NvmePayload* p) {
   std::exception_ptr error;
   uint64_t written = 0;
   try {
-    written = completion_wait(write->done);
+    bool faulted = false;
+    try {
+      written = completion_wait(write->done);
+    } catch (const IoError& e) {
+      // The memory was unmapped while the engine read it (EFAULT): the storage moved, maybe
+      // back to the same address (a resize there and back): written again, below.
+      if (e.err() != EFAULT || write->source == nullptr || write->copy) throw;
+      faulted = true;
+    }
     // NOTE [A source that moved], while the engine wrote it: written again, from a copy.
-    if (!p->released && s->store && p->extent && source_moved(*write)) {
+    if (!p->released && s->store && p->extent && (faulted || source_moved(*write))) {
       copy_moved_source(s, p, write.get());
       std::shared_ptr<IoRequest> again = s->store->write_ptr(*p->extent, write->address, p->nbytes);
+      write->done.request = again;   // what a retire on another thread waits for now
       Py_BEGIN_ALLOW_THREADS
       again->wait(std::nullopt);
       Py_END_ALLOW_THREADS

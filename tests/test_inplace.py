@@ -298,27 +298,25 @@ def test_a_saved_storage_moved_after_the_forward_gives_autograds_gradient(move, 
         w.grad = None
 
 
-def test_a_storage_moved_after_its_write_was_handed_over_is_written_from_its_new_memory(
-        path, nvme_dir):
-    """NOTE [A source that moved], the retire side: a 4 MiB save goes to the engine at once;
-    the storage then moves (its old memory freed, free to be reused while the write reads
-    it). Retiring the write, before backward reads it, writes the bytes where the storage
-    keeps them now. Seen here through a change made after the move through `.data`, which
-    autograd reads and which only the new memory holds."""
+def test_a_storage_moved_while_the_disk_writes_it_gives_autograds_gradient(path, nvme_dir):
+    """NOTE [A source that moved], the retire side: a 64 MiB save goes to the engine at
+    once, throttled so that its write is still running when the storage moves
+    (`share_memory_()` unmaps the old memory under it): the write failed with EFAULT (a
+    StorageError in backward) or held bytes read from freed memory. Retiring it now writes
+    the bytes from where the storage keeps them."""
     torch.manual_seed(0)
-    w = torch.randn(1024, 8, requires_grad=True)
-    x = torch.randn(1024, 1024)
+    w = torch.randn(4096, 8, requires_grad=True)
+    x = torch.randn(4096, 4096)   # 64 MiB: written chunk by chunk, most after the move
 
     def step():
         kept = x.clone()
         y = (kept @ w).tanh()
         kept.share_memory_()
-        kept.data.mul_(2)
         y.sum().backward()
 
     step()
     want, w.grad = w.grad, None
-    with offload.activations(**_kw("nvme", nvme_dir)) as ctx:
+    with offload.activations(**_kw("nvme", nvme_dir), nvme_max_bw="200MB") as ctx:
         step()
     assert torch.equal(w.grad, want)
     assert ctx.stats.nvme_bytes >= x.nbytes
