@@ -49,9 +49,12 @@ autograd checks. Plain autograd raises its in-place error when another save of t
 is unpacked after such a write. A CPU nvme payload's copy is one flat tensor and each save
 is a view of it, sharing its version counter: its version is noted when it is loaded, and an
 unpack from the cache that finds it moved on raises autograd's error, with the version
-autograd would report (the save's own plus the writes). The copies rebuilt over a storage
-(a CUDA storage's, and the Python records') have counters of their own: not seen there
-(README, *Limits*).
+autograd would report (the save's own plus the writes). Not seen: a copy let go before
+the next unpack (every save of the storage was unpacked: the weak reference died, and the
+bytes are loaded afresh; a single save written through `grad_fn._saved_self`, a retained
+graph's second backward), and the copies rebuilt over a storage (a CUDA storage's, and the
+Python records'), whose counters are their own (README, *Limits*). Seeing the first would
+cost a version sentinel per load.
 
 NOTE [Unpack cache] Several saved tensors of one storage are unpacked at different times.
 The loaded bytes stay referenced by the record while some of its saved tensors have not been
