@@ -24,9 +24,9 @@ run), so a run whose lengths vary (unpadded batches) profiles each length once a
 from then on. A plan holds every call its profiled step made: a step of micro-batches of
 two lengths (gradient accumulation in one context) runs one plan for both. A call with
 other shapes than the plan holds runs checkpointed, with the blocks after it, and the class
-profiles again; after SHAPE_REPROFILES such profiles (calls of another shape every other
-step: the profiled step may never see them) the class keeps its plan, and such calls run
-checkpointed (said once). Until the first block call the class is not known: the storages saved before
+profiles again; after SHAPE_REPROFILES such profiles with no step between them that its
+plan held (calls of another shape every other step: the profiled step may never see them)
+the class keeps its plan for good, and such calls run checkpointed (said once). Until the first block call the class is not known: the storages saved before
 it follow the plan of the latest step's class where their size is the one planned for, else
 move (memory-safe), and are recorded in case this step turns out to profile. A block the
 profiled step did not run (layer drop) uses the decisions of the nearest profiled block of
@@ -245,6 +245,7 @@ class AutoSession(Session):
                     keep = state.shape_misses.get(key, 0) >= SHAPE_REPROFILES
                     state.shape_misses[key] = state.shape_misses.get(key, 0) + 1
                     if keep:
+                        state.ran(key)   # still in use: not the least recently run
                         return
                 state.plans.pop(key, None)
                 state.reasons[key] = self._fallback
@@ -264,6 +265,8 @@ class AutoSession(Session):
         trials = entry.trial_steps
         with state.lock:
             state.ran(key)
+            if state.shape_misses.get(key, 0) < SHAPE_REPROFILES:
+                state.shape_misses.pop(key, None)   # its plan held this step's calls
             settled = trials.pending and trials.done(
                 mode, self._clock.seconds(self._t0, self._clock.mark(report.end_s)))
         if settled:

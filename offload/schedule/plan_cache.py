@@ -85,7 +85,7 @@ class PlanCache:
         self.warm = False    # a training step ran: from now on a class without plan profiles
         self.last = NO_BLOCK  # the class of the latest step that ran or made a plan
         self.reasons: dict = {}  # class -> why it profiles again (in its plan's log line)
-        # class -> steps that met calls of other shapes than its plans held
+        # class -> steps in a row that met calls of other shapes than its plans held
         self.shape_misses: dict = {}
         self.lock = threading.Lock()
 
