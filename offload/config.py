@@ -288,7 +288,7 @@ class Config:
                 raise ConfigError(f"{where}: {path!r} is on a read-only file system ({fix})")
             if not os.access(path, os.W_OK | os.X_OK):
                 raise ConfigError(f"{where}: {path!r} is not writable by this process ({fix})")
-            kind = fs_type(path)
+            kind = _fs_type_of(path)
             if kind in RAM_FS_TYPES:   # ramfs reports no size: refused above
                 _warn_once(f"nvme_dir_in_ram:{os.path.realpath(path)}",
                            f"offload: {where}: {path!r} is on {kind}, whose files are RAM: "
@@ -416,6 +416,19 @@ def forget_warnings() -> None:
     _warned_unknown.clear()
     _last_scan[0] = None
     _from_env_cache.clear()
+    _fs_types.clear()
+
+
+# Directory -> its file system type, read once: /proc/self/mountinfo costs ~90 us with 20
+# mounts, and a context is often built every step.
+_fs_types: dict[str, str | None] = {}
+
+
+def _fs_type_of(path: str) -> str | None:
+    real = os.path.realpath(path)
+    if real not in _fs_types:
+        _fs_types[real] = fs_type(real)
+    return _fs_types[real]
 
 
 def _warn_once(key: str, message: str) -> None:

@@ -7,7 +7,7 @@
 
 Construction parses and validates every setting (ConfigError before the first forward;
 nothing touches the disk). `__enter__` resolves capacities, opens the tiers and installs the
-hooks. `__exit__` removes the hooks (in any order among offload contexts: hook_stack.py);
+hooks. `__exit__` removes the hooks wherever they are on torch's stack (hook_stack.py);
 the step ends as soon as no saved tensor needs its tiers, at a defined point (NOTE [End of
 step] in step.py). When the block raises, everything is freed (slab files, arena space,
 hooks) and the original exception propagates unchanged.

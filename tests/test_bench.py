@@ -11,6 +11,7 @@ run happens once per module and several tests read its rows.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -609,8 +610,9 @@ def test_a_misspelled_variable_is_said_in_the_parent(monkeypatch, nvme_dir, capl
     monkeypatch.setenv("OFFLOAD_TIRES", "nvme")
     forget_warnings()  # said once per process: maybe already, by another test
     parser = build_parser()
-    _resolve(parser.parse_args(TINY + ["--strategies", "offload-host", "--nvme-dir",
-                                       nvme_dir]), parser)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        _resolve(parser.parse_args(TINY + ["--strategies", "offload-host", "--nvme-dir",
+                                           nvme_dir]), parser)
     assert any("OFFLOAD_TIRES='nvme' is not a variable offload knows" in r.getMessage()
                for r in caplog.records)
 

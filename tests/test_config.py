@@ -587,13 +587,12 @@ def test_the_docstring_of_activations_names_every_setting():
     assert [name.strip() for name in listed.split(",")] == [f.name for f in _knobs()]
 
 
-def test_the_nvme_capacity_says_what_it_was_taken_of(nvme_dir):
+def test_the_nvme_capacity_says_what_it_was_taken_of(small_disk):
     """`nvme_capacity_source` was always "" (only the host tier set its source)."""
     x = torch.randn(64, 64, requires_grad=True)
-    offload.empty_cache()
     for spec, source in (("4MiB", "OFFLOAD_NVME_BYTES"),
-                         ("1%", f"1% of the free space in {nvme_dir}")):
-        with offload.activations(tiers="nvme", nvme_dir=nvme_dir, nvme_bytes=spec,
+                         ("50%", f"50% of the free space in {small_disk}")):
+        with offload.activations(tiers="nvme", nvme_dir=small_disk, nvme_bytes=spec,
                                  min_bytes=0) as ctx:
             (x * 2).tanh().sum().backward()
         assert ctx.stats.as_dict()["nvme_capacity_source"] == source

@@ -156,8 +156,8 @@ def test_an_nvme_directory_removed_after_the_check_names_itself_and_the_fix(tmp_
     offload.empty_cache()
     gone.rmdir()
     with pytest.raises(offload.StorageError, match=r"the NVMe directory cannot be read now "
-                       r"\(No such file or directory\); recreate it, or point "
-                       r"OFFLOAD_NVME_DIR / nvme_dir= at an existing directory") as err:
+                       r"\(No such file or directory\); make it a directory this process can "
+                       r"read again, or point OFFLOAD_NVME_DIR / nvme_dir= at one") as err:
         with ctx:
             (x * 2).tanh().sum().backward()
     assert err.value.errno == errno.ENOENT and err.value.filename == str(gone)

@@ -77,8 +77,9 @@ def striped_room(dirs: Iterable[str], held: Iterable[tuple[str, int]] = ()) -> S
             device, free = _read_free(path)
         except OSError as exc:   # gone since the settings were checked (removed, unmounted)
             raise StorageError(exc.errno or 0, "the NVMe directory cannot be read now "
-                               f"({exc.strerror}); recreate it, or point OFFLOAD_NVME_DIR / "
-                               "nvme_dir= at an existing directory", path) from exc
+                               f"({exc.strerror}); make it a directory this process can "
+                               "read again, or point OFFLOAD_NVME_DIR / nvme_dir= at one",
+                               path) from exc
         found.setdefault(device, ([], free))[0].append(path)
     back: dict[int, int] = {}
     for path, nbytes in held:
