@@ -43,8 +43,9 @@ def test_sabotage_store_close_is_caught_by_the_descriptor_check(nvme_dir, monkey
     made = []
     original = nvme_space.acquire
 
-    def acquire(dirs, settings, open_store):
-        return original(dirs, settings, lambda: made.append(_NeverClosed(open_store())) or made[-1])
+    def acquire(dirs, settings, open_store, *rest):
+        return original(dirs, settings,
+                        lambda: made.append(_NeverClosed(open_store())) or made[-1], *rest)
 
     monkeypatch.setattr(nvme_space, "acquire", acquire)
     x = torch.randn(256, 256, requires_grad=True)
