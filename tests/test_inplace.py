@@ -249,11 +249,17 @@ def test_a_saved_storage_grown_after_the_forward_gives_autograds_gradient(tiers,
     w = torch.randn(256, 256, requires_grad=True)
     x = torch.randn(256, 256)
     grown = lambda t: 2 * t.untyped_storage().nbytes()   # noqa: E731
-    _resized_after_the_forward(x, w, grown)
+    _as_in_autograd(lambda: _resized_after_the_forward(x, w, grown), w, _kw(tiers, nvme_dir), 3)
+
+
+def _as_in_autograd(step, w, kw, attempts):
+    """`step()` gives `w` the same gradient under offload (`kw`), every attempt (the write
+    in flight or landed), as without it."""
+    step()
     want, w.grad = w.grad, None
-    for attempt in range(3):
-        with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
-            _resized_after_the_forward(x, w, grown)
+    for attempt in range(attempts):
+        with offload.activations(**kw) as ctx:
+            step()
         assert torch.equal(w.grad, want)
         assert ctx.stats.host_bytes + ctx.stats.nvme_bytes > 0
         w.grad = None
@@ -288,14 +294,7 @@ def test_a_saved_storage_moved_after_the_forward_gives_autograds_gradient(move, 
     torch.manual_seed(0)
     w = torch.randn(64, 64, requires_grad=True)
     x = torch.randn(64, 64)
-    _moved_after_the_forward(x, w, move)
-    want, w.grad = w.grad, None
-    for attempt in range(5):
-        with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
-            _moved_after_the_forward(x, w, move)
-        assert torch.equal(w.grad, want)
-        assert ctx.stats.host_bytes + ctx.stats.nvme_bytes > 0
-        w.grad = None
+    _as_in_autograd(lambda: _moved_after_the_forward(x, w, move), w, _kw(tiers, nvme_dir), 5)
 
 
 def test_a_storage_moved_while_the_disk_writes_it_gives_autograds_gradient(path, nvme_dir):
@@ -308,18 +307,8 @@ def test_a_storage_moved_while_the_disk_writes_it_gives_autograds_gradient(path,
     w = torch.randn(4096, 8, requires_grad=True)
     x = torch.randn(4096, 4096)   # 64 MiB: written chunk by chunk, most after the move
 
-    def step():
-        kept = x.clone()
-        y = (kept @ w).tanh()
-        kept.share_memory_()
-        y.sum().backward()
-
-    step()
-    want, w.grad = w.grad, None
-    with offload.activations(**_kw("nvme", nvme_dir), nvme_max_bw="200MB") as ctx:
-        step()
-    assert torch.equal(w.grad, want)
-    assert ctx.stats.nvme_bytes >= x.nbytes
+    _as_in_autograd(lambda: _moved_after_the_forward(x, w, torch.Tensor.share_memory_), w,
+                    dict(_kw("nvme", nvme_dir), nvme_max_bw="200MB"), 1)
 
 
 class _DoublesItsSave(torch.autograd.Function):
