@@ -106,6 +106,7 @@ void NvmeStore::close() {
 }
 
 void NvmeStore::abandon_after_fork() noexcept {
+  forked_.store(true);
   closed_.store(true);
   for (auto& slab : slabs_) slab->close();
   // Deliberately leaked: destroying them would join threads that do not exist here.
@@ -115,7 +116,13 @@ void NvmeStore::abandon_after_fork() noexcept {
 }
 
 void NvmeStore::check_open() const {
-  if (closed_.load()) throw UseAfterClose("NvmeStore is closed");
+  if (!closed_.load()) return;
+  if (forked_.load())
+    throw UseAfterClose("NvmeStore is closed: this process was forked from the one that "
+                        "saved these tensors, and a child cannot read the parent's nvme store "
+                        "(run backward in the parent, or use the host tier for graphs a child "
+                        "backwards)");
+  throw UseAfterClose("NvmeStore is closed");
 }
 
 bool NvmeStore::direct() const noexcept {

@@ -182,6 +182,7 @@ class NvmeStore {
   std::shared_ptr<ThreadPool> write_stager_;    // waits for D2H events, then queues writes
   std::shared_ptr<ThreadPool> release_stager_;  // holds pinned blocks until H2D copies end
   std::atomic<bool> closed_{false};
+  std::atomic<bool> forked_{false};   // closed by abandon_after_fork: said in its error
   std::mutex close_mu_;
 };
 

@@ -160,3 +160,29 @@ def test_a_forked_child_shares_no_arena_pages():
     child.join(10)
     # Without MADV_WIPEONFORK the child's mapping would show the parent's 16 MiB.
     assert rss_kib is not None and rss_kib < 1024, f"child maps {rss_kib} KiB of the arena"
+
+
+def _backward_in_child(y, conn):
+    try:
+        y.sum().backward()
+        conn.send("no error")
+    except Exception as exc:   # noqa: BLE001 (the message is what the test reads)
+        conn.send(f"{type(exc).__name__}: {exc}")
+
+
+def test_a_child_backwarding_the_parents_nvme_graph_is_told_why(nvme_dir):
+    """The child got a bare "NvmeStore is closed" (documented: a child cannot read the
+    parent's store); the error now says the process was forked and what to do."""
+    x = torch.randn(256, 256, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        y = (x * 2).sin()
+        parent_end, child_end = _fork.Pipe()
+        child = _fork.Process(target=_backward_in_child, args=(y, child_end))
+        child.start()
+        assert parent_end.poll(60)
+        said = parent_end.recv()
+        child.join(10)
+        y.sum().backward()                   # the parent's own backward is unchanged
+    assert said.startswith("UsedAfterCloseError") and "this process was forked" in said, said
+    assert "use the host tier" in said
+    assert torch.equal(x.grad, 2 * (x * 2).cos()) and ctx.stats.nvme_bytes > 0
