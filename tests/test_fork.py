@@ -163,6 +163,9 @@ def test_a_forked_child_shares_no_arena_pages():
 
 
 def _backward_in_child(y, conn):
+    # GNU OpenMP does not survive a fork once the parent ran a parallel region (the
+    # child's first one hangs, with or without offload): one thread here.
+    torch.set_num_threads(1)
     try:
         y.sum().backward()
         conn.send("no error")
