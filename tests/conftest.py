@@ -51,6 +51,21 @@ def nvme_dir():
         shutil.rmtree(path, ignore_errors=True)
 
 
+def answer_from_forked_child(target, *args, timeout_s: float = 30):
+    """Run `target(*args, conn)` in a forked child and return what it sends on `conn`
+    (failing the test when it sends nothing within `timeout_s`)."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    parent_end, child_end = fork.Pipe()
+    child = fork.Process(target=target, args=(*args, child_end))
+    child.start()
+    assert parent_end.poll(timeout_s), f"{target.__name__} sent nothing in {timeout_s} s"
+    answer = parent_end.recv()
+    child.join(10)
+    return answer
+
+
 def descriptors_into(directory: str) -> list[str]:
     """This process's open descriptors whose target lies in `directory` (a slab shows as
     'directory/#1234 (deleted)')."""

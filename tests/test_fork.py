@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import offload
+from conftest import answer_from_forked_child
 from mounts import free_bytes as _free_bytes
 
 MiB = 1 << 20
@@ -152,12 +153,7 @@ def test_a_forked_child_shares_no_arena_pages():
     arena = core.HostArena(16 * MiB, pinned=False)
     block = arena.allocate(16 * MiB)
     torch.frombuffer(block, dtype=torch.uint8).fill_(1)   # every page touched
-    parent_end, child_end = _fork.Pipe()
-    child = _fork.Process(target=_arena_rss_in_child, args=(arena.base_ptr, child_end))
-    child.start()
-    assert parent_end.poll(30)
-    rss_kib = parent_end.recv()
-    child.join(10)
+    rss_kib = answer_from_forked_child(_arena_rss_in_child, arena.base_ptr)
     # Without MADV_WIPEONFORK the child's mapping would show the parent's 16 MiB.
     assert rss_kib is not None and rss_kib < 1024, f"child maps {rss_kib} KiB of the arena"
 
@@ -179,12 +175,7 @@ def test_a_child_backwarding_the_parents_nvme_graph_is_told_why(nvme_dir):
     x = torch.randn(256, 256, requires_grad=True)
     with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
         y = (x * 2).sin()
-        parent_end, child_end = _fork.Pipe()
-        child = _fork.Process(target=_backward_in_child, args=(y, child_end))
-        child.start()
-        assert parent_end.poll(60)
-        said = parent_end.recv()
-        child.join(10)
+        said = answer_from_forked_child(_backward_in_child, y, timeout_s=60)
         y.sum().backward()                   # the parent's own backward is unchanged
     assert said.startswith("UsedAfterCloseError") and "this process was forked" in said, said
     assert "use the host tier" in said

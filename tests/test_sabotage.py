@@ -14,7 +14,6 @@ no test can catch being removed is not tested.
 """
 from __future__ import annotations
 
-import multiprocessing
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ import torch
 import offload
 import offload.tiers
 from offload.tiers import nvme_space
-from conftest import descriptors_into
+from conftest import answer_from_forked_child, descriptors_into
 from test_inplace import relu_inplace
 
 
@@ -83,15 +82,9 @@ def _child_reports_descriptors(directory, conn):
 def test_sabotage_fork_handler_leaves_the_slab_open_in_the_child(nvme_dir, monkeypatch):
     monkeypatch.setattr(nvme_space, "after_fork_in_child", lambda: None)
     x = torch.randn(256, 256, requires_grad=True)
-    fork = multiprocessing.get_context("fork")
     with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
         y = (x * 2).sin().sum()
-        parent_end, child_end = fork.Pipe()
-        child = fork.Process(target=_child_reports_descriptors, args=(nvme_dir, child_end))
-        child.start()
-        assert parent_end.poll(30)
-        held = parent_end.recv()
-        child.join(10)
+        held = answer_from_forked_child(_child_reports_descriptors, nvme_dir)
         y.backward()
     assert held != [], "test_fork's check would not see the inherited slab"
 
