@@ -69,7 +69,8 @@ def _parse_dirs(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]
             path = os.path.expanduser(item.format_map(subst))
         except (KeyError, ValueError, IndexError) as exc:
             raise _fail(where, f"bad placeholder in {item!r}: {exc}",
-                        "only {rank} and {local_rank} are expanded") from None
+                        "only {rank} and {local_rank} are expanded; "
+                        "write a literal brace twice: '{{' or '}}'") from None
         real = os.path.realpath(path)
         if real in seen:
             raise _fail(where, f"{path!r} is the directory {seen[real]!r} again",
