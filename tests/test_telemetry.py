@@ -119,6 +119,15 @@ def test_stats_report_overlap_and_queue_depths(nvme_dir):
     assert s["stall_fraction"] == pytest.approx(s["stall_s"] / s["step_s"], rel=1e-3, abs=1e-4)
 
 
+def test_a_tiers_figures_by_a_name_no_tier_has_are_an_error_not_zeros(nvme_dir):
+    ctx = _step(_model(), tiers="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    assert ctx.stats.tier("nvme").bytes > 0
+    assert ctx.stats.tier("host").bytes == 0   # a tier not in use: its figures are zero
+    with pytest.raises(KeyError, match=r"no tier is called 'nvm': the tiers are 'host', 'nvme'"):
+        ctx.stats.tier("nvm")
+    assert "nvm" not in ctx.stats.tiers
+
+
 def test_overlap_fraction_is_the_share_of_io_time_not_stalled():
     stats = Stats()
     stats.write_clock.add_interval(0.0, 2.0)

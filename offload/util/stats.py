@@ -167,9 +167,13 @@ class Stats:
     tier_names: tuple = field(default_factory=lambda: TIER_NAMES[0], repr=False, compare=False)
 
     def tier(self, name: str) -> "TierStats":
-        """The figures of tier `name` (made at first use)."""
+        """The figures of tier `name` (made at first use; a name no tier has is an error,
+        not a row of zeros)."""
         figures = self.tiers.get(name)
         if figures is None:
+            if name not in self.tier_names:
+                raise KeyError(f"no tier is called {name!r}: the tiers are "
+                               f"{', '.join(map(repr, self.tier_names))}")
             figures = self.tiers[name] = TierStats()
         return figures
 
