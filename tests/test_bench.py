@@ -314,6 +314,53 @@ def test_user_model_checkpoints_the_runtimes_blocks(tmp_path, nvme_dir, capsys):
     assert printed.splitlines()[0] == summary(info)
 
 
+def test_ctrl_c_after_some_runs_prints_and_writes_the_finished_ones(tmp_path, nvme_dir,
+                                                                     monkeypatch, capsys):
+    # Was: "interrupted" and nothing else, though two runs had finished and printed a line.
+    from offload.bench import runner as runner_mod
+
+    real_run, calls = runner_mod.WorkerRunner.run, []
+
+    def run(self, spec, **kw):
+        calls.append(spec.strategy)
+        if len(calls) == 3:
+            raise KeyboardInterrupt   # as if Ctrl-C came while the third worker ran
+        return real_run(self, spec, **kw)
+
+    monkeypatch.setattr(runner_mod.WorkerRunner, "run", run)
+    before, out = _workspaces(), tmp_path / "rows.json"
+    code = main(TINY + ["--strategies", "none,checkpoint,recompute", "--rounds", "2",
+                        "--nvme-dir", nvme_dir, "--json", str(out)])
+    assert code == 130
+    assert calls == ["none", "checkpoint", "recompute"]
+    rows = {r.strategy: r for r in rows_mod.from_json(out.read_text())}
+    assert rows["none"].available and rows["none"].rounds == 1
+    assert rows["checkpoint"].available and rows["checkpoint"].bit_exact is True
+    assert rows["checkpoint"].rounds == 1
+    assert not rows["recompute"].available
+    assert rows["recompute"].reason == "interrupted before it ran"
+    captured = capsys.readouterr()
+    assert "checkpoint" in captured.out and "interrupted before it ran" in captured.out
+    assert "interrupted after 2 of 6 runs; the table holds the finished runs" in captured.err
+    assert _workspaces() == before and os.listdir(nvme_dir) == []
+
+
+def test_ctrl_c_before_any_run_finished_prints_no_table(tmp_path, nvme_dir, monkeypatch,
+                                                        capsys):
+    from offload.bench import runner as runner_mod
+
+    def run(self, spec, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner_mod.WorkerRunner, "run", run)
+    before = _workspaces()
+    assert main(TINY + ["--strategies", "none,checkpoint", "--nvme-dir", nvme_dir]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "offload-bench: interrupted; temporary files removed" in captured.err
+    assert _workspaces() == before and os.listdir(nvme_dir) == []
+
+
 def test_a_model_without_blocks_says_so(tmp_path, nvme_dir, capsys):
     (tmp_path / "mlp.py").write_text(
         "import torch.nn as nn\n"

@@ -373,26 +373,49 @@ def benchmark(s: Settings, progress: Progress) -> list[Row]:
         checker = GradChecker()
         runs = [(r, n) for r, n in schedule(s.strategies, s.rounds) if n not in skip]
         task = progress.add_task("starting", total=len(runs))
+        done = 0
         try:
-            for r, name in runs:
-                progress.update(task, description=f"{name} (round {r + 1}/{s.rounds})")
-                result = runner.run(s.spec.replace(strategy=name), save_grads=True)
-                checker.add(name, result.grads_path, result.grad_hashes)
-                results[name].append(result)
-                progress.console.print(_run_line(name, r, s.rounds, result), highlight=False,
-                                       markup=False)
-                progress.advance(task)
+            try:
+                for r, name in runs:
+                    progress.update(task, description=f"{name} (round {r + 1}/{s.rounds})")
+                    result = runner.run(s.spec.replace(strategy=name), save_grads=True)
+                    checker.add(name, result.grads_path, result.grad_hashes)
+                    results[name].append(result)
+                    done += 1
+                    progress.console.print(_run_line(name, r, s.rounds, result),
+                                           highlight=False, markup=False)
+                    progress.advance(task)
+            except KeyboardInterrupt:
+                if not done:
+                    raise
+                interrupted = True   # the runs that finished still make a table
+            else:
+                interrupted = False
             rows = []
             for name in s.strategies:
-                res = results[name] or [skip[name]]
-                rows.append(rows_mod.make_row(name, strategies_mod.get(name).description,
-                                              _meta(s), res, checker.summary(name)))
-            if s.max_batch:
+                res = results[name] or [skip.get(name) or RunResult(
+                    strategy=name, batch=s.spec.batch, reason="interrupted before it ran")]
+                row = rows_mod.make_row(name, strategies_mod.get(name).description, _meta(s),
+                                        res, checker.summary(name))
+                if interrupted and results[name]:
+                    row.rounds = len(results[name])
+                rows.append(row)
+            if s.max_batch and not interrupted:
                 _max_batch(s, rows, results, runner, progress, device.type)
         finally:
             checker.close()
     rows_mod.add_relative(rows)
+    if interrupted:
+        raise Interrupted(rows, done, len(runs))
     return rows
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) after some runs finished: `rows` holds what they measured."""
+
+    def __init__(self, rows: list[Row], done: int, total: int):
+        super().__init__(f"interrupted after {done} of {total} runs")
+        self.rows, self.done, self.total = rows, done, total
 
 
 def _run_line(name: str, r: int, rounds: int, result: RunResult) -> str:
@@ -472,9 +495,12 @@ def _main(args, parser, Console) -> int:
         # SIGTERM unwinds like Ctrl-C, so the workspace is removed (runner Rule 1).
         signal.signal(signal.SIGTERM, _raise_interrupt)
     started = datetime.datetime.now()
+    interrupted: Interrupted | None = None
     try:
         with _progress(err) as progress:
             rows = benchmark(settings, progress)
+    except Interrupted as exc:
+        interrupted, rows = exc, exc.rows
     except KeyboardInterrupt:
         err.print("offload-bench: interrupted; temporary files removed")
         return 130
@@ -500,6 +526,10 @@ def _main(args, parser, Console) -> int:
     if settings.plot_path:
         report.write_plot(rows, settings.plot_path)
         err.print(f"wrote {settings.plot_path}")
+    if interrupted is not None:
+        err.print(f"offload-bench: {interrupted}; the table holds the finished runs (a row's "
+                  f"rounds say how many); temporary files removed")
+        return 130
     return 1 if any(r.error for r in rows) else 0
 
 
