@@ -854,3 +854,20 @@ def test_peak_anonymous_rss_is_the_peak_since_the_reset():
     assert 60 * mib <= grown - start <= 72 * mib  # the 64 MiB since the reset, no more
     assert hwm_file >= 56 * mib                  # the file's pages count in the kernel's peak
     assert abs(with_file - grown) <= 4 * mib     # ... and not in the anonymous one
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_built_in_gpt_starts_near_a_uniform_guess(seed):
+    # GPT-2's initialisation: the first loss is about ln(vocab_size), as in a real run. It
+    # was 40-157 with torch's N(0, 1) embeddings tied to the head.
+    import math
+
+    from offload.bench.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=1024, hidden=128, layers=2, heads=4, seq_len=64)
+    model = GPT(cfg)
+    idx, targets = model.example_batch(2)
+    with torch.no_grad():
+        loss = model.loss(idx, targets).item()
+    assert abs(loss - math.log(cfg.vocab_size)) < 0.5, loss
