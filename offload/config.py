@@ -37,6 +37,7 @@ _DEFAULT_MIN_BYTES = 256 << 10
 _DEFAULT_PREFETCH_BYTES = 64 << 20
 _DEFAULT_STAGING_BYTES = 256 << 20
 _DEFAULT_IO_WORKERS = 4
+_DROP_NVME = "drop 'nvme' from the tiers"   # validate()'s default: the runtime's own fix
 
 
 def _knob(default: Any, *, env: str, kind: str, example: str, doc: str,
@@ -209,10 +210,15 @@ class Config:
         env = _FIELDS[name].metadata["env"]
         return self.sources.get(name, f"{env} (default {_default_text(_FIELDS[name])!r})")
 
-    def validate(self) -> None:
+    def validate(self, *, nvme_dir_alternative: str | None = _DROP_NVME) -> None:
         """Cross-checks that need more than one knob or a look at the file system.
 
         Read-only: stats the NVMe directories but creates nothing.
+
+        Args:
+            nvme_dir_alternative: what a message about an unusable NVMe directory offers
+                besides pointing it elsewhere (the runtime's: drop 'nvme' from the tiers;
+                a CLI says its own, None offers nothing else).
 
         Raises:
             ConfigError: naming the variable, the value and what to do.
@@ -220,7 +226,7 @@ class Config:
         if not self.enabled:
             return  # turned off: nothing else may stop the run (OFFLOAD_ENABLED)
         if "nvme" in self.tiers and self.policy != "keep":
-            self._validate_nvme_dirs()
+            self._validate_nvme_dirs(nvme_dir_alternative)
             self._validate_nvme_size()
         if self.trace is not None:
             self._validate_trace()
@@ -261,8 +267,10 @@ class Config:
             raise ConfigError(f"{where}: directory {directory!r} is not writable by this "
                               f"process ({fix})")
 
-    def _validate_nvme_dirs(self) -> None:
+    def _validate_nvme_dirs(self, alternative) -> None:
         tiers = self.where("tiers")
+        if alternative is _DROP_NVME:
+            alternative = f"drop 'nvme' from {knob(tiers, 'tiers')}"
         if not self.nvme_dir:
             unset, fix = ("OFFLOAD_NVME_DIR is not set", "set OFFLOAD_NVME_DIR to") \
                 if tiers.startswith("OFFLOAD_") else \
@@ -272,8 +280,8 @@ class Config:
                 f"local SSD, or drop 'nvme' from {knob(tiers, 'tiers')})")
         where = self.where("nvme_dir")
         for path in self.nvme_dir:
-            fix = ("point it at a writable directory on a local SSD, or drop 'nvme' "
-                   f"from {knob(tiers, 'tiers')}")
+            fix = "point it at a writable directory on a local SSD" + \
+                (f", or {alternative}" if alternative else "")
             if not os.path.exists(path):
                 raise ConfigError(f"{where}: {path!r} does not exist ({fix})")
             if not os.path.isdir(path):

@@ -266,8 +266,21 @@ def test_probe_command_prints_figures_and_ceilings(nvme_dir, capsys, monkeypatch
                                               "directory '/no/such/dir' does not exist"),
     (["--json", tempfile.gettempdir()], f"--json {tempfile.gettempdir()!r}: "
                                         f"{tempfile.gettempdir()!r} is a directory"),
+    # Were: "nvme_dir='/no/such'" and the runtime's "or drop 'nvme' from tiers=" (the probe
+    # has no tiers option; it measures the disk because a directory was given).
+    (["--nvme-dir", "/no/such"], "--nvme-dir '/no/such': '/no/such' does not exist (point it "
+                                 "at a writable directory on a local SSD, or leave out "
+                                 "--nvme-dir)"),
+    (["--nvme-dir", "/x/{rnak}"], "--nvme-dir '/x/{rnak}': bad placeholder"),
+    ({"OFFLOAD_NVME_DIR": "/no/such"}, "OFFLOAD_NVME_DIR='/no/such': '/no/such' does not exist "
+                                       "(point it at a writable directory on a local SSD, or "
+                                       "unset OFFLOAD_NVME_DIR to measure no disk)"),
 ])
-def test_probe_command_argument_errors(argv, message, capsys):
+def test_probe_command_argument_errors(argv, message, capsys, monkeypatch):
+    if isinstance(argv, dict):   # the environment's
+        for name, value in argv.items():
+            monkeypatch.setenv(name, value)
+        argv = []
     with pytest.raises(SystemExit) as exc:
         probe_main(["--device", "cpu"] + argv)
     assert exc.value.code == 2

@@ -13,6 +13,7 @@ OFFLOAD_* variables like in a training run; the options override them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ..config import Config
+    from ..config_parse import parse_nvme_dirs
     from ..errors import ConfigError
     from ..util.output_files import output_file_problem
     from . import probe
@@ -150,11 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.refresh:
         overrides["probe"] = "refresh"
     try:
+        if args.nvme_dir:   # the runtime's rules, its messages naming the option
+            parse_nvme_dirs(args.nvme_dir, f"--nvme-dir {args.nvme_dir!r}")
         config = Config.from_env(**overrides)
         if config.nvme_dir:
             config = config.with_overrides(tiers=",".join(dict.fromkeys((*config.tiers,
                                                                          "nvme"))))
-            config.validate()
+            if args.nvme_dir:
+                config = dataclasses.replace(config, sources={
+                    **config.sources, "nvme_dir": f"--nvme-dir {args.nvme_dir!r}"})
+            # The probe adds 'nvme' to the tiers itself: without a directory it measures
+            # no disk, so that is the alternative to offer.
+            config.validate(nvme_dir_alternative="leave out --nvme-dir" if args.nvme_dir
+                            else "unset OFFLOAD_NVME_DIR to measure no disk")
         figures = probe.figures_for(config, device)
     except ConfigError as exc:
         p.error(str(exc))
