@@ -19,8 +19,9 @@ def free_bytes(path: str) -> int:
 
 
 @contextlib.contextmanager
-def mounted(fstype: str, options: str = "", size_bytes: int = 16 * MiB):
-    """Mount a fresh filesystem on a temporary directory; skip when mounting is refused.
+def mounted(fstype: str, options: str = "", size_bytes: int = 16 * MiB, name: str = "mnt"):
+    """Mount a fresh filesystem on a temporary directory (called `name`); skip when
+    mounting is refused.
 
     tmpfs / ramfs mount directly; "ext4" / "ext2" are built in an image file and mounted
     through a loop device. Always unmounts and removes what it created.
@@ -28,7 +29,7 @@ def mounted(fstype: str, options: str = "", size_bytes: int = 16 * MiB):
     if os.geteuid() != 0:
         pytest.skip(f"mounting {fstype} needs root")
     work = tempfile.mkdtemp(prefix="offload-mnt-", dir="/var/tmp")
-    point = os.path.join(work, "mnt")
+    point = os.path.join(work, name)
     os.mkdir(point)
     mounted = False
     try:

@@ -332,6 +332,17 @@ def test_an_nvme_dir_in_ram_is_said_once_and_a_disk_one_is_not(nvme_dir, caplog)
                     "a directory on a local SSD)"]
 
 
+@pytest.mark.parametrize("name", ["données", "two words", "back\\slash"])
+def test_a_ram_nvme_dir_is_seen_whatever_its_mount_point_is_called(name):
+    # /proc/self/mountinfo writes blanks and backslashes as octal escapes and the rest as
+    # the path's UTF-8: "données" was read as Latin-1, so its tmpfs went unseen (no warning).
+    from offload.util.disk_space import fs_type
+    with mounted("tmpfs", name=name) as ram:
+        assert fs_type(ram) == "tmpfs"
+        assert fs_type(os.path.join(ram, "sub")) == "tmpfs"
+    assert fs_type(ram) != "tmpfs"
+
+
 def test_model_must_be_a_module():
     with pytest.raises(ConfigError, match=r"model='gpt2': not a torch.nn.Module \(pass the "
                        r"model object"):

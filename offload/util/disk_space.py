@@ -12,6 +12,7 @@ always fits; an absolute size is checked against every file system's part of it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Iterable
@@ -104,6 +105,9 @@ def _read_free(path: str) -> tuple[int, int]:
 RAM_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
 def fs_type(path: str) -> str | None:
     """The file system type of the mount holding `path` (Linux; None when unknown)."""
     try:
@@ -118,8 +122,9 @@ def fs_type(path: str) -> str | None:
         fields = left.split()
         if not sep or len(fields) < 5 or not right.split():
             continue
-        # Mount points escape blanks and backslashes as octal (\040).
-        point = fields[4].encode().decode("unicode_escape")
+        # Mount points escape blanks, newlines and backslashes as octal (\040); the rest
+        # is the path's own UTF-8 (unicode_escape would read that as Latin-1).
+        point = _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
         inside = target == point or target.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= best_len:  # the last of equal mounts is the visible one
             best, best_len = right.split()[0], len(point)
