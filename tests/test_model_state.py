@@ -72,6 +72,54 @@ def test_a_shared_layer_is_wrapped_once_and_unwrapped_at_every_exit(policy, nvme
     ctx.close()
 
 
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_contexts_on_one_model_may_exit_in_any_order(policy, nvme_dir):
+    """Before: entered A, B and exited A, B (micro-batches in flight, threads, generators)
+    left A's wrapper on every block, one more each such step, each holding its step, until
+    every call of the model, with or without offload, raised RecursionError (~480 steps).
+    Three contexts in every exit order: nothing of ours stays, gradients are plain
+    autograd's, and a forward of the user's set over ours stays and still runs."""
+    import itertools
+
+    import offload.runtime.step as step_mod
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Residual() for _ in range(3)])
+    twin = copy.deepcopy(model)
+    xs = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(1))
+    contexts = [offload.activations(model=model, **_settings(policy, nvme_dir))
+                for _ in range(3)]
+    for order in [*itertools.permutations(range(3))] * 2:
+        losses = []
+        for ctx, x in zip(contexts, xs):
+            ctx.__enter__()
+            losses.append(model(x).pow(2).sum())
+        for i in order:
+            contexts[i].__exit__(None, None, None)
+        assert [set(b.__dict__) & {"forward", "__getstate__"} for b in model] == [set()] * 3
+        for loss, x in zip(losses, xs):
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            plain = torch.autograd.grad(twin(x).pow(2).sum(), list(twin.parameters()))
+            assert all(map(torch.equal, grads, plain)), order
+    del losses, loss
+    gc.collect()
+    assert sum(type(o) is step_mod.Step for o in gc.get_objects()) <= len(contexts)
+
+    # Covered by the user's forward when it exits: theirs stays, ours under it passes through.
+    ctx = contexts[0]
+    with ctx:
+        covered = model[1].forward
+        model[1].forward = lambda *args: covered(*args)
+        users = model[1].forward
+    assert model[1].__dict__["forward"] is users and "__getstate__" not in model[1].__dict__
+    with contexts[1]:   # a later context wraps theirs, and puts it back
+        model(xs[0]).pow(2).sum().backward()
+    assert model[1].__dict__["forward"] is users
+    assert torch.equal(model(xs[0]), twin(xs[0]))
+    for c in contexts:
+        c.close()
+
+
 # ---------------------------------------------------------------- copies
 class Residual(nn.Module):
     def __init__(self) -> None:

@@ -26,7 +26,12 @@ exit; a forward the user had set on the instance is put back as it was. Rules:
    every position. Wrapping it once per position stacked wrappers that exit could not all
    undo: they piled up step after step until Python's recursion limit.
 2. Exit puts back exactly what entry found and leaves nothing else on the module (no
-   attribute, no hook); a forward someone else set meanwhile is left alone.
+   attribute, no hook); a forward someone else set meanwhile is left alone. Contexts on one
+   model may exit in any order (micro-batches in flight, threads, generators): an exit
+   whose wrapper another's covers retires it (it passes through, its step let go), and the
+   exit that uncovers it puts back what is under it. Else each out-of-order pair left a
+   wrapper: they piled up until every call of the model, with or without offload, hit
+   Python's recursion limit (~480 steps), each holding its whole step.
 3. Under torch.compile's tracing a wrapper is transparent: the block is traced as the user
    wrote it, so the compiled graph is the one the model compiles to without offload, and
    none of our Python (checkpoint, dispatch modes, hook bookkeeping) is traced into it.
@@ -177,8 +182,9 @@ class BlockWrappers:
                 unwrapped = getattr(found.get("__getstate__"), _UNWRAPPED, found)
                 ours = {"forward": _wrapper(block.forward, where, self._run),
                         "__getstate__": _state_as_unwrapped(block, unwrapped)}
-                for value in ours.values():
+                for key, value in ours.items():
                     setattr(value, _UNWRAPPED, unwrapped)
+                    setattr(value, _BELOW, found.get(key, _NOTHING))
                 self._saved.append((block, found, ours))   # before any is set (Rule 2)
                 for key, value in ours.items():
                     block.__dict__[key] = value
@@ -191,24 +197,42 @@ class BlockWrappers:
         saved, self._saved = self._saved, []
         for block, found, ours in reversed(saved):  # Rule 2
             for key, value in ours.items():
+                _retire(value)
                 if block.__dict__.get(key) is not value:
-                    continue  # replaced by someone else meanwhile: theirs now
-                if key in found:
-                    block.__dict__[key] = found[key]
-                else:
+                    continue  # covered by someone else's: it passes through under theirs
+                below = getattr(value, _BELOW)
+                while _retired(below):   # a wrapping that exited while ours covered it
+                    below = getattr(below, _BELOW)
+                if below is _NOTHING:
                     del block.__dict__[key]
+                else:
+                    block.__dict__[key] = below
 
 
 # The instance attributes a wrapping sets, and the attribute on each that holds what the
 # block had there before any wrapping (Rule 4).
 _SHADOWED = ("forward", "__getstate__")
 _UNWRAPPED = "_offload_unwrapped"
+# On each of our entries: what it covers (Rule 2), and the cell holding its `run` (None
+# once its wrapping exited: retired).
+_BELOW = "_offload_below"
+_RUN = "_offload_run"
+_NOTHING = object()   # below an entry: no instance attribute (the class's)
+
+
+def _retire(value: Callable) -> None:
+    getattr(value, _RUN)[0] = None
+
+
+def _retired(value: Any) -> bool:
+    cell = getattr(value, _RUN, None)
+    return cell is not None and cell[0] is None
 
 
 def _state_as_unwrapped(block: nn.Module, unwrapped: dict) -> Callable[[], Any]:
     """The block's `__getstate__` while wrapped (Rule 4): its state, with each attribute a
     wrapping set (and still there) as it was before any."""
-    def __getstate__():
+    def __getstate__():   # retired or not, the same (it holds no step)
         own = unwrapped.get("__getstate__")
         if own is not None:
             state = own()
@@ -225,26 +249,32 @@ def _state_as_unwrapped(block: nn.Module, unwrapped: dict) -> Callable[[], Any]:
                 else:
                     del state[key]
         return state
+    setattr(__getstate__, _RUN, [True])
     return __getstate__
 
 
 def _wrapper(forward: Callable, where: list[int], run: Callable) -> Callable:
     """The forward that replaces a block's while a context is active (NOTE [Wrapping])."""
     is_compiling = torch.compiler.is_compiling
+    cell = [run]   # [None] once retired (Rule 2): then the block's own forward, and no step
     if len(where) == 1:
         index = where[0]
 
         def wrapper(*args, **kwargs):
-            if is_compiling():  # Rule 3
+            run = cell[0]
+            if run is None or is_compiling():  # Rules 2, 3
                 return forward(*args, **kwargs)
             return run(index, forward, args, kwargs)
+        setattr(wrapper, _RUN, cell)
         return wrapper
     calls = [0]
 
     def shared(*args, **kwargs):
-        if is_compiling():  # Rule 3
+        run = cell[0]
+        if run is None or is_compiling():  # Rules 2, 3
             return forward(*args, **kwargs)
         k = calls[0]  # Rule 1: the k-th call stands for the k-th position
         calls[0] = k + 1
         return run(where[k % len(where)], forward, args, kwargs)
+    setattr(shared, _RUN, cell)
     return shared
