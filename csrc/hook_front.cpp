@@ -38,8 +38,8 @@ namespace offload::bind {
 namespace {
 
 // Bumped in each forked child (`after_fork_in_child`, hooks.py NOTE [Hooks across a fork]):
-// a packer made in an earlier generation hands every save to the Python path, which holds
-// it as it is.
+// a packer made in an earlier generation (or retired: -1) hands every save to the Python
+// path, which holds it as it is.
 long long fork_generation = 0;
 
 // The pack hook. A small save is made here; a plain strided tensor that is not one goes on
@@ -65,7 +65,7 @@ struct Packer {
   PyObject* record_type;
   PyObject* meter_obj;       // the meter's Python object (what a record counts itself into)
   MovePath moves;            // empty: no move path (pack_moved.hpp)
-  long long generation;      // fork_generation when it was made
+  long long generation;      // fork_generation when it was made; -1 once retired
 };
 
 // The owner, or (None) an error saying the context is gone.
@@ -270,6 +270,20 @@ PyObject* packer_self(PyObject* obj, void*) {
   return PyObject_CallNoArgs(reinterpret_cast<Packer*>(obj)->owner_ref);
 }
 
+// `retire()`: every later save goes to the Python path, which holds it as it is (a
+// context exited on another thread leaves its entry on the entering thread's stack:
+// hook_stack.py).
+PyObject* packer_retire(PyObject* obj, PyObject*) {
+  reinterpret_cast<Packer*>(obj)->generation = -1;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef packer_methods[] = {
+    {"retire", packer_retire, METH_NOARGS,
+     "Hand every later save to the Python path, which holds it as it is."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
 PyGetSetDef packer_getset[] = {
     {const_cast<char*>("__self__"), packer_self, nullptr,
      const_cast<char*>("The hooks object whose pack this is, None once it is gone."), nullptr},
@@ -285,6 +299,7 @@ PyTypeObject packer_type = [] {
       "(hooks.py NOTE [Handles in C]; the keywords: its move path, NOTE [Move path in C]).",
       packer_new, packer_dealloc);
   type.tp_getset = packer_getset;
+  type.tp_methods = packer_methods;
   tracked(type, packer_traverse, packer_clear);
   return type;
 }();

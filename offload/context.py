@@ -155,9 +155,7 @@ class ActivationOffload:
         try:
             with _CLAIM:   # one enter at a time: two threads may not both pass the check
                 if self.active:
-                    raise OffloadError("offload.activations(): this context is already "
-                                       "active; create one context per step or nest "
-                                       "different ones")
+                    raise _already_active(self._hook_thread)
                 claimed = True   # (set first: nobody else can claim it while we hold _CLAIM)
                 self._hook_thread = _ENTERING
             return self._enter()
@@ -208,16 +206,24 @@ class ActivationOffload:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._hook_thread is None:
+            raise OffloadError("offload.activations(): exited while not active (exited twice, "
+                               "or never entered)")
         if self._hook_thread is _DISABLED:
             self._hook_thread = None
             return False
         step = self._step
-        hook_stack.remove(step.hooks, self._hook_thread)
+        entered = self._hook_thread
+        # On another thread the hooks cannot be taken off the entering thread's stack: they
+        # retire there (hook_stack.py), the step ends as usual, and OffloadError says why.
+        on_its_thread = hook_stack.remove(step.hooks, entered)
         self._hook_thread = None
         self._schedule.exit()  # blocks run as they are again (backward recomputes unwrapped)
         if exc_type is not None:
             step.exit_s = step.start_s  # no step time for a failed block
             _explain_known_failures(exc)
+            if not on_its_thread:   # said, not raised: never mask the user's exception
+                log.error("%s", hook_stack.exited_on_another_thread(entered))
             try:
                 step.abort()
                 empty_cache()  # an exception may end the run: keep no slab file or arena open
@@ -228,6 +234,8 @@ class ActivationOffload:
         # says it when that backward ends (step.py `finish`).
         if step.exited() and log.isEnabledFor(logging.INFO):
             log.info("offload: %s", step.stats.summary())
+        if not on_its_thread:
+            raise hook_stack.exited_on_another_thread(entered)
         return False
 
     def close(self) -> None:
@@ -238,6 +246,16 @@ class ActivationOffload:
             step.abort()
         self._steps = weakref.WeakSet()
         empty_cache()
+
+
+def _already_active(holder) -> OffloadError:
+    here = threading.get_ident()
+    if holder is _ENTERING or (isinstance(holder, int) and holder != here):
+        return OffloadError("offload.activations(): this context is active on another thread; "
+                            "a context belongs to one thread at a time (saved-tensor hooks "
+                            "are per thread): build one context per thread")
+    return OffloadError("offload.activations(): this context is already active; create one "
+                        "context per step or nest different ones")
 
 
 # `_hook_thread` of an entered context that installed nothing (enabled=False).

@@ -5,8 +5,11 @@ where they are, and torch.func's refusal explained.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
+import logging
+import re
 import threading
 
 import pytest
@@ -16,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.runtime import step as step_module
-from offload.errors import UsedAfterCloseError
+from offload.errors import OffloadError, UsedAfterCloseError
 
 _autograd = torch._C._autograd
 
@@ -75,15 +78,83 @@ def test_exit_under_someone_elses_hooks_takes_off_its_own_and_leaves_theirs(nvme
     assert ctx.stats.nvme_written_bytes > 0 and _hook_stack_empty()
 
 
-def test_exit_on_another_thread_raises(nvme_dir):
+def test_exit_on_another_thread_raises_and_leaves_both_threads_clean(nvme_dir):
+    """A training step written as a generator, resumed on a worker thread for its backward
+    and exit. Before: the exit raised and changed nothing, so the context stayed active for
+    good (`close()` did not help) and its hooks stayed on the entering thread: later plain
+    steps there packed into the ended step, or raised UsedAfterCloseError once it was
+    closed. A thread cannot reach another's hook stack: the hooks retire there."""
+    x = torch.randn(64, 64, requires_grad=True)
+    plain = [torch.autograd.grad((x * k).tanh().sum(), x)[0] for k in (2, 3)]
+    ctx = _nvme(nvme_dir)
+    ctx.__enter__()
+    loss = (x * 2).tanh().sum()
+    errors = []
+
+    def resume():
+        loss.backward()
+        _catch(errors, ctx.__exit__, None, None, None)
+
+    worker = threading.Thread(target=resume, name="resumer")
+    worker.start()
+    worker.join()
+    assert re.search(r"exited on thread \d+ \(resumer\), not on thread \d+, which entered it",
+                     str(errors[0])), errors
+    assert not ctx.active and ctx.stats.nvme_written_bytes > 0
+    assert torch.equal(x.grad, plain[0])
+    ctx.close()
+    offload.empty_cache()
+    packed = ctx.stats.packed_tensors
+    x.grad = None
+    (x * 3).tanh().sum().backward()    # a plain step on the entering thread
+    assert torch.equal(x.grad, plain[1]) and ctx.stats.packed_tensors == packed
+    assert not _hook_stack_empty()      # the retired entry, until this thread enters again
+    with pytest.raises(OffloadError, match=r"exited while not active"):
+        ctx.__exit__(None, None, None)
+    with ctx:
+        (x * 4).tanh().sum().backward()
+    assert ctx.stats.nvme_written_bytes > 0 and _hook_stack_empty()
+
+
+def test_exit_on_another_thread_with_an_exception_says_so_and_reraises_the_users(nvme_dir,
+                                                                                   caplog):
     ctx = _nvme(nvme_dir)
     ctx.__enter__()
     errors = []
-    worker = threading.Thread(target=lambda: _catch(errors, ctx.__exit__, None, None, None))
-    worker.start()
-    worker.join()
-    assert "exited on another thread" in str(errors[0])
-    ctx.__exit__(None, None, None)
+
+    def fail():
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.push(ctx)
+                raise ValueError("the user's")
+        except ValueError as exc:
+            errors.append(exc)
+
+    with caplog.at_level(logging.ERROR, logger="offload"):
+        worker = threading.Thread(target=fail)
+        worker.start()
+        worker.join()
+    assert [str(e) for e in errors] == ["the user's"] and not ctx.active
+    assert any("exited on thread" in r.getMessage() for r in caplog.records)
+    with ctx:
+        pass
+    assert _hook_stack_empty()
+
+
+def test_a_context_active_on_one_thread_refused_on_another_says_so(nvme_dir):
+    # Was: "already active; create one context per step or nest different ones", advice for
+    # one thread that does not help a worker sharing the context.
+    ctx = _nvme(nvme_dir)
+    errors = []
+    with ctx:
+        worker = threading.Thread(target=lambda: _catch(errors, ctx.__enter__))
+        worker.start()
+        worker.join()
+        with pytest.raises(OffloadError, match=r"already active; create one context per step"):
+            ctx.__enter__()
+    assert str(errors[0]) == ("offload.activations(): this context is active on another "
+                              "thread; a context belongs to one thread at a time (saved-tensor "
+                              "hooks are per thread): build one context per thread")
     assert _hook_stack_empty()
 
 

@@ -8,45 +8,75 @@ entry wherever it is: the entries above it are taken off and put back in the sam
 offload's and anyone else's alike (a user's `saved_tensors_hooks` left entered by an
 `ExitStack`, torch's `save_on_cpu`, a checkpoint's). Every owner's exit pops the top entry
 and never looks at its position, so each still pops its own.
+
+A thread cannot reach another's stack. A context exited on another thread than it entered
+on (a training-step generator resumed on a worker) retires its hooks there: they hold every
+later save as it is, for no step, so that thread trains as without them; the next `install`
+on that thread takes them off. Else they stayed for good: later plain steps on the entering
+thread packed into the ended step, or raised once its tiers were closed.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 import torch
 
 from ..errors import OffloadError
 
-__all__ = ["install", "remove", "discard"]
+__all__ = ["install", "remove", "discard", "exited_on_another_thread"]
 
 _autograd = torch._C._autograd
 log = logging.getLogger("offload")
 
 
+# Retired hooks left on a thread's stack, by thread ident, taken off at its next install.
+# Weak: the stack holds them, and a thread that ends takes its stack with it.
+_retired: dict[int, list[weakref.ref]] = {}
+_retired_lock = threading.Lock()
+
+
 def install(hooks) -> int:
     """Push `hooks.pack` / `hooks.unpack_hook()`; returns the thread that must remove them."""
+    thread = threading.get_ident()
+    if _retired:   # a look without the lock: one retired meanwhile goes at the next install
+        with _retired_lock:
+            left = _retired.pop(thread, ())
+        for ref in left:
+            discard(ref())
     _autograd._push_saved_tensors_default_hooks(hooks.pack, hooks.unpack_hook())
-    return threading.get_ident()
+    return thread
 
 
-def remove(hooks, thread: int) -> None:
-    """Pop `hooks`' entry from this thread's stack, wherever it is.
+def remove(hooks, thread: int) -> bool:
+    """Pop `hooks`' entry from this thread's stack, wherever it is; on another thread than
+    `install`'s, retire them (module doc) and return False.
 
     Args:
         hooks: The object whose bound `pack` was pushed by `install`.
         thread: What `install` returned.
-
-    Raises:
-        OffloadError: on another thread than `install`'s (nothing is changed).
     """
     if threading.get_ident() != thread:
-        raise OffloadError("offload.activations(): exited on another thread than the one that "
-                           "entered it (saved-tensor hooks belong to a thread; enter and exit "
-                           "each context on the same thread)")
+        hooks.retire()
+        with _retired_lock:
+            _retired.setdefault(thread, []).append(weakref.ref(hooks))
+        return False
     if not _pop(hooks):   # popped by someone else already: nothing of ours to remove
         log.warning("offload: this context's saved-tensor hooks were already removed by "
                     "someone else (torch's hook stack was popped by hand?)")
+    return True
+
+
+def exited_on_another_thread(entered: int) -> OffloadError:
+    """What a context exited on another thread than `entered` raises (after `remove`)."""
+    return OffloadError(
+        f"offload.activations(): exited on thread {threading.get_ident()} "
+        f"({threading.current_thread().name}), not on thread {entered}, which entered it. "
+        "Saved-tensor hooks belong to a thread: enter and exit each context on the same one "
+        "(a training step written as a generator must be resumed on the thread that started "
+        "it). The step ended; the hooks left on the entering thread hold what it saves as "
+        "it is until that thread enters a context again")
 
 
 def discard(hooks) -> None:

@@ -176,6 +176,13 @@ class OffloadHooks:
         packer = self._packer
         return packer if packer is not None else self.pack_full
 
+    def retire(self) -> None:
+        """Hold every later save as it is, for no step (hook_stack.py: an entry left on
+        the stack of a thread the context was not exited on)."""
+        self._generation = -1
+        if self._packer is not None:
+            self._packer.retire()
+
     def unpack_hook(self):
         """What to push as the unpack hook: the core's `Unpacker` in front of `unpack` when
         pack makes core handles. Not kept here: the hooks hold their packer, and autograd
