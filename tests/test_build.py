@@ -77,14 +77,36 @@ _CHECK_CUDA = """
 """
 
 
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory):
+    """One build tree for both configurations: the first test builds it from scratch, the
+    other flips OFFLOAD_WITH_CUDA there, which recompiles only csrc/cuda_copy.cpp (the one
+    file that reads it: CMakeLists.txt) and links again. Two trees from scratch took 70-180 s
+    each, a fifth of the suite."""
+    return tmp_path_factory.mktemp("build")
+
+
+def test_only_the_file_cmake_gives_the_cuda_switch_reads_it():
+    # Else flipping the option in one tree (build_dir) would leave that file as it was, and
+    # an ON build would compile it without its CUDA paths (CMakeLists.txt sets the switch
+    # on csrc/cuda_copy.cpp alone).
+    readers = sorted(os.path.basename(path) for path in glob.glob(os.path.join(REPO, "csrc", "*"))
+                     if re.search(r"^\s*#\s*(if|ifdef|ifndef|elif)\b.*\bOFFLOAD_WITH_CUDA\b",
+                                  open(path).read(), re.M))
+    assert readers == ["cuda_copy.cpp"]
+    cmake = open(os.path.join(REPO, "CMakeLists.txt")).read()
+    assert "set_source_files_properties(csrc/cuda_copy.cpp PROPERTIES COMPILE_DEFINITIONS " \
+           "OFFLOAD_WITH_CUDA=1)" in cmake
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("with_cuda", [False, True], ids=["cpu-only", "cuda-toolkit-hidden"])
-def test_build_from_scratch(tmp_path, with_cuda):
+def test_build_from_scratch(build_dir, with_cuda):
     cmake = shutil.which("cmake")
     if cmake is None:
         pytest.skip("cmake not installed")
     pybind11 = pytest.importorskip("pybind11")
-    build = tmp_path / "build"
+    build = build_dir
     configure = [cmake, "-S", REPO, "-B", str(build), f"-DOFFLOAD_WITH_CUDA={'ON' if with_cuda else 'OFF'}",
                  "-DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON", "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
                  f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
