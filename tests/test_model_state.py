@@ -924,6 +924,45 @@ def test_a_forward_run_with_other_weights_is_rerun_with_them(policy, buffers, nv
     ctx.close()
 
 
+class SwitchesItsDropout(nn.Module):
+    """Puts its Dropout in eval() for some inputs and back at the end of its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(16, 16), nn.Linear(16, 16), nn.Dropout(0.5)
+
+    def forward(self, x):
+        if x.mean().item() > 0:
+            self.drop.eval()
+        h = self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+        self.drop.train(self.training)
+        return x + h
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_re_run_stopped_early_leaves_every_module_in_its_mode(policy, nvme_dir):
+    """Before: checkpoint stops a re-run once backward has what it needs, before the line
+    that puts the Dropout back in train(): it stayed in eval(), and the next steps ran
+    without dropout, silently (as under torch's checkpoint; a module with buffers was set
+    back already: buffers.py NOTE [Buffers in a re-run] rule 5)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[SwitchesItsDropout() for _ in range(3)])
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) + (-1) ** i
+          for i in range(2)]
+    calls = []
+
+    def loss(m):   # positive inputs at even steps, negative at odd ones (plain, then ours)
+        calls.append(1)
+        return m(xs[(len(calls) - 1) // 2 % 2]).pow(2).sum()
+
+    def each(step, ctx):
+        assert [b.drop.training for b in model] == [True] * 3, step
+
+    differs, ctx = train_side_by_side(model, loss, 8, _settings(policy, nvme_dir), each=each)
+    assert differs is None, f"differs at step {differs}"
+    ctx.close()
+
+
 # ---------------------------------------------------------------- random generators
 NOISE = torch.Generator()   # a generator held outside the model (a module global)
 

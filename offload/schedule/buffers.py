@@ -46,8 +46,15 @@ guessed. Rules:
    reaches otherwise (a global, a reference to its parent) is not guarded; nor is a buffer
    that requires grad (a copy would cut its gradient).
 
+5. Afterwards every module of the block and those handed to its call is in the train /
+   eval mode it had before the re-run, buffers or not (`keep_modes`). checkpoint stops a
+   re-run early, once backward has what it needs, so a block that switches a submodule's
+   mode and back (a Dropout put in eval() for some inputs, back at the block's end) left it
+   switched for the steps after, and they ran without dropout: silently, as under
+   checkpoint itself.
+
 Not set back: the attributes of modules holding no buffer (`self.calls += 1` there is
-counted again by the re-run, as under checkpoint). What it costs: nothing for blocks
+counted again by the re-run, as under checkpoint), but for their mode (rule 5). What it costs: nothing for blocks
 without buffers; per call, a look at each guarded module's attributes and one copy of
 every buffer, held until the re-run, and a second copy in the re-run (BatchNorm: a few
 vectors; a block holding a large buffer that never changes pays both at every step, and
@@ -69,7 +76,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..util import per_model
 from . import structure
 
-__all__ = ["guard_buffers"]
+__all__ = ["guard_buffers", "keep_modes"]
 
 # The types of attributes that are values (rule 1); tuples of them too.
 _VALUES = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype,
@@ -281,3 +288,22 @@ def guard_buffers(block: nn.Module | None, fn: Callable) -> Callable:
     if not modules:
         return fn
     return _Guard(modules).wrap(fn)
+
+
+def keep_modes(roots: list[nn.Module], fn: Callable) -> Callable:
+    """`fn` (the function checkpoint runs, forward then re-runs) with every module of
+    `roots` left by a re-run in the train / eval mode it had before it (rule 5)."""
+    calls = 0
+
+    def run(*args):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return fn(*args)
+        modes = [(module, module.training) for root in roots for module in root.modules()]
+        try:
+            return fn(*args)
+        finally:   # also when checkpoint stops the re-run early (it raises to stop it)
+            for module, training in modes:
+                module.training = training
+    return run

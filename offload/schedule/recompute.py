@@ -79,7 +79,7 @@ from ..util import per_model
 from ..util.ranges import RECOMPUTE, profiling, span
 from . import structure
 from .arguments import flatten_call
-from .buffers import guard_buffers
+from .buffers import guard_buffers, keep_modes
 from .generators import guard_generators
 from .weights import guard_weights
 
@@ -343,6 +343,7 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     roots = handed_in if block is None else [block, *handed_in]
     if roots:
         guarded = guard_weights(roots, guarded)   # weights.py NOTE [Weights in a re-run]
+        guarded = keep_modes(roots, guarded)      # buffers.py NOTE [Buffers in a re-run] 5
     return checkpoint(_ranged(guarded), *tensors, use_reentrant=False,
                       **extra)
 
