@@ -274,14 +274,29 @@ _FUNC_TRANSFORM_HINT = (
     "backward at once, so there is nothing in it for offload to move.")
 
 
+_HIGHER_ORDER_HINT = (
+    "offload: policy='auto' runs a block's ops under its own dispatch modes (to time them, and "
+    "to store or recompute each one), and torch's higher-order ops (torch.cond, while_loop, "
+    "flex_attention) do not run under them in eager mode. Use policy='recompute' for this "
+    "model (bit-exact with torch.cond), or leave the block that calls it out of blocks=.")
+
+
 def _explain_known_failures(exc: BaseException) -> None:
-    """Add what to do to torch errors that our hooks cause (the exception itself is kept)."""
-    if isinstance(exc, RuntimeError) and "saved tensor hooks" in str(exc) \
-            and "torch.func" in str(exc):
-        if hasattr(exc, "add_note"):
-            exc.add_note(_FUNC_TRANSFORM_HINT)
-        else:  # Python 3.10
-            exc.args = (f"{exc.args[0] if exc.args else ''}\n{_FUNC_TRANSFORM_HINT}",)
+    """Add what to do to torch errors that our hooks or modes cause (the exception itself
+    is kept)."""
+    text = str(exc)
+    if isinstance(exc, RuntimeError) and "saved tensor hooks" in text and "torch.func" in text:
+        _add_note(exc, _FUNC_TRANSFORM_HINT)
+    elif isinstance(exc, NotImplementedError) and "HigherOrderOperator" in text \
+            and "offload.schedule" in text:
+        _add_note(exc, _HIGHER_ORDER_HINT)
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10
+        exc.args = (f"{exc.args[0] if exc.args else ''}\n{note}",)
 
 
 def empty_cache() -> None:
