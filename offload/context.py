@@ -97,22 +97,45 @@ class ActivationOffload:
             # Pinned arenas, side-stream copies and chained NVMe I/O: a missing piece is a
             # ConfigError now, not an error in the middle of the first forward.
             require_gpu_paths(f"offload.activations(tiers={','.join(config.tiers)!r})")
+        self._fresh(config, model, blocks)
+        self._session()
+
+    def _fresh(self, config: Config, model: torch.nn.Module | None, blocks: Any) -> None:
         self.config = config
         self.model = model
+        self._blocks = blocks                # as given: what a copy is built with
         self._step: Step | None = None       # the latest block's (offload/runtime/step.py)
         self._steps: weakref.WeakSet[Step] = weakref.WeakSet()  # every one not yet freed
         self._hook_thread: int | None = None   # the thread its hooks are on, while active
         self._round_trip = RoundTripPlan()  # learned across this context's steps (no model=)
-        # recompute / auto: blocks and the plan (offload/schedule/session.py); a disabled
-        # context looks for no block and wraps nothing.
-        self._schedule = start_session(config, model, blocks) if config.enabled \
-            else Session(config)
+        self._schedule: Session | None = None   # `_session()`
+
+    def _session(self) -> Session:
+        """recompute / auto: the blocks and the plan (offload/schedule/session.py); a
+        disabled context looks for no block and wraps nothing. Started when the context is
+        built; a copy's at its first use (`__reduce__`)."""
+        schedule = self._schedule
+        if schedule is None:
+            schedule = self._schedule = start_session(self.config, self.model, self._blocks) \
+                if self.config.enabled else Session(self.config)
+        return schedule
+
+    def __reduce__(self):
+        # A copy or a pickle (a model holding its context, copied for an EMA or saved with
+        # torch.save) is a new context of the same settings, model and blocks, never
+        # entered: steps, figures and plans are not copied (they hold stores, arenas and
+        # threads). In a deepcopy of the model the copy's context is on the copied model,
+        # which is still being built when the context is: its blocks are found at first use.
+        return (_copied_context, (self.config,), (self.model, self._blocks))
+
+    def __setstate__(self, state: tuple) -> None:
+        self.model, self._blocks = state
 
     @property
     def plan(self):
         """`auto`'s plan (None before its profile step ends, or under other policies);
         `print(ctx.plan)` explains every decision."""
-        return self._schedule.plan
+        return self._session().plan
 
     # The latest step's state, as the public API and tests read it.
     @property
@@ -169,6 +192,7 @@ class ActivationOffload:
             self._hook_thread = _DISABLED
             return self
         finish_pending()  # steps whose graphs died since (NOTE [End of step], point 3)
+        schedule = self._session()
         config = self.config
         config.apply_log_level()
         stats = Stats()
@@ -186,13 +210,13 @@ class ActivationOffload:
             if self.model is not None:
                 params.add_module(self.model)
             prefetcher = new_prefetcher(config.prefetch_bytes, stats)
-            step.hooks = OffloadHooks(self._schedule.placement(round_trip), tiers, step.ledger,
+            step.hooks = OffloadHooks(schedule.placement(round_trip), tiers, step.ledger,
                                       prefetcher, params, config.strict, config.min_bytes,
-                                      step.timeline, self._schedule.clock)
-            self._schedule.enter(StepView(step.hooks, {name: tier.capacity_bytes
-                                                       for name, tier in tiers.items()},
-                                          prefetcher, step.start_s))
-            step.after_finish.append(self._schedule.step_done)
+                                      step.timeline, schedule.clock)
+            schedule.enter(StepView(step.hooks, {name: tier.capacity_bytes
+                                                 for name, tier in tiers.items()},
+                                    prefetcher, step.start_s))
+            step.after_finish.append(schedule.step_done)
             previous, self._step = self._step, step
             self._hook_thread = hook_stack.install(step.hooks)
             self._steps.add(step)
@@ -200,7 +224,7 @@ class ActivationOffload:
             if self._step is step:
                 self._step = previous
             hook_stack.discard(step.hooks)   # pushed before the interrupt, maybe
-            self._schedule.exit()
+            schedule.exit()
             close_tiers(tiers, stats, reuse=False)
             raise
         return self
@@ -246,6 +270,13 @@ class ActivationOffload:
             step.abort()
         self._steps = weakref.WeakSet()
         empty_cache()
+
+
+def _copied_context(config: Config) -> ActivationOffload:
+    """A copy's context before `__setstate__` gives it its model (`__reduce__`)."""
+    ctx = ActivationOffload.__new__(ActivationOffload)
+    ctx._fresh(config, None, None)
+    return ctx
 
 
 def _already_active(holder) -> OffloadError:

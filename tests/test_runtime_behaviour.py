@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import json
 import logging
 import os
+import pickle
 import threading
 
 import pytest
@@ -606,3 +608,51 @@ def test_one_context_entered_from_two_threads_at_once_is_refused_cleanly():
     # A context holds no lock of its own: one built and not yet entered can be copied (a
     # model holding it, copied for an EMA).
     copy.deepcopy(offload.activations(model=model, tiers="host"))
+
+
+class _HoldsItsContext(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x).tanh()
+        return x
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute", "auto"])
+def test_a_model_holding_its_context_can_be_copied_and_saved(policy, nvme_dir):
+    """Were: TypeError (a thread lock: auto's; the core's HostLedger, SavedBytes, a module
+    after a step) from deepcopy, AttributeError (a WeakSet's local function) from pickle and
+    torch.save: a model keeping its context as an attribute could not be copied for an EMA
+    or saved. A copy is a new context, never entered, on the copied model."""
+    torch.manual_seed(0)
+    model = _HoldsItsContext()
+    model.ctx = offload.activations(model=model, policy=policy, tiers="nvme",
+                                    nvme_dir=nvme_dir, min_bytes=0)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    copies = [copy.deepcopy(model)]                       # never entered
+    with model.ctx:
+        model(x).sum().backward()
+    copies.append(copy.deepcopy(model))                   # after a step
+    with model.ctx:
+        copies.append(copy.deepcopy(model))               # inside one
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        model(x).sum().backward()
+    copies.append(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+    for c in copies:
+        assert c.ctx is not model.ctx and c.ctx.model is c and not c.ctx.active
+        assert c.ctx.config == model.ctx.config
+        plain = torch.autograd.grad(c(x).sum(), list(c.parameters()))
+        with c.ctx:
+            ours = torch.autograd.grad(c(x).sum(), list(c.parameters()))
+        assert all(map(torch.equal, plain, ours))
+        assert c.ctx.stats.nvme_bytes > 0
+        if policy != "offload":   # its blocks are the copy's
+            assert c.ctx._schedule.blocks == list(c.blocks)
+    alone = pickle.loads(pickle.dumps(model.ctx))
+    assert alone.model is not model and alone.config == model.ctx.config
+    for ctx in [*(c.ctx for c in copies), alone, model.ctx]:
+        ctx.close()
