@@ -199,7 +199,15 @@ def test_a_stored_random_op_before_a_recomputed_one_replays_exactly(rule_2, own_
             store = lambda op: decision if op == (stored, 0) else None  # noqa: E731
             y = x0.clone().requires_grad_()
             seed(3)
-            run_block(fn, (y,), {}, store, ctx._hooks, ctx._hooks.placement).backward()
+            loss = run_block(fn, (y,), {}, store, ctx._hooks, ctx._hooks.placement)
+            if not rule_2 and not own_generator:
+                # The default generator's draws are checked too (generators.py rule 4):
+                # the re-run's second draw does not start where the forward's did.
+                with pytest.raises(offload.OffloadError, match=r"before its 2nd random "
+                                   r"call \(rand_like\)"):
+                    loss.backward()
+                continue
+            loss.backward()
         assert torch.equal(y.grad, x.grad) is rule_2, target
         # the generator ends where the forward left it, with or without Rule 2: checkpoint
         # puts the default one back after its recompute, generators.py the user's own

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import gc
 import io
+import threading
 import weakref
 from typing import Callable
 
@@ -965,6 +966,49 @@ def test_a_re_run_stopped_early_leaves_every_module_in_its_mode(policy, nvme_dir
 
 # ---------------------------------------------------------------- random generators
 NOISE = torch.Generator()   # a generator held outside the model (a module global)
+
+
+class AnotherThreadDraws(nn.Module):
+    """Two dropouts; between them another thread draws from torch's default generator,
+    in the forward only or in the re-run only (as a background thread's `torch.rand` may
+    land in either)."""
+
+    def __init__(self, when: str) -> None:
+        super().__init__()
+        self.fc, self.drop, self.when = nn.Linear(16, 16), nn.Dropout(0.5), when
+
+    def forward(self, x):
+        h = self.drop(self.fc(x))
+        in_backward = torch._C._current_graph_task_id() != -1
+        if (self.when == "re-run") == in_backward:
+            other = threading.Thread(target=torch.rand, args=(7,))
+            other.start()
+            other.join()
+        return x + self.drop(h).tanh()
+
+
+@pytest.mark.parametrize("when", ["forward", "re-run"])
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_another_thread_drawing_while_a_block_runs_raises_instead_of_a_wrong_gradient(
+        policy, when, nvme_dir):
+    """Before: the re-run drew other dropout masks than the forward, and the gradient
+    silently differed from plain autograd's (as under torch's checkpoint): from the 1st
+    step under recompute, from the first planned one under auto (generators.py rule 4)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[AnotherThreadDraws(when) for _ in range(3)])
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    plain = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    ctx = offload.activations(model=model, **_settings(policy, nvme_dir))
+    with pytest.raises(offload.OffloadError, match=r"a block's re-run in backward .* would "
+                       r"draw other random numbers than its forward: torch's default CPU "
+                       r"generator was elsewhere before its 2nd random call \(dropout\)"):
+        for _ in range(8):
+            torch.manual_seed(5)
+            with ctx:
+                ours = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+            assert all(map(torch.equal, plain, ours))   # the steps that ran it as it is
+    ctx.close()
 
 
 class OwnNoise(nn.Module):

@@ -22,10 +22,22 @@ the generator would end the step advanced twice. Rules:
    on the earlier state. (A stored random op is replayed, not re-run: recompute.py Rule 2
    sets its generator to its state after the op.)
 
+4. The default generators are process-wide: another thread drawing from one while the
+   block's forward or its re-run runs (an augmentation thread's `torch.rand`, a second
+   model trained in the process) shifts what the re-run draws, and its gradient would
+   silently differ from plain autograd's, as under checkpoint. So the forward also notes
+   the default generator's state before each call of a function that draws from it
+   implicitly (`_DRAWS_IMPLICITLY`: dropout and its kin, `rand*`, in-place samplers), and a
+   re-run of a block that made any checks each such call against it: a difference raises
+   `OffloadError` in backward (`_DrawsAsBefore`). Seen at the granularity of those calls
+   (one op holds its generator's lock while it draws); a random op outside the list, or
+   reached inside a function the mode sees as one call, is not checked.
+
 Cost: the mode on every forward call of a re-run block, some 5 µs per torch function
 call on a CPU (docs/benchmarks.md *Generators seen at every call*); one `get_state` per
-generator drawn from. Not seen: generators under torch.compile (torch's own checkpoint
-does not see them either).
+generator drawn from, and per implicit draw (CPU: a 5 KiB tensor, held until the
+re-run); for a block that drew implicitly, the mode on its re-run too. Not seen:
+generators under torch.compile (torch's own checkpoint does not see them either).
 """
 from __future__ import annotations
 
@@ -34,6 +46,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
+
+from ..errors import OffloadError
 
 __all__ = ["guard_generators"]
 
@@ -46,19 +60,50 @@ def _is_default(generator: torch.Generator) -> bool:
         any(generator is g for g in torch.cuda.default_generators)
 
 
+# Functions (as a torch function mode sees them: their `__name__`) that draw from a
+# default generator when handed none (rule 4).
+_DRAWS_IMPLICITLY = frozenset({
+    "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+    "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout",
+    "feature_dropout_", "native_dropout", "rrelu", "rrelu_", "gumbel_softmax",
+    "scaled_dot_product_attention", "rand", "rand_like", "randn", "randn_like", "randint",
+    "randint_like", "randperm", "bernoulli", "bernoulli_", "multinomial", "normal",
+    "normal_", "poisson", "uniform_", "exponential_", "geometric_", "log_normal_", "cauchy_",
+    "random_"})
+
+
+def _default_generator_of(args: tuple, kwargs: dict) -> torch.Generator:
+    """The default generator a call draws from: its device's (a `device=` or its first
+    tensor's), CPU's when it names none."""
+    device = kwargs.get("device")
+    if device is None:
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return torch.default_generator
+
+
 class _SeeGenerators(TorchFunctionMode):
     """The forward of one call: each generator handed to a torch function, its state noted
-    before the call's first draw from it (rules 1 and 2)."""
+    before the call's first draw from it (rules 1 and 2), and the default generator's
+    before each implicit draw (rule 4)."""
 
-    def __init__(self, states: dict) -> None:
+    def __init__(self, states: dict, draws: list) -> None:
         super().__init__()
         self.states = states
+        self.draws = draws
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         generator = kwargs.get("generator")
         if generator is not None:
             self._note(generator)
+        elif getattr(func, "__name__", None) in _DRAWS_IMPLICITLY:
+            default = _default_generator_of(args, kwargs)
+            with _disable_current_modes():
+                self.draws.append((default, default.get_state()))
         for arg in args:   # torch's own functions take it by keyword; a user's may not
             if isinstance(arg, torch.Generator):
                 self._note(arg)
@@ -71,19 +116,59 @@ class _SeeGenerators(TorchFunctionMode):
                 self.states[generator] = generator.get_state()
 
 
+class _DrawsAsBefore(TorchFunctionMode):
+    """A re-run of a block whose forward drew implicitly: each such draw starts where the
+    forward's did (rule 4)."""
+
+    def __init__(self, draws: list) -> None:
+        super().__init__()
+        self.draws = draws
+        self.seen = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("generator") is None and \
+                getattr(func, "__name__", None) in _DRAWS_IMPLICITLY and \
+                self.seen < len(self.draws):
+            generator, state = self.draws[self.seen]
+            self.seen += 1
+            with _disable_current_modes():
+                moved = not torch.equal(generator.get_state(), state)
+            if moved:
+                raise OffloadError(
+                    f"offload: a block's re-run in backward (policy='recompute' / 'auto') would "
+                    f"draw other random numbers than its forward: torch's default "
+                    f"{generator.device.type.upper()} generator was elsewhere before its "
+                    f"{_ordinal(self.seen)} random call ({func.__name__}). Another thread drew "
+                    "from it while the block ran (forward or re-run), so the re-run's dropout "
+                    "masks would differ and the gradient with them. Give threads that draw "
+                    "random numbers a torch.Generator of their own (or draw in DataLoader "
+                    "worker processes), or use policy='offload'.")
+        return func(*args, **kwargs)
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
 class _Guard:
-    """One checkpointed call of a block: the forward notes, the re-runs set back."""
+    """One checkpointed call of a block: the forward notes, the re-runs set back (and
+    check the default generators' draws: rule 4)."""
 
     def __init__(self) -> None:
         self.states: dict = {}   # generator -> its state before the forward's first draw
+        self.draws: list = []    # (default generator, its state) before each implicit draw
         self.calls = 0
 
     def wrap(self, fn: Callable) -> Callable:
         def run(*args):
             self.calls += 1
             if self.calls > 1:
-                return self._rerun(fn, args)
-            with _SeeGenerators(self.states):
+                if not self.draws:
+                    return self._rerun(fn, args)
+                with _DrawsAsBefore(self.draws):
+                    return self._rerun(fn, args)
+            with _SeeGenerators(self.states, self.draws):
                 return fn(*args)
         return run
 
