@@ -1,7 +1,10 @@
 #include "io_engine.hpp"
 
 #include <sched.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <string>
 
@@ -11,6 +14,34 @@
 #include "thread_pool.hpp"
 
 namespace offload {
+
+namespace {
+
+// Copies a write's source bytes into our buffer. The source may be a saved tensor's own
+// memory (a direct write), which its storage may have freed since the write was handed
+// over (nvme_transfers.hpp NOTE [A source that moved]): a plain memcpy from it would fault
+// and kill the process. process_vm_readv on ourselves copies in the kernel, which reports
+// an unmapped page as EFAULT instead: thrown as the IoError the in-place pwrite of the same
+// memory would give, which retire() answers by writing the storage's bytes again from
+// where they are now. Where a seccomp filter refuses it (EPERM, ENOSYS): memcpy, as before.
+void copy_source(char* to, const char* from, uint64_t nbytes) {
+  static std::atomic<bool> refused{false};
+  if (nbytes == 0) return;
+  if (!refused.load(std::memory_order_relaxed)) {
+    iovec local{to, nbytes};
+    iovec remote{const_cast<char*>(from), nbytes};
+    const ssize_t got = ::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0);
+    if (got == static_cast<ssize_t>(nbytes)) return;
+    const int err = got >= 0 ? EFAULT : errno;   // a short copy stopped at an unmapped page
+    if (err != EPERM && err != ENOSYS)
+      throw_io_error(err, "reading a write's source memory (freed or moved since the write "
+                          "was handed over?)", {}, -1, static_cast<int64_t>(nbytes));
+    refused.store(true, std::memory_order_relaxed);
+  }
+  std::memcpy(to, from, nbytes);
+}
+
+}  // namespace
 
 void Throttle::acquire(uint64_t nbytes) {
   if (bytes_per_s_ == 0) return;
@@ -209,10 +240,19 @@ void IoEngine::run_merged(const Run& run, AlignedBuffer& bounce,
   counters_.bytes_bounced.fetch_add(run.nbytes, std::memory_order_relaxed);
   if (run.chunks.front().write) {
     std::memset(buf, 0, hi - lo);
-    for (const Chunk& c : run.chunks) std::memcpy(buf + (c.file_offset - lo), c.mem, c.nbytes);
+    for (size_t i = 0; i < run.chunks.size(); ++i) {
+      const Chunk& c = run.chunks[i];
+      try {
+        copy_source(buf + (c.file_offset - lo), c.mem, c.nbytes);
+      } catch (...) {
+        errors[i] = std::current_exception();   // this chunk's source is gone: the others stand
+      }
+    }
     write_slab(slab, buf, hi - lo, lo);
-    for (const Chunk& c : run.chunks)
-      finish_write(c, c.sum ? crc32c(buf + (c.file_offset - lo), c.nbytes) : 0);
+    for (size_t i = 0; i < run.chunks.size(); ++i) {
+      const Chunk& c = run.chunks[i];
+      if (!errors[i]) finish_write(c, c.sum ? crc32c(buf + (c.file_offset - lo), c.nbytes) : 0);
+    }
     return;
   }
   read_slab(slab, buf, hi - lo, lo);
@@ -250,7 +290,7 @@ void IoEngine::run_in_place(const Chunk& c, AlignedBuffer& bounce) {
     counters_.bytes_bounced.fetch_add(n, std::memory_order_relaxed);
     if (c.write) {
       std::memset(bounce.data(), 0, align);
-      std::memcpy(bounce.data() + (offset - base), mem, n);
+      copy_source(bounce.data() + (offset - base), mem, n);
       write_slab(slab, bounce.data(), align, base);
     } else {
       read_slab(slab, bounce.data(), align, base);
@@ -311,7 +351,7 @@ void IoEngine::run_chunk(const Chunk& c, AlignedBuffer& bounce) {
       counters_.bytes_bounced.fetch_add(c.nbytes, std::memory_order_relaxed);
       if (c.write) {
         std::memset(bounce.data(), 0, span);
-        std::memcpy(bounce.data() + start, c.mem, c.nbytes);
+        copy_source(bounce.data() + start, c.mem, c.nbytes);
         write_slab(slab, bounce.data(), span, base);
       } else {
         read_slab(slab, bounce.data(), span, base);

@@ -24,7 +24,10 @@
 // bytes as they are now (the bytes autograd reads in backward), at the same phase. Retiring
 // a write asks again, and a write that failed with EFAULT (its memory was unmapped under
 // the engine) counts as moved: it is written once more, from a copy; every read retires its
-// payload's write first (NOTE [Read after write]). A move after the retire is harmless: the
+// payload's write first (NOTE [Read after write]). The engine copies what it bounces (partial
+// sectors, small writes, out-of-phase chunks) through the kernel (io_engine.cpp
+// `copy_source`), so memory unmapped under it is an EFAULT there too, not a crash of the
+// process (a memcpy faulted: found by an ASan run). A move after the retire is harmless: the
 // write had landed before the old memory was freed. Not seen: a storage that moves while
 // the engine reads it and comes back to the same address (a resize there and back can),
 // whose write may hold bytes of neither; with OFFLOAD_NVME_CHECKSUM=1 the engine's checksum
