@@ -106,14 +106,37 @@ def test_exit_on_another_thread_raises_and_leaves_both_threads_clean(nvme_dir):
     offload.empty_cache()
     packed = ctx.stats.packed_tensors
     x.grad = None
+    assert not _hook_stack_empty()      # the retired entry, until a save meets it ...
     (x * 3).tanh().sum().backward()    # a plain step on the entering thread
     assert torch.equal(x.grad, plain[1]) and ctx.stats.packed_tensors == packed
-    assert not _hook_stack_empty()      # the retired entry, until this thread enters again
+    assert _hook_stack_empty()          # ... which takes it off
     with pytest.raises(OffloadError, match=r"exited while not active"):
         ctx.__exit__(None, None, None)
     with ctx:
         (x * 4).tanh().sum().backward()
     assert ctx.stats.nvme_written_bytes > 0 and _hook_stack_empty()
+
+
+def test_an_outer_context_gets_its_saves_back_after_an_inner_one_exited_elsewhere(nvme_dir):
+    """The inner context's retired hooks sat on top of the outer's: the outer moved nothing
+    more in its step. The first save that meets them takes them off."""
+    x = torch.randn(64, 64, requires_grad=True)
+    outer, inner = _nvme(nvme_dir), _nvme(nvme_dir)
+    with outer:
+        inner.__enter__()
+        first = (x * 2).tanh().sum()
+        worker = threading.Thread(target=lambda: _catch([], inner.__exit__, None, None, None))
+        worker.start()
+        worker.join()
+        packed = outer.stats.packed_tensors
+        second = (x * 3).tanh().sum()   # its first save meets the retired entry
+        third = (x * 4).tanh().sum()
+        assert outer.stats.packed_tensors > packed
+        (first + second + third).backward()
+    y = x.detach().clone().requires_grad_()
+    plain, = torch.autograd.grad(sum((y * k).tanh().sum() for k in (2, 3, 4)), y)
+    assert torch.equal(x.grad, plain)
+    assert _hook_stack_empty() and not inner.active and not outer.active
 
 
 def test_exit_on_another_thread_with_an_exception_says_so_and_reraises_the_users(nvme_dir,

@@ -12,8 +12,12 @@ and never looks at its position, so each still pops its own.
 A thread cannot reach another's stack. A context exited on another thread than it entered
 on (a training-step generator resumed on a worker) retires its hooks there: they hold every
 later save as it is, for no step, so that thread trains as without them; the next `install`
-on that thread takes them off. Else they stayed for good: later plain steps on the entering
-thread packed into the ended step, or raised once its tiers were closed.
+on that thread takes them off, and so does the first save or block call there that meets
+one on top (`top`): an outer context or a user's `saved_tensors_hooks` entered before it
+then gets that thread's saves again. Else they stayed for good: later plain steps on the
+entering thread packed into the ended step, or raised once its tiers were closed. Not
+covered: a user's `saved_tensors_hooks` whose exit comes first on that thread pops the
+retired entry, and its own stays installed (torch pops the top, whoever's it is).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch
 
 from ..errors import OffloadError
 
-__all__ = ["install", "remove", "discard", "exited_on_another_thread"]
+__all__ = ["install", "remove", "discard", "top", "drop_retired", "exited_on_another_thread"]
 
 _autograd = torch._C._autograd
 log = logging.getLogger("offload")
@@ -68,6 +72,36 @@ def remove(hooks, thread: int) -> bool:
     return True
 
 
+def top():
+    """This thread's innermost saved-tensor hooks, retired entries taken off first."""
+    entry = _autograd._top_saved_tensors_default_hooks(False)
+    while entry is not None and _retired_entry(entry[0]):
+        _autograd._pop_saved_tensors_default_hooks()
+        _forget(entry[0].__self__)
+        entry = _autograd._top_saved_tensors_default_hooks(False)
+    return entry
+
+
+def drop_retired(hooks) -> None:
+    """A retired entry's pack ran: it is this thread's top entry; take it off."""
+    if _pop(hooks):
+        _forget(hooks)
+
+
+def _retired_entry(pack) -> bool:
+    return getattr(getattr(pack, "__self__", None), "retired", False) is True
+
+
+def _forget(hooks) -> None:
+    thread = threading.get_ident()
+    with _retired_lock:
+        refs = [ref for ref in _retired.get(thread, ()) if ref() not in (None, hooks)]
+        if refs:
+            _retired[thread] = refs
+        else:
+            _retired.pop(thread, None)
+
+
 def exited_on_another_thread(entered: int) -> OffloadError:
     """What a context exited on another thread than `entered` raises (after `remove`)."""
     return OffloadError(
@@ -76,7 +110,7 @@ def exited_on_another_thread(entered: int) -> OffloadError:
         "Saved-tensor hooks belong to a thread: enter and exit each context on the same one "
         "(a training step written as a generator must be resumed on the thread that started "
         "it). The step ended; the hooks left on the entering thread hold what it saves as "
-        "it is until that thread enters a context again")
+        "it is until its next save or context entry takes them off")
 
 
 def discard(hooks) -> None:

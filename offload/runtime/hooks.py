@@ -59,6 +59,7 @@ from ..errors import TierFullError
 from ..util.never_compiled import never_compiled
 from ..util.ranges import PACK, UNPACK, profiling, span
 from ..util.sizes import format_bytes
+from . import hook_stack
 from .backward_marks import BackwardMarks, graph_task_id
 from .no_offload import no_offload_active, thread_depth
 from .placement import Placement, TensorInfo
@@ -152,6 +153,7 @@ class OffloadHooks:
         # records, which the ledger makes when the core counts its resident bytes.
         self._record_type = ledger.record_type
         self._generation = _Forks.generation
+        self.retired = False   # exited on another thread (`retire`)
         self._packer = None
         if self._record_type is PyRecord:
             self.index = StorageIndex()
@@ -179,6 +181,7 @@ class OffloadHooks:
     def retire(self) -> None:
         """Hold every later save as it is, for no step (hook_stack.py: an entry left on
         the stack of a thread the context was not exited on)."""
+        self.retired = True
         self._generation = -1
         if self._packer is not None:
             self._packer.retire()
@@ -201,7 +204,9 @@ class OffloadHooks:
         return self._pack(t)
 
     def _pack(self, t: torch.Tensor):
-        if self._generation != _Forks.generation:   # a child forked inside the block
+        if self._generation != _Forks.generation:   # a child forked inside the block,
+            if self.retired:                          # or retired (hook_stack.py)
+                hook_stack.drop_retired(self)
             return Kept(t, t._version)
         self.stats.packed_tensors += 1   # every save, whichever step below takes it
         if type(t) is _Tensor and t.layout is _strided:

@@ -53,6 +53,7 @@ import torch.nn as nn
 from torch.nn.parameter import is_lazy
 
 from ..errors import ConfigError
+from ..runtime import hook_stack
 
 __all__ = ["find_blocks", "BlockWrappers", "ours_innermost", "block_type_key"]
 
@@ -150,6 +151,9 @@ def ours_innermost(pack: Callable) -> bool:
     if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
         return False
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is not None and top[0] == pack:
+        return True
+    top = hook_stack.top()   # hooks retired on top (a context exited on another thread) go
     return top is not None and top[0] == pack
 
 
