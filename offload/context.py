@@ -14,6 +14,7 @@ hooks) and the original exception propagates unchanged.
 """
 from __future__ import annotations
 
+import collections.abc
 import logging
 import threading
 import weakref
@@ -85,18 +86,9 @@ class ActivationOffload:
 
     def __init__(self, config: Config, model: torch.nn.Module | None = None,
                  blocks: Any = None) -> None:
-        config.validate()
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"model={model!r}: not a torch.nn.Module (pass the model object "
-                              "you train, or leave model= out)")
-        if config.enabled and "nvme" in config.tiers and config.policy != "keep":
-            from ._ext import load_core
-
-            load_core()  # ExtensionUnavailable (with the reason) now, not mid-step
-        if config.policy != "keep" and config.tiers and may_see_cuda_tensors(model):
-            # Pinned arenas, side-stream copies and chained NVMe I/O: a missing piece is a
-            # ConfigError now, not an error in the middle of the first forward.
-            require_gpu_paths(f"offload.activations(tiers={','.join(config.tiers)!r})")
+        _check(config, model)
+        if isinstance(blocks, collections.abc.Iterator):
+            blocks = list(blocks)   # a generator: read once, kept for copies
         self._fresh(config, model, blocks)
         self._session()
 
@@ -109,6 +101,7 @@ class ActivationOffload:
         self._hook_thread: int | None = None   # the thread its hooks are on, while active
         self._round_trip = RoundTripPlan()  # learned across this context's steps (no model=)
         self._schedule: Session | None = None   # `_session()`
+        self._checked = True   # `_check` ran (a copy's runs at its first use)
 
     def _session(self) -> Session:
         """recompute / auto: the blocks and the plan (offload/schedule/session.py); a
@@ -116,17 +109,30 @@ class ActivationOffload:
         built; a copy's at its first use (`__reduce__`)."""
         schedule = self._schedule
         if schedule is None:
+            if not self._checked:   # a copy: on this machine, with its model complete now
+                _check(self.config, self.model)
+                self._checked = True
             schedule = self._schedule = start_session(self.config, self.model, self._blocks) \
                 if self.config.enabled else Session(self.config)
         return schedule
 
+    # A copy or a pickle (a model holding its context, copied for an EMA or saved with
+    # torch.save) is a new context of the same class, settings, model and blocks, never
+    # entered: steps, figures and plans are not copied (they hold stores, arenas and
+    # threads). Inside a deepcopy of the model it is on the copied model, which is still
+    # being built when the context is: its blocks are found, and its settings checked, at
+    # first use. A context deep-copied on its own keeps its model (the one you train).
     def __reduce__(self):
-        # A copy or a pickle (a model holding its context, copied for an EMA or saved with
-        # torch.save) is a new context of the same settings, model and blocks, never
-        # entered: steps, figures and plans are not copied (they hold stores, arenas and
-        # threads). In a deepcopy of the model the copy's context is on the copied model,
-        # which is still being built when the context is: its blocks are found at first use.
-        return (_copied_context, (self.config,), (self.model, self._blocks))
+        return (_copied_context, (type(self), self.config), (self.model, self._blocks))
+
+    def __deepcopy__(self, memo: dict) -> "ActivationOffload":
+        def copied(obj):   # `memo` holds an object being copied from before its attributes
+            return memo.get(id(obj), obj)
+        blocks = [copied(b) for b in self._blocks] if isinstance(self._blocks, list) \
+            else self._blocks
+        ctx = _copied_context(type(self), self.config)
+        ctx.__setstate__((copied(self.model), blocks))
+        return ctx
 
     def __setstate__(self, state: tuple) -> None:
         self.model, self._blocks = state
@@ -231,8 +237,12 @@ class ActivationOffload:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self._hook_thread is None:
-            raise OffloadError("offload.activations(): exited while not active (exited twice, "
-                               "or never entered)")
+            error = OffloadError("offload.activations(): exited while not active (exited "
+                                 "twice, or never entered)")
+            if exc_type is None:
+                raise error
+            log.error("%s", error)   # said, not raised: never mask the user's exception
+            return False
         if self._hook_thread is _DISABLED:
             self._hook_thread = None
             return False
@@ -272,10 +282,27 @@ class ActivationOffload:
         empty_cache()
 
 
-def _copied_context(config: Config) -> ActivationOffload:
+def _check(config: Config, model: torch.nn.Module | None) -> None:
+    """What a context's settings and model need of this machine, checked before a step."""
+    config.validate()
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model={model!r}: not a torch.nn.Module (pass the model object "
+                          "you train, or leave model= out)")
+    if config.enabled and "nvme" in config.tiers and config.policy != "keep":
+        from ._ext import load_core
+
+        load_core()  # ExtensionUnavailable (with the reason) now, not mid-step
+    if config.policy != "keep" and config.tiers and may_see_cuda_tensors(model):
+        # Pinned arenas, side-stream copies and chained NVMe I/O: a missing piece is a
+        # ConfigError now, not an error in the middle of the first forward.
+        require_gpu_paths(f"offload.activations(tiers={','.join(config.tiers)!r})")
+
+
+def _copied_context(cls: type, config: Config) -> ActivationOffload:
     """A copy's context before `__setstate__` gives it its model (`__reduce__`)."""
-    ctx = ActivationOffload.__new__(ActivationOffload)
+    ctx = cls.__new__(cls)
     ctx._fresh(config, None, None)
+    ctx._checked = False
     return ctx
 
 
@@ -324,6 +351,8 @@ def _explain_known_failures(exc: BaseException) -> None:
 
 
 def _add_note(exc: BaseException, note: str) -> None:
+    if note in getattr(exc, "__notes__", ()):   # nested contexts: said once
+        return
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     else:  # Python 3.10

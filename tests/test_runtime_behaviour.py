@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import offload
+from offload.config import Config
 from offload.errors import ConfigError, TierFullError
 from offload.bench.models import GPT, ConvNet, GPTConfig
 
@@ -656,3 +657,49 @@ def test_a_model_holding_its_context_can_be_copied_and_saved(policy, nvme_dir):
     assert alone.model is not model and alone.config == model.ctx.config
     for ctx in [*(c.ctx for c in copies), alone, model.ctx]:
         ctx.close()
+
+
+class _MyContext(offload.ActivationOffload):
+    pass
+
+
+def test_a_context_copied_on_its_own_keeps_its_model_class_and_blocks(nvme_dir, tmp_path):
+    """Review: deepcopy(ctx) alone copied the model too, so entering the copy recomputed a
+    hidden copy's blocks and the model trained got nothing, silently. A subclass came back
+    as ActivationOffload; blocks= given as a generator was spent."""
+    torch.manual_seed(0)
+    model = _HoldsItsContext()
+    ctx = _MyContext(Config.from_env(policy="recompute", tiers="nvme", nvme_dir=nvme_dir,
+                                     min_bytes=0), model=model, blocks=iter(model.blocks))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    for c in (copy.deepcopy(ctx), copy.copy(ctx), pickle.loads(pickle.dumps(ctx))):
+        assert type(c) is _MyContext
+        plain = torch.autograd.grad(c.model(x).sum(), list(c.model.parameters()))
+        with c:
+            ours = torch.autograd.grad(c.model(x).sum(), list(c.model.parameters()))
+        assert all(map(torch.equal, plain, ours))
+        assert c._schedule.blocks == list(c.model.blocks) and c.stats.nvme_bytes > 0
+        c.close()
+    assert copy.deepcopy(ctx).model is model and copy.copy(ctx).model is model
+
+
+def test_an_unpickled_context_checks_its_settings_at_first_use(tmp_path):
+    # Review: a pickled context whose nvme_dir is gone where it is loaded raised a
+    # StorageError from the tier; it is the ConfigError a context built there raises.
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    data = pickle.dumps(offload.activations(tiers="nvme", nvme_dir=str(gone)))
+    gone.rmdir()
+    ctx = pickle.loads(data)
+    with pytest.raises(offload.ConfigError, match=r"does not exist"):
+        ctx.__enter__()
+    assert not ctx.active
+
+
+def test_exited_while_not_active_never_masks_the_users_exception(caplog):
+    ctx = offload.activations(tiers="host")
+    with caplog.at_level(logging.ERROR, logger="offload"):
+        assert ctx.__exit__(ValueError, ValueError("the user's"), None) is False
+    assert "exited while not active" in caplog.text
+    with pytest.raises(offload.OffloadError, match="exited while not active"):
+        ctx.__exit__(None, None, None)
