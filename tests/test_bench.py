@@ -345,6 +345,29 @@ def test_ctrl_c_after_some_runs_prints_and_writes_the_finished_ones(tmp_path, nv
     assert _workspaces() == before and os.listdir(nvme_dir) == []
 
 
+def test_ctrl_c_during_max_batch_keeps_the_rows(tmp_path, nvme_dir, monkeypatch, capsys):
+    # Review: every run had finished, and the table and --json were lost.
+    from offload.bench import cli as cli_mod
+
+    real_search, calls = maxbatch.search, []
+
+    def search(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_search(*args, **kw)
+
+    monkeypatch.setattr(cli_mod.maxbatch, "search", search)
+    out = tmp_path / "rows.json"
+    code = main(TINY + ["--steps", "1", "--strategies", "none,checkpoint", "--max-batch",
+                        "--memory-limit", "3MiB", "--nvme-dir", nvme_dir, "--json", str(out)])
+    assert code == 130
+    rows = {r.strategy: r for r in rows_mod.from_json(out.read_text())}
+    assert rows["none"].max_batch and rows["checkpoint"].max_batch is None
+    assert rows["checkpoint"].available and rows["checkpoint"].bit_exact is True
+    assert "interrupted during --max-batch (every run had finished)" in capsys.readouterr().err
+
+
 def test_ctrl_c_before_any_run_finished_prints_no_table(tmp_path, nvme_dir, monkeypatch,
                                                         capsys):
     from offload.bench import runner as runner_mod

@@ -402,22 +402,29 @@ def benchmark(s: Settings, progress: Progress) -> list[Row]:
                 if interrupted and results[name]:
                     row.rounds = len(results[name])
                 rows.append(row)
+            searching = False
             if s.max_batch and not interrupted:
-                _max_batch(s, rows, results, runner, progress, device.type)
+                try:
+                    searching = True
+                    _max_batch(s, rows, results, runner, progress, device.type)
+                    searching = False
+                except KeyboardInterrupt:
+                    interrupted = True   # the rows keep what the search had found
         finally:
             checker.close()
     rows_mod.add_relative(rows)
     if interrupted:
-        raise Interrupted(rows, done, len(runs))
+        raise Interrupted(rows, "during --max-batch (every run had finished)" if searching
+                          else f"after {done} of {len(runs)} runs")
     return rows
 
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM) after some runs finished: `rows` holds what they measured."""
 
-    def __init__(self, rows: list[Row], done: int, total: int):
-        super().__init__(f"interrupted after {done} of {total} runs")
-        self.rows, self.done, self.total = rows, done, total
+    def __init__(self, rows: list[Row], when: str):
+        super().__init__(f"interrupted {when}")
+        self.rows = rows
 
 
 def _run_line(name: str, r: int, rounds: int, result: RunResult) -> str:
