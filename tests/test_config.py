@@ -332,14 +332,21 @@ def test_an_nvme_dir_in_ram_is_said_once_and_a_disk_one_is_not(nvme_dir, caplog)
                     "a directory on a local SSD)"]
 
 
-@pytest.mark.parametrize("name", ["données", "two words", "back\\slash"])
-def test_a_ram_nvme_dir_is_seen_whatever_its_mount_point_is_called(name):
+@pytest.mark.parametrize("name", ["données", "two words", "back\\slash",
+                                  os.fsdecode(b"not-utf-8-\xff")])
+def test_a_ram_nvme_dir_is_seen_whatever_its_mount_point_is_called(name, nvme_dir):
     # /proc/self/mountinfo writes blanks and backslashes as octal escapes and the rest as
-    # the path's UTF-8: "données" was read as Latin-1, so its tmpfs went unseen (no warning).
+    # the path's bytes: "données" was read as Latin-1, so its tmpfs went unseen (no
+    # warning); a name that is not UTF-8 anywhere on the machine made every nvme context
+    # raise UnicodeDecodeError (review).
     from offload.util.disk_space import fs_type
     with mounted("tmpfs", name=name) as ram:
         assert fs_type(ram) == "tmpfs"
         assert fs_type(os.path.join(ram, "sub")) == "tmpfs"
+        x = torch.randn(256, 256, requires_grad=True)
+        with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
+            (x * 2).tanh().sum().backward()
+        assert ctx.stats.nvme_bytes > 0
     assert fs_type(ram) != "tmpfs"
 
 

@@ -105,27 +105,27 @@ def _read_free(path: str) -> tuple[int, int]:
 RAM_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 
-_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+_OCTAL_ESCAPE = re.compile(rb"\\([0-7]{3})")
 
 
 def fs_type(path: str) -> str | None:
     """The file system type of the mount holding `path` (Linux; None when unknown)."""
     try:
-        with open("/proc/self/mountinfo") as f:
+        with open("/proc/self/mountinfo", "rb") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    target = os.path.realpath(path)
+    target = os.fsencode(os.path.realpath(path))
     best, best_len = None, -1
     for line in lines:
-        left, sep, right = line.partition(" - ")
+        left, sep, right = line.partition(b" - ")
         fields = left.split()
         if not sep or len(fields) < 5 or not right.split():
             continue
         # Mount points escape blanks, newlines and backslashes as octal (\040); the rest
-        # is the path's own UTF-8 (unicode_escape would read that as Latin-1).
-        point = _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        # is the path's own bytes, compared as bytes (a name need not be UTF-8).
+        point = _OCTAL_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])
+        inside = target == point or target.startswith(point.rstrip(b"/") + b"/")
         if inside and len(point) >= best_len:  # the last of equal mounts is the visible one
             best, best_len = right.split()[0], len(point)
-    return best
+    return os.fsdecode(best) if best is not None else None

@@ -223,8 +223,8 @@ def _ancestors(directory: str, mount_point: str) -> list[str]:
 
 
 def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
+    try:   # (mountinfo holds mount points as their bytes, which need not be UTF-8)
+        with open(path, errors="surrogateescape") as f:
             return f.read().strip()
     except OSError:
         return None
