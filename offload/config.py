@@ -226,7 +226,7 @@ class Config:
         if not self.enabled:
             return  # turned off: nothing else may stop the run (OFFLOAD_ENABLED)
         if "nvme" in self.tiers and self.policy != "keep":
-            self._validate_nvme_dirs(nvme_dir_alternative)
+            self.check_nvme_dirs(nvme_dir_alternative)
             self._validate_nvme_size()
         if self.trace is not None:
             self._validate_trace()
@@ -267,7 +267,9 @@ class Config:
             raise ConfigError(f"{where}: directory {directory!r} is not writable by this "
                               f"process ({fix})")
 
-    def _validate_nvme_dirs(self, alternative) -> None:
+    def check_nvme_dirs(self, alternative: str | None = _DROP_NVME) -> None:
+        """The NVMe directories' checks of `validate` (they exist, are writable, on a disk),
+        whatever the policy; `alternative` as validate()'s `nvme_dir_alternative`."""
         tiers = self.where("tiers")
         if alternative is _DROP_NVME:
             alternative = f"drop 'nvme' from {knob(tiers, 'tiers')}"

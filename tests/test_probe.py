@@ -287,6 +287,18 @@ def test_probe_command_argument_errors(argv, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("env", [{"OFFLOAD_POLICY": "keep"}, {"OFFLOAD_ENABLED": "0"}])
+def test_probe_checks_its_nvme_dir_whatever_the_policy(env, capsys, monkeypatch):
+    # Review: validate() skips the directories under keep or disabled, and the probe then
+    # failed with a traceback measuring a directory that does not exist.
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exc:
+        probe_main(["--device", "cpu", "--nvme-dir", "/no/such"])
+    assert exc.value.code == 2
+    assert "--nvme-dir '/no/such': '/no/such' does not exist" in capsys.readouterr().err
+
+
 def test_pcie_theoretical_rates():
     assert pcie_gbps(5, 16) == pytest.approx(63.0, abs=0.1)
     assert pcie_gbps(4, 16) == pytest.approx(31.5, abs=0.1)

@@ -163,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                     **config.sources, "nvme_dir": f"--nvme-dir {args.nvme_dir!r}"})
             # The probe adds 'nvme' to the tiers itself: without a directory it measures
             # no disk, so that is the alternative to offer.
-            config.validate(nvme_dir_alternative="leave out --nvme-dir" if args.nvme_dir
-                            else "unset OFFLOAD_NVME_DIR to measure no disk")
+            # Whatever OFFLOAD_POLICY / OFFLOAD_ENABLED say: the probe measures the disk
+            # regardless (validate() skips the directories under keep or disabled).
+            config.check_nvme_dirs("leave out --nvme-dir" if args.nvme_dir
+                                   else "unset OFFLOAD_NVME_DIR to measure no disk")
         figures = probe.figures_for(config, device)
     except ConfigError as exc:
         p.error(str(exc))
