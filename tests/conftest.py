@@ -60,7 +60,10 @@ def answer_from_forked_child(target, *args, timeout_s: float = 30):
     parent_end, child_end = fork.Pipe()
     child = fork.Process(target=target, args=(*args, child_end))
     child.start()
-    assert parent_end.poll(timeout_s), f"{target.__name__} sent nothing in {timeout_s} s"
+    if not parent_end.poll(timeout_s):
+        child.kill()   # hung: not left behind
+        child.join()
+        raise AssertionError(f"{target.__name__} sent nothing in {timeout_s} s")
     answer = parent_end.recv()
     child.join(10)
     return answer
