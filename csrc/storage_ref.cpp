@@ -120,9 +120,9 @@ bool parse_nbytes(PyObject* arg, long long* out) {
   return true;
 }
 
-// Counts `nbytes` if they fit the capacity.
+// Counts `nbytes` if they fit the capacity (both >= 0, used <= capacity: no overflow).
 bool take(HostLedger* self, long long nbytes) {
-  if (self->used + nbytes > self->capacity) return false;
+  if (nbytes > self->capacity - self->used) return false;
   self->used += nbytes;
   return true;
 }

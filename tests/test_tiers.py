@@ -135,6 +135,9 @@ def test_the_host_ledger_counts_refs_and_pinned_copies_against_one_capacity(ref_
     ledger.release(ref)
     ledger.release(ref)                                              # once
     assert ledger.used_bytes == 0 and len(ledger) == 0 and ref.storage is None
+    # At the ends of the range: the sum overflowed (UB) and said yes (a sanitizer run).
+    huge = host_mod._HostLedger(2**63 - 1)
+    assert huge.take(1) and not huge.take(2**63 - 1) and huge.used_bytes == 1
 
 
 def test_abort_frees_every_payload_at_once(ref_payload):
