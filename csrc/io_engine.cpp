@@ -23,7 +23,8 @@ namespace {
 // and kill the process. process_vm_readv on ourselves copies in the kernel, which reports
 // an unmapped page as EFAULT instead: thrown as the IoError the in-place pwrite of the same
 // memory would give, which retire() answers by writing the storage's bytes again from
-// where they are now. Where a seccomp filter refuses it (EPERM, ENOSYS): memcpy, as before.
+// where they are now. Where the call fails otherwise (a seccomp filter's EPERM, ENOSYS or
+// whatever errno it chose): memcpy from then on, as before.
 void copy_source(char* to, const char* from, uint64_t nbytes) {
   static std::atomic<bool> refused{false};
   if (nbytes == 0) return;
@@ -32,10 +33,9 @@ void copy_source(char* to, const char* from, uint64_t nbytes) {
     iovec remote{const_cast<char*>(from), nbytes};
     const ssize_t got = ::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0);
     if (got == static_cast<ssize_t>(nbytes)) return;
-    const int err = got >= 0 ? EFAULT : errno;   // a short copy stopped at an unmapped page
-    if (err != EPERM && err != ENOSYS)
-      throw_io_error(err, "reading a write's source memory (freed or moved since the write "
-                          "was handed over?)", {}, -1, static_cast<int64_t>(nbytes));
+    if (got >= 0 || errno == EFAULT)   // a short copy stopped at an unmapped page
+      throw_io_error(EFAULT, "reading a write's source memory (freed or moved since the "
+                             "write was handed over?)", {}, -1, static_cast<int64_t>(nbytes));
     refused.store(true, std::memory_order_relaxed);
   }
   std::memcpy(to, from, nbytes);

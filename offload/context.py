@@ -102,6 +102,7 @@ class ActivationOffload:
         self._round_trip = RoundTripPlan()  # learned across this context's steps (no model=)
         self._schedule: Session | None = None   # `_session()`
         self._checked = True   # `_check` ran (a copy's runs at its first use)
+        self._memo: dict | None = None   # a deep copy's, until its first use (`__deepcopy__`)
 
     def _session(self) -> Session:
         """recompute / auto: the blocks and the plan (offload/schedule/session.py); a
@@ -109,6 +110,8 @@ class ActivationOffload:
         built; a copy's at its first use (`__reduce__`)."""
         schedule = self._schedule
         if schedule is None:
+            self._from_memo()
+            self._memo = None
             if not self._checked:   # a copy: on this machine, with its model complete now
                 _check(self.config, self.model)
                 self._checked = True
@@ -126,13 +129,23 @@ class ActivationOffload:
         return (_copied_context, (type(self), self.config), (self.model, self._blocks))
 
     def __deepcopy__(self, memo: dict) -> "ActivationOffload":
-        def copied(obj):   # `memo` holds an object being copied from before its attributes
-            return memo.get(id(obj), obj)
-        blocks = [copied(b) for b in self._blocks] if isinstance(self._blocks, list) \
-            else self._blocks
         ctx = _copied_context(type(self), self.config)
-        ctx.__setstate__((copied(self.model), blocks))
+        ctx.__setstate__((self.model, self._blocks))
+        # `memo` holds each object being copied from before its attributes are: the model's
+        # copy, if the model is copied in this deepcopy, is there now or, when the context
+        # came first (`deepcopy((ctx, model))`), by the end: looked up again at first use.
+        ctx._memo = memo
+        ctx._from_memo()
         return ctx
+
+    def _from_memo(self) -> None:
+        """A deep copy's model and blocks: their copies where the deepcopy made them."""
+        memo = self._memo
+        if memo is None:
+            return
+        self.model = memo.get(id(self.model), self.model)
+        if isinstance(self._blocks, list):
+            self._blocks = [memo.get(id(b), b) for b in self._blocks]
 
     def __setstate__(self, state: tuple) -> None:
         self.model, self._blocks = state

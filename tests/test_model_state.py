@@ -1005,7 +1005,8 @@ def test_another_thread_drawing_while_a_block_runs_raises_instead_of_a_wrong_gra
     ctx = offload.activations(model=model, **_settings(policy, nvme_dir))
     with pytest.raises(offload.OffloadError, match=r"a block's re-run in backward .* would "
                        r"draw other random numbers than its forward: torch's default CPU "
-                       r"generator was elsewhere before its 2nd random call \(dropout\)"):
+                       r"generator was elsewhere before its 2nd random call \(dropout\)"
+                       r".* Either another thread drew from it"):
         for _ in range(8):
             torch.manual_seed(5)
             with ctx:
@@ -1126,6 +1127,94 @@ def test_a_generator_first_drawn_from_after_the_first_call_draws_the_same_in_the
         ctx.close()
     finally:
         NOISE_ON[0] = False
+
+
+class _LastDropout(nn.Module):
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(16, 16), nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(self.fc(x)).tanh()
+
+
+def _steps_against_plain(model, policy, nvme_dir, steps=4):
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    plain = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    ctx = offload.activations(model=model, **_settings(policy, nvme_dir))
+    try:
+        for _ in range(steps):
+            torch.manual_seed(5)
+            with ctx:
+                ours = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+            assert all(map(torch.equal, plain, ours))
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_another_thread_drawing_inside_a_blocks_last_random_call_raises(policy, nvme_dir,
+                                                                        monkeypatch):
+    """Review: rule 4 checked the state before each random call only; a draw by another
+    thread between that check and the op's own draw (inside F.dropout), in a block's last
+    random call, went unseen: silently wrong gradients. Each call is checked after, too."""
+    real = torch._C._VariableFunctions.dropout
+
+    def racy(*args, **kwargs):
+        if torch._C._current_graph_task_id() != -1:   # in the re-run only
+            other = threading.Thread(target=torch.rand, args=(7,))
+            other.start()
+            other.join()
+        return real(*args, **kwargs)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_LastDropout() for _ in range(3)])
+    monkeypatch.setattr(torch.nn.functional._VF, "dropout", racy, raising=False)
+    with pytest.raises(offload.OffloadError, match=r"elsewhere after its 1st random call "
+                       r"\(dropout\)"):
+        _steps_against_plain(model, policy, nvme_dir, steps=8)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+@pytest.mark.parametrize("draws_nothing", ["p=0", "eval", "attention dropout_p=0"])
+def test_calls_that_draw_nothing_are_not_checked(policy, draws_nothing, nvme_dir):
+    """Review: a dropout with p == 0 or in eval(), or attention with dropout_p == 0 (every
+    Llama-style block), was checked too: another thread's draw meanwhile raised
+    OffloadError though the gradient was exact. Here a thread draws in every re-run."""
+    class Attends(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            q = self.fc(x).view(4, 2, 8)
+            draw_elsewhere()
+            return x + torch.nn.functional.scaled_dot_product_attention(
+                q, q, q, dropout_p=0.0).reshape(4, 16)
+
+    class Drops(_LastDropout):
+        def forward(self, x):
+            h = self.drop(self.fc(x))
+            draw_elsewhere()
+            return x + self.drop(h).tanh()
+
+    def draw_elsewhere():
+        if torch._C._current_graph_task_id() != -1:
+            other = threading.Thread(target=torch.rand, args=(7,))
+            other.start()
+            other.join()
+
+    torch.manual_seed(0)
+    if draws_nothing == "attention dropout_p=0":
+        model = nn.Sequential(*[Attends() for _ in range(3)])
+    else:
+        model = nn.Sequential(*[Drops(0.0 if draws_nothing == "p=0" else 0.5)
+                                for _ in range(3)])
+        if draws_nothing == "eval":
+            for block in model:
+                block.drop.eval()
+    _steps_against_plain(model, policy, nvme_dir, steps=6)
 
 
 # ---------------------------------------------------------------- arguments written into

@@ -683,6 +683,29 @@ def test_a_context_copied_on_its_own_keeps_its_model_class_and_blocks(nvme_dir, 
     assert copy.deepcopy(ctx).model is model and copy.copy(ctx).model is model
 
 
+@pytest.mark.parametrize("context_first", [True, False])
+def test_a_deep_copy_of_a_context_and_its_model_together_is_on_the_copy(context_first,
+                                                                       nvme_dir):
+    # Review: deepcopy((ctx, model)) met the context first, when the model's copy did not
+    # exist yet: the copied context stayed on the original model, and the copied model ran
+    # without recompute, silently.
+    torch.manual_seed(0)
+    model = _HoldsItsContext()
+    ctx = offload.activations(model=model, policy="recompute", tiers="nvme",
+                              nvme_dir=nvme_dir, min_bytes=0)
+    if context_first:
+        c_ctx, c_model = copy.deepcopy((ctx, model))
+    else:
+        c_model, c_ctx = copy.deepcopy((model, ctx))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    with c_ctx:
+        c_model(x).sum().backward()
+    assert c_ctx.model is c_model and c_ctx._schedule.blocks == list(c_model.blocks)
+    assert c_ctx.stats.nvme_bytes > 0 and ctx._schedule.blocks == list(model.blocks)
+    c_ctx.close()
+    ctx.close()
+
+
 def test_an_unpickled_context_checks_its_settings_at_first_use(tmp_path):
     # Review: a pickled context whose nvme_dir is gone where it is loaded raised a
     # StorageError from the tier; it is the ConfigError a context built there raises.

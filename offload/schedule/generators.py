@@ -26,12 +26,14 @@ the generator would end the step advanced twice. Rules:
    block's forward or its re-run runs (an augmentation thread's `torch.rand`, a second
    model trained in the process) shifts what the re-run draws, and its gradient would
    silently differ from plain autograd's, as under checkpoint. So the forward also notes
-   the default generator's state before each call of a function that draws from it
-   implicitly (`_DRAWS_IMPLICITLY`: dropout and its kin, `rand*`, in-place samplers), and a
-   re-run of a block that made any checks each such call against it: a difference raises
-   `OffloadError` in backward (`_DrawsAsBefore`). Seen at the granularity of those calls
-   (one op holds its generator's lock while it draws); a random op outside the list, or
-   reached inside a function the mode sees as one call, is not checked.
+   the default generator's state before and after each call of a function that draws from
+   it implicitly (`_DRAWS_IMPLICITLY`: dropout and its kin, `rand*`, in-place samplers,
+   attention with dropout; not one whose arguments say it draws nothing: p == 0, not
+   training), and a re-run of a block that made any checks each such call against them,
+   also when checkpoint stops the re-run inside it: a difference raises `OffloadError` in
+   backward (`_DrawsAsBefore`). Not seen: a random op outside the list, or reached inside a
+   function the mode sees as one call (its draws count in the next listed call's check, if
+   any).
 
 Cost: the mode on every forward call of a re-run block, some 5 µs per torch function
 call on a CPU (docs/benchmarks.md *Generators seen at every call*); one `get_state` per
@@ -41,6 +43,7 @@ generators under torch.compile (torch's own checkpoint does not see them either)
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Callable
 
 import torch
@@ -72,23 +75,70 @@ _DRAWS_IMPLICITLY = frozenset({
     "random_"})
 
 
+# Dropouts by name: (the index of `p`, of `training`) when passed by position.
+_DROPOUTS = frozenset({
+    "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+    "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout",
+    "feature_dropout_"})
+
+
+def _argument(args: tuple, kwargs: dict, names: tuple, index: int, default: Any) -> Any:
+    for name in names:
+        if name in kwargs:
+            return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+def _draws_implicitly(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the call may draw from a default generator (rule 4): one of
+    `_DRAWS_IMPLICITLY`, handed no generator, and not one that its arguments say draws
+    nothing (a dropout with p == 0 or not training, attention with dropout_p == 0: a
+    Llama-style block, or any block in eval())."""
+    name = getattr(func, "__name__", None)
+    if name not in _DRAWS_IMPLICITLY or kwargs.get("generator") is not None:
+        return False
+    if name in _DROPOUTS:
+        p = _argument(args, kwargs, ("p",), 1, 0.5)
+        return bool(_argument(args, kwargs, ("training", "train"), 2, True)) and p != 0
+    if name == "scaled_dot_product_attention":
+        return _argument(args, kwargs, ("dropout_p",), 4, 0.0) != 0
+    if name in ("rrelu", "rrelu_"):
+        return bool(_argument(args, kwargs, ("training",), 3, False))
+    return True
+
+
 def _default_generator_of(args: tuple, kwargs: dict) -> torch.Generator:
-    """The default generator a call draws from: its device's (a `device=` or its first
-    tensor's), CPU's when it names none."""
+    """The default generator a call draws from: its device's (a `device=`, else its first
+    tensor's, else torch's default device)."""
     device = kwargs.get("device")
     if device is None:
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-    device = torch.device(device) if device is not None else None
-    if device is not None and device.type == "cuda":
+        device = next((a.device for a in (*args, *kwargs.values())
+                       if isinstance(a, torch.Tensor)), None)
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return torch.cuda.default_generators[index]
     return torch.default_generator
 
 
+def _state(generator: torch.Generator) -> torch.Tensor:
+    # Made without the dispatcher (no op of the block for recompute.py to count), and
+    # without _disable_current_modes, which costs ~17 µs a call: 2-3 % of a small GPT's step.
+    return generator.get_state()
+
+
+def _same(state: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether two generator states (CPU byte tensors) are equal, read without the
+    dispatcher (torch.equal is an op the block's modes would see)."""
+    return state.numel() == other.numel() and \
+        ctypes.string_at(state.data_ptr(), state.numel()) == \
+        ctypes.string_at(other.data_ptr(), other.numel())
+
+
 class _SeeGenerators(TorchFunctionMode):
     """The forward of one call: each generator handed to a torch function, its state noted
     before the call's first draw from it (rules 1 and 2), and the default generator's
-    before each implicit draw (rule 4)."""
+    before and after each implicit draw (rule 4)."""
 
     def __init__(self, states: dict, draws: list) -> None:
         super().__init__()
@@ -100,25 +150,28 @@ class _SeeGenerators(TorchFunctionMode):
         generator = kwargs.get("generator")
         if generator is not None:
             self._note(generator)
-        elif getattr(func, "__name__", None) in _DRAWS_IMPLICITLY:
-            default = _default_generator_of(args, kwargs)
-            with _disable_current_modes():
-                self.draws.append((default, default.get_state()))
         for arg in args:   # torch's own functions take it by keyword; a user's may not
             if isinstance(arg, torch.Generator):
                 self._note(arg)
-        return func(*args, **kwargs)
+        if not _draws_implicitly(func, args, kwargs):
+            return func(*args, **kwargs)
+        default = _default_generator_of(args, kwargs)
+        draw = [default, _state(default), None]   # the generator, before, after
+        self.draws.append(draw)
+        out = func(*args, **kwargs)
+        draw[2] = _state(default)
+        return out
 
     def _note(self, generator) -> None:
         if isinstance(generator, torch.Generator) and generator not in self.states and \
                 not _is_default(generator):
-            with _disable_current_modes():   # get_state makes a tensor: no op of the block
+            with _disable_current_modes():   # (a user's generator may be any subclass)
                 self.states[generator] = generator.get_state()
 
 
 class _DrawsAsBefore(TorchFunctionMode):
-    """A re-run of a block whose forward drew implicitly: each such draw starts where the
-    forward's did (rule 4)."""
+    """A re-run of a block whose forward drew implicitly: each such draw starts and ends
+    where the forward's did (rule 4)."""
 
     def __init__(self, draws: list) -> None:
         super().__init__()
@@ -127,24 +180,37 @@ class _DrawsAsBefore(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if kwargs.get("generator") is None and \
-                getattr(func, "__name__", None) in _DRAWS_IMPLICITLY and \
-                self.seen < len(self.draws):
-            generator, state = self.draws[self.seen]
-            self.seen += 1
-            with _disable_current_modes():
-                moved = not torch.equal(generator.get_state(), state)
-            if moved:
-                raise OffloadError(
-                    f"offload: a block's re-run in backward (policy='recompute' / 'auto') would "
-                    f"draw other random numbers than its forward: torch's default "
-                    f"{generator.device.type.upper()} generator was elsewhere before its "
-                    f"{_ordinal(self.seen)} random call ({func.__name__}). Another thread drew "
-                    "from it while the block ran (forward or re-run), so the re-run's dropout "
-                    "masks would differ and the gradient with them. Give threads that draw "
-                    "random numbers a torch.Generator of their own (or draw in DataLoader "
-                    "worker processes), or use policy='offload'.")
-        return func(*args, **kwargs)
+        if self.seen >= len(self.draws) or not _draws_implicitly(func, args, kwargs):
+            return func(*args, **kwargs)
+        generator, before, after = self.draws[self.seen]
+        self.seen += 1
+        self._check(generator, before, "before", func)
+        drew = False
+        try:
+            out = func(*args, **kwargs)
+            drew = True
+            return out
+        except BaseException as exc:
+            # checkpoint ends a re-run early by raising from a save, after the op drew
+            drew = type(exc).__name__ == "_StopRecomputationError"
+            raise
+        finally:
+            if drew and after is not None:
+                self._check(generator, after, "after", func)
+
+    def _check(self, generator, state, where: str, func) -> None:
+        if _same(_state(generator), state):
+            return
+        raise OffloadError(
+            f"offload: a block's re-run in backward (policy='recompute' / 'auto') would draw "
+            f"other random numbers than its forward: torch's default "
+            f"{generator.device.type.upper()} generator was elsewhere {where} its "
+            f"{_ordinal(self.seen)} random call ({func.__name__}), so the re-run's dropout "
+            "masks would differ and the gradient with them. Either another thread drew from "
+            "it while the block ran (forward or re-run): give threads that draw random "
+            "numbers a torch.Generator of their own (or draw in DataLoader worker processes); "
+            "or the block drew in its forward what its re-run does not (a buffer drawn at the "
+            "first call) or the other way round. Else use policy='offload'.")
 
 
 def _ordinal(n: int) -> str:
@@ -157,7 +223,7 @@ class _Guard:
 
     def __init__(self) -> None:
         self.states: dict = {}   # generator -> its state before the forward's first draw
-        self.draws: list = []    # (default generator, its state) before each implicit draw
+        self.draws: list = []    # [default generator, state before, after] per implicit draw
         self.calls = 0
 
     def wrap(self, fn: Callable) -> Callable:
