@@ -93,6 +93,7 @@ class ActivationOffload:
         self._session()
 
     def _fresh(self, config: Config, model: torch.nn.Module | None, blocks: Any) -> None:
+        self._memo: dict | None = None   # a deep copy's, until its first use (`__deepcopy__`)
         self.config = config
         self.model = model
         self._blocks = blocks                # as given: what a copy is built with
@@ -102,7 +103,6 @@ class ActivationOffload:
         self._round_trip = RoundTripPlan()  # learned across this context's steps (no model=)
         self._schedule: Session | None = None   # `_session()`
         self._checked = True   # `_check` ran (a copy's runs at its first use)
-        self._memo: dict | None = None   # a deep copy's, until its first use (`__deepcopy__`)
 
     def _session(self) -> Session:
         """recompute / auto: the blocks and the plan (offload/schedule/session.py); a
@@ -126,11 +126,13 @@ class ActivationOffload:
     # being built when the context is: its blocks are found, and its settings checked, at
     # first use. A context deep-copied on its own keeps its model (the one you train).
     def __reduce__(self):
-        return (_copied_context, (type(self), self.config), (self.model, self._blocks))
+        self._from_memo()
+        return (_copied_context, (type(self), self.config), (self._model, self._blocks))
 
     def __deepcopy__(self, memo: dict) -> "ActivationOffload":
+        self._from_memo()   # a copy of a copy: of what the first copy stands for
         ctx = _copied_context(type(self), self.config)
-        ctx.__setstate__((self.model, self._blocks))
+        ctx.__setstate__((self._model, self._blocks))
         # `memo` holds each object being copied from before its attributes are: the model's
         # copy, if the model is copied in this deepcopy, is there now or, when the context
         # came first (`deepcopy((ctx, model))`), by the end: looked up again at first use.
@@ -143,9 +145,20 @@ class ActivationOffload:
         memo = self._memo
         if memo is None:
             return
-        self.model = memo.get(id(self.model), self.model)
+        self._model = memo.get(id(self._model), self._model)
         if isinstance(self._blocks, list):
             self._blocks = [memo.get(id(b), b) for b in self._blocks]
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model given as `model=` (a deep copy's: the copied one, `__deepcopy__`)."""
+        if self._memo is not None:
+            self._from_memo()
+        return self._model
+
+    @model.setter
+    def model(self, model: torch.nn.Module | None) -> None:
+        self._model = model
 
     def __setstate__(self, state: tuple) -> None:
         self.model, self._blocks = state
