@@ -141,10 +141,14 @@ class ActivationOffload:
         return ctx
 
     def _from_memo(self) -> None:
-        """A deep copy's model and blocks: their copies where the deepcopy made them."""
+        """A deep copy's model and blocks: their copies where the deepcopy made them. The
+        memo (which keeps the deepcopy's originals alive) is let go once the model's copy
+        is found there."""
         memo = self._memo
         if memo is None:
             return
+        if self._model is None or id(self._model) in memo:
+            self._memo = None
         self._model = memo.get(id(self._model), self._model)
         if isinstance(self._blocks, list):
             self._blocks = [memo.get(id(b), b) for b in self._blocks]

@@ -698,6 +698,7 @@ def test_a_deep_copy_of_a_context_and_its_model_together_is_on_the_copy(context_
     else:
         c_model, c_ctx = copy.deepcopy((model, ctx))
     assert c_ctx.model is c_model   # before its first use too
+    assert c_ctx._memo is None      # which keeps the deepcopy's originals alive: let go
     cc_ctx, cc_model = copy.deepcopy((c_ctx, c_model))   # a copy of the copy
     assert cc_ctx.model is cc_model
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
