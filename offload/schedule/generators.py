@@ -75,7 +75,7 @@ _DRAWS_IMPLICITLY = frozenset({
     "random_"})
 
 
-# Dropouts by name: (the index of `p`, of `training`) when passed by position.
+# The dropouts among them: `p` second and `training` third when passed by position.
 _DROPOUTS = frozenset({
     "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
     "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout",
