@@ -10,7 +10,7 @@ longer is listed here, each piece kept by the module that uses it:
 | CUDA copy streams per device (copies Note 13) | tiers/cuda_backend.py | kept | forgotten | forgotten (a child cannot use the parent's CUDA state) |
 | glibc heap settings of a step in progress | tiers/heap.py | – | – | back to normal |
 | saved-tensor hooks of a step in progress (torch's hook stack is the forking thread's) | runtime/hooks.py | – | – | hold every save as it is: the child's own autograd runs as without offload |
-| hooks of a context exited on another thread, left on the entering thread's stack | runtime/hook_stack.py | – | – | – (retired: they hold every save as it is; that thread's next enter takes them off) |
+| hooks of a context exited on another thread, left on the entering thread's stack | runtime/hook_stack.py | – | – | – (retired: they hold every save as it is; that thread's next save, block call or enter takes them off) |
 | exited steps whose saved tensors live on | runtime/step.py | finished if idle | finished if idle | – |
 | per-model plans: round trip, `auto`'s sessions, buffer slots | util/per_model.py | kept | cleared | kept |
 | `auto`'s probe figures and warnings said once | schedule/, config.py, runtime/subclasses.py, runtime/hooks.py, tiers/nvme_space.py | kept | cleared | kept |

@@ -11,10 +11,10 @@ and never looks at its position, so each still pops its own.
 
 A thread cannot reach another's stack. A context exited on another thread than it entered
 on (a training-step generator resumed on a worker) retires its hooks there: they hold every
-later save as it is, for no step, so that thread trains as without them; the next `install`
-on that thread takes them off, and so does the first save or block call there that meets
-one on top (`top`): an outer context or a user's `saved_tensors_hooks` entered before it
-then gets that thread's saves again. Else they stayed for good: later plain steps on the
+later save as it is, for no step, so that thread trains as without them; the first save,
+block call or `install` on that thread that meets them on top takes them off (`top`; the
+`retired` flag on the hooks is all that marks them): an outer context or a user's
+`saved_tensors_hooks` entered before it then gets that thread's saves again. Else they stayed for good: later plain steps on the
 entering thread packed into the ended step, or raised once its tiers were closed. Not
 covered: a user's `saved_tensors_hooks` whose exit comes first on that thread pops the
 retired entry, and its own stays installed (torch pops the top, whoever's it is).
@@ -23,34 +23,23 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 
 import torch
 
 from ..errors import OffloadError
 
-__all__ = ["install", "remove", "discard", "top", "drop_retired", "exited_on_another_thread"]
+__all__ = ["install", "remove", "discard", "top", "exited_on_another_thread"]
 
 _autograd = torch._C._autograd
 log = logging.getLogger("offload")
 
 
-# Retired hooks left on a thread's stack, by thread ident, taken off at its next install.
-# Weak: the stack holds them, and a thread that ends takes its stack with it.
-_retired: dict[int, list[weakref.ref]] = {}
-_retired_lock = threading.Lock()
-
-
 def install(hooks) -> int:
-    """Push `hooks.pack` / `hooks.unpack_hook()`; returns the thread that must remove them."""
-    thread = threading.get_ident()
-    if _retired:   # a look without the lock: one retired meanwhile goes at the next install
-        with _retired_lock:
-            left = _retired.pop(thread, ())
-        for ref in left:
-            discard(ref())
+    """Push `hooks.pack` / `hooks.unpack_hook()` (retired entries on top taken off first);
+    returns the thread that must remove them."""
+    top()
     _autograd._push_saved_tensors_default_hooks(hooks.pack, hooks.unpack_hook())
-    return thread
+    return threading.get_ident()
 
 
 def remove(hooks, thread: int) -> bool:
@@ -63,8 +52,6 @@ def remove(hooks, thread: int) -> bool:
     """
     if threading.get_ident() != thread:
         hooks.retire()
-        with _retired_lock:
-            _retired.setdefault(thread, []).append(weakref.ref(hooks))
         return False
     if not _pop(hooks):   # popped by someone else already: nothing of ours to remove
         log.warning("offload: this context's saved-tensor hooks were already removed by "
@@ -75,31 +62,11 @@ def remove(hooks, thread: int) -> bool:
 def top():
     """This thread's innermost saved-tensor hooks, retired entries taken off first."""
     entry = _autograd._top_saved_tensors_default_hooks(False)
-    while entry is not None and _retired_entry(entry[0]):
+    while entry is not None and getattr(getattr(entry[0], "__self__", None), "retired",
+                                        False) is True:
         _autograd._pop_saved_tensors_default_hooks()
-        _forget(entry[0].__self__)
         entry = _autograd._top_saved_tensors_default_hooks(False)
     return entry
-
-
-def drop_retired(hooks) -> None:
-    """A retired entry's pack ran: it is this thread's top entry; take it off."""
-    if _pop(hooks):
-        _forget(hooks)
-
-
-def _retired_entry(pack) -> bool:
-    return getattr(getattr(pack, "__self__", None), "retired", False) is True
-
-
-def _forget(hooks) -> None:
-    thread = threading.get_ident()
-    with _retired_lock:
-        refs = [ref for ref in _retired.get(thread, ()) if ref() not in (None, hooks)]
-        if refs:
-            _retired[thread] = refs
-        else:
-            _retired.pop(thread, None)
 
 
 def exited_on_another_thread(entered: int) -> OffloadError:

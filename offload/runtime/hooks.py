@@ -97,6 +97,9 @@ class _Forks:
     generation = 0
 
 
+_RETIRED = -1   # the generation of retired hooks (`retire`): never a fork's
+
+
 # Tier lists whose "every tier is full" was said (OFFLOAD_STRICT: a one-time warning; the
 # figure, `full_kept_bytes`, is every step's). offload.process.reset forgets them.
 _said_full: set[tuple[str, ...]] = set()
@@ -153,7 +156,6 @@ class OffloadHooks:
         # records, which the ledger makes when the core counts its resident bytes.
         self._record_type = ledger.record_type
         self._generation = _Forks.generation
-        self.retired = False   # exited on another thread (`retire`)
         self._packer = None
         if self._record_type is PyRecord:
             self.index = StorageIndex()
@@ -181,10 +183,13 @@ class OffloadHooks:
     def retire(self) -> None:
         """Hold every later save as it is, for no step (hook_stack.py: an entry left on
         the stack of a thread the context was not exited on)."""
-        self.retired = True
-        self._generation = -1
+        self._generation = _RETIRED
         if self._packer is not None:
             self._packer.retire()
+
+    @property
+    def retired(self) -> bool:
+        return self._generation == _RETIRED
 
     def unpack_hook(self):
         """What to push as the unpack hook: the core's `Unpacker` in front of `unpack` when
@@ -205,8 +210,8 @@ class OffloadHooks:
 
     def _pack(self, t: torch.Tensor):
         if self._generation != _Forks.generation:   # a child forked inside the block,
-            if self.retired:                          # or retired (hook_stack.py)
-                hook_stack.drop_retired(self)
+            if self._generation == _RETIRED:          # or retired: on top here, so off
+                hook_stack.top()
             return Kept(t, t._version)
         self.stats.packed_tensors += 1   # every save, whichever step below takes it
         if type(t) is _Tensor and t.layout is _strided:
