@@ -46,4 +46,12 @@ class UseAfterClose : public std::logic_error {
   using std::logic_error::logic_error;
 };
 
+// What a forked child gets for the parent's nvme store or a request of its engine.
+inline UseAfterClose forked_store_error() {
+  return UseAfterClose("NvmeStore is closed: this process was forked from the one that saved "
+                       "these tensors, and a child cannot read the parent's nvme store (run "
+                       "backward in the parent, or use the host tier for graphs a child "
+                       "backwards)");
+}
+
 }  // namespace offload

@@ -23,6 +23,7 @@
 #include <new>
 
 #include "bindings.hpp"
+#include "forks.hpp"
 #include "pack_moved.hpp"
 #include "prefetcher.hpp"
 #include "py_calls.hpp"
@@ -36,11 +37,6 @@ namespace py = pybind11;
 namespace offload::bind {
 
 namespace {
-
-// Bumped in each forked child (`after_fork_in_child`, hooks.py NOTE [Hooks across a fork]):
-// a packer made in an earlier generation (or retired: -1) hands every save to the Python
-// path, which holds it as it is.
-long long fork_generation = 0;
 
 // The pack hook. A small save is made here; a plain strided tensor that is not one goes on
 // to `strided(owner, tensor, version, storage, nbytes, node)` with what was read here
@@ -65,7 +61,10 @@ struct Packer {
   PyObject* record_type;
   PyObject* meter_obj;       // the meter's Python object (what a record counts itself into)
   MovePath moves;            // empty: no move path (pack_moved.hpp)
-  long long generation;      // fork_generation when it was made; -1 once retired
+  // fork_generation (forks.hpp) when it was made; -1 once retired. Another than the
+  // process's: every save goes to the Python path, which holds it as it is (hooks.py NOTE
+  // [Hooks across a fork]).
+  long long generation;
 };
 
 // The owner, or (None) an error saying the context is gone.

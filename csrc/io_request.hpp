@@ -2,8 +2,6 @@
 // counter a store uses to wait for all of its requests on close().
 #pragma once
 
-#include <pthread.h>
-
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -18,20 +16,9 @@
 #include <vector>
 
 #include "error.hpp"
+#include "forks.hpp"
 
 namespace offload {
-
-// Forks of this process so far, as this process counts them (the child's own handler adds
-// one). A request made before a fork is, in the child, the parent's: its engine's workers
-// do not exist there, so it never completes (NOTE [Requests across a fork]).
-inline std::atomic<uint64_t>& forks_seen() {
-  static std::atomic<uint64_t> count{0};
-  static const bool counted = [] {
-    return ::pthread_atfork(nullptr, nullptr, [] { forks_seen().fetch_add(1); }) == 0;
-  }();
-  (void)counted;
-  return count;
-}
 
 // Counts requests that have not finished. Shared (not owned by the store) so a request
 // finishing on a worker thread never touches a destroyed store.
@@ -69,7 +56,7 @@ class InflightTracker {
 class IoRequest {
  public:
   IoRequest(uint64_t nbytes, std::shared_ptr<InflightTracker> tracker)
-      : nbytes_(nbytes), tracker_(std::move(tracker)), forks_(forks_seen().load()) {
+      : nbytes_(nbytes), tracker_(std::move(tracker)), generation_(fork_generation) {
     tracker_->add();
   }
   IoRequest(const IoRequest&) = delete;
@@ -97,13 +84,13 @@ class IoRequest {
   void complete(std::exception_ptr err) { finish(err); }
 
   bool done() const {
-    if (forks_ != forks_seen().load()) return done_before_fork();
+    if (generation_ != fork_generation) return done_before_fork();
     std::lock_guard<std::mutex> lock(mu_);
     return done_;
   }
   // True when done; false when `timeout_s` passed first (nullopt waits forever).
   bool wait(std::optional<double> timeout_s) const {
-    if (forks_ != forks_seen().load()) return done_before_fork();
+    if (generation_ != fork_generation) return done_before_fork();
     std::unique_lock<std::mutex> lock(mu_);
     if (!timeout_s) {
       cv_.wait(lock, [&] { return done_; });
@@ -130,10 +117,7 @@ class IoRequest {
   bool done_before_fork() const {   // NOTE [Requests across a fork]
     std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
     if (lock.owns_lock() && done_) return true;
-    throw UseAfterClose("NvmeStore is closed: this process was forked from the one that "
-                        "saved these tensors while their I/O ran, and a child cannot wait "
-                        "for the parent's nvme store (run backward in the parent, or use the "
-                        "host tier for graphs a child backwards)");
+    throw forked_store_error();
   }
 
   void record_error(std::exception_ptr err) {
@@ -167,7 +151,7 @@ class IoRequest {
 
   const uint64_t nbytes_;
   std::shared_ptr<InflightTracker> tracker_;
-  const uint64_t forks_;   // forks_seen() when it was made
+  const long long generation_;   // fork_generation (forks.hpp) when it was made
   std::vector<std::shared_ptr<const void>> keepalive_;
   std::function<void()> on_success_;
   std::atomic<size_t> pending_{0};

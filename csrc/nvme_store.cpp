@@ -117,11 +117,7 @@ void NvmeStore::abandon_after_fork() noexcept {
 
 void NvmeStore::check_open() const {
   if (!closed_.load()) return;
-  if (forked_.load())
-    throw UseAfterClose("NvmeStore is closed: this process was forked from the one that "
-                        "saved these tensors, and a child cannot read the parent's nvme store "
-                        "(run backward in the parent, or use the host tier for graphs a child "
-                        "backwards)");
+  if (forked_.load()) throw forked_store_error();
   throw UseAfterClose("NvmeStore is closed");
 }
 
