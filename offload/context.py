@@ -86,11 +86,10 @@ class ActivationOffload:
 
     def __init__(self, config: Config, model: torch.nn.Module | None = None,
                  blocks: Any = None) -> None:
-        _check(config, model)
         if isinstance(blocks, collections.abc.Iterator):
             blocks = list(blocks)   # a generator: read once, kept for copies
         self._fresh(config, model, blocks)
-        self._session()
+        self._session()   # settings checked, blocks found: now, not at the first step
 
     def _fresh(self, config: Config, model: torch.nn.Module | None, blocks: Any) -> None:
         self._memo: dict | None = None   # a deep copy's, until its first use (`__deepcopy__`)
@@ -102,19 +101,17 @@ class ActivationOffload:
         self._hook_thread: int | None = None   # the thread its hooks are on, while active
         self._round_trip = RoundTripPlan()  # learned across this context's steps (no model=)
         self._schedule: Session | None = None   # `_session()`
-        self._checked = True   # `_check` ran (a copy's runs at its first use)
 
     def _session(self) -> Session:
         """recompute / auto: the blocks and the plan (offload/schedule/session.py); a
-        disabled context looks for no block and wraps nothing. Started when the context is
-        built; a copy's at its first use (`__reduce__`)."""
+        disabled context looks for no block and wraps nothing. Started, its settings and
+        model checked on this machine, when the context is built; a copy's at its first
+        use, its model complete by then (`__reduce__`)."""
         schedule = self._schedule
         if schedule is None:
             self._from_memo()
             self._memo = None
-            if not self._checked:   # a copy: on this machine, with its model complete now
-                _check(self.config, self.model)
-                self._checked = True
+            _check(self.config, self.model)
             schedule = self._schedule = start_session(self.config, self.model, self._blocks) \
                 if self.config.enabled else Session(self.config)
         return schedule
@@ -156,8 +153,7 @@ class ActivationOffload:
     @property
     def model(self) -> torch.nn.Module | None:
         """The model given as `model=` (a deep copy's: the copied one, `__deepcopy__`)."""
-        if self._memo is not None:
-            self._from_memo()
+        self._from_memo()
         return self._model
 
     @model.setter
@@ -332,7 +328,6 @@ def _copied_context(cls: type, config: Config) -> ActivationOffload:
     """A copy's context before `__setstate__` gives it its model (`__reduce__`)."""
     ctx = cls.__new__(cls)
     ctx._fresh(config, None, None)
-    ctx._checked = False
     return ctx
 
 
