@@ -37,7 +37,7 @@ the generator would end the step advanced twice. Rules:
 
 Cost: the mode on every forward call of a re-run block, some 5 µs per torch function
 call on a CPU (docs/benchmarks.md *Generators seen at every call*); one `get_state` per
-generator drawn from, and per implicit draw (CPU: a 5 KiB tensor, held until the
+generator drawn from, and two per implicit draw (CPU: 5 KiB tensors, held until the
 re-run); for a block that drew implicitly, the mode on its re-run too. Not seen:
 generators under torch.compile (torch's own checkpoint does not see them either).
 """
@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import _StopRecomputationError
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import OffloadError
@@ -63,23 +64,18 @@ def _is_default(generator: torch.Generator) -> bool:
         any(generator is g for g in torch.cuda.default_generators)
 
 
-# Functions (as a torch function mode sees them: their `__name__`) that draw from a
-# default generator when handed none (rule 4).
-_DRAWS_IMPLICITLY = frozenset({
-    "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-    "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout",
-    "feature_dropout_", "native_dropout", "rrelu", "rrelu_", "gumbel_softmax",
-    "scaled_dot_product_attention", "rand", "rand_like", "randn", "randn_like", "randint",
-    "randint_like", "randperm", "bernoulli", "bernoulli_", "multinomial", "normal",
-    "normal_", "poisson", "uniform_", "exponential_", "geometric_", "log_normal_", "cauchy_",
-    "random_"})
-
-
-# The dropouts among them: `p` second and `training` third when passed by position.
+# The dropouts: `p` second and `training` third when passed by position.
 _DROPOUTS = frozenset({
     "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
     "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout",
     "feature_dropout_"})
+# Functions (as a torch function mode sees them: their `__name__`) that draw from a
+# default generator when handed none (rule 4).
+_DRAWS_IMPLICITLY = _DROPOUTS | {
+    "native_dropout", "rrelu", "rrelu_", "gumbel_softmax", "scaled_dot_product_attention",
+    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+    "bernoulli", "bernoulli_", "multinomial", "normal", "normal_", "poisson", "uniform_",
+    "exponential_", "geometric_", "log_normal_", "cauchy_", "random_"}
 
 
 def _argument(args: tuple, kwargs: dict, names: tuple, index: int, default: Any) -> Any:
@@ -185,18 +181,13 @@ class _DrawsAsBefore(TorchFunctionMode):
         generator, before, after = self.draws[self.seen]
         self.seen += 1
         self._check(generator, before, "before", func)
-        drew = False
         try:
             out = func(*args, **kwargs)
-            drew = True
-            return out
-        except BaseException as exc:
-            # checkpoint ends a re-run early by raising from a save, after the op drew
-            drew = type(exc).__name__ == "_StopRecomputationError"
+        except _StopRecomputationError:   # checkpoint ends a re-run early from a save,
+            self._check(generator, after, "after", func)   # after the op drew
             raise
-        finally:
-            if drew and after is not None:
-                self._check(generator, after, "after", func)
+        self._check(generator, after, "after", func)
+        return out
 
     def _check(self, generator, state, where: str, func) -> None:
         if _same(_state(generator), state):
