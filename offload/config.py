@@ -65,8 +65,9 @@ class Config:
         default_doc="unset",
         doc="Directory on a local SSD for the `nvme` tier; several are striped, each holding an "
             "equal share of OFFLOAD_NVME_BYTES. `{rank}` and `{local_rank}` expand from RANK / "
-            "LOCAL_RANK; a literal brace is written twice (`{{`). Files are private and unlinked at once. On tmpfs (RAM) a warning "
-            "says so; ramfs and read-only file systems are refused.")
+            "LOCAL_RANK; a literal brace is written twice (`{{`). Files are private and "
+            "unlinked at once. On tmpfs (RAM) a warning says so; ramfs and read-only file "
+            "systems are refused.")
     host_bytes: SizeSpec = _knob(
         SizeSpec(fraction=0.5), env="OFFLOAD_HOST_BYTES", kind="size or %", example="8GiB",
         doc="Capacity of the `host` tier; a percentage is of the memory available at entry "

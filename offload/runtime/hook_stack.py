@@ -9,15 +9,16 @@ offload's and anyone else's alike (a user's `saved_tensors_hooks` left entered b
 `ExitStack`, torch's `save_on_cpu`, a checkpoint's). Every owner's exit pops the top entry
 and never looks at its position, so each still pops its own.
 
-A thread cannot reach another's stack. A context exited on another thread than it entered
-on (a training-step generator resumed on a worker) retires its hooks there: they hold every
+A thread cannot reach another's stack. A context exited on another thread than it entered on
+(a training-step generator resumed on a worker) retires its hooks there: they hold every
 later save as it is, for no step, so that thread trains as without them; the first save,
 block call or `install` on that thread that meets them on top takes them off (`top`; the
 `retired` flag on the hooks is all that marks them): an outer context or a user's
-`saved_tensors_hooks` entered before it then gets that thread's saves again. Else they stayed for good: later plain steps on the
-entering thread packed into the ended step, or raised once its tiers were closed. Not
-covered: a user's `saved_tensors_hooks` whose exit comes first on that thread pops the
-retired entry, and its own stays installed (torch pops the top, whoever's it is).
+`saved_tensors_hooks` entered before it then gets that thread's saves again. Else they
+stayed for good: later plain steps on the entering thread packed into the ended step, or
+raised once its tiers were closed. Not covered: a user's `saved_tensors_hooks` whose exit
+comes first on that thread pops the retired entry, and its own stays installed (torch pops
+the top, whoever's it is).
 """
 from __future__ import annotations
 

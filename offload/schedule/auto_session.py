@@ -26,8 +26,8 @@ two lengths (gradient accumulation in one context) runs one plan for both. A cal
 other shapes than the plan holds runs checkpointed, with the blocks after it, and the class
 profiles again; after SHAPE_REPROFILES such profiles with no step between them that its
 plan held (calls of another shape every other step: the profiled step may never see them)
-the class keeps its plan for good, and such calls run checkpointed (said once). Until the first block call the class is not known: the storages saved before
-it follow the plan of the latest step's class where their size is the one planned for, else
+the class keeps its plan for good, and such calls run checkpointed (said once). Until the
+first block call the class is not known: the storages saved before it follow the plan of the latest step's class where their size is the one planned for, else
 move (memory-safe), and are recorded in case this step turns out to profile. A block the
 profiled step did not run (layer drop) uses the decisions of the nearest profiled block of
 its type (`Plan.stand_in`), with what that one keeps moved instead (memory-safe). A step in

@@ -54,11 +54,11 @@ guessed. Rules:
    checkpoint itself.
 
 Not set back: the attributes of modules holding no buffer (`self.calls += 1` there is
-counted again by the re-run, as under checkpoint), but for their mode (rule 5). What it costs: nothing for blocks
-without buffers; per call, a look at each guarded module's attributes and one copy of
-every buffer, held until the re-run, and a second copy in the re-run (BatchNorm: a few
-vectors; a block holding a large buffer that never changes pays both at every step, and
-holds the first until backward: docs/benchmarks.md *Buffer copies*).
+counted again by the re-run, as under checkpoint), but for their mode (rule 5). What it
+costs: nothing for blocks without buffers; per call, a look at each guarded module's
+attributes and one copy of every buffer, held until the re-run, and a second copy in the
+re-run (BatchNorm: a few vectors; a block holding a large buffer that never changes pays
+both at every step, and holds the first until backward: docs/benchmarks.md *Buffer copies*).
 """
 from __future__ import annotations
 

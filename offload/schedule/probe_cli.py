@@ -151,20 +151,20 @@ def main(argv: list[str] | None = None) -> int:
         overrides["io_workers"] = args.io_workers
     if args.refresh:
         overrides["probe"] = "refresh"
+    source = f"--nvme-dir {args.nvme_dir!r}"   # what the messages name
     try:
-        if args.nvme_dir:   # the runtime's rules, its messages naming the option
-            parse_nvme_dirs(args.nvme_dir, f"--nvme-dir {args.nvme_dir!r}")
+        if args.nvme_dir:   # the runtime's rules, before from_env names nvme_dir= instead
+            parse_nvme_dirs(args.nvme_dir, source)
         config = Config.from_env(**overrides)
         if config.nvme_dir:
             config = config.with_overrides(tiers=",".join(dict.fromkeys((*config.tiers,
                                                                          "nvme"))))
             if args.nvme_dir:
-                config = dataclasses.replace(config, sources={
-                    **config.sources, "nvme_dir": f"--nvme-dir {args.nvme_dir!r}"})
-            # The probe adds 'nvme' to the tiers itself: without a directory it measures
-            # no disk, so that is the alternative to offer.
-            # Whatever OFFLOAD_POLICY / OFFLOAD_ENABLED say: the probe measures the disk
-            # regardless (validate() skips the directories under keep or disabled).
+                config = dataclasses.replace(config, sources={**config.sources,
+                                                              "nvme_dir": source})
+            # The probe measures the disk because a directory was given, whatever
+            # OFFLOAD_POLICY / OFFLOAD_ENABLED say (validate() skips the directories under
+            # keep or disabled): the alternative to fixing it is giving none.
             config.check_nvme_dirs("leave out --nvme-dir" if args.nvme_dir
                                    else "unset OFFLOAD_NVME_DIR to measure no disk")
         figures = probe.figures_for(config, device)
