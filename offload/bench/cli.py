@@ -375,7 +375,6 @@ def benchmark(s: Settings, progress: Progress) -> list[Row]:
         checker = GradChecker()
         runs = [(r, n) for r, n in schedule(s.strategies, s.rounds) if n not in skip]
         task = progress.add_task("starting", total=len(runs))
-        done = 0
         try:
             try:
                 for r, name in runs:
@@ -383,16 +382,15 @@ def benchmark(s: Settings, progress: Progress) -> list[Row]:
                     result = runner.run(s.spec.replace(strategy=name), save_grads=True)
                     checker.add(name, result.grads_path, result.grad_hashes)
                     results[name].append(result)
-                    done += 1
                     progress.console.print(_run_line(name, r, s.rounds, result),
                                            highlight=False, markup=False)
                     progress.advance(task)
             except KeyboardInterrupt:
-                if not done:
+                if not any(results.values()):
                     raise
-                interrupted = True   # the runs that finished still make a table
-            else:
-                interrupted = False
+            # Interrupted (None: not): the runs that finished still make a table.
+            done = sum(map(len, results.values()))
+            interrupted = f"after {done} of {len(runs)} runs" if done < len(runs) else None
             rows = []
             for name in s.strategies:
                 res = results[name] or [skip.get(name) or RunResult(
@@ -402,20 +400,16 @@ def benchmark(s: Settings, progress: Progress) -> list[Row]:
                 if interrupted and results[name]:
                     row.rounds = len(results[name])
                 rows.append(row)
-            searching = False
-            if s.max_batch and not interrupted:
+            if s.max_batch and interrupted is None:
                 try:
-                    searching = True
                     _max_batch(s, rows, results, runner, progress, device.type)
-                    searching = False
-                except KeyboardInterrupt:
-                    interrupted = True   # the rows keep what the search had found
+                except KeyboardInterrupt:   # the rows keep what the search had found
+                    interrupted = "during --max-batch (every run had finished)"
         finally:
             checker.close()
     rows_mod.add_relative(rows)
-    if interrupted:
-        raise Interrupted(rows, "during --max-batch (every run had finished)" if searching
-                          else f"after {done} of {len(runs)} runs")
+    if interrupted is not None:
+        raise Interrupted(rows, interrupted)
     return rows
 
 
