@@ -4,6 +4,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <string>
@@ -39,6 +40,22 @@ void copy_source(char* to, const char* from, uint64_t nbytes) {
     refused.store(true, std::memory_order_relaxed);
   }
   std::memcpy(to, from, nbytes);
+}
+
+// The CRC-32C of a write's source, read the way copy_source reads it, a stack buffer at a
+// time: the checksum of a direct write reads the tensor's own memory, which may have been
+// freed since (see copy_source). One more copy of each byte written, paid only with
+// checksums on.
+uint32_t source_crc32c(const char* from, uint64_t nbytes) {
+  constexpr uint64_t kPiece = 64 * 1024;
+  alignas(64) char piece[kPiece];
+  uint32_t crc = 0;
+  for (uint64_t done = 0; done < nbytes; done += kPiece) {
+    const uint64_t n = std::min(kPiece, nbytes - done);
+    copy_source(piece, from + done, n);
+    crc = crc32c(piece, n, crc);
+  }
+  return crc;
 }
 
 }  // namespace
@@ -323,7 +340,7 @@ void IoEngine::run_in_place(const Chunk& c, AlignedBuffer& bounce) {
 void IoEngine::run_chunk(const Chunk& c, AlignedBuffer& bounce) {
   const SlabFile& slab = *c.slab;
   uint32_t crc = 0;
-  if (c.write && c.sum) crc = crc32c(c.mem, c.nbytes);
+  if (c.write && c.sum) crc = source_crc32c(c.mem, c.nbytes);
 
   if (!slab.direct()) {
     if (c.write)

@@ -26,13 +26,13 @@
 // the engine) counts as moved: it is written once more, from a copy; every read retires its
 // payload's write first (NOTE [Read after write]). The engine copies what it bounces (partial
 // sectors, small writes, out-of-phase chunks) through the kernel (io_engine.cpp
-// `copy_source`), so memory unmapped under it is an EFAULT there too, not a crash of the
-// process (a memcpy faulted: found by an ASan run). A move after the retire is harmless: the
-// write had landed before the old memory was freed. Not seen: a storage that moves while
-// the engine reads it and comes back to the same address (a resize there and back can),
-// whose write may hold bytes of neither; with OFFLOAD_NVME_CHECKSUM=1 the engine's checksum
-// of the freed memory can even crash. Moving a saved tensor's storage while the step runs
-// is what this covers as far as it can, not something to do.
+// `copy_source`), and so does the checksum of a direct write (`source_crc32c`), so memory
+// unmapped under it is an EFAULT there too, not a crash of the process (a memcpy faulted:
+// found by an ASan run). A move after the retire is harmless: the write had landed before
+// the old memory was freed. Not seen: a storage that moves while the engine reads it and
+// comes back to the same address (a resize there and back can), whose write may hold bytes
+// of neither. Moving a saved tensor's storage while the step runs is what this covers as
+// far as it can, not something to do.
 //
 // NOTE [Read after write] The engine does not order a read after a write of the same
 // extent; reading before the write landed returns stale bytes. Every read first retires its

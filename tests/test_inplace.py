@@ -315,7 +315,7 @@ def test_a_storage_moved_while_the_disk_writes_it_gives_autograds_gradient(path,
 
 _MOVED_WHILE_QUEUED = r"""
 import sys, torch, offload
-mode, nvme_dir = sys.argv[1], sys.argv[2]
+mode, nvme_dir, checksum = sys.argv[1], sys.argv[2], sys.argv[3] == "checksum"
 torch.manual_seed(0)
 w = torch.randn(5120, 8, requires_grad=True)
 # 40 MiB each: over glibc's 32 MiB threshold the victim has a mapping of its own, which a
@@ -338,22 +338,27 @@ def step(move):
 moves = {"share": torch.Tensor.share_memory_,
          "free": lambda v: v.untyped_storage().resize_(0)}
 plain = step(moves[mode])
-with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0, nvme_max_bw="50MB"):
+with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0, nvme_max_bw="50MB",
+                         nvme_checksum=checksum):
     ours = step(moves[mode])
 same = torch.equal(plain, ours) if isinstance(plain, torch.Tensor) else plain == ours
 print("AS IN AUTOGRAD", same, plain if isinstance(plain, str) else "")
 """
 
 
-@pytest.mark.parametrize("mode", ["share", "free"])
-def test_a_storage_moved_or_freed_while_its_write_waits_in_the_engine(mode, nvme_dir):
+@pytest.mark.parametrize("mode,checksum", [("share", "no-checksum"), ("free", "no-checksum"),
+                                           ("share", "checksum"), ("free", "checksum")])
+def test_a_storage_moved_or_freed_while_its_write_waits_in_the_engine(mode, checksum,
+                                                                       nvme_dir):
     """NOTE [A source that moved], in the engine: a write queued behind another (a slow
     disk) whose storage is moved (`share_memory_()`) or freed (`resize_(0)`, as FSDP and
     ZeRO do) before a worker reaches it. The worker copied its partial sectors from the
     unmapped memory with memcpy: SIGSEGV, the process gone (found by an ASan run). It now
     copies them through the kernel, which says EFAULT, and the retire writes the bytes again
-    from where they are. In a child process: the old code kills it."""
-    proc = subprocess.run([sys.executable, "-c", _MOVED_WHILE_QUEUED, mode, nvme_dir],
+    from where they are. With `OFFLOAD_NVME_CHECKSUM=1` the CRC of a direct write read the
+    tensor's memory itself, and faulted the same way: it now reads it as the copies do. In a
+    child process: the old code kills it."""
+    proc = subprocess.run([sys.executable, "-c", _MOVED_WHILE_QUEUED, mode, nvme_dir, checksum],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert "AS IN AUTOGRAD True" in proc.stdout, proc.stdout + proc.stderr[-2000:]
