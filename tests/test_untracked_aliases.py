@@ -231,6 +231,45 @@ def test_a_copying_host_tier_returns_what_was_saved_whenever_it_copies(at_pack, 
                  _train(make, loss, 3, {"tiers": "host", "min_bytes": 0}), "gru")
 
 
+def _two_pieces_over_the_same_elements(x, same_piece: bool):
+    """Two unsafe chunks of one buffer over the same elements, each with a counter of its
+    own: the first is changed and saved (version 1, bytes 6x), then the second is changed
+    and saved (also version 1, bytes 6x + 1). With `same_piece`, one piece is saved twice."""
+    buf = (x * 2).detach()
+    first = buf.unsafe_chunk(2, 1)[0]
+    first.mul_(3)
+    y1 = first * x[:, :3]
+    second = first if same_piece else buf.unsafe_chunk(2, 1)[0]
+    if not same_piece:
+        second.add_(1)
+    y2 = second * x[:, 3:]
+    return y1.sum() + y2.sum()
+
+
+@pytest.mark.parametrize("tiers", ["host", "nvme", "host,nvme"])
+def test_pieces_with_counters_of_their_own_over_the_same_elements_do_not_share_a_copy(
+        tiers, nvme_dir):
+    """NOTE [Untracked aliases]: the second piece matched the first's copy by storage,
+    version and layout, and its save came back as the first piece's bytes (6x, not the
+    6x + 1 it was saved with), on every tier: a silently wrong gradient for x[:, 3:].
+    The first piece's save comes back as saved (6x); plain autograd reads the bytes the
+    second piece changed (6x + 1): the documented class of change through an untracked
+    alias. The same piece saved twice still shares one copy."""
+    x0 = torch.arange(48, dtype=torch.float32).reshape(8, 6).div(10)
+    as_saved = x0[:, :3] * 2 * 3
+    for same_piece in (False, True):
+        plain = x0.clone().requires_grad_()
+        _two_pieces_over_the_same_elements(plain, same_piece).backward()
+        x = x0.clone().requires_grad_()
+        with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+            _two_pieces_over_the_same_elements(x, same_piece).backward()
+        assert torch.equal(x.grad[:, :3], as_saved)
+        assert torch.equal(x.grad[:, 3:], plain.grad[:, 3:])
+        assert torch.equal(x.grad[:, 3:], as_saved if same_piece else as_saved + 1)
+        # x is a leaf (never moved): the copies of the pieces (96 B each) are what is saved.
+        assert ctx.stats.saved_bytes == (1 if same_piece else 2) * 8 * 3 * 4
+
+
 def test_views_of_one_storage_still_share_one_record(nvme_dir):
     """The fix must not cost the common dedup: q, k, v split (tracked views) from one qkv
     buffer and saved by attention are one storage moved once."""

@@ -282,7 +282,7 @@ class OffloadHooks:
         no_offload = no_offload_active()
         keep_here = in_backward or no_offload
         # tensor_meta NOTE [Untracked aliases]: such a tensor dedups by its exact layout.
-        layout = layout_key(t) if untracked_alias(t, nbytes, base) else None
+        layout = layout_key(t, base) if untracked_alias(t, nbytes, base) else None
         lock = self._lock   # acquire / release: half the cost of a `with` on this path
         lock.acquire()
         try:

@@ -21,9 +21,11 @@ whole storage started at the first chunk's pack reads the other chunks while the
 A saved tensor whose *counter owner* (`_base`, else itself) does not span its storage from
 offset 0 to the end is such an alias: `untracked_alias` says so. Its record then holds a
 private copy of just its elements, made at pack in stream order (`snapshot`), and dedups
-only with a save of exactly the same layout at the same version: two saves that agree on
-storage, version and layout read the same elements, and a change of those elements between
-the two would already have changed what the first save's backward reads without offload.
+only with a save of exactly the same layout, through the same counter owner, at the same
+version: such saves read the same elements under one counter, so a change of those
+elements between the two would have bumped it. Aliases with counters of their own over
+the same elements (two unsafe chunks of one buffer, each changed and then saved) do not
+share a copy: each save comes back as it was saved.
 A tensor whose owner spans its storage keeps the whole-storage record and the (storage,
 version) key. What that cannot see: bytes changed through an alias autograd does not track
 (`.data`, or an unsafe chunk that is never itself saved) between two saves of *different*
@@ -165,9 +167,37 @@ def snapshot(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone(memory_format=torch.contiguous_format)
 
 
-def layout_key(t: torch.Tensor) -> tuple:
-    """The elements `t` reads from its storage (the dedup key of an untracked alias)."""
-    return (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+class _CounterOwner:
+    """The tensor whose version counter an untracked alias uses (its `_base`, else itself),
+    as part of a dedup key: equal only to a key of that very tensor while it lives. Two
+    unsafe chunks over the same elements have counters of their own, so both can be at
+    "version 1" with different bytes (one changed in place, saved, then the other changed
+    and saved): the same storage, version and layout alone would hand the second save the
+    first one's copy. Held weakly: the key keeps no storage alive, and a dead owner's id
+    reused by a new tensor does not match."""
+
+    __slots__ = ("_ref", "_id")
+
+    def __init__(self, owner: torch.Tensor) -> None:
+        self._ref = weakref.ref(owner)
+        self._id = id(owner)
+
+    def __hash__(self) -> int:
+        return self._id
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not _CounterOwner:
+            return NotImplemented
+        owner = self._ref()
+        return owner is not None and owner is other._ref()
+
+
+def layout_key(t: torch.Tensor, base: Any = _UNSET) -> tuple:
+    """The elements `t` reads from its storage and the owner of its version counter (the
+    dedup key of an untracked alias). `base`: `t._base`, when the caller has it."""
+    owner = t._base if base is _UNSET else base
+    return (t.dtype, t.storage_offset(), tuple(t.shape), t.stride(),
+            _CounterOwner(t if owner is None else owner))
 
 
 class StorageIndex:
