@@ -270,6 +270,60 @@ def test_pieces_with_counters_of_their_own_over_the_same_elements_do_not_share_a
         assert ctx.stats.saved_bytes == (1 if same_piece else 2) * 8 * 3 * 4
 
 
+class _SavesAndReports(torch.autograd.Function):
+    """y * t, saving `t`; backward appends the saved tensor it got to `seen`."""
+
+    @staticmethod
+    def forward(ctx, y, t, seen):
+        ctx.save_for_backward(t)
+        ctx.seen = seen
+        return y * t
+
+    @staticmethod
+    def backward(ctx, grad):
+        t, = ctx.saved_tensors
+        ctx.seen.append(t)
+        return grad * t, None, None
+
+
+_N = 512
+_READ_TWICE = {   # (the saved tensor, the bytes it reads from its storage)
+    # no _base, a 2 KiB storage: the whole storage, whatever it is an alias of
+    "expand-detach": (lambda: torch.linspace(0, 1, _N).expand(_N, _N).detach(), _N * 4),
+    # an untracked alias of one row of three (offset != 0): a copy of that row only
+    "expand-detach-of-a-row": (lambda: torch.randn(3, _N)[1].expand(_N, _N).detach(), _N * 4),
+    # overlapping strides over 7 elements
+    "overlapping-set_": (lambda: torch.empty(0).set_(torch.arange(7.).untyped_storage(), 0,
+                                                     (4, 4), (1, 1)), 7 * 4),
+}
+
+
+@pytest.mark.parametrize("case", list(_READ_TWICE))
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_a_save_that_reads_elements_twice_keeps_its_strides_and_moves_what_it_reads(
+        case, tiers, nvme_dir):
+    """A saved tensor with more elements than its storage (stride 0, overlapping) and no
+    `_base` counted as an untracked alias and was copied element by element: a 512 x 512
+    expand of a 2 KiB row saved 1 MiB (a 256 MiB copy for an 8192-wide one: an OOM that
+    plain autograd does not have), and backward got a dense tensor instead of the strides
+    autograd saved."""
+    make, reads = _READ_TWICE[case]
+    t = make()
+    y = torch.randn(t.shape, requires_grad=True)
+    seen_plain, seen = [], []
+    _SavesAndReports.apply(y, t, seen_plain).sum().backward()
+    plain_grad, y.grad = y.grad, None
+    with offload.activations(**_kw(tiers, nvme_dir)) as ctx:
+        _SavesAndReports.apply(y, t, seen).sum().backward()
+    assert torch.equal(y.grad, plain_grad)
+    (got,), (want,) = seen, seen_plain
+    assert torch.equal(got, want)
+    assert got.stride() == want.stride() == t.stride()
+    # y is a leaf (never moved): the saved tensor's bytes are all the step saved.
+    assert ctx.stats.saved_bytes == reads
+    assert ctx.stats.host_bytes + ctx.stats.nvme_bytes == reads
+
+
 def test_views_of_one_storage_still_share_one_record(nvme_dir):
     """The fix must not cost the common dedup: q, k, v split (tracked views) from one qkv
     buffer and saved by attention are one storage moved once."""

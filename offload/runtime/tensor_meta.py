@@ -153,18 +153,39 @@ def untracked_alias(t: torch.Tensor, storage_nbytes: int, base: Any = _UNSET) ->
 
     NOTE [Untracked aliases]: true when `t`'s counter owner (its `_base`, else `t`) does not
     span the storage exactly (an unsafe chunk, a `detach()` or `.data` of a part, a tensor
-    `resize_`d down, overlapping strides).
+    `resize_`d down); an expanded or overlapping owner spans it when the elements it reads
+    run from the storage's start to its end.
     """
     owner = t._base if base is _UNSET else base
     if owner is None:
         owner = t
-    return owner.storage_offset() != 0 or owner.nbytes != storage_nbytes
+    if owner.storage_offset() != 0:
+        return True
+    nbytes = owner.nbytes
+    if nbytes <= storage_nbytes:
+        return nbytes != storage_nbytes
+    # More elements than its storage holds: an expanded or overlapping owner (a `.detach()`
+    # of an expanded view, `np.broadcast_to`), which spans its storage if it reaches its end.
+    return _reach_bytes(owner) != storage_nbytes
+
+
+def _reach_bytes(t: torch.Tensor) -> int:
+    """The bytes from `t`'s storage offset to the end of the last element it reads."""
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def snapshot(t: torch.Tensor) -> torch.Tensor:
-    """A private, contiguous copy of `t`'s elements, ordered after every op already issued
-    on the current stream (NOTE [Untracked aliases]); no autograd history."""
-    return t.detach().clone(memory_format=torch.contiguous_format)
+    """A private copy of `t`'s elements, ordered after every op already issued on the
+    current stream (NOTE [Untracked aliases]); no autograd history. Contiguous, except for
+    a tensor that reads elements more than once (expanded, overlapping strides): that
+    one's copy is of the span it reads, with its strides kept, not its elements written
+    out one by one (an `expand(n, n)` of a row would grow n-fold)."""
+    t = t.detach()
+    reach = _reach_bytes(t)
+    if reach >= t.nbytes:   # dense, or with gaps between its elements
+        return t.clone(memory_format=torch.contiguous_format)
+    span = t.as_strided((reach // t.element_size(),), (1,)).clone()
+    return span.as_strided(t.shape, t.stride())
 
 
 class _CounterOwner:
