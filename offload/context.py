@@ -216,6 +216,8 @@ class ActivationOffload:
             return self._enter()
         except BaseException:
             if claimed:
+                if isinstance(self._hook_thread, int):   # landed after `_enter` installed all
+                    self._finish_interrupted_exit(self._step, self._hook_thread)
                 self._hook_thread = None
             raise
 
@@ -262,6 +264,14 @@ class ActivationOffload:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            return self._exit(exc_type, exc)
+        except BaseException:
+            if isinstance(self._hook_thread, int):   # NOTE [An interrupted exit]
+                self._finish_interrupted_exit(self._step, self._hook_thread)
+            raise
+
+    def _exit(self, exc_type, exc) -> bool:
         if self._hook_thread is None:
             error = OffloadError("offload.activations(): exited while not active (exited "
                                  "twice, or never entered)")
@@ -277,18 +287,14 @@ class ActivationOffload:
         # On another thread the hooks cannot be taken off the entering thread's stack: they
         # retire there (hook_stack.py), the step ends as usual, and OffloadError says why.
         on_its_thread = hook_stack.remove(step.hooks, entered)
-        self._hook_thread = None
         self._schedule.exit()  # blocks run as they are again (backward recomputes unwrapped)
+        self._hook_thread = None   # last: until here, an interrupt finishes the exit
         if exc_type is not None:
             step.exit_s = step.start_s  # no step time for a failed block
             _explain_known_failures(exc)
             if not on_its_thread:   # said, not raised: never mask the user's exception
                 log.error("%s", hook_stack.exited_on_another_thread(entered))
-            try:
-                step.abort()
-                empty_cache()  # an exception may end the run: keep no slab file or arena open
-            except Exception:  # never mask the user's exception
-                log.exception("offload: error while freeing the step after an exception")
+            _free_failed_step(step)
             return False  # re-raise the original exception
         # From OFFLOAD_LOG_RANKS only (logs.py). A step whose backward runs after the block
         # says it when that backward ends (step.py `finish`).
@@ -297,6 +303,27 @@ class ActivationOffload:
         if not on_its_thread:
             raise hook_stack.exited_on_another_thread(entered)
         return False
+
+    def _finish_interrupted_exit(self, step: Step, entered: int) -> None:
+        """NOTE [An interrupted exit] A KeyboardInterrupt (Ctrl-C) may land between any two
+        lines of `__exit__`. Before this, one that landed while it took the hooks off or
+        unwrapped the blocks left the context active for good ("already active" at every
+        later entry), its hooks on the thread (plain steps packed into the ended step) and
+        blocks wrapped. Whatever the exit had not done yet is done here: the hooks retire
+        and come off this thread's stack (else its next save or entry takes them off:
+        hook_stack `top`), the context is inactive, the blocks' unwrapping finishes (it
+        resumes where it stopped: blocks.py `BlockWrappers.__exit__`), and the step is freed
+        as after an exception, since the block did not end normally. An exit is over once the
+        context is inactive (what raises after that is the exit's own error). Not covered:
+        an interrupt on `__exit__`'s first line, before its `try` (as in torch's
+        `saved_tensors_hooks`), or a second one inside this cleanup."""
+        step.hooks.retire()
+        if threading.get_ident() == entered:
+            hook_stack.discard(step.hooks)
+        self._hook_thread = None
+        self._schedule.exit()
+        step.exit_s = step.start_s
+        _free_failed_step(step)
 
     def close(self) -> None:
         """Free the tiers of every step of this context now, even if saved tensors still
@@ -362,6 +389,15 @@ _HIGHER_ORDER_HINT = (
     "to store or recompute each one), and torch's higher-order ops (torch.cond, while_loop, "
     "flex_attention) do not run under them in eager mode. Use policy='recompute' for this "
     "model (bit-exact with torch.cond), or leave the block that calls it out of blocks=.")
+
+
+def _free_failed_step(step: Step) -> None:
+    """Free a step whose block raised (or whose exit was interrupted) at once."""
+    try:
+        step.abort()
+        empty_cache()  # an exception may end the run: keep no slab file or arena open
+    except Exception:  # never mask the user's exception
+        log.exception("offload: error while freeing the step after an exception")
 
 
 def _explain_known_failures(exc: BaseException) -> None:

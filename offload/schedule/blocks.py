@@ -198,8 +198,12 @@ class BlockWrappers:
         return self
 
     def __exit__(self, *exc) -> None:
-        saved, self._saved = self._saved, []
-        for block, found, ours in reversed(saved):  # Rule 2
+        # The last wrapping first (Rule 2), each dropped from the list once undone (undoing
+        # one twice changes nothing): an exit interrupted half-way (context.py NOTE [An
+        # interrupted exit]) resumes where it stopped.
+        saved = self._saved
+        while saved:
+            block, found, ours = saved[-1]
             for key, value in ours.items():
                 _retire(value)
                 if block.__dict__.get(key) is not value:
@@ -211,6 +215,7 @@ class BlockWrappers:
                     del block.__dict__[key]
                 else:
                     block.__dict__[key] = below
+            saved.pop()
 
 
 # The instance attributes a wrapping sets, and the attribute on each that holds what the
