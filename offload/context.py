@@ -32,6 +32,7 @@ from .runtime.prefetch import new_prefetcher
 from .runtime.round_trip import RoundTripPlan, plan_for
 from .runtime.step import Step, StepView, close_tiers, finish_pending
 from .runtime.tensor_meta import ParamStorages
+from .schedule.generators import sweep_lost_modes
 from .schedule.session import Session, start_session
 from .tiers import open_tiers
 from .tiers.base import Tier
@@ -226,6 +227,7 @@ class ActivationOffload:
             self._hook_thread = _DISABLED
             return self
         finish_pending()  # steps whose graphs died since (NOTE [End of step], point 3)
+        sweep_lost_modes()  # generators.py NOTE [Modes and Ctrl-C]
         schedule = self._session()
         config = self.config
         config.apply_log_level()

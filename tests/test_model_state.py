@@ -1015,6 +1015,76 @@ def test_another_thread_drawing_while_a_block_runs_raises_instead_of_a_wrong_gra
     ctx.close()
 
 
+class TwoDropouts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(16, 16), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return x + self.drop(self.drop(self.fc(x)).tanh())
+
+
+def _interrupt_as_torch_leaves_a_function_mode():
+    """A trace function raising KeyboardInterrupt where a real Ctrl-C landed: on entry to
+    the exit of torch's `_pop_mode_temporarily`, the context manager around a function
+    mode's handler (generators.py NOTE [Modes and Ctrl-C])."""
+    armed = [True]
+
+    def trace(frame, event, arg):
+        if event == "call" and armed[0] and frame.f_code.co_name == "__exit__" and \
+                frame.f_code.co_filename == contextlib.__file__ and getattr(getattr(
+                    frame.f_locals.get("self"), "gen", None), "__name__", "") == \
+                "_pop_mode_temporarily":
+            armed[0] = False
+            raise KeyboardInterrupt
+    return trace
+
+
+@pytest.mark.parametrize("when", ["forward", "re-run"])
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_ctrl_c_inside_a_random_call_of_a_block_leaves_no_mode_behind(policy, when,
+                                                                       nvme_dir):
+    """A KeyboardInterrupt on the exit of torch's `_pop_mode_temporarily` (a real SIGINT
+    landed there in ~1 of 300 random interrupts) came out as "RuntimeError: trying to pop
+    from empty mode stack", and the collected generator put our mode back on torch's stack
+    for good: every later torch call went through it, and a later dropout outside offload
+    raised the re-run check's OffloadError."""
+    import sys
+    torch.manual_seed(0)
+    model = nn.Sequential(*[TwoDropouts() for _ in range(3)])
+    x = torch.randn(4, 16)
+    params = list(model.parameters())
+
+    def step(ctx, interrupt=False):
+        torch.manual_seed(5)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            if interrupt and when == "forward":
+                sys.settrace(_interrupt_as_torch_leaves_a_function_mode())
+            try:
+                loss = model(x).sum()
+                if interrupt and when == "re-run":
+                    sys.settrace(_interrupt_as_torch_leaves_a_function_mode())
+                return torch.autograd.grad(loss, params)
+            finally:
+                sys.settrace(None)
+
+    plain = step(None)
+    ctx = offload.activations(model=model, **_settings(policy, nvme_dir))
+    for _ in range(3):
+        assert all(map(torch.equal, plain, step(ctx)))
+    interrupted = False
+    try:
+        step(ctx, interrupt=True)
+    except KeyboardInterrupt:
+        interrupted = True
+    assert interrupted
+    gc.collect()   # the abandoned generator puts our mode back now
+    assert all(map(torch.equal, plain, step(ctx)))
+    assert torch._C._len_torch_function_stack() == 0
+    torch.nn.functional.dropout(torch.ones(8), 0.5).sum()   # outside offload: no check
+    ctx.close()
+
+
 class OwnNoise(nn.Module):
     """Draws from its own generator (an attribute) out of place, and from one held outside
     the model in place: what a noise layer or an augmentation does."""

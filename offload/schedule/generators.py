@@ -35,6 +35,17 @@ the generator would end the step advanced twice. Rules:
    function the mode sees as one call (its draws count in the next listed call's check, if
    any).
 
+NOTE [Modes and Ctrl-C] torch calls a function mode's handler from a Python function
+(`F.dropout`) inside `_pop_mode_temporarily`, a generator context manager that pops the mode
+and pushes it back. A KeyboardInterrupt that lands as that context exits leaves the mode
+popped, and the abandoned generator pushes it back whenever it is collected, later, on top
+of whatever stack there is then. `with mode:` then popped someone else's mode, or raised
+"trying to pop from empty mode stack" in place of the user's KeyboardInterrupt, and ours came
+back for good: every torch call went through it, and a re-run check raised in code outside
+any block. So our modes are taken off by identity wherever they are (`_under`); one that
+was not there passes every call through from then on and is taken off once it is back (the
+next context entry or block call sweeps: `_lost`).
+
 Cost: the mode on every forward call of a re-run block, some 5 µs per torch function
 call on a CPU (docs/benchmarks.md *Generators seen at every call*); one `get_state` per
 generator drawn from, and two per implicit draw (CPU: 5 KiB tensors, held until the
@@ -44,6 +55,7 @@ generators under torch.compile (torch's own checkpoint does not see them either)
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -53,7 +65,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import OffloadError
 
-__all__ = ["guard_generators"]
+__all__ = ["guard_generators", "sweep_lost_modes"]
 
 
 def _is_default(generator: torch.Generator) -> bool:
@@ -131,7 +143,65 @@ def _same(state: torch.Tensor, other: torch.Tensor) -> bool:
         ctypes.string_at(other.data_ptr(), other.numel())
 
 
-class _SeeGenerators(TorchFunctionMode):
+_stack = torch._C
+# Weak references to our modes an interrupt took off torch's stack (NOTE [Modes and Ctrl-C]):
+# each comes back when the interrupted call's generator is collected, and dies once off.
+_lost: list[weakref.ref] = []
+
+
+class _BlockMode(TorchFunctionMode):
+    """A function mode around one call of a block, run by `_under`; passes every call
+    through once taken off (NOTE [Modes and Ctrl-C])."""
+
+    off = False
+
+
+def _under(mode: _BlockMode, fn: Callable, args: tuple) -> Any:
+    """`fn(*args)` with `mode` pushed, taken off again whatever happens."""
+    if _lost:
+        _sweep_lost()
+    mode.__enter__()
+    try:
+        return fn(*args)
+    finally:
+        mode.off = True
+        if not _take_off(mode):
+            _lost.append(weakref.ref(mode))
+
+
+def _take_off(mode: _BlockMode) -> bool:
+    """Take `mode` off torch's function-mode stack wherever it is (the modes above it put
+    back in their order); whether it was there."""
+    above = []
+    try:
+        while _stack._len_torch_function_stack():
+            top = _stack._pop_torch_function_stack()
+            if top is mode:
+                return True
+            above.append(top)
+        return False
+    finally:
+        for other in reversed(above):
+            _stack._push_on_torch_function_stack(other)
+
+
+def sweep_lost_modes() -> None:
+    """Take off torch's stack any of our modes an interrupt left to come back (NOTE [Modes
+    and Ctrl-C]); a context's entry calls it, so the step after a Ctrl-C has none."""
+    if _lost:
+        _sweep_lost()
+
+
+def _sweep_lost() -> None:
+    waiting = []
+    for ref in _lost:
+        mode = ref()
+        if mode is not None and not _take_off(mode):
+            waiting.append(ref)   # its generator is not collected yet
+    _lost[:] = waiting
+
+
+class _SeeGenerators(_BlockMode):
     """The forward of one call: each generator handed to a torch function, its state noted
     before the call's first draw from it (rules 1 and 2), and the default generator's
     before and after each implicit draw (rule 4)."""
@@ -143,6 +213,8 @@ class _SeeGenerators(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.off:
+            return func(*args, **kwargs)
         generator = kwargs.get("generator")
         if generator is not None:
             self._note(generator)
@@ -165,7 +237,7 @@ class _SeeGenerators(TorchFunctionMode):
                 self.states[generator] = generator.get_state()
 
 
-class _DrawsAsBefore(TorchFunctionMode):
+class _DrawsAsBefore(_BlockMode):
     """A re-run of a block whose forward drew implicitly: each such draw starts and ends
     where the forward's did (rule 4)."""
 
@@ -176,7 +248,8 @@ class _DrawsAsBefore(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.seen >= len(self.draws) or not _draws_implicitly(func, args, kwargs):
+        if self.off or self.seen >= len(self.draws) or \
+                not _draws_implicitly(func, args, kwargs):
             return func(*args, **kwargs)
         generator, before, after = self.draws[self.seen]
         self.seen += 1
@@ -223,10 +296,8 @@ class _Guard:
             if self.calls > 1:
                 if not self.draws:
                     return self._rerun(fn, args)
-                with _DrawsAsBefore(self.draws):
-                    return self._rerun(fn, args)
-            with _SeeGenerators(self.states, self.draws):
-                return fn(*args)
+                return _under(_DrawsAsBefore(self.draws), self._rerun, (fn, args))
+            return _under(_SeeGenerators(self.states, self.draws), fn, args)
         return run
 
     def _rerun(self, fn: Callable, args: tuple) -> Any:
