@@ -104,7 +104,14 @@ PyObject* pack(const Packer* self, PyObject* t) {
       self->generation != fork_generation || profiler_on(self->profiling) ||
       attr(t, names.layout).ptr() != self->strided)
     return call_with(self->full, packer_owner(self), py::handle(t)).release().ptr();
-  py::object storage = call_method(t, names.untyped_storage);
+  PyObject* storage_ptr = PyObject_CallMethodNoArgs(t, names.untyped_storage);
+  if (storage_ptr == nullptr) {
+    // No storage of its own (torch.func's wrappers under jvp / vmap): pack_full keeps it.
+    if (!PyErr_ExceptionMatches(PyExc_NotImplementedError)) throw py::error_already_set();
+    PyErr_Clear();
+    return call_with(self->full, packer_owner(self), py::handle(t)).release().ptr();
+  }
+  py::object storage = py::reinterpret_steal<py::object>(storage_ptr);
   py::object nbytes_obj = call_method(storage.ptr(), names.nbytes);
   const long long nbytes = as_int(nbytes_obj);
   py::object node = attr(t, names.grad_fn);

@@ -215,7 +215,10 @@ class OffloadHooks:
             return Kept(t, t._version)
         self.stats.packed_tensors += 1   # every save, whichever step below takes it
         if type(t) is _Tensor and t.layout is _strided:
-            storage = t.untyped_storage()
+            try:
+                storage = t.untyped_storage()
+            except NotImplementedError:   # no storage of its own: torch.func's wrappers
+                return Kept(t, t._version)
             nbytes = storage.nbytes()
             node = t.grad_fn
             version = t._version

@@ -14,7 +14,11 @@ region, and the block runs exactly as it would without us: the user's own
 reentrant: its forward runs without grad), Hugging Face's gradient checkpointing, a
 `save_on_cpu` region, `no_offload()`, or a checkpoint of ours being recomputed. A block
 called while a backward pass runs is a reentrant checkpoint recomputing it: as is, too.
-This is how a user's checkpointed block is never wrapped twice.
+This is how a user's checkpointed block is never wrapped twice. Inside a `torch.func`
+transform (`jvp`, `vmap`: their tensors are wrappers with no storage, which torch's
+checkpoint cannot re-run) or forward-mode AD (`forward_ad.dual_level`: checkpoint refuses
+dual tensors, and a dispatch mode changes the tangents of LayerNorm and GroupNorm by an
+ulp), a block runs as is too: its saves go to our hooks like any other.
 
 NOTE [Wrapping] The wrappers are instance attributes shadowing `forward` (no process-wide
 hook: see tensor_meta's note on torch.compile), installed at context entry and removed at
@@ -54,6 +58,9 @@ from torch.nn.parameter import is_lazy
 
 from ..errors import ConfigError
 from ..runtime import hook_stack
+
+_forward_ad = torch.autograd.forward_ad   # its `_current_level`: -1 outside any dual level
+_functorch = torch._C._functorch
 
 __all__ = ["find_blocks", "BlockWrappers", "ours_innermost", "block_type_key"]
 
@@ -148,7 +155,8 @@ def block_type_key(block: nn.Module) -> tuple:
 def ours_innermost(pack: Callable) -> bool:
     """NOTE [Whose block]: are our hooks (`pack`) the innermost saved-tensor hooks, with
     grad mode on? Then a block may be run our way."""
-    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1 or \
+            _forward_ad._current_level >= 0 or _functorch.peek_interpreter_stack() is not None:
         return False
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is not None and top[0] == pack:
