@@ -416,6 +416,39 @@ def test_a_write_into_an_unpacked_copy_raises_for_the_next_save_as_in_autograd(w
         assert ctx.stats.host_bytes + ctx.stats.nvme_bytes > 0
 
 
+def _saved_copy_slices_output_changed_through_a_view():
+    x = torch.randn(64, 64, requires_grad=True)
+    y = x * 1
+    y[:1].mul_(2)                 # y's grad_fn: CopySlices
+    s = y.sin()                   # saves y
+    y[1:][:, 2:].zero_()          # changed through a view of a view: CopySlices again
+    s.sum().backward()
+
+
+def _saved_copy_output_changed():
+    x = torch.randn(64, 64, requires_grad=True)
+    y = torch.zeros(64, 64)
+    y.copy_(x)                    # y's grad_fn: CopyBackwards
+    s = y * y                     # saves y (as an input: named at unpack)
+    y[:, :1].mul_(2)
+    s.sum().backward()
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+@pytest.mark.parametrize("case", [_saved_copy_slices_output_changed_through_a_view,
+                                  _saved_copy_output_changed], ids=["view-of-a-view", "copy_-then-a-view"])
+def test_the_error_names_autograds_own_nodes_as_autograd_does(case, tiers, nvme_dir):
+    """Autograd names its own C++ nodes with their namespace ("output 0 of
+    torch::autograd::CopySlices"); ours said "of CopySlices"."""
+    with pytest.raises(RuntimeError) as plain:
+        case()
+    with offload.activations(**_kw(tiers, nvme_dir)):
+        with pytest.raises(RuntimeError) as ours:
+            case()
+    assert "torch::autograd::CopySlices" in str(plain.value)
+    assert str(ours.value) == str(plain.value)
+
+
 @pytest.mark.parametrize("tiers", TIERS)
 @pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16, torch.complex64, torch.int64,
                                    torch.float16], ids=str)

@@ -48,6 +48,8 @@ __all__ = ["SavedOrigin", "version_sentinel", "sentinel_data", "version_error",
 next_sequence_nr = _next_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
 
 _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")  # autograd prints TanhBackward0 as Tanh
+# autograd's own C++ nodes (not generated per op) print with their namespace
+_NAMESPACED = frozenset({"CopySlices", "CopyBackwards", "AccumulateGrad"})
 
 _empty_by_device: dict[torch.device, torch.Tensor] = {}
 
@@ -187,7 +189,8 @@ def version_error(dtype: torch.dtype, device: torch.device, size, origin: SavedO
             f"inplace operation: [{type_name} {list(size)}]")
     name = origin.node_at_unpack()
     if name is not None:
-        text += f", which is output {origin.output_nr} of {_BACKWARD_SUFFIX.sub('', name)},"
+        name = f"torch::autograd::{name}" if name in _NAMESPACED else _BACKWARD_SUFFIX.sub("", name)
+        text += f", which is output {origin.output_nr} of {name},"
     return RuntimeError(text + f" is at version {seen}; expected version {expected} instead."
                         + _autograd_hint())
 
