@@ -289,6 +289,42 @@ PyMethodDef record_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
+// The unpack cache's objects, set from records.py: never deleted (record_load.cpp reads them
+// without a NULL check), `cache_ref` None or a weak reference.
+template <PyObject* UnpackCache::*field>
+PyObject* get_cache_field(PyObject* self, void*) {
+  return Py_NewRef(reinterpret_cast<Record*>(self)->unpack.*field);
+}
+
+template <PyObject* UnpackCache::*field>
+int set_cache_field(PyObject* self, PyObject* value, void* name) {
+  if (value == nullptr) {
+    PyErr_Format(PyExc_AttributeError, "Record.%s cannot be deleted (set it to None)",
+                 static_cast<const char*>(name));
+    return -1;
+  }
+  if (field == &UnpackCache::cache_ref && value != Py_None && !PyWeakref_CheckRef(value)) {
+    PyErr_Format(PyExc_TypeError, "Record.cache_ref must be None or a weak reference, got %s",
+                 Py_TYPE(value)->tp_name);
+    return -1;
+  }
+  Py_SETREF(reinterpret_cast<Record*>(self)->unpack.*field, Py_NewRef(value));
+  return 0;
+}
+
+#define CACHE_OBJECT(name)                                                            \
+  {const_cast<char*>(#name), get_cache_field<&UnpackCache::name>,                    \
+   set_cache_field<&UnpackCache::name>, nullptr, const_cast<char*>(#name)}
+
+PyGetSetDef record_getset[] = {
+    CACHE_OBJECT(cache),
+    CACHE_OBJECT(cache_ref),
+    CACHE_OBJECT(shared),
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+#undef CACHE_OBJECT
+
 #define RECORD_MEMBER(name, type, flags) \
   {const_cast<char*>(#name), type, offsetof(Record, name), flags, nullptr}
 #define CACHE_MEMBER(name, type) \
@@ -303,10 +339,7 @@ PyMemberDef record_members[] = {
     RECORD_MEMBER(meter, T_OBJECT, READONLY),
     RECORD_MEMBER(prefetcher, T_OBJECT, READONLY),
     CACHE_MEMBER(handles_left, T_PYSSIZET),
-    CACHE_MEMBER(cache, T_OBJECT),
-    CACHE_MEMBER(cache_ref, T_OBJECT),
     CACHE_MEMBER(cache_offset, T_PYSSIZET),
-    CACHE_MEMBER(shared, T_OBJECT),
     RECORD_MEMBER(timeline, T_OBJECT, READONLY),   // set by note_packed: a core Timeline
     RECORD_MEMBER(row, T_PYSSIZET, READONLY),
     RECORD_MEMBER(version, T_PYSSIZET, 0),
@@ -326,6 +359,7 @@ PyTypeObject record_type = [] {
   type.tp_vectorcall = record_vectorcall;
   type.tp_call = record_call;
   type.tp_members = record_members;
+  type.tp_getset = record_getset;
   type.tp_methods = record_methods;
   type.tp_weaklistoffset = offsetof(Record, weakrefs);
   return type;

@@ -127,6 +127,25 @@ def test_a_core_record_holds_a_kept_storage_and_only_a_moved_one_weakly():
     assert alive() is None and moved() is None
 
 
+def test_a_core_records_cache_fields_refuse_what_its_load_cannot_read():
+    """`del record.cache` stored NULL and `record.cache_ref = 5` a non-weakref, which the
+    core's load then dereferenced: a crash (found by reading, in a sanitizer review).
+    records.py sets them to None, a storage, a weak reference."""
+    core = load_core()
+    s = torch.randn(10).untyped_storage()
+    record = core.Record(s, None, None, 40, True, None, core.SavedBytes(), None)
+    assert record.cache is None and record.cache_ref is None and record.shared is None
+    for name in ("cache", "cache_ref", "shared"):
+        with pytest.raises(AttributeError, match=f"Record.{name} cannot be deleted"):
+            delattr(record, name)
+    with pytest.raises(TypeError, match="must be None or a weak reference, got int"):
+        record.cache_ref = 5
+    record.cache, record.cache_ref = s, weakref.ref(s)
+    assert record.cache is s and record.cache_ref() is s
+    record.cache = record.cache_ref = None
+    assert record.cache is None and record.cache_ref is None
+
+
 @pytest.mark.parametrize("kind", ["core", "python"])
 def test_a_record_counts_itself_in_and_out_of_its_meter_and_gives_its_payload_back(kind):
     """Made: its resident bytes and, holding tier space, a live record. Dead: its payload
