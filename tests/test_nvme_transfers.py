@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import weakref
 
 import pytest
@@ -356,6 +357,32 @@ def test_a_released_payload_is_not_fetched(core_store):
     assert not t.prefetch(p)
     t.drain()
     assert t.idle and t.own_bytes == 0 and core_store.used_bytes == 0
+
+
+def test_a_payload_released_while_its_prefetch_waits_for_its_write_is_not_read(nvme_dir):
+    """A prefetch first retires the payload's own write, letting the GIL go while it waits;
+    a record dying on another thread meanwhile released the payload, and the prefetch then
+    read its freed extent: UsedAfterCloseError("Extent was released") raised into the
+    backward (found by reading, in a sanitizer review). It starts nothing now."""
+    store = load_core().NvmeStore([nvme_dir], 8 << 20, workers=1,
+                                  throttle_bytes_per_s=20 << 20)   # 4 MiB: ~0.2 s to write
+    t, _ = transfers(store, None, write_batch=1)
+    try:
+        x = torch.randn(1 << 20)
+        p = t.store_direct(x.untyped_storage(), CPU)
+        assert p.writing
+        releaser = threading.Timer(0.05, t.release, (p,))
+        releaser.start()
+        assert not t.prefetch(p)   # waits for the write; the release lands meanwhile
+        releaser.join()
+        assert p.released
+        with pytest.raises(UsedAfterCloseError, match="used after its offload.activations"):
+            t.fetch(p)
+        t.drain()
+        assert t.idle and t.own_bytes == 0 and store.used_bytes == 0
+    finally:
+        t.abort()
+        store.close()
 
 
 def test_after_close_nothing_is_stored_or_read(core_store):
