@@ -226,6 +226,8 @@ class ActivationOffload:
         if not self.config.enabled:  # OFFLOAD_ENABLED=0: install and open nothing
             self._hook_thread = _DISABLED
             return self
+        if torch.autograd.graph._allow_mutation_on_saved_tensors_enabled:
+            raise OffloadError(_INSIDE_ALLOW_MUTATION)
         finish_pending()  # steps whose graphs died since (NOTE [End of step], point 3)
         sweep_lost_modes()  # generators.py NOTE [Modes and Ctrl-C]
         schedule = self._session()
@@ -378,6 +380,18 @@ _ENTERING = object()
 # for all contexts, so a context holds no lock of its own (it can be copied or pickled).
 _CLAIM = threading.Lock()
 
+
+# torch's allow_mutation_on_saved_tensors() clones a saved tensor before an in-place write
+# into it, from saved-tensor hooks of its own: ours, entered inside it, would be innermost
+# and hide every save from them (offload and auto then raised autograd's in-place error,
+# recompute's re-run gave a silently wrong gradient). Entered inside ours it is innermost
+# and its region runs as without us.
+_INSIDE_ALLOW_MUTATION = (
+    "offload.activations(): entered inside torch.autograd.graph."
+    "allow_mutation_on_saved_tensors(), whose hooks must see every saved tensor to clone it "
+    "before an in-place write; ours would hide them. Enter allow_mutation_on_saved_tensors() "
+    "inside the offload context instead (what is saved in it then stays where it is), or "
+    "leave it out")
 
 _FUNC_TRANSFORM_HINT = (
     "offload: torch.func transforms (grad, vjp, jacrev, hessian, vmap over them) refuse to run "

@@ -363,6 +363,46 @@ def test_torch_func_inside_the_context_says_what_to_do():
     assert _hook_stack_empty()
 
 
+class _WritesIntoItsSave(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.sigmoid(self.l1(x))   # sigmoid and l2 save y ...
+        out = self.l2(y)
+        y.mul_(2)                       # ... which allow_mutation_on_saved_tensors permits
+        return out + self.l2(y)
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute", "auto"])
+def test_allow_mutation_on_saved_tensors_is_refused_around_and_exact_inside(policy, nvme_dir):
+    """Entered inside torch's allow_mutation_on_saved_tensors(), our hooks hid every save
+    from its clone-before-write hooks: offload and auto raised autograd's in-place error
+    where plain autograd runs, and recompute's re-run gave a silently wrong gradient."""
+    from torch.autograd.graph import allow_mutation_on_saved_tensors
+    torch.manual_seed(0)
+    model = nn.Sequential(_WritesIntoItsSave(), _WritesIntoItsSave())
+    x = torch.randn(4, 8)
+    with allow_mutation_on_saved_tensors():
+        model(x).square().mean().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    ctx = _nvme(nvme_dir, model=model, policy=policy)
+    model.zero_grad()
+    with allow_mutation_on_saved_tensors():
+        with pytest.raises(offload.OffloadError, match="Enter allow_mutation_on_saved_tensors"
+                           r"\(\) inside the offload context"):
+            with ctx:
+                pass
+    assert not ctx.active and _hook_stack_empty()
+    for _ in range(4):   # inside ours: torch's hooks are innermost, its region as without us
+        model.zero_grad()
+        with ctx:
+            with allow_mutation_on_saved_tensors():
+                model(x).square().mean().backward()
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain))
+
+
 # ---------------------------------------------------------------- interrupted enters
 class _InterruptAfterRelease:
     """context._CLAIM whose release is followed by a KeyboardInterrupt: where a Ctrl-C's
