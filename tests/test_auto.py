@@ -397,6 +397,35 @@ def test_peak_resident_within_the_budget(nvme_dir):
     ctx.close()
 
 
+@pytest.mark.parametrize("probe", ["SLOW", "FAST"])
+def test_saves_below_min_bytes_count_against_the_budget(probe, nvme_dir):
+    """A block's saves below OFFLOAD_MIN_BYTES never reach the placement, so the profile
+    missed them: `ctx.plan` said "kept 467 KiB (budget 1.79 MiB)" while every planned step
+    kept 2.2 MiB, and its budget note never came (a helper's new-user audit). They count
+    now (placement.py `note_small`): each step after the plan keeps what the plan says it
+    keeps (the small inputs a re-run's checkpoint holds too), within the budget, or the plan
+    says the budget cannot be met."""
+    model, loss_fn = small_gpt(layers=3, seq=64)
+    settings = dict(_settings(nvme_dir, globals()[probe], budget="30%"), min_bytes="64KiB")
+    for steps in (3, 4):
+        differs, ctx = compare_steps(model, loss_fn, steps, **settings)
+        assert differs is None
+        plan = ctx.plan
+        small = sum(it.nbytes for it in plan_profile_items(ctx) if it.small)
+        assert small > 0, "the model makes no save below min_bytes: the test proves nothing"
+        kept = ctx.stats.peak_resident_bytes
+        assert kept == plan.prediction.kept_bytes, str(plan)
+        if plan.prediction.feasible:
+            assert kept <= plan.params.budget_bytes, str(plan)
+        else:
+            assert "the budget cannot be met" in str(plan)
+    ctx.close()
+
+
+def plan_profile_items(ctx):
+    return ctx._schedule.state.profile.items
+
+
 def test_the_plan_outlives_contexts_per_model(nvme_dir):
     model, loss_fn = small_gpt()
     _, first = compare_steps(model, loss_fn, 3, **_settings(nvme_dir, SLOW))
@@ -509,6 +538,32 @@ def test_a_rerun_that_runs_other_ops_than_its_forward_hands_back_no_stored_outpu
         out.backward()
     assert all(torch.equal(a, b) for a, b in zip(want, [x.grad, g.weight.grad, u.weight.grad]))
     assert "re-run ran other ops than its forward" in caplog.text
+
+
+class _NoEquality:
+    """As a c10d ProcessGroup: `==` raises."""
+
+    def __eq__(self, other):
+        raise NotImplementedError("'__eq__' is not implemented for ProcessGroup")
+
+    __hash__ = object.__hash__
+
+
+def test_rule_6_compares_arguments_whose_equality_raises_or_is_not_a_bool():
+    """A block calling `dist.all_reduce` ran per op: Rule 6 compared its ProcessGroup
+    argument with `!=`, which raises NotImplementedError in backward on every rank. Such an
+    argument is the same object or an equal one of its type; a failing or non-bool `==`
+    (an array's) is not equal."""
+    import numpy
+    op = torch.ops.aten.add.Tensor
+    group, table = _NoEquality(), numpy.arange(3)
+    entry = recompute_mod.op_entry(op, (group, table, 2, torch.float32), {"alpha": 1})
+    assert entry == recompute_mod.op_entry(op, (group, table, 2, torch.float32), {"alpha": 1})
+    assert entry != recompute_mod.op_entry(op, (_NoEquality(), table, 2, torch.float32),
+                                           {"alpha": 1})
+    assert entry != recompute_mod.op_entry(op, (group, numpy.arange(3), 2, torch.float32),
+                                           {"alpha": 1})
+    assert entry != recompute_mod.op_entry(op, (group, table, 3, torch.float32), {"alpha": 1})
 
 
 def test_a_rerun_that_finds_a_weight_cast_in_autocasts_cache_hands_back_no_stored_output(

@@ -181,6 +181,59 @@ def test_bit_exact_with_per_rank_nvme_dirs(worker, policy, nvme_dir):
         _check(results, dirs)
 
 
+class _RowParallelBlock(torch.nn.Module):
+    """A tensor-parallel block: each rank holds a shard, the output is all-reduced."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        y = self.fc2(F.gelu(self.fc1(x)))
+        dist.all_reduce(y)
+        return x + torch.tanh(y)
+
+
+def _tensor_parallel_worker(policy: str) -> dict:
+    """Six steps of three row-parallel blocks, the same batches on both ranks, without and
+    with offload. Rank 1 measures a slower disk (as a rank on another host may), so the
+    ranks' auto plans and trials differ."""
+    rank = dist.get_rank()
+    if rank == 1:
+        os.environ["OFFLOAD_PROBE"] = "nvme_write_gbps=0.001,nvme_read_gbps=0.001"
+
+    def train(use_offload: bool) -> list[torch.Tensor]:
+        torch.manual_seed(rank)                 # each rank its own shards
+        model = torch.nn.Sequential(*[_RowParallelBlock() for _ in range(3)])
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = torch.Generator().manual_seed(7)
+        for _ in range(6):
+            x = torch.randn(4, 64, 32, generator=data)
+            ctx = offload.activations(model=model, policy=policy, tiers="nvme", min_bytes=0) \
+                if use_offload else contextlib.nullcontext()
+            with ctx:
+                model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain, ours = train(False), train(True)
+    offload.empty_cache()
+    return {"equal": [torch.equal(a, b) for a, b in zip(plain, ours)]}
+
+
+@pytest.mark.parametrize("policy", ["auto", "recompute"])
+def test_a_block_calling_a_collective_runs_alike_on_every_rank(policy, nvme_dir):
+    """auto_session NOTE [Blocks run alike on every rank]: each rank plans auto on its own,
+    so one rank re-ran a block (a checkpoint trial, a plan that recomputes) while the other
+    did not, and their all_reduces paired up wrongly: rank 0 ended with other weights and
+    no error. A block a profile saw call a collective runs as it is on every rank now."""
+    with _rank_dirs(nvme_dir) as (dirs, env):
+        results = run_ranks(_tensor_parallel_worker, policy, env=env)
+    for rank, res in enumerate(results):
+        assert all(res["equal"]), f"rank {rank}: parameters differ: {res['equal']}"
+
+
 def test_two_ranks_split_a_percentage_of_one_disk(small_disk):
     """Both ranks' NVMe budgets together stay within OFFLOAD_NVME_BYTES=50% of the free space
     of the file system they share, in equal parts (before: each took 50 % of what the other

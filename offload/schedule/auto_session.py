@@ -119,6 +119,12 @@ class AutoSession(Session):
         self._placement = SchedulePlacement(self.config, self.choice)
         return self._placement
 
+    def _saved_so_far(self) -> int:
+        """The step's saved bytes so far, small saves included (what a profile's regions
+        tell their small saves by: SchedulePlacement.note_small)."""
+        self._hooks.ledger.fold()
+        return self._hooks.stats.saved_bytes
+
     def _set_class(self, key, profiling: bool) -> None:
         self.key, self._profiling = key, profiling
         # Record every storage in a profile, and while the class is not known (the step may
@@ -132,6 +138,7 @@ class AutoSession(Session):
 
     def enter(self, view) -> None:
         self._hooks, self._start_s, self._readahead = view.hooks, view.start_s, view.readahead
+        self._placement.saved_so_far = self._saved_so_far
         self._t0 = self._clock.mark(view.start_s)
         self._fallback = None
         self._shape_miss = False
@@ -185,16 +192,20 @@ class AutoSession(Session):
         plan = choice.plan
         stand_in = index if plan is None else plan.stand_in(index, self.types[index])
         flat = flatten_call(args, kwargs)   # once for the inputs and checkpoint_block
-        inputs = {id(a.untyped_storage()): i
-                  for i, a in reversed(list(enumerate(block_inputs(args, kwargs, flat[0]))))}
-        placement.enter_region(("block", index), inputs, stand_in)
+        storages = [a.untyped_storage() for a in block_inputs(args, kwargs, flat[0])]
+        inputs = {id(s): i for i, s in reversed(list(enumerate(storages)))}
+        small_inputs = 0
+        if choice.recording:   # (placement.py note_small)
+            sizes = {id(s): s.nbytes() for s in storages}
+            small_inputs = sum(n for n in sizes.values() if n < self.config.min_bytes)
+        placement.enter_region(("block", index), inputs, stand_in, small_inputs)
         block = self.blocks[index]
         try:
             if choice.profiler is not None:
                 return choice.profiler.run(index, self.types[index], type(block).__name__,
                                            forward, args, kwargs, hooks, self.opaque[index])
-            if plan is None:  # the warm-up step (module doc, 0)
-                return forward(*args, **kwargs)
+            if plan is None or index in self.state.as_is:   # the warm-up step (module doc,
+                return forward(*args, **kwargs)   # 0); NOTE [Blocks run alike on every rank]
             if self._fallback is None and (stand_in is None
                                            or sig not in plan.signatures.get(stand_in, ())):
                 self._fallback = (f"block {index} was called with other shapes than planned "
@@ -288,6 +299,20 @@ class AutoSession(Session):
         profile = self._profile(report)
         if profile is None:
             return
+        # NOTE [Blocks run alike on every rank] Each rank decides auto on its own: its shape
+        # classes, profiles, figures, trials and their winner. A block that calls a
+        # collective (a tensor-parallel all_reduce, a synced statistic) must run the same way
+        # on every rank, or one rank re-runs it in backward while another does not, and
+        # their collectives pair up wrongly: wrong weights with no error, or a mismatch
+        # error. So a block type a profile saw call one runs as it is in every step from
+        # then on, whatever the step's plan, trial or fallback (a profile and the warm-up
+        # run every block as it is too); so does one whose inputs change in place after the
+        # call (a re-run would not see them). Not seen: a collective inside a compiled block
+        # (no op is seen there) or called by a module hook outside the block's forward.
+        as_is = {b.index for b in profile.blocks if b.collective or b.inputs_changed}
+        if as_is - self.state.as_is:
+            with self.state.lock:
+                self.state.as_is |= as_is
         unrun = key is NO_BLOCK and bool(self.blocks)
         notes = (f"{UNRUN}: planned keep / host / nvme per saved tensor, nothing "
                  "recomputed",) if unrun else ()
@@ -309,6 +334,7 @@ class AutoSession(Session):
 
     def _profile(self, report) -> Profile | None:
         profiler, self.choice.profiler = self.choice.profiler, None
+        self._placement.note_small()   # what the step saved after its last block
         blocks = profiler.finish() if profiler is not None else []
         # The profiler's own Python, not the model's (host time: the device does not wait)
         overhead_s = profiler.overhead_s if profiler is not None else 0.0

@@ -12,6 +12,7 @@ hands down; the placement reads it and never calls back into the session.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 from dataclasses import dataclass
 
 from ..config import Config
@@ -50,6 +51,12 @@ class SchedulePlacement(Placement):
         self._decisions: dict[tuple, Decision] = {}
         self.items: list[ItemRecord] = []
         self.unplanned = 0
+        # While recording: the step's saved bytes so far (set by the session), and where the
+        # current region started (saved bytes, items) to tell its small saves (note_small).
+        self.saved_so_far: Callable[[], int] | None = None
+        self._region_saved = 0
+        self._region_items = 0
+        self._region_small_inputs = 0
 
     @contextlib.contextmanager
     def forced(self, decision: Decision):
@@ -61,10 +68,29 @@ class SchedulePlacement(Placement):
             self._forced = None
 
     def enter_region(self, region: tuple, inputs: dict[int, int] | None = None,
-                     stand_in: int | None = None) -> None:
+                     stand_in: int | None = None, small_inputs: int = 0) -> None:
+        """`small_inputs`: a block's input bytes below OFFLOAD_MIN_BYTES (while recording)."""
+        self.note_small()
+        self._region_small_inputs = small_inputs
         self.region, self.ordinal = region, 0
         self._inputs = inputs or {}
         self._stand_in = stand_in
+
+    def note_small(self) -> None:
+        """While recording, one record of the bytes the current region saved below
+        OFFLOAD_MIN_BYTES: what the step saved since the region began, less the storages
+        the placement was asked about. They stay whatever a plan does, so the plan counts
+        them against the budget (without them `ctx.plan` and the search undercounted what
+        stays: a GPT's q / k / v views and LayerNorm statistics)."""
+        if self.saved_so_far is None or not self.choice.recording:
+            return
+        now = self.saved_so_far()
+        small = now - self._region_saved - sum(it.nbytes for it in
+                                               self.items[self._region_items:])
+        if small > 0 or self._region_small_inputs:
+            self.items.append(ItemRecord(self.region, -1, max(small, 0), None, False,
+                                         small=True, small_inputs=self._region_small_inputs))
+        self._region_saved, self._region_items = now, len(self.items)
 
     def target(self, name: str, moved: bool = False) -> Decision:
         """Decision for a plan target: "keep" or a tier (then the tiers after it to spill).

@@ -87,6 +87,10 @@ class PlanCache:
         self.reasons: dict = {}  # class -> why it profiles again (in its plan's log line)
         # class -> steps in a row that met calls of other shapes than its plans held
         self.shape_misses: dict = {}
+        # Blocks that run as they are in every step, whatever its plan or trial (auto_session
+        # NOTE [Blocks run alike on every rank]): a profile saw them call a collective, or
+        # their inputs change in place after the call.
+        self.as_is: set[int] = set()
         self.lock = threading.Lock()
 
     @property

@@ -80,6 +80,12 @@ class ItemRecord:
     input_index: int | None = None            # the block's positional input it is
     pack_s: float | None = None               # seconds from step start
     unpack_s: float | None = None
+    # The region's saves below OFFLOAD_MIN_BYTES, together: they never reach the placement
+    # (the hooks keep them at once), one record per region visit (placement.py
+    # `SchedulePlacement.note_small`), ordinal -1; of a block's, `small_inputs`: its inputs
+    # below OFFLOAD_MIN_BYTES, which a re-run's checkpoint holds.
+    small: bool = False
+    small_inputs: int = 0
 
     @property
     def key(self) -> tuple:
@@ -103,6 +109,9 @@ class BlockRecord:
     # or by its caller before backward): a re-run would not see the input the call saw, and
     # checkpoint raises autograd's in-place error for it. It runs as it is.
     inputs_changed: bool = False
+    # It called a collective (torch.distributed's c10d or functional ops): it runs as it
+    # is (auto_session NOTE [Blocks run alike on every rank]).
+    collective: bool = False
 
 
 @dataclass
@@ -179,6 +188,12 @@ class _Timer:
                     getattr(record, field_name) + clock.elapsed_s(start, end))
 
 
+# The dispatcher namespaces of torch.distributed's collectives (`dist.all_reduce` runs
+# c10d::allreduce_; functional collectives and DTensor's run _c10d_functional ops).
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
+                                   "_dtensor"})
+
+
 class _ProfileMode(TorchDispatchMode):
     """Times ops and maps the storages they make to their op ids (one block's forward)."""
 
@@ -192,6 +207,8 @@ class _ProfileMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in IGNORED_OPS:
             return func(*args, **kwargs)
+        if func.namespace in COLLECTIVE_NAMESPACES:
+            self.block.collective = True
         entered = time.perf_counter()
         n = self.counter[func]
         self.counter[func] = n + 1

@@ -26,7 +26,9 @@ class TypeInfo:
     saved: dict                  # op id -> saved bytes per instance (max over instances)
     ranking: list[tuple]         # op ids, recompute order
     forced: int                  # how many of the ranking's first entries are forced
-    rerunnable: bool = True      # no instance's inputs changed in place after its call
+    rerunnable: bool = True      # no instance's inputs changed in place after its call,
+    #                              nor did one call a collective (auto_session NOTE [Blocks
+    #                              run alike on every rank])
 
 
 def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
@@ -57,7 +59,7 @@ def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
             name += f" ({type_key[-1][0]} {type_key[-1][1] + 1})"
         infos.append(TypeInfo(type_key, name, [b.index for b in records],
                               ops, saved, forced + free, len(forced),
-                              not any(b.inputs_changed for b in records)))
+                              not any(b.inputs_changed or b.collective for b in records)))
     return infos
 
 

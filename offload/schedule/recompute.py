@@ -112,14 +112,46 @@ def storable_op(func) -> str | None:
 def _argument(x: Any) -> Any:
     """An op argument as Rule 6 compares it: a parameter by identity, another tensor by size,
     dtype and stride (a pass's own intermediates are other objects in each pass), a list or
-    tuple item by item, anything else by value."""
+    tuple item by item, anything else by value (`_Other`)."""
     if isinstance(x, torch.Tensor):
         if isinstance(x, torch.nn.Parameter):
             return ("parameter", id(x))
         return ("tensor", tuple(x.shape), x.dtype, tuple(x.stride()))
     if isinstance(x, (list, tuple)):
         return tuple(map(_argument, x))
-    return x
+    return x if isinstance(x, _BY_VALUE) else _Other(x)
+
+
+# Arguments compared by value; any other object (a ProcessGroup, whose `==` raises; an
+# object whose `==` is not a bool) by `_Other`.
+_BY_VALUE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device,
+             torch.layout, torch.memory_format, torch.Generator)
+
+
+class _Other:
+    """An op argument of another type: equal to the same object, or to one of its type
+    that compares equal (a failing or non-bool `==` is not equal)."""
+
+    __slots__ = ("x",)
+
+    def __init__(self, x: Any) -> None:
+        self.x = x
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not _Other:
+            return NotImplemented
+        a, b = self.x, other.x
+        if a is b:
+            return True
+        if type(a) is not type(b):
+            return False
+        try:
+            same = a == b
+        except Exception:
+            return False
+        return same if type(same) is bool else False
+
+    __hash__ = None   # compared only
 
 
 def op_entry(func, args: tuple, kwargs: dict) -> tuple:

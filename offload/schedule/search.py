@@ -86,6 +86,11 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
     if changed:
         own.append(f"{', '.join(changed)}: an input is changed in place after the block runs, "
                    "so it runs as it is (a re-run would not see the input the block saw)")
+    collective = sorted({b.type_name for b in profile.blocks if b.collective})
+    if collective:
+        own.append(f"{', '.join(collective)}: calls a collective (torch.distributed), so it "
+                   "runs as it is in every step: every rank must run it alike, and each rank "
+                   "plans on its own")
     opaque = sorted({b.type_name for b in profile.blocks if b.opaque})
     if opaque:
         own.append(f"{', '.join(opaque)}: compiled with torch.compile, so run whole (as they "
@@ -121,8 +126,8 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
             len(i.ops) * len(i.instances) for i in infos)
         rerun = {index: sum(o.time_s for o in i.ops) for i in infos for index in i.instances}
         block_bytes: dict[int, int] = {}
-        for it in items:
-            if it.block is not None and it.eligible:
+        for it in items:   # what a block run as it is keeps (its small saves too)
+            if it.block is not None and (it.eligible or it.small):
                 block_bytes[it.block] = block_bytes.get(it.block, 0) + it.nbytes
         room = params.budget_bytes - full.kept_bytes
         chosen = []
@@ -173,6 +178,8 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
     signatures = {index: frozenset(seen) for index, seen in signatures.items()}
     op_outputs = []   # (position in decided, item) of stored op outputs
     for it in items:
+        if it.small:   # no decision of the plan's (the prediction counts them)
+            continue
         target = targets.get(it.key, "keep")
         info = info_of.get(it.block) if it.block is not None else None
         recomputed = info is not None and it.producer in recompute_sets[info.type_key]
@@ -210,7 +217,8 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
             if block is not None:
                 per_block[block] = per_block.get(block, 0) + nbytes
     summary = {"forward_s": profile.forward_s, "backward_s": profile.backward_s,
-               "saved_bytes": profile.saved_bytes, "items": len(items),
+               "saved_bytes": profile.saved_bytes,
+               "items": sum(not it.small for it in items),
                "blocks": len(profile.blocks)}
     return Plan(_ro(item_targets), _ro(op_targets), _ro(input_targets), _ro(blocks),
                 _ro(block_type), pred, params, figures, _ro(summary), _ro(signatures),
