@@ -368,6 +368,31 @@ def test_ctrl_c_during_max_batch_keeps_the_rows(tmp_path, nvme_dir, monkeypatch,
     assert "interrupted during --max-batch (every run had finished)" in capsys.readouterr().err
 
 
+def test_a_json_file_that_cannot_be_written_at_the_end_loses_no_row(tmp_path, nvme_dir,
+                                                                     monkeypatch, capsys):
+    """A --json path that passed the checks at the start but cannot be written at the end
+    (a full disk, a directory made read-only meanwhile) ended a whole run in a traceback,
+    the rows lost but for the printed table."""
+    from offload.bench import report as report_mod
+
+    def refuse(rows, path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(report_mod, "write_json", refuse)
+    out = tmp_path / "rows.json"
+    code = main(TINY + ["--steps", "1", "--strategies", "none", "--nvme-dir", nvme_dir,
+                        "--json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1 and not out.exists()
+    line = next(x for x in err.splitlines() if "could not write --json" in x)
+    assert "Permission denied" in line and "the rows are in " in line
+    kept = line.split("the rows are in ")[1].strip()
+    try:
+        assert [r.strategy for r in rows_mod.from_json(open(kept).read())] == ["none"]
+    finally:
+        os.unlink(kept)
+
+
 def test_ctrl_c_before_any_run_finished_prints_no_table(tmp_path, nvme_dir, monkeypatch,
                                                         capsys):
     from offload.bench import runner as runner_mod
@@ -569,7 +594,13 @@ def test_buffered_nvme_dir_flagged_end_to_end(tmp_path, capsys):
     (["--strategies", "none,offlaod-nvme"],
      "--strategies: unknown strategy 'offlaod-nvme' (choose from: none, checkpoint,"),
     (["--memory-limit", "2 gigs", "--max-batch"], "--memory-limit '2 gigs': unknown unit"),
-    (["--memory-limit", "lots"], "--memory-limit 'lots': not a size"),
+    (["--memory-limit", "lots", "--max-batch"], "--memory-limit 'lots': not a size"),
+    # Were: ignored, and the whole default benchmark ran (minutes).
+    (["--memory-limit", "2GiB"], "--memory-limit applies to --max-batch only (add --max-batch)"),
+    (["--max-batch-cap", "4"], "--max-batch-cap applies to --max-batch only"),
+    (["--max-batch-time-s", "60"], "--max-batch-time-s applies to --max-batch only"),
+    (["--max-batch", "--memory-limit", "2GiB", "--max-batch-time-s", "-1"],
+     "--max-batch-time-s -1: must be more than 0 seconds"),
     # Was: accepted, the auto row "not available" and a zero exit.
     (["--budget", "lots"], "--budget 'lots': not a size"),
     (["--budget", "0.3"], '--budget \'0.3\': a size in bytes must be a whole number (a share '

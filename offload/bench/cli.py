@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="--max-batch limit, e.g. 2GiB: required on CPU (checked against resident "
            "activation bytes), optional on CUDA (allocator peak)")
     a("--max-batch-cap", type=int, help="largest batch --max-batch tries (default 8x --batch)")
-    a("--max-batch-time-s", type=float, default=180.0,
+    a("--max-batch-time-s", type=float,
       help="time budget per strategy for --max-batch probes (default 180)")
     a("--timeout-s", type=float, default=1800.0,
       help="kill a worker after this many seconds (default 1800)")
@@ -219,6 +219,15 @@ def _resolve(args, parser) -> Settings:
                              ("--max-batch-cap", args.max_batch_cap, 1)):
         if value is not None and value < low:
             parser.error(f"{name} {value}: must be at least {low}")
+    if not args.max_batch:   # else a mistyped run would start the whole default benchmark
+        for name, value in (("--memory-limit", args.memory_limit),
+                            ("--max-batch-cap", args.max_batch_cap),
+                            ("--max-batch-time-s", args.max_batch_time_s)):
+            if value is not None:
+                parser.error(f"{name} applies to --max-batch only (add --max-batch)")
+    if args.max_batch_time_s is not None and not args.max_batch_time_s > 0:
+        parser.error(f"--max-batch-time-s {args.max_batch_time_s:g}: must be more than 0 "
+                     "seconds")
     if args.warmup < 1:
         # A run's first step pays one-time costs (kernel choice, first touches of memory,
         # the runtime's arenas): the timings and the memory baseline begin after it.
@@ -343,7 +352,7 @@ def _resolve(args, parser) -> Settings:
         nvme_bases=nvme_bases, model_label=model_label,
         seq_len=seq_len, json_path=args.json, plot_path=args.plot, explain=args.explain,
         max_batch=args.max_batch, memory_limit_bytes=memory_limit,
-        max_batch_cap=args.max_batch_cap or 8 * batch, max_batch_time_s=args.max_batch_time_s,
+        max_batch_cap=args.max_batch_cap or 8 * batch, max_batch_time_s=args.max_batch_time_s or 180.0,
         timeout_s=args.timeout_s, preload=preload)
 
 
@@ -523,17 +532,30 @@ def _main(args, parser, Console) -> int:
               highlight=False)
     if settings.explain:
         out.print(report.explain_text(rows), highlight=False, markup=False)
+    failed_write = False
     if settings.json_path:
-        report.write_json(rows, settings.json_path)
-        err.print(f"wrote {settings.json_path}")
+        try:
+            report.write_json(rows, settings.json_path)
+            err.print(f"wrote {settings.json_path}")
+        except OSError as exc:   # checked at the start; the disk or the path changed since
+            failed_write = True
+            kept = report.write_json_anywhere(rows)
+            err.print(f"offload-bench: could not write --json {settings.json_path} ({exc}); "
+                      + (f"the rows are in {kept}" if kept else "the table above holds them"),
+                      highlight=False, markup=False, soft_wrap=True)
     if settings.plot_path:
-        report.write_plot(rows, settings.plot_path)
-        err.print(f"wrote {settings.plot_path}")
+        try:
+            report.write_plot(rows, settings.plot_path)
+            err.print(f"wrote {settings.plot_path}")
+        except OSError as exc:
+            failed_write = True
+            err.print(f"offload-bench: could not write --plot {settings.plot_path} ({exc})",
+                      highlight=False, markup=False, soft_wrap=True)
     if interrupted is not None:
         err.print(f"offload-bench: {interrupted}; the table holds the finished runs (a row's "
                   f"rounds say how many); temporary files removed")
         return 130
-    return 1 if any(r.error for r in rows) else 0
+    return 1 if failed_write or any(r.error for r in rows) else 0
 
 
 def _is_main_thread() -> bool:

@@ -252,6 +252,19 @@ def write_json(rows: list[Row], path: str) -> None:
         raise
 
 
+def write_json_anywhere(rows: list[Row]) -> str | None:
+    """The --json rows in a new file of the temporary directory, when the path asked for
+    could not be written (what a long run measured is not lost); its path, or None."""
+    import tempfile
+    try:
+        fd, path = tempfile.mkstemp(prefix="offload-bench-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(to_json(rows))
+        return path
+    except OSError:
+        return None
+
+
 def plot_unavailable_reason() -> str | None:
     """Why --plot cannot work here (matplotlib missing), or None."""
     try:
