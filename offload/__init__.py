@@ -10,7 +10,6 @@ classes, `env_table_markdown` (the README's table of environment variables), `bu
 (what was built and whether the GPU paths can run) and `__version__`. The compiled core
 `offload._C` is optional at import time (see offload/_ext.py).
 """
-from __future__ import annotations
 
 from ._version import __version__
 from ._build_info import build_info

@@ -176,10 +176,13 @@ class Config:
         names = {f.name: f for f in _knobs()}
         for key in overrides:
             if key not in names:
-                close = difflib.get_close_matches(key, list(names), n=1)
+                as_setting = key.lower().removeprefix("offload_")   # OFFLOAD_TIERS= given
+                close = [as_setting] if as_setting in names and as_setting != key else \
+                    difflib.get_close_matches(key, list(names), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(f"offload.activations(): unknown argument {key!r}{hint}; "
-                                  f"valid arguments: {', '.join(names)}, model")
+                                  f"valid arguments: {', '.join(names)}, model, blocks "
+                                  "(a variable's name in lower case without OFFLOAD_)")
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
         for name, f in names.items():

@@ -218,7 +218,7 @@ PARSERS: dict[str, Callable[[Any, str, Mapping[str, str]], Any]] = {
                                         "'nvme' from {tiers}"),
     "min_bytes": _size_parser(False),
     "policy": _parse_choice,
-    "budget": _size_parser(True, max_fraction=1.0, what=" of the no-offload peak"),
+    "budget": _size_parser(True, max_fraction=1.0, what=" of the activation bytes the first step saves"),
     "strict": _parse_bool,
     "log": _parse_log,
     "log_ranks": _parse_log_ranks,

@@ -152,7 +152,8 @@ def test_with_overrides():
     ({"OFFLOAD_MIN_BYTES": "-5"}, r"OFFLOAD_MIN_BYTES='-5': size must not be negative"),
     ({"OFFLOAD_MIN_BYTES": "5%"}, r"OFFLOAD_MIN_BYTES='5%': a percentage is not accepted"),
     ({"OFFLOAD_BUDGET": "150%"},
-     r"OFFLOAD_BUDGET='150%': 150% is over 100% \(give at most 100% of the no-offload peak"),
+     r"OFFLOAD_BUDGET='150%': 150% is over 100% \(give at most 100% of the activation "
+     r"bytes the first step saves"),
     ({"OFFLOAD_BUDGET": "-3GiB"}, r"OFFLOAD_BUDGET='-3GiB': size must not be negative"),
     ({"OFFLOAD_POLICY": "ofload"},
      r"OFFLOAD_POLICY='ofload': unknown policy 'ofload' \(did you mean 'offload'\? valid "
@@ -189,8 +190,14 @@ def test_env_errors_name_variable_value_and_fix(env, message):
 def test_keyword_errors_name_the_argument():
     with pytest.raises(ConfigError, match=r"tiers='gpu': unknown tier 'gpu'"):
         Config.from_env(env={}, tiers="gpu")
-    with pytest.raises(ConfigError, match=r"unknown argument 'tier' \(did you mean 'tiers'\?\)"):
+    with pytest.raises(ConfigError, match=r"unknown argument 'tier' \(did you mean 'tiers'\?\)"
+                       r".*, model, blocks \(a variable's name in lower case without "
+                       r"OFFLOAD_\)"):
         offload.activations(tier="host")
+    # A variable's name given as a keyword (was: no hint).
+    with pytest.raises(ConfigError, match=r"unknown argument 'OFFLOAD_TIERS' \(did you mean "
+                       r"'tiers'\?\)"):
+        offload.activations(OFFLOAD_TIERS="nvme")
     with pytest.raises(ConfigError, match=r"min_bytes=-1: size must not be negative"):
         Config.from_env(env={}, min_bytes=-1)
     with pytest.raises(ConfigError, match=r"strict='sure': not a boolean"):

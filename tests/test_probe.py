@@ -255,6 +255,10 @@ def test_probe_command_prints_figures_and_ceilings(nvme_dir, capsys, monkeypatch
     out = capsys.readouterr().out
     assert "nvme_write_gbps  1.5 GB/s" in out and "OFFLOAD_PROBE" in out
     assert "GB free" in out and "host RAM" in out
+    assert "nvme: not measured" not in out
+    monkeypatch.delenv("OFFLOAD_NVME_DIR", raising=False)
+    assert probe_main(["--device", "cpu"]) == 0   # was: the nvme rows gone, unexplained
+    assert "nvme: not measured (no --nvme-dir, no OFFLOAD_NVME_DIR)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Iterator
 
 __all__ = ["no_offload", "no_offload_active", "thread_depth"]
 
@@ -24,7 +25,7 @@ def no_offload_active() -> bool:
 
 
 @contextlib.contextmanager
-def no_offload():
+def no_offload() -> Iterator[None]:
     """A region whose saved tensors stay where they are (counted as kept).
 
     Nests, and works as a decorator (`@offload.no_offload()`). Outside

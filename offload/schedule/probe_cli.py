@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'figure':<{width[0]}}  {'value':<{width[1]}}  {'source':<{width[2]}}  ceiling")
     for r in table:
         print(f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]:<{width[2]}}  {r[3]}")
+    if not config.nvme_dir:
+        print("nvme: not measured (no --nvme-dir, no OFFLOAD_NVME_DIR)")
     vm = psutil.virtual_memory()
     print(f"host RAM: {vm.total / 2**30:.1f} GiB total, {vm.available / 2**30:.1f} GiB "
           f"available; {os.cpu_count()} CPUs")

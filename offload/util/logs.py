@@ -59,5 +59,7 @@ def configure(level: str | None, ranks: tuple[int, ...] | None) -> None:
     # the per-step stats, so attach one stderr handler when the app configured none.
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+        # Our messages begin with "offload:" (they may reach an application's own handler
+        # without the logger's name), so the level alone goes in front.
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
         logger.addHandler(handler)

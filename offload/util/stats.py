@@ -295,8 +295,9 @@ class Stats:
                 f"peak resident {self.peak_resident_bytes / gib:.3f} GiB; "
                 + (f"nvme w/r {self.nvme_write_gbps:.2f}/{self.nvme_read_gbps:.2f} GB/s; "
                    if "nvme" in self.tiers else "") +
-                f"stall {self.stall_s:.3f} s of {self.step_s:.3f} s "
-                f"({self.overlap_fraction:.0%} of I/O hidden); "
+                f"stall {self.stall_s:.3f} s of {self.step_s:.3f} s"
+                + (f" ({self.overlap_fraction:.0%} of I/O hidden)" if self.io_busy_s > 0
+                   else " (no I/O)") + "; "
                 f"{self.packed_tensors} tensors"
                 + "".join(f"; {name} capacity {figures.capacity_bytes / gib:.3f} GiB "
                           f"({figures.capacity_source})"
