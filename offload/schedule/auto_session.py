@@ -178,7 +178,8 @@ class AutoSession(Session):
         self._use(entry)
         self._set_class(key, entry is None and self.state.warm)
         if self._profiling and key is not NO_BLOCK:
-            self.choice.profiler = BlockProfiler(self._device.type)
+            self.choice.profiler = BlockProfiler(self._device.type,
+                                                 min_bytes=self.config.min_bytes)
         if not self.choice.recording:
             self._placement.items.clear()
 

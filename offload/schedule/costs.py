@@ -160,22 +160,24 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
     # What remains to keep or move, after recompute.
     remaining: list[ItemRecord] = []
     kept_fixed = 0
-    droppable = 0   # of kept_fixed: what another choice frees (a block's small saves)
     for it in items:
         info = type_of_block.get(it.block) if it.block is not None else None
         if it.small:
-            # A region's small saves (profile.ItemRecord.small) stay, unless every op of the
-            # block that saves is re-run: then only its small inputs (the re-run's checkpoint
-            # holds them). Not told apart per op, so a block that re-runs some ops keeps them
-            # all here: counted high.
+            # Saves below OFFLOAD_MIN_BYTES (profile.ItemRecord.small) stay, but in a block
+            # that re-runs ops (checkpointed: only stored op outputs and its inputs outlive
+            # the forward) an op's stay only when its outputs are stored; the rest of a
+            # block's (its inputs, tensors from outside) stay, and when it re-runs, at least
+            # its small inputs (the checkpoint holds them). Fixed, as below: re-running ops
+            # to free what the user let stay is not what a budget asks for, but a plan that
+            # re-runs them anyway keeps less.
             rset = recompute_sets[info.type_key] if info is not None else frozenset()
-            if rset and not set(info.saved) - rset:
-                kept_fixed += it.small_inputs
-            else:
+            if not rset:
                 kept_fixed += it.nbytes
-                if info is not None and info.rerunnable and \
-                        not set(info.saved) - set(info.ranking):
-                    droppable += max(it.nbytes - it.small_inputs, 0)
+            elif it.producer is not None:
+                stored = it.producer in info.saved and it.producer not in rset
+                kept_fixed += it.nbytes if stored else 0
+            else:
+                kept_fixed += max(it.nbytes, it.small_inputs)
             continue
         if info is not None and recompute_sets[info.type_key]:
             if it.producer in recompute_sets[info.type_key]:
@@ -188,12 +190,10 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
             remaining.append(it)
         else:
             kept_fixed += it.nbytes
-    # Bytes no decision can free (small or no_offload tensors outside blocks that can be re-run
-    # whole, tensors a checkpoint holds in its closure) count against the budget, but a plan
-    # is not worse for them.
-    unavoidable = kept_fixed - droppable
+    # Bytes no decision can free (small or no_offload tensors, tensors a checkpoint holds in
+    # its closure) count against the budget, but a plan is not worse for them.
     need = kept_fixed + sum(it.nbytes for it in remaining) - max(params.budget_bytes,
-                                                                 unavoidable)
+                                                                 kept_fixed)
     bwd_s = profile.backward_s + recompute_s
     targets: dict[tuple, str] = {}
     moved: dict[str, int] = {t: 0 for t in params.tiers}
@@ -263,7 +263,7 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
         recompute_s=recompute_s, stall_s=stall, issue_s=issue_s,
         kept_bytes=kept_fixed + sum(it.nbytes for it in remaining if it.key not in targets),
         moved_bytes=ReadOnlyDict({t: b for t, b in moved.items() if b}),
-        recomputed_bytes=recomputed_bytes, fixed_bytes=unavoidable, feasible=need <= 0)
+        recomputed_bytes=recomputed_bytes, fixed_bytes=kept_fixed, feasible=need <= 0)
     return Evaluation(prediction, targets, recompute_sets, per_instance_s)
 
 

@@ -87,9 +87,19 @@ class SchedulePlacement(Placement):
         now = self.saved_so_far()
         small = now - self._region_saved - sum(it.nbytes for it in
                                                self.items[self._region_items:])
+        region = self.region
+        profiler = self.choice.profiler
+        if region[0] == "block" and profiler is not None and profiler.blocks and \
+                profiler.blocks[-1].index == region[1]:
+            # Made by the block's own ops (the profiler saw them saved): one record per op,
+            # which a re-run of that op frees; the rest stays (inputs, tensors from outside).
+            for op_id, nbytes in profiler.blocks[-1].small_saved.items():
+                self.items.append(ItemRecord(region, -1, nbytes, None, False, op_id,
+                                             small=True))
+                small -= nbytes
         if small > 0 or self._region_small_inputs:
-            self.items.append(ItemRecord(self.region, -1, max(small, 0), None, False,
-                                         small=True, small_inputs=self._region_small_inputs))
+            self.items.append(ItemRecord(region, -1, max(small, 0), None, False, small=True,
+                                         small_inputs=self._region_small_inputs))
         self._region_saved, self._region_items = now, len(self.items)
 
     def target(self, name: str, moved: bool = False) -> Decision:

@@ -112,6 +112,9 @@ class BlockRecord:
     # It called a collective (torch.distributed's c10d or functional ops): it runs as it
     # is (auto_session NOTE [Blocks run alike on every rank]).
     collective: bool = False
+    # op id -> bytes of the storages it made that the block saved below OFFLOAD_MIN_BYTES
+    # (the hooks keep those at once: the placement never sees them; note_small does).
+    small_saved: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -248,9 +251,10 @@ class BlockProfiler:
     """Collects BlockRecords during the profile step; the placement asks it who made a
     storage (`producer_of`)."""
 
-    def __init__(self, device_type: str = "cpu", new_event: Callable[[], Any] | None = None
-                 ) -> None:
+    def __init__(self, device_type: str = "cpu", new_event: Callable[[], Any] | None = None,
+                 min_bytes: int = 0) -> None:
         self.timer = _Timer(device_type, new_event)
+        self.min_bytes = min_bytes
         self.blocks: list[BlockRecord] = []
         self.overhead_s = 0.0
         self.chains: list[tuple[OpRecord, OpRecord]] = []  # (maker, in-place op on its output)
@@ -292,11 +296,16 @@ class BlockProfiler:
         not the ones the compiled block runs; its record has no ops, so the plan runs it
         whole (as it is or checkpointed), never per op.
         """
+        block = BlockRecord(index, type_key, type_name, signature(args, kwargs), opaque=opaque)
+        small_seen: set[int] = set()
+
         def pack(t):
             with _disable_current_modes():
+                if t.grad_fn is not None and type(t) is torch.Tensor and \
+                        t.layout is torch.strided:
+                    self._note_small(t.untyped_storage(), block, small_seen)
                 return hooks.pack(t)
 
-        block = BlockRecord(index, type_key, type_name, signature(args, kwargs), opaque=opaque)
         self._input_versions.append((block, [
             (version_sentinel(a), a._version) for a in block_inputs(args, kwargs)
             if type(a) in _COUNTED and not a.is_inference()
@@ -321,6 +330,18 @@ class BlockProfiler:
             self.blocks.append(block)
             self._makers.clear()
             self._inputs.clear()
+
+    def _note_small(self, storage: torch.UntypedStorage, block: BlockRecord,
+                    seen: set[int]) -> None:
+        """A save of the block below OFFLOAD_MIN_BYTES, once per storage, counted to the op
+        of the block that made it (`small_saved`)."""
+        nbytes = storage.nbytes()
+        if nbytes >= self.min_bytes or id(storage) in seen:
+            return
+        seen.add(id(storage))   # (the block's storages live while it runs: ids are unique)
+        record = self.producer_record(storage)
+        if record is not None:
+            block.small_saved[record.op_id] = block.small_saved.get(record.op_id, 0) + nbytes
 
     @staticmethod
     def prime() -> None:

@@ -44,7 +44,7 @@ def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
         for b in records:
             per: dict[tuple, int] = {}
             for it in by_block.get(b.index, []):
-                if it.producer is not None:
+                if it.producer is not None and not it.small:   # (small: never a decision)
                     per[it.producer] = per.get(it.producer, 0) + it.nbytes
             for op_id, nbytes in per.items():
                 saved[op_id] = max(saved.get(op_id, 0), nbytes)
