@@ -142,7 +142,7 @@ PyObject* m_before_read(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
 PyObject* m_start_read(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
   if (!nargs_are("start_read", nargs, 1)) return nullptr;
   return guarded([&] {
-    if (!start_host_read(state(self), payload_arg("start_read", a[0])))
+    if (start_host_read(state(self), payload_arg("start_read", a[0])) == ReadStart::released)
       raise_used_after_close(kFetchReleased);
     Py_RETURN_NONE;
   });

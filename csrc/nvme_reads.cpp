@@ -42,12 +42,14 @@ void before_read(State* s, NvmePayload* p) {
   }
 }
 
-bool start_host_read(State* s, NvmePayload* p) {
+ReadStart start_host_read(State* s, NvmePayload* p) {
   check_open(s);
   before_read(s, p);
-  // Retiring the payload's own write lets the GIL go: a record dying on another thread may
-  // have released the payload meanwhile (its extent gone: reading it would raise).
-  if (p->released) return false;
+  // Retiring the payload's own write lets the GIL go: meanwhile a record dying on another
+  // thread may have released the payload (its extent gone: reading it would raise), or
+  // another thread's fetch started its read.
+  if (p->released) return ReadStart::released;
+  if (p->read) return ReadStart::in_flight;
   if (!s->store) raise_type_error("offload: host reads need the core's NvmeStore");
   const uint64_t nbytes = p->nbytes;
   const uint64_t room = nbytes + s->alignment;   // fits `nbytes` at any phase
@@ -61,12 +63,12 @@ bool start_host_read(State* s, NvmePayload* p) {
   read->memory = std::move(memory);
   read->skip = skip;
   add_read(s, p, std::move(read));
-  return true;
+  return ReadStart::started;
 }
 
 bool prefetch(State* s, NvmePayload* p) {
   if (p->read || p->released) return false;
-  return start_host_read(s, p);
+  return start_host_read(s, p) == ReadStart::started;
 }
 
 void reap(State* s, bool wait) {
@@ -156,7 +158,8 @@ py::object hand_out(const State* s, std::shared_ptr<HostRegion> memory, uint64_t
 py::object fetch(State* s, NvmePayload* p, PyObject* dtype) {
   if (p->released) raise_used_after_close(kFetchReleased);
   poll(s);   // retire landed writes first: their memory goes back sooner
-  if (!p->read && !start_host_read(s, p)) raise_used_after_close(kFetchReleased);
+  if (!p->read && start_host_read(s, p) == ReadStart::released)
+    raise_used_after_close(kFetchReleased);
   std::shared_ptr<NvmeRead> read = std::move(p->read);
   if (read->chained) {
     // The current stream waits on the H2D event on the GPU (copies Note 7); CopyStreams

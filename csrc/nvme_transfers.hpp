@@ -217,9 +217,11 @@ void observe(State* s, NvmeRead& read);
 // What must come before a read of `p`: the batch, and `p`'s own write (NOTE [Read after
 // write]).
 void before_read(State* s, NvmePayload* p);
-// A read into host memory of the payload's phase (NOTE [Phase] in tiers/nvme.py); false
-// (nothing started) when the payload was released while its write was retired.
-bool start_host_read(State* s, NvmePayload* p);
+// A read into host memory of the payload's phase (NOTE [Phase] in tiers/nvme.py). Nothing
+// is started when, while its write was retired (the GIL let go), the payload was released
+// or another thread started its read.
+enum class ReadStart { started, in_flight, released };
+ReadStart start_host_read(State* s, NvmePayload* p);
 // The tier's `prefetch` of a CPU payload: starts its host read; false (nothing started)
 // when one is in flight or landed, or the payload was released.
 bool prefetch(State* s, NvmePayload* p);

@@ -293,7 +293,8 @@ PyMethodDef record_methods[] = {
 // without a NULL check), `cache_ref` None or a weak reference.
 template <PyObject* UnpackCache::*field>
 PyObject* get_cache_field(PyObject* self, void*) {
-  return Py_NewRef(reinterpret_cast<Record*>(self)->unpack.*field);
+  PyObject* value = reinterpret_cast<Record*>(self)->unpack.*field;
+  return Py_NewRef(value != nullptr ? value : Py_None);   // (before __init__ ran: NULL)
 }
 
 template <PyObject* UnpackCache::*field>
@@ -308,7 +309,7 @@ int set_cache_field(PyObject* self, PyObject* value, void* name) {
                  Py_TYPE(value)->tp_name);
     return -1;
   }
-  Py_SETREF(reinterpret_cast<Record*>(self)->unpack.*field, Py_NewRef(value));
+  Py_XSETREF(reinterpret_cast<Record*>(self)->unpack.*field, Py_NewRef(value));
   return 0;
 }
 

@@ -262,6 +262,7 @@ class ActivationOffload:
             if self._step is step:
                 self._step = previous
             hook_stack.discard(step.hooks)   # pushed before the interrupt, maybe
+            self._hook_thread = _ENTERING    # nothing installed: __enter__ only unclaims
             schedule.exit()
             close_tiers(tiers, stats, reuse=False)
             raise

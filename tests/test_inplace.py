@@ -436,7 +436,8 @@ def _saved_copy_output_changed():
 
 @pytest.mark.parametrize("tiers", TIERS)
 @pytest.mark.parametrize("case", [_saved_copy_slices_output_changed_through_a_view,
-                                  _saved_copy_output_changed], ids=["view-of-a-view", "copy_-then-a-view"])
+                                  _saved_copy_output_changed],
+                         ids=["view-of-a-view", "copy_-then-a-view"])
 def test_the_error_names_autograds_own_nodes_as_autograd_does(case, tiers, nvme_dir):
     """Autograd names its own C++ nodes with their namespace ("output 0 of
     torch::autograd::CopySlices"); ours said "of CopySlices"."""

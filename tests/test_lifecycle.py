@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 
 import pytest
 import torch
@@ -489,6 +490,47 @@ def test_an_interrupt_while_blocks_are_wrapped_leaves_none_wrapped(nvme_dir, mon
                 pass
     assert not ctx.active and _hook_stack_empty()
     assert not any("forward" in block.__dict__ for block in model)
+
+
+class _InterruptingSteps(weakref.WeakSet):
+    """A context's set of steps whose next `add` (the last line of an enter, right after
+    the hooks are pushed) is a Ctrl-C."""
+
+    armed = False
+
+    def add(self, item):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        super().add(item)
+
+
+def test_an_interrupt_at_the_end_of_an_enter_leaves_the_previous_step_alone(nvme_dir):
+    """The enter's own handler put the previous step back but left the context marked
+    installed, and the handler around it then freed that previous step as an interrupted
+    exit: its later backward raised UsedAfterCloseError (and a first entry an
+    AttributeError in place of the KeyboardInterrupt). Found by a review."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    x = torch.randn(8, 64)
+    model(x).sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ctx = _nvme(nvme_dir, model=model)
+    ctx._steps = steps = _InterruptingSteps()
+    steps.armed = True
+    with pytest.raises(KeyboardInterrupt):   # a first entry
+        with ctx:
+            pass
+    with ctx:
+        loss = model(x).sum()
+    steps.armed = True
+    with pytest.raises(KeyboardInterrupt):   # an entry while the step before awaits backward
+        with ctx:
+            pass
+    assert not ctx.active and _hook_stack_empty()
+    loss.backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain))
 
 
 # ---------------------------------------------------------------- interrupted exits

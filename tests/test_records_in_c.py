@@ -144,6 +144,11 @@ def test_a_core_records_cache_fields_refuse_what_its_load_cannot_read():
     assert record.cache is s and record.cache_ref() is s
     record.cache = record.cache_ref = None
     assert record.cache is None and record.cache_ref is None
+    # One whose __init__ never ran (its fields NULL) reads None and can be set (a review
+    # found both crashed).
+    bare = core.Record.__new__(core.Record)
+    assert bare.cache is None and bare.shared is None
+    bare.shared = None
 
 
 @pytest.mark.parametrize("kind", ["core", "python"])

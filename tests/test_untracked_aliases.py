@@ -322,6 +322,9 @@ def test_a_save_that_reads_elements_twice_keeps_its_strides_and_moves_what_it_re
     # y is a leaf (never moved): the saved tensor's bytes are all the step saved.
     assert ctx.stats.saved_bytes == reads
     assert ctx.stats.host_bytes + ctx.stats.nvme_bytes == reads
+    with offload.activations(**_kw(tiers, nvme_dir)) as ctx, offload.no_offload():
+        _SavesAndReports.apply(y, t, []).sum().backward()
+    assert ctx.stats.saved_bytes == reads   # kept: counted as what it reads too (a review)
 
 
 def test_views_of_one_storage_still_share_one_record(nvme_dir):

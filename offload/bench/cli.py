@@ -352,7 +352,8 @@ def _resolve(args, parser) -> Settings:
         nvme_bases=nvme_bases, model_label=model_label,
         seq_len=seq_len, json_path=args.json, plot_path=args.plot, explain=args.explain,
         max_batch=args.max_batch, memory_limit_bytes=memory_limit,
-        max_batch_cap=args.max_batch_cap or 8 * batch, max_batch_time_s=args.max_batch_time_s or 180.0,
+        max_batch_cap=args.max_batch_cap or 8 * batch,
+        max_batch_time_s=args.max_batch_time_s or 180.0,
         timeout_s=args.timeout_s, preload=preload)
 
 

@@ -66,7 +66,8 @@ from .placement import Placement, TensorInfo
 from .records import Kept, Ledger, Moved, PackedSubclass, PyRecord, SmallKept, held_tensor_error
 from .subclasses import TRACING_TYPES, flatten, held_as_is, kind_name, unmoved_bytes
 from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable,
-                          movable_strided, snapshot, untracked_alias, view_meta)
+                          movable_strided, snapshot, snapshot_nbytes, untracked_alias,
+                          view_meta)
 from .timeline import Timeline
 from .version_check import next_sequence_nr, sentinel_data
 
@@ -338,7 +339,7 @@ class OffloadHooks:
         stats = self.stats
         # An untracked alias is moved as a private copy of its own elements (tensor_meta
         # NOTE [Untracked aliases]): a tier must never read its storage after pack returns.
-        nbytes = t.nbytes if untracked else storage_nbytes
+        nbytes = snapshot_nbytes(t) if untracked else storage_nbytes
         position = self._stored
         self._stored += 1
         placement = self.placement

@@ -25,7 +25,9 @@ only with a save of exactly the same layout, through the same counter owner, at 
 version: such saves read the same elements under one counter, so a change of those
 elements between the two would have bumped it. Aliases with counters of their own over
 the same elements (two unsafe chunks of one buffer, each changed and then saved) do not
-share a copy: each save comes back as it was saved.
+share a copy: each save comes back as it was saved. Which aliases share a counter torch
+does not say, so the owner is the Python object: two `detach()`es of one view (which do
+share one) are two owners and get a copy each (memory, not exactness).
 A tensor whose owner spans its storage keeps the whole-storage record and the (storage,
 version) key. What that cannot see: bytes changed through an alias autograd does not track
 (`.data`, or an unsafe chunk that is never itself saved) between two saves of *different*
@@ -58,7 +60,7 @@ from torch.nn.parameter import is_lazy
 _UNSET: Any = object()
 
 __all__ = ["ViewMeta", "view_meta", "rebuild", "movable", "movable_strided", "untracked_alias",
-           "snapshot", "instance_attrs",
+           "snapshot", "snapshot_nbytes", "instance_attrs",
            "StorageIndex", "ParamStorages", "is_weight"]
 
 
@@ -162,16 +164,25 @@ def untracked_alias(t: torch.Tensor, storage_nbytes: int, base: Any = _UNSET) ->
     if owner.storage_offset() != 0:
         return True
     nbytes = owner.nbytes
-    if nbytes <= storage_nbytes:
-        return nbytes != storage_nbytes
-    # More elements than its storage holds: an expanded or overlapping owner (a `.detach()`
-    # of an expanded view, `np.broadcast_to`), which spans its storage if it reaches its end.
+    if nbytes < storage_nbytes:
+        return True
+    if nbytes == storage_nbytes and owner.is_contiguous():   # the common case, at once
+        return False
+    # An expanded or overlapping owner (a `.detach()` of an expanded view, `np.broadcast_to`,
+    # strides set by `set_`) spans its storage if the elements it reads reach its end.
     return _reach_bytes(owner) != storage_nbytes
 
 
 def _reach_bytes(t: torch.Tensor) -> int:
     """The bytes from `t`'s storage offset to the end of the last element it reads."""
+    if t.numel() == 0:
+        return 0
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def snapshot_nbytes(t: torch.Tensor) -> int:
+    """The bytes `snapshot(t)` holds."""
+    return min(t.nbytes, _reach_bytes(t))
 
 
 def snapshot(t: torch.Tensor) -> torch.Tensor:
@@ -182,7 +193,7 @@ def snapshot(t: torch.Tensor) -> torch.Tensor:
     out one by one (an `expand(n, n)` of a row would grow n-fold)."""
     t = t.detach()
     reach = _reach_bytes(t)
-    if reach >= t.nbytes:   # dense, or with gaps between its elements
+    if reach >= t.nbytes:   # dense, with gaps between its elements, or empty
         return t.clone(memory_format=torch.contiguous_format)
     span = t.as_strided((reach // t.element_size(),), (1,)).clone()
     return span.as_strided(t.shape, t.stride())

@@ -44,7 +44,9 @@ of whatever stack there is then. `with mode:` then popped someone else's mode, o
 back for good: every torch call went through it, and a re-run check raised in code outside
 any block. So our modes are taken off by identity wherever they are (`_under`); one that
 was not there passes every call through from then on and is taken off once it is back (the
-next context entry or block call sweeps: `_lost`).
+next context entry or block call on this thread sweeps: `_lost`). Not covered: a mode the
+collector puts back on another thread's stack (it passes calls through there), or one a
+user's own `with mode:` exit pops in ours' place (torch pops the top, whoever's it is).
 
 Cost: the mode on every forward call of a re-run block, some 5 µs per torch function
 call on a CPU (docs/benchmarks.md *Generators seen at every call*); one `get_state` per
@@ -143,7 +145,7 @@ def _same(state: torch.Tensor, other: torch.Tensor) -> bool:
         ctypes.string_at(other.data_ptr(), other.numel())
 
 
-_stack = torch._C
+_modes = torch._C   # torch's function-mode stack (its private calls)
 # Weak references to our modes an interrupt took off torch's stack (NOTE [Modes and Ctrl-C]):
 # each comes back when the interrupted call's generator is collected, and dies once off.
 _lost: list[weakref.ref] = []
@@ -160,8 +162,8 @@ def _under(mode: _BlockMode, fn: Callable, args: tuple) -> Any:
     """`fn(*args)` with `mode` pushed, taken off again whatever happens."""
     if _lost:
         _sweep_lost()
-    mode.__enter__()
     try:
+        mode.__enter__()
         return fn(*args)
     finally:
         mode.off = True
@@ -174,15 +176,15 @@ def _take_off(mode: _BlockMode) -> bool:
     back in their order); whether it was there."""
     above = []
     try:
-        while _stack._len_torch_function_stack():
-            top = _stack._pop_torch_function_stack()
+        while _modes._len_torch_function_stack():
+            top = _modes._pop_torch_function_stack()
             if top is mode:
                 return True
             above.append(top)
         return False
     finally:
         for other in reversed(above):
-            _stack._push_on_torch_function_stack(other)
+            _modes._push_on_torch_function_stack(other)
 
 
 def sweep_lost_modes() -> None:
