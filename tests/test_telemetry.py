@@ -239,9 +239,30 @@ def test_the_info_line_names_the_nvme_rates_only_with_an_nvme_tier(nvme_dir):
     """`tiers=host` printed "nvme w/r 0.00/0.00 GB/s" every step."""
     x = torch.randn(256, 256, requires_grad=True)
     lines = {}
-    for tiers in ("host", "host,nvme"):
+    for tiers in ("host", "host,nvme", "nvme"):
         with offload.activations(tiers=tiers, nvme_dir=nvme_dir, min_bytes=0) as ctx:
             (x * 2).tanh().sum().backward()
         lines[tiers] = ctx.stats.summary()
     assert "nvme" not in lines["host"], lines["host"]
     assert "nvme w/r" in lines["host,nvme"] and "nvme capacity" in lines["host,nvme"]
+    # A CPU host tier holds the storages themselves: no transfer, so nothing was hidden (it
+    # said "100% of I/O hidden"); the nvme tier's I/O is.
+    assert "(no I/O)" in lines["host"] and "of I/O hidden" not in lines["host"]
+    assert "of I/O hidden" in lines["nvme"] and "(no I/O)" not in lines["nvme"], lines["nvme"]
+
+
+def test_the_info_line_on_stderr_names_offload_once():
+    """Without a handler of the application's, OFFLOAD_LOG=INFO attaches one to stderr; it
+    printed "offload INFO: offload: saved ..." (the logger's name before a message that
+    begins with it)."""
+    import subprocess
+    import sys
+    code = ("import torch, offload\n"
+            "x = torch.randn(64, 64, requires_grad=True)\n"
+            "with offload.activations(tiers='host', min_bytes=0):\n"
+            "    (x * 2).tanh().sum().backward()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "OFFLOAD_LOG": "INFO"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stderr.splitlines() if "saved " in x)
+    assert line.startswith("INFO: offload: saved "), line
