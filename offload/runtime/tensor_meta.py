@@ -158,9 +158,7 @@ def untracked_alias(t: torch.Tensor, storage_nbytes: int, base: Any = _UNSET) ->
     `resize_`d down); an expanded or overlapping owner spans it when the elements it reads
     run from the storage's start to its end.
     """
-    owner = t._base if base is _UNSET else base
-    if owner is None:
-        owner = t
+    owner = _counter_owner(t, base)
     if owner.storage_offset() != 0:
         return True
     nbytes = owner.nbytes
@@ -171,6 +169,13 @@ def untracked_alias(t: torch.Tensor, storage_nbytes: int, base: Any = _UNSET) ->
     # An expanded or overlapping owner (a `.detach()` of an expanded view, `np.broadcast_to`,
     # strides set by `set_`) spans its storage if the elements it reads reach its end.
     return _reach_bytes(owner) != storage_nbytes
+
+
+def _counter_owner(t: torch.Tensor, base: Any) -> torch.Tensor:
+    """The tensor whose version counter `t` uses: its `_base` (`base`, when the caller
+    has it), else itself."""
+    owner = t._base if base is _UNSET else base
+    return t if owner is None else owner
 
 
 def _reach_bytes(t: torch.Tensor) -> int:
@@ -192,10 +197,10 @@ def snapshot(t: torch.Tensor) -> torch.Tensor:
     one's copy is of the span it reads, with its strides kept, not its elements written
     out one by one (an `expand(n, n)` of a row would grow n-fold)."""
     t = t.detach()
-    reach = _reach_bytes(t)
-    if reach >= t.nbytes:   # dense, with gaps between its elements, or empty
+    nbytes = snapshot_nbytes(t)
+    if nbytes == t.nbytes:   # dense, with gaps between its elements, or empty
         return t.clone(memory_format=torch.contiguous_format)
-    span = t.as_strided((reach // t.element_size(),), (1,)).clone()
+    span = t.as_strided((nbytes // t.element_size(),), (1,)).clone()
     return span.as_strided(t.shape, t.stride())
 
 
@@ -227,9 +232,8 @@ class _CounterOwner:
 def layout_key(t: torch.Tensor, base: Any = _UNSET) -> tuple:
     """The elements `t` reads from its storage and the owner of its version counter (the
     dedup key of an untracked alias). `base`: `t._base`, when the caller has it."""
-    owner = t._base if base is _UNSET else base
     return (t.dtype, t.storage_offset(), tuple(t.shape), t.stride(),
-            _CounterOwner(t if owner is None else owner))
+            _CounterOwner(_counter_owner(t, base)))
 
 
 class StorageIndex:

@@ -161,7 +161,7 @@ class _BlockMode(TorchFunctionMode):
 def _under(mode: _BlockMode, fn: Callable, args: tuple) -> Any:
     """`fn(*args)` with `mode` pushed, taken off again whatever happens."""
     if _lost:
-        _sweep_lost()
+        sweep_lost_modes()
     try:
         mode.__enter__()
         return fn(*args)
@@ -190,11 +190,8 @@ def _take_off(mode: _BlockMode) -> bool:
 def sweep_lost_modes() -> None:
     """Take off torch's stack any of our modes an interrupt left to come back (NOTE [Modes
     and Ctrl-C]); a context's entry calls it, so the step after a Ctrl-C has none."""
-    if _lost:
-        _sweep_lost()
-
-
-def _sweep_lost() -> None:
+    if not _lost:
+        return
     waiting = []
     for ref in _lost:
         mode = ref()

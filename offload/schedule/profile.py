@@ -80,10 +80,11 @@ class ItemRecord:
     input_index: int | None = None            # the block's positional input it is
     pack_s: float | None = None               # seconds from step start
     unpack_s: float | None = None
-    # The region's saves below OFFLOAD_MIN_BYTES, together: they never reach the placement
-    # (the hooks keep them at once), one record per region visit (placement.py
-    # `SchedulePlacement.note_small`), ordinal -1; of a block's, `small_inputs`: its inputs
-    # below OFFLOAD_MIN_BYTES, which a re-run's checkpoint holds.
+    # Saves below OFFLOAD_MIN_BYTES: they never reach the placement (the hooks keep them at
+    # once). Per region visit (placement.py `SchedulePlacement.note_small`, ordinal -1): one
+    # record per op of a block that made some (`producer`), and one of the rest, with the
+    # block's `small_inputs` (its inputs below OFFLOAD_MIN_BYTES, a re-run's checkpoint
+    # holds them).
     small: bool = False
     small_inputs: int = 0
 
