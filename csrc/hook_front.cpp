@@ -79,7 +79,7 @@ py::object packer_owner(const Packer* self) {
   return owner;
 }
 
-// What records.Kept holds, the same way: the tensor as autograd holds it, or for an output
+// What saved_handles.Kept holds, the same way: the tensor as autograd holds it, or for an output
 // of the saving node a detached alias (breaks the tensor -> node -> save cycle) and that
 // node's name (`saving_node`: version_check.py).
 void hold(const Packer* self, HeldTensor* save, PyObject* t, const py::object& node,

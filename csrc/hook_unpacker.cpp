@@ -37,7 +37,7 @@ struct Unpacker {
   Callable head;
   PyObject* slow;            // hooks.py's unpack
   PyObject* marks;           // the hooks' BackwardMarks
-  PyObject* error;           // records.held_tensor_error
+  PyObject* error;           // saved_handles.held_tensor_error
   PyObject* graph_task_id;   // torch._C._current_graph_task_id
   PyObject* profiling;       // torch._C._autograd._profiler_enabled
   PyObject* lock;            // the hooks' lock: a MovedSave loads under it
@@ -79,7 +79,7 @@ PyObject* unpack(Unpacker* self, PyObject* packed) {
   PyObject* tensor = tensor_if_unchanged(reinterpret_cast<HeldTensor*>(packed));
   if (tensor != Py_None) return tensor;   // or nullptr: the error is set
   Py_DECREF(tensor);
-  // autograd's own message, made in Python (records.held_tensor_error).
+  // autograd's own message, made in Python (saved_handles.held_tensor_error).
   py::object exc = call_with(self->error, py::handle(packed));
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   return nullptr;

@@ -49,7 +49,7 @@ struct MovedSave {
 // What unpack calls, set once from records.py (`configure_moved`).
 struct MovedCalls {
   PyObject* load = nullptr;           // records.load
-  PyObject* version_error = nullptr;  // records.moved_version_error
+  PyObject* version_error = nullptr;  // saved_handles.moved_version_error
   PyObject* next_sequence_nr = nullptr;  // version_check.next_sequence_nr (None: unknown)
   PyObject* rebuild_as_resized = nullptr;  // tensor_meta.rebuild_as_resized
 } calls;
@@ -69,7 +69,7 @@ void moved_save_dealloc(PyObject* obj) {
   Py_TYPE(obj)->tp_free(obj);
 }
 
-// Raises autograd's error for `self` at version `seen` (records.moved_version_error).
+// Raises autograd's error for `self` at version `seen` (saved_handles.moved_version_error).
 [[noreturn]] void raise_version_error(MovedSave* self, long long seen) {
   if (calls.version_error == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "offload: records.py did not configure_moved");
@@ -157,7 +157,7 @@ PyGetSetDef moved_getset[] = {
 PyMethodDef moved_methods[] = {
     {"unpack", moved_save_unpack, METH_O,
      "unpack(lock): the saved tensor back, its version checked, its bytes loaded under "
-     "`lock` (records.Moved.unpack)."},
+     "`lock` (saved_handles.Moved.unpack)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -213,7 +213,7 @@ PyMethodDef module_functions[] = {
 PyTypeObject moved_save_type = [] {
   PyTypeObject type = plain_type(
       "offload._C.MovedSave", sizeof(MovedSave),
-      "What autograd holds for a saved tensor whose storage went to a tier (records.Moved).",
+      "What autograd holds for a saved tensor whose storage went to a tier (saved_handles.Moved).",
       nullptr, moved_save_dealloc);
   type.tp_members = moved_members;
   type.tp_getset = moved_getset;
@@ -268,7 +268,7 @@ PyObject* new_moved_save(PyObject* t, PyObject* record, PyObject* node, PyObject
 }
 
 // The storage itself, when it still lives with another size than it was stored at
-// (records.py NOTE [A storage resized since its pack]); None otherwise.
+// (saved_handles.py NOTE [A storage resized since its pack]); None otherwise.
 py::object resized_storage(MovedSave* self) {
   // A snapshot's record (it has a layout of its own: tensor_meta NOTE [Untracked aliases])
   // stored a private copy of part of the storage, taken at the pack: not this case.

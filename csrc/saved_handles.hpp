@@ -17,7 +17,7 @@ namespace py = pybind11;
 
 // A saved tensor that stays where it is: the tensor (or, for an output of the node saving
 // it, a detached alias sharing its version counter) and what autograd's "modified by an
-// inplace operation" message needs (version_check.py, records.held_tensor_error).
+// inplace operation" message needs (version_check.py, saved_handles.held_tensor_error).
 struct HeldTensor {
   PyObject_HEAD
   PyObject* tensor;

@@ -225,7 +225,7 @@ def _resized_after_the_forward(x, w, new_nbytes):
 
 @pytest.mark.parametrize("tiers", TIERS)
 def test_a_saved_storage_freed_after_the_forward_raises_as_in_autograd(tiers, path, nvme_dir):
-    """records.py NOTE [A storage resized since its pack]: plain autograd raises torch's
+    """saved_handles.py NOTE [A storage resized since its pack]: plain autograd raises torch's
     bounds error in backward; a moved save came back from its tier's copy instead, read
     from memory freed while its write was in flight (wrong gradients, silently). The
     storage is not grown back by the unpack either."""

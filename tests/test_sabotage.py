@@ -61,7 +61,7 @@ def test_sabotage_store_close_is_caught_by_the_descriptor_check(nvme_dir, monkey
 
 def test_sabotage_version_check_lets_the_reproducer_train_on(nvme_dir, monkeypatch):
     from offload.runtime import records
-    from offload.runtime.records import Kept, Moved
+    from offload.runtime.saved_handles import Kept, Moved
     from offload.runtime.saved_bytes import PySavedBytes
 
     # The Python path's check (the core's, in csrc/moved_save.cpp, cannot be patched out:

@@ -40,7 +40,7 @@ it packs: the step folds the meter into Stats whenever they are read (`Step.fold
 NOTE [Move path in C] A plain CPU activation that the standing decision (placement.py NOTE
 [Standing decision]) sends to a tier with a store in C (`Tier.store_cpu`) is stored by the
 core's Packer itself: the steps of `_pack_strided` → `_pack_plain` → `_store`, in their
-order (csrc/pack_moved.cpp's header lists them), ending in a `MovedSave` (records.Moved in
+order (csrc/pack_moved.cpp's header lists them), ending in a `MovedSave` (saved_handles.Moved in
 C) or a `KeptSave`, which the Unpacker unpacks in C. Whatever it is not sure of goes on to
 `_pack_strided` before anything changed, and while a profiler runs both hooks take the
 Python path, so its ranges are recorded.
@@ -63,7 +63,8 @@ from . import hook_stack
 from .backward_marks import BackwardMarks, graph_task_id
 from .no_offload import no_offload_active, thread_depth
 from .placement import Placement, TensorInfo
-from .records import Kept, Ledger, Moved, PackedSubclass, PyRecord, SmallKept, held_tensor_error
+from .records import Ledger, PyRecord
+from .saved_handles import Kept, Moved, PackedSubclass, SmallKept, held_tensor_error
 from .subclasses import TRACING_TYPES, flatten, held_as_is, kind_name, unmoved_bytes
 from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable,
                           movable_strided, snapshot, snapshot_nbytes, untracked_alias,

@@ -1,21 +1,9 @@
-"""What autograd holds for each saved tensor, and what the runtime holds for each storage.
+"""What the runtime holds for each stored storage, and the step's account of them.
 
-* `Kept`: a saved tensor that stays where it is: a `detach()`ed alias (same storage, same
-  version counter) plus what autograd's error message needs (NOTE [Version check] in
-  version_check.py). The alias, not the tensor: an output saved by its own node would tie
-  a cycle the garbage collector cannot see (node -> Kept -> tensor -> grad_fn -> node), and a
-  graph dropped without backward would never be freed. Autograd rebuilds the autograd
-  metadata of whatever unpack returns.
-* `Moved`: a saved tensor whose storage went to a tier: its `Record`, the view layout to
-  rebuild and a zero-byte sentinel sharing its version counter. The compiled core's
-  `MovedSave` (csrc/moved_save.cpp) is the same, made by the core's packer (hooks.py NOTE
-  [Move path in C]); its unpack calls `load` below for what it does not do in C.
 * `Record`: one stored storage (views share it: tensor_meta NOTE [Storage identity]); the
   compiled core's (csrc/saved_record.cpp), or without it `PyRecord`, worked on by `load` and
-  `handle_done`.
-* `SmallSave` (the compiled core's, csrc/saved_handles.cpp) or, without the core, `SmallKept`:
-  a saved tensor below OFFLOAD_MIN_BYTES; the core's `KeptSave` is the `Kept` of a tensor
-  that stays, made in C (hooks.py NOTE [Handles in C]).
+  `handle_done`. What autograd holds for each saved tensor, and refers to a record with, is
+  in saved_handles.py.
 * `Ledger`: the step's account of what its records and kept tensors hold, with the bytes
   resident on the device in a `SavedBytes` meter (saved_bytes.py).
 
@@ -27,18 +15,6 @@ back to zero when backward ends. With retain_graph the records survive and a sec
 backward loads again. When the step is aborted (the block raised) its tiers are closed;
 a later unpack of such a record raises UsedAfterCloseError. Every call a record makes goes
 down (its tier, the prefetcher, the meter); nothing it does calls the hooks that made it.
-
-NOTE [A storage resized since its pack] Code that frees a saved tensor's memory after the
-forward (`t.untyped_storage().resize_(0)`, as FSDP and ZeRO do with their own buffers)
-makes plain autograd raise in backward: the saved tensor no longer fits its storage. A
-moved save would come back from its tier's copy, taken from memory that may have been
-freed while the write was in flight. So a moved save whose storage still lives with
-another size than it was stored at is rebuilt over that storage as it is now, as autograd
-would: torch raises autograd's error for a storage too small, and a storage grown (moved
-by the resize, its bytes kept) gives its bytes. A storage freed and grown back to its size
-in place, or one that died after being resized, is not seen; nor is a resize of a storage
-whose saved piece was stored as a private copy taken at the pack (a snapshot: tensor_meta
-NOTE [Untracked aliases]), which comes back as it was saved.
 
 NOTE [Writes into a shared copy] Autograd unpacks a moved save as a copy of its bytes (on
 `nvme`, and `host` on a GPU), and every save of one storage is handed the same loaded copy
@@ -70,8 +46,6 @@ from __future__ import annotations
 import time
 import weakref
 
-from typing import Any
-
 import torch
 
 from .._ext import core_available, load_core
@@ -80,14 +54,9 @@ from ..tiers.base import on_cuda
 from ..tiers.copy_tickets import SharedReload
 from ..util.never_compiled import never_compiled
 from .saved_bytes import PySavedBytes, saved_bytes_meter
-from .tensor_meta import ViewMeta, instance_attrs, rebuild, rebuild_as_resized, view_meta
-from .version_check import NOBODY, SavedOrigin, next_sequence_nr as _next_sequence_nr, \
-    node_at_unpack, version_error, version_sentinel
+from .tensor_meta import ViewMeta
 
-__all__ = ["Ledger", "Record", "PyRecord", "load", "handle_done", "Kept", "SmallKept", "Moved",
-           "PackedSubclass"]
-
-_UNSET: Any = object()
+__all__ = ["Ledger", "Record", "PyRecord", "load", "handle_done"]
 
 
 class Ledger:
@@ -237,201 +206,3 @@ def handle_done(record) -> None:
     record.handles_left -= 1
     if record.handles_left <= 0:
         record.cache = None
-
-
-@never_compiled   # autograd frees and unpacks it: NOTE [Never compiled]
-class Kept:
-    """A saved tensor that stays where it is (see the module doc)."""
-
-    __slots__ = ("tensor", "version", "record", "node_name", "output_nr")
-
-    def __init__(self, t: torch.Tensor, version: int, record: Record | None = None,
-                 node: Any = _UNSET) -> None:
-        if node is _UNSET:
-            node = t.grad_fn
-        if node is not None and (_next_sequence_nr is None
-                                 or node._sequence_nr() == _next_sequence_nr() - 1):
-            # Saved by its own node (an output): an alias breaks the cycle (module doc), and
-            # autograd's message names this node (version_check.py).
-            self.tensor = t.detach()
-            self.node_name = type(node).__name__
-            self.output_nr = t.output_nr
-        else:
-            # An input or a leaf, held as autograd itself holds one: its grad_fn when
-            # unpacked names the op that changed it.
-            self.tensor = t
-            self.node_name = None
-        self.version = version
-        self.record = record          # the storage's record, when it has one (dedup, timing)
-
-    def check_version(self) -> None:
-        """NOTE [Version check]: raise autograd's error if the tensor changed since pack."""
-        if self.tensor._version != self.version:
-            raise kept_version_error(self.tensor, self.version, self.node_name,
-                                     self.output_nr if self.node_name is not None else 0)
-
-    def unpack(self) -> torch.Tensor:
-        self.check_version()
-        record = self.record
-        if record is not None and record.timeline is not None:
-            record.timeline.unpacked(record.row, time.perf_counter())
-        return self.tensor
-
-
-class _KeptOrigin:
-    """What autograd's message names for a kept tensor (version_check.py)."""
-
-    __slots__ = ("tensor", "node_name", "output_nr")
-
-    def __init__(self, tensor: torch.Tensor, node_name: str | None, output_nr: int) -> None:
-        self.tensor, self.node_name, self.output_nr = tensor, node_name, output_nr
-
-    def node_at_unpack(self) -> str | None:
-        # An output: the node that saved it; an input: its grad_fn now (the in-place op).
-        return node_at_unpack(NOBODY if self.node_name is not None else self.tensor,
-                              self.node_name, False)
-
-
-def kept_version_error(tensor: torch.Tensor, expected: int, node_name: str | None,
-                       output_nr: int) -> RuntimeError:
-    """Autograd's error for a kept tensor (`Kept`, `SmallKept`, the core's handles)
-    changed in place since pack; `node_name` None: an input, named at unpack."""
-    if node_name is None:
-        output_nr = tensor.output_nr
-    return version_error(tensor.dtype, tensor.device, tensor.shape,
-                         _KeptOrigin(tensor, node_name, output_nr), expected, tensor._version)
-
-
-@never_compiled   # the core's unpacker calls it (NOTE [Never compiled])
-def held_tensor_error(save) -> RuntimeError:
-    """The error for the core's `SmallSave` / `KeptSave` whose tensor changed (its unpack
-    raises it)."""
-    return kept_version_error(save.tensor, save.version, save.node_name, save.output_nr)
-
-
-@never_compiled   # autograd frees and unpacks it: NOTE [Never compiled]
-class SmallKept(Kept):
-    """A saved tensor below OFFLOAD_MIN_BYTES: the step's ledger counts its storage once
-    while any save of it lives (no record: the fast path)."""
-
-    __slots__ = ("ledger", "key")
-
-    def __init__(self, t: torch.Tensor, version: int, ledger: Ledger, key: int,
-                 node: Any) -> None:
-        Kept.__init__(self, t, version, None, node)
-        self.ledger = ledger
-        self.key = key
-
-    def __del__(self) -> None:
-        try:
-            self.ledger.small_freed(self.key)
-        except Exception:  # interpreter shutdown
-            pass
-
-
-@never_compiled   # autograd frees and unpacks it: NOTE [Never compiled]
-class Moved(SavedOrigin):
-    """A saved tensor whose storage went to a tier (see the module doc).
-
-    It holds the view layout to rebuild as `ViewMeta`'s fields of its own rather than a
-    `ViewMeta`: every object a save keeps alive until backward is one more for the garbage
-    collector to walk (docs/benchmarks.md *Hook cost*), and `rebuild` reads only the fields.
-    """
-
-    __slots__ = ("record", "version", "sentinel", "unpacked", "attrs") + ViewMeta._fields
-
-    def __init__(self, t: torch.Tensor, record: Record, version: int) -> None:
-        self.record = record
-        # The tensor's own layout over the stored storage, or a snapshot's (tensor_meta NOTE
-        # [Untracked aliases]); the ViewMeta itself is not kept.
-        meta = record.meta if record.meta is not None else view_meta(t)
-        self.dtype, self.size, self.stride, self.storage_offset, self.conj, self.neg = meta
-        self.version = version
-        self.sentinel = version_sentinel(t)  # zero bytes; shares t's version counter
-        self.attrs = instance_attrs(t)  # tensor_meta NOTE [Saved attributes]
-        self.unpacked = False
-        record.handles_left += 1
-
-    def check_version(self) -> None:
-        seen = self.sentinel._version
-        if seen != self.version:
-            raise version_error(self.dtype, self.sentinel.device, self.size, self,
-                                self.version, seen)
-
-    def unpack(self, lock) -> torch.Tensor:
-        self.check_version()  # NOTE [Version check]
-        # NOTE [A storage resized since its pack]; a snapshot's record stored a private
-        # copy of part of the storage (tensor_meta NOTE [Untracked aliases]): not this case.
-        live = self.record() if self.record.meta is None else None
-        if live is not None and live.nbytes() != self.record.nbytes:
-            out = rebuild_as_resized(live, self)
-        else:
-            with lock:
-                storage, offset = load(self.record)
-            out = rebuild(storage, offset, self)   # its layout fields (class doc)
-        if self.attrs is not None:
-            out.__dict__ = self.attrs   # shared, not copied: tensor_meta NOTE [Saved attributes]
-        if not self.unpacked:
-            self.unpacked = True
-            handle_done(self.record)
-        return out
-
-    def __del__(self) -> None:
-        if not self.unpacked:
-            self.unpacked = True
-            handle_done(self.record)
-
-
-class _MovedOrigin:
-    """What autograd's message names for the core's MovedSave (version_check.py)."""
-
-    __slots__ = ("save",)
-
-    def __init__(self, save) -> None:
-        self.save = save
-
-    @property
-    def output_nr(self) -> int:
-        return self.save.output_nr
-
-    def node_at_unpack(self) -> str | None:
-        save = self.save
-        tensor = save.origin() if save.origin is not None else NOBODY
-        return node_at_unpack(tensor, save.node_name, save.is_view)
-
-
-@never_compiled   # the core's MovedSave calls it
-def moved_version_error(save, seen: int) -> RuntimeError:
-    """The error for the core's MovedSave whose tensor is at version `seen` (its unpack
-    raises it): changed in place since the pack, or its shared copy since the load (NOTE
-    [Writes into a shared copy])."""
-    return version_error(save.dtype, save.sentinel.device, save.size, _MovedOrigin(save),
-                         save.version, seen)
-
-
-if core_available():   # what the core's MovedSave calls (hooks.py NOTE [Move path in C])
-    load_core().configure_moved(load=load, empty=torch.empty, neg_view=torch._neg_view,
-                                version_error=moved_version_error,
-                                next_sequence_nr=_next_sequence_nr,
-                                rebuild_as_resized=rebuild_as_resized)
-
-
-@never_compiled   # autograd frees and unpacks it: NOTE [Never compiled]
-class PackedSubclass(SavedOrigin):
-    """What autograd holds for a saved wrapper subclass: its inner tensors, packed each
-    (subclasses NOTE [Subclasses])."""
-
-    __slots__ = ("flat", "inner", "version", "sentinel")
-
-    def __init__(self, t: torch.Tensor, flat, inner: list, version: int) -> None:
-        self.flat = flat
-        self.sentinel = flat.sentinel(t)
-        flat.inner = None  # the inner tensors live on only as `inner`'s packed entries
-        self.inner = inner
-        self.version = version
-
-    def check_version(self) -> None:
-        seen = self.sentinel._version
-        if seen != self.version:
-            raise version_error(self.sentinel.dtype, self.sentinel.device, self.flat.size,
-                                self, self.version, seen)

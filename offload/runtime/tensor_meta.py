@@ -106,7 +106,7 @@ def _with_bits(out: torch.Tensor, meta: Any) -> torch.Tensor:
 
 def rebuild_as_resized(storage: torch.UntypedStorage, meta: Any) -> torch.Tensor:
     """`meta`'s layout over `storage` as it is now, which a resize changed since the save
-    (records.py NOTE [A storage resized since its pack]). Not grown to fit, as `set_` with
+    (saved_handles.py NOTE [A storage resized since its pack]). Not grown to fit, as `set_` with
     the layout would: torch's own bounds check raises autograd's error where it no longer
     fits."""
     out = torch.empty(0, dtype=meta.dtype, device=storage.device)
