@@ -730,3 +730,19 @@ def test_exited_while_not_active_never_masks_the_users_exception(caplog):
     assert "exited while not active" in caplog.text
     with pytest.raises(offload.OffloadError, match="exited while not active"):
         ctx.__exit__(None, None, None)
+
+
+def test_a_step_while_another_thread_imports_dynamo(monkeypatch):
+    """A recompute context's first forward imports torch._dynamo (~1 s); a step entered or
+    finished on another thread meanwhile found `torch._dynamo.utils` in sys.modules without
+    its `counters` yet: AttributeError at every such step. The half-imported module is put
+    in place here by hand."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch._dynamo.utils",
+                        types.ModuleType("torch._dynamo.utils"))
+    model = torch.nn.Linear(8, 8)
+    with offload.activations(policy="offload", tiers="host", min_bytes=0) as ctx:
+        model(torch.randn(4, 8)).sum().backward()
+    assert ctx.stats.packed_tensors > 0

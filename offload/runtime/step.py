@@ -184,14 +184,18 @@ class Step:
             if self._finished:
                 return
             self._finished = True
-        with _pending_lock:
-            _pending.discard(self)
-        self.hooks.marks.on_backward_end = None
-        self.fold()
-        after_exit = self.exit_s is not None and end_s > self.exit_s
-        if after_exit and timed:   # backward after the block: the step ends with it (point 2)
-            self.stats.step_s = end_s - self.start_s
-        close_tiers(self.tiers, self.stats, before=self.close_copies)
+        try:
+            with _pending_lock:
+                _pending.discard(self)
+            self.hooks.marks.on_backward_end = None
+            self.fold()
+            after_exit = self.exit_s is not None and end_s > self.exit_s
+            if after_exit and timed:   # backward after the block: the step ends with it (point 2)
+                self.stats.step_s = end_s - self.start_s
+            close_tiers(self.tiers, self.stats, before=self.close_copies)
+        except BaseException:   # a Ctrl-C: finished, so nothing else would close them
+            close_tiers(self.tiers, self.stats, reuse=False)
+            raise
         try:
             self._learn_round_trip()
         except Exception:  # a planning problem must never fail the training step
@@ -260,8 +264,10 @@ def _link(out_gbps: float, in_gbps: float) -> LinkSpeed | None:
 
 def _dynamo_frames() -> int:
     """Frames torch.compile has compiled so far in this process (0 before it is used)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    return utils.counters["frames"]["total"] if utils is not None else 0
+    # Another thread may be importing it (a recompute's first forward does, ~1 s): until
+    # `counters` exists, nothing was compiled.
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+    return counters["frames"]["total"] if counters is not None else 0
 
 
 def finish_pending() -> int:
