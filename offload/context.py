@@ -303,7 +303,12 @@ class ActivationOffload:
             return False  # re-raise the original exception
         # From OFFLOAD_LOG_RANKS only (logs.py). A step whose backward runs after the block
         # says it when that backward ends (step.py `finish`).
-        if step.exited() and log.isEnabledFor(logging.INFO):
+        try:
+            ended = step.exited()
+        except BaseException:   # a Ctrl-C while the step ends: freed as after an exception
+            _free_failed_step(step)
+            raise
+        if ended and log.isEnabledFor(logging.INFO):
             log.info("offload: %s", step.stats.summary())
         if not on_its_thread:
             raise hook_stack.exited_on_another_thread(entered)

@@ -435,6 +435,47 @@ def _interrupted_then_exact(ctx, interrupt, monkeypatch, x):
     assert torch.equal(x.grad, x_ref.grad)
 
 
+def _raise_at(patch, owner, name, only_once=True):
+    """`owner.name` raises KeyboardInterrupt when called (once), as a Ctrl-C landing at
+    that function's first line does."""
+    real, fired = getattr(owner, name), []
+
+    def interrupted(*args, **kwargs):
+        if not fired or not only_once:
+            fired.append(1)
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    patch.setattr(owner, name, interrupted)
+
+
+@pytest.mark.parametrize("where", ["step-end-checks", "tier-close", "copies-before-close",
+                                   "tier-open", "tier-figures"])
+def test_an_interrupt_while_the_nvme_tier_opens_or_closes_gives_its_store_back(
+        where, nvme_dir, monkeypatch):
+    """Before: a Ctrl-C in the step's end (before its tiers closed), in the nvme tier's
+    close (after it counted itself closed) or in its opening (between acquiring the store
+    and its `try`) left the process's store counted as in use for good: `empty_cache()`
+    could not close it (its slab file, I/O threads and disk reservation stayed), and later
+    contexts with other settings were handed it."""
+    from offload.tiers import heap, nvme, nvme_space
+    from offload.util.stats import Stats
+
+    owner, name = {"step-end-checks": (step_module, "check_graph_depth"),
+                   "tier-close": (heap.HeapSettings, "release"),
+                   "copies-before-close": (step_module.Step, "close_copies"),
+                   "tier-open": (nvme.nvme_space, "capacity_source"),
+                   "tier-figures": (Stats, "tier")}[where]
+    x = torch.randn(64, 64, requires_grad=True)
+    ctx = _nvme(nvme_dir)
+    with ctx:
+        (x * 2).tanh().sum().backward()             # opened once: the store is pooled
+    _interrupted_then_exact(ctx, lambda patch: _raise_at(patch, owner, name), monkeypatch, x)
+    offload.empty_cache()
+    assert nvme_space.open_stores() == {}
+    assert not os.listdir(nvme_dir) or all(not f.startswith("offload") for f in
+                                           os.listdir(nvme_dir))
+
+
 def test_an_interrupt_after_the_claim_leaves_the_context_usable(nvme_dir, monkeypatch):
     """A Ctrl-C between the claim and the `try` left the context active for good: every
     later `with ctx:` said it was already active."""

@@ -127,23 +127,29 @@ class NvmeTier(Tier):
         self._arena = None
         self._transfers = None
         self._closed = False
+        self.capacity_source = ""
+        # CPU sources: freed activation RAM should be reused, not returned and refaulted.
+        self._heap = HeapSettings(cpu_heap)
         self._store = nvme_space.acquire_sized(
             self._dirs, capacity_bytes, core, workers=workers, checksum=checksum,
             max_bytes_per_s=max_bytes_per_s, capacity_key=capacity_key,
             source=capacity_source)
-        self.capacity_source = nvme_space.capacity_source(self._dirs) if self._store else ""
-        # CPU sources: freed activation RAM should be reused, not returned and refaulted.
-        self._heap = HeapSettings(cpu_heap)
         if self._store is None:
             return
-        try:
-            # Not pinned on a CPU-only run (nothing to DMA from); pinned iff CUDA works.
-            self._arena_key = max(staging_bytes, core.DEFAULT_ALIGNMENT)
-            self._arena = pool.take("nvme-staging", self._arena_key,
-                                    lambda: core.HostArena(self._arena_key, pinned=None))
+        try:   # whatever stops the opening (a Ctrl-C too) gives the store back
+            self._open(staging_bytes, core, stats)
         except BaseException:
             nvme_space.release(self._dirs, self._store, keep=True)
+            self._store = None
             raise
+
+    def _open(self, staging_bytes: int, core, stats: Stats) -> None:
+        """The rest of the opening, once the store is acquired."""
+        self.capacity_source = nvme_space.capacity_source(self._dirs)
+        # Not pinned on a CPU-only run (nothing to DMA from); pinned iff CUDA works.
+        self._arena_key = max(staging_bytes, core.DEFAULT_ALIGNMENT)
+        self._arena = pool.take("nvme-staging", self._arena_key,
+                                lambda: core.HostArena(self._arena_key, pinned=None))
         self._arena.reset_peak()
         # A shared store counts on across steps and contexts: the difference is this tier's
         # (plus any other context's bounced bytes in the meantime).
@@ -168,9 +174,13 @@ class NvmeTier(Tier):
                    checksum=config.nvme_checksum, max_bytes_per_s=config.nvme_max_bw,
                    stats=stats, core=load_core(), capacity_key=config.nvme_bytes,
                    capacity_source=config.nvme_capacity_source(), copies=copies)
-        figures = stats.tier(cls.name)
-        figures.capacity_bytes, figures.capacity_source = tier.capacity_bytes, \
-            tier.capacity_source
+        try:   # not handed to the step yet: closed here if anything stops us (a Ctrl-C)
+            figures = stats.tier(cls.name)
+            figures.capacity_bytes, figures.capacity_source = tier.capacity_bytes, \
+                tier.capacity_source
+        except BaseException:
+            tier.close(reuse=False)
+            raise
         return tier
 
     def fold(self, stats: Stats) -> None:
@@ -356,24 +366,28 @@ class NvmeTier(Tier):
         if self._closed:
             return
         self._closed = True
-        self.store_cpu = None
-        self._heap.release()
         store, arena, transfers = self._store, self._arena, self._transfers
-        if store is None:
-            return
-        clean = reuse and transfers.idle
-        try:
+        clean = False
+        try:   # whatever stops the closing (a Ctrl-C too), the store is given back
+            self.store_cpu = None
+            self._heap.release()
+            if store is None:
+                return
+            clean = reuse and transfers.idle
             if not clean:
                 # Every transfer of this tier is over, so the memory it reads or writes may
                 # go. The store may live on (other contexts use it): unlike closing it, this
                 # waits only for our own requests; failures are dropped.
                 transfers.wait_all()
         finally:
-            self.fold(self._stats)
-            self._stats.nvme_bounced_bytes += store.bytes_bounced - self._bounced_at_open
-            transfers.close()
-            self._store = self._arena = None
-            nvme_space.release(self._dirs, store, keep=clean)
+            if store is not None:
+                try:
+                    self.fold(self._stats)
+                    self._stats.nvme_bounced_bytes += store.bytes_bounced - self._bounced_at_open
+                finally:
+                    transfers.close()
+                    self._store = self._arena = None
+                    nvme_space.release(self._dirs, store, keep=clean)
         # Blocks still viewed by live tensors keep their memory; such an arena is dropped
         # (freed with its last block), not reused.
         if clean and arena.used_bytes == 0:
