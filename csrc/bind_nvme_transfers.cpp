@@ -210,6 +210,16 @@ PyObject* m_close(PyObject* self, PyObject*) {
 PyObject* m_take_counts(PyObject* self, PyObject*) {
   return guarded([&] {
     State* s = state(self);
+    // A call from inside this one (the collector frees something whose __del__ reads the
+    // figures) takes nothing: the outer call takes what it copied, and no more.
+    if (s->taking_counts)
+      return py::make_tuple(0, 0, s->peak_writes, s->peak_reads, py::list(), py::list())
+          .release().ptr();
+    struct Taking {
+      State* s;
+      explicit Taking(State* st) : s(st) { s->taking_counts = true; }
+      ~Taking() { s->taking_counts = false; }
+    } taking(s);
     // Copies first: building the lists may run the collector, and a record it frees may
     // add to the figures (its release observes a read).
     const auto write_busy = s->write_busy;

@@ -126,6 +126,7 @@ struct State {
   // Figures folded into the step's Stats (take_counts).
   uint64_t written_bytes = 0, read_bytes = 0;
   size_t peak_writes = 0, peak_reads = 0;
+  bool taking_counts = false;             // m_take_counts runs (a call inside it takes none)
   std::vector<std::pair<double, double>> write_busy, read_busy;
 
   ~State() {

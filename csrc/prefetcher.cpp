@@ -168,6 +168,8 @@ void issue(Prefetcher* self, Py_ssize_t pos) {
 
 py::object fetch(Prefetcher* self, PyObject* tier, PyObject* payload, PyObject* dtype) {
   nvme::State* reads = nullptr;   // a CPU nvme payload's: its bytes with no Python call
+  py::object reads_owner;         // holds the transfers `reads` belongs to: Python that runs
+  //                                 in the wait (stats, another thread) may clear our orders
   {
     Locked locked(self->orders->lock);
     Orders& o = *self->orders;
@@ -175,7 +177,10 @@ py::object fetch(Prefetcher* self, PyObject* tier, PyObject* payload, PyObject* 
     if (found != o.position.end()) {
       const Py_ssize_t pos = found->second;
       const Entry& entry = o.entries[pos];
-      if (fast(entry) != nullptr) reads = nvme::transfers_state(entry.transfers);
+      if (fast(entry) != nullptr) {
+        reads = nvme::transfers_state(entry.transfers);
+        reads_owner = py::reinterpret_borrow<py::object>(entry.transfers);
+      }
       // `start` begins a load only when none is in flight or done (the caller checked
       // that the payload was not released): that is a miss.
       add_to(self->stats, start(entry) ? n.misses : n.hits, 1);
@@ -188,7 +193,7 @@ py::object fetch(Prefetcher* self, PyObject* tier, PyObject* payload, PyObject* 
     }
   }
   // Waited for outside the lock, as the tier's fetch: other threads may read ahead meanwhile.
-  // The payload and its tier's transfers live on: the caller's record holds them.
+  // The payload lives on (the caller's record holds it); its transfers, `reads_owner`.
   if (reads != nullptr) return nvme::fetch(reads, reinterpret_cast<NvmePayload*>(payload), dtype);
   PyObject* argv[] = {tier, payload};
   PyObject* out = PyObject_VectorcallMethod(n.fetch, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET,

@@ -524,3 +524,111 @@ def test_a_read_waited_for_waits_for_the_small_reads_queued_behind_it(nvme_dir, 
     assert torch.equal(moved, plain)
     assert ctx.stats.nvme_read_bytes == 64 * 4096
     assert 1 <= len(waits) <= 8, len(waits)
+
+
+# Run in a child process: on the old core each crashed the interpreter or corrupted its heap.
+_PREFETCH_CLEARED_IN_ITS_WAIT = """
+import tempfile, torch, types
+from offload._ext import load_core
+from offload.util import ranges
+from offload.util.stats import Stats
+C = load_core()
+import sys
+d = sys.argv[1]
+store = C.NvmeStore([d], 1 << 22, workers=1, direct=False)
+armed = []
+def profiling():
+    if armed:
+        armed.clear()
+        tier.cpu_reads = None
+        pf.clear()                        # drops the last reference to the transfers
+        print("prefetcher cleared inside nvme::fetch", flush=True)
+        print("transfers held by the read:", alive())
+    return False
+rng = types.SimpleNamespace(profiling=profiling, span=ranges.span, WRITE=ranges.WRITE,
+                            WAIT_READ=ranges.WAIT_READ)
+T = C.NvmeTransfers(store, None, 4096, 1 << 22, 1 << 30, 1, Stats(), rng, torch.frombuffer,
+                    torch.uint8)
+tier = types.SimpleNamespace(cpu_reads=T)
+storage = torch.arange(4096, dtype=torch.uint8).untyped_storage()
+p = T.store_direct(storage, torch.device("cpu"))
+T.drain()
+pf = C.Prefetcher(1 << 30, Stats(), lambda: False, ranges.span, ranges.PREFETCH)
+pf.register(tier, p)
+import sys as _sys
+count = _sys.getrefcount
+held = [T]
+def alive():   # references to the transfers beyond `held` (and the call's argument)
+    return count(held[0]) - 2 > 0
+del T
+armed.append(1)
+out = pf.fetch(tier, p)
+print("no crash", out[:4].tolist())
+"""
+
+_TAKE_COUNTS_INSIDE_TAKE_COUNTS = """
+import gc, torch
+from offload._ext import load_core
+from offload.util import ranges
+from offload.util.stats import Stats
+C = load_core()
+class Fut:
+    def done(self): return True
+    def wait(self, timeout_s=None): return 1
+    end_s = 1.0
+class Ext:
+    def release(self): pass
+class PyStore:
+    def allocate(self, nbytes, phase=0): return Ext()
+T = C.NvmeTransfers(PyStore(), None, 4096, 1 << 20, 1 << 30, 4, Stats(), ranges,
+                    torch.frombuffer, torch.uint8)
+for _ in range(2):
+    p = T.allocate(16, torch.device("cpu"), 0, False)
+    T.add_chained(p, Fut(), None)
+T.drain()
+class Again:
+    def __init__(self): self.me = self
+    def __del__(self):
+        print("nested take_counts:", len(T.take_counts()[4]), flush=True)
+gc.collect()
+gc.disable()
+Again()                      # cyclic garbage, collected on the next collection
+gc.set_threshold(1)
+gc.enable()
+out = T.take_counts()
+print("outer take_counts:", len(out[4]))
+# write_busy's end now lies before its start: the next retired write is stored there.
+p = T.allocate(16, torch.device("cpu"), 0, False)
+T.add_chained(p, Fut(), None)
+T.drain()
+print("no crash")
+"""
+
+
+def _child(code: str, *args: str) -> str:
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_a_prefetcher_cleared_while_it_reads_a_payload_keeps_the_transfers_it_reads(tmp_path):
+    """Prefetcher.fetch read a CPU nvme payload through its entry's transfers after letting
+    go of its lock without holding them: Python run in the read (the profiler flag, stats,
+    another thread while the GIL is let go) that cleared the prefetcher freed the
+    transfers' state under it (SIGSEGV; a use after free under ASan). Here the test holds
+    them too (a freed state need not crash): the read must hold a reference of its own."""
+    out = _child(_PREFETCH_CLEARED_IN_ITS_WAIT, str(tmp_path))
+    assert "prefetcher cleared inside nvme::fetch" in out and "no crash [0, 1, 2, 3]" in out
+    assert "transfers held by the read: True" in out
+
+
+def test_take_counts_called_inside_take_counts_takes_nothing():
+    """A collection while take_counts built its lists ran a __del__ that called it again:
+    the figures were reported twice, and the outer call then erased past the lists' end
+    (the next retired write was stored before their start: heap corruption)."""
+    out = _child(_TAKE_COUNTS_INSIDE_TAKE_COUNTS)
+    assert "nested take_counts: 0" in out and "outer take_counts: 2" in out
+    assert "no crash" in out
