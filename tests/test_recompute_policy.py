@@ -70,6 +70,27 @@ def test_blocks_argument_modules_or_predicate():
     assert mlps == [b.mlp for b in model.blocks]
 
 
+def test_a_container_given_as_blocks_stands_for_its_members():
+    """`blocks=model.blocks` (the ModuleList itself), or a predicate matching it: a
+    ModuleList's forward is never called, so before nothing was checkpointed, silently
+    (only an INFO line, blaming torch.compile)."""
+    model, loss_fn = small_gpt(layers=3)
+    members = list(model.blocks)
+    assert find_blocks(model, model.blocks) == members
+    assert find_blocks(model, lambda m: isinstance(m, nn.ModuleList)) == members
+    assert find_blocks(None, [nn.ModuleDict({"a": model.blocks[0], "b": model.blocks[2]})]) \
+        == [model.blocks[0], model.blocks[2]]
+
+    def saved_bytes(**settings):
+        with offload.activations(model=model, tiers="host", **settings) as ctx:
+            loss_fn().backward()
+        return ctx.stats.saved_bytes
+
+    checkpointed = saved_bytes(policy="recompute", blocks=members)
+    assert saved_bytes(policy="recompute", blocks=model.blocks) == checkpointed
+    assert saved_bytes(policy="keep") > 2 * checkpointed   # nothing checkpointed: all saved
+
+
 @pytest.mark.parametrize("blocks, message", [
     (42, r"blocks=42\): expected a list of nn.Module blocks or a predicate"),
     ([nn.Linear(2, 2), "x"], "expected a list of nn.Module blocks"),

@@ -91,44 +91,14 @@ def find_blocks(model: nn.Module | None, blocks: Any = None) -> list[nn.Module]:
         model: The model (`model=` of the context); may be None when `blocks` lists modules.
         blocks: None (detect), a sequence of modules, or a predicate `f(module) -> bool`
             applied to every submodule of `model` (a match inside another match is skipped).
+            A ModuleList or ModuleDict among them stands for its members.
 
     Raises:
         ConfigError: `blocks` is of the wrong type, a predicate without `model`, or a
             module that `model` does not hold.
     """
     if blocks is not None:
-        if isinstance(blocks, nn.Module):
-            return [blocks]
-        if callable(blocks):
-            if model is None:
-                raise ConfigError("offload.activations(blocks=<predicate>): a predicate needs "
-                                  "model= to search (or pass the block modules themselves)")
-            found: list[nn.Module] = []
-            inside: set[int] = set()
-            for module in model.modules():
-                if id(module) in inside:
-                    continue
-                if blocks(module):
-                    found.append(module)
-                    inside.update(id(m) for m in module.modules())
-            return found
-        try:
-            found = list(blocks)
-        except TypeError:
-            found = None
-        if found is None or not all(isinstance(m, nn.Module) for m in found):
-            raise ConfigError(f"offload.activations(blocks={blocks!r}): expected a list of "
-                              "nn.Module blocks or a predicate f(module) -> bool")
-        if model is not None:
-            # A block the model does not hold never runs in its step: nothing would be
-            # checkpointed or planned, which only a log line at INFO said.
-            inside = {id(m) for m in model.modules()}
-            stray = [i for i, m in enumerate(found) if id(m) not in inside]
-            if stray:
-                raise ConfigError(f"offload.activations(blocks=...): blocks[{stray[0]}] "
-                                  f"({type(found[stray[0]]).__name__}) is not a module of "
-                                  "model= (pass the model's own block modules)")
-        return found
+        return _expand_containers(_given_blocks(model, blocks))
     if model is None:
         return []
     stacks = [m for m in model.modules() if _is_stack(m)]
@@ -144,6 +114,55 @@ def find_blocks(model: nn.Module | None, blocks: Any = None) -> list[nn.Module]:
         inside.update(id(m) for m in stack.modules())
     return chosen
 
+
+
+def _given_blocks(model: nn.Module | None, blocks: Any) -> list[nn.Module]:
+    """`blocks=` as given: one module, a predicate's matches, or a list (find_blocks)."""
+    if isinstance(blocks, nn.Module):
+        return [blocks]
+    if callable(blocks):
+        if model is None:
+            raise ConfigError("offload.activations(blocks=<predicate>): a predicate needs "
+                              "model= to search (or pass the block modules themselves)")
+        found: list[nn.Module] = []
+        inside: set[int] = set()
+        for module in model.modules():
+            if id(module) in inside:
+                continue
+            if blocks(module):
+                found.append(module)
+                inside.update(id(m) for m in module.modules())
+        return found
+    try:
+        found = list(blocks)
+    except TypeError:
+        found = None
+    if found is None or not all(isinstance(m, nn.Module) for m in found):
+        raise ConfigError(f"offload.activations(blocks={blocks!r}): expected a list of "
+                          "nn.Module blocks or a predicate f(module) -> bool")
+    if model is not None:
+        # A block the model does not hold never runs in its step: nothing would be
+        # checkpointed or planned, which only a log line at INFO said.
+        inside = {id(m) for m in model.modules()}
+        stray = [i for i, m in enumerate(found) if id(m) not in inside]
+        if stray:
+            raise ConfigError(f"offload.activations(blocks=...): blocks[{stray[0]}] "
+                              f"({type(found[stray[0]]).__name__}) is not a module of "
+                              "model= (pass the model's own block modules)")
+    return found
+
+
+def _expand_containers(found: list[nn.Module]) -> list[nn.Module]:
+    """A container with no forward of its own (`nn.ModuleList`, `nn.ModuleDict`) is never
+    called, so as a block it would checkpoint nothing, silently: its children are the
+    blocks (`blocks=model.layers`)."""
+    out: list[nn.Module] = []
+    for module in found:
+        if type(module).forward is nn.Module.forward:
+            out.extend(_expand_containers(list(module.children())))
+        else:
+            out.append(module)
+    return out
 
 def block_type_key(block: nn.Module) -> tuple:
     """Blocks with equal keys are structurally identical and share one plan."""
