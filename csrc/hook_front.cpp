@@ -26,6 +26,7 @@
 #include "forks.hpp"
 #include "pack_moved.hpp"
 #include "prefetcher.hpp"
+#include "storage_index.hpp"
 #include "py_calls.hpp"
 #include "py_type.hpp"
 #include "saved_bytes.hpp"
@@ -196,6 +197,17 @@ PyObject* packer_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_TypeError, "offload: Packer's move path takes all of index, "
                     "timeline, prefetcher, lock, param_ids, no_offload, graph_task_id, empty "
                     "and cpu_device, or none");
+    return nullptr;
+  }
+  // What the core reads as its own types, without a Python call, must be them.
+  if (!is_record_type(record_type)) {
+    PyErr_Format(PyExc_TypeError, "offload: Packer's record_type must be the core's Record, "
+                 "not %R", record_type);
+    return nullptr;
+  }
+  if (any_move && !is_storage_index(moves.index)) {
+    PyErr_Format(PyExc_TypeError, "offload: Packer's move path indexes storages in the "
+                 "core's StorageIndex, not %s", Py_TYPE(moves.index)->tp_name);
     return nullptr;
   }
   if (any_move && !is_prefetcher(moves.prefetcher)) {

@@ -374,6 +374,7 @@ bool record_holds_space(PyObject* record_obj) {
 }
 
 bool is_record(PyObject* obj) { return Py_TYPE(obj) == &record_type; }
+bool is_record_type(PyObject* obj) { return obj == reinterpret_cast<PyObject*>(&record_type); }
 
 PyObject* record_tier(PyObject* record) { return reinterpret_cast<Record*>(record)->tier; }
 PyObject* record_payload(PyObject* record) { return reinterpret_cast<Record*>(record)->payload; }

@@ -32,8 +32,9 @@ struct UnpackCache {
 // Whether `record` is the core's Record and has a payload in a tier.
 bool record_holds_space(PyObject* record);
 
-// Whether `obj` is the core's Record.
+// Whether `obj` is the core's Record / the Record type itself.
 bool is_record(PyObject* obj);
+bool is_record_type(PyObject* obj);
 
 // The core's Record's fields the move path reads (borrowed), for `record` of the core's type.
 PyObject* record_tier(PyObject* record);

@@ -167,6 +167,8 @@ PyTypeObject index_type = [] {
 
 }  // namespace
 
+bool is_storage_index(PyObject* obj) { return Py_TYPE(obj) == &index_type; }
+
 PyObject* index_find(PyObject* index_obj, PyObject* storage, long long version) {
   auto* index = reinterpret_cast<StorageIndex*>(index_obj);
   auto it = index->entries->map.find(storage);

@@ -8,6 +8,7 @@ core: SmallKept). The figures, gradients and messages must be identical.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -18,6 +19,7 @@ import offload
 from offload._ext import core_available
 from offload.runtime import records
 from offload.runtime.saved_bytes import PySavedBytes
+from offload.util.stats import Stats
 
 pytestmark = pytest.mark.skipif(not core_available(), reason="needs the compiled core")
 
@@ -246,3 +248,30 @@ def test_an_error_inside_the_packer_is_raised_and_nothing_is_counted():
                                             f"{type(wrong).__name__}"):
             core.Packer(weakref.ref(owner), Owner.full, Owner.full, wrong, 1 << 20,
                         torch.Tensor, torch.strided, lambda: False, broken, records.Record)
+
+
+def test_a_packer_takes_only_the_cores_own_record_type_and_index():
+    """The core reads a Packer's records and index as its own types, with no Python call:
+    a Python record class or another index object was read as them (heap overflows under
+    ASan, a segfault in a plain build). Refused when the packer is made."""
+    from offload._ext import load_core
+
+    core = load_core()
+
+    class Owner:
+        def full(self, t):
+            return t
+
+    owner = Owner()
+    front = (weakref.ref(owner), Owner.full, Owner.full, core.SavedBytes(), 1 << 20,
+             torch.Tensor, torch.strided, lambda: False, lambda: 0)
+    for wrong in (records.PyRecord, bytes):
+        with pytest.raises(TypeError, match="record_type must be the core's Record"):
+            core.Packer(*front, wrong)
+    moves = dict(timeline=core.Timeline(), prefetcher=core.Prefetcher(
+                     1 << 20, Stats(), lambda: False, lambda *a: None, "prefetch"),
+                 lock=threading.RLock(), param_ids={}, no_offload=object(),
+                 graph_task_id=lambda: -1, empty=torch.empty(0), cpu_device=torch.device("cpu"))
+    with pytest.raises(TypeError, match="core's StorageIndex, not object"):
+        core.Packer(*front, records.Record, index=object(), **moves)
+    core.Packer(*front, records.Record, index=core.StorageIndex(), **moves)   # its own: taken
