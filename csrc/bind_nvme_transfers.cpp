@@ -374,7 +374,14 @@ PyObject* transfers_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
 }
 
 void transfers_dealloc(PyObject* obj) {
-  delete reinterpret_cast<Transfers*>(obj)->s;
+  State* s = reinterpret_cast<Transfers*>(obj)->s;
+  if (s != nullptr) {
+    PyObject *type, *value, *traceback;   // a dealloc keeps any error being raised
+    PyErr_Fetch(&type, &value, &traceback);
+    nvme::wait_submitted_writes(s);
+    PyErr_Restore(type, value, traceback);
+  }
+  delete s;
   Py_TYPE(obj)->tp_free(obj);
 }
 

@@ -225,7 +225,25 @@ void wait_all(State* s) {
   for (const auto& read : reads) quietly(read->done);
 }
 
+void wait_submitted_writes(State* s) {
+  // A direct write's source is held only by its NvmeWrite (the engine takes no owner of
+  // the memory it writes from): dropping one in flight frees memory the engine still reads.
+  std::vector<std::shared_ptr<NvmeWrite>> writes;
+  for (PyObject* p : s->writes) {
+    const auto& write = as_payload(p)->write;
+    if (write && write->done.set()) writes.push_back(write);
+  }
+  for (const auto& write : writes) {
+    try {
+      completion_wait(write->done);
+    } catch (py::error_already_set&) {   // failures are dropped, as in wait_all
+    } catch (const std::exception&) {
+    }
+  }
+}
+
 void forget(State* s) {
+  wait_submitted_writes(s);
   s->closed = true;
   s->store.reset();
   s->arena.reset();

@@ -188,8 +188,11 @@ void drain(State* s);
 // Waits for every transfer still in flight, dropping failures (nobody needs these bytes).
 void wait_all(State* s);
 // Drops every transfer's references, and the store and arena (the tier closes and gives
-// them back: the engine holds what its I/O needs).
+// them back), once the writes handed to the engine are over (wait_submitted_writes).
 void forget(State* s);
+// Waits, dropping failures, for every write handed to the engine (close and dealloc: their
+// sources may go only once the engine is done reading them).
+void wait_submitted_writes(State* s);
 
 // ---- nvme_writes.cpp
 

@@ -632,3 +632,25 @@ def test_take_counts_called_inside_take_counts_takes_nothing():
     out = _child(_TAKE_COUNTS_INSIDE_TAKE_COUNTS)
     assert "nested take_counts: 0" in out and "outer take_counts: 2" in out
     assert "no crash" in out
+
+
+@pytest.mark.parametrize("how", ["close", "dealloc"])
+def test_closing_or_dropping_the_transfers_waits_for_a_direct_write_in_the_engine(how, tmp_path):
+    """A direct write's source is held only by its write (the engine takes no owner of the
+    memory it writes from): close() and the transfers' dealloc dropped it while the engine
+    still wrote from it (a use after free under ASan; silent bytes from freed memory in a
+    plain build). Both now wait for it: every byte is written when they return."""
+    core = load_core()
+    store = core.NvmeStore([str(tmp_path)], 64 << 20, workers=1, direct=False,
+                           chunk_bytes=1 << 20, throttle_bytes_per_s=16 << 20)   # ~0.5 s
+    transfers = core.NvmeTransfers(store, None, 4096, 1 << 30, 1 << 30, 1, Stats(), ranges,
+                                   torch.frombuffer, torch.uint8)
+    source = torch.ones(8 << 20, dtype=torch.uint8).untyped_storage()
+    payload = transfers.store_direct(source, torch.device("cpu"))   # a batch of 1: submitted
+    assert store.bytes_written < 8 << 20                            # still in the engine
+    if how == "close":
+        transfers.close()
+    else:
+        del transfers, payload
+    assert store.bytes_written == 8 << 20
+    store.close()
