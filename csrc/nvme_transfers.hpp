@@ -88,7 +88,9 @@ struct IoNames {
 extern IoNames io_names;
 void init_io_names();
 
-inline constexpr const char* kUsedAfterClose = "offload: nvme tier used after close";
+inline constexpr const char* kUsedAfterClose =
+    "offload: nvme tier used after close (the context's close() ran inside its block, or the "
+    "step was freed after an exception); call ctx.close() after the block and its backward";
 inline constexpr const char* kFetchReleased =
     "offload: a saved tensor was used after its offload.activations() context released it "
     "(the block exited with an exception, or backward ran after the context was closed)";

@@ -287,6 +287,22 @@ def test_a_graph_dropped_without_backward_frees_every_record(tiers, nvme_dir):
 
 
 # ---------------------------------------------------------------- used after close
+def test_a_save_after_close_inside_the_block_says_what_closed_it(nvme_dir):
+    """ctx.close() inside the block, then more forward: the error said only "nvme tier used
+    after close", not what closed it nor what to do (the core's move path and the tier's
+    store say the same)."""
+    x = torch.randn(64, 64, requires_grad=True)
+    ctx = _nvme(nvme_dir)
+    with pytest.raises(UsedAfterCloseError, match=r"close\(\) ran inside its block.*call "
+                                                  r"ctx.close\(\) after the block"):
+        with ctx:
+            h = (x * 2).tanh()
+            ctx.close()
+            (h * 3).tanh().sum().backward()
+    with ctx:                                      # the next step works
+        (x * 3).tanh().sum().backward()
+
+
 def test_used_after_close_is_one_exception_class(nvme_dir):
     x = torch.randn(256, 256, requires_grad=True)
     ctx = _nvme(nvme_dir)

@@ -1684,3 +1684,16 @@ def test_a_block_whose_lazy_module_has_not_run_says_so_and_is_checkpointed_once_
     # as is, the branch not taken; as is, the branch taken (runs it first); checkpointed
     assert saved[0] == saved[1] < saved[2] and saved[3] == saved[4] < saved[0], saved
     ctx.close()
+
+
+def test_weights_of_a_scripted_module_are_not_guarded_and_do_not_break_the_re_run():
+    """A ScriptModule's `_parameters` is not a dict (no `.get`): guarding its weights raised
+    AttributeError from inside offload in every re-run (torch's own checkpoint of such a
+    block fails in the TorchScript interpreter; ours now gets there as well)."""
+    from offload.schedule.weights import guard_weights
+
+    scripted = torch.jit.script(nn.Linear(4, 4))
+    runs = []
+    guarded = guard_weights([scripted], lambda x: runs.append(1) or scripted(x))
+    x = torch.randn(2, 4)
+    assert torch.equal(guarded(x), guarded(x)) and len(runs) == 2   # call, then re-run

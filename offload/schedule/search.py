@@ -80,9 +80,9 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
                    "device (the tiers are full, or there is no block to recompute)")
     elif pred.fixed_bytes > params.budget_bytes:
         own.append(f"the budget cannot be met: {format_bytes(pred.fixed_bytes)} stay on the "
-                   "device whatever the plan does (below OFFLOAD_MIN_BYTES, no_offload(), or "
-                   "held by a checkpoint's closure; a lower OFFLOAD_MIN_BYTES lets small "
-                   "tensors move)")
+                   "device whatever the plan does (below OFFLOAD_MIN_BYTES, no_offload(), "
+                   "saved during a backward (create_graph: a gradient penalty), or held by a "
+                   "checkpoint's closure; a lower OFFLOAD_MIN_BYTES lets small tensors move)")
     changed = sorted({b.type_name for b in profile.blocks if b.inputs_changed})
     if changed:
         own.append(f"{', '.join(changed)}: an input is changed in place after the block runs, "

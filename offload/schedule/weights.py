@@ -57,7 +57,7 @@ def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
                         continue
                     seen.add(id(module))
                     slots = module._parameters
-                    if slots:
+                    if isinstance(slots, dict) and slots:   # (a ScriptModule's is not)
                         noted.append((slots, dict(slots)))
             try:
                 return fn(*args)

@@ -86,6 +86,11 @@ def phase_buffer(core, nbytes: int, phase: int, alignment: int) -> torch.Tensor:
     skip = (phase - block.ptr) % alignment
     return torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=skip)
 
+# What a save or load after the tier closed says (the core says the same: nvme_transfers.hpp).
+_USED_AFTER_CLOSE = (
+    "offload: nvme tier used after close (the context's close() ran inside its block, or the "
+    "step was freed after an exception); call ctx.close() after the block and its backward")
+
 
 class NvmeTier(Tier):
     """Slab files in `dirs` (striped), written and read through a staging arena."""
@@ -239,7 +244,7 @@ class NvmeTier(Tier):
     # ---------------------------------------------------------------- write path
     def store(self, storage: torch.UntypedStorage, device: torch.device):
         if self._closed:
-            raise UsedAfterCloseError("offload: nvme tier used after close")
+            raise UsedAfterCloseError(_USED_AFTER_CLOSE)
         if self._store is None:
             return None  # no room at all (see __init__)
         if not on_cuda(device):
@@ -307,7 +312,7 @@ class NvmeTier(Tier):
         """Start loading a CUDA payload: read → H2D chained in the engine when a staging
         block is free, else a host read that `fetch` copies over."""
         if self._closed:
-            raise UsedAfterCloseError("offload: nvme tier used after close")
+            raise UsedAfterCloseError(_USED_AFTER_CLOSE)
         transfers = self._transfers
         transfers.before_read(payload)   # its own write first (NOTE [Read after write])
         if self._copies is not None and payload.phase == 0:
