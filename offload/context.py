@@ -25,6 +25,7 @@ import torch
 from . import process
 from .config import Config
 from .errors import ConfigError, OffloadError
+from .known_failures import INSIDE_ALLOW_MUTATION, explain_known_failures
 from .runtime import hook_stack
 from .runtime.hooks import OffloadHooks
 from .runtime.no_offload import no_offload
@@ -227,10 +228,11 @@ class ActivationOffload:
             self._hook_thread = _DISABLED
             return self
         if torch.autograd.graph._allow_mutation_on_saved_tensors_enabled:
-            raise OffloadError(_INSIDE_ALLOW_MUTATION)
+            raise OffloadError(INSIDE_ALLOW_MUTATION)
         finish_pending()  # steps whose graphs died since (NOTE [End of step], point 3)
         sweep_lost_modes()  # generators.py NOTE [Modes and Ctrl-C]
         schedule = self._session()
+        model = self._model   # a copy's is found by now (`_session`)
         config = self.config
         config.apply_log_level()
         stats = Stats()
@@ -238,15 +240,15 @@ class ActivationOffload:
             stats.trace = TraceRecorder()
         round_trip = None
         if config.policy == "offload":
-            round_trip = plan_for(self.model, (config.tiers, config.min_bytes)) \
+            round_trip = plan_for(model, (config.tiers, config.min_bytes)) \
                 or self._round_trip
         step = Step(config, stats, round_trip)
         step.tiers = tiers = open_tiers(config, stats, step.copy_streams) \
             if config.policy != "keep" else {}
         try:
             params = ParamStorages()
-            if self.model is not None:
-                params.add_module(self.model)
+            if model is not None:
+                params.add_module(model)
             prefetcher = new_prefetcher(config.prefetch_bytes, stats)
             step.hooks = OffloadHooks(schedule.placement(round_trip), tiers, step.ledger,
                                       prefetcher, params, config.strict, config.min_bytes,
@@ -296,7 +298,7 @@ class ActivationOffload:
         self._hook_thread = None   # last: until here, an interrupt finishes the exit
         if exc_type is not None:
             step.exit_s = step.start_s  # no step time for a failed block
-            _explain_known_failures(exc)
+            explain_known_failures(exc)
             if not on_its_thread:   # said, not raised: never mask the user's exception
                 log.error("%s", hook_stack.exited_on_another_thread(entered))
             _free_failed_step(step)
@@ -387,32 +389,6 @@ _ENTERING = object()
 _CLAIM = threading.Lock()
 
 
-# torch's allow_mutation_on_saved_tensors() clones a saved tensor before an in-place write
-# into it, from saved-tensor hooks of its own: ours, entered inside it, would be innermost
-# and hide every save from them (offload and auto then raised autograd's in-place error,
-# recompute's re-run gave a silently wrong gradient). Entered inside ours it is innermost
-# and its region runs as without us.
-_INSIDE_ALLOW_MUTATION = (
-    "offload.activations(): entered inside torch.autograd.graph."
-    "allow_mutation_on_saved_tensors(), whose hooks must see every saved tensor to clone it "
-    "before an in-place write; ours would hide them. Enter allow_mutation_on_saved_tensors() "
-    "inside the offload context instead (what is saved in it then stays where it is), or "
-    "leave it out")
-
-_FUNC_TRANSFORM_HINT = (
-    "offload: torch.func transforms (grad, vjp, jacrev, hessian, vmap over them) refuse to run "
-    "while saved-tensor hooks are installed, and offload.activations() installs them. Call the "
-    "transform outside the `with offload.activations()` block: it runs its own forward and "
-    "backward at once, so there is nothing in it for offload to move.")
-
-
-_HIGHER_ORDER_HINT = (
-    "offload: policy='auto' runs a block's ops under its own dispatch modes (to time them, and "
-    "to store or recompute each one), and torch's higher-order ops (torch.cond, while_loop, "
-    "flex_attention) do not run under them in eager mode. Use policy='recompute' for this "
-    "model (bit-exact with torch.cond), or leave the block that calls it out of blocks=.")
-
-
 def _free_failed_step(step: Step) -> None:
     """Free a step whose block raised (or whose exit was interrupted) at once."""
     try:
@@ -420,26 +396,6 @@ def _free_failed_step(step: Step) -> None:
         empty_cache()  # an exception may end the run: keep no slab file or arena open
     except Exception:  # never mask the user's exception
         log.exception("offload: error while freeing the step after an exception")
-
-
-def _explain_known_failures(exc: BaseException) -> None:
-    """Add what to do to torch errors that our hooks or modes cause (the exception itself
-    is kept)."""
-    text = str(exc)
-    if isinstance(exc, RuntimeError) and "saved tensor hooks" in text and "torch.func" in text:
-        _add_note(exc, _FUNC_TRANSFORM_HINT)
-    elif isinstance(exc, NotImplementedError) and "HigherOrderOperator" in text \
-            and "offload.schedule" in text:
-        _add_note(exc, _HIGHER_ORDER_HINT)
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    if note in getattr(exc, "__notes__", ()):   # nested contexts: said once
-        return
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    else:  # Python 3.10
-        exc.args = (f"{exc.args[0] if exc.args else ''}\n{note}",)
 
 
 def empty_cache() -> None:
