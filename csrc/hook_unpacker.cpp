@@ -71,7 +71,7 @@ PyObject* unpack(Unpacker* self, PyObject* packed) {
   const bool moved = type == &moved_save_type;
   if ((!small && !moved && type != &kept_save_type) || profiler_on(self->profiling))
     return call_with(self->slow, py::handle(packed)).release().ptr();
-  if (moved) {   // records.py `Moved.unpack`, in C (moved_save.cpp)
+  if (moved) {   // saved_handles.py `Moved.unpack`, in C (moved_save.cpp)
     mark_backward(self);
     return unpack_moved(packed, self->lock);
   }

@@ -1,4 +1,4 @@
-// records.py's `Moved` in C: what autograd holds for a saved tensor whose storage went to a
+// saved_handles.py's `Moved` in C: what autograd holds for a saved tensor whose storage went to a
 // tier (moved_save.hpp). Made by the packer's move path (pack_moved.cpp), unpacked by the
 // Unpacker (hook_unpacker.cpp) or, while a profiler runs, through its `unpack(lock)` method.
 //
@@ -11,7 +11,7 @@
 //
 // Torch-independent like the rest of the front: the tensor is read through Python calls
 // (`detach`, `.data =`), and its layout rebuilt by view_layout.cpp, whose torch functions
-// `configure_moved` sets with this file's own (records.py).
+// `configure_moved` sets with this file's own (saved_handles.py).
 #include <Python.h>
 #include <structmember.h>
 
@@ -46,7 +46,7 @@ struct MovedSave {
   PyObject* attrs;            // the tensor's attribute dict, shared; nullptr: it had none
 };
 
-// What unpack calls, set once from records.py (`configure_moved`).
+// What unpack calls, set once from saved_handles.py (`configure_moved`).
 struct MovedCalls {
   PyObject* load = nullptr;           // records.load
   PyObject* version_error = nullptr;  // saved_handles.moved_version_error
@@ -72,7 +72,7 @@ void moved_save_dealloc(PyObject* obj) {
 // Raises autograd's error for `self` at version `seen` (saved_handles.moved_version_error).
 [[noreturn]] void raise_version_error(MovedSave* self, long long seen) {
   if (calls.version_error == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "offload: records.py did not configure_moved");
+    PyErr_SetString(PyExc_RuntimeError, "offload: saved_handles.py did not configure_moved");
     throw py::error_already_set();
   }
   py::object at = py::reinterpret_steal<py::object>(PyLong_FromLongLong(seen));
@@ -189,7 +189,7 @@ PyObject* moved_save(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const long long version = PyLong_AsLongLong(args[2]);
   if (version == -1 && PyErr_Occurred()) return nullptr;
   if (calls.next_sequence_nr == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "offload: records.py did not configure_moved");
+    PyErr_SetString(PyExc_RuntimeError, "offload: saved_handles.py did not configure_moved");
     return nullptr;
   }
   return new_moved_save(args[0], args[1], args[3], args[4], version, calls.next_sequence_nr,
@@ -200,7 +200,7 @@ PyMethodDef module_functions[] = {
     {"configure_moved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(configure_moved)),
      METH_VARARGS | METH_KEYWORDS,
      "configure_moved(load, empty, neg_view, version_error, next_sequence_nr): what a "
-     "MovedSave calls (records.py sets it at import)."},
+     "MovedSave calls (saved_handles.py sets it at import)."},
     {"moved_save", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(moved_save)),
      METH_FASTCALL,
      "moved_save(t, record, version, node, base, empty): the MovedSave of `t`, whose storage "

@@ -1,4 +1,4 @@
-// What autograd holds for a saved tensor whose storage moved to a tier, in C: records.py's
+// What autograd holds for a saved tensor whose storage moved to a tier, in C: saved_handles.py's
 // `Moved` (moved_save.cpp). Made by the hooks' move path (pack_moved.cpp) and unpacked by
 // the Unpacker (hook_unpacker.cpp) or its `unpack(lock)` method, with no Python frame between
 // the hook and the tier but the prefetcher's.
@@ -21,7 +21,7 @@ PyObject* new_moved_save(PyObject* t, PyObject* record, PyObject* node, PyObject
                          long long version, PyObject* next_sequence_nr, PyObject* empty,
                          long long storage_offset = -1);
 
-// The saved tensor back (records.py `Moved.unpack`): its version checked (NOTE [Version
+// The saved tensor back (saved_handles.py `Moved.unpack`): its version checked (NOTE [Version
 // check]), its record's bytes loaded under the hooks' `lock`, its layout rebuilt over them.
 // A new reference, or nullptr with a Python error set.
 PyObject* unpack_moved(PyObject* save, PyObject* lock);

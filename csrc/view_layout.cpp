@@ -11,7 +11,7 @@ namespace offload::bind {
 
 namespace {
 
-// What a rebuild calls, set once from records.py (configure_moved -> configure_layout).
+// What a rebuild calls, set once from saved_handles.py (configure_moved -> configure_layout).
 struct LayoutCalls {
   PyObject* empty = nullptr;      // torch.empty
   PyObject* neg_view = nullptr;   // torch._neg_view
@@ -91,7 +91,7 @@ py::object rebuild(const ViewLayout* layout, const py::object& storage,
       PyLong_FromLongLong(byte_offset / layout->itemsize + layout->storage_offset));
   if (!zero || !offset) throw py::error_already_set();
   if (calls.empty == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "offload: records.py did not configure_moved");
+    PyErr_SetString(PyExc_RuntimeError, "offload: saved_handles.py did not configure_moved");
     throw py::error_already_set();
   }
   PyObject* empty_args[] = {zero.ptr(), layout->dtype, device.ptr()};

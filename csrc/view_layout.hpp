@@ -4,7 +4,7 @@
 //
 // Torch-independent like the rest of the front: the tensor is read and rebuilt through
 // Python calls (`torch.empty`, `set_`, `view`, `as_strided`), the two torch functions set
-// once by `configure_layout` (through records.py's configure_moved).
+// once by `configure_layout` (through saved_handles.py's configure_moved).
 #pragma once
 
 #include <Python.h>

@@ -194,7 +194,7 @@ class Step:
                 self.stats.step_s = end_s - self.start_s
             close_tiers(self.tiers, self.stats, before=self.close_copies)
         except BaseException:   # a Ctrl-C: finished, so nothing else would close them
-            close_tiers(self.tiers, self.stats, reuse=False)
+            close_tiers(self.tiers, self.stats, reuse=False, before=self.close_copies)
             raise
         try:
             self._learn_round_trip()

@@ -83,7 +83,7 @@ def view_meta(t: torch.Tensor) -> ViewMeta:
 def rebuild(storage: torch.UntypedStorage, byte_offset: int, meta: Any) -> torch.Tensor:
     """A tensor with `meta`'s layout over `storage`, whose bytes start at `byte_offset`.
 
-    `meta`: a `ViewMeta`, or any object with its fields (records.py: a `Moved` holds them).
+    `meta`: a `ViewMeta`, or any object with its fields (saved_handles.py: a `Moved` holds them).
 
     Zero-copy: the result shares `storage` and keeps it alive.
     """

@@ -12,22 +12,20 @@ replaced since; afterwards the module gets what it had. Buffers are buffers.py's
 re-run sets every buffer slot to what it held at the call, functional_call's included.
 
 A weight changed in place between the forward and the re-run (an optimizer step between
-two backwards of a retained graph) raises autograd's in-place error, as plain training
-does: the call notes each weight's version as it returns, and the re-run checks it. The checkpointed
-block saved no weight for autograd to check, and a re-run with the changed values would
-compute another function than the forward ran (silently, under torch's checkpoint too).
-Plain autograd checks only the weights an op saved; a re-run uses all of them, so a
-changed weight no op saved (a bias added) raises here too. Cost: a look at each module's
-parameters and their versions per call and per re-run; nothing is copied.
+two backwards of a retained graph) is re-run with its new values, as under torch's
+checkpoint: the checkpointed block saved no weight, so autograd has nothing to check, where
+plain training raises its in-place error for a weight an op saved. Not checked here: a
+weight stepped during the backward (an optimizer in backward, a post-accumulate-grad hook)
+changes before later re-runs and is then no input of any of them, and an embedding with
+max_norm renormalises its weight in place at every call, so a version check would raise
+where plain training runs. Cost: a look at each module's parameters per call and per
+re-run; nothing is copied.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 import torch.nn as nn
-
-from ..runtime.saved_handles import kept_version_error
 
 __all__ = ["guard_weights"]
 
@@ -38,13 +36,6 @@ def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
     back for its re-runs (NOTE [Weights in a re-run])."""
     calls = 0
     noted: list[tuple[dict, dict]] = []
-    versions: list[tuple[torch.Tensor, int]] = []
-
-    def note_versions() -> None:
-        # As the call (or re-run) left them: a forward's own in-place change of a weight
-        # (a clamp under no_grad) is the forward's, not a change since.
-        versions[:] = [(w, w._version) for _, then in noted for w in then.values()
-                       if isinstance(w, torch.Tensor)]
 
     def run(*args) -> Any:
         nonlocal calls
@@ -59,27 +50,17 @@ def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
                     slots = module._parameters
                     if isinstance(slots, dict) and slots:   # (a ScriptModule's is not)
                         noted.append((slots, dict(slots)))
-            try:
-                return fn(*args)
-            finally:
-                note_versions()
-        for weight, version in versions:
-            if weight._version != version:
-                raise kept_version_error(weight, version, None, 0)
+            return fn(*args)
         swapped = [(params, name, params.get(name)) for params, then in noted
                    for name, weight in then.items() if params.get(name) is not weight]
         if not swapped:
-            try:
-                return fn(*args)
-            finally:
-                note_versions()
+            return fn(*args)
         by_params = {id(params): then for params, then in noted}
         for params, name, _ in swapped:
             params[name] = by_params[id(params)][name]
         try:
             return fn(*args)
         finally:
-            note_versions()
             for params, name, now in swapped:
                 if now is None:
                     params.pop(name, None)
