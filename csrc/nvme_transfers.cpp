@@ -200,29 +200,30 @@ void drain(State* s) {
   reap(s, true);
 }
 
+namespace {
+
+// Waits for `c`, dropping its failure (nobody needs these bytes any more).
+void wait_quietly(const Completion& c) {
+  try {
+    completion_wait(c);
+  } catch (py::error_already_set&) {
+  } catch (const std::exception&) {
+  }
+}
+
+}  // namespace
+
 void wait_all(State* s) {
   try {
     submit(s);
   } catch (py::error_already_set&) {
   } catch (const std::exception&) {
   }
-  std::vector<std::shared_ptr<NvmeWrite>> writes;
-  for (PyObject* p : s->writes) {
-    const auto& write = as_payload(p)->write;
-    if (write && write->done.set()) writes.push_back(write);
-  }
+  wait_submitted_writes(s);
   std::vector<std::shared_ptr<NvmeRead>> reads(s->deferred.begin(), s->deferred.end());
   for (const auto& read : s->reads)
     if (!read->observed) reads.push_back(read);
-  auto quietly = [](const Completion& c) {
-    try {
-      completion_wait(c);
-    } catch (py::error_already_set&) {
-    } catch (const std::exception&) {
-    }
-  };
-  for (const auto& write : writes) quietly(write->done);
-  for (const auto& read : reads) quietly(read->done);
+  for (const auto& read : reads) wait_quietly(read->done);
 }
 
 void wait_submitted_writes(State* s) {
@@ -233,13 +234,7 @@ void wait_submitted_writes(State* s) {
     const auto& write = as_payload(p)->write;
     if (write && write->done.set()) writes.push_back(write);
   }
-  for (const auto& write : writes) {
-    try {
-      completion_wait(write->done);
-    } catch (py::error_already_set&) {   // failures are dropped, as in wait_all
-    } catch (const std::exception&) {
-    }
-  }
+  for (const auto& write : writes) wait_quietly(write->done);
 }
 
 void forget(State* s) {

@@ -115,7 +115,6 @@ def find_blocks(model: nn.Module | None, blocks: Any = None) -> list[nn.Module]:
     return chosen
 
 
-
 def _given_blocks(model: nn.Module | None, blocks: Any) -> list[nn.Module]:
     """`blocks=` as given: one module, a predicate's matches, or a list (find_blocks)."""
     if isinstance(blocks, nn.Module):
@@ -163,6 +162,7 @@ def _expand_containers(found: list[nn.Module]) -> list[nn.Module]:
         else:
             out.append(module)
     return out
+
 
 def block_type_key(block: nn.Module) -> tuple:
     """Blocks with equal keys are structurally identical and share one plan."""

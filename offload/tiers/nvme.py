@@ -86,6 +86,7 @@ def phase_buffer(core, nbytes: int, phase: int, alignment: int) -> torch.Tensor:
     skip = (phase - block.ptr) % alignment
     return torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=skip)
 
+
 # What a save or load after the tier closed says (the core says the same: nvme_transfers.hpp).
 _USED_AFTER_CLOSE = (
     "offload: nvme tier used after close (the context's close() ran inside its block, or the "
