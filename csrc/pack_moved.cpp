@@ -5,7 +5,8 @@
 // not saved in a backward or under no_offload) whose storage the standing decision sends
 // to a tier that stores CPU storages in C. Each test that does not hold returns "not
 // taken" before anything changed, so the Python path, which redoes all of them, decides
-// as it would have. What it then does is what `_store` does: the next position, the
+// as it would have. What it then does is what `Storer.store` (storing.py) does: the next
+// position, the
 // tier's store, the record (counting itself into the meter), the prefetcher's order (a
 // payload that left the device's memory), the timeline's row, the index entry; then a
 // MovedSave (moved_save.cpp) for bytes that moved, or the record itself for a tensor that
@@ -45,14 +46,16 @@ struct MoveNames {
   PyObject* stored;
   PyObject* placement;
   PyObject* tiers;
+  PyObject* storer;
 };
 
 MoveNames& move_names() {
   static MoveNames n = {intern("standing"),      intern("round_trip"), intern("keep"),
                         intern("targets"),       intern("store_cpu"),  intern("is_cpu"),
                         intern("is_quantized"),  intern("is_nested"),  intern("numel"),
-                        intern("_is_zerotensor"), intern("requires_grad"), intern("depth"),      intern("_stored"),
-                        intern("placement"),     intern("tiers")};
+                        intern("_is_zerotensor"), intern("requires_grad"), intern("depth"),
+                        intern("stored"),        intern("placement"),  intern("tiers"),
+                        intern("storer")};
   return n;
 }
 
@@ -97,15 +100,15 @@ bool holds_moved_bytes(PyObject* record) {
 }
 
 // The standing decision's first tier's `store_cpu` when it stores CPU storages in C (with
-// `*placement` and `*tier`), else an empty object.
-py::object c_store(const MoveNames& n, PyObject* owner, py::object* placement, py::object* tier) {
+// `*placement` and `*tier`), else an empty object. `storer`: the hooks' Storer.
+py::object c_store(const MoveNames& n, PyObject* storer, py::object* placement, py::object* tier) {
   // placement.py NOTE [Standing decision]: None while forced, and for the scheduler's.
-  *placement = attr(owner, n.placement);
+  *placement = attr(storer, n.placement);
   py::object standing = attr(placement->ptr(), n.standing);
   if (standing.is_none()) return {};
   py::object targets = attr(standing.ptr(), n.targets);
   if (!PyTuple_Check(targets.ptr()) || PyTuple_GET_SIZE(targets.ptr()) == 0) return {};
-  py::object tiers = attr(owner, n.tiers);
+  py::object tiers = attr(storer, n.tiers);
   if (!PyDict_Check(tiers.ptr())) return {};
   PyObject* found = PyDict_GetItemWithError(tiers.ptr(), PyTuple_GET_ITEM(targets.ptr(), 0));
   if (found == nullptr) {
@@ -117,12 +120,12 @@ py::object c_store(const MoveNames& n, PyObject* owner, py::object* placement, p
   return store_cpu.is_none() ? py::object() : store_cpu;   // None: not open for it
 }
 
-// `_store` for the storage through `store_cpu` (its tier `tier`): its record (a new
+// `Storer.store` for the storage through `store_cpu` (its tier `tier`): its record (a new
 // reference), or nullptr (no error) when the plan keeps it or the tier is full.
 PyObject* store(const MovePath& path, const MoveNames& n, PyObject* placement, PyObject* tier,
-                PyObject* store_cpu, PyObject* owner, PyObject* storage, long long nbytes,
+                PyObject* store_cpu, PyObject* storer, PyObject* storage, long long nbytes,
                 PyObject* record_type, PyObject* meter_obj) {
-  py::object position_obj = attr(owner, n.stored);
+  py::object position_obj = attr(storer, n.stored);
   const long long position = as_int(position_obj);
   py::object round_trip = attr(placement, n.round_trip);
   py::object keep = round_trip.is_none() ? py::object() : attr(round_trip.ptr(), n.keep);
@@ -138,7 +141,7 @@ PyObject* store(const MovePath& path, const MoveNames& n, PyObject* placement, P
   py::object payload = call_with(store_cpu, py::handle(storage), py::handle(path.cpu_device));
   if (payload.is_none()) return nullptr;   // full: the Python path spills (and retries it)
   py::object next = py::reinterpret_steal<py::object>(PyLong_FromLongLong(position + 1));
-  if (!next || PyObject_SetAttr(owner, n.stored, next.ptr()) < 0) throw py::error_already_set();
+  if (!next || PyObject_SetAttr(storer, n.stored, next.ptr()) < 0) throw py::error_already_set();
   // The record counts the storage into the step's meter, as the tier's (NOTE [Record
   // lifetime]). A tier's store in C returns a StorageRef (resident: nothing to reload) or a
   // payload that left the device's memory, which the prefetcher brings back (Tier.store_cpu).
@@ -183,8 +186,9 @@ PyObject* pack_moved(const MovePath& path, PyObject* owner, PyObject* t, PyObjec
     if (nbytes < min_bytes) return nullptr;   // the placement keeps it
     // The first of eligible()'s tests, first: a GPU run's saves leave at once.
     if (!is_true(attr(t, n.is_cpu))) return nullptr;
+    py::object storer = attr(owner, n.storer);
     py::object placement, tier;
-    py::object store_cpu = c_store(n, owner, &placement, &tier);
+    py::object store_cpu = c_store(n, storer.ptr(), &placement, &tier);
     if (!store_cpu) return nullptr;
     py::object base;
     long long t_offset = -1;
@@ -198,8 +202,8 @@ PyObject* pack_moved(const MovePath& path, PyObject* owner, PyObject* t, PyObjec
       if (found != nullptr) {
         record = py::reinterpret_steal<py::object>(found);
       } else {
-        PyObject* stored = store(path, n, placement.ptr(), tier.ptr(), store_cpu.ptr(), owner,
-                                 storage, nbytes, record_type, meter_obj);
+        PyObject* stored = store(path, n, placement.ptr(), tier.ptr(), store_cpu.ptr(),
+                                 storer.ptr(), storage, nbytes, record_type, meter_obj);
         if (stored == nullptr) return nullptr;
         record = py::reinterpret_steal<py::object>(stored);
         index_put(path.index, storage, version, record.ptr());

@@ -16,9 +16,9 @@ namespace offload::bind {
 
 // What the move path reads, given by the hooks when the packer is made: the step's objects
 // that refer to nothing of the step's (strong references, visited by the packer's
-// garbage-collector slots). The placement and the tiers are read from the hooks per save:
-// the tiers hold the step (its copy streams), which holds the hooks, and a packer that
-// outlives its hooks must not keep them alive.
+// garbage-collector slots). The placement and the tiers are read from the hooks' storer
+// (storing.py) per save: the tiers hold the step (its copy streams), which holds the hooks,
+// and a packer that outlives its hooks must not keep them alive.
 struct MovePath {
   PyObject* index = nullptr;          // the core's StorageIndex
   PyObject* timeline = nullptr;       // the step's Timeline
@@ -41,7 +41,8 @@ struct MovePath {
 // a storage kept, found in the index), which the packer makes a KeptSave of. nullptr with
 // no error set when it does not (the caller goes on to the Python hooks, which redo every
 // test: nothing was changed); nullptr with an error set on failure. `owner`: the hooks
-// (their `_stored` position counter), `record_type`, `meter`: the step's records and meter.
+// (their `storer`: its placement, tiers and `stored` position counter), `record_type`,
+// `meter`: the step's records and meter.
 PyObject* pack_moved(const MovePath& path, PyObject* owner, PyObject* t, PyObject* storage,
                      long long nbytes, PyObject* node, long long version, long long min_bytes,
                      PyObject* record_type, PyObject* meter_obj, SavedBytes* meter,

@@ -14,16 +14,14 @@ import difflib
 import logging
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from .config_parse import PARSERS, POLICIES, TIERS, knob
+from . import config_checks
+from .config_parse import PARSERS, POLICIES, TIERS
 from .errors import ConfigError
-from .tiers import nvme_space
 from .util.figures import ProbeSetting
 from .util import logs
-from .util.disk_space import RAM_FS_TYPES, StripedRoom, fs_type, striped_room
-from .util.memory_limits import available_memory, memory_floor_bytes
-from .util.ranks import Ranks, agreed_total
+from .util.ranks import Ranks
 from .util.sizes import SizeSpec, format_bytes
 
 __all__ = ["Config", "TIERS", "POLICIES", "env_table_markdown"]
@@ -37,7 +35,6 @@ _DEFAULT_MIN_BYTES = 256 << 10
 _DEFAULT_PREFETCH_BYTES = 64 << 20
 _DEFAULT_STAGING_BYTES = 256 << 20
 _DEFAULT_IO_WORKERS = 4
-_DROP_NVME = "drop 'nvme' from the tiers"   # validate()'s default: the runtime's own fix
 
 
 def _knob(default: Any, *, env: str, kind: str, example: str, doc: str,
@@ -214,197 +211,21 @@ class Config:
         env = _FIELDS[name].metadata["env"]
         return self.sources.get(name, f"{env} (default {_default_text(_FIELDS[name])!r})")
 
-    def validate(self, *, nvme_dir_alternative: str | None = _DROP_NVME) -> None:
-        """Cross-checks that need more than one knob or a look at the file system.
+    # ---------------------------------------------------------------- on this machine
+    # What the settings come to here (config_checks.py): `validate(*, nvme_dir_alternative)`
+    # (read-only cross-checks: stats the NVMe directories, creates nothing; raises
+    # ConfigError naming the variable, the value and what to do), `check_nvme_dirs`, and the
+    # tiers' capacities. Its functions themselves, as methods: no call in between (a
+    # context is built, and its settings checked, every step).
+    validate = config_checks.validate
+    check_nvme_dirs = config_checks.check_nvme_dirs
+    host_capacity = config_checks.host_capacity
+    nvme_capacity_bytes = config_checks.nvme_capacity_bytes
+    nvme_capacity_source = config_checks.nvme_capacity_source
 
-        Read-only: stats the NVMe directories but creates nothing.
-
-        Args:
-            nvme_dir_alternative: what a message about an unusable NVMe directory offers
-                besides pointing it elsewhere (the runtime's: drop 'nvme' from the tiers;
-                a CLI says its own, None offers nothing else).
-
-        Raises:
-            ConfigError: naming the variable, the value and what to do.
-        """
-        if not self.enabled:
-            return  # turned off: nothing else may stop the run (OFFLOAD_ENABLED)
-        if "nvme" in self.tiers and self.policy != "keep":
-            self.check_nvme_dirs(nvme_dir_alternative)
-            self._validate_nvme_size()
-        if self.trace is not None:
-            self._validate_trace()
-        if self.budget is not None and self.policy != "auto":
-            _warn_once(f"budget_unused_{self.policy}",
-                       f"offload: {self.where('budget')} applies to policy='auto' only; under "
-                       f"{self.where('policy')} it is not used")
-        self._validate_host_sizes()
-        if "nvme" in self.tiers and self.prefetch_bytes > self.staging_bytes:
-            _warn_once("prefetch_over_staging",
-                       f"offload: {self.where('prefetch_bytes')} is more than "
-                       f"{self.where('staging_bytes')}: read-ahead beyond the staging arena "
-                       "lands in buffers allocated per read (more allocations and RSS); lower "
-                       "the first or raise the second")
-
-    def _validate_host_sizes(self) -> None:
-        if max(self.staging_bytes, self.prefetch_bytes) <= memory_floor_bytes():
-            return  # below any limit this process has: no need to look now
-        limit = available_memory()
-        for name in ("staging_bytes", "prefetch_bytes"):
-            value = getattr(self, name)
-            if value > limit.total_bytes:
-                where = "this machine's RAM" if limit.source == "RAM available" \
-                    else f"this process's memory limit ({limit.source})"
-                raise ConfigError(
-                    f"{self.where(name)}: more than {where} ({format_bytes(limit.total_bytes)}); "
-                    "both live in host memory (give a size such as \"256MiB\")")
-
-    def _validate_trace(self) -> None:
-        where = self.where("trace")
-        directory = os.path.dirname(os.path.abspath(self.trace))
-        fix = "point it at a file in an existing, writable directory, or unset OFFLOAD_TRACE"
-        if os.path.isdir(self.trace):
-            raise ConfigError(f"{where}: {self.trace!r} is a directory ({fix})")
-        if not os.path.isdir(directory):
-            raise ConfigError(f"{where}: directory {directory!r} does not exist ({fix})")
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise ConfigError(f"{where}: directory {directory!r} is not writable by this "
-                              f"process ({fix})")
-
-    def check_nvme_dirs(self, alternative: str | None = _DROP_NVME) -> None:
-        """The NVMe directories' checks of `validate` (they exist, are writable, on a disk),
-        whatever the policy; `alternative` as validate()'s `nvme_dir_alternative`."""
-        tiers = self.where("tiers")
-        if alternative is _DROP_NVME:
-            alternative = f"drop 'nvme' from {knob(tiers, 'tiers')}"
-        if not self.nvme_dir:
-            unset, fix = ("OFFLOAD_NVME_DIR is not set", "set OFFLOAD_NVME_DIR to") \
-                if tiers.startswith("OFFLOAD_") else \
-                ("nvme_dir= is not given (nor OFFLOAD_NVME_DIR set)", "pass nvme_dir=")
-            raise ConfigError(
-                f"{unset} but {tiers} includes 'nvme' ({fix} a writable directory on a "
-                f"local SSD, or drop 'nvme' from {knob(tiers, 'tiers')})")
-        where = self.where("nvme_dir")
-        for path in self.nvme_dir:
-            fix = "point it at a writable directory on a local SSD" + \
-                (f", or {alternative}" if alternative else "")
-            if not os.path.exists(path):
-                raise ConfigError(f"{where}: {path!r} does not exist ({fix})")
-            if not os.path.isdir(path):
-                raise ConfigError(f"{where}: {path!r} is not a directory ({fix})")
-            fs = os.statvfs(path)
-            if fs.f_blocks == 0:   # its free space cannot be known; ramfs is RAM besides
-                raise ConfigError(
-                    f"{where}: {path!r} is on a file system that reports no size (ramfs, "
-                    "which keeps files in RAM, or a virtual one such as /proc or /sys); the "
-                    f"nvme tier needs a disk-backed directory ({fix})")
-            if fs.f_flag & os.ST_RDONLY:
-                raise ConfigError(f"{where}: {path!r} is on a read-only file system ({fix})")
-            if not os.access(path, os.W_OK | os.X_OK):
-                raise ConfigError(f"{where}: {path!r} is not writable by this process ({fix})")
-            kind = _fs_type_of(path)
-            if kind in RAM_FS_TYPES:   # ramfs reports no size: refused above
-                _warn_once(f"nvme_dir_in_ram:{os.path.realpath(path)}",
-                           f"offload: {where}: {path!r} is on {kind}, whose files are RAM: "
-                           f"the nvme tier reserves its capacity ({self.nvme_bytes}) there "
-                           "in host memory, and nothing it writes leaves RAM (fine for a "
-                           "test; for training point it at a directory on a local SSD)")
-
-    # ---------------------------------------------------------------- capacities
     def host_capacity_bytes(self) -> int:
         """Capacity of the host tier in bytes (see `host_capacity`)."""
-        return self.host_capacity()[0]
-
-    def host_capacity(self) -> tuple[int, str]:
-        """Capacity of the host tier in bytes, and what it was taken of: a percentage is of
-        the memory this process may use now (the RAM available, or less in a memory cgroup:
-        memory_limits NOTE [Memory limits]), divided among the processes of this host
-        (NOTE [Host share] in ranks.py)."""
-        global _host_seen
-        if self.host_bytes.fraction is None:
-            return self.host_bytes.nbytes, "OFFLOAD_HOST_BYTES"
-        limit = available_memory()   # the same object while its reading stands
-        seen = _host_seen
-        if seen is not None and seen[0] is self and seen[1] is limit:
-            return seen[2]   # asked every step: worked out once per reading
-        capacity = (self._resolve_share(self.host_bytes, lambda: limit.available_bytes, "ram"),
-                    f"{self.host_bytes} of {limit.source}")
-        _host_seen = (self, limit, capacity)
-        return capacity
-
-    def nvme_capacity_bytes(self) -> int:
-        """Capacity of the nvme tier in bytes, checked against the free space as the store
-        stripes it (NOTE [Striped room] in util/disk_space.py: an equal share in each
-        directory); a percentage is of what fits now, divided among the processes of this
-        host.
-
-        Raises:
-            ConfigError: an absolute size whose share does not fit in some directory.
-        """
-        room = striped_room(self.nvme_dir)   # once: the share and the check read the same
-        capacity = self._resolve_share(self.nvme_bytes, lambda: room.capacity_bytes, room.key)
-        self._check_nvme_fits(capacity, room)
-        return capacity
-
-    def nvme_capacity_source(self) -> str:
-        """What `nvme_capacity_bytes` is taken of, in words (Stats' capacity_source)."""
-        if self.nvme_bytes.fraction is None:
-            return "OFFLOAD_NVME_BYTES"
-        return f"{self.nvme_bytes} of the free space in {', '.join(self.nvme_dir)}"
-
-    def _validate_nvme_size(self) -> None:
-        """An absolute OFFLOAD_NVME_BYTES must fit now; slabs of this process's own that
-        opening the store gives back first count as free (nvme_space.slabs_given_back)."""
-        if self.nvme_bytes.fraction is not None:
-            return  # a percentage is of what fits when the store opens
-        smallest = nvme_space.smallest_store_bytes(len(self.nvme_dir))
-        if self.nvme_bytes.nbytes < smallest:
-            raise ConfigError(
-                f"{self.where('nvme_bytes')}: is under the nvme tier's smallest store, "
-                f"{format_bytes(smallest)} (1 MiB per directory; give a size such as "
-                "'64GiB' or a percentage such as '50%')")
-        held = nvme_space.slabs_given_back(self.nvme_dir)
-        self._check_nvme_fits(self.nvme_bytes.nbytes, striped_room(self.nvme_dir, held))
-
-    def _check_nvme_fits(self, capacity: int, room: StripedRoom) -> None:
-        short = room.short_for(capacity)
-        if short is None:
-            return
-        where = self.where("nvme_bytes")
-        ranks = self.ranks.local_world_size
-        fix = (f"each of the {ranks} processes of this host takes this size: lower it, or "
-               "give a percentage, which is divided among them" if ranks > 1 else
-               "lower it, or give a percentage such as '50%'")
-        free = format_bytes(short.free_bytes)
-        if len(room.file_systems) == 1:
-            raise ConfigError(f"{where}: only {free} free in {', '.join(self.nvme_dir)} ({fix})")
-        # Striped over file systems of unequal room: name the one that is short.
-        raise ConfigError(
-            f"{where}: only {free} free in {' and '.join(map(repr, short.dirs))}, whose share "
-            f"would be {format_bytes(room.share_bytes(short, capacity))}: the store puts an "
-            f"equal share in each of the {room.n_dirs} directories of "
-            f"{self.where('nvme_dir')}, so at most {format_bytes(room.capacity_bytes)} fits "
-            f"({fix}; or free space there, or leave that directory out)")
-
-    def _resolve_share(self, spec: SizeSpec, measure: Callable[[], int], what: str) -> int:
-        """Bytes of `spec` for this process; a percentage of the host-wide total `measure`
-        returns is divided among the local ranks (ranks.py NOTE [Host share])."""
-        if spec.fraction is None:
-            return spec.nbytes  # a size is per process, as given
-        if self.ranks.local_size_unknown:
-            _warn_once("local_size_unknown",
-                       "offload: LOCAL_RANK is set but LOCAL_WORLD_SIZE is not, so percentage "
-                       "capacities (OFFLOAD_HOST_BYTES, OFFLOAD_NVME_BYTES) are not divided "
-                       "among the processes of this host; every process takes the whole "
-                       "percentage (set LOCAL_WORLD_SIZE, launch with torchrun, or give sizes "
-                       "per process such as '8GiB')")
-        if self.ranks.local_world_size == 1:
-            return spec.resolve(measure())
-        now = measure()
-        share = self.ranks.local_share(spec.resolve(agreed_total(what, lambda: now)))
-        # The agreed total is from the job's first measurement: never take more than the
-        # percentage of what is there now (the disk may have filled up since).
-        return min(share, spec.resolve(now))
+        return config_checks.host_capacity(self)[0]
 
     def apply_log_level(self) -> None:
         """Set the `offload` logger's level from OFFLOAD_LOG (kept when unset) and which
@@ -412,43 +233,17 @@ class Config:
         logs.configure(self.log, self.log_ranks)
 
 
-# (config, the MemoryLimit it read, its host capacity): the last answer of `host_capacity`.
-_host_seen: tuple | None = None
-
-
 def _knobs():
     """The fields that are settings (each has an env var); not `sources` or `ranks`."""
     return [f for f in fields(Config) if "env" in f.metadata]
 
 
-_warned_once: set[str] = set()
-
-
 def forget_warnings() -> None:
     """Say the once-per-process warnings again (offload.process.reset)."""
-    _warned_once.clear()
     _warned_unknown.clear()
     _last_scan[0] = None
     _from_env_cache.clear()
-    _fs_types.clear()
-
-
-# Directory -> its file system type, read once: /proc/self/mountinfo costs ~90 us with 20
-# mounts, and a context is often built every step.
-_fs_types: dict[str, str | None] = {}
-
-
-def _fs_type_of(path: str) -> str | None:
-    real = os.path.realpath(path)
-    if real not in _fs_types:
-        _fs_types[real] = fs_type(real)
-    return _fs_types[real]
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned_once:
-        _warned_once.add(key)
-        logging.getLogger("offload").warning(message)
+    config_checks.forget_warnings()
 
 
 _FIELDS = {f.name: f for f in fields(Config)}

@@ -96,7 +96,7 @@ class ActivationOffload:
     def _fresh(self, config: Config, model: torch.nn.Module | None, blocks: Any) -> None:
         self._memo: dict | None = None   # a deep copy's, until its first use (`__deepcopy__`)
         self.config = config
-        self.model = model
+        self._model = model   # the `model` property's
         self._blocks = blocks                # as given: what a copy is built with
         self._step: Step | None = None       # the latest block's (offload/runtime/step.py)
         self._steps: weakref.WeakSet[Step] = weakref.WeakSet()  # every one not yet freed
@@ -113,8 +113,9 @@ class ActivationOffload:
         if schedule is None:
             self._from_memo()
             self._memo = None
-            _check(self.config, self.model)
-            schedule = self._schedule = start_session(self.config, self.model, self._blocks) \
+            model = self._model   # found in the memo now (not the property: a step's cost)
+            _check(self.config, model)
+            schedule = self._schedule = start_session(self.config, model, self._blocks) \
                 if self.config.enabled else Session(self.config)
         return schedule
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import os
 
 from . import config as _config
-from .runtime import hooks as _hooks, step as _step, subclasses as _subclasses
+from .runtime import (hooks as _hooks, step as _step, storing as _storing,
+                      subclasses as _subclasses)
 from .schedule import reset as _schedule_reset
 from .tiers import cuda_backend as _copies, heap as _heap, nvme_space as _nvme_space, pool as _pool
 from .util import per_model as _per_model
@@ -49,7 +50,7 @@ def reset() -> None:
     _schedule_reset()
     _config.forget_warnings()
     _subclasses.forget_warnings()
-    _hooks.forget_warnings()
+    _storing.forget_warnings()
     _nvme_space.forget_warnings()
 
 

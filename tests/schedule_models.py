@@ -54,7 +54,7 @@ def hf_llama():
 
 class RandomBlock(nn.Module):
     """Random ops that are single ops (functional dropout, rand_like): their outputs may be
-    stored, so replaying them exactly needs the RNG restore (recompute.py Rule 2)."""
+    stored, so replaying them exactly needs the RNG restore (stored_ops.py Rule 2)."""
 
     def __init__(self, d: int = 64) -> None:
         super().__init__()

@@ -12,7 +12,7 @@ from schedule_models import compare_steps, hf_gpt2, hf_llama, random_stack, smal
 import offload
 from offload.bench.models import MLP, ConvNet
 from offload.schedule import search as search_mod
-from offload.schedule import recompute as recompute_mod
+from offload.schedule import recompute as recompute_mod, stored_ops
 from offload.schedule.recompute import run_block
 
 
@@ -172,7 +172,7 @@ def test_a_stored_random_op_before_a_recomputed_one_replays_exactly(rule_2, own_
     generator, or from the user's own (`generator=`): the stored op does not draw in the
     recompute, so its generator is set to its state after the op."""
     if not rule_2:
-        monkeypatch.setattr(recompute_mod, "_SEEDED", torch.Tag.pointwise)
+        monkeypatch.setattr(stored_ops, "_SEEDED", torch.Tag.pointwise)
     if own_generator:
         gen = torch.Generator()
         seed, state, stored = gen.manual_seed, gen.get_state, "aten.rand.generator"
@@ -196,12 +196,12 @@ def test_a_stored_random_op_before_a_recomputed_one_replays_exactly(rule_2, own_
     for target in ("keep", "nvme"):
         with offload.activations(model=model, policy="auto", min_bytes=0, tiers="nvme",
                                  nvme_dir=nvme_dir, probe=SLOW) as ctx:
-            decision = ctx._hooks.placement.target(target)
+            decision = ctx._hooks.storer.placement.target(target)
             store = lambda op: decision if op == (stored, 0) else None  # noqa: E731
             y = x0.clone().requires_grad_()
             seed(3)
-            loss = run_block(fn, (y,), {}, store, ctx._hooks, ctx._hooks.placement)
-            recompute_mod._said_diverged.clear()
+            loss = run_block(fn, (y,), {}, store, ctx._hooks, ctx._hooks.storer.placement)
+            stored_ops._said_diverged.clear()
             caplog.clear()
             if not rule_2 and not own_generator:
                 # The default generator's draws are checked too (generators.py rule 4):
@@ -457,9 +457,9 @@ def test_a_stored_output_changed_in_place_later_raises_not_silently(target, nvme
     fn(x).backward()  # plain: no error
     with offload.activations(model=lin, policy="auto", min_bytes=0, tiers="nvme",
                              nvme_dir=nvme_dir, probe=SLOW) as ctx:
-        decision = ctx._hooks.placement.target(target)
+        decision = ctx._hooks.storer.placement.target(target)
         store = lambda op: decision if op[0] == "aten.addmm.default" else None  # noqa: E731
-        out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.placement)
+        out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.storer.placement)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.backward()
 
@@ -479,10 +479,10 @@ def test_an_op_is_stored_only_at_the_position_the_plan_saw_it(where, nvme_dir):
     x.grad = None
     with offload.activations(model=lin, policy="auto", min_bytes=0, tiers="nvme",
                              nvme_dir=nvme_dir, probe=SLOW) as ctx:
-        decision = ctx._hooks.placement.target("nvme")
+        decision = ctx._hooks.storer.placement.target("nvme")
         store = lambda op: decision if op[0] == "aten.addmm.default" else None  # noqa: E731
         before = ctx.stats.packed_tensors
-        out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.placement,
+        out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.storer.placement,
                         positions={("aten.addmm.default", 0): where})
         packed = ctx.stats.packed_tensors - before
         out.backward()
@@ -531,10 +531,10 @@ def test_a_rerun_that_runs_other_ops_than_its_forward_hands_back_no_stored_outpu
     with caplog.at_level(logging.INFO, logger="offload"), offload.activations(
             model=model, policy="auto", min_bytes=0, tiers="nvme", nvme_dir=nvme_dir,
             probe=SLOW) as ctx:
-        decision = ctx._hooks.placement.target("nvme")
+        decision = ctx._hooks.storer.placement.target("nvme")
         store = lambda op: decision if op[0] == "aten.mm.default" else None  # noqa: E731
         before = ctx.stats.packed_tensors
-        out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.placement)
+        out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.storer.placement)
         assert ctx.stats.packed_tensors - before == 4   # the input and three mm outputs
         out.backward()
     assert all(torch.equal(a, b) for a, b in zip(want, [x.grad, g.weight.grad, u.weight.grad]))
@@ -558,13 +558,13 @@ def test_rule_6_compares_arguments_whose_equality_raises_or_is_not_a_bool():
     import numpy
     op = torch.ops.aten.add.Tensor
     group, table = _NoEquality(), numpy.arange(3)
-    entry = recompute_mod.op_entry(op, (group, table, 2, torch.float32), {"alpha": 1})
-    assert entry == recompute_mod.op_entry(op, (group, table, 2, torch.float32), {"alpha": 1})
-    assert entry != recompute_mod.op_entry(op, (_NoEquality(), table, 2, torch.float32),
+    entry = stored_ops.op_entry(op, (group, table, 2, torch.float32), {"alpha": 1})
+    assert entry == stored_ops.op_entry(op, (group, table, 2, torch.float32), {"alpha": 1})
+    assert entry != stored_ops.op_entry(op, (_NoEquality(), table, 2, torch.float32),
                                            {"alpha": 1})
-    assert entry != recompute_mod.op_entry(op, (group, numpy.arange(3), 2, torch.float32),
+    assert entry != stored_ops.op_entry(op, (group, numpy.arange(3), 2, torch.float32),
                                            {"alpha": 1})
-    assert entry != recompute_mod.op_entry(op, (group, table, 3, torch.float32), {"alpha": 1})
+    assert entry != stored_ops.op_entry(op, (group, table, 3, torch.float32), {"alpha": 1})
 
 
 def test_a_rerun_that_finds_a_weight_cast_in_autocasts_cache_hands_back_no_stored_output(
@@ -593,10 +593,10 @@ def test_a_rerun_that_finds_a_weight_cast_in_autocasts_cache_hands_back_no_store
     model = nn.ModuleDict({"a": lin1, "b": lin2})
     with offload.activations(model=model, policy="auto", min_bytes=0, tiers="nvme",
                              nvme_dir=nvme_dir, probe=SLOW) as ctx:
-        decision = ctx._hooks.placement.target("nvme")
+        decision = ctx._hooks.storer.placement.target("nvme")
         store = lambda op: decision if op[0] == "aten._to_copy.default" else None  # noqa: E731
         got = grads(lambda: run_block(fn, (x,), {}, store, ctx._hooks,
-                                      ctx._hooks.placement))
+                                      ctx._hooks.storer.placement))
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 

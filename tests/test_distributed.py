@@ -135,10 +135,10 @@ def _fsdp2_frozen_worker() -> dict:
     saves views of them (`weight.t()`). None of those may be moved."""
     from torch.distributed.fsdp import fully_shard
 
-    from offload.runtime.hooks import OffloadHooks
+    from offload.runtime.storing import Storer
 
     moved_weights = []
-    original = OffloadHooks._store
+    original = Storer.store
 
     def spy(self, t, storage, *args, **kwargs):
         record = original(self, t, storage, *args, **kwargs)
@@ -154,11 +154,11 @@ def _fsdp2_frozen_worker() -> dict:
         fully_shard(model)
         return model
 
-    OffloadHooks._store = spy
+    Storer.store = spy
     try:
         result = _compare(wrap)
     finally:
-        OffloadHooks._store = original
+        Storer.store = original
     return {**result, "moved_weights": moved_weights}
 
 

@@ -156,7 +156,7 @@ def test_v1_mount_root_is_stripped_from_the_path(tmp_path):
 def test_a_new_ram_reading_gives_a_new_limit_and_host_capacity(tmp_path, monkeypatch):
     """The limit and the host tier's capacity are kept between steps only while their RAM
     reading stands (0.1 s): a reading taken after it gives the new figures."""
-    import offload.config as config_module
+    import offload.config_checks as config_module
     from offload.config import Config
     from offload.util import memory_limits
 

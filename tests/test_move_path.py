@@ -99,7 +99,7 @@ def test_plain_cpu_activations_on_nvme_take_the_move_path(nvme_dir, monkeypatch)
     calls = _counting_python_path(monkeypatch)
     x = torch.randn(256, requires_grad=True)
     with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
-        tier = ctx._hooks.tiers["nvme"]
+        tier = ctx._hooks.storer.tiers["nvme"]
         assert type(tier).stores_cpu_in_core and tier.store_cpu is None   # not before a store
         h = x * 1
         for _ in range(200):
@@ -127,7 +127,7 @@ def test_plain_cpu_activations_on_the_host_tier_take_the_move_path(monkeypatch):
 
     plain = torch.autograd.grad(chain().sum(), x)[0]
     with offload.activations(tiers="host", min_bytes=0) as ctx:
-        tier = ctx._hooks.tiers["host"]
+        tier = ctx._hooks.storer.tiers["host"]
         assert type(tier).stores_cpu_in_core and tier.store_cpu is not None
         h = chain()
         assert tier.used_bytes == 200 * 1024 and len(tier._ledger) == 200
@@ -167,7 +167,7 @@ def _spilling_run(tiers: str, nvme_dir: str, **kw):
         y = x * 1
         for _ in range(8):
             y = y.sin()
-        full = ctx._hooks.tiers[tiers.split(",")[0]].used_bytes
+        full = ctx._hooks.storer.tiers[tiers.split(",")[0]].used_bytes
         y.sum().backward()
     return _figures(ctx.stats), x.grad, full
 
@@ -199,7 +199,7 @@ def test_a_forced_decision_is_kept_by_the_move_path_and_standing_comes_back(nvme
     x = torch.randn(256, requires_grad=True)
     keep = Decision((), "forced keep")
     with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
-        placement = ctx._hooks.placement
+        placement = ctx._hooks.storer.placement
         standing = placement.standing
         assert standing is not None and standing.targets == ("nvme",)
         h = (x * 1).sin()                      # the first store opens the tier's store_cpu
@@ -226,7 +226,7 @@ def test_the_round_trip_plan_keeps_what_it_names_on_the_move_path(nvme_dir, monk
     calls = _counting_python_path(monkeypatch)
     x = torch.randn(256, requires_grad=True)
     with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:
-        ctx._hooks.placement.round_trip = _Plan([3, 4, 9])
+        ctx._hooks.storer.placement.round_trip = _Plan([3, 4, 9])
         h = x * 1
         for _ in range(12):
             h = h.sin()
@@ -325,10 +325,10 @@ def test_a_moved_save_dropped_unpacked_gives_its_space_back(tiers, nvme_dir):
         for _ in range(20):
             h = h.sin()
         assert ctx._hooks.ledger.live_records == 20
-        assert ctx._hooks.tiers[tiers].used_bytes == 20 * 4096
+        assert ctx._hooks.storer.tiers[tiers].used_bytes == 20 * 4096
         del h                    # the graph dies without a backward
         assert ctx._hooks.ledger.live_records == 0
-        assert ctx._hooks.tiers[tiers].used_bytes == 0
+        assert ctx._hooks.storer.tiers[tiers].used_bytes == 0
     assert ctx.stats.as_dict()[f"exit_{tiers}_used_bytes"] == 0
 
 

@@ -130,8 +130,8 @@ def test_no_room_on_the_disk_is_a_full_tier_not_a_value_error(small_disk, strict
                 with ctx:
                     (x * 2).tanh().sum().backward()
         else:
-            from offload.runtime import hooks
-            hooks.forget_warnings()     # said once per process: maybe by an earlier test
+            from offload.runtime import storing
+            storing.forget_warnings()     # said once per process: maybe by an earlier test
             with caplog.at_level(logging.WARNING, logger="offload"):
                 for step in range(3):   # said once, not every step
                     x.grad = None

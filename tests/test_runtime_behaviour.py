@@ -109,19 +109,21 @@ def test_parameters_buffers_and_their_views_never_move(nvme_dir, with_model):
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     buffer_storages = {b.untyped_storage().data_ptr() for b in model.buffers()}
     seen = []
-    orig_store = offload.runtime.hooks.OffloadHooks._store
+    from offload.runtime.storing import Storer
+
+    orig_store = Storer.store
 
     def spy(self, t, storage, *rest):
         seen.append(storage.data_ptr())
         return orig_store(self, t, storage, *rest)
 
-    offload.runtime.hooks.OffloadHooks._store = spy
+    Storer.store = spy
     try:
         with offload.activations(tiers="host", min_bytes=0,
                                  model=model if with_model else None) as ctx:
             model(x).sum().backward()
     finally:
-        offload.runtime.hooks.OffloadHooks._store = orig_store
+        Storer.store = orig_store
     # Parameters and views of them are recognised without model= (leaves needing grad);
     # buffers (BatchNorm statistics) only through it: no process-wide module hook.
     assert seen and not (set(seen) & param_storages)

@@ -106,9 +106,9 @@ def test_sabotage_without_the_private_copy_a_chunk_moves_its_whole_storage(monke
                                                                              nvme_dir):
     import test_untracked_aliases as t
 
-    from offload.runtime import hooks
+    from offload.runtime import storing
 
-    monkeypatch.setattr(hooks, "snapshot", lambda x: x.detach())
+    monkeypatch.setattr(storing, "snapshot", lambda x: x.detach())
     _, ctx = t._synthetic_grads({"tiers": "nvme", "nvme_dir": nvme_dir, "min_bytes": 0})
     assert ctx.stats.saved_bytes >= 2 * 4 * 48 * 4, \
         "test_a_saved_unsafe_chunk_comes_back_as_saved's byte check would not fail"

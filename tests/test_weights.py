@@ -14,14 +14,14 @@ import torch
 import torch.nn as nn
 
 import offload
-from offload.runtime.hooks import OffloadHooks
+from offload.runtime.storing import Storer
 
 
 @contextlib.contextmanager
 def moved_storages():
     """The data pointers of every storage the hooks stored (moved or kept) in the block."""
     seen: list[int] = []
-    original = OffloadHooks._store
+    original = Storer.store
 
     def spy(self, t, storage, *args, **kwargs):
         record = original(self, t, storage, *args, **kwargs)
@@ -29,11 +29,11 @@ def moved_storages():
             seen.append(storage.data_ptr())
         return record
 
-    OffloadHooks._store = spy
+    Storer.store = spy
     try:
         yield seen
     finally:
-        OffloadHooks._store = original
+        Storer.store = original
 
 
 def _weights(model: nn.Module) -> set[int]:

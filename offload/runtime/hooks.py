@@ -1,8 +1,9 @@
 """The saved-tensor hooks: pack (forward) and unpack (backward), and nothing else.
 
-A saved tensor walks one way: `pack` → `Placement.decide` → a tier's `store` → the C++
-engine; and back: `unpack` → its record's `load` → the prefetcher / the tier's `fetch`.
-Each object hands its result down and returns (records.py NOTE [Record lifetime]).
+A saved tensor walks one way: `pack` → `Storer.store` (storing.py: `Placement.decide`, a
+tier's `store`) → the C++ engine; and back: `unpack` → its record's `load` → the prefetcher
+/ the tier's `fetch`. Each object hands its result down and returns (records.py NOTE
+[Record lifetime]).
 
 What pack does, cheapest first (every saved tensor pays the first lines):
 
@@ -10,9 +11,9 @@ What pack does, cheapest first (every saved tensor pays the first lines):
    version (`SmallKept`), counted once per storage by the step's ledger.
 2. Weights (by what they are, or `model=`'s) stay and are counted apart.
 3. Anything else is stored once per storage and version (tensor_meta NOTE [Storage identity],
-   NOTE [Versions], NOTE [Untracked aliases]): the placement decides keep or which tiers, a
-   tier takes the bytes, and each saved tensor gets a `Moved` (view layout + sentinel) or a
-   `Kept` pointing at that record.
+   NOTE [Versions], NOTE [Untracked aliases]): the storer (storing.py) has the placement
+   decide keep or which tiers and a tier take the bytes, and each saved tensor gets a
+   `Moved` (view layout + sentinel) or a `Kept` pointing at that record.
 4. Other types: subclasses move through their inner tensors (NOTE [Subclasses]); the rest
    stays and is counted by type.
 
@@ -39,15 +40,14 @@ it packs: the step folds the meter into Stats whenever they are read (`Step.fold
 
 NOTE [Move path in C] A plain CPU activation that the standing decision (placement.py NOTE
 [Standing decision]) sends to a tier with a store in C (`Tier.store_cpu`) is stored by the
-core's Packer itself: the steps of `_pack_strided` → `_pack_plain` → `_store`, in their
-order (csrc/pack_moved.cpp's header lists them), ending in a `MovedSave` (saved_handles.Moved in
-C) or a `KeptSave`, which the Unpacker unpacks in C. Whatever it is not sure of goes on to
-`_pack_strided` before anything changed, and while a profiler runs both hooks take the
-Python path, so its ranges are recorded.
+core's Packer itself: the steps of `_pack_strided` → `_pack_plain` → `Storer.store`, in
+their order (csrc/pack_moved.cpp's header lists them), ending in a `MovedSave`
+(saved_handles.Moved in C) or a `KeptSave`, which the Unpacker unpacks in C. Whatever it is
+not sure of goes on to `_pack_strided` before anything changed, and while a profiler runs
+both hooks take the Python path, so its ranges are recorded.
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import weakref
@@ -55,26 +55,22 @@ import weakref
 import torch
 
 from .._ext import core_available, load_core
-from ..errors import TierFullError
 from ..util.never_compiled import never_compiled
 from ..util.ranges import PACK, UNPACK, profiling, span
-from ..util.sizes import format_bytes
 from . import hook_stack
 from .backward_marks import BackwardMarks, graph_task_id
 from .no_offload import no_offload_active, thread_depth
-from .placement import Placement, TensorInfo
+from .placement import Placement
 from .records import Ledger, PyRecord
 from .saved_handles import Kept, Moved, PackedSubclass, SmallKept, held_tensor_error
+from .storing import Storer
 from .subclasses import TRACING_TYPES, flatten, held_as_is, kind_name, unmoved_bytes
 from .tensor_meta import (ParamStorages, StorageIndex, is_weight, layout_key, movable,
-                          movable_strided, snapshot, snapshot_nbytes, untracked_alias,
-                          view_meta)
+                          movable_strided, untracked_alias)
 from .timeline import Timeline
 from .version_check import next_sequence_nr, sentinel_data
 
 __all__ = ["OffloadHooks", "after_fork_in_child"]
-
-log = logging.getLogger("offload")
 
 _Tensor = torch.Tensor
 _strided = torch.strided
@@ -102,16 +98,6 @@ class _Forks:
 _RETIRED = -1   # the generation of retired hooks (`retire`): never a fork's
 
 
-# Tier lists whose "every tier is full" was said (OFFLOAD_STRICT: a one-time warning; the
-# figure, `full_kept_bytes`, is every step's). offload.process.reset forgets them.
-_said_full: set[tuple[str, ...]] = set()
-
-
-def forget_warnings() -> None:
-    """Say "every tier is full" again (offload.process.reset)."""
-    _said_full.clear()
-
-
 def after_fork_in_child() -> None:
     _Forks.generation += 1
     if _core is not None:
@@ -128,6 +114,8 @@ class OffloadHooks:
         ledger: The step's account of what saved tensors hold (records.py).
         prefetcher: Reads ahead of backward for tiers whose reloads are worth starting early.
         params: `model=`'s parameters and buffers.
+        strict: OFFLOAD_STRICT (storing.py).
+        min_bytes: OFFLOAD_MIN_BYTES: a smaller activation stays at once (step 1).
         timeline: Where moved (and round-trip-kept) storages' pack → unpack times go
             (the step's round-trip plan and `auto` learn from them).
         clock: Marks the start of the backward on the clock `auto` times steps with
@@ -137,20 +125,16 @@ class OffloadHooks:
     def __init__(self, placement: Placement, tiers: dict, ledger: Ledger, prefetcher,
                  params: ParamStorages, strict: bool, min_bytes: int,
                  timeline: Timeline | None = None, clock=None) -> None:
-        self.placement = placement
-        self.tiers = tiers
         self.ledger = ledger
         self.stats = ledger.stats
         self.prefetcher = prefetcher
         self.params = params
-        self.strict = strict
         self._min_bytes = min_bytes
         self._param_ids: set[int] = set()
         self._lock = threading.RLock()
-        self._stored = 0  # storages decided so far: their position is the round-trip key
         self.timeline = timeline if timeline is not None else Timeline()
-        # One TensorInfo, refilled per decision: the placement reads it and lets go.
-        self._info = TensorInfo(0)
+        # Step 3: decide and store (the core's move path reads it too: NOTE [Move path in C]).
+        self.storer = Storer(placement, tiers, ledger, prefetcher, self.timeline, strict)
         # The backward's start and end, as the unpacks see them (the step reads and sets them).
         self.marks = BackwardMarks(prefetcher, clock)
 
@@ -293,8 +277,8 @@ class OffloadHooks:
         try:
             record = None if keep_here else self.index.lookup(storage, version, layout)
             if record is None:
-                record = self._store(t, storage, nbytes, in_backward, no_offload,
-                                     layout is not None)
+                record = self.storer.store(t, storage, nbytes, in_backward, no_offload,
+                                           layout is not None)
                 if not keep_here:
                     self.index.add(storage, version, record, layout)
         finally:
@@ -333,78 +317,6 @@ class OffloadHooks:
         if held_as_is(x):
             return Kept(x, x._version)
         return self._pack_movable(x) if movable(x) else self._pack_other(x, x._version)
-
-    def _store(self, t: torch.Tensor, storage: torch.UntypedStorage, storage_nbytes: int,
-               in_backward: bool, no_offload: bool, untracked: bool):
-        """Decide where one storage goes and put it there (3)."""
-        stats = self.stats
-        # An untracked alias is moved as a private copy of its own elements (tensor_meta
-        # NOTE [Untracked aliases]): a tier must never read its storage after pack returns.
-        nbytes = snapshot_nbytes(t) if untracked else storage_nbytes
-        position = self._stored
-        self._stored += 1
-        placement = self.placement
-        info = self._info
-        info.nbytes, info.no_offload, info.in_backward = nbytes, no_offload, in_backward
-        info.key, info.storage = (position, nbytes), storage
-        decision = placement.decide(info)
-        info.storage = None
-        round_trip_kept = decision is placement.round_trip_decision
-        if round_trip_kept:
-            stats.round_trip_kept_bytes += nbytes
-        elif decision is placement.backward_decision:
-            stats.backward_kept_bytes += nbytes
-        tier = payload = meta = None
-        if decision.targets:   # not kept
-            source = storage   # what the tier takes: the storage, or the alias's snapshot
-            if untracked:
-                copy = snapshot(t)
-                meta = view_meta(copy)
-                source = copy.untyped_storage()
-                nbytes = source.nbytes()
-            device = source.device
-            for i, name in enumerate(decision.targets):
-                tier = self.tiers[name]
-                payload = tier.store(source, device)
-                if payload is not None:
-                    if i:
-                        stats.spilled_bytes += nbytes
-                    break
-            if payload is None:
-                tier = meta = None
-                self._all_full(nbytes, decision.targets)
-        resident = payload is None or payload.resident
-        prefetcher = None
-        if not resident and tier.prefetchable(payload):   # a resident one has no reload
-            prefetcher = self.prefetcher
-            prefetcher.register(tier, payload)
-        # The record counts the storage into the step's meter (saved bytes, kept or stored
-        # in its tier): the step folds them into its Stats.
-        record = self._record_type(storage, tier, payload, nbytes, resident, meta,
-                                   self.ledger.meter, prefetcher)
-        if payload is not None or round_trip_kept:
-            # A storage the plan kept is timed too: otherwise the next plan, learning from
-            # moved storages only, forgets it and moves it again (keep/move every other step).
-            record.note_packed(self.timeline, position)
-        return record
-
-    def _all_full(self, nbytes: int, targets: tuple[str, ...]) -> None:
-        usage = ", ".join(self.tiers[name].usage_text() for name in targets)
-        sizes = " / ".join(f"OFFLOAD_{name.upper()}_BYTES" for name in targets)
-        if self.strict:
-            raise TierFullError(
-                f"offload: every tier is full ({usage}) and OFFLOAD_STRICT=1, so a "
-                f"{format_bytes(nbytes)} activation cannot be placed (raise {sizes}, add a "
-                "tier to OFFLOAD_TIERS, or unset OFFLOAD_STRICT to keep such tensors on the "
-                "device)")
-        self.stats.full_kept_bytes += nbytes
-        if targets not in _said_full:   # once per process and tier list, as documented
-            _said_full.add(targets)
-            log.warning("offload: every tier is full (%s); a %s activation stays on the "
-                        "device, and so will every later one that does not fit (smaller ones "
-                        "still move while there is room; ctx.stats.full_kept_bytes counts "
-                        "what stayed). Raise %s or add a tier; OFFLOAD_STRICT=1 makes this "
-                        "an error", usage, format_bytes(nbytes), sizes)
 
     # ---------------------------------------------------------------- unpack
     def unpack(self, packed) -> torch.Tensor:

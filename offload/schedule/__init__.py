@@ -4,7 +4,7 @@ A saved tensor's walk under `auto`: the auto session (auto_session.py) says what
 runs; the decision point (placement.py, `SchedulePlacement`) looks the tensor up in its
 shape class's plan (plan.py; made by search.py from profile.py's step and probe.py's
 figures, priced by costs.py), then the hooks hand it to a tier; inside blocks the plan's
-recomputed ops are replayed by recompute.py. Modules import what they need from here
+recomputed ops are replayed by stored_ops.py. Modules import what they need from here
 directly; nothing is re-exported.
 """
 
@@ -13,7 +13,7 @@ def reset() -> None:
     """Forget the scheduler's process-wide state (offload.process.reset): per-model plan
     caches and buffer slots live in util/per_model.py (cleared there); here, what schedule
     modules keep themselves: the messages said once."""
-    from . import recompute, session_base
+    from . import session_base, stored_ops
 
     session_base.reset()
-    recompute.forget_messages()
+    stored_ops.forget_messages()

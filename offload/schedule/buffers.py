@@ -37,7 +37,7 @@ guessed. Rules:
    again, and no tensor an attribute held at the call is kept alive until backward.
    Afterwards the module gets back the very attributes, slots and submodules it had before
    the re-run.
-3. The copies are taken outside our dispatch modes (recompute.py counts ops by position:
+3. The copies are taken outside our dispatch modes (stored_ops.py counts ops by position:
    a copy must not shift the ids of the block's own ops).
 4. The guarded modules are the block's own that hold buffer slots and those handed to its
    call as arguments (`block(x, self.norm)`): the re-run calls those again too. They are

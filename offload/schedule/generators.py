@@ -19,7 +19,7 @@ the generator would end the step advanced twice. Rules:
    re-run: the re-run draws what the forward drew, and the generator ends the step where
    plain training leaves it. They are set back in the reverse order of their first draws,
    so two Python objects of one generator (the earlier noted state is the right one) end
-   on the earlier state. (A stored random op is replayed, not re-run: recompute.py Rule 2
+   on the earlier state. (A stored random op is replayed, not re-run: stored_ops.py Rule 2
    sets its generator to its state after the op.)
 
 4. The default generators are process-wide: another thread drawing from one while the
@@ -132,7 +132,7 @@ def _default_generator_of(args: tuple, kwargs: dict) -> torch.Generator:
 
 
 def _state(generator: torch.Generator) -> torch.Tensor:
-    # Made without the dispatcher (no op of the block for recompute.py to count), and
+    # Made without the dispatcher (no op of the block for stored_ops.py to count), and
     # without _disable_current_modes, which costs ~17 µs a call: 2-3 % of a small GPT's step.
     return generator.get_state()
 

@@ -60,7 +60,7 @@ class SchedulePlacement(Placement):
 
     @contextlib.contextmanager
     def forced(self, decision: Decision):
-        """The next pack uses `decision` (a stored op output, recompute.py)."""
+        """The next pack uses `decision` (a stored op output, stored_ops.py)."""
         self._forced = decision
         try:
             yield

@@ -39,7 +39,7 @@ class BlockPlan:
     recompute: frozenset = frozenset()   # op ids re-run (per-op mode); empty: plain
     rows: tuple[OpRow, ...] = ()
     recompute_s: float = 0.0             # per instance, dispatch cost included
-    # op id -> its position in the profiled op sequence (recompute.py Rule 5)
+    # op id -> its position in the profiled op sequence (stored_ops.py Rule 5)
     positions: ReadOnlyDict = field(default_factory=ReadOnlyDict)
 
     @property

@@ -13,13 +13,13 @@ taken around the op alone, and the bookkeeping time is subtracted from the forwa
 GPU every op is bracketed by two CUDA events, read once after the step.
 
 NOTE [Op identity] An op inside a block is `(op name, n)`: its n-th call in that block's
-forward, as offload/schedule/recompute.py counts them (Rule 3 there), so a profiled op and
+forward, as offload/schedule/stored_ops.py counts them (Rule 3 there), so a profiled op and
 the op the recompute replays are the same key. Blocks of one type (blocks.block_type_key)
 usually run the same op sequence, and the plan uses their median times; instances whose
 sequence differs (data-dependent: a non-contiguous input makes `linear` clone + mm + add
 instead of one addmm, and shifts every later id) are planned apart (`block_types`), and the
 recompute stores an op's output only where the op comes at the position the plan saw it
-(recompute.py Rule 5).
+(stored_ops.py Rule 5).
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..runtime.version_check import version_sentinel
 from ..util import clock
-from .recompute import IGNORED_OPS, block_inputs, op_name, storable_op
+from .recompute import block_inputs
+from .stored_ops import IGNORED_OPS, op_name, storable_op
 
 __all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler",
            "signature"]
@@ -62,7 +63,7 @@ class OpRecord:
     op_id: tuple[str, int]       # NOTE [Op identity]
     time_s: float                # the op alone (what recomputing it costs)
     out_bytes: int = 0           # bytes of the new storages it made
-    not_storable: str | None = None   # why its output may not be stored (recompute Rule 1)
+    not_storable: str | None = None   # why its output may not be stored (stored_ops.py Rule 1)
     seeded: bool = False         # consumes the RNG
     chain_s: float = 0.0         # in-place ops that later changed its output (re-run with it)
 

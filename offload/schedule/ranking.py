@@ -1,7 +1,7 @@
 """Per block type: which ops may be recomputed, in the order the search tries them.
 
 The ops whose outputs backward keeps are ranked by recompute time per byte freed, cheapest
-first. Ops whose output cannot be stored (a dropout mask written in place, recompute.py
+first. Ops whose output cannot be stored (a dropout mask written in place, stored_ops.py
 Rule 1) come first whatever they cost: any per-op recompute of the block re-runs them. Each
 prefix of the ranking is one candidate of the search (search.py); the empty prefix runs the
 block as it is ("plain").
