@@ -93,8 +93,10 @@ class Config:
     budget: SizeSpec | None = _knob(
         None, env="OFFLOAD_BUDGET", kind="size or %", example="30%", default_doc="unset",
         doc="Device-resident activation bytes allowed under `auto` (`%` of the activation "
-            "bytes the first step saves); unset means 0: move or recompute everything that "
-            "can be, choosing the cheaper way per tensor.")
+            "bytes the profiled step saves; with gradient accumulation in one context, of "
+            "the largest micro-batch's, and the budget holds per micro-batch); unset means "
+            "0: move or recompute everything that can be, choosing the cheaper way per "
+            "tensor.")
     strict: bool = _knob(
         False, env="OFFLOAD_STRICT", kind="bool", example="1",
         doc="When every tier is full, raise TierFullError instead of keeping the tensor on the "

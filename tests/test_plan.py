@@ -152,6 +152,52 @@ def test_unreachable_budget_is_said():
     assert "the budget cannot be met" in render(plan)
 
 
+def _two_micro_batches(prof: Profile) -> Profile:
+    """`prof` as gradient accumulation inside one context runs it: its forward and backward
+    twice in one step (profile.py NOTE [Micro-batches]), the same blocks and storage keys
+    again, each micro-batch's saves freed by its backward."""
+    import dataclasses
+
+    span = prof.forward_s + prof.backward_s
+    again = [dataclasses.replace(it, segment=1,
+                                 pack_s=None if it.pack_s is None else it.pack_s + span,
+                                 unpack_s=None if it.unpack_s is None else it.unpack_s + span)
+             for it in prof.items]
+    return Profile(prof.device, 2 * prof.forward_s, 2 * prof.backward_s, 2 * prof.saved_bytes,
+                   prof.blocks + prof.blocks, prof.items + again)
+
+
+@pytest.mark.parametrize("capacity", [None, 400 * MB], ids=["room", "tier-capacity"])
+@pytest.mark.parametrize("gbps", [0.05, 1.0])
+def test_micro_batches_are_planned_as_one_is(gbps, capacity):
+    """The budget and a tier's capacity hold per micro-batch (each backward frees its
+    micro-batch's storages): two micro-batches in one step get the decisions of one, keep
+    what one keeps, and a percentage is of one's saves."""
+    one = profile()
+    two = _two_micro_batches(one)
+    assert two.peak_saved_bytes == one.saved_bytes
+    room = {} if capacity is None else {"capacity_bytes": {"nvme": capacity}}
+    single = make_plan(one, figures(gbps), params(0.3, **room))
+    double = make_plan(two, figures(gbps), params(0.3, **room))
+    assert double.prediction.kept_bytes == single.prediction.kept_bytes
+    assert double.prediction.recomputed_bytes == 2 * single.prediction.recomputed_bytes
+    assert double.op_targets == single.op_targets and double.item_targets == single.item_targets
+    assert double.prediction.feasible
+
+
+def test_an_unmet_budget_says_what_keeps_the_bytes():
+    """With no tier that frees memory (a CPU run's host tier), recompute alone cannot free
+    the blocks' inputs and what is saved outside blocks: the plan says that, not that tiers
+    are full or blocks missing; with a full tier it names the size to raise."""
+    no_tier = render(make_plan(profile(), figures(1.0), params(0.01, tiers=())))
+    assert "the budget cannot be met" in no_tier
+    assert "no tier of OFFLOAD_TIERS frees device memory" in no_tier
+    assert "tiers are full" not in no_tier and "no block" not in no_tier
+    full = render(make_plan(profile(), figures(1.0),
+                            params(0.01, capacity_bytes={"nvme": 1 * MB})))
+    assert "the tiers are full: raise OFFLOAD_NVME_BYTES" in full
+
+
 @pytest.mark.parametrize("gbps", [0.01, 1.0])
 def test_explain_names_every_saved_op_and_the_figures(gbps):
     text = render(make_plan(profile(), figures(gbps), params()))

@@ -42,7 +42,8 @@ from .tensor_meta import ViewMeta, instance_attrs, rebuild, rebuild_as_resized, 
 from .version_check import NOBODY, SavedOrigin, next_sequence_nr as _next_sequence_nr, \
     node_at_unpack, version_error, version_sentinel
 
-__all__ = ["Kept", "SmallKept", "Moved", "PackedSubclass", "held_tensor_error"]
+__all__ = ["Kept", "SmallKept", "Moved", "PackedSubclass", "held_tensor_error",
+           "changed_since_pack"]
 
 _UNSET: Any = object()
 
@@ -108,6 +109,14 @@ def kept_version_error(tensor: torch.Tensor, expected: int, node_name: str | Non
         output_nr = tensor.output_nr
     return version_error(tensor.dtype, tensor.device, tensor.shape,
                          _KeptOrigin(tensor, node_name, output_nr), expected, tensor._version)
+
+
+def changed_since_pack(save) -> bool:
+    """Whether the tensor of a handle (any of this module's, or the core's SmallSave /
+    KeptSave / MovedSave) was changed in place since its pack: its version counter moved
+    (NOTE [Version check]). Reads only: nothing is raised, loaded or marked."""
+    held = save.sentinel if hasattr(save, "sentinel") else save.tensor
+    return held._version != save.version
 
 
 @never_compiled   # the core's unpacker calls it (NOTE [Never compiled])

@@ -139,6 +139,7 @@ class AutoSession(Session):
     def enter(self, view) -> None:
         self._hooks, self._start_s, self._readahead = view.hooks, view.start_s, view.readahead
         self._placement.saved_so_far = self._saved_so_far
+        self._placement.follow(view.hooks.marks, view.hooks.ledger)   # its micro-batches
         self._t0 = self._clock.mark(view.start_s)
         self._fallback = None
         self._shape_miss = False
@@ -237,9 +238,20 @@ class AutoSession(Session):
                 return None if name is None else placement.target(name, moved)
 
             return run_block(forward, args, kwargs, store, hooks, placement, block,
-                             bp.positions, flat)
+                             bp.positions, flat, self._changed_later(self.types[stand_in]))
         finally:
             placement.enter_region(("after", index))
+
+    def _changed_later(self, type_key):
+        """What a block's re-run tells of a stored output that was changed in place after the
+        profile (stored_ops.py Rule 1; it ran that op again): the class profiles again at its
+        next step, and no later plan stores that op of this block type."""
+        def changed(op_id: tuple) -> None:
+            with self.state.lock:
+                self.state.changed_ops.add((type_key, op_id))
+            if self._fallback is None:
+                self._fallback = "an op output the plan stored was changed in place later"
+        return changed
 
     def step_done(self, report) -> None:
         state = self.state
@@ -300,6 +312,10 @@ class AutoSession(Session):
         profile = self._profile(report)
         if profile is None:
             return
+        for b in profile.blocks if self.state.changed_ops else ():   # (_changed_later)
+            for op in b.ops:
+                if (b.type_key, op.op_id) in self.state.changed_ops:
+                    op.not_storable = op.not_storable or "changed in place in a later step"
         # NOTE [Blocks run alike on every rank] Each rank decides auto on its own: its shape
         # classes, profiles, figures, trials and their winner. A block that calls a
         # collective (a tensor-parallel all_reduce, a synced statistic) must run the same way
@@ -353,15 +369,23 @@ class AutoSession(Session):
             return None
         forward_s = clock.seconds(self._t0, report.backward_mark)
         backward_s = clock.seconds(report.backward_mark, clock.mark(report.end_s))
+        micro_batches = 1 + max((it.segment for it in items), default=0)
+        if micro_batches > 1:
+            # profile.py NOTE [Micro-batches]: the backward mark is the first micro-batch's;
+            # each later one's forward is taken to be as long as the first's.
+            total_s = forward_s + backward_s
+            forward_s = min(forward_s * micro_batches, total_s - backward_s / micro_batches)
+            backward_s = total_s - forward_s
         if not clock.device:
-            forward_s -= overhead_s
+            forward_s -= overhead_s   # every micro-batch's forward's: all in forward_s now
         forward_s = max(forward_s - stats.stall_forward_s, 1e-6)
         backward_s = max(backward_s - stats.stall_backward_s, 1e-6)
         return Profile(self._device, forward_s, backward_s, stats.saved_bytes, blocks, items)
 
     def _params(self, profile: Profile) -> PlanParams:
         config = self.config
-        budget = 0 if config.budget is None else config.budget.resolve(profile.saved_bytes)
+        budget = 0 if config.budget is None else \
+            config.budget.resolve(profile.peak_saved_bytes)   # profile.py NOTE [Micro-batches]
         cpu = profile.device.type == "cpu"
         tiers = tuple(t for t in config.tiers if not (cpu and t == "host"))
         capacity = {t: self._capacity[t] for t in tiers if t in self._capacity}

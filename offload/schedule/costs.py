@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 from ..runtime.round_trip import LinkSpeed, TensorTiming, keep_on_device, pays_off
 from ..util.constants import ROUND_TRIP_SAFETY
@@ -133,6 +133,15 @@ def _hideable(item: ItemRecord, out_bps: float, in_bps: float) -> bool:
                     safety=ROUND_TRIP_SAFETY)
 
 
+def _largest(fixed: dict[int, int], kept: Iterable[ItemRecord]) -> int:
+    """The bytes the largest micro-batch keeps on the device: its fixed bytes and `kept`'s
+    of it (profile.py NOTE [Micro-batches])."""
+    per = dict(fixed)
+    for it in kept:
+        per[it.segment] = per.get(it.segment, 0) + it.nbytes
+    return max(per.values(), default=0)
+
+
 def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[TypeInfo],
             choice: dict, items: list[ItemRecord]) -> Evaluation:
     """Predicted cost of one choice of ranking prefix per block type (type key -> length),
@@ -159,8 +168,9 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
         recompute_s += per_instance_s[info.type_key] * len(info.instances)
     # What remains to keep or move, after recompute.
     remaining: list[ItemRecord] = []
-    kept_fixed = 0
+    fixed: dict[int, int] = {}   # micro-batch -> bytes kept whatever (NOTE [Micro-batches])
     for it in items:
+        stays = 0
         info = type_of_block.get(it.block) if it.block is not None else None
         if it.small:
             # Saves below OFFLOAD_MIN_BYTES (profile.ItemRecord.small) stay, but in a block
@@ -172,39 +182,55 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
             # re-runs them anyway keeps less.
             rset = recompute_sets[info.type_key] if info is not None else frozenset()
             if not rset:
-                kept_fixed += it.nbytes
+                stays += it.nbytes
             elif it.producer is not None:
                 stored = it.producer in info.saved and it.producer not in rset
-                kept_fixed += it.nbytes if stored else 0
+                stays += it.nbytes if stored else 0
             else:
-                kept_fixed += max(it.nbytes, it.small_inputs)
+                stays += max(it.nbytes, it.small_inputs)
+            fixed[it.segment] = fixed.get(it.segment, 0) + stays
             continue
         if info is not None and recompute_sets[info.type_key]:
             if it.producer in recompute_sets[info.type_key]:
                 recomputed_bytes += it.nbytes
                 continue
             if it.producer is None and it.input_index is None:
-                kept_fixed += it.nbytes  # held by checkpoint's closure, not by our hooks
+                # held by checkpoint's closure, not by our hooks
+                fixed[it.segment] = fixed.get(it.segment, 0) + it.nbytes
                 continue
         if it.eligible:
             remaining.append(it)
         else:
-            kept_fixed += it.nbytes
+            fixed[it.segment] = fixed.get(it.segment, 0) + it.nbytes
     # Bytes no decision can free (small or no_offload tensors, tensors a checkpoint holds in
-    # its closure) count against the budget, but a plan is not worse for them.
-    need = kept_fixed + sum(it.nbytes for it in remaining) - max(params.budget_bytes,
-                                                                 kept_fixed)
+    # its closure) count against the budget, but a plan is not worse for them. The budget
+    # holds for each micro-batch: its backward frees its saves before the next forward
+    # (profile.py NOTE [Micro-batches]); one forward is one micro-batch.
+    need = {m: f - max(params.budget_bytes, f) for m, f in fixed.items()}
+    for it in remaining:
+        need[it.segment] = need.get(it.segment, -params.budget_bytes) + it.nbytes
     bwd_s = profile.backward_s + recompute_s
     targets: dict[tuple, str] = {}
     moved: dict[str, int] = {t: 0 for t in params.tiers}
     exposed_s = 0.0
     if params.tiers:
-        def tier_for(nbytes: int) -> str | None:
+        # What each tier holds per micro-batch: its capacity is for one micro-batch's
+        # storages at a time (each backward frees its micro-batch's: NOTE [Micro-batches]).
+        held: dict[tuple[str, int], int] = {}
+
+        def tier_for(same: list[ItemRecord]) -> str | None:
             for t in params.tiers:
                 cap = params.capacity_bytes.get(t)
-                if cap is None or moved[t] + nbytes <= cap:
+                if cap is None or all(held.get((t, x.segment), 0) + x.nbytes <= cap
+                                      for x in same):
                     return t
             return None
+
+        def hold(tier: str, same: list[ItemRecord], sign: int = 1) -> None:
+            """Put `same` in `tier` (sign -1: take them out again)."""
+            for x in same:
+                held[(tier, x.segment)] = held.get((tier, x.segment), 0) + sign * x.nbytes
+                moved[tier] += sign * x.nbytes
 
         def stall_s() -> float:
             return _transfer_stall(moved, profile.forward_s, bwd_s, figures, params)
@@ -220,17 +246,24 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
         hide.sort(key=lambda it: (-_gap_s(it), -it.nbytes, it.key))
         # Those that cannot hide last, the longest gaps (least exposed) first.
         exposed.sort(key=lambda it: (-((it.unpack_s or math.inf) - (it.pack_s or 0.0)), it.key))
+        # One decision per storage key: each micro-batch's storage of that key takes it
+        # (the plan is looked up by key), so a key moves with all its storages at once.
+        twins: dict[tuple, list[ItemRecord]] = {}
+        for it in remaining:
+            twins.setdefault(it.key, []).append(it)
         for group in (hide, exposed):
             for it in group:
-                if need <= 0:
-                    break
-                tier = tier_for(it.nbytes)
+                same = twins[it.key]
+                if it.key in targets or all(need[x.segment] <= 0 for x in same):
+                    continue   # moved already, or its micro-batches are within the budget
+                tier = tier_for(same)
                 if tier is None:
                     continue
                 targets[it.key] = tier
-                moved[tier] += it.nbytes
-                need -= it.nbytes
-                issue_s += rates(figures, tier, params.device_type)[2]
+                hold(tier, same)
+                for x in same:
+                    need[x.segment] -= x.nbytes
+                issue_s += rates(figures, tier, params.device_type)[2] * len(same)
         exposed_s = queued_s()
         # The budget is a ceiling, not a target: storages that can still move at no
         # predicted cost move too (less device memory at the same predicted step; keeping
@@ -239,31 +272,34 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
         for it in hide:
             if it.key in targets:
                 continue
-            tier = tier_for(it.nbytes)
+            same = twins[it.key]
+            tier = tier_for(same)
             if tier is None:
                 continue
-            moved[tier] += it.nbytes
+            hold(tier, same)
             if stall_s() > before_s + 1e-9:
-                moved[tier] -= it.nbytes
+                hold(tier, same, -1)
                 break  # the window is full: later (shorter-gap) ones would not hide either
             targets[it.key] = tier
-            extra.append((it, tier))
+            extra.append((it.key, tier, same))
         if extra:
             extra_exposed = queued_s()
             if stall_s() + extra_exposed > before_s + 1e-9:  # they exposed others
-                for it, tier in extra:
-                    del targets[it.key]
-                    moved[tier] -= it.nbytes
+                for key, tier, same in extra:
+                    del targets[key]
+                    hold(tier, same, -1)
             else:
                 exposed_s = extra_exposed
-                issue_s += sum(rates(figures, t, params.device_type)[2] for _, t in extra)
+                issue_s += sum(rates(figures, t, params.device_type)[2] * len(same)
+                               for _, t, same in extra)
     stall = _transfer_stall(moved, profile.forward_s, bwd_s, figures, params) + exposed_s
     prediction = Prediction(
         step_s=compute_s + recompute_s + stall + issue_s, compute_s=compute_s,
         recompute_s=recompute_s, stall_s=stall, issue_s=issue_s,
-        kept_bytes=kept_fixed + sum(it.nbytes for it in remaining if it.key not in targets),
+        kept_bytes=_largest(fixed, (it for it in remaining if it.key not in targets)),
         moved_bytes=ReadOnlyDict({t: b for t, b in moved.items() if b}),
-        recomputed_bytes=recomputed_bytes, fixed_bytes=kept_fixed, feasible=need <= 0)
+        recomputed_bytes=recomputed_bytes, fixed_bytes=max(fixed.values(), default=0),
+        feasible=all(n <= 0 for n in need.values()))
     return Evaluation(prediction, targets, recompute_sets, per_instance_s)
 
 

@@ -16,6 +16,7 @@ from typing import Callable
 from dataclasses import dataclass
 
 from ..config import Config
+from ..runtime.backward_marks import graph_task_id
 from ..runtime.placement import Decision, Placement, TensorInfo
 from .plan import Plan
 from .profile import BlockProfiler, ItemRecord
@@ -54,9 +55,13 @@ class SchedulePlacement(Placement):
         # While recording: the step's saved bytes so far (set by the session), and where the
         # current region started (saved bytes, items) to tell its small saves (note_small).
         self.saved_so_far: Callable[[], int] | None = None
+        # The step's backward marks and ledger, while recording (`follow`): micro-batches.
+        self._marks = self._ledger = None
+        self._micro_batches = self._backwards_seen = 0
         self._region_saved = 0
         self._region_items = 0
         self._region_small_inputs = 0
+        self._region_segment = 0
 
     @contextlib.contextmanager
     def forced(self, decision: Decision):
@@ -66,6 +71,26 @@ class SchedulePlacement(Placement):
             yield
         finally:
             self._forced = None
+
+    def follow(self, marks, ledger) -> None:
+        """Tell each save's micro-batch (`segment`) from the step's backward marks
+        (runtime/backward_marks.py) and its ledger (what the saves hold)."""
+        self._marks, self._ledger = marks, ledger
+
+    def segment(self) -> int:
+        """The micro-batch a save belongs to (profile.py NOTE [Micro-batches]): a new one
+        once a backward ran since the previous save and freed every storage saved before
+        it. One that left them alive (`autograd.grad(create_graph=True)` for a gradient
+        penalty, `retain_graph`) did not end a micro-batch: its forward goes on. A save
+        during a backward (create_graph, a checkpoint's re-run) is that micro-batch's."""
+        if self._marks is None:
+            return 0
+        begun = self._marks.backwards
+        if begun != self._backwards_seen and graph_task_id() < 0:
+            self._backwards_seen = begun
+            if self._ledger.live_records == 0:
+                self._micro_batches += 1
+        return self._micro_batches
 
     def enter_region(self, region: tuple, inputs: dict[int, int] | None = None,
                      stand_in: int | None = None, small_inputs: int = 0) -> None:
@@ -95,12 +120,14 @@ class SchedulePlacement(Placement):
             # which a re-run of that op frees; the rest stays (inputs, tensors from outside).
             for op_id, nbytes in profiler.blocks[-1].small_saved.items():
                 self.items.append(ItemRecord(region, -1, nbytes, None, False, op_id,
-                                             small=True))
+                                             small=True, segment=self._region_segment))
                 small -= nbytes
         if small > 0 or self._region_small_inputs:
             self.items.append(ItemRecord(region, -1, max(small, 0), None, False, small=True,
-                                         small_inputs=self._region_small_inputs))
+                                         small_inputs=self._region_small_inputs,
+                                         segment=self._region_segment))
         self._region_saved, self._region_items = now, len(self.items)
+        self._region_segment = self.segment()
 
     def target(self, name: str, moved: bool = False) -> Decision:
         """Decision for a plan target: "keep" or a tier (then the tiers after it to spill).
@@ -133,7 +160,8 @@ class SchedulePlacement(Placement):
                     and choice.profiler is not None:
                 producer, input_index = choice.profiler.producer_of(info.storage)
             self.items.append(ItemRecord(region, ordinal, info.nbytes, info.key, eligible,
-                                         producer, input_index))
+                                         producer, input_index,
+                                         segment=self.segment()))
         if not eligible:
             return base
         plan = choice.plan

@@ -91,6 +91,9 @@ class PlanCache:
         # NOTE [Blocks run alike on every rank]): a profile saw them call a collective, or
         # their inputs change in place after the call.
         self.as_is: set[int] = set()
+        # (block type, op id) whose stored output a forward changed in place after a profile
+        # that did not see it (stored_ops.py Rule 1): never stored by a later plan.
+        self.changed_ops: set[tuple] = set()
         self.lock = threading.Lock()
 
     @property

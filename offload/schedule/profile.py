@@ -20,6 +20,15 @@ sequence differs (data-dependent: a non-contiguous input makes `linear` clone + 
 instead of one addmm, and shifts every later id) are planned apart (`block_types`), and the
 recompute stores an op's output only where the op comes at the position the plan saw it
 (stored_ops.py Rule 5).
+
+NOTE [Micro-batches] With gradient accumulation inside one context (`with ctx:` around K
+forwards and backwards), each micro-batch's backward frees what its forward saved before
+the next forward runs: what the step holds at once is one micro-batch's, not the step's
+sum. Each storage notes its micro-batch (`ItemRecord.segment`: the backwards the step had
+begun when it was saved, runtime/backward_marks.py), the budget holds for each micro-batch
+(costs.py `predict`) and a percentage budget is of the largest one's saves
+(`Profile.peak_saved_bytes`). The clock marks the first backward only: the profile takes
+each later micro-batch's forward to be as long as the first's (auto_session `_profile`).
 """
 from __future__ import annotations
 
@@ -88,6 +97,9 @@ class ItemRecord:
     # holds them).
     small: bool = False
     small_inputs: int = 0
+    # Backwards of the step begun before its save: with gradient accumulation in one
+    # context, its micro-batch (NOTE [Micro-batches]); 0 for a step of one forward.
+    segment: int = 0
 
     @property
     def key(self) -> tuple:
@@ -130,6 +142,22 @@ class Profile:
     saved_bytes: int
     blocks: list[BlockRecord]
     items: list[ItemRecord]
+
+    @property
+    def peak_saved_bytes(self) -> int:
+        """What the step saves at most at once (NOTE [Micro-batches]): `saved_bytes`, less
+        what the micro-batches other than the largest saved. For a step of one forward,
+        `saved_bytes`."""
+        per = self.segment_bytes()
+        return self.saved_bytes - sum(per.values()) + max(per.values()) if len(per) > 1 \
+            else self.saved_bytes
+
+    def segment_bytes(self) -> dict[int, int]:
+        """Bytes of the step's saves per micro-batch (ItemRecord.segment)."""
+        per: dict[int, int] = {}
+        for it in self.items:
+            per[it.segment] = per.get(it.segment, 0) + it.nbytes
+        return per
 
     def block_types(self) -> dict[tuple, list[BlockRecord]]:
         """Blocks planned together: one type that ran one op sequence (NOTE [Op identity]).

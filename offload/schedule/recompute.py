@@ -171,7 +171,8 @@ def _ranged(fn: Callable) -> Callable:
 def run_block(forward: Callable, args: tuple, kwargs: dict,
               store: Callable[[tuple], Decision | None], hooks, placement,
               block: torch.nn.Module | None = None, positions: dict | None = None,
-              flat: tuple | None = None) -> Any:
+              flat: tuple | None = None,
+              on_changed: Callable[[tuple], None] | None = None) -> Any:
     """`forward(*args, **kwargs)` under non-reentrant checkpoint with per-op storing.
 
     Args:
@@ -182,10 +183,12 @@ def run_block(forward: Callable, args: tuple, kwargs: dict,
         positions: op_id -> position in the profiled op sequence (stored_ops.py Rule 5);
             None: no check.
         flat: the call taken apart already (checkpoint_block).
+        on_changed: told the op id of a stored output the forward changed in place after
+            storing it, which the re-run ran again instead (stored_ops.py Rule 1).
     """
     block_name = "block" if block is None else type(block).__name__
 
     def context_fn():
-        return modes(store, hooks, placement, positions, block_name)
+        return modes(store, hooks, placement, positions, block_name, on_changed)
 
     return checkpoint_block(forward, args, kwargs, context_fn, block, flat)

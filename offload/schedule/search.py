@@ -24,6 +24,7 @@ all, and checkpointing whole blocks keeps their inputs.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from ..util.sizes import format_bytes
 from .constants import SLOW_READ_SHARE, TRIAL_MARGIN
@@ -77,7 +78,7 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
                    "memory is the same RAM)")
     if not pred.feasible:
         own.append(f"the budget cannot be met: {format_bytes(pred.kept_bytes)} stay on the "
-                   "device (the tiers are full, or there is no block to recompute)")
+                   f"device ({_why_kept(profile, params)})")
     elif pred.fixed_bytes > params.budget_bytes:
         own.append(f"the budget cannot be met: {format_bytes(pred.fixed_bytes)} stay on the "
                    "device whatever the plan does (below OFFLOAD_MIN_BYTES, no_offload(), "
@@ -126,10 +127,17 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
         dispatch = 2 * (figures.dispatch_op_s or 0.0) * sum(
             len(i.ops) * len(i.instances) for i in infos)
         rerun = {index: sum(o.time_s for o in i.ops) for i in infos for index in i.instances}
-        block_bytes: dict[int, int] = {}
-        for it in items:   # what a block run as it is keeps (its small saves too)
+        calls = Counter(index for i in infos for index in i.instances)   # one per micro-batch
+        # What a block run as it is keeps (its small saves too), in the micro-batch where it
+        # keeps most (profile.py NOTE [Micro-batches]: the budget holds for each).
+        per_batch: dict[tuple[int, int], int] = {}
+        for it in items:
             if it.block is not None and (it.eligible or it.small):
-                block_bytes[it.block] = block_bytes.get(it.block, 0) + it.nbytes
+                key = (it.block, it.segment)
+                per_batch[key] = per_batch.get(key, 0) + it.nbytes
+        block_bytes: dict[int, int] = {}
+        for (index, _), nbytes in per_batch.items():
+            block_bytes[index] = max(block_bytes.get(index, 0), nbytes)
         room = params.budget_bytes - full.kept_bytes
         chosen = []
         for index in sorted(rerun, reverse=True):   # the last blocks: backward needs them first
@@ -139,7 +147,7 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
             room -= need
             chosen.append(index)
         keeps = frozenset(chosen)
-        out["checkpoint"] = full.step_s - dispatch - sum(rerun[i] for i in keeps)
+        out["checkpoint"] = full.step_s - dispatch - sum(rerun[i] * calls[i] for i in keeps)
         kept["checkpoint"] = full.kept_bytes + sum(block_bytes.get(i, 0) for i in keeps)
     return out, kept, keeps
 
@@ -248,3 +256,19 @@ def _readahead(profile: Profile, figures: Figures, params: PlanParams, per_block
     if biggest / in_bps <= SLOW_READ_SHARE * block_backward_s:
         return 0
     return max(0, min(biggest, params.staging_bytes - largest))
+
+
+def _why_kept(profile: Profile, params: PlanParams) -> str:
+    """Why an unmet budget is unmet: what keeps the bytes no recompute frees (a block's
+    inputs, what is saved outside blocks) on the device."""
+    why = []
+    if not params.tiers:
+        why.append("no tier of OFFLOAD_TIERS frees device memory here (on a CPU, host memory "
+                   "is the same RAM): the blocks' inputs and what is saved outside blocks, "
+                   "which recompute does not free, stay; add 'nvme' to move them")
+    else:
+        sizes = " / ".join(f"OFFLOAD_{t.upper()}_BYTES" for t in params.tiers)
+        why.append(f"the tiers are full: raise {sizes}")
+    if not profile.blocks:
+        why.append("no block was found to recompute: pass model= or blocks=")
+    return "; ".join(why)

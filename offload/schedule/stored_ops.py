@@ -15,9 +15,12 @@ Rule 1 (what may be stored). Only ops that make new storage: not in-place / out=
 (their output is an input, changed) and not views (their output aliases an input; a view
 re-runs for free). Ops with non-tensor or non-plain-tensor outputs re-run too. A stored
 output that the forward later changes in place would come back changed: the plan never
-stores those (the profile sees it: offload/schedule/profile.py), and if one is changed
-anyway, the unpack raises autograd's in-place error (NOTE [Version check] in
-offload/runtime/version_check.py) instead of returning wrong values.
+stores those (the profile sees it: offload/schedule/profile.py). One changed anyway (a
+forward that starts to change it only in a step after the profile: a flag, a data-dependent
+branch) is not handed back: the re-run finds its version moved (`changed_since_pack`, NOTE
+[Version check] in offload/runtime/version_check.py), drops it and runs the op again, then
+the in-place op after it, as plain checkpoint does; the caller is told (`on_changed`: auto
+profiles the class again with that op never stored).
 
 Rule 2 (random ops replay exactly). checkpoint restores the RNG state at the block's start
 before recomputing. A stored random op (dropout as one op, attention with dropout) does
@@ -35,7 +38,10 @@ Rule 4 (held outputs). What we hold is a detached alias of the op output (it sha
 storage and the version counter, Rule 1): holding the output itself would tie its autograd
 node to our stash and make a reference cycle. Below autograd (in a dispatch mode) the
 ADInplaceOrView key is off, and an alias made there would get a version counter of its
-own: the pack runs with that key switched back on. Each stored entry is dropped as soon as the
+own: the pack runs with that key switched back on. A factory function's Python wrapper
+(`torch.randn_like`, `zeros`, `arange`, `full`) detaches the op's output below autograd
+before its caller gets it, so the caller's tensor counts its versions apart from the output
+we would hold: an output detached so right after its op is not stored (it re-runs). Each stored entry is dropped as soon as the
 recompute took it, so its tier space returns during the backward of its block; a second
 backward (retain_graph) finds none and recomputes every op, which is plain checkpointing
 and replays exactly too.
@@ -70,15 +76,17 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..runtime.placement import Decision
+from ..runtime.saved_handles import changed_since_pack
 
 __all__ = ["modes", "storable_op", "op_entry", "op_name", "IGNORED_OPS", "forget_messages"]
 
 log = logging.getLogger("offload")
 
-IGNORED_OPS = {torch.ops.aten.detach.default, torch.ops.prim.device.default}  # Rule 3
+_DETACH = torch.ops.aten.detach.default
+IGNORED_OPS = {_DETACH, torch.ops.prim.device.default}  # Rule 3
 
 _SEEDED = torch.Tag.nondeterministic_seeded
 
@@ -188,11 +196,19 @@ class StoreOutputs(TorchDispatchMode):
         self.last = max(positions.values(), default=-1) if positions is not None else None
         self.position = 0
         self.counter: dict[Any, int] = defaultdict(int)
+        self._just_stored: tuple | None = None   # (stash key, output) of the op just stored
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        just_stored, self._just_stored = self._just_stored, None
         if func in IGNORED_OPS:
+            if func is _DETACH and just_stored is not None and args and \
+                    args[0] is just_stored[1]:
+                # Rule 4: a factory's own Python wrapper (randn_like, zeros, arange) hands
+                # its caller a detached copy of the output, with a version counter of its
+                # own: a later in-place change would never be seen (Rule 1). Not stored.
+                del self.stash[just_stored[0]]
             return out
         n = self.counter[func]
         self.counter[func] = n + 1
@@ -232,18 +248,22 @@ class StoreOutputs(TorchDispatchMode):
 
         entry.packed = tree_map(pack, out)
         self.stash[(func, n)] = entry
+        if isinstance(out, torch.Tensor):
+            self._just_stored = ((func, n), out)
         return out
 
 
 class ReplayOutputs(TorchDispatchMode):
     """Recompute: stored ops return their stored bytes, every other op runs."""
 
-    def __init__(self, stash: dict, ops: list, hooks, block_name: str) -> None:
+    def __init__(self, stash: dict, ops: list, hooks, block_name: str,
+                 on_changed: Callable[[tuple], None] | None = None) -> None:
         super().__init__()
         self.stash = stash
         self.ops = ops
         self.hooks = hooks
         self.block_name = block_name
+        self.on_changed = on_changed   # Rule 1: told the op id of a stored output changed
         self.counter: dict[Any, int] = defaultdict(int)
         self.position = 0
         self.diverged = False
@@ -268,6 +288,10 @@ class ReplayOutputs(TorchDispatchMode):
         entry = self.stash.pop((func, n), None)  # Rule 4: dropped once taken
         if entry is None:
             return func(*args, **kwargs)
+        if any(changed_since_pack(x.packed) for x in tree_leaves(entry.packed)
+               if isinstance(x, _Held)):
+            self._changed((op_name(func), n))   # Rule 1: the op runs again instead
+            return func(*args, **kwargs)
         out = tree_map(lambda x: self.hooks.unpack(x.packed) if isinstance(x, _Held) else x,
                        entry.packed)
         if entry.cpu_rng is not None:  # Rule 2
@@ -277,6 +301,18 @@ class ReplayOutputs(TorchDispatchMode):
             if entry.generator is not None:
                 entry.generator.set_state(entry.generator_rng)
         return out
+
+    def _changed(self, op_id: tuple) -> None:
+        """Rule 1: a stored output was changed in place after its op; it is not handed back."""
+        if self.on_changed is not None:
+            self.on_changed(op_id)
+        if (self.block_name, op_id) not in _said_changed:
+            _said_changed.add((self.block_name, op_id))
+            log.info("offload: auto: an output of %s #%d (as ctx.plan names it) that the "
+                     "plan stores for a %s was changed in place after it was stored (the "
+                     "forward changes it now, not in the profiled step): the re-run runs that "
+                     "op again, as plain checkpoint does", op_id[0].removeprefix("aten."),
+                     op_id[1], self.block_name)
 
     def _diverge(self, func, position: int) -> None:
         """Rule 6: the re-run left the forward's ops; no stored output is handed back."""
@@ -293,21 +329,25 @@ class ReplayOutputs(TorchDispatchMode):
                      position, op_name(func), forward)
 
 
-# Block types whose re-run left the forward's ops (Rule 6), said once.
+# Block types whose re-run left the forward's ops (Rule 6), and (block type, op id) whose
+# stored output was changed (Rule 1): said once.
 _said_diverged: set[str] = set()
+_said_changed: set[tuple] = set()
 
 
 def forget_messages() -> None:
-    """Say Rule 6's message again (offload.process.reset)."""
+    """Say Rules 1 and 6's messages again (offload.process.reset)."""
     _said_diverged.clear()
+    _said_changed.clear()
 
 
 def modes(store: Callable[[tuple], Decision | None], hooks, placement,
-          positions: dict | None, block_name: str
+          positions: dict | None, block_name: str,
+          on_changed: Callable[[tuple], None] | None = None
           ) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     """The forward's and the re-run's modes of one block call, sharing its stash (what
     `run_block` hands checkpoint as its `context_fn`'s result)."""
     stash: dict = {}
     ops: list = []
     return (StoreOutputs(stash, ops, store, hooks, placement, positions),
-            ReplayOutputs(stash, ops, hooks, block_name))
+            ReplayOutputs(stash, ops, hooks, block_name, on_changed))
