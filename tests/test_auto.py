@@ -581,6 +581,32 @@ def test_a_stored_output_of_any_op_changed_in_place_is_never_handed_back(made_by
     assert all(map(torch.equal, got, want)), made_by
 
 
+class _Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return x + torch.tanh(h + torch.randn_like(h))
+
+
+def test_the_profile_marks_a_factorys_output_not_storable():
+    """Rule 4 in the plan: the profile sees a factory's output detached by its wrapper, so
+    the plan never counts on storing it (it re-runs in every per-op plan), as the forward's
+    mode will not store it; an op's ordinary output stays storable."""
+    model = nn.Sequential(_Noisy(), _Noisy())
+    ctx = offload.activations(model=model, policy="auto", tiers="host", min_bytes=0)
+    for _ in range(2):   # warm-up, profile
+        with ctx:
+            model(torch.randn(8, 16)).sum().backward()
+    ops = {op.op_id: op for op in ctx._schedule.state.profile.blocks[0].ops}
+    assert ops[("aten.randn_like.default", 0)].not_storable == \
+        "a factory's, detached by its wrapper"
+    assert ops[("aten.addmm.default", 0)].not_storable is None
+    ctx.close()
+
+
 class _ShiftBlock(nn.Module):
     """Changes its first projection's output in place while `shift` is set (a switch a
     training loop flips: a curriculum, a data-dependent branch)."""

@@ -21,14 +21,12 @@ instead of one addmm, and shifts every later id) are planned apart (`block_types
 recompute stores an op's output only where the op comes at the position the plan saw it
 (stored_ops.py Rule 5).
 
-NOTE [Micro-batches] With gradient accumulation inside one context (`with ctx:` around K
-forwards and backwards), each micro-batch's backward frees what its forward saved before
-the next forward runs: what the step holds at once is one micro-batch's, not the step's
-sum. Each storage notes its micro-batch (`ItemRecord.segment`: the backwards the step had
-begun when it was saved, runtime/backward_marks.py), the budget holds for each micro-batch
-(costs.py `predict`) and a percentage budget is of the largest one's saves
-(`Profile.peak_saved_bytes`). The clock marks the first backward only: the profile takes
-each later micro-batch's forward to be as long as the first's (auto_session `_profile`).
+NOTE [Micro-batches] With gradient accumulation inside one context, each micro-batch's
+backward frees its forward's saves before the next forward: the step holds one micro-batch's
+at once, not their sum. Each storage notes its micro-batch (`ItemRecord.segment`, told by
+placement.py), the budget and tier capacities hold per micro-batch (costs.py `predict`), a
+percentage is of the largest one's saves (`peak_saved_bytes`), and each later forward is
+taken to be as long as the first, the one the clock marks (auto_session `_profile`).
 """
 from __future__ import annotations
 
@@ -45,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..runtime.version_check import version_sentinel
 from ..util import clock
 from .recompute import block_inputs
-from .stored_ops import IGNORED_OPS, op_name, storable_op
+from .stored_ops import IGNORED_OPS, detaches_a_factory_output, op_name, storable_op
 
 __all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler",
            "signature"]
@@ -235,10 +233,14 @@ class _ProfileMode(TorchDispatchMode):
         self.p = profiler
         self.block = block
         self.counter: dict[Any, int] = defaultdict(int)
+        self.made: tuple | None = None   # (record, output) of the op just run
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        made, self.made = self.made, None
         if func in IGNORED_OPS:
+            if made is not None and detaches_a_factory_output(func, args, made[1]):
+                made[0].not_storable = "a factory's, detached by its wrapper"
             return func(*args, **kwargs)
         if func.namespace in COLLECTIVE_NAMESPACES:
             self.block.collective = True
@@ -253,6 +255,8 @@ class _ProfileMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.p.timer.stop(record, start)
         self.block.ops.append(record)
+        if isinstance(out, torch.Tensor):
+            self.made = (record, out)
         p = self.p
         if func._schema.is_mutable:
             # An in-place op: the storages it wrote must not be stored before it (the

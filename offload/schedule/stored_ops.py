@@ -37,14 +37,14 @@ counted, so the op ids of both passes agree.
 Rule 4 (held outputs). What we hold is a detached alias of the op output (it shares the
 storage and the version counter, Rule 1): holding the output itself would tie its autograd
 node to our stash and make a reference cycle. Below autograd (in a dispatch mode) the
-ADInplaceOrView key is off, and an alias made there would get a version counter of its
-own: the pack runs with that key switched back on. A factory function's Python wrapper
+ADInplaceOrView key is off, and an alias made there would get a version counter of its own:
+the pack runs with that key switched back on. A factory function's Python wrapper
 (`torch.randn_like`, `zeros`, `arange`, `full`) detaches the op's output below autograd
 before its caller gets it, so the caller's tensor counts its versions apart from the output
-we would hold: an output detached so right after its op is not stored (it re-runs). Each stored entry is dropped as soon as the
-recompute took it, so its tier space returns during the backward of its block; a second
-backward (retain_graph) finds none and recomputes every op, which is plain checkpointing
-and replays exactly too.
+we would hold: an output detached so right after its op is not stored (it re-runs). Each
+stored entry is dropped as soon as the recompute took it, so its tier space returns during
+the backward of its block; a second backward (retain_graph) finds none and recomputes every
+op, which is plain checkpointing and replays exactly too.
 
 Rule 5 (the op the plan saw). An op's output is stored only when the op comes at the
 position in the block's op sequence where the profile saw it (`positions`): a block whose
@@ -81,7 +81,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ..runtime.placement import Decision
 from ..runtime.saved_handles import changed_since_pack
 
-__all__ = ["modes", "storable_op", "op_entry", "op_name", "IGNORED_OPS", "forget_messages"]
+__all__ = ["modes", "storable_op", "op_entry", "op_name", "IGNORED_OPS", "forget_messages",
+           "detaches_a_factory_output"]
 
 log = logging.getLogger("offload")
 
@@ -89,6 +90,13 @@ _DETACH = torch.ops.aten.detach.default
 IGNORED_OPS = {_DETACH, torch.ops.prim.device.default}  # Rule 3
 
 _SEEDED = torch.Tag.nondeterministic_seeded
+
+
+def detaches_a_factory_output(func, args: tuple, made: torch.Tensor) -> bool:
+    """Rule 4: whether `func(*args)` is the detach a factory's own Python wrapper (randn_like,
+    zeros, arange) applies to `made`, the output of the op just before, handing its caller a
+    copy whose version counter is not `made`'s."""
+    return func is _DETACH and bool(args) and args[0] is made
 
 
 def op_name(func) -> str:
@@ -203,12 +211,9 @@ class StoreOutputs(TorchDispatchMode):
         out = func(*args, **kwargs)
         just_stored, self._just_stored = self._just_stored, None
         if func in IGNORED_OPS:
-            if func is _DETACH and just_stored is not None and args and \
-                    args[0] is just_stored[1]:
-                # Rule 4: a factory's own Python wrapper (randn_like, zeros, arange) hands
-                # its caller a detached copy of the output, with a version counter of its
-                # own: a later in-place change would never be seen (Rule 1). Not stored.
-                del self.stash[just_stored[0]]
+            if just_stored is not None and detaches_a_factory_output(func, args,
+                                                                     just_stored[1]):
+                del self.stash[just_stored[0]]   # Rule 4: a change would never be seen
             return out
         n = self.counter[func]
         self.counter[func] = n + 1
