@@ -185,6 +185,21 @@ def test_micro_batches_are_planned_as_one_is(gbps, capacity):
     assert double.prediction.feasible
 
 
+def test_a_storage_key_saved_twice_in_a_forward_fits_a_tier_with_both():
+    """A block called twice in one forward (a shared layer) saves its storages under the same
+    keys twice, and a key's decision is both's: a tier takes the key only with room for
+    both."""
+    def twice(region):
+        return [ItemRecord(region, 0, 10 * MB, ("x", k), True, pack_s=0.01 + k * 0.01,
+                           unpack_s=FWD_S + BWD_S - 0.1) for k in range(2)]
+    prof = Profile(torch.device("cpu"), FWD_S, BWD_S, 20 * MB, [], twice(("after", 0)))
+    plan = make_plan(prof, figures(1.0), params(0.0, capacity_bytes={"nvme": 15 * MB}))
+    assert plan.prediction.moved_bytes.get("nvme", 0) == 0
+    assert not plan.prediction.feasible
+    roomy = make_plan(prof, figures(1.0), params(0.0, capacity_bytes={"nvme": 20 * MB}))
+    assert roomy.prediction.moved_bytes["nvme"] == 20 * MB
+
+
 def test_an_unmet_budget_says_what_keeps_the_bytes():
     """With no tier that frees memory (a CPU run's host tier), recompute alone cannot free
     the blocks' inputs and what is saved outside blocks: the plan says that, not that tiers

@@ -219,10 +219,12 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
         held: dict[tuple[str, int], int] = {}
 
         def tier_for(same: list[ItemRecord]) -> str | None:
+            per: dict[int, int] = {}   # micro-batch -> bytes (a block called twice in one)
+            for x in same:
+                per[x.segment] = per.get(x.segment, 0) + x.nbytes
             for t in params.tiers:
                 cap = params.capacity_bytes.get(t)
-                if cap is None or all(held.get((t, x.segment), 0) + x.nbytes <= cap
-                                      for x in same):
+                if cap is None or all(held.get((t, m), 0) + b <= cap for m, b in per.items()):
                     return t
             return None
 
