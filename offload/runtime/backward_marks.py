@@ -9,9 +9,7 @@ NOTE [End of step], point 2), the end of that
 backward is queued as an autograd callback. What a call does depends only on
 `first_unpack_s`, `on_backward_end` and the graph task, so the core's Unpacker calls again
 only when the task or `epoch` (bumped with every new `on_backward_end`) changed
-(hooks.py NOTE [Handles in C]). `backwards` counts the step's backwards (graph tasks) that
-unpacked a stored tensor: with gradient accumulation in one context, the micro-batch a
-save belongs to (`auto` plans against the largest: schedule/placement.py).
+(hooks.py NOTE [Handles in C]).
 """
 from __future__ import annotations
 
@@ -45,8 +43,6 @@ class BackwardMarks:
         self._on_backward_end = None
         self.epoch = 0
         self._queued_task = -1
-        self.backwards = 0       # backwards of the step that unpacked a stored tensor so far
-        self._counted_task = -1
 
     @property
     def on_backward_end(self):
@@ -63,13 +59,11 @@ class BackwardMarks:
         """An unpack (not a small save's)."""
         if self.first_unpack_s is None:
             self._starts()
-        task = graph_task_id()
-        if task != self._counted_task and task >= 0:
-            self._counted_task = task
-            self.backwards += 1
-        if self._on_backward_end is not None and task != self._queued_task and task >= 0:
-            self._queued_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+        if self._on_backward_end is not None:
+            task = graph_task_id()
+            if task != self._queued_task and task >= 0:
+                self._queued_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._ended)
 
     def _starts(self) -> None:
         self.first_unpack_s = time.perf_counter()

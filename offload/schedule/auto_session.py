@@ -139,7 +139,7 @@ class AutoSession(Session):
     def enter(self, view) -> None:
         self._hooks, self._start_s, self._readahead = view.hooks, view.start_s, view.readahead
         self._placement.saved_so_far = self._saved_so_far
-        self._placement.follow(view.hooks.marks, view.hooks.ledger)   # its micro-batches
+        self._placement.follow(view.hooks.ledger)   # its micro-batches
         self._t0 = self._clock.mark(view.start_s)
         self._fallback = None
         self._shape_miss = False

@@ -55,9 +55,10 @@ class SchedulePlacement(Placement):
         # While recording: the step's saved bytes so far (set by the session), and where the
         # current region started (saved bytes, items) to tell its small saves (note_small).
         self.saved_so_far: Callable[[], int] | None = None
-        # The step's backward marks and ledger, while recording (`follow`): micro-batches.
-        self._marks = self._ledger = None
-        self._micro_batches = self._backwards_seen = 0
+        # The step's ledger, while recording (`follow`): what tells its micro-batches.
+        self._ledger = None
+        self._micro_batches = 0
+        self._holding = False   # the step's saves held a record since the micro-batch began
         self._region_saved = 0
         self._region_items = 0
         self._region_small_inputs = 0
@@ -72,24 +73,23 @@ class SchedulePlacement(Placement):
         finally:
             self._forced = None
 
-    def follow(self, marks, ledger) -> None:
-        """Tell each save's micro-batch (`segment`) from the step's backward marks
-        (runtime/backward_marks.py) and its ledger (what the saves hold)."""
-        self._marks, self._ledger = marks, ledger
+    def follow(self, ledger) -> None:
+        """Tell each save's micro-batch (`segment`) by the step's ledger: its live records."""
+        self._ledger = ledger
 
     def segment(self) -> int:
         """The micro-batch a save belongs to (profile.py NOTE [Micro-batches]): a new one
-        once a backward ran since the previous save and freed every storage saved before
-        it. One that left them alive (`autograd.grad(create_graph=True)` for a gradient
-        penalty, `retain_graph`) did not end a micro-batch: its forward goes on. A save
-        during a backward (create_graph, a checkpoint's re-run) is that micro-batch's."""
-        if self._marks is None:
+        once every stored storage the step held was freed (its backward ran). A backward
+        that left them alive (`autograd.grad(create_graph=True)` for a gradient penalty,
+        `retain_graph`) did not end a micro-batch: its forward goes on. A save during a
+        backward (create_graph, a checkpoint's re-run) is that micro-batch's."""
+        if self._ledger is None:
             return 0
-        begun = self._marks.backwards
-        if begun != self._backwards_seen and graph_task_id() < 0:
-            self._backwards_seen = begun
-            if self._ledger.live_records == 0:
-                self._micro_batches += 1
+        if self._ledger.live_records:
+            self._holding = True
+        elif self._holding and graph_task_id() < 0:
+            self._holding = False
+            self._micro_batches += 1
         return self._micro_batches
 
     def enter_region(self, region: tuple, inputs: dict[int, int] | None = None,
