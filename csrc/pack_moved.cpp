@@ -1,16 +1,16 @@
 // The packer's move path (pack_moved.hpp; hooks.py NOTE [Move path in C]).
 //
-// The same tests as hooks.py's `_pack_strided` → `_pack_plain` → `_store`, in their order,
-// for the one case it takes: a plain CPU activation (not a weight, not an untracked alias,
-// not saved in a backward or under no_offload) whose storage the standing decision sends
-// to a tier that stores CPU storages in C. Each test that does not hold returns "not
-// taken" before anything changed, so the Python path, which redoes all of them, decides
-// as it would have. What it then does is what `Storer.store` (storing.py) does: the next
-// position, the
-// tier's store, the record (counting itself into the meter), the prefetcher's order (a
-// payload that left the device's memory), the timeline's row, the index entry; then a
-// MovedSave (moved_save.cpp) for bytes that moved, or the record itself for a tensor that
-// stays with it (the host tier's StorageRef on a CPU run), as `_pack_plain` returns it.
+// The same tests as hooks.py's `_pack_strided` → `_pack_plain` → `Storer.store` (storing.py),
+// in their order, for the one case it takes: a plain CPU activation (not a weight, not an
+// untracked alias, not saved in a backward or under no_offload) whose storage the standing
+// decision sends to a tier that stores CPU storages in C. Each test that does not hold
+// returns "not taken" before anything changed, so the Python path, which redoes all of
+// them, decides as it would have. What it then does is what `Storer.store` does: the next
+// position, the tier's store, the record (counting itself into the meter), the
+// prefetcher's order (a payload that left the device's memory), the timeline's row, the
+// index entry; then a MovedSave (moved_save.cpp) for bytes that moved, or the record itself
+// for a tensor that stays with it (the host tier's StorageRef on a CPU run), as
+// `_pack_plain` returns it.
 #include "pack_moved.hpp"
 
 #include <Python.h>

@@ -1,7 +1,7 @@
 // runtime.timeline.Timeline in C: when each stored storage of a step was packed and first
 // unpacked (offload/runtime/timeline.py has the Python one, for a process without the core).
 //
-// Why C: a row is added for every stored storage the step times (hooks.py `_store`) and
+// Why C: a row is added for every stored storage the step times (storing.py `Storer.store`) and
 // marked at its first unpack (the core's Unpacker, records.load), so in Python each costs a
 // method's frame and four array appends; here a row is four vector slots and the
 // Unpacker marks it without a Python call (`timeline_unpacked`). Rows are plain numbers, so

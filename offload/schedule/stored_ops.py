@@ -211,8 +211,7 @@ class StoreOutputs(TorchDispatchMode):
         out = func(*args, **kwargs)
         just_stored, self._just_stored = self._just_stored, None
         if func in IGNORED_OPS:
-            if just_stored is not None and detaches_a_factory_output(func, args,
-                                                                     just_stored[1]):
+            if just_stored is not None and detaches_a_factory_output(func, args, just_stored[1]):
                 del self.stash[just_stored[0]]   # Rule 4: a change would never be seen
             return out
         n = self.counter[func]
