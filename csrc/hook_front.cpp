@@ -63,8 +63,8 @@ struct Packer {
   PyObject* meter_obj;       // the meter's Python object (what a record counts itself into)
   MovePath moves;            // empty: no move path (pack_moved.hpp)
   // fork_generation (forks.hpp) when it was made; -1 once retired. Another than the
-  // process's: every save goes to the Python path, which holds it as it is (hooks.py NOTE
-  // [Hooks across a fork]).
+  // process's: every save goes to the Python path, which holds it as it is (hooks.py
+  // `_Forks`; offload/process.py's table, "forked child").
   long long generation;
 };
 
@@ -328,7 +328,7 @@ void bind_hook_front(py::module_& m) {
   add_type(m, "Packer", packer_type);
   m.def("after_fork_in_child", [] { ++fork_generation; },
         "In a forked child: the packers made before the fork hand every save to the Python "
-        "path (hooks.py NOTE [Hooks across a fork]).");
+        "path (hooks.py `_Forks`).");
 }
 
 }  // namespace offload::bind

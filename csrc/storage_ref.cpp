@@ -104,6 +104,10 @@ struct HostLedger {
   // The StorageRefs stored and not yet released (a strong reference each; `abort`
   // releases them). Not tracked: a StorageRef refers to no Python object of the user's.
   std::unordered_set<PyObject*>* live;
+  // The process's host budget (another HostLedger, holding no refs: tiers/host.py NOTE
+  // [One host budget]) that this tier's bytes count into too, and whose capacity they fit
+  // into; null for a ledger of its own. `detach` lets go of it.
+  PyObject* budget;
 };
 
 PyObject* n_nbytes = nullptr;
@@ -122,16 +126,31 @@ bool parse_nbytes(PyObject* arg, long long* out) {
 
 // Counts `nbytes` if they fit the capacity (both >= 0, used <= capacity: no overflow).
 bool take(HostLedger* self, long long nbytes) {
-  if (nbytes > self->capacity - self->used) return false;
-  self->used += nbytes;
+  HostLedger* fits = self->budget != nullptr ? as_ledger(self->budget) : self;
+  if (nbytes > fits->capacity - fits->used) return false;
+  fits->used += nbytes;
+  if (fits != self) self->used += nbytes;
   return true;
 }
 
+// Uncounts `nbytes` this ledger counted (and its budget with it).
+void uncount(HostLedger* self, long long nbytes) {
+  self->used -= nbytes;
+  if (self->budget != nullptr) as_ledger(self->budget)->used -= nbytes;
+}
+
 PyObject* ledger_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* keywords[] = {"capacity_bytes", nullptr};
+  static const char* keywords[] = {"capacity_bytes", "budget", nullptr};
   long long capacity;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "L", const_cast<char**>(keywords), &capacity))
+  PyObject* budget = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "L|O", const_cast<char**>(keywords), &capacity,
+                                   &budget))
     return nullptr;
+  if (budget != Py_None && (Py_TYPE(budget) != type || as_ledger(budget)->budget != nullptr)) {
+    PyErr_Format(PyExc_TypeError, "offload: HostLedger(budget=...) takes a HostLedger that has "
+                 "no budget of its own, not %s", Py_TYPE(budget)->tp_name);
+    return nullptr;
+  }
   if (capacity < 0) {
     PyErr_Format(PyExc_ValueError, "offload: HostLedger: capacity_bytes must be >= 0, got %lld",
                  capacity);
@@ -142,6 +161,7 @@ PyObject* ledger_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   auto* self = as_ledger(obj);
   self->capacity = capacity;
   self->used = 0;
+  self->budget = budget == Py_None ? nullptr : Py_NewRef(budget);
   self->live = new (std::nothrow) std::unordered_set<PyObject*>();
   if (self->live == nullptr) {
     Py_DECREF(obj);
@@ -157,6 +177,10 @@ void ledger_dealloc(PyObject* obj) {
     delete self->live;
     self->live = nullptr;
     for (PyObject* ref : refs) Py_DECREF(ref);
+  }
+  if (self->budget != nullptr) {   // what it still counted leaves the budget with it
+    as_ledger(self->budget)->used -= self->used;
+    Py_CLEAR(self->budget);
   }
   Py_TYPE(obj)->tp_free(obj);
 }
@@ -175,7 +199,7 @@ PyObject* ledger_store(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
     if (!take(self, nbytes)) Py_RETURN_NONE;
     PyObject* ref = make(&storage_ref_type, args[0], static_cast<Py_ssize_t>(nbytes), args[1]);
     if (ref == nullptr) {
-      self->used -= nbytes;
+      uncount(self, nbytes);
       throw py::error_already_set();
     }
     self->live->insert(Py_NewRef(ref));
@@ -189,7 +213,7 @@ void release_ref(HostLedger* self, PyObject* ref) {
   if (fields->storage == nullptr || fields->storage == Py_None) return;   // released
   PyObject* storage = fields->storage;
   fields->storage = Py_NewRef(Py_None);
-  self->used -= fields->nbytes;
+  uncount(self, fields->nbytes);
   auto found = self->live->find(ref);
   if (found != self->live->end()) {
     self->live->erase(found);
@@ -225,7 +249,18 @@ PyObject* ledger_give(PyObject* obj, PyObject* arg) {
                  "counted", nbytes, self->used);
     return nullptr;
   }
-  self->used -= nbytes;
+  uncount(self, nbytes);
+  Py_RETURN_NONE;
+}
+
+// detach(): this ledger's bytes leave its budget, which it lets go of (its tier closed:
+// whatever it still counts is no longer the process's).
+PyObject* ledger_detach(PyObject* obj, PyObject*) {
+  auto* self = as_ledger(obj);
+  if (self->budget != nullptr) {
+    as_ledger(self->budget)->used -= self->used;
+    Py_CLEAR(self->budget);
+  }
   Py_RETURN_NONE;
 }
 
@@ -244,7 +279,14 @@ PyObject* ledger_abort(PyObject* obj, PyObject*) {
 PyObject* ledger_used(PyObject* obj, void*) { return PyLong_FromLongLong(as_ledger(obj)->used); }
 
 PyObject* ledger_capacity(PyObject* obj, void*) {
-  return PyLong_FromLongLong(as_ledger(obj)->capacity);
+  auto* self = as_ledger(obj);
+  return PyLong_FromLongLong(self->budget != nullptr ? as_ledger(self->budget)->capacity
+                                                     : self->capacity);
+}
+
+PyObject* ledger_budget(PyObject* obj, void*) {
+  PyObject* budget = as_ledger(obj)->budget;
+  return Py_NewRef(budget != nullptr ? budget : Py_None);
 }
 
 Py_ssize_t ledger_len(PyObject* obj) {
@@ -262,14 +304,18 @@ PyMethodDef ledger_methods[] = {
      "take(nbytes) -> bool: count bytes stored elsewhere (pinned copies) if they fit."},
     {"give", ledger_give, METH_O, "give(nbytes): uncount what take counted."},
     {"abort", ledger_abort, METH_NOARGS, "abort(): release every StorageRef still held."},
+    {"detach", ledger_detach, METH_NOARGS,
+     "detach(): uncount this ledger's bytes from its budget and let go of it."},
     {nullptr, nullptr, 0, nullptr},
 };
 
 PyGetSetDef ledger_getset[] = {
     {const_cast<char*>("used_bytes"), ledger_used, nullptr,
-     const_cast<char*>("Bytes counted (stored by reference, or taken)."), nullptr},
+     const_cast<char*>("Bytes this ledger counted (stored by reference, or taken)."), nullptr},
     {const_cast<char*>("capacity_bytes"), ledger_capacity, nullptr,
-     const_cast<char*>("What `store` and `take` fit into."), nullptr},
+     const_cast<char*>("What `store` and `take` fit into (the budget's, with one)."), nullptr},
+    {const_cast<char*>("budget"), ledger_budget, nullptr,
+     const_cast<char*>("The HostLedger this one counts into too (None: none)."), nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -278,8 +324,9 @@ PySequenceMethods ledger_sequence = length_only(ledger_len);
 PyTypeObject host_ledger_type = [] {
   PyTypeObject type = plain_type(
       "offload._C.HostLedger", sizeof(HostLedger),
-      "HostLedger(capacity_bytes): the host tier's byte count and the StorageRefs it holds "
-      "(`len`: how many are not yet released).",
+      "HostLedger(capacity_bytes, budget=None): the host tier's byte count and the "
+      "StorageRefs it holds (`len`: how many are not yet released); with `budget` (a "
+      "HostLedger) its bytes count into that one too and fit into its capacity.",
       ledger_new, ledger_dealloc);
   type.tp_methods = ledger_methods;
   type.tp_getset = ledger_getset;

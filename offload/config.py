@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from . import config_checks
 from .config_parse import PARSERS, POLICIES, TIERS
-from .errors import ConfigError
+from .errors import ConfigError, short_repr
 from .util.figures import ProbeSetting
 from .util import logs
 from .util.ranks import Ranks
@@ -67,7 +67,8 @@ class Config:
             "systems are refused.")
     host_bytes: SizeSpec = _knob(
         SizeSpec(fraction=0.5), env="OFFLOAD_HOST_BYTES", kind="size or %", example="8GiB",
-        doc="Capacity of the `host` tier; a percentage is of the memory available at entry "
+        doc="What this process may keep in the `host` tier, shared by every step alive at "
+            "once (one budget per process); a percentage is of the memory available at entry "
             "(RAM, or less inside a memory cgroup: Docker, Kubernetes, Slurm), divided among "
             "the processes of this host (LOCAL_WORLD_SIZE); a size is per process.")
     nvme_bytes: SizeSpec = _knob(
@@ -114,7 +115,8 @@ class Config:
     prefetch_bytes: int = _knob(
         _DEFAULT_PREFETCH_BYTES, env="OFFLOAD_PREFETCH_BYTES", kind="size", example="512MiB",
         doc="Bytes of reads kept in flight ahead of backward (reverse pack order); keep it "
-            "below OFFLOAD_STAGING_BYTES so reads land in the arena.")
+            "below OFFLOAD_STAGING_BYTES so reads land in the arena. One read is always in "
+            "flight, so 0 means one at a time.")
     io_workers: int = _knob(
         _DEFAULT_IO_WORKERS, env="OFFLOAD_IO_WORKERS", kind="int", example="8",
         doc="I/O threads of the NVMe engine.")
@@ -128,7 +130,8 @@ class Config:
         doc="Host staging of the `nvme` tier: the arena that read-ahead lands in (and, on "
             "a GPU, the pinned write-behind buffers), and on a CPU the most bytes of tensors "
             "held for writes in flight; the forward only waits when it is full. Counts in RSS "
-            "once touched (pinned at once on a GPU).")
+            "once touched (pinned at once on a GPU). 0 keeps the least: one write in flight "
+            "at a time.")
     cpu_heap: str = _knob(
         "reuse", env="OFFLOAD_CPU_HEAP", kind="reuse or release", example="release",
         doc="CPU runs of the `nvme` tier: `reuse` keeps freed activation memory in the heap "
@@ -149,9 +152,10 @@ class Config:
             "them.")
     trace: str | None = _knob(
         None, env="OFFLOAD_TRACE", kind="path", example="/tmp/step.json", default_doc="unset",
-        doc="Write a Chrome-trace JSON of each step (forward / backward compute, NVMe writes "
-            "and reads, copies, stalls) to this file at the end of the step; opens in "
-            "ui.perfetto.dev. Its directory must exist.")
+        doc="Write a Chrome-trace JSON of the step (forward / backward compute, NVMe writes "
+            "and reads, copies, stalls) to this file at the end of each step, replacing the "
+            "last step's; opens in ui.perfetto.dev. `{rank}` / `{local_rank}` are expanded "
+            "as in OFFLOAD_NVME_DIR, so ranks write apart. Its directory must exist.")
     # Where each value came from ("OFFLOAD_TIERS='a'" or "tiers='a'"), for error messages.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     # The launcher's RANK / LOCAL_WORLD_SIZE ... (offload/util/ranks.py), read with the knobs.
@@ -187,7 +191,7 @@ class Config:
         for name, f in names.items():
             envname = f.metadata["env"]
             if overrides.get(name) is not None:
-                raw, where = overrides[name], f"{name}={overrides[name]!r}"
+                raw, where = overrides[name], f"{name}={short_repr(overrides[name])}"
             elif env.get(envname, "").strip() != "":
                 raw, where = env[envname], f"{envname}={env[envname]!r}"
             else:

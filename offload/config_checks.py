@@ -96,14 +96,15 @@ def _validate_host_sizes(config) -> None:
     if max(config.staging_bytes, config.prefetch_bytes) <= memory_floor_bytes():
         return  # below any limit this process has: no need to look now
     limit = available_memory()
-    for name in ("staging_bytes", "prefetch_bytes"):
+    for name, what in (("staging_bytes", "the staging arena"),
+                       ("prefetch_bytes", "what is read ahead")):
         value = getattr(config, name)
         if value > limit.total_bytes:
             where = "this machine's RAM" if limit.source == "RAM available" \
                 else f"this process's memory limit ({limit.source})"
             raise ConfigError(
                 f"{config.where(name)}: more than {where} ({format_bytes(limit.total_bytes)}); "
-                "both live in host memory (give a size such as \"256MiB\")")
+                f"{what} lives in host memory (give a size such as \"256MiB\")")
 
 
 def _validate_trace(config) -> None:

@@ -20,7 +20,7 @@ CPU_HEAP_MODES = ("reuse", "release")
 MAX_IO_WORKERS = 1024  # the engine's own limit (csrc/nvme_store.cpp)
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+_FALSE = ("0", "false", "no", "off")   # "" is no answer: an empty variable is unset
 
 
 def _fail(where: str, reason: str, fix: str) -> ConfigError:
@@ -37,8 +37,9 @@ def _parse_tiers(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...
     items = raw.split(",") if isinstance(raw, str) else list(raw)
     tiers = tuple(str(t).strip().lower() for t in items if str(t).strip())
     if not tiers:
-        raise _fail(where, "names no tier", "use 'host', 'nvme' or 'host,nvme'; "
-                    "OFFLOAD_POLICY=keep turns offloading off")
+        off = "OFFLOAD_ENABLED=0" if where.startswith("OFFLOAD_") else "enabled=False"
+        raise _fail(where, "names no tier", f"use 'host', 'nvme' or 'host,nvme'; {off} turns "
+                    "offloading off")
     for tier in tiers:
         if tier not in TIERS:
             close = difflib.get_close_matches(tier, TIERS, n=1)
@@ -58,19 +59,13 @@ def _parse_dirs(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]
     except TypeError:
         raise _fail(where, f"{raw!r} is not a path",
                     "give a path, a comma-separated string of paths or a list of them") from None
-    subst = {"rank": env.get("RANK", "0"), "local_rank": env.get("LOCAL_RANK", "0")}
     dirs: list[str] = []
     seen: dict[str, str] = {}   # real path -> as given: one directory listed twice
     for item in items:
         item = item.strip()
         if not item:
             continue
-        try:
-            path = os.path.expanduser(item.format_map(subst))
-        except (KeyError, ValueError, IndexError) as exc:
-            raise _fail(where, f"bad placeholder in {item!r}: {exc}",
-                        "only {rank} and {local_rank} are expanded; "
-                        "write a literal brace twice: '{{' or '}}'") from None
+        path = _expand_rank(item, where, env)
         real = os.path.realpath(path)
         if real in seen:
             raise _fail(where, f"{path!r} is the directory {seen[real]!r} again",
@@ -140,11 +135,23 @@ def _parse_log(raw: Any, where: str, env: Mapping[str, str]) -> str:
                    f"unknown log level {raw!r}", "use one of")
 
 
+def _expand_rank(item: str, where: str, env: Mapping[str, str]) -> str:
+    """`item` with `{rank}` / `{local_rank}` from the launcher's RANK / LOCAL_RANK and `~`
+    expanded: one path per rank of a job from one setting."""
+    subst = {"rank": env.get("RANK", "0"), "local_rank": env.get("LOCAL_RANK", "0")}
+    try:
+        return os.path.expanduser(item.format_map(subst))
+    except (KeyError, ValueError, IndexError) as exc:
+        raise _fail(where, f"bad placeholder in {item!r}: {exc}",
+                    "only {rank} and {local_rank} are expanded; "
+                    "write a literal brace twice: '{{' or '}}'") from None
+
+
 def _parse_path(raw: Any, where: str, env: Mapping[str, str]) -> str:
-    value = os.path.expanduser(os.fspath(raw).strip() if not isinstance(raw, str) else raw.strip())
+    value = os.fspath(raw).strip() if not isinstance(raw, str) else raw.strip()
     if not value:
         raise _fail(where, "is empty", "give a file path such as /tmp/step.json")
-    return value
+    return _expand_rank(value, where, env)
 
 
 MIN_BANDWIDTH = 10**6   # bytes per second: the lowest nvme_max_bw that is a cap, not a stall
@@ -157,7 +164,8 @@ def _parse_bandwidth(raw: Any, where: str, env: Mapping[str, str]) -> int:
     try:
         value = parse_size(text).nbytes
     except ValueError as exc:
-        raise _fail(where, str(exc), 'give bytes per second such as "200MB" or "1GiB"; '
+        reason = str(exc).split(" (")[0].split(";")[0]   # our own example, not a size's
+        raise _fail(where, reason, 'give bytes per second such as "200MB" or "1GiB"; '
                     "0 means no cap") from None
     if 0 < value < MIN_BANDWIDTH:
         # A cap this low turns a step's reads into hours of waiting, not a shared disk.
@@ -219,7 +227,7 @@ PARSERS: dict[str, Callable[[Any, str, Mapping[str, str]], Any]] = {
     "min_bytes": _size_parser(False),
     "policy": _parse_choice,
     "budget": _size_parser(True, max_fraction=1.0,
-                           what=" of the activation bytes the first step saves"),
+                           what=" of the activation bytes the profiled step saves"),
     "strict": _parse_bool,
     "log": _parse_log,
     "log_ranks": _parse_log_ranks,

@@ -24,14 +24,14 @@ import torch
 
 from . import process
 from .config import Config
-from .errors import ConfigError, OffloadError
+from .errors import ConfigError, OffloadError, short_repr
 from .known_failures import INSIDE_ALLOW_MUTATION, explain_known_failures
 from .runtime import hook_stack
 from .runtime.hooks import OffloadHooks
 from .runtime.no_offload import no_offload
 from .runtime.prefetch import new_prefetcher
 from .runtime.round_trip import RoundTripPlan, plan_for
-from .runtime.step import Step, StepView, close_tiers, finish_pending
+from .runtime.step import Step, StepView, close_tiers, finish_pending, steps_alive
 from .runtime.tensor_meta import ParamStorages
 from .schedule.generators import sweep_lost_modes
 from .schedule.session import Session, start_session
@@ -58,7 +58,8 @@ def activations(*, model: torch.nn.Module | None = None, blocks: Any = None,
             OFFLOAD_MIN_BYTES). `recompute` and `auto` find its repeated blocks
             (offload/schedule/blocks.py).
         blocks: The blocks `recompute` / `auto` work on, instead of the detected ones: a
-            list of modules, or a predicate `f(module) -> bool` over `model`'s submodules.
+            module or a list of modules (a ModuleList or ModuleDict stands for its members),
+            or a predicate `f(module) -> bool` over `model`'s submodules.
         **settings: Override the OFFLOAD_* environment variables; same names in lower case
             without the prefix: enabled, tiers, nvme_dir, host_bytes, nvme_bytes, min_bytes,
             policy, budget, strict, log, log_ranks, prefetch_bytes, io_workers, nvme_checksum,
@@ -236,7 +237,7 @@ class ActivationOffload:
         model = self._model   # a copy's is found by now (`_session`)
         config = self.config
         config.apply_log_level()
-        stats = Stats()
+        stats = Stats(steps_alive_at_entry=steps_alive())
         if config.trace is not None:
             stats.trace = TraceRecorder()
         round_trip = None
@@ -352,7 +353,7 @@ def _check(config: Config, model: torch.nn.Module | None) -> None:
     """What a context's settings and model need of this machine, checked before a step."""
     config.validate()
     if model is not None and not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model={model!r}: not a torch.nn.Module (pass the model object "
+        raise ConfigError(f"model={short_repr(model)}: not a torch.nn.Module (pass the model object "
                           "you train, or leave model= out)")
     if config.enabled and "nvme" in config.tiers and config.policy != "keep":
         from ._ext import load_core

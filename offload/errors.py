@@ -11,6 +11,16 @@ __all__ = ["OffloadError", "ConfigError", "StorageError", "ExtensionUnavailable"
            "UsedAfterCloseError"]
 
 
+def short_repr(value: object, limit: int = 120) -> str:
+    """`value` as an error message shows it: its repr when that is a string or one short
+    line, else its type (a state dict's or a model's repr runs to thousands of lines)."""
+    text = repr(value)
+    if isinstance(value, (str, os.PathLike)) or (len(text) <= limit and "\n" not in text):
+        return text
+    size = f" of {len(value)}" if isinstance(value, (list, tuple, dict, set)) else ""
+    return f"<{type(value).__name__}{size}>"
+
+
 class OffloadError(Exception):
     """Base class of every error this package raises on purpose."""
 

@@ -6,6 +6,7 @@ longer is listed here, each piece kept by the module that uses it:
 | state | kept by | `empty_cache()` | `reset()` (tests) | forked child |
 |---|---|---|---|---|
 | NVMe stores, one per directory set | tiers/nvme_space.py | idle ones closed | idle ones closed | abandoned: slab descriptors closed, I/O threads (not forked) untouched |
+| the host tier's budget, one per process | tiers/host_budget.py | – | – | forgotten (the parent's tiers are not the child's) |
 | stores and arenas pooled for the next step | tiers/pool.py | closed | closed | set aside, never reused or freed (freeing pinned memory would call CUDA) |
 | CUDA copy streams per device (copies Note 13) | tiers/cuda_backend.py | kept | forgotten | forgotten (a child cannot use the parent's CUDA state) |
 | glibc heap settings of a step in progress | tiers/heap.py | – | – | back to normal |
@@ -28,7 +29,8 @@ from . import config as _config
 from .runtime import (hooks as _hooks, step as _step, storing as _storing,
                       subclasses as _subclasses)
 from .schedule import reset as _schedule_reset
-from .tiers import cuda_backend as _copies, heap as _heap, nvme_space as _nvme_space, pool as _pool
+from .tiers import (cuda_backend as _copies, heap as _heap, host_budget as _host_budget,
+                    nvme_space as _nvme_space, pool as _pool)
 from .util import per_model as _per_model
 
 __all__ = ["empty_cache", "reset", "after_fork_in_child"]
@@ -52,11 +54,13 @@ def reset() -> None:
     _subclasses.forget_warnings()
     _storing.forget_warnings()
     _nvme_space.forget_warnings()
+    _host_budget.forget_warnings()
 
 
 def after_fork_in_child() -> None:
     _hooks.after_fork_in_child()
     _nvme_space.after_fork_in_child()
+    _host_budget.after_fork_in_child()
     _pool.after_fork_in_child()
     _heap.HeapSettings.after_fork_in_child()
     _copies.after_fork_in_child()

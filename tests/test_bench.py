@@ -10,6 +10,7 @@ run happens once per module and several tests read its rows.
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -815,6 +816,27 @@ def test_an_op_without_a_deterministic_kernel_falls_back_to_warn_only():
                 RuntimeError("boom"))})(), None, Spec, result, lambda: None)
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_blocks_footnote_names_only_the_rows_that_ran():
+    none = _row("none", 1000 * MiB, 800 * MiB, blocks=["h.0", "h.1"])
+    recompute = _row("recompute", 500 * MiB, 100 * MiB, blocks=["h.0", "h.1"])
+    lines = [line for line in report.footnotes([none, recompute]) if "blocks (" in line]
+    assert lines == ["  blocks (checkpointed by the recompute row; policy=recompute's, "
+                     "offload/schedule/blocks.py): 2, h.0, h.1"]
+
+
+def test_header_is_one_line_above_the_table():
+    from rich.console import Console
+
+    rows = [_row("none", 1000 * MiB, 800 * MiB, model="GPT h64 L2", batch=3, dtype="fp32",
+                 device="cpu", device_name="x86_64 (2 CPUs, 2 torch threads)", steps=3,
+                 warmup=1, rounds=2, step_s_min=1.0, step_s_max=1.0)]
+    console = Console(width=60, record=True, file=io.StringIO())
+    report.print_table(rows, console)
+    first = console.export_text().splitlines()[0]
+    # Not wrapped to the table's width mid-phrase (nor padded with spaces) in a file.
+    assert first == report.title(rows), first
 
 
 def test_cpu_nvme_rows_without_torch_thp_get_the_hint():

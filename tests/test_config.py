@@ -131,6 +131,12 @@ def test_rank_placeholders(tmp_path):
     assert Config.from_env(env={"OFFLOAD_NVME_DIR": "/x/{rank}"}).nvme_dir == ("/x/0",)
     # The escape the error message gives for a directory whose name holds a brace.
     assert Config.from_env(env={"OFFLOAD_NVME_DIR": "/x/{{a}}-{rank}"}).nvme_dir == ("/x/{a}-0",)
+    # The trace too: every rank of a job writes its own file from one setting.
+    env = {"OFFLOAD_TRACE": f"{tmp_path}/step-{{rank}}-{{local_rank}}.json",
+           "RANK": "3", "LOCAL_RANK": "1"}
+    assert Config.from_env(env=env).trace == f"{tmp_path}/step-3-1.json"
+    with pytest.raises(ConfigError, match=r"OFFLOAD_TRACE=.*bad placeholder .*\{rank\}"):
+        Config.from_env(env={"OFFLOAD_TRACE": f"{tmp_path}/{{step}}.json"})
 
 
 def test_with_overrides():
@@ -144,7 +150,10 @@ def test_with_overrides():
      r"OFFLOAD_TIERS='host,ssd': unknown tier 'ssd' \(valid tiers, fastest first: host, nvme\)"),
     ({"OFFLOAD_TIERS": "hots"}, r"unknown tier 'hots' \(did you mean 'host'\?"),
     ({"OFFLOAD_TIERS": "host,host"}, r"OFFLOAD_TIERS='host,host': names a tier twice"),
-    ({"OFFLOAD_TIERS": ","}, r"OFFLOAD_TIERS=',': names no tier"),
+    ({"OFFLOAD_TIERS": ","}, r"OFFLOAD_TIERS=',': names no tier \(.*OFFLOAD_ENABLED=0 turns "
+     r"offloading off\)$"),
+    ({"OFFLOAD_NVME_MAX_BW": "fast"}, r"OFFLOAD_NVME_MAX_BW='fast': not a size \(give bytes "
+     r"per second such as \"200MB\" or \"1GiB\"; 0 means no cap\)$"),
     ({"OFFLOAD_HOST_BYTES": "lots"}, r"OFFLOAD_HOST_BYTES='lots': not a size \(examples: "
                                      r"\"8GiB\", \"512MiB\", \"4096\", \"30%\"\)$"),
     ({"OFFLOAD_HOST_BYTES": "-1GiB"}, r"OFFLOAD_HOST_BYTES='-1GiB': size must not be negative"),
@@ -153,7 +162,7 @@ def test_with_overrides():
     ({"OFFLOAD_MIN_BYTES": "5%"}, r"OFFLOAD_MIN_BYTES='5%': a percentage is not accepted"),
     ({"OFFLOAD_BUDGET": "150%"},
      r"OFFLOAD_BUDGET='150%': 150% is over 100% \(give at most 100% of the activation "
-     r"bytes the first step saves"),
+     r"bytes the profiled step saves"),
     ({"OFFLOAD_BUDGET": "-3GiB"}, r"OFFLOAD_BUDGET='-3GiB': size must not be negative"),
     ({"OFFLOAD_POLICY": "ofload"},
      r"OFFLOAD_POLICY='ofload': unknown policy 'ofload' \(did you mean 'offload'\? valid "
@@ -202,6 +211,11 @@ def test_keyword_errors_name_the_argument():
         Config.from_env(env={}, min_bytes=-1)
     with pytest.raises(ConfigError, match=r"strict='sure': not a boolean"):
         Config.from_env(env={}, strict="sure")
+    # An empty keyword is no answer (was: enabled="" turned offload off, while an empty
+    # OFFLOAD_ENABLED counts as unset and leaves it on).
+    with pytest.raises(ConfigError, match=r"enabled='': not a boolean"):
+        Config.from_env(env={}, enabled="")
+    assert Config.from_env(env={"OFFLOAD_ENABLED": " "}).enabled is True
 
 
 def test_budget_over_100_percent_keyword():
@@ -361,6 +375,25 @@ def test_model_must_be_a_module():
     with pytest.raises(ConfigError, match=r"model='gpt2': not a torch.nn.Module \(pass the "
                        r"model object"):
         offload.activations(model="gpt2")
+    # A state dict (a common slip) is named by its type, not printed tensor by tensor.
+    state = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).state_dict()
+    with pytest.raises(ConfigError) as err:
+        offload.activations(model=state)
+    assert str(err.value).startswith("model=<OrderedDict of 8>: not a torch.nn.Module")
+    assert len(str(err.value)) < 300, str(err.value)
+
+
+def test_bad_argument_values_are_shown_short():
+    layers = [torch.nn.Linear(256, 256) for _ in range(3)]
+    with pytest.raises(ConfigError, match=r"^host_bytes=<list of 3>: "):
+        offload.activations(host_bytes=layers)
+    with pytest.raises(ConfigError, match=r"blocks=<dict of 2>\): expected a list"):
+        with offload.activations(policy="recompute", blocks={"a": 1, "b": torch.zeros(40, 40)}):
+            pass
+    long_dir = "/no/such/" + "d" * 300   # a string is shown whole, however long
+    with pytest.raises(ConfigError, match=f"nvme_dir='{long_dir}'"):
+        with offload.activations(tiers="nvme", nvme_dir=long_dir):
+            pass
 
 
 def test_nvme_dir_not_a_directory(tmp_path):
@@ -410,7 +443,8 @@ def test_nvme_dir_not_writable():
 def test_host_memory_sizes_beyond_ram_fail_at_construction(name, monkeypatch):
     monkeypatch.setenv(name, "1e15")
     with pytest.raises(ConfigError, match=name + r"='1e15': more than this machine's RAM "
-                       r"\(.*\); both live in host memory \(give a size such as"):
+                       r"\(.*\); (the staging arena|what is read ahead) lives in host "
+                       r"memory \(give a size such as"):
         offload.activations()
 
 
@@ -582,6 +616,14 @@ def test_env_table_lists_every_knob():
         assert f"`{f.metadata['env']}`" in table
         assert f.metadata["doc"] and f.metadata["example"]
     assert table.count("\n") == len(knobs) + 2
+
+
+def test_readme_names_the_other_variables():
+    from offload.config import OTHER_VARIABLES
+
+    text = open(README, encoding="utf-8").read()
+    for name in OTHER_VARIABLES:
+        assert f"`{name}" in text, f"README.md does not say what {name} does"
 
 
 def test_readme_env_table_matches_config():

@@ -98,6 +98,52 @@ def test_two_live_contexts_reserve_one_budget(small_disk):
     assert _stores_in(small_disk)[0][1] == 0        # idle, kept for the next step
 
 
+def test_a_store_in_use_says_which_settings_it_keeps(nvme_dir, caplog):
+    x = torch.randn(256, 512, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
+        ya = (x * 2).tanh().sum()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        for _ in range(2):   # said once
+            with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0,
+                                     io_workers=2):
+                yb = (x * 3).tanh().sum()
+    said = [r.getMessage() for r in caplog.records if "is in use by another" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "OFFLOAD_IO_WORKERS=4 (yours: 2)" in said[0] and "NVME_BYTES" not in said[0]
+    (ya + yb).backward()
+
+
+def test_checksums_asked_for_are_never_dropped_for_a_store_in_use(nvme_dir):
+    """Was: the second context shared the first's store without checksums, silently, and a
+    corrupted read trained on (test_storage_errors.py's sabotage, in a shared store)."""
+    x = torch.randn(256, 512, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
+        ya = (x * 2).tanh().sum()
+    checked = offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0,
+                                  nvme_checksum=True)
+    with pytest.raises(offload.ConfigError, match=r"OFFLOAD_NVME_CHECKSUM=1: the NVMe store "
+                       r"of .* is in use by another context of this process, opened without "
+                       r"checksums"):
+        with checked:
+            pass
+    assert not checked.active
+    (store, users), = _stores_in(nvme_dir)
+    assert users == 1 and not store.checksum   # the failed entry took nothing
+    ya.backward()
+    del ya
+    with checked:   # the store is idle now: reopened with checksums
+        (x * 3).tanh().sum().backward()
+    (store, users), = _stores_in(nvme_dir)
+    assert store.checksum and users == 0 and checked.stats.nvme_bytes > 0
+    # The other way round shares (checksums no one asked for cost time, not safety).
+    with checked:
+        yc = (x * 2).tanh().sum()
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as plain:
+        yd = (x * 3).tanh().sum()
+    assert plain.stats.nvme_bytes > 0
+    (yc + yd).backward()
+
+
 def test_an_idle_store_never_blocks_other_settings(small_disk):
     """An idle store of 50 % stays open after a step; a context asking for more than the
     rest of the disk must still open (the idle store is closed first)."""

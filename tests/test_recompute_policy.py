@@ -94,6 +94,11 @@ def test_a_container_given_as_blocks_stands_for_its_members():
 @pytest.mark.parametrize("blocks, message", [
     (42, r"blocks=42\): expected a list of nn.Module blocks or a predicate"),
     ([nn.Linear(2, 2), "x"], "expected a list of nn.Module blocks"),
+    # Was: dropped, so nothing was checkpointed and no error said so.
+    ([nn.ParameterList([nn.Parameter(torch.ones(2))])],
+     r"a ParameterList has no forward of its own and holds no modules"),
+    (nn.ModuleDict({"p": nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})}),
+     r"a ParameterDict has no forward"),
 ])
 def test_blocks_argument_errors(blocks, message):
     with pytest.raises(ConfigError, match=message):

@@ -355,6 +355,54 @@ def test_all_tiers_full_warns_once_and_keeps(caplog):
     assert ctx.stats.kept_bytes == 3 * 256 * 1024
 
 
+def test_steps_alive_at_once_share_the_host_capacity(nvme_dir):
+    """OFFLOAD_HOST_BYTES is per process (tiers/host_budget.py NOTE [One host budget]): four
+    steps whose graphs all stay alive hold 3 MiB in host RAM between them, and the rest
+    spills to nvme. Was: 2 MB in each step's own 3 MiB, 8 MB in all, nothing spilled."""
+    torch.manual_seed(0)
+    xs = [torch.randn(500, 1000, requires_grad=True) for _ in range(4)]
+    ref = []
+    for x in xs:
+        (x * 2).sin().sum().backward()
+        ref.append(x.grad)
+        x.grad = None
+    reused = offload.activations(tiers="host,nvme", host_bytes="3MiB", nvme_dir=nvme_dir,
+                                 min_bytes=0)
+    losses, steps = [], []
+    for i, x in enumerate(xs):
+        ctx = reused if i % 2 else offload.activations(tiers="host,nvme", host_bytes="3MiB",
+                                                        nvme_dir=nvme_dir, min_bytes=0)
+        with ctx:
+            losses.append((x * 2).sin().sum())
+        steps.append(ctx.stats)   # a reused context's next step has Stats of its own
+    assert [s.host_bytes for s in steps] == [2_000_000, 0, 0, 0]
+    assert [s.nvme_bytes for s in steps] == [0, 2_000_000, 2_000_000, 2_000_000]
+    assert all(s.host_capacity_bytes == 3 << 20 for s in steps)
+    torch.stack(losses).sum().backward()
+    assert all(torch.equal(x.grad, r) for x, r in zip(xs, ref))
+    with offload.activations(tiers="host,nvme", host_bytes="3MiB", nvme_dir=nvme_dir,
+                             min_bytes=0) as ctx:
+        (xs[0] * 2).sin().sum().backward()
+    assert ctx.stats.host_bytes == 2_000_000   # every earlier step's bytes were given back
+
+
+def test_a_tensor_larger_than_every_tier_is_not_called_full(caplog):
+    """Was: "every tier is full (host 0 B of 300 KiB used)" for a tier that was empty."""
+    offload.process.reset()
+    x = torch.randn(128, 1024, requires_grad=True)   # 512 KiB saves, a 300 KiB tier
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        with offload.activations(tiers="host", host_bytes="300KiB", min_bytes=0) as ctx:
+            (x * 1).sin().sum().backward()
+    said = [r.getMessage() for r in caplog.records if "activation stays" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("offload: no tier can hold it whole "
+                                                 "(host 0 B of 300 KiB used)"), said
+    assert ctx.stats.full_kept_bytes == 512 * 1024
+    with pytest.raises(TierFullError, match=r"no tier can hold it whole \(host 0 B of 300 KiB "
+                       r"used\) and OFFLOAD_STRICT=1"):
+        with offload.activations(tiers="host", host_bytes="300KiB", min_bytes=0, strict=True):
+            (x * 1).sin()
+
+
 @pytest.mark.parametrize("tiers", TIERS)
 def test_strict_raises_tier_full(tiers, nvme_dir):
     x = torch.randn(64, 1024, requires_grad=True)

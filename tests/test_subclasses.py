@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import tempfile
 
 import pytest
@@ -165,6 +164,16 @@ def test_tensors_with_no_elements_stay_unwarned(tiers, nvme_dir, caplog, monkeyp
     assert ctx.stats.unmoved_tensors_by_type == {"Tensor(cpu, no elements)": 2}
     assert ctx.stats.unmoved_bytes_by_type == {"Tensor(cpu, no elements)": 0}
     assert not [r for r in caplog.records if "stayed where they are" in r.getMessage()]
+
+
+def test_meta_tensors_count_no_bytes():
+    """A meta tensor has no memory: it was counted as its nominal 39 KiB."""
+    x = torch.randn(100, 100, requires_grad=True, device="meta")
+    with offload.activations(tiers="host", min_bytes=0) as ctx:
+        (x * 2).sin().sum().backward()
+    assert ctx.stats.unmoved_tensors_by_type == {"Tensor(meta)": 1}
+    assert ctx.stats.unmoved_bytes_by_type == {"Tensor(meta)": 0}
+    assert ctx.stats.saved_bytes == 0
 
 
 def _dtensor_step(mesh_dir: str, ctx_kwargs):

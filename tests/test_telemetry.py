@@ -266,3 +266,42 @@ def test_the_info_line_on_stderr_names_offload_once():
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stderr.splitlines() if "saved " in x)
     assert line.startswith("INFO: offload: saved "), line
+
+
+def test_design_doc_explains_every_stats_field():
+    """docs/design.md *Telemetry* has one row per `as_dict()` field (README's Troubleshooting
+    sends users there), and names no field that is gone."""
+    import re
+
+    import offload
+
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "design.md")
+    text = open(path, encoding="utf-8").read()
+    section = text[text.index("## Telemetry\n"):]
+    section = section[:section.index("\n## ", 1)]
+    documented = set()
+    for row in re.findall(r"^\| (`.*?) \|", section, re.M):
+        documented.update(re.findall(r"`(\w+)`", row))
+    fields = set(offload.Stats().as_dict())
+    assert fields - documented == set(), "fields docs/design.md does not explain"
+    assert documented - fields == set(), "docs/design.md explains fields Stats lacks"
+
+
+def test_steps_alive_at_entry_counts_graphs_kept_across_steps():
+    """README's Troubleshooting: RSS growing from step to step because saved tensors outlive
+    their step shows here (exit_*_used_bytes cannot: the tiers close only once the step's
+    stored tensors are freed)."""
+    x = torch.randn(256, 256, requires_grad=True)
+    kept, seen = [], []
+    for _ in range(3):
+        with offload.activations(tiers="host", min_bytes=0) as ctx:
+            kept.append((x * 2).sin().sum())
+        seen.append(ctx.stats.steps_alive_at_entry)
+    base = seen[0]   # 0, unless an earlier test of this process kept a graph
+    assert seen == [base, base + 1, base + 2]
+    torch.stack(kept).sum().backward()
+    del kept
+    with offload.activations(tiers="host", min_bytes=0) as ctx:
+        (x * 2).sin().sum().backward()
+    assert ctx.stats.steps_alive_at_entry == base
+    assert ctx.stats.as_dict()["steps_alive_at_entry"] == base

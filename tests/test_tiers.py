@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import weakref
 
 import pytest
@@ -138,6 +139,59 @@ def test_the_host_ledger_counts_refs_and_pinned_copies_against_one_capacity(ref_
     # At the ends of the range: the sum overflowed (UB) and said yes (a sanitizer run).
     huge = host_mod._HostLedger(2**63 - 1)
     assert huge.take(1) and not huge.take(2**63 - 1) and huge.used_bytes == 1
+
+
+def test_ledgers_of_one_budget_share_its_capacity(ref_payload):
+    """NOTE [One host budget]: each tier's ledger counts its own bytes, and into the budget,
+    whose capacity they fit into together."""
+    budget = host_mod._HostLedger(1000)
+    a = host_mod._HostLedger(1000, budget=budget)
+    b = host_mod._HostLedger(5000, budget=budget)    # the budget's capacity is what counts
+    assert a.budget is budget and b.capacity_bytes == 1000
+    storage = torch.zeros(600, dtype=torch.uint8).untyped_storage()
+    ref = a.store(storage, storage.device)
+    assert ref is not None and (a.used_bytes, b.used_bytes, budget.used_bytes) == (600, 0, 600)
+    assert b.store(storage, storage.device) is None                 # 600 + 600 > 1000
+    assert not b.take(401) and b.take(400) and budget.used_bytes == 1000
+    b.give(400)
+    a.release(ref)
+    assert (a.used_bytes, budget.used_bytes) == (0, 0)
+    assert a.take(300) and budget.used_bytes == 300
+    a.detach()                                        # its tier closed: out of the budget
+    assert a.budget is None and a.used_bytes == 300 and budget.used_bytes == 0
+    assert b.take(1000)
+    del b   # dropped without a detach: what it counted leaves the budget with it
+    gc.collect()
+    assert budget.used_bytes == 0
+    if ref_payload == "core":
+        with pytest.raises(TypeError, match="has no budget of its own"):
+            host_mod._HostLedger(10, budget=a.__class__(10, budget=budget))
+
+
+def test_host_tiers_alive_at_once_share_one_capacity(ref_payload, caplog):
+    """Was: each step's host tier had the whole OFFLOAD_HOST_BYTES, so graphs kept alive
+    across steps held a multiple of it ("a size is per process", README)."""
+    from offload.tiers import host_budget
+
+    host_budget.forget_warnings()   # said once per process and size
+    one, two = Stats(), Stats()
+    first = host_mod.HostTier(1000, one)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        second = host_mod.HostTier(2000, two)    # shares the budget in use: 1000
+    assert "host tier's budget is in use by another step" in caplog.text
+    assert second.capacity_bytes == 1000
+    s = [torch.zeros(400, dtype=torch.uint8).untyped_storage() for _ in range(3)]
+    p0, p1 = first.store(s[0], s[0].device), second.store(s[1], s[1].device)
+    assert p0 is not None and p1 is not None
+    assert second.store(s[2], s[2].device) is None                  # 1200 > 1000
+    assert "host 800 B of 1000 B used, 400 B of it by this step" in second.usage_text()
+    first.close()                 # its 400 B leave the budget with it (abort or not)
+    assert second.store(s[2], s[2].device) is not None
+    second.release(p1)
+    second.close()
+    third = host_mod.HostTier(2000, Stats())   # none in use: a budget of its own size
+    assert third.capacity_bytes == 2000 and third.used_bytes == 0
+    third.close()
 
 
 def test_abort_frees_every_payload_at_once(ref_payload):

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from offload.util import trace
-from offload.util.trace import NULL_RECORDER, TraceRecorder, recorder_from_env
+from offload.util.trace import NULL_RECORDER, TraceRecorder
 
 
 class FakeClock:
@@ -188,12 +188,3 @@ def test_disabled_recorder_is_a_noop(tmp_path):
     assert rec.to_dict() == {"traceEvents": [], "displayTimeUnit": "ms"}
     assert rec.write(tmp_path / "never.json") is None
     assert os.listdir(tmp_path) == []
-
-
-def test_recorder_from_env():
-    rec, path = recorder_from_env({})
-    assert rec is NULL_RECORDER and path is None
-    rec, path = recorder_from_env({"OFFLOAD_TRACE": "  "})
-    assert rec is NULL_RECORDER and path is None
-    rec, path = recorder_from_env({"OFFLOAD_TRACE": "/tmp/t.json"})
-    assert isinstance(rec, TraceRecorder) and rec.enabled and path == "/tmp/t.json"

@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
            "and trial steps untimed")
     a("--rounds", type=int, default=1,
       help="run every strategy this many times, order reversed each round (default 1)")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="seed of the model's weights, the inputs and "
+      "dropout, the same in every row (default 0)")
     a("--nvme-dir", help="where the NVMe rows write (a fresh subdirectory is made and "
                          "removed); default $OFFLOAD_NVME_DIR, else /var/tmp")
     a("--budget", help="OFFLOAD_BUDGET for the auto row, e.g. 4GiB or 30%%")

@@ -168,8 +168,9 @@ class ConvNet(nn.Module):
 def gpt_for_machine(device: torch.device | str = "cpu") -> tuple[GPTConfig, int]:
     """A GPT config and batch size sized for `device`.
 
-    CPU: the issue's reference size (~2 GB of saved activations, a few seconds a step on
-    2 cores).  CUDA: scaled with the device's memory so activations dominate.
+    CPU: the issue's reference size (~2 GB of saved activations at batch 8, a few seconds a
+    step on 2 cores; offload-bench runs it at batch 3 unless --batch says otherwise, so its
+    default run is short).  CUDA: scaled with the device's memory so activations dominate.
     """
     device = torch.device(device)
     if device.type == "cuda":

@@ -101,10 +101,12 @@ def _max_batch(row: Row) -> str:
     return text
 
 
-def title(rows: list[Row]) -> str:
+def title(rows: list[Row], sep: str = " ") -> str:
+    """What ran, on what; `sep` goes between its two halves (a newline for a plot's title,
+    which does not wrap)."""
     r = rows[0]
     seq = f", seq {r.seq_len}" if r.seq_len else ""
-    return (f"offload-bench: {r.model}, batch {r.batch}{seq}, {r.dtype}, "
+    return (f"offload-bench: {r.model}, batch {r.batch}{seq}, {r.dtype},{sep}"
             f"{r.device} ({r.device_name or '?'}); {r.steps} timed step(s) after "
             f"{r.warmup} warm-up, {r.rounds} round(s)")
 
@@ -114,7 +116,10 @@ def print_table(rows: list[Row], console: Console) -> None:
     from rich.table import Table
 
     gpu = any(r.peak_activation_source == "cuda allocator" for r in rows)
-    table = Table(title=title(rows), title_justify="left")
+    # The title goes above the table, not in it: rich wraps a table's title to the table's
+    # width mid-phrase, padding the lines with spaces where stdout is a file.
+    console.print(title(rows), soft_wrap=True, highlight=False)
+    table = Table(title_justify="left")
     table.add_column("strategy", no_wrap=True)
     table.add_column("step s\nmedian (min–max)", justify="right")
     table.add_column("vs none", justify="right")
@@ -163,10 +168,13 @@ def footnotes(rows: list[Row]) -> list[str]:
     shown = [r for r in rows if r.available]
     lines = []
     blocks = next((r.blocks for r in shown if r.blocks), None)
-    if blocks and any(r.strategy in _CHECKPOINTING for r in shown):
+    checkpointing = list(dict.fromkeys(r.strategy for r in shown if r.strategy in _CHECKPOINTING))
+    if blocks and checkpointing:
         names = ", ".join(blocks) if len(blocks) <= 3 else f"{blocks[0]} … {blocks[-1]}"
-        lines.append(f"  blocks (checkpointed by the checkpoint, recompute and ckpt+save_on_cpu "
-                     f"rows; policy=recompute's, offload/schedule/blocks.py): {len(blocks)}, "
+        which = checkpointing[0] if len(checkpointing) == 1 else \
+            ", ".join(checkpointing[:-1]) + " and " + checkpointing[-1]
+        lines.append(f"  blocks (checkpointed by the {which} row{'s' * (len(checkpointing) > 1)}"
+                     f"; policy=recompute's, offload/schedule/blocks.py): {len(blocks)}, "
                      f"{names}")
     sources: dict[str, list[str]] = {}
     for r in shown:
@@ -216,8 +224,8 @@ def footnotes(rows: list[Row]) -> list[str]:
         # heap.py: torch's huge-page allocation is what makes CPU NVMe offload cheap.
         lines.append(f"  {', '.join(no_thp)}: ran without THP_MEM_ALLOC_ENABLE=1; with it "
                      "(set before starting Python, for every row) activations are page-aligned "
-                     "huge pages (dev VM, batch-8 GPT step: 1.05x -> 0.97x of none, peak RSS "
-                     "1.36 -> 1.02 GiB)")
+                     "huge pages, written in place and cheaply pinned, which can lower the step "
+                     "time and peak RSS (docs/benchmarks.md, THP_MEM_ALLOC_ENABLE)")
     floor = next((r for r in shown if r.nondeterministic_op), None)
     if floor is not None:
         lines.append("  gradient check: an op of this model has no deterministic kernel on this "
@@ -304,7 +312,7 @@ def write_plot(rows: list[Row], path: str) -> None:
     source = points[0].peak_activation_source if points else ""
     ax.set_xlabel("median step time (s)")
     ax.set_ylabel(f"peak activation memory, MiB ({source})")
-    ax.set_title(title(rows), fontsize=8)
+    ax.set_title(title(rows, sep="\n"), fontsize=8)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)

@@ -47,7 +47,7 @@ from .round_trip import LinkSpeed, RoundTripPlan
 from .subclasses import note_unmoved
 from .timeline import PyTimeline, Timeline
 
-__all__ = ["Step", "StepView", "StepReport", "close_tiers", "finish_pending"]
+__all__ = ["Step", "StepView", "StepReport", "close_tiers", "finish_pending", "steps_alive"]
 
 log = logging.getLogger("offload")
 
@@ -281,6 +281,12 @@ def finish_pending() -> int:
         except Exception:  # one broken step must not keep the others open
             log.exception("offload: error while finishing a step")
     return done
+
+
+def steps_alive() -> int:
+    """Exited steps whose stored tensors are still alive (after `finish_pending`)."""
+    with _pending_lock:
+        return len(_pending)
 
 
 def close_tiers(tiers: dict[str, Tier], stats: Stats, reuse: bool = True, before=None) -> None:

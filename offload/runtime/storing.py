@@ -128,17 +128,21 @@ class Storer:
     def _all_full(self, nbytes: int, targets: tuple[str, ...]) -> None:
         usage = ", ".join(self.tiers[name].usage_text() for name in targets)
         sizes = " / ".join(f"OFFLOAD_{name.upper()}_BYTES" for name in targets)
+        # A tensor larger than every tier whole is not a matter of the tiers being full
+        # (an empty tier said "full (nvme 0 B of 8 MiB used)").
+        too_large = all(nbytes > self.tiers[name].capacity_bytes for name in targets)
+        full = "no tier can hold it whole" if too_large else "every tier is full"
         if self._strict:
             raise TierFullError(
-                f"offload: every tier is full ({usage}) and OFFLOAD_STRICT=1, so a "
+                f"offload: {full} ({usage}) and OFFLOAD_STRICT=1, so a "
                 f"{format_bytes(nbytes)} activation cannot be placed (raise {sizes}, add a "
                 "tier to OFFLOAD_TIERS, or unset OFFLOAD_STRICT to keep such tensors on the "
                 "device)")
         self.stats.full_kept_bytes += nbytes
-        if targets not in _said_full:   # once per process and tier list, as documented
-            _said_full.add(targets)
-            log.warning("offload: every tier is full (%s); a %s activation stays on the "
+        if (targets, too_large) not in _said_full:   # once per process and tier list
+            _said_full.add((targets, too_large))
+            log.warning("offload: %s (%s); a %s activation stays on the "
                         "device, and so will every later one that does not fit (smaller ones "
                         "still move while there is room; ctx.stats.full_kept_bytes counts "
                         "what stayed). Raise %s or add a tier; OFFLOAD_STRICT=1 makes this "
-                        "an error", usage, format_bytes(nbytes), sizes)
+                        "an error", full, usage, format_bytes(nbytes), sizes)

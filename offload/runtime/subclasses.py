@@ -127,7 +127,7 @@ def kind_name(t: torch.Tensor) -> str:
 def unmoved_bytes(t: torch.Tensor) -> int:
     """What a tensor left in place holds (its storage; for sparse ones their parts)."""
     try:
-        if type(t) is torch.Tensor and t._is_zerotensor():
+        if t.is_meta or (type(t) is torch.Tensor and t._is_zerotensor()):
             return 0   # its storage's size is nominal: no memory behind it
         if t.layout is torch.strided and not t.is_nested:
             return t.untyped_storage().nbytes()

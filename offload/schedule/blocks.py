@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parameter import is_lazy
 
-from ..errors import ConfigError
+from ..errors import ConfigError, short_repr
 from ..runtime import hook_stack
 
 _forward_ad = torch.autograd.forward_ad   # its `_current_level`: -1 outside any dual level
@@ -137,7 +137,7 @@ def _given_blocks(model: nn.Module | None, blocks: Any) -> list[nn.Module]:
     except TypeError:
         found = None
     if found is None or not all(isinstance(m, nn.Module) for m in found):
-        raise ConfigError(f"offload.activations(blocks={blocks!r}): expected a list of "
+        raise ConfigError(f"offload.activations(blocks={short_repr(blocks)}): expected a list of "
                           "nn.Module blocks or a predicate f(module) -> bool")
     if model is not None:
         # A block the model does not hold never runs in its step: nothing would be
@@ -158,7 +158,12 @@ def _expand_containers(found: list[nn.Module]) -> list[nn.Module]:
     out: list[nn.Module] = []
     for module in found:
         if type(module).forward is nn.Module.forward:
-            out.extend(_expand_containers(list(module.children())))
+            children = list(module.children())
+            if not children:   # a ParameterList / ParameterDict: nothing of it ever runs
+                raise ConfigError(f"offload.activations(blocks=...): a {type(module).__name__} "
+                                  "has no forward of its own and holds no modules, so it "
+                                  "never runs as a block (pass the modules that run)")
+            out.extend(_expand_containers(children))
         else:
             out.append(module)
     return out

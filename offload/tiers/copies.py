@@ -96,7 +96,7 @@ exceed ``max_inflight_bytes``, ``offload`` waits on the host for the oldest copy
 The GPU keeps running; the Python thread stops queuing work until memory is really free.
 
 Note 12 (one reload, several consumer streams): the hooks read a storage once and serve its
-other saved tensors from a cache (hooks.py NOTE [Unpack cache]). Autograd runs each backward
+other saved tensors from a cache (runtime/records.py NOTE [Unpack cache]). Autograd runs each backward
 node on the stream its forward ran on, so a second saved tensor of the storage can be used on
 another stream than the first. Only the first consumer went through ``tensor_for_use``
 (Notes 6, 7). When another stream asks, :class:`SharedReload` records an event on the first

@@ -30,7 +30,7 @@ from .. import _ext
 from ..errors import UsedAfterCloseError
 from ..util.ranges import D2H, NO_SPAN, WAIT_READ, profiling, span
 from ..util.stats import Stats
-from . import pool
+from . import host_budget, pool
 from .base import Payload, Tier, flat_bytes, on_cuda, sync_d2h, sync_h2d
 
 __all__ = ["HostTier"]
@@ -61,26 +61,48 @@ class _PyHostLedger:
     """The tier's byte count against its capacity, and the CPU payloads it holds: the core's
     `HostLedger` (csrc/storage_ref.cpp, whose `store` the core's packer calls: the tier's
     `store_cpu`) for a process without the core. Pinned copies are counted through `take`
-    and `give`, so both kinds of payload share one count and one capacity."""
+    and `give`, so both kinds of payload share one count and one capacity. With `budget`
+    (the process's: NOTE [One host budget] in host_budget.py) the bytes count into it too
+    and fit into its capacity."""
 
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
+    def __init__(self, capacity_bytes: int, budget: "_PyHostLedger | None" = None) -> None:
+        self._capacity_bytes = capacity_bytes
         self.used_bytes = 0
+        self.budget = budget
         self._live: set[_PyStorageRef] = set()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.budget.capacity_bytes if self.budget is not None else self._capacity_bytes
 
     def take(self, nbytes: int) -> bool:
         if nbytes < 0:
             raise ValueError(f"offload: HostLedger: nbytes must be >= 0, got {nbytes}")
-        if self.used_bytes + nbytes > self.capacity_bytes:
+        fits = self.budget if self.budget is not None else self
+        if fits.used_bytes + nbytes > fits.capacity_bytes:
             return False
-        self.used_bytes += nbytes
+        fits.used_bytes += nbytes
+        if fits is not self:
+            self.used_bytes += nbytes
         return True
+
+    def _uncount(self, nbytes: int) -> None:
+        self.used_bytes -= nbytes
+        if self.budget is not None:
+            self.budget.used_bytes -= nbytes
 
     def give(self, nbytes: int) -> None:
         if not 0 <= nbytes <= self.used_bytes:
             raise ValueError(f"offload: HostLedger.give({nbytes}) with only "
                              f"{self.used_bytes} bytes counted")
-        self.used_bytes -= nbytes
+        self._uncount(nbytes)
+
+    def detach(self) -> None:
+        if self.budget is not None:
+            self.budget.used_bytes -= self.used_bytes
+            self.budget = None
+
+    __del__ = detach   # as the core's: what it still counts leaves the budget with it
 
     def store(self, storage: torch.UntypedStorage, device: torch.device) -> Payload | None:
         nbytes = storage.nbytes()
@@ -94,7 +116,7 @@ class _PyHostLedger:
         if ref.storage is None:
             return
         ref.storage = None
-        self.used_bytes -= ref.nbytes
+        self._uncount(ref.nbytes)
         self._live.discard(ref)
 
     def abort(self) -> None:
@@ -138,8 +160,10 @@ class HostTier(Tier):
         self._copies = copies
         self._capacity_bytes = capacity_bytes
         self._capacity_key = capacity_key if capacity_key is not None else capacity_bytes
-        # The byte count of both kinds of payload, and the CPU ones (abort frees them).
-        self._ledger = _HostLedger(capacity_bytes)
+        # The byte count of both kinds of payload, and the CPU ones (abort frees them),
+        # counted into the process's budget too (NOTE [One host budget]).
+        self._budget = host_budget.acquire(self, capacity_bytes, _HostLedger)
+        self._ledger = _HostLedger(capacity_bytes, budget=self._budget)
         # The core's ledger makes the core's refs; a subclass with its own `store` is
         # called through it (the core's packer must not go around it).
         if _RefPayload is not _PyStorageRef and type(self).store is HostTier.store:
@@ -152,9 +176,11 @@ class HostTier(Tier):
     @classmethod
     def open(cls, config, stats: Stats, copies) -> "HostTier":
         capacity, source = config.host_capacity()
+        tier = cls(capacity, stats, capacity_key=config.host_bytes, copies=copies)
         figures = stats.tier(cls.name)
-        figures.capacity_bytes, figures.capacity_source = capacity, source
-        return cls(capacity, stats, capacity_key=config.host_bytes, copies=copies)
+        # The process's budget's: another step's, of another size, while one is in use.
+        figures.capacity_bytes, figures.capacity_source = tier.capacity_bytes, source
+        return tier
 
     @property
     def closed(self) -> bool:
@@ -162,11 +188,20 @@ class HostTier(Tier):
 
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity_bytes
+        return self._ledger.capacity_bytes   # the process's budget's
 
     @property
     def used_bytes(self) -> int:
-        return self._ledger.used_bytes
+        return self._ledger.used_bytes       # this step's own
+
+    def usage_text(self) -> str:
+        from ..util.sizes import format_bytes
+
+        budget = self._ledger.budget
+        if budget is None or budget.used_bytes == self._ledger.used_bytes:
+            return super().usage_text()
+        return (f"host {format_bytes(budget.used_bytes)} of {format_bytes(budget.capacity_bytes)}"
+                f" used, {format_bytes(self._ledger.used_bytes)} of it by this step")
 
     # ---------------------------------------------------------------- store / load
     def store(self, storage: torch.UntypedStorage, device: torch.device) -> Payload | None:
@@ -271,6 +306,10 @@ class HostTier(Tier):
         # with the last of them instead of being reused.
         self._closed = True
         self.store_cpu = None   # the core's packer may not store through it any more
+        budget, self._budget = self._budget, None
+        if budget is not None:   # what it still counts is no longer the process's
+            self._ledger.detach()
+            host_budget.release(self)
         arenas, self._arenas = self._arenas, None
         if arenas and reuse and all(a.used_bytes == 0 for a in arenas):
             pool.give_back("host-pinned", self._capacity_key, arenas)

@@ -13,8 +13,11 @@ the next step finds it. An idle store never blocks a new context: a context with
 settings (capacity, I/O workers) closes an idle store and opens its own, and capacities
 given as a percentage are resolved after that, so our own idle reservation is not mistaken
 for someone else's use of the disk. While a store is in use its settings stand; a context
-that asks for others shares it and says so once (INFO). At most the idle stores of the
-directories last used stay open: opening any new store closes every idle one first.
+that asks for others shares it and says so once (a warning naming the settings), except
+that a store without checksums is never shared with a context that asks for them: that
+context's NVMe reads would go unchecked, so it raises ConfigError instead. At most the idle
+stores of the directories last used stay open: opening any new store closes every idle one
+first.
 
 `close_idle()` closes the stores no context uses (offload.empty_cache(), and after an
 exception). In a forked child every inherited store is abandoned (see `after_fork_in_child`).
@@ -60,28 +63,27 @@ _open_lock = threading.Lock()     # one store opened at a time (it stats and res
 _entries: dict[tuple[str, ...], _Entry] = {}
 
 
-def acquire(dirs: tuple[str, ...], settings: Hashable, open_store: Callable[[], Any],
-            source: str = "") -> Any:
+def acquire(dirs: tuple[str, ...], settings: tuple[tuple[str, Hashable], ...],
+            open_store: Callable[[], Any], source: str = "") -> Any:
     """The process's store for `dirs`, opened with `open_store()` if there is none.
 
     Args:
         dirs: The directories (the store stripes over them), as configured.
-        settings: What `open_store` depends on besides `dirs`; an idle store made with
-            other settings is closed and replaced.
+        settings: What `open_store` depends on besides `dirs`, as (setting's name, value)
+            pairs; an idle store made with other settings is closed and replaced.
         open_store: Makes the store; called without the registry lock, may raise.
         source: What a new store's capacity is taken of (`capacity_source`).
+
+    Raises:
+        ConfigError: the store is in use without checksums and `settings` ask for them.
     """
     with _open_lock:
         with _lock:
             entry = _entries.get(dirs)
             if entry is not None and (entry.users > 0 or entry.settings == settings):
+                if entry.settings != settings:
+                    _share(dirs, entry, settings)
                 entry.users += 1
-                if entry.settings != settings and settings not in entry.told:
-                    entry.told.add(settings)
-                    log.info("offload: the NVMe budget of %s is in use by another context of "
-                             "this process; this context shares it (%s) instead of its own "
-                             "settings (%s), which apply once no context uses it",
-                             ", ".join(dirs), entry.settings, settings)
                 return entry.store
             # A new store: first close every idle one (of these directories with other
             # settings, or of others that may share the file system), so that no idle
@@ -94,6 +96,40 @@ def acquire(dirs: tuple[str, ...], settings: Hashable, open_store: Callable[[], 
         with _lock:
             _entries[dirs] = _Entry(store, settings, source)
         return store
+
+
+CHECKSUM = "OFFLOAD_NVME_CHECKSUM"
+
+
+def _share(dirs: tuple[str, ...], entry: _Entry, asked: tuple) -> None:
+    """A context asks for other settings than the store in use has: it shares the store,
+    and is told once which of its settings wait (they apply once no context uses it); but
+    checksums asked for are never dropped (its reads would go unchecked, silently)."""
+    in_use, wanted = dict(entry.settings), dict(asked)
+    if wanted.get(CHECKSUM) and not in_use.get(CHECKSUM):
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"{CHECKSUM}=1: the NVMe store of {', '.join(dirs)} is in use by another context "
+            "of this process, opened without checksums, and a store's checksums are set "
+            "when it opens (give every context of the process the same nvme_checksum, or "
+            "let the other context's graph go first)")
+    if asked in entry.told:
+        return
+    entry.told.add(asked)
+    differ = ", ".join(f"{name}={_shown(in_use.get(name))} (yours: {_shown(value)})"
+                       for name, value in asked if in_use.get(name) != value)
+    log.warning("offload: the NVMe store of %s is in use by another context of this process; "
+                "this context shares it with that one's settings: %s. Yours apply once no "
+                "context uses it (give every context of a process the same NVMe settings)",
+                ", ".join(dirs), differ)
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as its variable would be written."""
+    if value is None:
+        return "unset"
+    return str(int(value)) if isinstance(value, bool) else str(value)
 
 
 def capacity_source(dirs: tuple[str, ...]) -> str:
@@ -151,8 +187,9 @@ def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core
                          "reservation (%s); measuring it again", ", ".join(dirs), exc)
 
     try:
-        return acquire(dirs, (capacity_key, workers, checksum, max_bytes_per_s), open_store,
-                       source)
+        settings = (("OFFLOAD_NVME_BYTES", capacity_key), ("OFFLOAD_IO_WORKERS", workers),
+                    (CHECKSUM, checksum), ("OFFLOAD_NVME_MAX_BW", max_bytes_per_s))
+        return acquire(dirs, settings, open_store, source)
     except _NoRoom:
         from ..util.sizes import format_bytes
 

@@ -72,11 +72,12 @@ def parse_size(value: str | int, *, allow_percent: bool = False) -> SizeSpec:
         raise ValueError(f"{m.group(1)!r} is too large a number")
     if unit == "%":
         if not allow_percent:
-            raise ValueError("a percentage is not accepted here; give bytes such as \"256MiB\"")
+            raise ValueError("a percentage is not accepted here; give bytes such as \"1MiB\"")
         return SizeSpec(fraction=number / 100.0)
     if unit not in _UNITS:
-        raise ValueError(f"unknown unit {m.group(2)!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"
-                         + (" or %" if allow_percent else "") + ")")
+        raise ValueError(f"unknown unit {m.group(2)!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, "
+                         "TB, or K, M, G, T for KiB ... TiB" + (", or %" if allow_percent else "")
+                         + ")")
     nbytes = number * _UNITS[unit]
     if nbytes > _MAX_BYTES:
         raise ValueError("more bytes than a 64-bit count holds (the most is 8 EiB)")

@@ -85,8 +85,9 @@ class TierStats:
     #                              the process's budget, shared by its contexts
     capacity_source: str = ""    # what a percentage was taken of ("50% of cgroup v2 /job
     #                              (limit 2 GiB, ...)": util/memory_limits.py)
-    exit_used_bytes: int = 0     # space still used when the tiers closed: 0 after a step
-    #                              whose backward ran (no growth)
+    exit_used_bytes: int = 0     # space still used when the tiers closed: they close once
+    #                              the step's stored tensors are freed, so nonzero only for a
+    #                              step closed early (an exception, ctx.close())
 
 
 _NO_TIER = TierStats()
@@ -142,6 +143,10 @@ class Stats:
     pending_copy_hits: int = 0    # unpacks served from the source while its D2H was pending
     step_s: float = 0.0           # wall time of the step: entry to the block's exit, or
     #                               to the end of its backward when that runs after it
+    # Earlier steps of this process whose stored tensors were still alive when this one
+    # began (graphs kept with retain_graph, a stored loss, micro-batches backwarded later):
+    # 0 in a plain loop; growing from step to step, their tier space is never given back.
+    steps_alive_at_entry: int = 0
     staging_peak_bytes: int = 0   # peak use of the nvme tier's staging arena
     exit_staging_used_bytes: int = 0  # staging arena still used when the tiers closed
     # Saved tensors left where they are because the runtime cannot move their type (sparse,

@@ -30,14 +30,12 @@ from typing import Any, Callable, Mapping
 
 from .never_compiled import never_compiled
 
-__all__ = ["TRACKS", "TraceRecorder", "NullRecorder", "NULL_RECORDER", "recorder_from_env"]
+__all__ = ["TRACKS", "TraceRecorder", "NullRecorder", "NULL_RECORDER"]
 
 _log = logging.getLogger("offload")
 
 # Display order of the well-known tracks; any other name gets a track after these.
 TRACKS = ("compute", "forward", "backward", "d2h", "h2d", "nvme write", "nvme read", "stall")
-
-ENV_VAR = "OFFLOAD_TRACE"
 
 
 class _Span:
@@ -255,17 +253,3 @@ class NullRecorder:
 
 
 NULL_RECORDER = NullRecorder()
-
-
-def recorder_from_env(environ: Mapping[str, str] | None = None
-                      ) -> tuple[TraceRecorder | NullRecorder, str | None]:
-    """The recorder ``OFFLOAD_TRACE`` asks for, and the path to write it to at context exit.
-
-    Unset or empty: ``(NULL_RECORDER, None)``. The path is not checked here: the config
-    object validates it (its directory must exist and be writable) before the first forward.
-    """
-    environ = os.environ if environ is None else environ
-    path = environ.get(ENV_VAR, "").strip()
-    if not path:
-        return NULL_RECORDER, None
-    return TraceRecorder(), path
