@@ -104,10 +104,11 @@ struct HostLedger {
   // The StorageRefs stored and not yet released (a strong reference each; `abort`
   // releases them). Not tracked: a StorageRef refers to no Python object of the user's.
   std::unordered_set<PyObject*>* live;
-  // The process's host budget (another HostLedger, holding no refs: tiers/host.py NOTE
+  // The process's host budget (another HostLedger, holding no refs: tiers/host_budget.py NOTE
   // [One host budget]) that this tier's bytes count into too, and whose capacity they fit
   // into; null for a ledger of its own. `detach` lets go of it.
   PyObject* budget;
+  long long ledgers;   // as a budget: the ledgers that count into it (attached, not detached)
 };
 
 PyObject* n_nbytes = nullptr;
@@ -131,6 +132,15 @@ bool take(HostLedger* self, long long nbytes) {
   fits->used += nbytes;
   if (fits != self) self->used += nbytes;
   return true;
+}
+
+// This ledger's bytes leave its budget, which it lets go of.
+void detach(HostLedger* self) {
+  if (self->budget == nullptr) return;
+  auto* budget = as_ledger(self->budget);
+  budget->used -= self->used;
+  --budget->ledgers;
+  Py_CLEAR(self->budget);
 }
 
 // Uncounts `nbytes` this ledger counted (and its budget with it).
@@ -162,6 +172,8 @@ PyObject* ledger_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   self->capacity = capacity;
   self->used = 0;
   self->budget = budget == Py_None ? nullptr : Py_NewRef(budget);
+  self->ledgers = 0;
+  if (self->budget != nullptr) ++as_ledger(self->budget)->ledgers;
   self->live = new (std::nothrow) std::unordered_set<PyObject*>();
   if (self->live == nullptr) {
     Py_DECREF(obj);
@@ -178,10 +190,7 @@ void ledger_dealloc(PyObject* obj) {
     self->live = nullptr;
     for (PyObject* ref : refs) Py_DECREF(ref);
   }
-  if (self->budget != nullptr) {   // what it still counted leaves the budget with it
-    as_ledger(self->budget)->used -= self->used;
-    Py_CLEAR(self->budget);
-  }
+  detach(self);   // what it still counted leaves the budget with it
   Py_TYPE(obj)->tp_free(obj);
 }
 
@@ -256,11 +265,7 @@ PyObject* ledger_give(PyObject* obj, PyObject* arg) {
 // detach(): this ledger's bytes leave its budget, which it lets go of (its tier closed:
 // whatever it still counts is no longer the process's).
 PyObject* ledger_detach(PyObject* obj, PyObject*) {
-  auto* self = as_ledger(obj);
-  if (self->budget != nullptr) {
-    as_ledger(self->budget)->used -= self->used;
-    Py_CLEAR(self->budget);
-  }
+  detach(as_ledger(obj));
   Py_RETURN_NONE;
 }
 
@@ -282,6 +287,10 @@ PyObject* ledger_capacity(PyObject* obj, void*) {
   auto* self = as_ledger(obj);
   return PyLong_FromLongLong(self->budget != nullptr ? as_ledger(self->budget)->capacity
                                                      : self->capacity);
+}
+
+PyObject* ledger_ledgers(PyObject* obj, void*) {
+  return PyLong_FromLongLong(as_ledger(obj)->ledgers);
 }
 
 PyObject* ledger_budget(PyObject* obj, void*) {
@@ -316,6 +325,8 @@ PyGetSetDef ledger_getset[] = {
      const_cast<char*>("What `store` and `take` fit into (the budget's, with one)."), nullptr},
     {const_cast<char*>("budget"), ledger_budget, nullptr,
      const_cast<char*>("The HostLedger this one counts into too (None: none)."), nullptr},
+    {const_cast<char*>("ledgers"), ledger_ledgers, nullptr,
+     const_cast<char*>("As a budget: how many ledgers count into it now."), nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 

@@ -100,8 +100,9 @@ class Config:
             "tensor.")
     strict: bool = _knob(
         False, env="OFFLOAD_STRICT", kind="bool", example="1",
-        doc="When every tier is full, raise TierFullError instead of keeping the tensor on the "
-            "device with a warning said once per process and tier list (every step's "
+        doc="When every tier is full (or a tensor is larger than every tier), raise "
+            "TierFullError instead of keeping the tensor on the device with a warning said "
+            "once per process and tier list (and once for a tensor too large; every step's "
             "`ctx.stats.full_kept_bytes` counts what stayed).")
     log: str | None = _knob(
         None, env="OFFLOAD_LOG", kind="log level", example="INFO", default_doc="unset",

@@ -237,7 +237,10 @@ class ActivationOffload:
         model = self._model   # a copy's is found by now (`_session`)
         config = self.config
         config.apply_log_level()
-        stats = Stats(steps_alive_at_entry=steps_alive())
+        stats = Stats()
+        alive = steps_alive()
+        if alive:
+            stats.steps_alive_at_entry = alive
         if config.trace is not None:
             stats.trace = TraceRecorder()
         round_trip = None

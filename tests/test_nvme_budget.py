@@ -121,9 +121,9 @@ def test_checksums_asked_for_are_never_dropped_for_a_store_in_use(nvme_dir):
         ya = (x * 2).tanh().sum()
     checked = offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0,
                                   nvme_checksum=True)
-    with pytest.raises(offload.ConfigError, match=r"OFFLOAD_NVME_CHECKSUM=1: the NVMe store "
-                       r"of .* is in use by another context of this process, opened without "
-                       r"checksums"):
+    with pytest.raises(offload.ConfigError, match=r"nvme_checksum / OFFLOAD_NVME_CHECKSUM asks "
+                       r"for checksums, but the NVMe store of .* is in use by another context "
+                       r"of this process, opened without checksums"):
         with checked:
             pass
     assert not checked.active

@@ -80,6 +80,10 @@ def test_a_container_given_as_blocks_stands_for_its_members():
     assert find_blocks(model, lambda m: isinstance(m, nn.ModuleList)) == members
     assert find_blocks(None, [nn.ModuleDict({"a": model.blocks[0], "b": model.blocks[2]})]) \
         == [model.blocks[0], model.blocks[2]]
+    # A container's parameters beside its layers never run: they are not blocks, nor an error.
+    beside = nn.ModuleDict({"layers": model.blocks,
+                            "pos": nn.ParameterList([nn.Parameter(torch.zeros(2))])})
+    assert find_blocks(None, beside) == members
 
     def saved_bytes(**settings):
         with offload.activations(model=model, tiers="host", **settings) as ctx:
@@ -96,9 +100,9 @@ def test_a_container_given_as_blocks_stands_for_its_members():
     ([nn.Linear(2, 2), "x"], "expected a list of nn.Module blocks"),
     # Was: dropped, so nothing was checkpointed and no error said so.
     ([nn.ParameterList([nn.Parameter(torch.ones(2))])],
-     r"a ParameterList has no forward of its own and holds no modules"),
+     r"a ParameterList has no forward of its own and holds no module that runs"),
     (nn.ModuleDict({"p": nn.ParameterDict({"w": nn.Parameter(torch.ones(2))})}),
-     r"a ParameterDict has no forward"),
+     r"a ModuleDict has no forward of its own and holds no module that runs"),
 ])
 def test_blocks_argument_errors(blocks, message):
     with pytest.raises(ConfigError, match=message):

@@ -290,6 +290,28 @@ def test_backward_after_the_block(nvme_dir):
     assert nvme._closed and ctx.stats.exit_nvme_used_bytes == 0
 
 
+@pytest.mark.parametrize("how", ["close", "raise"])
+def test_a_step_freed_early_says_what_it_still_held(nvme_dir, how):
+    """exit_{tier}_used_bytes: the space a step still held when it was freed before its
+    stored tensors were (was: 0 always, the payloads being freed before it was read)."""
+    x = torch.randn(256, 256, requires_grad=True)
+    ctx = offload.activations(**_kw("nvme", nvme_dir))
+    if how == "close":
+        with ctx:
+            y = (x * 2).sin().sum()
+        ctx.close()
+    else:
+        with pytest.raises(ZeroDivisionError):
+            with ctx:
+                y = (x * 2).sin().sum()
+                1 / 0
+    assert ctx.stats.nvme_bytes == 256 * 256 * 4
+    assert ctx.stats.exit_nvme_used_bytes == ctx.stats.nvme_bytes
+    assert ctx.tiers["nvme"].closed and ctx.tiers["nvme"].used_bytes == 0
+    with pytest.raises(offload.UsedAfterCloseError):
+        y.backward()
+
+
 @needs_core
 def test_repeated_steps_do_not_grow(nvme_dir):
     cfg = GPTConfig(vocab_size=64, hidden=64, layers=2, heads=4, seq_len=32)
@@ -355,10 +377,13 @@ def test_all_tiers_full_warns_once_and_keeps(caplog):
     assert ctx.stats.kept_bytes == 3 * 256 * 1024
 
 
-def test_steps_alive_at_once_share_the_host_capacity(nvme_dir):
+def test_steps_alive_at_once_share_the_host_capacity(nvme_dir, monkeypatch):
     """OFFLOAD_HOST_BYTES is per process (tiers/host_budget.py NOTE [One host budget]): four
     steps whose graphs all stay alive hold 3 MiB in host RAM between them, and the rest
     spills to nvme. Was: 2 MB in each step's own 3 MiB, 8 MB in all, nothing spilled."""
+    from offload.tiers import host_budget
+
+    monkeypatch.setattr(host_budget, "_budget", None)   # not one an earlier test left in use
     torch.manual_seed(0)
     xs = [torch.randn(500, 1000, requires_grad=True) for _ in range(4)]
     ref = []

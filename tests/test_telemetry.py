@@ -291,6 +291,9 @@ def test_steps_alive_at_entry_counts_graphs_kept_across_steps():
     """README's Troubleshooting: RSS growing from step to step because saved tensors outlive
     their step shows here (exit_*_used_bytes cannot: the tiers close only once the step's
     stored tensors are freed)."""
+    import gc
+
+    gc.collect()   # an earlier test's graph in a reference cycle dies now, not in the loop
     x = torch.randn(256, 256, requires_grad=True)
     kept, seen = [], []
     for _ in range(3):

@@ -222,9 +222,12 @@ class Step:
         if self.hooks is not None:
             self.hooks.marks.on_backward_end = None
         self.fold()   # what the failed block saved stays in its figures
+        held = {name: tier.used_bytes for name, tier in self.tiers.items()}
         for tier in self.tiers.values():
             tier.abort()  # every payload freed now; a later unpack says so
         close_tiers(self.tiers, self.stats, reuse=False, before=self.close_copies)
+        for name, nbytes in held.items():   # what the step still held when it was freed
+            self.stats.tier(name).exit_used_bytes = nbytes
 
     def _learn_round_trip(self) -> None:
         if self.round_trip is None:
@@ -285,8 +288,7 @@ def finish_pending() -> int:
 
 def steps_alive() -> int:
     """Exited steps whose stored tensors are still alive (after `finish_pending`)."""
-    with _pending_lock:
-        return len(_pending)
+    return len(_pending)   # one read of a set's size: no lock needed
 
 
 def close_tiers(tiers: dict[str, Tier], stats: Stats, reuse: bool = True, before=None) -> None:

@@ -128,8 +128,8 @@ class Storer:
     def _all_full(self, nbytes: int, targets: tuple[str, ...]) -> None:
         usage = ", ".join(self.tiers[name].usage_text() for name in targets)
         sizes = " / ".join(f"OFFLOAD_{name.upper()}_BYTES" for name in targets)
-        # A tensor larger than every tier whole is not a matter of the tiers being full
-        # (an empty tier said "full (nvme 0 B of 8 MiB used)").
+        # A tensor larger than every tier whole does not fit however empty they are: the
+        # message says so, not that they are full.
         too_large = all(nbytes > self.tiers[name].capacity_bytes for name in targets)
         full = "no tier can hold it whole" if too_large else "every tier is full"
         if self._strict:

@@ -157,16 +157,21 @@ def _expand_containers(found: list[nn.Module]) -> list[nn.Module]:
     blocks (`blocks=model.layers`)."""
     out: list[nn.Module] = []
     for module in found:
-        if type(module).forward is nn.Module.forward:
-            children = list(module.children())
-            if not children:   # a ParameterList / ParameterDict: nothing of it ever runs
-                raise ConfigError(f"offload.activations(blocks=...): a {type(module).__name__} "
-                                  "has no forward of its own and holds no modules, so it "
-                                  "never runs as a block (pass the modules that run)")
-            out.extend(_expand_containers(children))
-        else:
-            out.append(module)
+        members = _runnable(module)
+        if not members:   # a ParameterList / ParameterDict: nothing of it ever runs
+            raise ConfigError(f"offload.activations(blocks=...): a {type(module).__name__} "
+                              "has no forward of its own and holds no module that runs, so "
+                              "nothing of it would be a block (pass the modules that run)")
+        out.extend(members)
     return out
+
+
+def _runnable(module: nn.Module) -> list[nn.Module]:
+    """`module` if it has a forward; else the members of it that do, at any depth (a
+    ParameterList beside a container's layers never runs: it holds none)."""
+    if type(module).forward is not nn.Module.forward:
+        return [module]
+    return [m for child in module.children() for m in _runnable(child)]
 
 
 def block_type_key(block: nn.Module) -> tuple:

@@ -69,6 +69,9 @@ class _PyHostLedger:
         self._capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.budget = budget
+        self.ledgers = 0   # as a budget: the ledgers that count into it
+        if budget is not None:
+            budget.ledgers += 1
         self._live: set[_PyStorageRef] = set()
 
     @property
@@ -100,6 +103,7 @@ class _PyHostLedger:
     def detach(self) -> None:
         if self.budget is not None:
             self.budget.used_bytes -= self.used_bytes
+            self.budget.ledgers -= 1
             self.budget = None
 
     __del__ = detach   # as the core's: what it still counts leaves the budget with it
@@ -152,18 +156,22 @@ class HostTier(Tier):
     stores_cpu_in_core = _ext.core_available()
 
     def __init__(self, capacity_bytes: int, stats: Stats, capacity_key: Hashable = None,
-                 copies: Callable[[torch.device], object] | None = None) -> None:
+                 copies: Callable[[torch.device], object] | None = None,
+                 capacity_source: str = "") -> None:
         """Args:
+            capacity_key: The setting the capacity came from (OFFLOAD_HOST_BYTES's spec):
+                tiers of one setting share the process's budget silently.
             copies: Returns the context's CopyStreams for a CUDA device (async copies);
                 None: synchronous copies.
+            capacity_source: What the capacity was taken of, in words (a budget in use
+                says its own: `self.capacity_source`).
         """
         self._copies = copies
-        self._capacity_bytes = capacity_bytes
         self._capacity_key = capacity_key if capacity_key is not None else capacity_bytes
         # The byte count of both kinds of payload, and the CPU ones (abort frees them),
         # counted into the process's budget too (NOTE [One host budget]).
-        self._budget = host_budget.acquire(self, capacity_bytes, _HostLedger)
-        self._ledger = _HostLedger(capacity_bytes, budget=self._budget)
+        self._ledger, self.capacity_source = host_budget.ledger_for(
+            self._capacity_key, capacity_bytes, _HostLedger, capacity_source)
         # The core's ledger makes the core's refs; a subclass with its own `store` is
         # called through it (the core's packer must not go around it).
         if _RefPayload is not _PyStorageRef and type(self).store is HostTier.store:
@@ -176,10 +184,12 @@ class HostTier(Tier):
     @classmethod
     def open(cls, config, stats: Stats, copies) -> "HostTier":
         capacity, source = config.host_capacity()
-        tier = cls(capacity, stats, capacity_key=config.host_bytes, copies=copies)
+        tier = cls(capacity, stats, capacity_key=config.host_bytes, copies=copies,
+                   capacity_source=source)
         figures = stats.tier(cls.name)
-        # The process's budget's: another step's, of another size, while one is in use.
-        figures.capacity_bytes, figures.capacity_source = tier.capacity_bytes, source
+        # The process's budget's: another step's, while one is in use.
+        figures.capacity_bytes = tier._ledger.capacity_bytes
+        figures.capacity_source = tier.capacity_source
         return tier
 
     @property
@@ -290,7 +300,7 @@ class HostTier(Tier):
             if block is not None:
                 return torch.frombuffer(block, dtype=torch.uint8)
         pinned_bytes = sum(a.capacity_bytes for a in self._arenas)
-        room = self._capacity_bytes - pinned_bytes
+        room = self._ledger.capacity_bytes - pinned_bytes   # the budget's, as `take`'s
         if room < nbytes:
             return None
         from .._ext import load_core   # looked up at the call: tests stand in for it
@@ -306,10 +316,7 @@ class HostTier(Tier):
         # with the last of them instead of being reused.
         self._closed = True
         self.store_cpu = None   # the core's packer may not store through it any more
-        budget, self._budget = self._budget, None
-        if budget is not None:   # what it still counts is no longer the process's
-            self._ledger.detach()
-            host_budget.release(self)
+        self._ledger.detach()   # what it still counts is no longer the process's
         arenas, self._arenas = self._arenas, None
         if arenas and reuse and all(a.used_bytes == 0 for a in arenas):
             pool.give_back("host-pinned", self._capacity_key, arenas)

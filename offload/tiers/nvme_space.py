@@ -110,7 +110,8 @@ def _share(dirs: tuple[str, ...], entry: _Entry, asked: tuple) -> None:
         from ..errors import ConfigError
 
         raise ConfigError(
-            f"{CHECKSUM}=1: the NVMe store of {', '.join(dirs)} is in use by another context "
+            f"nvme_checksum / {CHECKSUM} asks for checksums, but the NVMe store of "
+            f"{', '.join(dirs)} is in use by another context "
             "of this process, opened without checksums, and a store's checksums are set "
             "when it opens (give every context of the process the same nvme_checksum, or "
             "let the other context's graph go first)")

@@ -80,14 +80,14 @@ class TierStats:
     """One tier's figures for a step (the tier's own: tiers/base.py NOTE [One owner])."""
 
     bytes: int = 0               # activation bytes stored in the tier (unique storages)
-    capacity_bytes: int = 0      # what this process's tier may hold; a percentage is divided
-    #                              among the local ranks (ranks.py NOTE [Host share]); nvme:
-    #                              the process's budget, shared by its contexts
+    capacity_bytes: int = 0      # what this process's tier may hold, shared by every step
+    #                              alive at once (host_budget.py, nvme_space.py); a percentage
+    #                              is divided among the local ranks (ranks.py NOTE [Host share])
     capacity_source: str = ""    # what a percentage was taken of ("50% of cgroup v2 /job
     #                              (limit 2 GiB, ...)": util/memory_limits.py)
-    exit_used_bytes: int = 0     # space still used when the tiers closed: they close once
-    #                              the step's stored tensors are freed, so nonzero only for a
-    #                              step closed early (an exception, ctx.close())
+    exit_used_bytes: int = 0     # space the step still held when it was freed before its
+    #                              stored tensors were (an exception, ctx.close()); 0 for a
+    #                              step that ended with them
 
 
 _NO_TIER = TierStats()
