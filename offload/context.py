@@ -356,8 +356,8 @@ def _check(config: Config, model: torch.nn.Module | None) -> None:
     """What a context's settings and model need of this machine, checked before a step."""
     config.validate()
     if model is not None and not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model={short_repr(model)}: not a torch.nn.Module (pass the model object "
-                          "you train, or leave model= out)")
+        raise ConfigError(f"model={short_repr(model)}: not a torch.nn.Module (pass the model "
+                          "object you train, or leave model= out)")
     if config.enabled and "nvme" in config.tiers and config.policy != "keep":
         from ._ext import load_core
 
