@@ -176,6 +176,13 @@ PyObject* m_poll(PyObject* self, PyObject*) {
   });
 }
 
+PyObject* m_submit(PyObject* self, PyObject*) {
+  return guarded([&] {
+    submit(state(self));
+    Py_RETURN_NONE;
+  });
+}
+
 PyObject* m_drain(PyObject* self, PyObject*) {
   return guarded([&] {
     drain(state(self));
@@ -297,6 +304,8 @@ PyMethodDef methods[] = {
     {"release", FASTCALL(m_release), METH_FASTCALL,
      "release(payload): give the extent back at once; never waits for I/O."},
     {"poll", m_poll, METH_NOARGS, "Retire landed writes, note landed reads, free deferred memory."},
+    {"submit", m_submit, METH_NOARGS,
+     "Hand the batched writes to the engine now (NOTE [Write batches]): the block is over."},
     {"drain", m_drain, METH_NOARGS, "Wait for every write, and for deferred reads."},
     {"abort", m_abort, METH_NOARGS, "Release every payload not yet released."},
     {"wait_all", m_wait_all, METH_NOARGS,

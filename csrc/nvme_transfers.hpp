@@ -10,7 +10,9 @@
 // cores preempts a compute thread. A batch is submitted when it holds `write_batch` writes
 // or `batch_bytes`, and before anything waits on a write or reads (retire, backpressure,
 // the first read of the backward, drain, close): nothing ever waits on a write not
-// submitted. A payload released while its write is still batched is submitted first, so
+// submitted. The block's exit submits what is left (`submit`, tiers/nvme.py `flush`): a
+// backward run after the block may come much later, and the batch's sources stay in memory
+// until their writes land. A payload released while its write is still batched is submitted first, so
 // the engine holds its extent's range and the range can go back at once. Submitting runs
 // no Python code between taking the batch and handing it over: no release can come in
 // between (the garbage collector runs only where Python code or a tracked allocation does).

@@ -10,6 +10,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -288,6 +289,26 @@ def test_backward_after_the_block(nvme_dir):
     ref = torch.autograd.grad((x @ x).tanh().sum(), x)[0]
     assert torch.equal(x.grad, ref)
     assert nvme._closed and ctx.stats.exit_nvme_used_bytes == 0
+
+
+def test_the_writes_still_batched_go_at_the_blocks_exit(nvme_dir):
+    """A backward run after the block may come much later: the writes held back to batch
+    (csrc/nvme_transfers.hpp NOTE [Write batches]) go to the disk at the exit, not at the
+    backward's first read (was: 0 bytes written until then, their sources kept in RAM)."""
+    if not HAVE_CORE:
+        pytest.skip(CORE_REASON)
+    x = torch.randn(128, 128, requires_grad=True)
+    with offload.activations(**_kw("nvme", nvme_dir)) as ctx:
+        y = (x * 2).sin().tanh().sum()            # 2 writes of 64 KiB: one batch, unsent
+    nvme = ctx.tiers["nvme"]
+    deadline = time.monotonic() + 10
+    while ctx.stats.nvme_written_bytes < ctx.stats.nvme_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+        nvme.poll()                               # retires what landed
+    assert ctx.stats.nvme_bytes == 2 * 128 * 128 * 4
+    assert ctx.stats.nvme_written_bytes == ctx.stats.nvme_bytes
+    y.backward()
+    assert torch.equal(x.grad, torch.autograd.grad((x * 2).sin().tanh().sum(), x)[0])
 
 
 @pytest.mark.parametrize("how", ["close", "raise"])

@@ -148,7 +148,9 @@ class Step:
             self.finish(self.exit_s, timed=True)
             return True
         # Backward runs after the block: the tiers stay open for it; Stats shows the forward's
-        # figures until the step ends.
+        # figures until the step ends. What they hold back to batch goes now.
+        for tier in self.tiers.values():
+            tier.flush()
         self.fold()
         log.debug("offload: %d stored storages outlive the block; the step ends when they "
                   "are freed", self.ledger.live_records)

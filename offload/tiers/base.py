@@ -148,6 +148,9 @@ class Tier(abc.ABC):
     def poll(self) -> None:
         """Retire finished transfers (called often; must be cheap)."""
 
+    def flush(self) -> None:
+        """Start every transfer held back to be batched (the block is over)."""
+
     def drain(self) -> None:
         """Wait for every transfer in flight (end of step, before closing)."""
 

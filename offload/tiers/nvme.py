@@ -353,6 +353,12 @@ class NvmeTier(Tier):
         if self._transfers is not None:
             self._transfers.poll()
 
+    def flush(self) -> None:
+        """Hand the writes still batched to the engine (csrc/nvme_transfers.hpp NOTE [Write
+        batches]): a backward run after the block may come much later."""
+        if self._transfers is not None:
+            self._transfers.submit()
+
     def release(self, payload) -> None:
         """Give the payload's extent back at once; never waits for I/O."""
         self._transfers.release(payload)
