@@ -24,6 +24,7 @@ that still hide at no predicted cost move too (the budget is a ceiling, not a ta
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
@@ -136,9 +137,9 @@ def _hideable(item: ItemRecord, out_bps: float, in_bps: float) -> bool:
 def _largest(fixed: dict[int, int], kept: Iterable[ItemRecord]) -> int:
     """The bytes the largest micro-batch keeps on the device: its fixed bytes and `kept`'s
     of it (profile.py NOTE [Micro-batches])."""
-    per = dict(fixed)
+    per = Counter(fixed)
     for it in kept:
-        per[it.segment] = per.get(it.segment, 0) + it.nbytes
+        per[it.segment] += it.nbytes
     return max(per.values(), default=0)
 
 
@@ -168,7 +169,7 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
         recompute_s += per_instance_s[info.type_key] * len(info.instances)
     # What remains to keep or move, after recompute.
     remaining: list[ItemRecord] = []
-    fixed: dict[int, int] = {}   # micro-batch -> bytes kept whatever (NOTE [Micro-batches])
+    fixed: Counter[int] = Counter()   # micro-batch -> bytes kept whatever (NOTE [Micro-batches])
     for it in items:
         stays = 0
         info = type_of_block.get(it.block) if it.block is not None else None
@@ -188,20 +189,19 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
                 stays += it.nbytes if stored else 0
             else:
                 stays += max(it.nbytes, it.small_inputs)
-            fixed[it.segment] = fixed.get(it.segment, 0) + stays
+            fixed[it.segment] += stays
             continue
         if info is not None and recompute_sets[info.type_key]:
             if it.producer in recompute_sets[info.type_key]:
                 recomputed_bytes += it.nbytes
                 continue
             if it.producer is None and it.input_index is None:
-                # held by checkpoint's closure, not by our hooks
-                fixed[it.segment] = fixed.get(it.segment, 0) + it.nbytes
+                fixed[it.segment] += it.nbytes   # held by checkpoint's closure, not our hooks
                 continue
         if it.eligible:
             remaining.append(it)
         else:
-            fixed[it.segment] = fixed.get(it.segment, 0) + it.nbytes
+            fixed[it.segment] += it.nbytes
     # Bytes no decision can free (small or no_offload tensors, tensors a checkpoint holds in
     # its closure) count against the budget, but a plan is not worse for them. The budget
     # holds for each micro-batch: its backward frees its saves before the next forward
@@ -216,22 +216,22 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
     if params.tiers:
         # What each tier holds per micro-batch: its capacity is for one micro-batch's
         # storages at a time (each backward frees its micro-batch's: NOTE [Micro-batches]).
-        held: dict[tuple[str, int], int] = {}
+        held: Counter[tuple[str, int]] = Counter()
 
         def tier_for(same: list[ItemRecord]) -> str | None:
-            per: dict[int, int] = {}   # micro-batch -> bytes (a block called twice in one)
+            per: Counter[int] = Counter()   # micro-batch -> bytes (a block called twice in one)
             for x in same:
-                per[x.segment] = per.get(x.segment, 0) + x.nbytes
+                per[x.segment] += x.nbytes
             for t in params.tiers:
                 cap = params.capacity_bytes.get(t)
-                if cap is None or all(held.get((t, m), 0) + b <= cap for m, b in per.items()):
+                if cap is None or all(held[(t, m)] + b <= cap for m, b in per.items()):
                     return t
             return None
 
         def hold(tier: str, same: list[ItemRecord], sign: int = 1) -> None:
             """Put `same` in `tier` (sign -1: take them out again)."""
             for x in same:
-                held[(tier, x.segment)] = held.get((tier, x.segment), 0) + sign * x.nbytes
+                held[(tier, x.segment)] += sign * x.nbytes
                 moved[tier] += sign * x.nbytes
 
         def stall_s() -> float:

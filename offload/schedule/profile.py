@@ -33,7 +33,7 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
@@ -152,9 +152,9 @@ class Profile:
 
     def segment_bytes(self) -> dict[int, int]:
         """Bytes of the step's saves per micro-batch (ItemRecord.segment)."""
-        per: dict[int, int] = {}
+        per: Counter[int] = Counter()
         for it in self.items:
-            per[it.segment] = per.get(it.segment, 0) + it.nbytes
+            per[it.segment] += it.nbytes
         return per
 
     def block_types(self) -> dict[tuple, list[BlockRecord]]:

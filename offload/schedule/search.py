@@ -130,11 +130,10 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
         calls = Counter(index for i in infos for index in i.instances)   # one per micro-batch
         # What a block run as it is keeps (its small saves too), in the micro-batch where it
         # keeps most (profile.py NOTE [Micro-batches]: the budget holds for each).
-        per_batch: dict[tuple[int, int], int] = {}
+        per_batch: Counter[tuple[int, int]] = Counter()
         for it in items:
             if it.block is not None and (it.eligible or it.small):
-                key = (it.block, it.segment)
-                per_batch[key] = per_batch.get(key, 0) + it.nbytes
+                per_batch[(it.block, it.segment)] += it.nbytes
         block_bytes: dict[int, int] = {}
         for (index, _), nbytes in per_batch.items():
             block_bytes[index] = max(block_bytes.get(index, 0), nbytes)
