@@ -183,6 +183,8 @@ def test_micro_batches_are_planned_as_one_is(gbps, capacity):
     assert double.prediction.recomputed_bytes == 2 * single.prediction.recomputed_bytes
     assert double.op_targets == single.op_targets and double.item_targets == single.item_targets
     assert double.prediction.feasible
+    # Eight blocks called twice each: counted as eight, not as sixteen blocks.
+    assert "block Blk x8: " in render(single) and "block Blk x8 (16 calls): " in render(double)
 
 
 def test_a_storage_key_saved_twice_in_a_forward_fits_a_tier_with_both():

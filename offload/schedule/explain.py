@@ -25,6 +25,15 @@ def _targets(counter: Counter) -> str:
     return ", ".join(f"{t} x{n}" for t, n in sorted(counter.items()))
 
 
+def _count(instances: tuple[int, ...]) -> str:
+    """How many blocks of a type, and how often they ran when that differs: an instance is
+    one call, so gradient accumulation inside one context (profile.py NOTE [Micro-batches])
+    or a layer shared across positions calls a block more than once."""
+    blocks = len(set(instances))
+    calls = len(instances)
+    return f"x{blocks}" if calls == blocks else f"x{blocks} ({calls} calls)"
+
+
 def summary(plan: Plan, mode: str = "plan") -> str:
     """One line: what the plan keeps, moves and recomputes, its predicted step, and what runs
     instead when a trial chose a whole-block strategy (`mode`)."""
@@ -84,7 +93,7 @@ def render(plan: Plan, trials: TrialSteps | None = None) -> str:
     for bp in plan.blocks.values():
         mode = (f"per-op recompute, {_s(bp.recompute_s)} of re-run ops per block"
                 if bp.per_op else "runs as is")
-        lines.append(f"  block {bp.type_name} x{len(bp.instances)}: {mode}")
+        lines.append(f"  block {bp.type_name} {_count(bp.instances)}: {mode}")
         head = f"    {'op (n-th call in the block)':<40} {'saved/block':>11} {'recompute':>10}"
         if link:
             head += f" {move + ' trip':>10}"
