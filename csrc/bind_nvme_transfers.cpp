@@ -193,6 +193,7 @@ PyObject* m_drain(PyObject* self, PyObject*) {
 PyObject* m_abort(PyObject* self, PyObject*) {
   return guarded([&] {
     State* s = state(self);
+    cancel_all(s);
     std::vector<py::object> live;
     for (PyObject* p : s->live) live.push_back(borrow(p));
     for (const py::object& p : live) release(s, as_payload(p.ptr()));
@@ -307,7 +308,8 @@ PyMethodDef methods[] = {
     {"submit", m_submit, METH_NOARGS,
      "Hand the batched writes to the engine now (NOTE [Write batches]): the block is over."},
     {"drain", m_drain, METH_NOARGS, "Wait for every write, and for deferred reads."},
-    {"abort", m_abort, METH_NOARGS, "Release every payload not yet released."},
+    {"abort", m_abort, METH_NOARGS,
+     "Cancel every transfer not yet started, and release every payload not yet released."},
     {"wait_all", m_wait_all, METH_NOARGS,
      "Wait for every transfer in flight, dropping failures (a tier closing unclean)."},
     {"close", m_close, METH_NOARGS,

@@ -60,8 +60,8 @@ uint32_t source_crc32c(const char* from, uint64_t nbytes) {
 
 }  // namespace
 
-void Throttle::acquire(uint64_t nbytes) {
-  if (bytes_per_s_ == 0) return;
+bool Throttle::acquire(uint64_t nbytes, const IoRequest& request) {
+  if (bytes_per_s_ == 0) return true;
   Clock::time_point start;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -70,7 +70,13 @@ void Throttle::acquire(uint64_t nbytes) {
     next_ = start + std::chrono::duration_cast<Clock::duration>(
                         std::chrono::duration<double>(double(nbytes) / double(bytes_per_s_)));
   }
-  std::this_thread::sleep_until(start);
+  // In slices, so a chunk cancelled meanwhile goes at once (its slot is not given back).
+  constexpr auto kSlice = std::chrono::milliseconds(20);
+  for (auto now = Clock::now(); now < start; now = Clock::now()) {
+    if (request.failed()) return false;
+    std::this_thread::sleep_until(std::min(start, now + kSlice));
+  }
+  return !request.failed();
 }
 
 IoEngine::IoEngine(size_t workers, uint64_t bounce_bytes, uint64_t block_bytes,
@@ -228,11 +234,12 @@ void IoEngine::worker_loop() {
       try {
         if (bounce.data() == nullptr && chunks.front().slab->direct())
           bounce = AlignedBuffer(bounce_bytes_, block_bytes_);
-        throttle_.acquire(run.nbytes);
-        if (chunks.size() == 1)
-          run_chunk(chunks.front(), bounce);
-        else
+        // (A single chunk cancelled while it waits for its slot is skipped too.)
+        const bool go = throttle_.acquire(run.nbytes, *chunks.front().request);
+        if (chunks.size() > 1)
           run_merged(run, bounce, errors);
+        else if (go)
+          run_chunk(chunks.front(), bounce);
       } catch (...) {
         for (auto& e : errors)
           if (!e) e = std::current_exception();

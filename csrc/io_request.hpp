@@ -75,6 +75,14 @@ class IoRequest {
   void expect_chunks(size_t count) { pending_.store(count); }
 
   bool failed() const noexcept { return failed_.load(std::memory_order_relaxed); }
+  // Fails the request now: the engine skips its chunks not yet started (a chunk already
+  // running ends first, and the request is done after it). For transfers whose bytes nobody
+  // will read or keep: a step freed early (the block raised, or `close()`).
+  void cancel() {
+    record_error(std::make_exception_ptr(UseAfterClose(
+        "offload: transfer cancelled: its step was freed before it ran (the block raised, "
+        "or ActivationOffload.close())")));
+  }
 
   void chunk_done(std::exception_ptr err) {
     if (err) record_error(err);

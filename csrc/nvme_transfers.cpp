@@ -226,6 +226,21 @@ void wait_all(State* s) {
   for (const auto& read : reads) wait_quietly(read->done);
 }
 
+void cancel_all(State* s) {
+  try {
+    submit(s);   // (a batch the engine does not have yet would be handed over at release)
+  } catch (py::error_already_set&) {
+  } catch (const std::exception&) {
+  }
+  const auto cancel = [](const Completion& c) {
+    if (c.request) c.request->cancel();   // (a Python future or a device ticket runs on)
+  };
+  for (PyObject* p : s->writes)
+    if (const auto& write = as_payload(p)->write) cancel(write->done);
+  for (const auto& read : s->reads) cancel(read->done);
+  for (const auto& read : s->deferred) cancel(read->done);
+}
+
 void wait_submitted_writes(State* s) {
   // A direct write's source is held only by its NvmeWrite (the engine takes no owner of
   // the memory it writes from): dropping one in flight frees memory the engine still reads.

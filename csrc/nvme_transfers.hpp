@@ -191,6 +191,10 @@ void poll(State* s);
 void drain(State* s);
 // Waits for every transfer still in flight, dropping failures (nobody needs these bytes).
 void wait_all(State* s);
+// Hands the batched writes to the engine, then cancels every transfer of this tier the
+// engine has not started (`IoRequest::cancel`): a step freed early waits after that only
+// for the chunks running, not for a queue of bytes nobody will read.
+void cancel_all(State* s);
 // Drops every transfer's references, and the store and arena (the tier closes and gives
 // them back), once the writes handed to the engine are over (wait_submitted_writes).
 void forget(State* s);
