@@ -17,6 +17,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include <vector>
+
 #include "bindings.hpp"
 #include "moved_save.hpp"
 #include "py_calls.hpp"
@@ -282,26 +284,66 @@ py::object resized_storage(MovedSave* self) {
   return live;
 }
 
+// What the unpack cache tells saves apart by (records.py NOTE [One tensor per layout]): the
+// layout's numbers, its dtype and the attribute dict, as bytes.
+py::object layout_key(const MovedSave* self) {
+  const ViewLayout& l = self->layout;
+  std::vector<long long> k = {reinterpret_cast<long long>(l.dtype),
+                              reinterpret_cast<long long>(self->attrs), l.storage_offset,
+                              l.conj, l.neg, static_cast<long long>(l.ndim)};
+  k.insert(k.end(), l.dims, l.dims + 2 * l.ndim);
+  return py::bytes(reinterpret_cast<const char*>(k.data()), k.size() * sizeof(long long));
+}
+
+// The save's tensor over the loaded `bytes` (a flat tensor, or a storage): the one handed
+// out already for its layout while other saves of the storage are still to be unpacked,
+// else a new one, over a copy of the bytes when another layout was handed them (records.py
+// NOTE [One tensor per layout]).
+py::object handed_out(MovedSave* self, const py::object& bytes, Py_ssize_t offset, bool flat) {
+  UnpackCache* cache = record_cache(self->record);
+  if (cache->handed == Py_None) Py_CLEAR(cache->handed);   // (as records.py may set it)
+  py::object key;
+  if (cache->handed != nullptr) {
+    key = layout_key(self);
+    PyObject* seen = PyDict_GetItemWithError(cache->handed, key.ptr());   // borrowed
+    if (seen != nullptr) return py::reinterpret_borrow<py::object>(seen);
+    if (PyErr_Occurred()) throw py::error_already_set();
+  }
+  const bool apart = cache->handed != nullptr && PyDict_GET_SIZE(cache->handed) > 0;
+  const py::object over = apart ? call_method(bytes.ptr(), names.clone) : bytes;
+  py::object out = flat
+      ? rebuild_over_flat(&self->layout, over, offset, record_nbytes(self->record))
+      : rebuild_over_storage(&self->layout, over, offset);
+  if (self->attrs != nullptr) {   // tensor_meta.py NOTE [Saved attributes]
+    // Never on the flat tensor itself: every layout of the storage may be handed it.
+    if (out.ptr() == over.ptr()) out = call_method(out.ptr(), names.detach);
+    if (PyObject_SetAttr(out.ptr(), n_dict, self->attrs) < 0) throw py::error_already_set();
+  }
+  if (cache->cache != Py_None) {   // other saves are still to come: they get this one
+    if (cache->handed == nullptr && (cache->handed = PyDict_New()) == nullptr)
+      throw py::error_already_set();
+    if (!key) key = layout_key(self);
+    if (PyDict_SetItem(cache->handed, key.ptr(), out.ptr()) < 0) throw py::error_already_set();
+  }
+  return out;
+}
+
 PyObject* unpack_moved(PyObject* obj, PyObject* lock) {
   return guarded([&] {
     auto* self = reinterpret_cast<MovedSave*>(obj);
     check_version(self);
     py::object resized = resized_storage(self);
-    py::object bytes, out;
+    py::object out;
     if (!resized.is_none()) {   // as autograd would: over the storage as it is now
       out = call_with(calls.rebuild_as_resized, resized, py::handle(obj));
+      if (self->attrs != nullptr &&   // tensor_meta.py NOTE [Saved attributes]
+          PyObject_SetAttr(out.ptr(), n_dict, self->attrs) < 0)
+        throw py::error_already_set();
     } else {
       Py_ssize_t offset = 0;
       bool flat = false;
-      bytes = load_locked(self, lock, &offset, &flat);
-      out = flat
-          ? rebuild_over_flat(&self->layout, bytes, offset, record_nbytes(self->record))
-          : rebuild_over_storage(&self->layout, bytes, offset);
-    }
-    if (self->attrs != nullptr) {   // tensor_meta.py NOTE [Saved attributes]
-      // Never on the flat tensor itself: every save of the storage may be handed it.
-      if (out.ptr() == bytes.ptr()) out = call_method(out.ptr(), names.detach);
-      if (PyObject_SetAttr(out.ptr(), n_dict, self->attrs) < 0) throw py::error_already_set();
+      py::object bytes = load_locked(self, lock, &offset, &flat);
+      out = handed_out(self, bytes, offset, flat);
     }
     if (!self->unpacked) {
       self->unpacked = 1;

@@ -47,6 +47,7 @@ struct Names {
   PyObject* closed;
   PyObject* fetch;
   PyObject* storage_offset;
+  PyObject* clone;
 };
 extern Names names;   // set by bind_saved_handles (saved_handles.cpp)
 

@@ -50,13 +50,9 @@ PyObject* record_load(PyObject* record, PyObject* py_load, Py_ssize_t* offset, b
   if (!is_payload(payload) || reinterpret_cast<NvmePayload*>(payload)->cuda ||
       (prefetcher != Py_None && !is_prefetcher(prefetcher)))
     return load_in_python(record, py_load, offset);
-  PyObject* storage = nullptr;   // the flat tensor over the bytes
-  if (cache->cache != Py_None) {
-    storage = Py_NewRef(cache->cache);
-  } else if (cache->cache_ref != Py_None) {
-    PyObject* alive = PyWeakref_GetObject(cache->cache_ref);   // borrowed
-    if (alive != Py_None) storage = Py_NewRef(alive);
-  }
+  // Only the strong cache is used again: a copy handed out earlier may be a gradient by now
+  // (records.py NOTE [One tensor per layout]), so an unpack after they all were loads afresh.
+  PyObject* storage = cache->cache != Py_None ? Py_NewRef(cache->cache) : nullptr;
   if (storage == nullptr) {
     // A released payload or a closed tier: records.load raises the error it says.
     if (reinterpret_cast<NvmePayload*>(payload)->released)
@@ -78,12 +74,10 @@ PyObject* record_load(PyObject* record, PyObject* py_load, Py_ssize_t* offset, b
       storage = prefetcher_fetch(prefetcher, tier, payload, dtype);
       if (storage == nullptr) return nullptr;
     }
-    PyObject* ref = PyErr_Occurred() ? nullptr : untracked_weakref(storage);
-    if (ref == nullptr) {
+    if (PyErr_Occurred()) {
       Py_XDECREF(storage);
       return nullptr;
     }
-    Py_XSETREF(cache->cache_ref, ref);
     cache->cache_offset = byte_offset;
     cache->cache_version = tensor_version(storage);
     if (cache->cache_version < 0) {

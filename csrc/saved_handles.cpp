@@ -137,7 +137,7 @@ void bind_saved_handles(py::module_& m) {
                 intern("grad_fn"),   intern("_base"),           intern("is_leaf"),
                 intern("_version"),  intern("detach"),          intern("output_nr"),
                 intern("__name__"),  intern("epoch"),           intern("closed"),
-                intern("fetch"),     intern("storage_offset")};
+                intern("fetch"),     intern("storage_offset"),  intern("clone")};
 
   py::class_<SavedBytes, std::shared_ptr<SavedBytes>>(
       m, "SavedBytes",

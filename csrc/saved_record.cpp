@@ -138,8 +138,8 @@ int record_setup(Record* self, PyObject* storage, PyObject* tier, PyObject* payl
   self->meta = Py_NewRef(meta);
   self->prefetcher = Py_NewRef(prefetcher);
   self->unpack.cache = Py_NewRef(Py_None);
-  self->unpack.cache_ref = Py_NewRef(Py_None);
   self->unpack.shared = Py_NewRef(Py_None);
+  self->unpack.handed = nullptr;
   self->timeline = Py_NewRef(Py_None);
   self->row = -1;
   self->version = -1;
@@ -239,8 +239,8 @@ void record_dealloc(PyObject* self_obj) {
   Py_CLEAR(self->meter);
   Py_CLEAR(self->prefetcher);
   Py_CLEAR(self->unpack.cache);
-  Py_CLEAR(self->unpack.cache_ref);
   Py_CLEAR(self->unpack.shared);
+  Py_CLEAR(self->unpack.handed);
   Py_CLEAR(self->timeline);
   Py_TYPE(self_obj)->tp_free(self_obj);
 }
@@ -290,7 +290,7 @@ PyMethodDef record_methods[] = {
 };
 
 // The unpack cache's objects, set from records.py: never deleted (record_load.cpp reads them
-// without a NULL check), `cache_ref` None or a weak reference.
+// without a NULL check), `handed` None or a dict.
 template <PyObject* UnpackCache::*field>
 PyObject* get_cache_field(PyObject* self, void*) {
   PyObject* value = reinterpret_cast<Record*>(self)->unpack.*field;
@@ -304,8 +304,8 @@ int set_cache_field(PyObject* self, PyObject* value, void* name) {
                  static_cast<const char*>(name));
     return -1;
   }
-  if (field == &UnpackCache::cache_ref && value != Py_None && !PyWeakref_CheckRef(value)) {
-    PyErr_Format(PyExc_TypeError, "Record.cache_ref must be None or a weak reference, got %s",
+  if (field == &UnpackCache::handed && value != Py_None && !PyDict_CheckExact(value)) {
+    PyErr_Format(PyExc_TypeError, "Record.handed must be None or a dict, got %s",
                  Py_TYPE(value)->tp_name);
     return -1;
   }
@@ -319,8 +319,8 @@ int set_cache_field(PyObject* self, PyObject* value, void* name) {
 
 PyGetSetDef record_getset[] = {
     CACHE_OBJECT(cache),
-    CACHE_OBJECT(cache_ref),
     CACHE_OBJECT(shared),
+    CACHE_OBJECT(handed),
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -391,7 +391,10 @@ void record_handle_added(PyObject* record) {
 
 void record_handle_done(PyObject* record_obj) {
   UnpackCache* cache = &reinterpret_cast<Record*>(record_obj)->unpack;
-  if (--cache->handles_left <= 0) Py_XSETREF(cache->cache, Py_NewRef(Py_None));
+  if (--cache->handles_left <= 0) {
+    Py_XSETREF(cache->cache, Py_NewRef(Py_None));
+    Py_CLEAR(cache->handed);
+  }
 }
 
 bool record_stored_as(PyObject* record_obj, PyObject* storage, long long version) {

@@ -21,12 +21,14 @@ struct IndexEntries {
 // bytes while saves of its storage are still to be unpacked (record_load.cpp fills it).
 struct UnpackCache {
   Py_ssize_t handles_left;   // saved tensors of the record not yet unpacked
-  PyObject* cache;           // the loaded storage (None once they all were) ...
-  PyObject* cache_ref;       // ... and a weak reference to it (None before the first load)
+  PyObject* cache;           // the loaded storage (None once they all were)
   Py_ssize_t cache_offset;   // the loaded bytes' offset in `cache`
   long long cache_version;   // a CPU nvme payload's flat tensor's version when loaded
   //                            (records.py NOTE [Writes into a shared copy])
   PyObject* shared;          // a CUDA storage's streams (records.py)
+  // Layout key -> the tensor handed out for it, while `cache` holds (records.py NOTE [One
+  // tensor per layout]): a dict, or nullptr / None (records.py sets it) for none yet.
+  PyObject* handed;
 };
 
 // Whether `record` is the core's Record and has a payload in a tier.

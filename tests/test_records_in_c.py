@@ -128,22 +128,22 @@ def test_a_core_record_holds_a_kept_storage_and_only_a_moved_one_weakly():
 
 
 def test_a_core_records_cache_fields_refuse_what_its_load_cannot_read():
-    """`del record.cache` stored NULL and `record.cache_ref = 5` a non-weakref, which the
-    core's load then dereferenced: a crash (found by reading, in a sanitizer review).
-    records.py sets them to None, a storage, a weak reference."""
+    """`del record.cache` stored NULL, which the core's load then dereferenced: a crash
+    (found by reading, in a sanitizer review); so would `record.handed = 5`, which the
+    core's unpack reads as a dict. records.py sets them to None, a storage, a dict."""
     core = load_core()
     s = torch.randn(10).untyped_storage()
     record = core.Record(s, None, None, 40, True, None, core.SavedBytes(), None)
-    assert record.cache is None and record.cache_ref is None and record.shared is None
-    for name in ("cache", "cache_ref", "shared"):
+    assert record.cache is None and record.handed is None and record.shared is None
+    for name in ("cache", "handed", "shared"):
         with pytest.raises(AttributeError, match=f"Record.{name} cannot be deleted"):
             delattr(record, name)
-    with pytest.raises(TypeError, match="must be None or a weak reference, got int"):
-        record.cache_ref = 5
-    record.cache, record.cache_ref = s, weakref.ref(s)
-    assert record.cache is s and record.cache_ref() is s
-    record.cache = record.cache_ref = None
-    assert record.cache is None and record.cache_ref is None
+    with pytest.raises(TypeError, match="must be None or a dict, got int"):
+        record.handed = 5
+    record.cache, record.handed = s, {}
+    assert record.cache is s and record.handed == {}
+    record.cache = record.handed = None
+    assert record.cache is None and record.handed is None
     # One whose __init__ never ran (its fields NULL) reads None and can be set (a review
     # found both crashed).
     bare = core.Record.__new__(core.Record)

@@ -25,21 +25,44 @@ autograd checks. Plain autograd raises its in-place error when another save of t
 is unpacked after such a write. A CPU nvme payload's copy is one flat tensor and each save
 is a view of it, sharing its version counter: its version is noted when it is loaded, and an
 unpack from the cache that finds it moved on raises autograd's error, with the version
-autograd would report (the save's own plus the writes). Not seen: a copy let go before
-the next unpack (every save of the storage was unpacked: the weak reference died, and the
-bytes are loaded afresh; a single save written through `grad_fn._saved_self`, a retained
-graph's second backward), and the copies rebuilt over a storage (a CUDA storage's, and the
-Python records'), whose counters are their own (README, *Limits*). Seeing the first would
-cost a version sentinel per load.
+autograd would report (the save's own plus the writes). Not seen: a write before an
+unpack that loads afresh (every save of the storage was unpacked already: a single save
+written through `grad_fn._saved_self`, a retained graph's second backward), writes into
+the copy a save of another layout was handed (NOTE [One tensor per layout]), and the copies
+rebuilt over a storage (a CUDA storage's, and the Python records'), whose counters are
+their own (README, *Limits*). Seeing the first would cost a version sentinel per load.
 
 NOTE [Unpack cache] Several saved tensors of one storage are unpacked at different times.
 The loaded bytes stay referenced by the record while some of its saved tensors have not been
-unpacked yet (so the storage is read once), then only weakly: their storage here, or for a
-CPU nvme payload the flat tensor the tier handed them out as, typed as the first unpack's
-dtype; later saves of another dtype view it as theirs (the core loads those records itself,
-csrc/saved_record.cpp `record_load`, csrc/view_layout.cpp `rebuild_over_flat`). A reloaded CUDA
-storage may be unpacked on several streams (autograd runs each node on its forward's
-stream): every stream after the first waits for the first one's hand-off (copies Note 12).
+unpacked yet (so the storage is read once): their storage here, or for a CPU nvme payload
+the flat tensor the tier handed them out as, typed as the first unpack's dtype; later saves
+of another dtype view it as theirs (the core loads those records itself,
+csrc/saved_record.cpp `record_load`, csrc/view_layout.cpp `rebuild_over_flat`). Once every
+save was unpacked the record lets go of them, and an unpack after that (a retained graph's
+next backward, `ctx.saved_tensors` read again) loads afresh (NOTE [One tensor per layout]).
+A reloaded CUDA storage may be unpacked on several streams (autograd runs each node on its
+forward's stream): every stream after the first waits for the first one's hand-off (copies
+Note 12).
+
+NOTE [One tensor per layout] Autograd's AccumulateGrad takes a gradient that nothing else
+refers to as the parameter's `.grad` itself, uncopied, and adds the next micro-batch's into
+it in place. Plain autograd unpacks every save of a tensor as that same tensor object, which
+its saves keep referring to: taken as a `.grad` it is copied. A backward that returns saved
+tensors as gradients (custom Functions do) must not be handed two tensors over one copy, or
+the copy itself once it may be a `.grad`:
+1. While other saves of the storage are still to be unpacked, the record keeps the tensor it
+   handed out for each layout (`handed`: dtype, size, stride, offset, conj / neg bits and
+   attribute dict), and hands it again to a save of that layout. Referred to by the record,
+   it is copied if it becomes a gradient meanwhile, as plain autograd's is.
+2. A save of another layout (a tensor and its transpose both saved) gets a copy of the bytes
+   of its own: two tensors over one copy could both be taken as gradients. (Plain autograd's
+   transpose is a view that refers to the tensor, which is then copied; ours cannot refer
+   to the first one's without keeping it.) Such storages are rare: 2 of 59 in a small Llama,
+   3% of its saved bytes; none in GPT-2 or a conv net.
+3. An unpack after every save was unpacked loads afresh (NOTE [Unpack cache]): the copy
+   handed out last may be a `.grad` by now, changed in place.
+Tests: tests/test_unpacked_grads.py (each case gave 5 where plain autograd gives 3, or read
+a `.grad` back as a saved tensor).
 """
 from __future__ import annotations
 
@@ -127,8 +150,8 @@ class PyRecord(weakref.ref):
     """
 
     __slots__ = ("tier", "payload", "nbytes", "resident", "meta", "meter", "prefetcher",
-                 "handles_left", "cache", "cache_ref", "cache_offset", "shared", "timeline",
-                 "row", "version", "__weakref__")
+                 "handles_left", "cache", "cache_offset", "shared", "handed",
+                 "timeline", "row", "version", "__weakref__")
 
     def __new__(cls, storage: torch.UntypedStorage, *args, **kwargs) -> "PyRecord":
         return super().__new__(cls, storage)  # no callback: the other arguments are ours
@@ -146,9 +169,9 @@ class PyRecord(weakref.ref):
         self.prefetcher = prefetcher  # set when the tier's reloads are worth starting early
         self.handles_left = 0         # saved tensors of this record not yet unpacked
         self.cache = None             # strong reference to the loaded storage (NOTE [Unpack cache])
-        self.cache_ref = None         # weak reference to it
         self.cache_offset = 0
         self.shared: SharedReload | None = None  # a CUDA storage's streams (NOTE [Unpack cache])
+        self.handed: dict | None = None  # layout -> tensor (NOTE [One tensor per layout])
         self.timeline = None          # the step's Timeline, when this storage is timed
         self.row = -1                 # ... and its row there
         self.version = -1             # set by the StorageIndex: the version it was stored at
@@ -176,8 +199,9 @@ Record = load_core().Record if core_available() else PyRecord
 @never_compiled   # the core's unpack calls it (NOTE [Never compiled])
 def load(record) -> tuple[torch.UntypedStorage, int]:
     """A moved record's bytes (loading them at most once while they are needed)."""
-    storage = record.cache if record.cache is not None else \
-        (record.cache_ref() if record.cache_ref is not None else None)
+    # Only the strong cache is used again: a copy handed out earlier may be a gradient by now
+    # (NOTE [One tensor per layout]), so an unpack after they all were loads afresh.
+    storage = record.cache
     if storage is None:
         tier, payload = record.tier, record.payload
         if tier.released(payload) or tier.closed:
@@ -192,7 +216,6 @@ def load(record) -> tuple[torch.UntypedStorage, int]:
         else:
             flat = tier.fetch(payload)
         storage, record.cache_offset = flat.untyped_storage(), flat.storage_offset()
-        record.cache_ref = weakref.ref(storage)
         record.shared = SharedReload(storage.device) if on_cuda(storage.device) else None
     elif record.shared is not None:
         record.shared.use_on_current_stream(storage, record.cache_offset)  # copies Note 12
@@ -205,4 +228,4 @@ def handle_done(record) -> None:
     """One saved tensor of a moved record was unpacked (or died unpacked)."""
     record.handles_left -= 1
     if record.handles_left <= 0:
-        record.cache = None
+        record.cache = record.handed = None

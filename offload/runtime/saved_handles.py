@@ -182,15 +182,35 @@ class Moved(SavedOrigin):
         live = self.record() if self.record.meta is None else None
         if live is not None and live.nbytes() != self.record.nbytes:
             out = rebuild_as_resized(live, self)
+            if self.attrs is not None:   # shared, not copied: tensor_meta NOTE [Saved attributes]
+                out.__dict__ = self.attrs
         else:
             with lock:
                 storage, offset = load(self.record)
-            out = rebuild(storage, offset, self)   # its layout fields (class doc)
-        if self.attrs is not None:
-            out.__dict__ = self.attrs   # shared, not copied: tensor_meta NOTE [Saved attributes]
+            out = self._handed_out(storage, offset)
         if not self.unpacked:
             self.unpacked = True
             handle_done(self.record)
+        return out
+
+    def _handed_out(self, storage: torch.UntypedStorage, offset: int) -> torch.Tensor:
+        """The tensor handed out for this layout while other saves of the storage are still
+        to be unpacked, else a new one over the loaded bytes, or over a copy of them when
+        another layout was handed them (records.py NOTE [One tensor per layout];
+        csrc/moved_save.cpp `handed_out`)."""
+        record = self.record
+        handed = record.handed
+        key = (self.dtype, self.size, self.stride, self.storage_offset, self.conj, self.neg,
+               id(self.attrs))
+        if handed and key in handed:
+            return handed[key]
+        out = rebuild(storage.clone() if handed else storage, offset, self)   # (class doc)
+        if self.attrs is not None:
+            out.__dict__ = self.attrs   # shared, not copied: tensor_meta NOTE [Saved attributes]
+        if record.cache is not None:   # other saves are still to come: they get this one
+            if handed is None:
+                handed = record.handed = {}
+            handed[key] = out
         return out
 
     def __del__(self) -> None:
