@@ -45,6 +45,7 @@ void payload_dealloc(PyObject* obj) {
   self->extent.~shared_ptr();
   self->write.~shared_ptr();
   self->read.~shared_ptr();
+  self->write_error.~exception_ptr();
   Py_TYPE(obj)->tp_free(obj);
   --payloads_alive;
 }
@@ -186,6 +187,7 @@ PyObject* new_payload(uint64_t nbytes, PyObject* device, uint64_t phase, bool cu
   self->foreign_extent = Py_XNewRef(foreign_extent);
   new (&self->write) std::shared_ptr<NvmeWrite>();
   new (&self->read) std::shared_ptr<NvmeRead>();
+  new (&self->write_error) std::exception_ptr();
   ++payloads_alive;
   return obj;
 }

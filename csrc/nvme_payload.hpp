@@ -11,6 +11,7 @@
 #include <Python.h>
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 
 #include "host_arena.hpp"
@@ -94,6 +95,9 @@ struct NvmePayload {
   PyObject* foreign_extent;         // ... or another store's (a test's simulated engine)
   std::shared_ptr<NvmeWrite> write;  // in flight, or null
   std::shared_ptr<NvmeRead> read;    // in flight or landed, not yet fetched, or null
+  // Why its write failed (NOTE [A failed write stays failed] in nvme_writes.cpp): its bytes
+  // are not on the disk, and every read of it raises this.
+  std::exception_ptr write_error;
 };
 
 extern PyTypeObject nvme_payload_type;

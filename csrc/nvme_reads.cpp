@@ -30,6 +30,7 @@ void observe(State* s, NvmeRead& read) {
 }
 
 void before_read(State* s, NvmePayload* p) {
+  if (p->write_error) std::rethrow_exception(p->write_error);   // NOTE [A failed write ...]
   s->in_backward = true;
   submit(s);   // the reads come now: nothing waits behind them any more
   if (p->write) {
@@ -67,7 +68,8 @@ ReadStart start_host_read(State* s, NvmePayload* p) {
 }
 
 bool prefetch(State* s, NvmePayload* p) {
-  if (p->read || p->released) return false;
+  // (A failed write's error is for its own fetch to raise, not a read-ahead's caller.)
+  if (p->read || p->released || p->write_error) return false;
   return start_host_read(s, p) == ReadStart::started;
 }
 

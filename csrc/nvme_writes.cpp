@@ -78,6 +78,13 @@ void retire(State* s, NvmePayload* p) {
   } catch (...) {
     error = std::current_exception();
   }
+  // NOTE [A failed write stays failed] A write that failed (EIO, ENOSPC) is raised where it
+  // is retired, which may be another tensor's pack or unpack polling the queue, and a user
+  // may catch that and go on; the payload keeps the error, so its own read raises it too
+  // rather than reading an extent that was never written. A released payload's failure is
+  // nobody's: dropped.
+  if (error && p->released) error = nullptr;
+  if (error && !p->write_error) p->write_error = error;
   if (p->write == write) p->write.reset();   // the payload keeps nothing of a finished write
   s->direct_inflight -= write->direct_bytes;
   write->direct_bytes = 0;
