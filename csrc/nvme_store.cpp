@@ -84,7 +84,13 @@ NvmeStore::NvmeStore(const std::vector<std::string>& dirs, uint64_t capacity_byt
                                        options.coalesce_bytes);
 }
 
-NvmeStore::~NvmeStore() { close(); }
+NvmeStore::~NvmeStore() {
+  // After a fork the engine is leaked here, not earlier: its counters stay readable until
+  // then (a child that ends a step it inherited reads them), and destroying it would join
+  // threads that do not exist in the child.
+  if (forked_.load()) (void)engine_.release();
+  close();
+}
 
 void NvmeStore::close() {
   std::lock_guard<std::mutex> lock(close_mu_);
@@ -109,8 +115,8 @@ void NvmeStore::abandon_after_fork() noexcept {
   forked_.store(true);
   closed_.store(true);
   for (auto& slab : slabs_) slab->close();
-  // Deliberately leaked: destroying them would join threads that do not exist here.
-  (void)engine_.release();
+  // Deliberately leaked: destroying them would join threads that do not exist here (the
+  // engine is, in the destructor).
   new std::shared_ptr<ThreadPool>(std::move(write_stager_));
   new std::shared_ptr<ThreadPool>(std::move(release_stager_));
 }

@@ -186,3 +186,21 @@ def test_a_child_backwarding_the_parents_nvme_graph_is_told_why(in_flight, nvme_
     assert said.startswith("UsedAfterCloseError") and "this process was forked" in said, said
     assert "use the host tier" in said
     assert torch.equal(x.grad, 2 * (x * 2).cos()) and ctx.stats.nvme_bytes > 0
+
+
+def _end_inherited_step_in_child(conn):
+    offload.empty_cache()   # ends the parent's pending step here: its nvme tier closes
+    conn.send("ended")
+
+
+def test_a_child_ends_a_pending_nvme_step_it_inherited(nvme_dir):
+    """A graph dropped without backward leaves its step pending until the next entry,
+    `empty_cache()` or exit; a child forked meanwhile ends it in its own process. Closing
+    the tier read the forked store's engine counters, which the store had let go at the
+    fork: the child died of SIGSEGV (found by a code review)."""
+    x = torch.randn(256, 256, requires_grad=True)
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
+        y = (x * 2).sin()
+    del y   # pending: nothing has ended the step yet
+    assert answer_from_forked_child(_end_inherited_step_in_child) == "ended"
+    offload.empty_cache()
