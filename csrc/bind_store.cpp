@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <memory>
 #include <optional>
 
@@ -29,6 +30,9 @@ std::vector<std::string> to_dirs(const py::object& dirs) {
 }
 
 uint64_t wait_request(IoRequest& r, std::optional<double> timeout_s) {
+  if (timeout_s && std::isnan(*timeout_s))
+    throw InvalidArgument("IoFuture.wait: timeout_s is NaN; give seconds, or None to wait until "
+                          "the transfer is done");
   if (timeout_s && *timeout_s < 0) timeout_s = 0.0;
   // A request already seen done (the tier polls before it retires) returns at once:
   // handing the GIL over and back costs more than the rest of the call.

@@ -100,7 +100,8 @@ class IoRequest {
   bool wait(std::optional<double> timeout_s) const {
     if (generation_ != fork_generation) return done_before_fork();
     std::unique_lock<std::mutex> lock(mu_);
-    if (!timeout_s) {
+    // (A timeout of decades, or inf, is none: converted to the clock's ticks it overflows.)
+    if (!timeout_s || *timeout_s >= 1e9) {
       cv_.wait(lock, [&] { return done_; });
       return true;
     }

@@ -771,3 +771,23 @@ def test_garbage_collecting_a_store_waits_for_its_io(nvme_dir):
     del store
     gc.collect()
     assert fut.done() and fut.wait() == src.numel()
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), 1e30])
+def test_a_timeout_of_forever_waits_for_the_transfer(timeout_s, nvme_dir):
+    """`wait(timeout_s=inf)` converted the timeout to the clock's ticks, which overflowed:
+    TimeoutError at once (found by a code review). NaN is refused, naming the argument."""
+    import threading
+
+    store = C.NvmeStore([nvme_dir], 4 * MiB)
+    ext = store.allocate(MiB)
+    data = torch.ones(MiB, dtype=torch.uint8)
+    store._hold_workers_for_test(True)
+    fut = store.write_ptr(ext, data.data_ptr(), MiB)
+    with pytest.raises(ValueError, match="timeout_s is NaN"):
+        fut.wait(timeout_s=float("nan"))
+    release = threading.Timer(0.3, store._hold_workers_for_test, (False,))
+    release.start()
+    assert fut.wait(timeout_s=timeout_s) == MiB
+    release.join()
+    store.close()
