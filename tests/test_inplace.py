@@ -472,3 +472,24 @@ def test_the_error_names_each_dtype_as_autograd_does(dtype, tiers, nvme_dir):
             case()
     assert str(ours.value) == str(plain.value)
     assert ctx.stats.saved_bytes > 0
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+def test_the_error_names_a_sparse_tensor_as_autograd_does(tiers, nvme_dir):
+    """A sparse saved tensor stays where it is, and its type name reads
+    `torch.sparse.FloatTensor` in autograd's message; ours said `torch.FloatTensor` (the
+    name was looked up by dtype and device only)."""
+    def case():
+        w = torch.randn(16, 8, requires_grad=True)
+        sparse = torch.eye(16).to_sparse()
+        y = torch.sparse.mm(sparse, w)   # saves `sparse`
+        sparse.mul_(2)
+        y.sum().backward()
+
+    with pytest.raises(RuntimeError) as plain:
+        case()
+    with offload.activations(**_kw(tiers, nvme_dir)):
+        with pytest.raises(RuntimeError) as ours:
+            case()
+    assert "torch.sparse.FloatTensor [16, 16]" in str(plain.value)
+    assert str(ours.value) == str(plain.value)

@@ -108,7 +108,8 @@ def kept_version_error(tensor: torch.Tensor, expected: int, node_name: str | Non
     if node_name is None:
         output_nr = tensor.output_nr
     return version_error(tensor.dtype, tensor.device, tensor.shape,
-                         _KeptOrigin(tensor, node_name, output_nr), expected, tensor._version)
+                         _KeptOrigin(tensor, node_name, output_nr), expected, tensor._version,
+                         tensor.layout)
 
 
 def changed_since_pack(save) -> bool:

@@ -145,14 +145,16 @@ class _SavesOne(torch.autograd.Function):
         return grad, None
 
 
-_type_names: dict[tuple[torch.dtype, torch.device], str] = {}
+_type_names: dict[tuple[torch.dtype, torch.device, torch.layout], str] = {}
 
 
-def _type_name(dtype: torch.dtype, device: torch.device) -> str:
+def _type_name(dtype: torch.dtype, device: torch.device,
+               layout: torch.layout = torch.strided) -> str:
     """How autograd's message names a tensor's type: `torch.FloatTensor` for the types that
-    have a legacy name, `CPUBoolType`, `CUDABFloat16Type`, `CPUComplexFloatType` for the
-    others. Read once per (dtype, device) from autograd's own message, so it follows torch."""
-    key = (dtype, device)
+    have a legacy name, `torch.sparse.FloatTensor` for a sparse one, `CPUBoolType`,
+    `CUDABFloat16Type`, `CPUComplexFloatType` for the others. Read once per (dtype, device,
+    layout) from autograd's own message, so it follows torch."""
+    key = (dtype, device, layout)
     name = _type_names.get(key)
     if name is not None:
         return name
@@ -162,7 +164,7 @@ def _type_name(dtype: torch.dtype, device: torch.device) -> str:
         # On a thread of its own: no saved-tensor hooks (ours are this thread's), so
         # autograd checks the version itself and says the name.
         try:
-            saved = torch.empty(0, dtype=dtype, device=device)
+            saved = torch.empty(0, dtype=dtype, device=device, layout=layout)
             out = _SavesOne.apply(torch.zeros((), requires_grad=True), saved)
             torch.autograd.graph.increment_version(saved)
             out.backward()
@@ -176,15 +178,16 @@ def _type_name(dtype: torch.dtype, device: torch.device) -> str:
     thread.start()
     thread.join()
     # If autograd did not say (another torch's wording), its legacy name.
-    name = said[0] if said else torch.empty(0, dtype=dtype, device=device).type()
+    name = said[0] if said else \
+        torch.empty(0, dtype=dtype, device=device, layout=layout).type()
     _type_names[key] = name
     return name
 
 
 def version_error(dtype: torch.dtype, device: torch.device, size, origin: SavedOrigin,
-                  expected: int, seen: int) -> RuntimeError:
+                  expected: int, seen: int, layout: torch.layout = torch.strided) -> RuntimeError:
     """Autograd's error for a saved tensor changed in place, word for word."""
-    type_name = _type_name(dtype, device)
+    type_name = _type_name(dtype, device, layout)
     text = (f"one of the variables needed for gradient computation has been modified by an "
             f"inplace operation: [{type_name} {list(size)}]")
     name = origin.node_at_unpack()
