@@ -21,7 +21,8 @@ FUNC_TRANSFORM_HINT = (
     "offload: torch.func transforms (grad, vjp, jacrev, hessian, vmap over them) refuse to run "
     "while saved-tensor hooks are installed, and offload.activations() installs them. Call the "
     "transform outside the `with offload.activations()` block: it runs its own forward and "
-    "backward at once, so there is nothing in it for offload to move.")
+    "backward at once, so there is nothing in it for offload to move. (offload.no_offload() "
+    "does not help: the hooks stay installed inside it, keeping what is saved there.)")
 
 
 HIGHER_ORDER_HINT = (

@@ -376,6 +376,10 @@ def test_torch_func_inside_the_context_says_what_to_do():
     notes = "\n".join(getattr(info.value, "__notes__", [])) + str(info.value)
     assert "don't yet support saved tensor hooks" in str(info.value)   # torch's own error
     assert "Call the transform outside the `with offload.activations()` block" in notes
+    with pytest.raises(RuntimeError) as info:   # where users try next: said there too
+        with offload.activations(tiers="host"), offload.no_offload():
+            torch.func.grad(f)(x)
+    assert "offload.no_offload() does not help" in "\n".join(info.value.__notes__)
     torch.testing.assert_close(torch.func.grad(f)(x), x.cos() * x + x.sin())  # outside: works
     assert _hook_stack_empty()
 
