@@ -231,3 +231,47 @@ def test_without_the_chained_event_wait_the_write_takes_stale_bytes(nvme_dir, mo
     wrong = [seed for seed in range(12)
              if not all(w == g for w, g in run_step(seed, nvme_dir)[0])]
     assert wrong, "no interleaving exposed the missing event wait"
+
+
+class _ReleasedWhileWaiting:
+    """The tier's transfers, but `before_read` (which lets the GIL go while it waits for the
+    payload's write) ends with the payload released, as a record dying on another thread
+    meanwhile would."""
+
+    def __init__(self, transfers, tier):
+        self._transfers, self._tier = transfers, tier
+
+    def __getattr__(self, name):
+        return getattr(self._transfers, name)
+
+    def before_read(self, payload):
+        self._transfers.before_read(payload)
+        self._tier.release(payload)
+
+
+def test_a_payload_released_while_its_write_is_waited_for_starts_no_read(nvme_dir):
+    """`_start_device_read` did not look again after `before_read`: it chained a read of the
+    released payload's extent (on the core's store, "Extent was released" raised in an
+    unrelated prefetch). Found by a code review; the core's host reads check it."""
+    offload.empty_cache()
+    sim = _Sim(0)
+    core = _Core(sim)
+    copies = CopyStreams(CUDA, _backend=sim)
+    tier = NvmeTier((nvme_dir,), lambda: 1 << 20, workers=1, staging_bytes=1 << 18,
+                    stats=Stats(), core=core, capacity_key=("sim", "released"),
+                    copies=lambda device: copies)
+    x = sim.empty(64, None, sim.compute)
+    sim.fill(x, 7)
+    payload = tier.store(_own_storage(x), CUDA)
+    del x
+    tier._transfers = _ReleasedWhileWaiting(tier._transfers, tier)
+    assert tier.prefetch(payload) is False
+    assert not payload.reading
+    with pytest.raises(offload.UsedAfterCloseError):
+        tier.fetch(payload)
+    tier._transfers = tier._transfers._transfers
+    tier.drain()
+    tier.close()
+    copies.close()
+    sim.finish()
+    assert tier.used_bytes == 0 and core.store.used_bytes == 0 and not core.store.jobs

@@ -306,16 +306,21 @@ class NvmeTier(Tier):
             return self._transfers.prefetch(payload)
         if payload.reading or payload.released:
             return False
-        self._start_device_read(payload)
-        return True
+        return self._start_device_read(payload)
 
-    def _start_device_read(self, payload) -> None:
+    def _start_device_read(self, payload) -> bool:
         """Start loading a CUDA payload: read → H2D chained in the engine when a staging
-        block is free, else a host read that `fetch` copies over."""
+        block is free, else a host read that `fetch` copies over. False when, while its
+        write was waited for, another thread released the payload or started its read."""
         if self._closed:
             raise UsedAfterCloseError(_USED_AFTER_CLOSE)
         transfers = self._transfers
         transfers.before_read(payload)   # its own write first (NOTE [Read after write])
+        # That wait lets the GIL go: a record dying on another thread may have released the
+        # payload (its extent gone), or another thread's fetch started its read (as the
+        # core's start_host_read checks).
+        if payload.released or payload.reading:
+            return False
         if self._copies is not None and payload.phase == 0:
             block = self._arena.allocate(payload.nbytes + self._alignment)
             if block is not None:
@@ -324,8 +329,9 @@ class NvmeTier(Tier):
                 transfers.add_chained_read(payload, nvme_device.read_then_h2d(
                     self._copies(payload.device), self._store, payload.extent, block,
                     payload.nbytes))
-                return
+                return True
         transfers.start_read(payload)
+        return True
 
     def fetch(self, payload) -> torch.Tensor:
         """The payload's bytes on its device: waits for this payload's read only."""
