@@ -3,6 +3,8 @@ drop; auto_session.py NOTE [Shape classes]) and only training steps profiled or 
 (step.py NOTE [Training step])."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 
 import pytest
@@ -195,3 +197,36 @@ def test_only_training_steps_are_booked_as_trials(nvme_dir, monkeypatch):
     assert plan.pending == pending and plan.measured == {}
     step(lambda: loss_fn().backward())
     assert plan.pending == pending[1:] and len(plan.measured["plan"]) == 1
+
+
+def test_steps_alive_at_once_settle_on_one_plan(nvme_dir, caplog):
+    """NOTE [Steps alive at once]: one entry per micro-batch, the backwards after all the
+    forwards. The second entry replaced the session's state of the first, whose end then
+    made a plan from the second's profiler, and the next one a plan of no block: 6 plans in
+    10 steps, never settled. Now the later entry alone is learned from; exact throughout."""
+    model, _ = small_gpt(layers=2, hidden=32)
+    plain = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 97, (2, 32), generator=gen) for _ in range(2)]
+    ctx = offload.activations(model=model, **_settings(nvme_dir), log="INFO")
+
+    def step(m, context):
+        torch.manual_seed(7)   # the same dropout masks in both runs
+        losses = []
+        for idx in batches:
+            with context:
+                losses.append(m.loss(idx, idx))
+        for loss in losses:
+            loss.backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return grads
+
+    with caplog.at_level(logging.INFO, logger="offload"):
+        for i in range(8):
+            ours, theirs = step(model, ctx), step(plain, contextlib.nullcontext())
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), f"step {i}"
+    plans = [r.getMessage() for r in caplog.records if "auto plan" in r.getMessage()]
+    assert len(plans) == 1, plans
+    assert ctx.plan is not None and ctx.plan.settled
+    ctx.close()

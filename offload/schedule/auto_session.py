@@ -254,6 +254,14 @@ class AutoSession(Session):
         return changed
 
     def step_done(self, report) -> None:
+        if self._hooks is None or report.stats is not self._hooks.stats:
+            # NOTE [Steps alive at once] Another step of this context was entered before this
+            # one ended (one entry per micro-batch, the backwards after all the forwards):
+            # what the session holds of a step (its class, profiler, placement, clock) is
+            # that later step's now. This one is not learned from; the later one is.
+            log.debug("offload: auto: a later step entered before this one ended; not "
+                      "profiled or timed")
+            return
         state = self.state
         if not report.training:   # step.py NOTE [Training step]
             if self._profiling or self.key is _UNKNOWN:
