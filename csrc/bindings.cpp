@@ -82,7 +82,9 @@ void set_python_error(std::exception_ptr error) {
   try {
     std::rethrow_exception(error);
   } catch (py::error_already_set& e) {
-    e.restore();
+    // Not restore(), which may run once: an error kept to be raised again (a failed write's,
+    // nvme_writes.cpp NOTE [A failed write stays failed]) is set each time it is raised.
+    PyErr_SetObject(e.type().ptr(), e.value().ptr());
   } catch (const std::bad_alloc&) {
     PyErr_NoMemory();
   } catch (const std::exception& e) {

@@ -60,7 +60,7 @@ uint32_t source_crc32c(const char* from, uint64_t nbytes) {
 
 }  // namespace
 
-bool Throttle::acquire(uint64_t nbytes, const IoRequest& request) {
+bool Throttle::acquire(uint64_t nbytes, const IoRequest* request) {
   if (bytes_per_s_ == 0) return true;
   Clock::time_point start;
   {
@@ -73,10 +73,10 @@ bool Throttle::acquire(uint64_t nbytes, const IoRequest& request) {
   // In slices, so a chunk cancelled meanwhile goes at once (its slot is not given back).
   constexpr auto kSlice = std::chrono::milliseconds(20);
   for (auto now = Clock::now(); now < start; now = Clock::now()) {
-    if (request.failed()) return false;
+    if (request != nullptr && request->failed()) return false;
     std::this_thread::sleep_until(std::min(start, now + kSlice));
   }
-  return !request.failed();
+  return request == nullptr || !request->failed();
 }
 
 IoEngine::IoEngine(size_t workers, uint64_t bounce_bytes, uint64_t block_bytes,
@@ -234,8 +234,10 @@ void IoEngine::worker_loop() {
       try {
         if (bounce.data() == nullptr && chunks.front().slab->direct())
           bounce = AlignedBuffer(bounce_bytes_, block_bytes_);
-        // (A single chunk cancelled while it waits for its slot is skipped too.)
-        const bool go = throttle_.acquire(run.nbytes, *chunks.front().request);
+        // (A single chunk cancelled while it waits for its slot is skipped too; a merged run
+        // of several requests runs in its slot.)
+        const bool go = throttle_.acquire(
+            run.nbytes, chunks.size() == 1 ? chunks.front().request.get() : nullptr);
         if (chunks.size() > 1)
           run_merged(run, bounce, errors);
         else if (go)

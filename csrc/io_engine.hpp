@@ -43,9 +43,9 @@ struct Chunk {
 class Throttle {
  public:
   explicit Throttle(uint64_t bytes_per_s) : bytes_per_s_(bytes_per_s) {}
-  // Waits for the slot of a chunk of `nbytes`; false when `request` failed meanwhile (a
-  // cancel: the chunk is skipped).
-  bool acquire(uint64_t nbytes, const IoRequest& request);
+  // Waits for the slot of a chunk of `nbytes`; false when `request` (if any) failed
+  // meanwhile (a cancel: the chunk is skipped).
+  bool acquire(uint64_t nbytes, const IoRequest* request);
 
  private:
   using Clock = std::chrono::steady_clock;

@@ -295,11 +295,33 @@ py::object layout_key(const MovedSave* self) {
   return py::bytes(reinterpret_cast<const char*>(k.data()), k.size() * sizeof(long long));
 }
 
-// The save's tensor over the loaded `bytes` (a flat tensor, or a storage): the one handed
-// out already for its layout while other saves of the storage are still to be unpacked,
-// else a new one, over a copy of the bytes when another layout was handed them (records.py
-// NOTE [One tensor per layout]).
-py::object handed_out(MovedSave* self, const py::object& bytes, Py_ssize_t offset, bool flat) {
+// A copy of the bytes a save is rebuilt over: a storage's clone, or for a flat tensor one
+// over a clone of its whole storage, at its offset (the bytes' offset is in the storage).
+py::object copy_of(const py::object& bytes, bool flat) {
+  if (!flat) return call_method(bytes.ptr(), names.clone);
+  py::object storage =
+      call_method(call_method(bytes.ptr(), names.untyped_storage).ptr(), names.clone);
+  py::object fresh = py::reinterpret_steal<py::object>(
+      PyObject_CallMethod(bytes.ptr(), "new_empty", "(i)", 0));
+  if (!fresh) throw py::error_already_set();
+  py::object offset = call_method(bytes.ptr(), names.storage_offset);
+  py::object size = py::reinterpret_steal<py::object>(PyObject_GetAttrString(bytes.ptr(), "shape"));
+  py::object stride = py::reinterpret_steal<py::object>(
+      PyObject_CallMethod(bytes.ptr(), "stride", nullptr));
+  if (!size || !stride) throw py::error_already_set();
+  py::object out = py::reinterpret_steal<py::object>(PyObject_CallMethod(
+      fresh.ptr(), "set_", "(OOOO)", storage.ptr(), offset.ptr(), size.ptr(), stride.ptr()));
+  if (!out) throw py::error_already_set();
+  return out;
+}
+
+// The save's tensor, `build` over `bytes` (the loaded flat tensor or storage, or the live
+// storage resized since the pack): the one handed out already for its layout while other
+// saves of the storage are still to be unpacked, else a new one, over a copy of the bytes
+// when another layout was handed them (records.py NOTE [One tensor per layout]). The caller
+// holds the hooks' lock.
+template <typename Build>
+py::object handed_out(MovedSave* self, const py::object& bytes, bool flat, Build build) {
   UnpackCache* cache = record_cache(self->record);
   if (cache->handed == Py_None) Py_CLEAR(cache->handed);   // (as records.py may set it)
   py::object key;
@@ -310,16 +332,14 @@ py::object handed_out(MovedSave* self, const py::object& bytes, Py_ssize_t offse
     if (PyErr_Occurred()) throw py::error_already_set();
   }
   const bool apart = cache->handed != nullptr && PyDict_GET_SIZE(cache->handed) > 0;
-  const py::object over = apart ? call_method(bytes.ptr(), names.clone) : bytes;
-  py::object out = flat
-      ? rebuild_over_flat(&self->layout, over, offset, record_nbytes(self->record))
-      : rebuild_over_storage(&self->layout, over, offset);
+  const py::object over = apart ? copy_of(bytes, flat) : bytes;
+  py::object out = build(over);
   if (self->attrs != nullptr) {   // tensor_meta.py NOTE [Saved attributes]
     // Never on the flat tensor itself: every layout of the storage may be handed it.
     if (out.ptr() == over.ptr()) out = call_method(out.ptr(), names.detach);
     if (PyObject_SetAttr(out.ptr(), n_dict, self->attrs) < 0) throw py::error_already_set();
   }
-  if (cache->cache != Py_None) {   // other saves are still to come: they get this one
+  if (cache->handles_left > (self->unpacked ? 0 : 1)) {   // others to come get this one
     if (cache->handed == nullptr && (cache->handed = PyDict_New()) == nullptr)
       throw py::error_already_set();
     if (!key) key = layout_key(self);
@@ -334,16 +354,26 @@ PyObject* unpack_moved(PyObject* obj, PyObject* lock) {
     check_version(self);
     py::object resized = resized_storage(self);
     py::object out;
-    if (!resized.is_none()) {   // as autograd would: over the storage as it is now
-      out = call_with(calls.rebuild_as_resized, resized, py::handle(obj));
-      if (self->attrs != nullptr &&   // tensor_meta.py NOTE [Saved attributes]
-          PyObject_SetAttr(out.ptr(), n_dict, self->attrs) < 0)
-        throw py::error_already_set();
-    } else {
-      Py_ssize_t offset = 0;
-      bool flat = false;
-      py::object bytes = load_locked(self, lock, &offset, &flat);
-      out = handed_out(self, bytes, offset, flat);
+    {
+      // Under the hooks' lock, as the load: autograd may unpack saves of one storage on two
+      // threads, and each must find what the other handed out.
+      PyLockHeld locked(lock);
+      if (!resized.is_none()) {   // as autograd would: over the storage as it is now ...
+        // ... copied: a tensor over the live storage taken as a `.grad` would be the user's
+        // tensor's memory (autograd copies its own saved tensor, which the user holds).
+        out = handed_out(self, copy_of(resized, false), false, [&](const py::object& over) {
+          return call_with(calls.rebuild_as_resized, over, py::handle(obj));
+        });
+      } else {
+        Py_ssize_t offset = 0;
+        bool flat = false;
+        py::object bytes = load_locked(self, lock, &offset, &flat);
+        out = handed_out(self, bytes, flat, [&](const py::object& over) {
+          return flat
+              ? rebuild_over_flat(&self->layout, over, offset, record_nbytes(self->record))
+              : rebuild_over_storage(&self->layout, over, offset);
+        });
+      }
     }
     if (!self->unpacked) {
       self->unpacked = 1;

@@ -60,6 +60,10 @@ PyObject* payload_writing(PyObject* obj, void*) {
   return as_bool(reinterpret_cast<NvmePayload*>(obj)->write != nullptr);
 }
 
+PyObject* payload_write_failed(PyObject* obj, void*) {
+  return as_bool(reinterpret_cast<NvmePayload*>(obj)->write_error != nullptr);
+}
+
 PyObject* payload_reading(PyObject* obj, void*) {
   return as_bool(reinterpret_cast<NvmePayload*>(obj)->read != nullptr);
 }
@@ -86,6 +90,10 @@ PyGetSetDef payload_getset[] = {
      const_cast<char*>("Whether the tier gave the bytes back."), nullptr},
     {const_cast<char*>("writing"), payload_writing, nullptr,
      const_cast<char*>("Whether its write is in flight (not yet retired by the tier)."),
+     nullptr},
+    {const_cast<char*>("write_failed"), payload_write_failed, nullptr,
+     const_cast<char*>("Whether its write failed: its reads raise why (nvme_writes.cpp NOTE "
+                       "[A failed write stays failed])."),
      nullptr},
     {const_cast<char*>("reading"), payload_reading, nullptr,
      const_cast<char*>("Whether a read is in flight or landed and not yet fetched."), nullptr},

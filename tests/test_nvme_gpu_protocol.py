@@ -275,3 +275,44 @@ def test_a_payload_released_while_its_write_is_waited_for_starts_no_read(nvme_di
     copies.close()
     sim.finish()
     assert tier.used_bytes == 0 and core.store.used_bytes == 0 and not core.store.jobs
+
+
+class _FailedWriteStore(_Store):
+    def write_after_event(self, extent, block, event):
+        fut = super().write_after_event(extent, block, event)
+        self.jobs.pop()   # never runs: it failed
+
+        def failed(timeout_s=None):
+            raise offload.StorageError(5, "simulated EIO")
+
+        fut.wait, fut.done = failed, lambda: True
+        return fut
+
+
+def test_a_failed_write_is_left_to_its_own_read_not_a_read_ahead(nvme_dir):
+    """nvme_writes.cpp NOTE [A failed write stays failed]: a read-ahead of a CUDA payload
+    whose write failed raised that error in whatever unpack asked for the read-ahead; now
+    it starts nothing, and the payload's own fetch raises it (found by a review)."""
+    offload.empty_cache()
+    sim = _Sim(0)
+    core = _Core(sim)
+    core.NvmeStore = lambda dirs, capacity, **kw: setattr(
+        core, "store", _FailedWriteStore(sim, capacity)) or core.store
+    copies = CopyStreams(CUDA, _backend=sim)
+    tier = NvmeTier((nvme_dir,), lambda: 1 << 20, workers=1, staging_bytes=1 << 18,
+                    stats=Stats(), core=core, capacity_key=("sim", "failed"),
+                    copies=lambda device: copies)
+    x = sim.empty(64, None, sim.compute)
+    sim.fill(x, 7)
+    payload = tier.store(_own_storage(x), CUDA)
+    del x
+    sim.run_some()
+    with pytest.raises(offload.StorageError, match="simulated EIO"):
+        tier.poll()   # retired where another tensor's pack or unpack polls
+    assert tier.prefetch(payload) is False
+    with pytest.raises(offload.StorageError, match="simulated EIO"):
+        tier.fetch(payload)
+    tier.release(payload)
+    tier.close(reuse=False)
+    copies.close()
+    sim.finish()

@@ -238,6 +238,33 @@ def test_chained_writes_retire_oldest_first_and_a_read_waits_for_its_own():
     assert stats.stall_backward_s >= 0 and stats.stall_s == stats.stall_backward_s
 
 
+class _FailingFuture(Future):
+    """A chained (GPU) write that failed: its wait raises a Python StorageError."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout_s=None) -> int:
+        raise offload.StorageError(5, "simulated EIO")
+
+
+def test_a_failed_chained_write_is_raised_again_by_its_own_read():
+    """nvme_writes.cpp NOTE [A failed write stays failed] for a write whose error is a
+    Python exception (a chained write's future): raised where it is retired, then by each
+    read of its payload. The second raise aborted the process (pybind11's `restore()` of a
+    kept error may run once; found by a review)."""
+    t, _ = transfers()
+    p = t.allocate(16, CPU, 0, True)
+    t.add_chained(p, _FailingFuture(), None)
+    with pytest.raises(offload.StorageError, match="simulated EIO"):
+        t.poll()   # another tensor's pack or unpack retires it
+    assert p.write_failed
+    for _ in range(2):
+        with pytest.raises(offload.StorageError, match="simulated EIO"):
+            t.before_read(p)
+    assert not t.prefetch(p)   # a read-ahead leaves it to the payload's own read
+
+
 def test_backpressure_with_a_predicate_is_a_stall():
     t, stats = transfers()
     payloads = [t.allocate(16, CPU, 0, True) for _ in range(3)]

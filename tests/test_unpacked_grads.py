@@ -100,7 +100,7 @@ class OutputSavedTwice(torch.autograd.Function):
 
 
 def _micro_batches(case: str, p1, p2, i: int) -> None:
-    s = torch.full((16, 16), float(i + 1)) * 1   # an activation: nobody else holds it
+    s = torch.full((16, 16), float(i + 1)) * 1   # an activation
     if case == "saved twice":
         SavedTwice.apply(p1, p2, s).backward()
     elif case == "two functions":
@@ -109,6 +109,11 @@ def _micro_batches(case: str, p1, p2, i: int) -> None:
         ReadTwice.apply(p1, s).backward()
     elif case == "two layouts":
         TwoLayouts.apply(p1, p2, s).backward()
+    elif case == "storage grown":   # the saves come back over the storage as it is now
+        loss = SavedOnce.apply(p1, s) + SavedOnce.apply(p2, s)
+        s.untyped_storage().resize_(2 * s.untyped_storage().nbytes())
+        loss.backward()
+        KEPT.append(s)   # the user's tensor, kept: no `.grad` may be its memory
     else:
         OutputSavedTwice.apply(p1, p2, s).sum().backward()
 
@@ -132,7 +137,8 @@ def _run(case: str, context) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("case", ["saved twice", "two functions", "retained graph",
-                                  "read twice", "two layouts", "output saved twice"])
+                                  "read twice", "two layouts", "storage grown",
+                                  "output saved twice"])
 @pytest.mark.parametrize("tiers", ["nvme", "host"])
 def test_saved_tensors_returned_as_gradients_are_exact(case, tiers, path, nvme_dir):
     plain = _run(case, contextlib.nullcontext)

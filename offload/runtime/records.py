@@ -18,7 +18,8 @@ down (its tier, the prefetcher, the meter); nothing it does calls the hooks that
 
 NOTE [Writes into a shared copy] Autograd unpacks a moved save as a copy of its bytes (on
 `nvme`, and `host` on a GPU), and every save of one storage is handed the same loaded copy
-(NOTE [Unpack cache]). A backward that writes into a tensor it unpacked (a custom
+(NOTE [Unpack cache]; a save of another layout, a copy of its own: NOTE [One tensor per
+layout]). A backward that writes into a tensor it unpacked (a custom
 `Function` changing `ctx.saved_tensors` in place) or code writing into one read through
 `grad_fn._saved_self` changes that copy, not the forward's tensor, and no version counter
 autograd checks. Plain autograd raises its in-place error when another save of that tensor
@@ -57,10 +58,19 @@ the copy itself once it may be a `.grad`:
 2. A save of another layout (a tensor and its transpose both saved) gets a copy of the bytes
    of its own: two tensors over one copy could both be taken as gradients. (Plain autograd's
    transpose is a view that refers to the tensor, which is then copied; ours cannot refer
-   to the first one's without keeping it.) Such storages are rare: 2 of 59 in a small Llama,
-   3% of its saved bytes; none in GPT-2 or a conv net.
+   to the first one's without keeping it: ours are views of the loaded bytes, not of each
+   other.) A write into one is not seen by the other, where plain autograd's view sees it.
+   Such storages are rare: 2 of 59 in a small Llama, 3% of its saved bytes; none in GPT-2
+   or a conv net.
 3. An unpack after every save was unpacked loads afresh (NOTE [Unpack cache]): the copy
-   handed out last may be a `.grad` by now, changed in place.
+   handed out last may be a `.grad` by now, changed in place. A write into it (a backward
+   changing `ctx.saved_tensors`, then reading them again) is not seen, where plain autograd
+   raises its in-place error: a `.grad` accumulated in place would look the same.
+4. A save rebuilt over its storage as it is now (resized since the pack: saved_handles.py
+   NOTE [A storage resized since its pack]) is over a copy of it: over the live storage, a
+   `.grad` taken of it would be the user's tensor's memory.
+Lookups and additions run under the hooks' lock, as the load does: autograd may unpack saves
+of one storage on two threads.
 Tests: tests/test_unpacked_grads.py (each case gave 5 where plain autograd gives 3, or read
 a `.grad` back as a saved tensor).
 """

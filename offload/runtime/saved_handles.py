@@ -181,23 +181,26 @@ class Moved(SavedOrigin):
         # NOTE [A storage resized since its pack]; a snapshot's record stored a private
         # copy of part of the storage (tensor_meta NOTE [Untracked aliases]): not this case.
         live = self.record() if self.record.meta is None else None
-        if live is not None and live.nbytes() != self.record.nbytes:
-            out = rebuild_as_resized(live, self)
-            if self.attrs is not None:   # shared, not copied: tensor_meta NOTE [Saved attributes]
-                out.__dict__ = self.attrs
-        else:
-            with lock:
+        # Under the lock, as the load: autograd may unpack saves of one storage on two
+        # threads, and each must find what the other handed out.
+        with lock:
+            if live is not None and live.nbytes() != self.record.nbytes:
+                # Copied: a tensor over the live storage taken as a `.grad` would be the
+                # user's tensor's memory (autograd copies its own, which the user holds).
+                out = self._handed_out(live.clone(),
+                                       lambda over: rebuild_as_resized(over, self))
+            else:
                 storage, offset = load(self.record)
-            out = self._handed_out(storage, offset)
+                out = self._handed_out(storage, lambda over: rebuild(over, offset, self))
         if not self.unpacked:
             self.unpacked = True
             handle_done(self.record)
         return out
 
-    def _handed_out(self, storage: torch.UntypedStorage, offset: int) -> torch.Tensor:
-        """The tensor handed out for this layout while other saves of the storage are still
-        to be unpacked, else a new one over the loaded bytes, or over a copy of them when
-        another layout was handed them (records.py NOTE [One tensor per layout];
+    def _handed_out(self, storage: torch.UntypedStorage, build) -> torch.Tensor:
+        """`build(storage)`: the tensor handed out for this layout while other saves of the
+        storage are still to be unpacked, else a new one over `storage`, or over a copy of
+        it when another layout was handed it (records.py NOTE [One tensor per layout];
         csrc/moved_save.cpp `handed_out`)."""
         record = self.record
         handed = record.handed
@@ -205,10 +208,10 @@ class Moved(SavedOrigin):
                id(self.attrs))
         if handed and key in handed:
             return handed[key]
-        out = rebuild(storage.clone() if handed else storage, offset, self)   # (class doc)
+        out = build(storage.clone() if handed else storage)   # its layout fields (class doc)
         if self.attrs is not None:
             out.__dict__ = self.attrs   # shared, not copied: tensor_meta NOTE [Saved attributes]
-        if record.cache is not None:   # other saves are still to come: they get this one
+        if record.handles_left > (0 if self.unpacked else 1):   # others to come get this one
             if handed is None:
                 handed = record.handed = {}
             handed[key] = out

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import re
 import threading
+import warnings
 import weakref
 
 import torch
@@ -159,27 +160,38 @@ def _type_name(dtype: torch.dtype, device: torch.device,
     if name is not None:
         return name
     said: list[str] = []
+    # An empty tensor of the layout (a compressed sparse one is 2-d at least).
+    shape = (0,) if layout in (torch.strided, torch.sparse_coo) else (0, 0)
+    marker = f" {list(shape)}]"
 
     def provoke() -> None:
         # On a thread of its own: no saved-tensor hooks (ours are this thread's), so
         # autograd checks the version itself and says the name.
         try:
-            saved = torch.empty(0, dtype=dtype, device=device, layout=layout)
+            with warnings.catch_warnings():   # ("sparse CSR support is in beta")
+                warnings.simplefilter("ignore")
+                saved = torch.empty(shape, dtype=dtype, device=device, layout=layout)
             out = _SavesOne.apply(torch.zeros((), requires_grad=True), saved)
             torch.autograd.graph.increment_version(saved)
             out.backward()
         except RuntimeError as e:
             text = str(e)
-            start, end = text.find("operation: ["), text.find(" [0]]")
+            start, end = text.find("operation: ["), text.find(marker)
             if 0 <= start < end:
                 said.append(text[start + len("operation: ["):end])
 
     thread = threading.Thread(target=provoke, name="offload-type-name")
     thread.start()
     thread.join()
-    # If autograd did not say (another torch's wording), its legacy name.
-    name = said[0] if said else \
-        torch.empty(0, dtype=dtype, device=device, layout=layout).type()
+    # If autograd did not say (another torch's wording, a layout no empty tensor has), its
+    # legacy name, or the dtype's.
+    if said:
+        name = said[0]
+    else:
+        try:
+            name = torch.empty(shape, dtype=dtype, device=device, layout=layout).type()
+        except RuntimeError:
+            name = str(dtype)
     _type_names[key] = name
     return name
 

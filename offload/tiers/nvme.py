@@ -304,7 +304,8 @@ class NvmeTier(Tier):
     def prefetch(self, payload) -> bool:
         if not payload.cuda:
             return self._transfers.prefetch(payload)
-        if payload.reading or payload.released:
+        # (A failed write's error is for its own fetch to raise, not a read-ahead's caller.)
+        if payload.reading or payload.released or payload.write_failed:
             return False
         return self._start_device_read(payload)
 
