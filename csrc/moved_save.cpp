@@ -91,21 +91,17 @@ void check_version(MovedSave* self) {
   if (seen != self->version) raise_version_error(self, seen);
 }
 
-// records.load under the hooks' `lock` (the record's cache and the tier's queues are
-// shared with autograd's other threads); a CPU nvme payload's bytes come as the saved dtype
-// when its storage holds a whole number of them (view_layout.cpp rebuild_over_flat).
+// records.load; the caller holds the hooks' lock (the record's cache and the tier's queues
+// are shared with autograd's other threads). A CPU nvme payload's bytes come as the saved
+// dtype when its storage holds a whole number of them (view_layout.cpp rebuild_over_flat).
 // A copy that earlier saves of the storage were handed and wrote into since it was loaded
 // raises autograd's error, for the writes autograd would have counted on the saved tensor
 // (records.py NOTE [Writes into a shared copy]).
-py::object load_locked(MovedSave* self, PyObject* lock, Py_ssize_t* offset, bool* flat) {
-  PyObject* storage;
+py::object load_bytes(MovedSave* self, Py_ssize_t* offset, bool* flat) {
   PyObject* dtype = record_nbytes(self->record) % self->layout.itemsize == 0
       ? self->layout.dtype : nullptr;
   long long written = 0;
-  {
-    PyLockHeld locked(lock);
-    storage = record_load(self->record, calls.load, offset, flat, dtype, &written);
-  }
+  PyObject* storage = record_load(self->record, calls.load, offset, flat, dtype, &written);
   if (storage == nullptr) throw py::error_already_set();
   py::object out = py::reinterpret_steal<py::object>(storage);
   if (written != 0) raise_version_error(self, self->version + written);
@@ -367,7 +363,7 @@ PyObject* unpack_moved(PyObject* obj, PyObject* lock) {
       } else {
         Py_ssize_t offset = 0;
         bool flat = false;
-        py::object bytes = load_locked(self, lock, &offset, &flat);
+        py::object bytes = load_bytes(self, &offset, &flat);
         out = handed_out(self, bytes, flat, [&](const py::object& over) {
           return flat
               ? rebuild_over_flat(&self->layout, over, offset, record_nbytes(self->record))
