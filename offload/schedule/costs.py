@@ -23,7 +23,6 @@ that still hide at no predicted cost move too (the budget is a ceiling, not a ta
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -171,7 +170,6 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
     # What remains to keep or move, after recompute.
     remaining: list[ItemRecord] = []
     fixed: Counter[int] = Counter()   # micro-batch -> bytes kept whatever (NOTE [Micro-batches])
-    unsaved_counted: set[tuple] = set()   # (block, op) whose unsaved outputs are counted
     for it in items:
         stays = 0
         info = type_of_block.get(it.block) if it.block is not None else None
@@ -200,14 +198,6 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
             if it.producer is None and it.input_index is None:
                 fixed[it.segment] += it.nbytes   # held by checkpoint's closure, not our hooks
                 continue
-            extra = info.unsaved.get(it.producer, 0)
-            if extra and (it.block, it.producer) not in unsaved_counted:
-                # NOTE [Outputs backward does not keep] A stored op keeps all its outputs
-                # (the replay returns them instead of running it: stored_ops.py), also those
-                # backward never saved (a batch norm's normalized output, read only by a
-                # copy); they go where its saved ones go, counted with its first one.
-                unsaved_counted.add((it.block, it.producer))
-                it = dataclasses.replace(it, nbytes=it.nbytes + extra)
         if it.eligible:
             remaining.append(it)
         else:

@@ -8,7 +8,7 @@ block as it is ("plain").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .profile import ItemRecord, OpRecord, Profile
 
@@ -29,9 +29,6 @@ class TypeInfo:
     rerunnable: bool = True      # no instance's inputs changed in place after its call,
     #                              nor did one call a collective (auto_session NOTE [Blocks
     #                              run alike on every rank])
-    # op id -> bytes of its outputs that backward does not keep, per instance: stored with
-    # the op all the same (costs.py NOTE [Outputs backward does not keep])
-    unsaved: dict = field(default_factory=dict)
 
 
 def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
@@ -44,18 +41,13 @@ def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
     for type_key, records in profile.block_types().items():
         ops = profile.op_table(type_key)
         saved: dict[tuple, int] = {}
-        kept_small: dict[tuple, int] = {}   # (below OFFLOAD_MIN_BYTES: counted as they stay)
         for b in records:
             per: dict[tuple, int] = {}
-            small: dict[tuple, int] = {}
             for it in by_block.get(b.index, []):
-                if it.producer is not None:   # (small: never a decision)
-                    into = small if it.small else per
-                    into[it.producer] = into.get(it.producer, 0) + it.nbytes
+                if it.producer is not None and not it.small:   # (small: never a decision)
+                    per[it.producer] = per.get(it.producer, 0) + it.nbytes
             for op_id, nbytes in per.items():
                 saved[op_id] = max(saved.get(op_id, 0), nbytes)
-            for op_id, nbytes in small.items():
-                kept_small[op_id] = max(kept_small.get(op_id, 0), nbytes)
         by_id = {o.op_id: o for o in ops}
         producers = [o for o in saved if o in by_id]
         forced = sorted((o for o in producers if by_id[o].not_storable), key=lambda o: o)
@@ -65,12 +57,9 @@ def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
         name = records[0].type_name
         if type_key != records[0].type_key:   # profile.py NOTE [Op identity]
             name += f" ({type_key[-1][0]} {type_key[-1][1] + 1})"
-        unsaved = {o: by_id[o].out_bytes - saved[o] - kept_small.get(o, 0) for o in producers
-                   if by_id[o].out_bytes > saved[o] + kept_small.get(o, 0)}
         infos.append(TypeInfo(type_key, name, [b.index for b in records],
                               ops, saved, forced + free, len(forced),
-                              not any(b.inputs_changed or b.collective for b in records),
-                              unsaved))
+                              not any(b.inputs_changed or b.collective for b in records)))
     return infos
 
 

@@ -210,18 +210,12 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
     # A storage the search kept whose op moves: it moves too (the prediction follows, so
     # `kept_bytes` is what stays; test_auto's resident check holds it to that).
     kept_bytes, moved_bytes = pred.kept_bytes, dict(pred.moved_bytes)
-    counted = set()   # the op's outputs backward does not keep go with its first storage
     for pos, it in op_outputs:
-        key = (it.block, it.producer)
-        nbytes = it.nbytes
-        if key not in counted:   # (as costs.py NOTE [Outputs backward does not keep])
-            counted.add(key)
-            nbytes += info_of[it.block].unsaved.get(it.producer, 0)
-        op_target = op_targets[key]
+        op_target = op_targets[(it.block, it.producer)]
         if decided[pos][3] == "keep" and op_target != "keep":
             decided[pos] = (it.block, it.producer, it.nbytes, op_target)
-            kept_bytes -= nbytes
-            moved_bytes[op_target] = moved_bytes.get(op_target, 0) + nbytes
+            kept_bytes -= it.nbytes
+            moved_bytes[op_target] = moved_bytes.get(op_target, 0) + it.nbytes
     pred = dataclasses.replace(pred, kept_bytes=kept_bytes, moved_bytes=_ro(moved_bytes))
     per_block: dict = {}
     largest = 0
