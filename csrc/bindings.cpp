@@ -82,9 +82,10 @@ void set_python_error(std::exception_ptr error) {
   try {
     std::rethrow_exception(error);
   } catch (py::error_already_set& e) {
-    // Not restore(), which may run once: an error kept to be raised again (a failed write's,
-    // nvme_writes.cpp NOTE [A failed write stays failed]) is set each time it is raised.
-    PyErr_SetObject(e.type().ptr(), e.value().ptr());
+    // restore() without its run-once flag: an error kept to be raised again (a failed
+    // write's, nvme_writes.cpp NOTE [A failed write stays failed]) is set each time it is
+    // raised, with the traceback it was caught with.
+    PyErr_Restore(e.type().inc_ref().ptr(), e.value().inc_ref().ptr(), e.trace().inc_ref().ptr());
   } catch (const std::bad_alloc&) {
     PyErr_NoMemory();
   } catch (const std::exception& e) {

@@ -302,9 +302,10 @@ py::object copy_of(const py::object& bytes, bool flat) {
   if (!fresh) throw py::error_already_set();
   py::object offset = call_method(bytes.ptr(), names.storage_offset);
   py::object size = py::reinterpret_steal<py::object>(PyObject_GetAttrString(bytes.ptr(), "shape"));
+  if (!size) throw py::error_already_set();
   py::object stride = py::reinterpret_steal<py::object>(
       PyObject_CallMethod(bytes.ptr(), "stride", nullptr));
-  if (!size || !stride) throw py::error_already_set();
+  if (!stride) throw py::error_already_set();
   py::object out = py::reinterpret_steal<py::object>(PyObject_CallMethod(
       fresh.ptr(), "set_", "(OOOO)", storage.ptr(), offset.ptr(), size.ptr(), stride.ptr()));
   if (!out) throw py::error_already_set();
@@ -314,10 +315,11 @@ py::object copy_of(const py::object& bytes, bool flat) {
 // The save's tensor, `build` over `bytes` (the loaded flat tensor or storage, or the live
 // storage resized since the pack): the one handed out already for its layout while other
 // saves of the storage are still to be unpacked, else a new one, over a copy of the bytes
-// when another layout was handed them (records.py NOTE [One tensor per layout]). The caller
-// holds the hooks' lock.
+// when another layout was handed them or `own` asks for one (records.py NOTE [One tensor
+// per layout]). The caller holds the hooks' lock.
 template <typename Build>
-py::object handed_out(MovedSave* self, const py::object& bytes, bool flat, Build build) {
+py::object handed_out(MovedSave* self, const py::object& bytes, bool flat, bool own,
+                      Build build) {
   UnpackCache* cache = record_cache(self->record);
   if (cache->handed == Py_None) Py_CLEAR(cache->handed);   // (as records.py may set it)
   py::object key;
@@ -328,7 +330,7 @@ py::object handed_out(MovedSave* self, const py::object& bytes, bool flat, Build
     if (PyErr_Occurred()) throw py::error_already_set();
   }
   const bool apart = cache->handed != nullptr && PyDict_GET_SIZE(cache->handed) > 0;
-  const py::object over = apart ? copy_of(bytes, flat) : bytes;
+  const py::object over = apart || own ? copy_of(bytes, flat) : bytes;
   py::object out = build(over);
   if (self->attrs != nullptr) {   // tensor_meta.py NOTE [Saved attributes]
     // Never on the flat tensor itself: every layout of the storage may be handed it.
@@ -357,14 +359,14 @@ PyObject* unpack_moved(PyObject* obj, PyObject* lock) {
       if (!resized.is_none()) {   // as autograd would: over the storage as it is now ...
         // ... copied: a tensor over the live storage taken as a `.grad` would be the user's
         // tensor's memory (autograd copies its own saved tensor, which the user holds).
-        out = handed_out(self, copy_of(resized, false), false, [&](const py::object& over) {
+        out = handed_out(self, resized, false, true, [&](const py::object& over) {
           return call_with(calls.rebuild_as_resized, over, py::handle(obj));
         });
       } else {
         Py_ssize_t offset = 0;
         bool flat = false;
         py::object bytes = load_bytes(self, &offset, &flat);
-        out = handed_out(self, bytes, flat, [&](const py::object& over) {
+        out = handed_out(self, bytes, flat, false, [&](const py::object& over) {
           return flat
               ? rebuild_over_flat(&self->layout, over, offset, record_nbytes(self->record))
               : rebuild_over_storage(&self->layout, over, offset);

@@ -487,15 +487,17 @@ class _SavesIt(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("tiers", TIERS)
-@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.parametrize("layout", ["coo", "csr", "bsr"])
 def test_the_error_names_a_sparse_tensor_as_autograd_does(layout, tiers, nvme_dir):
     """A sparse saved tensor stays where it is, and autograd's message names its type
-    `torch.sparse.FloatTensor` / `SparseCsrtorch.FloatTensor`; ours said `torch.FloatTensor`
-    (the name was looked up by dtype and device only), and then raised torch.empty's error
-    for CSR, which no 1-d empty tensor has (found by a review)."""
+    `torch.sparse.FloatTensor` / `SparseCsrtorch.FloatTensor` (every compressed layout);
+    ours said `torch.FloatTensor` (the name was looked up by dtype and device only), then
+    raised torch.empty's error for CSR, which no 1-d empty tensor has, and said
+    `torch.float32` for BSR, which no empty tensor has (found by reviews)."""
     def case():
         w = torch.randn(4, requires_grad=True)
-        sparse = torch.eye(4).to_sparse() if layout == "coo" else torch.eye(4).to_sparse_csr()
+        sparse = {"coo": torch.eye(4).to_sparse, "csr": torch.eye(4).to_sparse_csr,
+                  "bsr": lambda: torch.eye(4).to_sparse_bsr((2, 2))}[layout]()
         y = _SavesIt.apply(w, sparse)
         torch.autograd.graph.increment_version(sparse)
         y.sum().backward()
@@ -506,5 +508,5 @@ def test_the_error_names_a_sparse_tensor_as_autograd_does(layout, tiers, nvme_di
         with pytest.raises(RuntimeError) as ours:
             case()
     assert ("torch.sparse.FloatTensor [4, 4]" if layout == "coo"
-            else "SparseCsrtorch.FloatTensor [4, 4]") in str(plain.value)
+            else "SparseCsrtorch.FloatTensor [4, 4]") in str(plain.value), str(plain.value)
     assert str(ours.value) == str(plain.value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import traceback
 import weakref
 
 import pytest
@@ -259,9 +260,13 @@ def test_a_failed_chained_write_is_raised_again_by_its_own_read():
     with pytest.raises(offload.StorageError, match="simulated EIO"):
         t.poll()   # another tensor's pack or unpack retires it
     assert p.write_failed
+    frames = []
     for _ in range(2):
-        with pytest.raises(offload.StorageError, match="simulated EIO"):
+        with pytest.raises(offload.StorageError, match="simulated EIO") as raised:
             t.before_read(p)
+        frames.append([f.name for f in traceback.extract_tb(raised.value.__traceback__)])
+    # Each raise keeps where the write failed, and does not grow with the raises before it.
+    assert frames[0] == frames[1] and frames[0][-1] == "wait", frames
     assert not t.prefetch(p)   # a read-ahead leaves it to the payload's own read
 
 

@@ -187,8 +187,8 @@ class Moved(SavedOrigin):
             if live is not None and live.nbytes() != self.record.nbytes:
                 # Copied: a tensor over the live storage taken as a `.grad` would be the
                 # user's tensor's memory (autograd copies its own, which the user holds).
-                out = self._handed_out(live.clone(),
-                                       lambda over: rebuild_as_resized(over, self))
+                out = self._handed_out(live, lambda over: rebuild_as_resized(over, self),
+                                       own=True)
             else:
                 storage, offset = load(self.record)
                 out = self._handed_out(storage, lambda over: rebuild(over, offset, self))
@@ -197,18 +197,19 @@ class Moved(SavedOrigin):
             handle_done(self.record)
         return out
 
-    def _handed_out(self, storage: torch.UntypedStorage, build) -> torch.Tensor:
+    def _handed_out(self, storage: torch.UntypedStorage, build, own: bool = False
+                    ) -> torch.Tensor:
         """`build(storage)`: the tensor handed out for this layout while other saves of the
         storage are still to be unpacked, else a new one over `storage`, or over a copy of
-        it when another layout was handed it (records.py NOTE [One tensor per layout];
-        csrc/moved_save.cpp `handed_out`)."""
+        it when another layout was handed it or `own` asks for one (records.py NOTE [One
+        tensor per layout]; csrc/moved_save.cpp `handed_out`)."""
         record = self.record
         handed = record.handed
         key = (self.dtype, self.size, self.stride, self.storage_offset, self.conj, self.neg,
                id(self.attrs))
         if handed and key in handed:
             return handed[key]
-        out = build(storage.clone() if handed else storage)   # its layout fields (class doc)
+        out = build(storage.clone() if handed or own else storage)   # (its layout: class doc)
         if self.attrs is not None:
             out.__dict__ = self.attrs   # shared, not copied: tensor_meta NOTE [Saved attributes]
         if record.handles_left > (0 if self.unpacked else 1):   # others to come get this one

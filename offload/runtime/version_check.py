@@ -155,22 +155,28 @@ def _type_name(dtype: torch.dtype, device: torch.device,
     have a legacy name, `torch.sparse.FloatTensor` for a sparse one, `CPUBoolType`,
     `CUDABFloat16Type`, `CPUComplexFloatType` for the others. Read once per (dtype, device,
     layout) from autograd's own message, so it follows torch."""
+    if layout in (torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        layout = torch.sparse_csr   # one name for the compressed layouts, as autograd says
     key = (dtype, device, layout)
     name = _type_names.get(key)
     if name is not None:
         return name
     said: list[str] = []
-    # An empty tensor of the layout (a compressed sparse one is 2-d at least).
+    # An empty tensor of the layout (a compressed sparse one is 2-d at least), made here: the
+    # warning filter (sparse CSR's "beta" notice) is not one to change on another thread.
     shape = (0,) if layout in (torch.strided, torch.sparse_coo) else (0, 0)
     marker = f" {list(shape)}]"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            saved = torch.empty(shape, dtype=dtype, device=device, layout=layout)
+        except RuntimeError:
+            saved = None
 
     def provoke() -> None:
         # On a thread of its own: no saved-tensor hooks (ours are this thread's), so
         # autograd checks the version itself and says the name.
         try:
-            with warnings.catch_warnings():   # ("sparse CSR support is in beta")
-                warnings.simplefilter("ignore")
-                saved = torch.empty(shape, dtype=dtype, device=device, layout=layout)
             out = _SavesOne.apply(torch.zeros((), requires_grad=True), saved)
             torch.autograd.graph.increment_version(saved)
             out.backward()
@@ -180,18 +186,12 @@ def _type_name(dtype: torch.dtype, device: torch.device,
             if 0 <= start < end:
                 said.append(text[start + len("operation: ["):end])
 
-    thread = threading.Thread(target=provoke, name="offload-type-name")
-    thread.start()
-    thread.join()
-    # If autograd did not say (another torch's wording, a layout no empty tensor has), its
-    # legacy name, or the dtype's.
-    if said:
-        name = said[0]
-    else:
-        try:
-            name = torch.empty(shape, dtype=dtype, device=device, layout=layout).type()
-        except RuntimeError:
-            name = str(dtype)
+    if saved is not None:
+        thread = threading.Thread(target=provoke, name="offload-type-name")
+        thread.start()
+        thread.join()
+    # If autograd did not say (another torch's wording), its legacy name, or the dtype's.
+    name = said[0] if said else saved.type() if saved is not None else str(dtype)
     _type_names[key] = name
     return name
 
