@@ -249,21 +249,29 @@ class _ReleasedWhileWaiting:
         self._tier.release(payload)
 
 
-def test_a_payload_released_while_its_write_is_waited_for_starts_no_read(nvme_dir):
-    """`_start_device_read` did not look again after `before_read`: it chained a read of the
-    released payload's extent (on the core's store, "Extent was released" raised in an
-    unrelated prefetch). Found by a code review; the core's host reads check it."""
+def _tier_with_one_payload(nvme_dir, name: str, store_type=_Store):
+    """A tier on the simulated GPU (its store a `store_type`) holding one stored payload:
+    (sim, core, copies, tier, payload)."""
     offload.empty_cache()
     sim = _Sim(0)
     core = _Core(sim)
+    core.NvmeStore = lambda dirs, capacity, **kw: setattr(
+        core, "store", store_type(sim, capacity)) or core.store
     copies = CopyStreams(CUDA, _backend=sim)
     tier = NvmeTier((nvme_dir,), lambda: 1 << 20, workers=1, staging_bytes=1 << 18,
-                    stats=Stats(), core=core, capacity_key=("sim", "released"),
+                    stats=Stats(), core=core, capacity_key=("sim", name),
                     copies=lambda device: copies)
     x = sim.empty(64, None, sim.compute)
     sim.fill(x, 7)
     payload = tier.store(_own_storage(x), CUDA)
-    del x
+    return sim, core, copies, tier, payload
+
+
+def test_a_payload_released_while_its_write_is_waited_for_starts_no_read(nvme_dir):
+    """`_start_device_read` did not look again after `before_read`: it chained a read of the
+    released payload's extent (on the core's store, "Extent was released" raised in an
+    unrelated prefetch). Found by a code review; the core's host reads check it."""
+    sim, core, copies, tier, payload = _tier_with_one_payload(nvme_dir, "released")
     tier._transfers = _ReleasedWhileWaiting(tier._transfers, tier)
     assert tier.prefetch(payload) is False
     assert not payload.reading
@@ -293,19 +301,7 @@ def test_a_failed_write_is_left_to_its_own_read_not_a_read_ahead(nvme_dir):
     """nvme_writes.cpp NOTE [A failed write stays failed]: a read-ahead of a CUDA payload
     whose write failed raised that error in whatever unpack asked for the read-ahead; now
     it starts nothing, and the payload's own fetch raises it (found by a review)."""
-    offload.empty_cache()
-    sim = _Sim(0)
-    core = _Core(sim)
-    core.NvmeStore = lambda dirs, capacity, **kw: setattr(
-        core, "store", _FailedWriteStore(sim, capacity)) or core.store
-    copies = CopyStreams(CUDA, _backend=sim)
-    tier = NvmeTier((nvme_dir,), lambda: 1 << 20, workers=1, staging_bytes=1 << 18,
-                    stats=Stats(), core=core, capacity_key=("sim", "failed"),
-                    copies=lambda device: copies)
-    x = sim.empty(64, None, sim.compute)
-    sim.fill(x, 7)
-    payload = tier.store(_own_storage(x), CUDA)
-    del x
+    sim, _, copies, tier, payload = _tier_with_one_payload(nvme_dir, "failed", _FailedWriteStore)
     sim.run_some()
     with pytest.raises(offload.StorageError, match="simulated EIO"):
         tier.poll()   # retired where another tensor's pack or unpack polls

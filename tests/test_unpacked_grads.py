@@ -52,13 +52,9 @@ class SavedOnce(torch.autograd.Function):
 KEPT: list[torch.Tensor] = []
 
 
-class ReadTwice(torch.autograd.Function):
-    """`ctx.saved_tensors` read twice; the second read kept past the step."""
-
-    @staticmethod
-    def forward(ctx, p, s):
-        ctx.save_for_backward(s)
-        return (p * s).sum()
+class ReadTwice(SavedOnce):
+    """SavedOnce whose backward reads `ctx.saved_tensors` twice; the second read kept past
+    the step."""
 
     @staticmethod
     def backward(ctx, go):
