@@ -291,32 +291,18 @@ py::object layout_key(const MovedSave* self) {
   return py::bytes(reinterpret_cast<const char*>(k.data()), k.size() * sizeof(long long));
 }
 
-// A copy of the bytes a save is rebuilt over: a storage's clone, or for a flat tensor one
-// over a clone of its whole storage, at its offset (the bytes' offset is in the storage).
-py::object copy_of(const py::object& bytes, bool flat) {
-  if (!flat) return call_method(bytes.ptr(), names.clone);
-  py::object storage =
-      call_method(call_method(bytes.ptr(), names.untyped_storage).ptr(), names.clone);
-  py::object fresh = py::reinterpret_steal<py::object>(
-      PyObject_CallMethod(bytes.ptr(), "new_empty", "(i)", 0));
-  if (!fresh) throw py::error_already_set();
-  py::object offset = call_method(bytes.ptr(), names.storage_offset);
-  py::object size = py::reinterpret_steal<py::object>(PyObject_GetAttrString(bytes.ptr(), "shape"));
-  if (!size) throw py::error_already_set();
-  py::object stride = py::reinterpret_steal<py::object>(
-      PyObject_CallMethod(bytes.ptr(), "stride", nullptr));
-  if (!stride) throw py::error_already_set();
-  py::object out = py::reinterpret_steal<py::object>(PyObject_CallMethod(
-      fresh.ptr(), "set_", "(OOOO)", storage.ptr(), offset.ptr(), size.ptr(), stride.ptr()));
-  if (!out) throw py::error_already_set();
-  return out;
+// A copy of the bytes a save is rebuilt over: its storage's (for a flat tensor, the whole
+// storage it is a view of: the bytes' offset is in the storage).
+py::object storage_copy(const py::object& bytes, bool flat) {
+  const py::object storage = flat ? call_method(bytes.ptr(), names.untyped_storage) : bytes;
+  return call_method(storage.ptr(), names.clone);
 }
 
-// The save's tensor, `build` over `bytes` (the loaded flat tensor or storage, or the live
-// storage resized since the pack): the one handed out already for its layout while other
-// saves of the storage are still to be unpacked, else a new one, over a copy of the bytes
-// when another layout was handed them or `own` asks for one (records.py NOTE [One tensor
-// per layout]). The caller holds the hooks' lock.
+// The save's tensor, `build(over, over_flat)` over `bytes` (the loaded flat tensor or
+// storage, or the live storage resized since the pack): the one handed out already for its
+// layout while other saves of the storage are still to be unpacked, else a new one, over a
+// copy of the bytes' storage when another layout was handed them or `own` asks for one
+// (records.py NOTE [One tensor per layout]). The caller holds the hooks' lock.
 template <typename Build>
 py::object handed_out(MovedSave* self, const py::object& bytes, bool flat, bool own,
                       Build build) {
@@ -330,8 +316,9 @@ py::object handed_out(MovedSave* self, const py::object& bytes, bool flat, bool 
     if (PyErr_Occurred()) throw py::error_already_set();
   }
   const bool apart = cache->handed != nullptr && PyDict_GET_SIZE(cache->handed) > 0;
-  const py::object over = apart || own ? copy_of(bytes, flat) : bytes;
-  py::object out = build(over);
+  const bool copied = apart || own;
+  const py::object over = copied ? storage_copy(bytes, flat) : bytes;
+  py::object out = build(over, flat && !copied);
   if (self->attrs != nullptr) {   // tensor_meta.py NOTE [Saved attributes]
     // Never on the flat tensor itself: every layout of the storage may be handed it.
     if (out.ptr() == over.ptr()) out = call_method(out.ptr(), names.detach);
@@ -359,15 +346,15 @@ PyObject* unpack_moved(PyObject* obj, PyObject* lock) {
       if (!resized.is_none()) {   // as autograd would: over the storage as it is now ...
         // ... copied: a tensor over the live storage taken as a `.grad` would be the user's
         // tensor's memory (autograd copies its own saved tensor, which the user holds).
-        out = handed_out(self, resized, false, true, [&](const py::object& over) {
+        out = handed_out(self, resized, false, true, [&](const py::object& over, bool) {
           return call_with(calls.rebuild_as_resized, over, py::handle(obj));
         });
       } else {
         Py_ssize_t offset = 0;
         bool flat = false;
         py::object bytes = load_bytes(self, &offset, &flat);
-        out = handed_out(self, bytes, flat, false, [&](const py::object& over) {
-          return flat
+        out = handed_out(self, bytes, flat, false, [&](const py::object& over, bool over_flat) {
+          return over_flat
               ? rebuild_over_flat(&self->layout, over, offset, record_nbytes(self->record))
               : rebuild_over_storage(&self->layout, over, offset);
         });

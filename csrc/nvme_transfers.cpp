@@ -211,14 +211,20 @@ void wait_quietly(const Completion& c) {
   }
 }
 
-}  // namespace
-
-void wait_all(State* s) {
+// Hands the batch to the engine, dropping a failure (a closed store): nobody waits for
+// these bytes any more (wait_all, cancel_all).
+void submit_quietly(State* s) {
   try {
     submit(s);
   } catch (py::error_already_set&) {
   } catch (const std::exception&) {
   }
+}
+
+}  // namespace
+
+void wait_all(State* s) {
+  submit_quietly(s);
   wait_submitted_writes(s);
   std::vector<std::shared_ptr<NvmeRead>> reads(s->deferred.begin(), s->deferred.end());
   for (const auto& read : s->reads)
@@ -227,11 +233,7 @@ void wait_all(State* s) {
 }
 
 void cancel_all(State* s) {
-  try {
-    submit(s);   // (a batch the engine does not have yet would be handed over at release)
-  } catch (py::error_already_set&) {
-  } catch (const std::exception&) {
-  }
+  submit_quietly(s);   // (a batch the engine does not have yet would be handed over at release)
   const auto cancel = [](const Completion& c) {
     if (c.request) c.request->cancel();   // (a Python future or a device ticket runs on)
   };
