@@ -68,10 +68,13 @@ _UNKNOWN = ("unknown",)   # this step's class before its first block call
 
 
 def _compiled(block: torch.nn.Module) -> bool:
-    """A block that is a torch.compile'd module of its own (or whose forward is compiled):
+    """A block that is a torch.compile'd module of its own, one compiled in place
+    (`block.compile()`: blocks.py NOTE [Wrapping] rule 5), or one whose forward is compiled:
     its ops run inside compiled code our dispatch modes cannot see into."""
     frames = sys.modules.get("torch._dynamo.eval_frame")
     if frames is not None and isinstance(block, frames.OptimizedModule):
+        return True
+    if block.__dict__.get("_compiled_call_impl") is not None:
         return True
     return getattr(block.forward, "_torchdynamo_orig_callable", None) is not None
 

@@ -46,6 +46,13 @@ exit; a forward the user had set on the instance is put back as it was. Rules:
    copy made inside the step (`copy.deepcopy(model)`) kept a wrapper that ran the
    original's forward, its own weights unused, for ever; and `torch.save(model)` inside the
    step could not pickle the wrapper.
+5. A block compiled in place (`block.compile()`, as torchtune compiles each layer) is
+   called through its compiled `_compiled_call_impl`, which runs `forward` inside dynamo's
+   tracing, where Rule 3 makes the wrapper transparent: `recompute` and `auto` would
+   recompute nothing in it. So that attribute is shadowed too, and the block runs our way
+   around its compiled call, as a `torch.compile(block)` module does (run whole, never per
+   op). Its own forward hooks run inside the compiled call, so a checkpointed re-run runs
+   them again, as it runs those of every module inside a block.
 """
 from __future__ import annotations
 
@@ -223,6 +230,9 @@ class BlockWrappers:
                 unwrapped = getattr(found.get("__getstate__"), _UNWRAPPED, found)
                 ours = {"forward": _wrapper(block.forward, where, self._run),
                         "__getstate__": _state_as_unwrapped(block, unwrapped)}
+                compiled = found.get("_compiled_call_impl")
+                if compiled is not None:   # Rule 5
+                    ours["_compiled_call_impl"] = _wrapper(compiled, where, self._run)
                 for key, value in ours.items():
                     setattr(value, _UNWRAPPED, unwrapped)
                     setattr(value, _BELOW, found.get(key, _NOTHING))
@@ -255,9 +265,10 @@ class BlockWrappers:
             saved.pop()
 
 
-# The instance attributes a wrapping sets, and the attribute on each that holds what the
+# The instance attributes a wrapping sets (the last one only on a block that
+# `nn.Module.compile()` compiled: Rule 5), and the attribute on each that holds what the
 # block had there before any wrapping (Rule 4).
-_SHADOWED = ("forward", "__getstate__")
+_SHADOWED = ("forward", "__getstate__", "_compiled_call_impl")
 _UNWRAPPED = "_offload_unwrapped"
 # On each of our entries: what it covers (Rule 2), and the cell holding its `run` (None
 # once its wrapping exited: retired).

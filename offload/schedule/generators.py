@@ -48,11 +48,20 @@ next context entry or block call on this thread sweeps: `_lost`). Not covered: a
 collector puts back on another thread's stack (it passes calls through there), or one a
 user's own `with mode:` exit pops in ours' place (torch pops the top, whoever's it is).
 
+NOTE [Modes under torch.compile] Dynamo traces the torch function modes on the stack
+into what it compiles, and guards on what they read. A compiled block (or a compiled
+function a block calls) traced our handlers: reading a generator's state broke the graph,
+and `_same` made dynamo guard on the state's 5 KiB of bytes, which change every step, so
+it recompiled every step until its recompile limit. Inside compiled code the handlers pass
+every call through (`torch.compiler.is_compiling()`, traced as a constant): the compiled
+code is what it is without us, and its re-run under checkpoint draws what the forward
+drew from the default generators, which checkpoint sets back. Not seen: a user's generator
+or a thread's draw inside compiled code (torch's own checkpoint does not see them either).
+
 Cost: the mode on every forward call of a re-run block, some 5 µs per torch function
 call on a CPU (docs/benchmarks.md *Generators seen at every call*); one `get_state` per
 generator drawn from, and two per implicit draw (CPU: 5 KiB tensors, held until the
-re-run); for a block that drew implicitly, the mode on its re-run too. Not seen:
-generators under torch.compile (torch's own checkpoint does not see them either).
+re-run); for a block that drew implicitly, the mode on its re-run too.
 """
 from __future__ import annotations
 
@@ -212,7 +221,7 @@ class _SeeGenerators(_BlockMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.off:
+        if torch.compiler.is_compiling() or self.off:   # NOTE [Modes under torch.compile]
             return func(*args, **kwargs)
         generator = kwargs.get("generator")
         if generator is not None:
@@ -247,7 +256,7 @@ class _DrawsAsBefore(_BlockMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.off or self.seen >= len(self.draws) or \
+        if torch.compiler.is_compiling() or self.off or self.seen >= len(self.draws) or \
                 not _draws_implicitly(func, args, kwargs):
             return func(*args, **kwargs)
         generator, before, after = self.draws[self.seen]
