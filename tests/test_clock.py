@@ -10,7 +10,8 @@ import torch.nn as nn
 
 import offload
 from offload.schedule import auto_session, search as search_mod
-from offload.schedule.profile import OpRecord, _Timer
+from offload.schedule.op_timer import OpTimer
+from offload.schedule.profile import OpRecord
 
 SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
 
@@ -60,7 +61,7 @@ def test_op_times_wait_for_every_event_pair(monkeypatch):
     finish them. Before: only that one was synchronized, and reading the others raised."""
     device = FakeDevice()
     monkeypatch.setattr(torch.cuda, "Event", device.event)
-    timer = _Timer("cuda")
+    timer = OpTimer("cuda")
     side, main = OpRecord(("side", 0), 0.0), OpRecord(("main", 0), 0.0)
     device.stream = "side"
     start = timer.start()

@@ -36,7 +36,7 @@ from .profile import ItemRecord, Profile
 from .ranking import TypeInfo
 from .readonly import ReadOnlyDict
 
-__all__ = ["PlanParams", "Prediction", "Evaluation", "rates", "predict", "better"]
+__all__ = ["PlanParams", "Prediction", "Evaluation", "rates", "predict", "better", "op_is_stored"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,15 @@ def _largest(fixed: dict[int, int], kept: Iterable[ItemRecord]) -> int:
     return max(per.values(), default=0)
 
 
+def op_is_stored(it: ItemRecord, info: TypeInfo | None, recompute_sets: dict) -> bool:
+    """Whether the op that made `it` has its outputs stored: its block re-runs ops per op,
+    not this one, whose saves make it one the plan decides."""
+    if info is None or it.producer is None:
+        return False
+    rset = recompute_sets[info.type_key]
+    return bool(rset) and it.producer not in rset and it.producer in info.saved
+
+
 def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[TypeInfo],
             choice: dict, items: list[ItemRecord]) -> Evaluation:
     """Predicted cost of one choice of ranking prefix per block type (type key -> length),
@@ -173,6 +182,14 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
     for it in items:
         stays = 0
         info = type_of_block.get(it.block) if it.block is not None else None
+        if it.unsaved:   # held only by a stored op (unsaved_outputs.py NOTE [Unsaved outputs])
+            if not op_is_stored(it, info, recompute_sets):
+                continue
+            if it.eligible:
+                remaining.append(it)
+            else:
+                fixed[it.segment] += it.nbytes
+            continue
         if it.small:
             # Saves below OFFLOAD_MIN_BYTES (profile.ItemRecord.small) stay, but in a block
             # that re-runs ops (checkpointed: only stored op outputs and its inputs outlive

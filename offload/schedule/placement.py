@@ -116,6 +116,7 @@ class SchedulePlacement(Placement):
         profiler = self.choice.profiler
         if region[0] == "block" and profiler is not None and profiler.blocks and \
                 profiler.blocks[-1].index == region[1]:
+            profiler.blocks[-1].segment = self._region_segment
             # Made by the block's own ops (the profiler saw them saved): one record per op,
             # which a re-run of that op frees; the rest stays (inputs, tensors from outside).
             for op_id, nbytes in profiler.blocks[-1].small_saved.items():
@@ -156,9 +157,10 @@ class SchedulePlacement(Placement):
         region = self.region
         if choice.recording:
             producer, input_index = (None, None)
-            if info.storage is not None and region[0] == "block" \
-                    and choice.profiler is not None:
-                producer, input_index = choice.profiler.producer_of(info.storage)
+            if info.storage is not None and choice.profiler is not None:
+                choice.profiler.note_saved(info.storage)   # NOTE [Unsaved outputs]
+                if region[0] == "block":
+                    producer, input_index = choice.profiler.producer_of(info.storage)
             self.items.append(ItemRecord(region, ordinal, info.nbytes, info.key, eligible,
                                          producer, input_index,
                                          segment=self.segment()))

@@ -41,12 +41,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..runtime.version_check import version_sentinel
-from ..util import clock
 from .recompute import block_inputs
 from .stored_ops import IGNORED_OPS, detaches_a_factory_output, op_name, storable_op
+from .op_timer import OpTimer
+from .unsaved_outputs import UnsavedOutputs
 
 __all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler",
-           "signature"]
+           "signature", "unsaved_items"]
 
 _SEEDED = torch.Tag.nondeterministic_seeded
 # Inputs whose version counter the profile follows (a subclass's own counter may not be
@@ -98,6 +99,9 @@ class ItemRecord:
     # Backwards of the step begun before its save: with gradient accumulation in one
     # context, its micro-batch (NOTE [Micro-batches]); 0 for a step of one forward.
     segment: int = 0
+    # Not a save: bytes an op made that no save used, held only where the op is stored
+    # (unsaved_outputs.py NOTE [Unsaved outputs]).
+    unsaved: bool = False
 
     @property
     def key(self) -> tuple:
@@ -127,6 +131,10 @@ class BlockRecord:
     # op id -> bytes of the storages it made that the block saved below OFFLOAD_MIN_BYTES
     # (the hooks keep those at once: the placement never sees them; note_small does).
     small_saved: dict = field(default_factory=dict)
+    # (op id, below OFFLOAD_MIN_BYTES) -> bytes of the storages it made that no save of the
+    # step used (unsaved_outputs.py NOTE [Unsaved outputs]); the call's micro-batch.
+    unsaved: dict = field(default_factory=dict)
+    segment: int = 0
 
 
 @dataclass
@@ -154,7 +162,7 @@ class Profile:
         """Bytes of the step's saves per micro-batch (ItemRecord.segment)."""
         per: Counter[int] = Counter()
         for it in self.items:
-            per[it.segment] += it.nbytes
+            per[it.segment] += 0 if it.unsaved else it.nbytes
         return per
 
     def block_types(self) -> dict[tuple, list[BlockRecord]]:
@@ -184,39 +192,6 @@ class Profile:
                 op.out_bytes, op.not_storable, op.seeded,
                 statistics.median(r.ops[i].chain_s for r in records)))
         return out
-
-
-class _Timer:
-    """Op timing: the host clock on CPU; CUDA events on a GPU, resolved after the step
-    (offload/util/clock.py: every pair waited for before it is read, as a block may run
-    ops on a stream of its own)."""
-
-    def __init__(self, device_type: str, new_event: Callable[[], Any] | None = None) -> None:
-        self.cuda = device_type == "cuda"
-        self._new_event = new_event or clock.cuda_event
-        self._pending: list[tuple[OpRecord, Any, Any, str]] = []
-
-    def start(self):
-        if self.cuda:
-            ev = self._new_event()
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def stop(self, record: OpRecord, start, field_name: str = "time_s") -> None:
-        if self.cuda:
-            end = self._new_event()
-            end.record()
-            self._pending.append((record, start, end, field_name))
-        else:
-            setattr(record, field_name,
-                    getattr(record, field_name) + time.perf_counter() - start)
-
-    def resolve(self) -> None:
-        pending, self._pending = self._pending, []
-        for record, start, end, field_name in pending:
-            setattr(record, field_name,
-                    getattr(record, field_name) + clock.elapsed_s(start, end))
 
 
 # The dispatcher namespaces of torch.distributed's collectives (`dist.all_reduce` runs
@@ -287,7 +262,7 @@ class BlockProfiler:
 
     def __init__(self, device_type: str = "cpu", new_event: Callable[[], Any] | None = None,
                  min_bytes: int = 0) -> None:
-        self.timer = _Timer(device_type, new_event)
+        self.timer = OpTimer(device_type, new_event)
         self.min_bytes = min_bytes
         self.blocks: list[BlockRecord] = []
         self.overhead_s = 0.0
@@ -297,10 +272,13 @@ class BlockProfiler:
         # Per call, its tensor inputs' version counters as the call began (zero-byte
         # sentinels: version_check.py NOTE [Version check]); read at `finish`.
         self._input_versions: list[tuple[BlockRecord, list[tuple[torch.Tensor, int]]]] = []
+        self.unsaved = UnsavedOutputs(min_bytes)   # `note_saved`: the placement's saves
+        self.note_saved = self.unsaved.saved
 
     def note_storage(self, storage: torch.UntypedStorage, record: OpRecord) -> None:
         # Weak: the profile must not keep activations alive (NOTE [Storage identity]).
         self._makers[id(storage)] = (weakref.ref(storage), record)
+        self.unsaved.made(storage, record)
 
     def producer_record(self, storage: torch.UntypedStorage) -> OpRecord | None:
         entry = self._makers.get(id(storage))
@@ -335,9 +313,10 @@ class BlockProfiler:
 
         def pack(t):
             with _disable_current_modes():
-                if t.grad_fn is not None and type(t) is torch.Tensor and \
-                        t.layout is torch.strided:
-                    self._note_small(t.untyped_storage(), block, small_seen)
+                if type(t) is torch.Tensor and t.layout is torch.strided:
+                    self.unsaved.saved(t.untyped_storage())
+                    if t.grad_fn is not None:
+                        self._note_small(t.untyped_storage(), block, small_seen)
                 return hooks.pack(t)
 
         self._input_versions.append((block, [
@@ -362,6 +341,7 @@ class BlockProfiler:
         finally:
             block.forward_s = time.perf_counter() - t0
             self.blocks.append(block)
+            self.unsaved.block_done(block)
             self._makers.clear()
             self._inputs.clear()
 
@@ -397,4 +377,28 @@ class BlockProfiler:
         for maker, inplace in self.chains:
             maker.chain_s += inplace.time_s
         self.chains.clear()
+        self.unsaved.finish()
         return self.blocks
+
+
+def unsaved_items(blocks: list[BlockRecord], items: list[ItemRecord]) -> list[ItemRecord]:
+    """One record per op of each profiled block call, and per side of OFFLOAD_MIN_BYTES, of
+    the bytes it made that no save used (unsaved_outputs.py NOTE [Unsaved outputs]). Keyed
+    apart from the saves (ordinals below -1, by the op's place in the block: a micro-batch's
+    same op shares the key), timed as the op's first save in that call (pack with the op,
+    unpack at the re-run)."""
+    timing: dict[tuple, tuple] = {}
+    for it in items:
+        if it.producer is not None and not it.small and it.block is not None:
+            timing.setdefault((it.block, it.segment, it.producer), (it.pack_s, it.unpack_s))
+    out = []
+    for b in blocks:
+        place = {o.op_id: i for i, o in enumerate(b.ops)}
+        for (op_id, small), nbytes in sorted(b.unsaved.items()):
+            if nbytes <= 0 or op_id not in place:
+                continue
+            pack_s, unpack_s = timing.get((b.index, b.segment, op_id), (None, None))
+            out.append(ItemRecord(("block", b.index), -2 - 2 * place[op_id] - small, nbytes,
+                                  None, not small, op_id, segment=b.segment, pack_s=pack_s,
+                                  unpack_s=unpack_s, unsaved=True))
+    return out

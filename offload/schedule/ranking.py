@@ -41,19 +41,23 @@ def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
     for type_key, records in profile.block_types().items():
         ops = profile.op_table(type_key)
         saved: dict[tuple, int] = {}
+        held: dict[tuple, int] = {}   # + what it made that nothing saved: held if stored
         for b in records:
             per: dict[tuple, int] = {}
+            also: dict[tuple, int] = {}
             for it in by_block.get(b.index, []):
                 if it.producer is not None and not it.small:   # (small: never a decision)
-                    per[it.producer] = per.get(it.producer, 0) + it.nbytes
+                    into = also if it.unsaved else per   # NOTE [Unsaved outputs]
+                    into[it.producer] = into.get(it.producer, 0) + it.nbytes
             for op_id, nbytes in per.items():
                 saved[op_id] = max(saved.get(op_id, 0), nbytes)
+                held[op_id] = max(held.get(op_id, 0), nbytes + also.get(op_id, 0))
         by_id = {o.op_id: o for o in ops}
         producers = [o for o in saved if o in by_id]
         forced = sorted((o for o in producers if by_id[o].not_storable), key=lambda o: o)
         free = [o for o in producers if not by_id[o].not_storable]
-        # Cheapest recompute per byte first; ties by op id (deterministic).
-        free.sort(key=lambda o: ((by_id[o].time_s + by_id[o].chain_s) / max(saved[o], 1), o))
+        # Cheapest recompute per byte it frees first; ties by op id (deterministic).
+        free.sort(key=lambda o: ((by_id[o].time_s + by_id[o].chain_s) / max(held[o], 1), o))
         name = records[0].type_name
         if type_key != records[0].type_key:   # profile.py NOTE [Op identity]
             name += f" ({type_key[-1][0]} {type_key[-1][1] + 1})"

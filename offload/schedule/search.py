@@ -28,7 +28,7 @@ from collections import Counter
 
 from ..util.sizes import format_bytes
 from .constants import SLOW_READ_SHARE, TRIAL_MARGIN
-from .costs import Evaluation, PlanParams, better, predict, rates
+from .costs import Evaluation, PlanParams, better, op_is_stored, predict, rates
 from ..util.figures import Figures
 from .plan import BlockPlan, OpRow, Plan
 from .profile import ItemRecord, Profile
@@ -132,7 +132,7 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
         # keeps most (profile.py NOTE [Micro-batches]: the budget holds for each).
         per_batch: Counter[tuple[int, int]] = Counter()
         for it in items:
-            if it.block is not None and (it.eligible or it.small):
+            if it.block is not None and (it.eligible or it.small) and not it.unsaved:
                 per_batch[(it.block, it.segment)] += it.nbytes
         block_bytes: dict[int, int] = {}
         for (index, _), nbytes in per_batch.items():
@@ -186,10 +186,10 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
     signatures = {index: frozenset(seen) for index, seen in signatures.items()}
     op_outputs = []   # (position in decided, item) of stored op outputs
     for it in items:
-        if it.small:   # no decision of the plan's (the prediction counts them)
-            continue
-        target = targets.get(it.key, "keep")
         info = info_of.get(it.block) if it.block is not None else None
+        if it.small or it.unsaved and not (it.eligible and op_is_stored(it, info, recompute_sets)):
+            continue   # no decision of the plan's (the prediction counts them)
+        target = targets.get(it.key, "keep")
         recomputed = info is not None and it.producer in recompute_sets[info.type_key]
         decided.append((it.block, it.producer, it.nbytes, "recompute" if recomputed else target))
         if info is not None and recompute_sets[info.type_key]:
@@ -226,7 +226,7 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
                 per_block[block] = per_block.get(block, 0) + nbytes
     summary = {"forward_s": profile.forward_s, "backward_s": profile.backward_s,
                "saved_bytes": profile.saved_bytes,
-               "items": sum(not it.small for it in items),
+               "items": sum(not (it.small or it.unsaved) for it in items),
                "blocks": len(profile.blocks)}
     return Plan(_ro(item_targets), _ro(op_targets), _ro(input_targets), _ro(blocks),
                 _ro(block_type), pred, params, figures, _ro(summary), _ro(signatures),
