@@ -496,7 +496,7 @@ def test_the_profile_counts_outputs_no_save_used_once(block, nvme_dir):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), nn.Sequential(*[block(64) for _ in range(4)]),
                           nn.Linear(64, 4))
-    ctx = offload.activations(model=model, **_settings(nvme_dir, SLOW, budget="20%"))
+    ctx = offload.activations(model=model, **_settings(nvme_dir, SLOW, budget="40%"))
     for _ in range(2):   # the warm-up, then the profile
         with ctx:
             model(torch.randn(4, 32, 8)).square().mean().backward()
@@ -512,6 +512,21 @@ def test_the_profile_counts_outputs_no_save_used_once(block, nvme_dir):
             assert ops.get("native_batch_norm") == per_call, ops
         else:
             assert ops.get("mul") == per_call, ops   # dropout's output
+    # Rule 5: a later save of a stored op's output gets the op's decision (the op packs it
+    # first, and a storage is stored once), as the plan says and counts.
+    for _ in range(6):
+        with ctx:
+            model(torch.randn(4, 32, 8)).square().mean().backward()
+    plan = ctx.plan
+    followers = [it for it in plan_profile_items(ctx) if it.made_by in plan.op_targets]
+    if block is _PostNorm:
+        assert followers, f"no stored LayerNorm's output is saved later\n{plan}"
+    for it in followers:
+        own = plan.input_targets[(it.block, it.input_index)] if it.input_index is not None \
+            else plan.item_targets[it.key]
+        assert own == plan.op_targets[it.made_by], (it, str(plan))
+    kept = ctx.stats.peak_resident_bytes
+    assert kept <= plan.prediction.kept_bytes <= plan.params.budget_bytes, str(plan)
     ctx.close()
 
 

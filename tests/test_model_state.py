@@ -475,6 +475,31 @@ def test_a_rerun_reads_every_buffer_as_it_was_at_the_call(policy, case, nvme_dir
         assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
 
 
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_an_eval_forward_then_a_train_forward_before_one_backward(policy, nvme_dir):
+    """buffers.py rule 6: an eval-mode BatchNorm saves its running statistics themselves,
+    and plain autograd's backward reads what they hold then: here what the train-mode
+    forward after it wrote (a consistency term next to the training loss). The re-run
+    saved them from copies of the call's values: recompute's gradients were off from the
+    first step (6.8 in a one-step case), and auto's from its first planned step. Torch's
+    checkpoint raises here (its re-run runs in train mode)."""
+    model = Net()
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    other = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+
+    def loss(m):
+        m.eval()
+        consistency = m(other).pow(2).mean()
+        m.train()
+        return m(x).pow(2).mean() + 0.5 * consistency
+
+    differs, ctx = train_side_by_side(model, loss, 6, _settings(policy, nvme_dir))
+    assert differs is None, f"differs at step {differs}"
+    if policy == "auto":   # the slow link: re-runs ops, so the buffers were at stake
+        assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+    ctx.close()
+
+
 @pytest.mark.parametrize("model_name", ["Net", "late, through .data"])
 @pytest.mark.parametrize("policy", ["recompute", "auto"])
 def test_a_retained_graphs_second_backward_reruns_from_the_calls_buffers(policy, model_name,

@@ -46,12 +46,24 @@ guessed. Rules:
    reaches otherwise (a global, a reference to its parent) is not guarded; nor is a buffer
    that requires grad (a copy would cut its gradient).
 
-5. Afterwards every module of the block and those handed to its call is in the train /
-   eval mode it had before the re-run, buffers or not (`keep_modes`). checkpoint stops a
-   re-run early, once backward has what it needs, so a block that switches a submodule's
-   mode and back (a Dropout put in eval() for some inputs, back at the block's end) left it
-   switched for the steps after, and they ran without dropout: silently, as under
-   checkpoint itself.
+5. Every module of the block and those handed to its call re-runs in the train / eval
+   mode it had at the call, buffers or not, and is afterwards in the mode it had before
+   the re-run (`keep_modes`). A block called in eval mode (a consistency term) re-ran in
+   the train mode the model was put back in before backward: its Dropout drew, and
+   checkpoint raised on the re-run's other ops (so does torch's checkpoint). And
+   checkpoint stops a re-run early, once backward has what it needs, so a block that
+   switches a submodule's mode and back (a Dropout put in eval() for some inputs, back at
+   the block's end) left it switched for the steps after, and they ran without dropout:
+   silently, as under checkpoint itself.
+6. Where every slot still holds the very buffer it held at the call (BatchNorm's running
+   statistics, updated in place), the re-run gets the call's values copied into those
+   buffers, and afterwards their values now back, rather than copies in their slots: an op
+   that saves a buffer itself saves it by reference (BatchNorm in eval mode saves its
+   running statistics), and plain autograd's backward reads what the buffer holds then.
+   Saved from a copy, the re-run's eval-mode BatchNorm differentiated with the statistics
+   of the call while plain autograd used those a later train-mode forward wrote (a
+   gradient off by 6.8 in a helper's eval-then-train step). The copies into the buffers go
+   through `.data`, so their version counters do not move: a save of them stays valid.
 
 Not set back: the attributes of modules holding no buffer (`self.calls += 1` there is
 counted again by the re-run, as under checkpoint), but for their mode (rule 5). What it
@@ -224,8 +236,9 @@ class _Guard:
         # that were buffers or views of one (their copies), and the names it had.
         self.at_call = [{name: copies.get(id(buf), buf) for name, buf in slots.items()}
                         for slots in found]
+        self.objects = found   # the buffer objects themselves (rule 6)
         self.values = [values for values, _ in attributes]
-        self.aliases = [{name: copies[id(t)] for name, t in tensors if id(t) in copies}
+        self.aliases = [{name: (t, copies[id(t)]) for name, t in tensors if id(t) in copies}
                         for _, tensors in attributes]
         self.names = [frozenset(module.__dict__) for module in modules]
         self.held = list(copies.values())
@@ -243,33 +256,79 @@ class _Guard:
         live_slots = [dict(module._buffers) for module in self.modules]
         live_attributes = [dict(module.__dict__) for module in self.modules]
         live_children = [dict(module._modules) for module in self.modules]
-        with torch.no_grad(), _disable_current_modes():   # rules 2 and 3
+        swaps = _in_place(self.objects, self.at_call, live_slots)   # rule 6
+        with torch.no_grad(), _disable_current_modes():   # rules 2, 3 and 6
             fresh = _copy_together(self.held)
-        for module, at_call, values, aliases, names, live in zip(
-                self.modules, self.at_call, self.values, self.aliases, self.names,
-                live_attributes):
+            now = [(buf, buf.clone()) for buf, _ in swaps.values()]
+            for buf, copy in swaps.values():
+                buf.data.copy_(copy)   # `.data`: no version bump (a save of it is unchanged)
+        try:
+            self._put_back(live_attributes, fresh, swaps)
+            return fn(*args)
+        finally:
+            with torch.no_grad(), _disable_current_modes():
+                for buf, values in now:
+                    buf.data.copy_(values)
+            for module, live, slots, children in zip(self.modules, live_attributes,
+                                                     live_slots, live_children):
+                _refill(module.__dict__, live)
+                _refill(module._buffers, slots)
+                _refill(module._modules, children)
+
+    def _put_back(self, live_attributes: list[dict], fresh: dict, swaps: dict) -> None:
+        """Rule 2: each module's value attributes, its buffer slots and its attributes that
+        were buffers or views of one, as at the call: fresh copies, but the buffers `swaps`
+        holds (rule 6), which now hold the call's values themselves, and views of them."""
+        swapped = {_stretch(copy) for _, copy in swaps.values()}
+        for module, objects, at_call, values, aliases, names, live in zip(
+                self.modules, self.objects, self.at_call, self.values, self.aliases,
+                self.names, live_attributes):
             state = module.__dict__
-            for name, value in values.items():   # rule 2
+            for name, value in values.items():
                 now = live.get(name, _ABSENT)
                 if now is not _ABSENT and _is_value(now):
                     state[name] = value
             for name, now in live.items():
                 if name not in names and _is_value(now):
                     del state[name]
-            for name, copy in aliases.items():
+            for name, (was, copy) in aliases.items():
                 now = live.get(name, _ABSENT)
                 if now is _ABSENT or isinstance(now, torch.Tensor):
-                    state[name] = fresh.get(id(copy), copy)
-            _refill(module._buffers, {name: fresh.get(id(buf), buf)
-                                      for name, buf in at_call.items()})
-        try:
-            return fn(*args)
-        finally:
-            for module, live, slots, children in zip(self.modules, live_attributes,
-                                                     live_slots, live_children):
-                _refill(module.__dict__, live)
-                _refill(module._buffers, slots)
-                _refill(module._modules, children)
+                    state[name] = was if _stretch(copy) in swapped else fresh.get(id(copy), copy)
+            _refill(module._buffers, {
+                name: objects[name] if id(objects[name]) in swaps else fresh.get(id(buf), buf)
+                for name, buf in at_call.items()})
+
+
+def _stretch(copy: torch.Tensor) -> int:
+    """Which stretch of copied memory `copy` is on (`_copy_together` copies overlapping
+    tensors into one); its own id when it is not a plain tensor with bytes."""
+    if type(copy) is torch.Tensor and copy.layout is torch.strided and copy.numel():
+        return copy.untyped_storage().data_ptr()
+    return id(copy)
+
+
+def _in_place(objects: list[dict], at_call: list[dict], live: list[dict]) -> dict:
+    """Rule 6: id -> (buffer, its copy at the call) of the call's buffers a re-run gets the
+    call's values copied into: each still in every slot that held it at the call, a plain
+    tensor of its copy's shape and dtype, and so are the others on its stretch of memory
+    (views of one another stay views of one another)."""
+    ok: dict[int, tuple] = {}
+    spoilt: set[int] = set()   # stretches with a buffer that gets a copy
+    for found, copies, now in zip(objects, at_call, live):
+        for name, buf in found.items():
+            copy = copies[name]
+            if buf is None or copy is buf:   # a None slot; a buffer that requires grad
+                continue
+            stretch = _stretch(copy)
+            if now.get(name) is not buf or stretch == id(copy) or \
+                    type(buf) is not torch.Tensor or copy.shape != buf.shape or \
+                    copy.dtype != buf.dtype:
+                spoilt.add(stretch)
+            else:
+                ok[id(buf)] = (buf, copy, stretch)
+    return {key: (buf, copy) for key, (buf, copy, stretch) in ok.items()
+            if stretch not in spoilt}
 
 
 def _refill(into: dict, items: dict) -> None:
@@ -292,16 +351,19 @@ def guard_buffers(block: nn.Module | None, fn: Callable) -> Callable:
 
 def keep_modes(roots: list[nn.Module], fn: Callable) -> Callable:
     """`fn` (the function checkpoint runs, forward then re-runs) with every module of
-    `roots` left by a re-run in the train / eval mode it had before it (rule 5)."""
-    calls = 0
+    `roots` in the train / eval mode it had at the call for a re-run, and left by the
+    re-run in the mode it had before it (rule 5)."""
+    at_call: list[tuple[nn.Module, bool]] | None = None
 
     def run(*args):
-        nonlocal calls
-        calls += 1
-        if calls == 1:
+        nonlocal at_call
+        if at_call is None:
+            at_call = [(module, module.training) for root in roots for module in root.modules()]
             return fn(*args)
-        modes = [(module, module.training) for root in roots for module in root.modules()]
+        modes = [(module, module.training) for module, _ in at_call]
         try:
+            for module, training in at_call:
+                module.training = training
             return fn(*args)
         finally:   # also when checkpoint stops the re-run early (it raises to stop it)
             for module, training in modes:

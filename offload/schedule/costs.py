@@ -71,6 +71,7 @@ class Evaluation(NamedTuple):
     targets: dict            # item key -> tier, for the storages that move
     recompute_sets: dict     # type key -> frozenset of op ids re-run per op
     per_instance_s: dict     # type key -> recompute seconds per instance
+    kept_by_segment: dict    # micro-batch -> bytes it keeps (`kept_bytes` is the largest)
 
 
 def rates(figures: Figures, tier: str, device_type: str) -> tuple[float, float, float]:
@@ -134,22 +135,22 @@ def _hideable(item: ItemRecord, out_bps: float, in_bps: float) -> bool:
                     safety=ROUND_TRIP_SAFETY)
 
 
-def _largest(fixed: dict[int, int], kept: Iterable[ItemRecord]) -> int:
-    """The bytes the largest micro-batch keeps on the device: its fixed bytes and `kept`'s
-    of it (profile.py NOTE [Micro-batches])."""
+def _kept_by_segment(fixed: dict[int, int], kept: Iterable[ItemRecord]) -> dict[int, int]:
+    """The bytes each micro-batch keeps on the device: its fixed bytes and `kept`'s of it
+    (profile.py NOTE [Micro-batches]); the plan holds the largest to the budget."""
     per = Counter(fixed)
     for it in kept:
         per[it.segment] += it.nbytes
-    return max(per.values(), default=0)
+    return dict(per)
 
 
-def op_is_stored(it: ItemRecord, info: TypeInfo | None, recompute_sets: dict) -> bool:
-    """Whether the op that made `it` has its outputs stored: its block re-runs ops per op,
-    not this one, whose saves make it one the plan decides."""
-    if info is None or it.producer is None:
+def op_is_stored(op_id: tuple | None, info: TypeInfo | None, recompute_sets: dict) -> bool:
+    """Whether an op of a block of type `info` has its outputs stored: the block re-runs ops
+    per op, not this one, whose saves make it one the plan decides."""
+    if info is None or op_id is None:
         return False
     rset = recompute_sets[info.type_key]
-    return bool(rset) and it.producer not in rset and it.producer in info.saved
+    return bool(rset) and op_id not in rset and op_id in info.saved
 
 
 def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[TypeInfo],
@@ -183,7 +184,7 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
         stays = 0
         info = type_of_block.get(it.block) if it.block is not None else None
         if it.unsaved:   # held only by a stored op (unsaved_outputs.py NOTE [Unsaved outputs])
-            if not op_is_stored(it, info, recompute_sets):
+            if not op_is_stored(it.producer, info, recompute_sets):
                 continue
             if it.eligible:
                 remaining.append(it)
@@ -312,14 +313,15 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
                 issue_s += sum(rates(figures, t, params.device_type)[2] * len(same)
                                for _, t, same in extra)
     stall = _transfer_stall(moved, profile.forward_s, bwd_s, figures, params) + exposed_s
+    kept_by = _kept_by_segment(fixed, (it for it in remaining if it.key not in targets))
     prediction = Prediction(
         step_s=compute_s + recompute_s + stall + issue_s, compute_s=compute_s,
         recompute_s=recompute_s, stall_s=stall, issue_s=issue_s,
-        kept_bytes=_largest(fixed, (it for it in remaining if it.key not in targets)),
+        kept_bytes=max(kept_by.values(), default=0),
         moved_bytes=ReadOnlyDict({t: b for t, b in moved.items() if b}),
         recomputed_bytes=recomputed_bytes, fixed_bytes=max(fixed.values(), default=0),
         feasible=all(n <= 0 for n in need.values()))
-    return Evaluation(prediction, targets, recompute_sets, per_instance_s)
+    return Evaluation(prediction, targets, recompute_sets, per_instance_s, kept_by)
 
 
 def better(a: Prediction, b: Prediction) -> bool:

@@ -156,14 +156,14 @@ class SchedulePlacement(Placement):
         choice = self.choice
         region = self.region
         if choice.recording:
-            producer, input_index = (None, None)
+            producer = input_index = made_by = None
             if info.storage is not None and choice.profiler is not None:
-                choice.profiler.note_saved(info.storage)   # NOTE [Unsaved outputs]
+                made_by = choice.profiler.note_saved(info.storage)   # NOTE [Unsaved outputs]
                 if region[0] == "block":
                     producer, input_index = choice.profiler.producer_of(info.storage)
             self.items.append(ItemRecord(region, ordinal, info.nbytes, info.key, eligible,
                                          producer, input_index,
-                                         segment=self.segment()))
+                                         segment=self.segment(), made_by=made_by))
         if not eligible:
             return base
         plan = choice.plan

@@ -102,6 +102,8 @@ class ItemRecord:
     # Not a save: bytes an op made that no save used, held only where the op is stored
     # (unsaved_outputs.py NOTE [Unsaved outputs]).
     unsaved: bool = False
+    # (block index, op id) that made it in an earlier block (that NOTE's rule 5)
+    made_by: tuple | None = None
 
     @property
     def key(self) -> tuple:

@@ -154,7 +154,7 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
 def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: list[TypeInfo],
               items: list[ItemRecord], best: Evaluation, notes: tuple[str, ...]) -> Plan:
     """The chosen evaluation as the plan's lookup tables."""
-    pred, targets, recompute_sets, per_instance_s = best
+    pred, targets, recompute_sets, per_instance_s, kept_by_segment = best
     item_targets, op_targets, input_targets, item_bytes = {}, {}, {}, {}
     decided = []
     blocks, block_type, signatures = {}, {}, {}
@@ -184,22 +184,31 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
     for b in profile.blocks:   # every call the step made (micro-batches of other lengths)
         signatures.setdefault(b.index, set()).add(b.signature)
     signatures = {index: frozenset(seen) for index, seen in signatures.items()}
-    op_outputs = []   # (position in decided, item) of stored op outputs
+    op_outputs = []   # (position in decided, its op's key, micro-batch) of stored op outputs
+    followers = []    # (item, its op's key): later saves of a stored op's output
+
+    def join_op(key: tuple, target: str, segment: int) -> None:
+        # A stored op output: one decision per op (its storages are packed together); a
+        # tier wins over keep, memory-safe.
+        if key not in op_targets or target != "keep":
+            op_targets[key] = target
+        op_outputs.append((len(decided) - 1, key, segment))
+
     for it in items:
         info = info_of.get(it.block) if it.block is not None else None
-        if it.small or it.unsaved and not (it.eligible and op_is_stored(it, info, recompute_sets)):
+        if it.small or it.unsaved and not (
+                it.eligible and op_is_stored(it.producer, info, recompute_sets)):
             continue   # no decision of the plan's (the prediction counts them)
         target = targets.get(it.key, "keep")
         recomputed = info is not None and it.producer in recompute_sets[info.type_key]
         decided.append((it.block, it.producer, it.nbytes, "recompute" if recomputed else target))
+        if it.made_by is not None and it.eligible and op_is_stored(
+                it.made_by[1], info_of.get(it.made_by[0]), recompute_sets):
+            join_op(it.made_by, target, it.segment)   # unsaved_outputs.py NOTE [...] 5
+            followers.append((it, it.made_by))
         if info is not None and recompute_sets[info.type_key]:
             if it.producer is not None and it.producer not in recompute_sets[info.type_key]:
-                # A stored op output: one decision per op (its storages are packed
-                # together); a tier wins over keep, memory-safe.
-                key = (it.block, it.producer)
-                if key not in op_targets or target != "keep":
-                    op_targets[key] = target
-                op_outputs.append((len(decided) - 1, it))
+                join_op((it.block, it.producer), target, it.segment)
             elif it.input_index is not None:
                 input_targets[(it.block, it.input_index)] = target
             continue
@@ -208,14 +217,22 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
         if it.input_index is not None:
             input_targets[(it.block, it.input_index)] = target
     # A storage the search kept whose op moves: it moves too (the prediction follows, so
-    # `kept_bytes` is what stays; test_auto's resident check holds it to that).
-    kept_bytes, moved_bytes = pred.kept_bytes, dict(pred.moved_bytes)
-    for pos, it in op_outputs:
-        op_target = op_targets[(it.block, it.producer)]
-        if decided[pos][3] == "keep" and op_target != "keep":
-            decided[pos] = (it.block, it.producer, it.nbytes, op_target)
-            kept_bytes -= it.nbytes
-            moved_bytes[op_target] = moved_bytes.get(op_target, 0) + it.nbytes
+    # `kept_bytes` is what stays, in the micro-batch that keeps most; test_auto's resident
+    # check holds it to that).
+    kept_by, moved_bytes = dict(kept_by_segment), dict(pred.moved_bytes)
+    for pos, key, segment in op_outputs:
+        op_target = op_targets[key]
+        block, producer, nbytes, target = decided[pos]
+        if target == "keep" and op_target != "keep":
+            decided[pos] = (block, producer, nbytes, op_target)
+            kept_by[segment] -= nbytes
+            moved_bytes[op_target] = moved_bytes.get(op_target, 0) + nbytes
+    kept_bytes = max(kept_by.values(), default=0)
+    for it, key in followers:   # its lookups say what its storage gets: the op's decision
+        if it.key in item_targets:
+            item_targets[it.key] = op_targets[key]
+        if it.input_index is not None:
+            input_targets[(it.block, it.input_index)] = op_targets[key]
     pred = dataclasses.replace(pred, kept_bytes=kept_bytes, moved_bytes=_ro(moved_bytes))
     per_block: dict = {}
     largest = 0

@@ -21,6 +21,10 @@ that re-runs holds nothing. Rules:
    less, than is held.
 4. Per op, the outputs at or above OFFLOAD_MIN_BYTES may move with the op; those below stay
    (the hooks keep small tensors at once), each its own record.
+5. A later save of an op's output (`ItemRecord.made_by`) shares the op's fate where the plan
+   stores the op: the op packs the storage first, and a storage is stored once (one record),
+   so its decision is the op's (search.py `_assemble`). Else a post-norm block's stored
+   LayerNorm moved its output while the plan counted the next block's input kept.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ class UnsavedOutputs:
         # The current block's storages: id -> [weak ref, op record, bytes, saved]
         self._block: dict[int, list] = {}
         self._freed: list[tuple[Any, int]] = []   # made and freed unsaved (Rule 2)
-        # Unsaved at their block's exit and alive: id -> (weak ref, block, op id, bytes)
+        # Unsaved at their block's exit and alive: id -> (weak ref, block, op id, bytes, or
+        # None once a later save used it)
         self._later: dict[int, tuple] = {}
 
     def made(self, storage: Any, record: Any) -> None:
@@ -48,18 +53,21 @@ class UnsavedOutputs:
             self._freed.append((old[1], old[2]))   # Rule 2: its id went to a new storage
         self._block[key] = [weakref.ref(storage), record, storage.nbytes(), False]
 
-    def saved(self, storage: Any) -> None:
-        """A save of the step used `storage` (in a block or outside)."""
+    def saved(self, storage: Any) -> tuple | None:
+        """A save of the step used `storage` (in a block or outside); the (block index, op
+        id) that made it in an earlier block (Rule 5), else None."""
         key = id(storage)
         entry = self._block.get(key)
         if entry is not None and entry[0]() is storage:
             entry[3] = True
-            return
+            return None
         later = self._later.get(key)
-        if later is not None and later[0]() is storage:   # Rule 1
-            del self._later[key]
-            _, block, op_id, nbytes = later
-            _add(block, op_id, nbytes, self.min_bytes, -1)
+        if later is None or later[0]() is not storage:
+            return None
+        if later[3] is not None:   # Rule 1: the first later save takes it off
+            _add(later[1], later[2], later[3], self.min_bytes, -1)
+            self._later[key] = (*later[:3], None)
+        return later[1].index, later[2]
 
     def block_done(self, block: Any) -> None:
         """The block's call returned: what none of its saves used counts (Rule 1)."""
