@@ -309,3 +309,45 @@ def test_pcie_theoretical_rates():
     assert pcie_gbps(3, 8) == pytest.approx(7.88, abs=0.01)
     assert pcie_gbps(2, 16) == pytest.approx(8.0)
     assert pcie_gbps(9, 16) is None
+
+
+def test_a_fuller_disk_is_measured_with_fewer_bytes_or_said_once_what_to_do(
+        capsys, caplog, monkeypatch):
+    """The probe reserved 264 MiB whatever the disk had left after the nvme tier's own
+    reservation (half the free space by default): on a disk with less, `auto` logged a
+    traceback at every step and never planned, and `offload-probe` ended in a traceback.
+    Now it measures with half the room left (measure.py `_probe_bytes`); with too little
+    room, it says once what to give instead, and the CLI says it in one line."""
+    import logging
+
+    from mounts import mounted
+
+    from offload._ext import load_core
+
+    offload.empty_cache()
+    try:
+        with mounted("tmpfs", size_bytes=48 << 20) as roomy:
+            disk = measure.nvme_figures((roomy,), 2, load_core())
+            assert disk["nvme_write_gbps"] > 0 and os.listdir(roomy) == []
+        with mounted("tmpfs", size_bytes=12 << 20) as full:
+            with pytest.raises(offload.errors.StorageError,
+                               match=f"cannot measure the NVMe directory {full}.*OFFLOAD_PROBE"):
+                measure.nvme_figures((full,), 2, load_core())
+            with pytest.raises(SystemExit) as exit_:
+                probe_main(["--device", "cpu", "--nvme-dir", full])
+            assert exit_.value.code == 2
+            assert "cannot measure the NVMe directory" in capsys.readouterr().err
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 1))
+            ctx = offload.activations(model=model, policy="auto", tiers="nvme", nvme_dir=full,
+                                      nvme_bytes="4MiB", min_bytes=0)
+            with caplog.at_level(logging.WARNING, logger="offload"):
+                for _ in range(4):
+                    with ctx:
+                        model(torch.randn(8, 16)).sum().backward()
+            said = [r for r in caplog.records if "could not plan" in r.getMessage()]
+            assert len(said) == 1 and said[0].exc_info is None, said
+            assert "OFFLOAD_PROBE" in said[0].getMessage()
+            ctx.close()
+    finally:
+        offload.empty_cache()

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..config import Config
+from ..errors import OffloadError
 from ..tiers.base import Tier
 from ..util.stats import Stats
 from .deep_graphs import check as check_graph_depth
@@ -50,6 +51,7 @@ from .timeline import PyTimeline, Timeline
 __all__ = ["Step", "StepView", "StepReport", "close_tiers", "finish_pending", "steps_alive"]
 
 log = logging.getLogger("offload")
+_said: set[str] = set()   # planning errors of ours said already (one line each)
 
 _pending_lock = threading.Lock()
 _pending: set["Step"] = set()  # exited steps whose saved tensors were still alive
@@ -209,6 +211,12 @@ class Step:
         for learn in self.after_finish:
             try:
                 learn(report)
+            except OffloadError as exc:   # ours says what to do: once, with no traceback
+                if str(exc) not in _said:
+                    _said.add(str(exc))
+                    log.warning("offload: could not plan the next step (OFFLOAD_POLICY=auto; "
+                                "it tries again each step, running as `offload` meanwhile): "
+                                "%s", exc)
             except Exception:  # same: the step itself went through
                 log.exception("offload: could not plan the next step (OFFLOAD_POLICY=auto)")
         self._write_trace(end_s)

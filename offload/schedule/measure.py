@@ -8,19 +8,26 @@ flip with one noisy sample.
 """
 from __future__ import annotations
 
+import errno
+import shutil
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from ..errors import StorageError
+
 __all__ = ["compute_figures", "nvme_figures", "pcie_figures", "NVME_PROBE_BYTES"]
 
 # Bytes each way: enough to get past a disk's write cache (a short run reads faster than a
 # training step's I/O sees; docs/benchmarks.md), little enough to take about a second.
+# Less where the directories have less room (`_probe_bytes`), not under the minimum.
 NVME_PROBE_BYTES = 256 << 20
+_MIN_PROBE_BYTES = 8 << 20
 _NVME_REQUEST_BYTES = 16 << 20
 _ISSUE_REQUESTS = 64
+_SLACK_BYTES = 8 << 20   # per directory, past the probe's bytes (slab rounding, issue test)
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -84,13 +91,37 @@ def compute_figures(device: torch.device) -> dict[str, float]:
     return {"compute_gflops": gflops, "dispatch_op_s": extra_s}
 
 
+def _probe_bytes(dirs: tuple[str, ...]) -> tuple[int, int]:
+    """(bytes each way, bytes per request): `NVME_PROBE_BYTES`, or half the room the
+    directories have left (the nvme tier reserved its share when the context was built:
+    by default half the disk), in equal shares. A disk with room for less than
+    `_MIN_PROBE_BYTES` cannot be measured: StorageError, saying what to do instead."""
+    free = {d: shutil.disk_usage(d).free for d in dirs}
+    room = min(free.values()) - _SLACK_BYTES
+    total = min(NVME_PROBE_BYTES, max(room, 0) * len(dirs) // 2)
+    request = min(_NVME_REQUEST_BYTES, max(total // 8, 1 << 20) >> 20 << 20)
+    total = total // request * request
+    if total < _MIN_PROBE_BYTES:
+        fullest = min(free, key=free.get)
+        raise StorageError(
+            errno.ENOSPC,
+            f"offload: cannot measure the NVMe directory {fullest}: {free[fullest] >> 20} MiB "
+            f"free there (after the nvme tier's reservation, OFFLOAD_NVME_BYTES), and the "
+            f"probe needs {(_MIN_PROBE_BYTES // len(dirs) + _SLACK_BYTES) >> 20} MiB. Give "
+            "`auto` the disk's figures instead (OFFLOAD_PROBE=nvme_write_gbps=...,"
+            "nvme_read_gbps=...,nvme_issue_s=...; `offload-probe --nvme-dir` on a "
+            "directory of that disk with room prints them), or lower OFFLOAD_NVME_BYTES",
+            fullest)
+    return total, request
+
+
 def nvme_figures(dirs: tuple[str, ...], workers: int, core: Any) -> dict[str, float]:
-    """Write and read `NVME_PROBE_BYTES` through an NvmeStore on `dirs` (private, unlinked
-    slabs: nothing stays on disk), plus the host cost of submitting one request."""
-    total = NVME_PROBE_BYTES
-    request = _NVME_REQUEST_BYTES
+    """Write and read `NVME_PROBE_BYTES` (less on a fuller disk: `_probe_bytes`) through an
+    NvmeStore on `dirs` (private, unlinked slabs: nothing stays on disk), plus the host
+    cost of submitting one request."""
+    total, request = _probe_bytes(dirs)
     arena = core.HostArena(total, pinned=False)
-    store = core.NvmeStore(list(dirs), total + len(dirs) * (8 << 20), workers=workers,
+    store = core.NvmeStore(list(dirs), total + len(dirs) * _SLACK_BYTES, workers=workers,
                            chunk_bytes=4 << 20)
     try:
         block = arena.allocate(total)

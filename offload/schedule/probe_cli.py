@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..config import Config
     from ..config_parse import parse_nvme_dirs
-    from ..errors import ConfigError
+    from ..errors import ConfigError, StorageError
     from ..util.output_files import output_file_problem
     from . import probe
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             config.check_nvme_dirs("leave out --nvme-dir" if args.nvme_dir
                                    else "unset OFFLOAD_NVME_DIR to measure no disk")
         figures = probe.figures_for(config, device)
-    except ConfigError as exc:
+    except (ConfigError, StorageError) as exc:   # a bad setting; a disk it cannot measure
         p.error(str(exc))
     ceilings: dict[str, str] = {}
     if device.type == "cuda":
