@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping
 from . import tiers as tier_registry
 from .errors import ConfigError
 from .util.figures import ProbeSetting, parse_probe_setting
+from .util.ranks import Ranks
 from .util.sizes import parse_size
 
 __all__ = ["PARSERS", "TIERS", "POLICIES", "CPU_HEAP_MODES", "MAX_IO_WORKERS", "parse_nvme_dirs"]
@@ -137,8 +138,12 @@ def _parse_log(raw: Any, where: str, env: Mapping[str, str]) -> str:
 
 def _expand_rank(item: str, where: str, env: Mapping[str, str]) -> str:
     """`item` with `{rank}` / `{local_rank}` from the launcher's RANK / LOCAL_RANK and `~`
-    expanded: one path per rank of a job from one setting."""
-    subst = {"rank": env.get("RANK", "0"), "local_rank": env.get("LOCAL_RANK", "0")}
+    expanded: one path per rank of a job from one setting. The ranks as numbers, as the
+    rest of offload reads them (an empty RANK is rank 0, " 1" is 1: not "nv/" or "nv/ 1")."""
+    subst = {}
+    if "{" in item:
+        ranks = Ranks.from_env(env)
+        subst = {"rank": ranks.rank, "local_rank": ranks.local_rank}
     try:
         return os.path.expanduser(item.format_map(subst))
     except (KeyError, ValueError, IndexError) as exc:

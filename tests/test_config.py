@@ -43,6 +43,24 @@ def test_parse_size_errors(text, message):
         parse_size(text)
 
 
+@pytest.mark.parametrize("name", ["host_bytes", "min_bytes", "nvme_bytes", "prefetch_bytes",
+                                  "budget", "nvme_max_bw"])
+@pytest.mark.parametrize("value", [2**64, 1e30, float("inf")])
+def test_a_keyword_size_past_64_bits_is_refused_naming_it(name, value):
+    """A number given as a keyword gets the check a string gets. Before, it passed the
+    build: entry raised a bare OverflowError (host_bytes, min_bytes) or the core's
+    TypeError (nvme_max_bw), and budget took it silently."""
+    with pytest.raises(ConfigError, match=rf"^{name}=.*more bytes than a 64-bit count holds"):
+        offload.activations(**{name: value})
+
+
+def test_a_whole_number_of_bytes_hints_at_a_percentage_only_below_one():
+    with pytest.raises(ValueError, match=r'whole number \(a share is a percentage: "50%"\)'):
+        parse_size("0.5", allow_percent=True)
+    with pytest.raises(ValueError, match=r"whole number$"):   # not "150%"
+        parse_size("1.5B", allow_percent=True)
+
+
 def test_format_bytes():
     assert format_bytes(0) == "0 B"
     assert format_bytes(1536) == "1.5 KiB"
@@ -137,6 +155,13 @@ def test_rank_placeholders(tmp_path):
     assert Config.from_env(env=env).trace == f"{tmp_path}/step-3-1.json"
     with pytest.raises(ConfigError, match=r"OFFLOAD_TRACE=.*bad placeholder .*\{rank\}"):
         Config.from_env(env={"OFFLOAD_TRACE": f"{tmp_path}/{{step}}.json"})
+    # The ranks as numbers, as the rest of offload reads them. Before, the raw strings: an
+    # empty RANK made "/x/" (the parent directory, shared by every rank), " 1" "/x/ 1".
+    for raw, want in (("", "/x/0"), (" 1", "/x/1"), ("007", "/x/7")):
+        env = {"OFFLOAD_NVME_DIR": "/x/{rank}", "RANK": raw}
+        assert Config.from_env(env=env).nvme_dir == (want,), raw
+    with pytest.raises(ConfigError, match="RANK='two': not a whole number"):
+        Config.from_env(env={"OFFLOAD_NVME_DIR": "/x/{rank}", "RANK": "two"})
 
 
 def test_with_overrides():

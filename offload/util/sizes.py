@@ -52,12 +52,12 @@ def parse_size(value: str | int, *, allow_percent: bool = False) -> SizeSpec:
     """
     if isinstance(value, bool):
         raise ValueError("expected a size, got a boolean")
-    if isinstance(value, int):
+    if isinstance(value, (int, float)):   # a keyword argument's number: bytes
         if value < 0:
             raise ValueError("size must not be negative")
-        return SizeSpec(nbytes=value)
-    if isinstance(value, float):
-        if value < 0 or value != int(value):
+        if value > _MAX_BYTES:   # (inf too) as a string gets it: not later, in the core
+            raise ValueError("more bytes than a 64-bit count holds (the most is 8 EiB)")
+        if not math.isfinite(value) or value != int(value):
             raise ValueError("size in bytes must be a non-negative whole number")
         return SizeSpec(nbytes=int(value))
     text = str(value).strip()
@@ -83,7 +83,8 @@ def parse_size(value: str | int, *, allow_percent: bool = False) -> SizeSpec:
         raise ValueError("more bytes than a 64-bit count holds (the most is 8 EiB)")
     if unit in ("", "b") and number != int(number):
         raise ValueError("a size in bytes must be a whole number" + (
-            f' (a share is a percentage: "{number * 100:g}%")' if allow_percent else ""))
+            f' (a share is a percentage: "{number * 100:g}%")'
+            if allow_percent and number < 1 else ""))
     return SizeSpec(nbytes=int(nbytes))
 
 
