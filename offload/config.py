@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from . import config_checks
+from . import config_parse
 from .config_parse import PARSERS, POLICIES, TIERS
 from .errors import ConfigError, short_repr
 from .util.figures import ProbeSetting
@@ -253,6 +254,7 @@ def forget_warnings() -> None:
     _last_scan[0] = None
     _from_env_cache.clear()
     config_checks.forget_warnings()
+    config_parse.forget_warnings()
 
 
 _FIELDS = {f.name: f for f in fields(Config)}

@@ -4,6 +4,7 @@ names the variable (or argument), the value and what to do (config.py holds the 
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from typing import Any, Callable, Mapping
 
@@ -78,6 +79,14 @@ def _parse_dirs(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]
     return tuple(dirs)
 
 
+_said_bytes: set[tuple[str, str]] = set()   # (setting, value) a bare-number warning named
+
+
+def forget_warnings() -> None:
+    """Say the bare-number warnings again (offload.process.reset)."""
+    _said_bytes.clear()
+
+
 def _size_parser(allow_percent: bool, max_fraction: float | None = None,
                  what: str = "", zero_fix: str | None = None
                  ) -> Callable[[Any, str, Mapping[str, str]], Any]:
@@ -91,6 +100,13 @@ def _size_parser(allow_percent: bool, max_fraction: float | None = None,
                 raise ConfigError(f"{where}: {reason}") from None
             example = '"8GiB", "512MiB"' + (', "50%"' if allow_percent else "")
             raise _fail(where, reason, f"give a size such as {example}") from None
+        text = raw.strip() if isinstance(raw, str) else ""
+        if allow_percent and text.isdigit() and 0 < int(text) <= 100 and \
+                (where, text) not in _said_bytes:
+            _said_bytes.add((where, text))   # a share meant, most likely: said once
+            logging.getLogger("offload").warning(
+                "offload: %s is %s bytes; a share of memory is a percentage: %r",
+                where, text, f"{text}%")
         if max_fraction is not None and spec.fraction is not None and spec.fraction > max_fraction:
             raise _fail(where, f"{spec} is over {max_fraction * 100:g}%",
                         f"give at most 100%{what}, or an absolute size such as \"4GiB\"")

@@ -692,3 +692,21 @@ def test_the_nvme_capacity_says_what_it_was_taken_of(small_disk):
             (x * 2).tanh().sum().backward()
         assert ctx.stats.as_dict()["nvme_capacity_source"] == source
         offload.empty_cache()   # the next settings open their own store
+
+
+def test_a_bare_number_for_a_share_is_said_to_be_bytes_once(caplog):
+    """OFFLOAD_BUDGET=30 is 30 bytes (a size with no unit): `auto` then moved everything,
+    without a word. A bare number up to 100 where a percentage is accepted is said, once."""
+    import logging
+
+    from offload import process
+
+    process.reset()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        for _ in range(2):
+            Config.from_env(env={"OFFLOAD_BUDGET": "30", "OFFLOAD_POLICY": "auto"})
+        Config.from_env(env={"OFFLOAD_BUDGET": "4096", "OFFLOAD_POLICY": "auto"})
+        Config.from_env(env={"OFFLOAD_BUDGET": "30%", "OFFLOAD_POLICY": "auto"})
+    said = [r.getMessage() for r in caplog.records if "bytes; a share" in r.getMessage()]
+    assert said == ["offload: OFFLOAD_BUDGET='30' is 30 bytes; a share of memory is a "
+                    "percentage: '30%'"]
