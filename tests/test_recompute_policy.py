@@ -253,3 +253,59 @@ def test_no_offload_region_runs_blocks_as_they_are():
         with offload.no_offload():
             loss_fn().backward()
     assert rec.stats.saved_bytes == keep.stats.saved_bytes  # nothing was checkpointed
+
+
+class KVCache:
+    """A key/value cache as Hugging Face's `Cache`: a forward appends to it."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+    def update(self, key: torch.Tensor) -> None:
+        self.keys.append(key)
+
+
+class CachingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, cache=None):
+        if cache is not None:
+            cache.update(x)
+        return x + torch.tanh(self.lin(x))
+
+
+class CachingStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(CachingBlock() for _ in range(3))
+
+    def forward(self, x, cache=None):
+        for block in self.blocks:
+            x = block(x, cache=cache)
+        return x
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_block_given_a_cache_runs_as_is_said_once_per_model(policy, nvme_dir, tmp_path,
+                                                              monkeypatch, caplog):
+    """session_base.holds_cache: a block handed a key/value cache runs as is (its re-run
+    would append to the cache again), said once for the model. Before, once per context,
+    so once per step with the README's context per step."""
+    import logging
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    offload.process.reset()
+    torch.manual_seed(0)
+    model = CachingStack()
+    cache = KVCache()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        for _ in range(4):
+            with offload.activations(model=model, policy=policy, tiers="nvme",
+                                     nvme_dir=nvme_dir, min_bytes=0):
+                model(torch.randn(4, 16), cache=cache).sum().backward()
+    assert len(cache.keys) == 3 * 4   # each block appended once per step: not re-run
+    said = [r for r in caplog.records if "key/value" in r.getMessage() or
+            "KVCache" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]

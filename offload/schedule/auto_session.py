@@ -219,7 +219,7 @@ class AutoSession(Session):
                 if not self._keeps_plan():
                     log.info("offload: auto: %s; it and the blocks after it run checkpointed "
                              "this step, and its shape class profiles again", self._fallback)
-            if holds_cache(args, kwargs, self):
+            if holds_cache(args, kwargs, self.blocks):
                 return forward(*args, **kwargs)
             if choice.mode == "checkpoint":
                 if index in plan.checkpoint_keeps and self._fallback is None:

@@ -32,7 +32,7 @@ class RecomputeSession(Session):
         def run(index, forward, args, kwargs):
             if not ours_innermost(pack) or no_offload_active():  # blocks NOTE [Whose block]
                 return forward(*args, **kwargs)
-            if holds_cache(args, kwargs, self):
+            if holds_cache(args, kwargs, self.blocks):
                 return forward(*args, **kwargs)
             self._ran += 1
             return checkpoint_block(forward, args, kwargs, block=self.blocks[index])

@@ -43,16 +43,20 @@ class Session:
         pass
 
 
-def holds_cache(args: tuple, kwargs: dict, session: Session) -> bool:
+# Blocks whose key/value cache was said once (the first block a cache reached).
+_said_cache: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def holds_cache(args: tuple, kwargs: dict, blocks: list) -> bool:
     """Whether a block call got a key/value cache object (Hugging Face `Cache`): the forward
     appends to it, so a recompute would replay against a changed cache. Such a call runs as
-    is (warned once): recompute needs a block that is a function of its inputs, as
-    torch.utils.checkpoint does."""
+    is (warned once per model, not per context: one is built per step): recompute needs a
+    block that is a function of its inputs, as torch.utils.checkpoint does."""
     for value in (*args, *kwargs.values()):
         if value is not None and type(value).__name__.endswith("Cache") \
                 and hasattr(value, "update"):
-            if not getattr(session, "_warned_cache", False):
-                session._warned_cache = True
+            if not any(block in _said_cache for block in blocks):
+                _said_cache.add(blocks[0])
                 log.warning("offload: a block got a %s (use_cache=True): it runs as is, not "
                             "recomputed; pass use_cache=False when training",
                             type(value).__name__)
@@ -78,3 +82,4 @@ def say_unrun_once(blocks: list, policy: str, consequence: str) -> None:
 def reset() -> None:
     """Forget which blocks were told about (tests; a process-wide reset): said again."""
     _said_unrun.clear()
+    _said_cache.clear()
