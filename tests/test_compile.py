@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import offload
+from offload.schedule.profile import WHOLE_BLOCK
 
 pytestmark = pytest.mark.slow
 
@@ -196,7 +197,7 @@ def test_recompute_and_auto_on_a_compiled_model_match_it_bit_for_bit(
 def test_auto_runs_compiled_blocks_whole(backend, nvme_dir, _auto_env):
     """Blocks compiled one by one: `auto` profiles them without a dispatch mode (which made
     dynamo trace our hooks: a crash) and runs them whole, as they are or checkpointed
-    (that re-runs the same compiled code: bit-exact); `ctx.plan` says why."""
+    whole (that re-runs the same compiled code: bit-exact); `ctx.plan` says why."""
     import copy
 
     model = Stack()
@@ -210,9 +211,16 @@ def test_auto_runs_compiled_blocks_whole(backend, nvme_dir, _auto_env):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
     plan = ctx.plan
-    assert plan is not None and not any(bp.per_op for bp in plan.blocks.values())
-    assert "compiled with torch.compile, so run whole" in str(plan)
+    assert plan is not None and "compiled with torch.compile, so run whole" in str(plan)
+    # Never per op: one op per block, the whole call (profile.WHOLE_BLOCK); on this slow
+    # link with no budget, recomputed (checkpointed whole). Before, a compiled block had no
+    # op to recompute: `auto` could only keep or move what it saved.
+    assert [[row.op.op_id for row in bp.rows] for bp in plan.blocks.values()] == \
+        [[WHOLE_BLOCK]]
+    assert all(bp.recompute == {WHOLE_BLOCK} for bp in plan.blocks.values()), str(plan)
+    assert "checkpointed whole" in str(plan)
     assert ctx.stats.nvme_bytes > 0
+    assert ctx.stats.peak_resident_bytes == plan.prediction.kept_bytes, str(plan)
 
 
 class RunCounting(CountingBackend):
@@ -264,23 +272,24 @@ def test_compiled_blocks_are_recomputed_without_recompiling(how, policy, nvme_di
     _compile_blocks(model, how, ours)
     _compile_blocks(reference, how, plain)
     before = counters["frames"]["total"]
-    want, _ = _train(reference, reference, 5)
+    want, _ = _train(reference, reference, 7)
     plain_frames = counters["frames"]["total"] - before
     frames = []   # the frames dynamo compiled by the end of each step
     settings = dict(policy=policy, tiers="host", min_bytes=0, probe=SLOW)
     frames_at_start = counters["frames"]["total"]
-    got, _ = _train(model, model, 5, settings,
+    got, _ = _train(model, model, 7, settings,
                     after_step=lambda: frames.append(counters["frames"]["total"]))
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
     # Each of the two compiled callables compiles its forward and at most one variant for
     # its re-run (inside backward). `auto` runs a block's compiled code eagerly while it
     # profiles the block under a dispatch mode (dynamo steps aside), so that code may first
-    # compile in a later step; none compiles in the last three.
+    # compile in a later step, as may its re-run's once the plan checkpoints it; none
+    # compiles in the last three.
     frames = [n - frames_at_start for n in frames]
-    assert frames[-1] <= 2 * 2 and frames[2:] == frames[2:3] * 3, \
+    assert frames[-1] <= 2 * 2 and frames[4:] == frames[4:5] * 3, \
         f"frames compiled by the end of each step: {frames} (without offload: {plain_frames})"
-    assert plain.runs == 2 * 5   # two blocks, five steps
+    assert plain.runs == 2 * 7   # two blocks, seven steps
     if policy == "recompute":
         assert ours.runs == 2 * plain.runs, "a compiled block was not re-run in backward"
     for block in model.blocks:   # exit put back what entry found (blocks.py rule 2)

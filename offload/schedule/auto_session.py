@@ -230,6 +230,8 @@ class AutoSession(Session):
                 return checkpoint_block(forward, args, kwargs, block=block, flat=flat)
             if choice.mode == "offload" or not bp.per_op:
                 return forward(*args, **kwargs)
+            if self.opaque[index]:   # compiled: recomputed whole (profile.WHOLE_BLOCK)
+                return checkpoint_block(forward, args, kwargs, block=block, flat=flat)
             targets = plan.op_targets
             rset = bp.recompute
             moved = stand_in != index

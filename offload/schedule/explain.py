@@ -8,6 +8,7 @@ from collections import Counter, defaultdict
 from ..util.sizes import format_bytes
 from .costs import rates
 from .plan import Plan
+from .profile import WHOLE_BLOCK
 from .trials import PURE, TrialSteps
 
 __all__ = ["render", "summary"]
@@ -91,8 +92,12 @@ def render(plan: Plan, trials: TrialSteps | None = None) -> str:
         else:
             went[(key, producer)][target] += 1
     for bp in plan.blocks.values():
-        mode = (f"per-op recompute, {_s(bp.recompute_s)} of re-run ops per block"
-                if bp.per_op else "runs as is")
+        if not bp.per_op:
+            mode = "runs as is"
+        elif WHOLE_BLOCK in bp.recompute:
+            mode = f"checkpointed whole, {_s(bp.recompute_s)} of re-run per block"
+        else:
+            mode = f"per-op recompute, {_s(bp.recompute_s)} of re-run ops per block"
         lines.append(f"  block {bp.type_name} {_count(bp.instances)}: {mode}")
         head = f"    {'op (n-th call in the block)':<40} {'saved/block':>11} {'recompute':>10}"
         if link:

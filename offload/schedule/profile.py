@@ -47,7 +47,10 @@ from .op_timer import OpTimer
 from .unsaved_outputs import UnsavedOutputs
 
 __all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler",
-           "signature", "unsaved_items"]
+           "signature", "unsaved_items", "WHOLE_BLOCK"]
+
+# The one op of a compiled block's record: the block's whole call (BlockProfiler.run).
+WHOLE_BLOCK = ("compiled block (run whole)", 0)
 
 _SEEDED = torch.Tag.nondeterministic_seeded
 # Inputs whose version counter the profile follows (a subclass's own counter may not be
@@ -275,6 +278,7 @@ class BlockProfiler:
         # sentinels: version_check.py NOTE [Version check]); read at `finish`.
         self._input_versions: list[tuple[BlockRecord, list[tuple[torch.Tensor, int]]]] = []
         self.unsaved = UnsavedOutputs(min_bytes)   # `note_saved`: the placement's saves
+        self._whole: OpRecord | None = None   # the compiled block running (`run`)
         self.note_saved = self.unsaved.saved
 
     def note_storage(self, storage: torch.UntypedStorage, record: OpRecord) -> None:
@@ -295,6 +299,8 @@ class BlockProfiler:
         entry = self._inputs.get(id(storage))
         if entry is not None and entry[0]() is storage:
             return None, entry[1]
+        if self._whole is not None:   # inside a compiled block: it made what it saves
+            return self._whole.op_id, None
         return None, None
 
     def run(self, index: int, type_key: tuple, type_name: str, forward, args, kwargs, hooks,
@@ -307,8 +313,10 @@ class BlockProfiler:
 
         An `opaque` block (compiled with torch.compile) runs as it is: a dispatch mode
         around compiled code makes dynamo trace our hooks, and the ops it would see are
-        not the ones the compiled block runs; its record has no ops, so the plan runs it
-        whole (as it is or checkpointed), never per op.
+        not the ones the compiled block runs. Its record has one op, `WHOLE_BLOCK`, timed
+        around the call and the maker of every storage it saves but its inputs, so the
+        plan runs it whole: as it is, or checkpointed (recomputing `WHOLE_BLOCK`), never
+        per op.
         """
         block = BlockRecord(index, type_key, type_name, signature(args, kwargs), opaque=opaque)
         small_seen: set[int] = set()
@@ -325,16 +333,23 @@ class BlockProfiler:
             (version_sentinel(a), a._version) for a in block_inputs(args, kwargs)
             if type(a) in _COUNTED and not a.is_inference()
             and not (a.is_leaf and a.requires_grad)]))   # a weight: the optimizer's to change
-        if opaque:
-            t0 = time.perf_counter()
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                block.forward_s = time.perf_counter() - t0
-                self.blocks.append(block)
         self._makers.clear()
         self._inputs = {id(a.untyped_storage()): (weakref.ref(a.untyped_storage()), i)
                         for i, a in reversed(list(enumerate(block_inputs(args, kwargs))))}
+        if opaque:
+            whole = OpRecord(WHOLE_BLOCK, 0.0)
+            self._whole = whole
+            t0 = time.perf_counter()
+            start = self.timer.start()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.timer.stop(whole, start)
+                block.forward_s = time.perf_counter() - t0
+                block.ops.append(whole)
+                self.blocks.append(block)
+                self._whole = None
+                self._inputs.clear()
         t0 = time.perf_counter()
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, hooks.unpack), \

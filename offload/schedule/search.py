@@ -96,7 +96,8 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
     opaque = sorted({b.type_name for b in profile.blocks if b.opaque})
     if opaque:
         own.append(f"{', '.join(opaque)}: compiled with torch.compile, so run whole (as they "
-                   "are, or checkpointed); per-op recompute cannot see inside compiled code")
+                   "are, or checkpointed whole); per-op recompute cannot see inside compiled "
+                   "code")
     plan = _assemble(profile, figures, params, infos, items, best, (*own, *notes))
     return dataclasses.replace(plan, alternatives=_ro(alternatives), trials=trials,
                                checkpoint_keeps=checkpoint_keeps)
