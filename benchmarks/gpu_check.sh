@@ -20,7 +20,8 @@
 #   build           40       60  nvidia-smi, versions; the pip build, toolkit hidden; build_info
 #   pytest          80      100  `-m "cuda or cuda_toolkit"` of the test files that have them
 #                                (race tests, reserved memory flat over 40 steps, copy engine,
-#                                the header-declaration test)
+#                                the header-declaration test; stop 53's compiled blocks
+#                                checkpointed whole and eval-then-train BatchNorm under auto)
 #   bandwidth       15       20  pinned copies (torch, side stream) vs CopyStreams, 256 MiB and
 #                                64 x 4 MiB each way, host cost per copy issued
 #   smoke           15       20  a small GPT step on host and nvme: bit-exact, Chrome trace

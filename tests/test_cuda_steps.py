@@ -111,3 +111,80 @@ def test_build_info_on_the_gpu():
     # the runtime torch loaded: same major version as torch's CUDA
     assert runtime["runtime_version"] // 1000 == int(torch.version.cuda.split(".")[0]), runtime
     assert runtime["driver_version"] > 0, runtime
+
+
+class _Normed(nn.Module):
+    """Linear, BatchNorm and dropout."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.bn, self.drop = nn.BatchNorm1d(d), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.bn(self.down(self.drop(torch.relu(self.up(x)))))
+
+
+_SLOW = ("compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,"
+         "nvme_issue_s=1e-6,d2h_gbps=1e-4,h2d_gbps=1e-4,copy_issue_s=1e-6")
+
+
+def _side_by_side(compiled: bool, loss, monkeypatch, tmp_path):
+    """Six steps of `loss` plainly and under `auto` (slow figures: it recomputes), gradients
+    and buffers bit-exact at each; the last context."""
+    import copy
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Sequential(*[_Normed(256) for _ in range(3)]))
+    model = model.cuda()
+    plain = copy.deepcopy(model)
+    if compiled:
+        for m in (model, plain):
+            for i in range(3):
+                m[1][i] = torch.compile(m[1][i], backend="aot_eager")
+    ctx = None
+    for step in range(6):
+        for m in (plain, model):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            if m is plain:
+                loss(m).backward()
+            else:
+                ctx = offload.activations(model=m, policy="auto", tiers="host",
+                                          min_bytes=0, probe=_SLOW)
+                with ctx:
+                    loss(m).backward()
+        for a, b in zip(plain.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad), f"step {step}"
+        for a, b in zip(plain.buffers(), model.buffers()):
+            assert torch.equal(a, b), f"step {step}"
+    return ctx
+
+
+def test_compiled_blocks_checkpointed_whole_on_the_gpu(monkeypatch, tmp_path):
+    """A compiled block's call timed with CUDA events as one op (profile.WHOLE_BLOCK) and
+    checkpointed whole by `auto` (stop 53)."""
+    from offload.schedule.profile import WHOLE_BLOCK
+
+    x = torch.randn(64, 64, device="cuda")
+    ctx = _side_by_side(True, lambda m: m(x).pow(2).mean(), monkeypatch, tmp_path)
+    plan = ctx.plan
+    assert all(bp.recompute == {WHOLE_BLOCK} for bp in plan.blocks.values()), str(plan)
+    assert all(bp.recompute_s > 0 for bp in plan.blocks.values()), str(plan)
+
+
+def test_an_eval_forward_then_a_train_forward_on_the_gpu(monkeypatch, tmp_path):
+    """buffers.py rule 6's copies into the buffers on the device: an eval-mode forward,
+    then a train-mode one, before one backward (stop 53)."""
+    x = torch.randn(64, 64, device="cuda")
+    other = torch.randn(64, 64, device="cuda")
+
+    def loss(m):
+        m.eval()
+        consistency = m(other).pow(2).mean()
+        m.train()
+        return m(x).pow(2).mean() + 0.5 * consistency
+
+    ctx = _side_by_side(False, loss, monkeypatch, tmp_path)
+    assert any(bp.per_op for bp in ctx.plan.blocks.values()), str(ctx.plan)
