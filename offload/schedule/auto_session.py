@@ -53,7 +53,7 @@ from .costs import PlanParams
 from .placement import SchedulePlacement, StepChoice
 from .plan_cache import NO_BLOCK, ClassPlan, PlanCache
 from .probe import figures_for
-from .profile import BlockProfiler, Profile, signature, unsaved_items
+from .profile import BlockProfiler, Profile, signature
 from .arguments import flatten_call
 from .recompute import block_inputs, checkpoint_block, run_block
 from .search import make_plan
@@ -393,7 +393,7 @@ class AutoSession(Session):
             forward_s -= overhead_s   # every micro-batch's forward's: all in forward_s now
         forward_s = max(forward_s - stats.stall_forward_s, 1e-6)
         backward_s = max(backward_s - stats.stall_backward_s, 1e-6)
-        items = [*items, *unsaved_items(blocks, items)]   # unsaved_outputs.py NOTE
+        items = [*items, *self._placement.unsaved_records(blocks)]   # unsaved_outputs.py
         return Profile(self._device, forward_s, backward_s, stats.saved_bytes, blocks, items)
 
     def _params(self, profile: Profile) -> PlanParams:

@@ -19,7 +19,7 @@ from ..config import Config
 from ..runtime.backward_marks import graph_task_id
 from ..runtime.placement import Decision, Placement, TensorInfo
 from .plan import Plan
-from .profile import BlockProfiler, ItemRecord
+from .profile import BlockProfiler, BlockRecord, ItemRecord
 
 __all__ = ["SchedulePlacement", "StepChoice"]
 
@@ -206,3 +206,26 @@ class SchedulePlacement(Placement):
         if name is None or plan.item_bytes.get(key, nbytes) != nbytes:
             return None   # another storage than the one planned for (NOTE [Shape classes])
         return name
+
+    def unsaved_records(self, blocks: list[BlockRecord]) -> list[ItemRecord]:
+        """Besides the step's records (`items`, timed by now): one per op of each profiled
+        block call, and per side of OFFLOAD_MIN_BYTES, of the bytes it made that no save
+        used (unsaved_outputs.py NOTE [Unsaved outputs]). Keyed apart from the saves
+        (ordinals below -1, by the op's place in the block: a micro-batch's same op shares
+        the key), timed as the op's first save in that call (pack with the op, unpack at
+        the re-run)."""
+        timing: dict[tuple, tuple] = {}
+        for it in self.items:
+            if it.producer is not None and not it.small and it.block is not None:
+                timing.setdefault((it.block, it.segment, it.producer), (it.pack_s, it.unpack_s))
+        out = []
+        for b in blocks:
+            place = {o.op_id: i for i, o in enumerate(b.ops)}
+            for (op_id, small), nbytes in sorted(b.unsaved.items()):
+                if nbytes <= 0 or op_id not in place:
+                    continue
+                pack_s, unpack_s = timing.get((b.index, b.segment, op_id), (None, None))
+                out.append(ItemRecord(("block", b.index), -2 - 2 * place[op_id] - small,
+                                      nbytes, None, not small, op_id, segment=b.segment,
+                                      pack_s=pack_s, unpack_s=unpack_s, unsaved=True))
+        return out

@@ -47,7 +47,7 @@ from .op_timer import OpTimer
 from .unsaved_outputs import UnsavedOutputs
 
 __all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler",
-           "signature", "unsaved_items", "WHOLE_BLOCK"]
+           "signature", "WHOLE_BLOCK"]
 
 # The one op of a compiled block's record: the block's whole call (BlockProfiler.run).
 WHOLE_BLOCK = ("compiled block (run whole)", 0)
@@ -396,26 +396,3 @@ class BlockProfiler:
         self.chains.clear()
         self.unsaved.finish()
         return self.blocks
-
-
-def unsaved_items(blocks: list[BlockRecord], items: list[ItemRecord]) -> list[ItemRecord]:
-    """One record per op of each profiled block call, and per side of OFFLOAD_MIN_BYTES, of
-    the bytes it made that no save used (unsaved_outputs.py NOTE [Unsaved outputs]). Keyed
-    apart from the saves (ordinals below -1, by the op's place in the block: a micro-batch's
-    same op shares the key), timed as the op's first save in that call (pack with the op,
-    unpack at the re-run)."""
-    timing: dict[tuple, tuple] = {}
-    for it in items:
-        if it.producer is not None and not it.small and it.block is not None:
-            timing.setdefault((it.block, it.segment, it.producer), (it.pack_s, it.unpack_s))
-    out = []
-    for b in blocks:
-        place = {o.op_id: i for i, o in enumerate(b.ops)}
-        for (op_id, small), nbytes in sorted(b.unsaved.items()):
-            if nbytes <= 0 or op_id not in place:
-                continue
-            pack_s, unpack_s = timing.get((b.index, b.segment, op_id), (None, None))
-            out.append(ItemRecord(("block", b.index), -2 - 2 * place[op_id] - small, nbytes,
-                                  None, not small, op_id, segment=b.segment, pack_s=pack_s,
-                                  unpack_s=unpack_s, unsaved=True))
-    return out
