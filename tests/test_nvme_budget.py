@@ -113,6 +113,22 @@ def test_a_store_in_use_says_which_settings_it_keeps(nvme_dir, caplog):
     (ya + yb).backward()
 
 
+def test_two_contexts_sharing_a_store_every_step_are_told_once(nvme_dir, caplog):
+    """Two contexts of other settings in every step (a model and its teacher): the store
+    goes idle after each step's backward, and the warning came back at every step."""
+    x = torch.randn(256, 512, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        for _ in range(3):
+            with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0):
+                ya = (x * 2).tanh().sum()
+            with offload.activations(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0,
+                                     io_workers=2):
+                yb = (x * 3).tanh().sum()
+            (ya + yb).backward()
+    said = [r.getMessage() for r in caplog.records if "is in use by another" in r.getMessage()]
+    assert len(said) == 1, said
+
+
 def test_checksums_asked_for_are_never_dropped_for_a_store_in_use(nvme_dir):
     """Was: the second context shared the first's store without checksums, silently, and a
     corrupted read trained on (test_storage_errors.py's sabotage, in a shared store)."""

@@ -48,13 +48,12 @@ SMALL_CHUNK_BYTES = 1 << 20   # the chunk of a store too small for CHUNK_BYTES o
 
 
 class _Entry:
-    __slots__ = ("store", "settings", "users", "told", "source")
+    __slots__ = ("store", "settings", "users", "source")
 
     def __init__(self, store: Any, settings: Hashable, source: str) -> None:
         self.store = store
         self.settings = settings
         self.users = 1
-        self.told: set = set()  # settings already told they share another's store
         self.source = source    # what its capacity was taken of (Stats' capacity_source)
 
 
@@ -103,8 +102,9 @@ CHECKSUM = "OFFLOAD_NVME_CHECKSUM"
 
 def _share(dirs: tuple[str, ...], entry: _Entry, asked: tuple) -> None:
     """A context asks for other settings than the store in use has: it shares the store,
-    and is told once which of its settings wait (they apply once no context uses it); but
-    checksums asked for are never dropped (its reads would go unchecked, silently)."""
+    and is told once per process which of its settings wait (they apply once no context
+    uses it); but checksums asked for are never dropped (its reads would go unchecked,
+    silently)."""
     in_use, wanted = dict(entry.settings), dict(asked)
     if wanted.get(CHECKSUM) and not in_use.get(CHECKSUM):
         from ..errors import ConfigError
@@ -115,9 +115,10 @@ def _share(dirs: tuple[str, ...], entry: _Entry, asked: tuple) -> None:
             "of this process, opened without checksums, and a store's checksums are set "
             "when it opens (give every context of the process the same nvme_checksum, or "
             "let the other context's graph go first)")
-    if asked in entry.told:
-        return
-    entry.told.add(asked)
+    told = (dirs, entry.settings, asked)
+    if told in _said_shared:   # once per process: two contexts alternating every step
+        return                 # would say it at every step
+    _said_shared.add(told)
     differ = ", ".join(f"{name}={_shown(in_use.get(name))} (yours: {_shown(value)})"
                        for name, value in asked if in_use.get(name) != value)
     log.warning("offload: the NVMe store of %s is in use by another context of this process; "
@@ -206,13 +207,16 @@ def acquire_sized(dirs: tuple[str, ...], capacity_bytes: Callable[[], int], core
         return None
 
 
-# Directory sets whose "no room" was said (once per process; offload.process.reset forgets).
+# Directory sets whose "no room" was said, and (directories, settings in use, settings
+# asked) whose sharing was (once per process; offload.process.reset forgets).
 _said_no_room: set[tuple[str, ...]] = set()
+_said_shared: set[tuple] = set()
 
 
 def forget_warnings() -> None:
-    """Say "no room" again (offload.process.reset)."""
+    """Say "no room" and "in use by another context" again (offload.process.reset)."""
     _said_no_room.clear()
+    _said_shared.clear()
 
 
 def release(dirs: tuple[str, ...], store: Any, keep: bool) -> None:
@@ -225,7 +229,6 @@ def release(dirs: tuple[str, ...], store: Any, keep: bool) -> None:
         if entry.users > 0:
             return
         if keep and store.used_bytes == 0:
-            entry.told.clear()
             return
         del _entries[dirs]
     store.close()
