@@ -340,6 +340,7 @@ def test_ctrl_c_after_some_runs_prints_and_writes_the_finished_ones(tmp_path, nv
     assert rows["checkpoint"].rounds == 1
     assert not rows["recompute"].available
     assert rows["recompute"].reason == "interrupted before it ran"
+    assert rows["recompute"].rounds == 0   # was 2, the rounds asked for
     captured = capsys.readouterr()
     assert "checkpoint" in captured.out and "interrupted before it ran" in captured.out
     assert "interrupted after 2 of 6 runs; the table holds the finished runs" in captured.err

@@ -408,7 +408,7 @@ def benchmark(s: Settings, progress: Progress) -> list[Row]:
                     strategy=name, batch=s.spec.batch, reason="interrupted before it ran")]
                 row = rows_mod.make_row(name, strategies_mod.get(name).description, _meta(s),
                                         res, checker.summary(name))
-                if interrupted and results[name]:
+                if interrupted:   # the rounds it ran (none: interrupted before it ran)
                     row.rounds = len(results[name])
                 rows.append(row)
             if s.max_batch and interrupted is None:
