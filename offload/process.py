@@ -14,7 +14,7 @@ longer is listed here, each piece kept by the module that uses it:
 | hooks of a context exited on another thread, left on the entering thread's stack | runtime/hook_stack.py | – | – | – (retired: they hold every save as it is; that thread's next save, block call or enter takes them off) |
 | exited steps whose saved tensors live on | runtime/step.py | finished if idle | finished if idle | – |
 | per-model plans: round trip, `auto`'s sessions, buffer slots | util/per_model.py | kept | cleared | kept |
-| `auto`'s probe figures and warnings said once | schedule/, config.py, runtime/subclasses.py, runtime/hooks.py, tiers/nvme_space.py | kept | cleared | kept |
+| `auto`'s probe figures and warnings said once | schedule/, config.py, runtime/subclasses.py, runtime/hooks.py, runtime/step.py, tiers/nvme_space.py | kept | cleared | kept |
 
 Arena memory itself is never shared with a child (MADV_WIPEONFORK / MADV_DONTFORK,
 csrc/host_arena.cpp) and slabs are opened O_CLOEXEC, so an exec'd program inherits none.
@@ -55,6 +55,7 @@ def reset() -> None:
     _storing.forget_warnings()
     _nvme_space.forget_warnings()
     _host_budget.forget_warnings()
+    _step.forget_warnings()
 
 
 def after_fork_in_child() -> None:

@@ -53,6 +53,11 @@ __all__ = ["Step", "StepView", "StepReport", "close_tiers", "finish_pending", "s
 log = logging.getLogger("offload")
 _said: set[str] = set()   # planning errors of ours said already (one line each)
 
+
+def forget_warnings() -> None:
+    """Say the planning errors again (offload.process.reset)."""
+    _said.clear()
+
 _pending_lock = threading.Lock()
 _pending: set["Step"] = set()  # exited steps whose saved tensors were still alive
 

@@ -38,7 +38,7 @@ is its own class, planned keep / host / nvme per saved tensor with nothing recom
 from __future__ import annotations
 
 import logging
-import sys
+
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ import torch
 from ..config import Config
 from ..runtime.no_offload import no_offload_active
 from ..runtime.placement import Placement
-from .blocks import BlockWrappers, block_type_key, ours_innermost
+from .blocks import BlockWrappers, block_type_key, compiled_block, ours_innermost
 from ..util.clock import clock_for
 from .constants import SHAPE_REPROFILES, TRIAL_MARGIN
 from .costs import PlanParams
@@ -67,18 +67,6 @@ log = logging.getLogger("offload")
 _UNKNOWN = ("unknown",)   # this step's class before its first block call
 
 
-def _compiled(block: torch.nn.Module) -> bool:
-    """A block that is a torch.compile'd module of its own, one compiled in place
-    (`block.compile()`: blocks.py NOTE [Wrapping] rule 5), or one whose forward is compiled:
-    its ops run inside compiled code our dispatch modes cannot see into."""
-    frames = sys.modules.get("torch._dynamo.eval_frame")
-    if frames is not None and isinstance(block, frames.OptimizedModule):
-        return True
-    if block.__dict__.get("_compiled_call_impl") is not None:
-        return True
-    return getattr(block.forward, "_torchdynamo_orig_callable", None) is not None
-
-
 def _shapes(key) -> str:
     """A shape class for a log line: its first tensor argument's shape."""
     for sig in (key or ((),))[0]:
@@ -95,7 +83,7 @@ class AutoSession(Session):
         self.blocks = blocks
         self._what_to_pass = "model= or blocks=" if model is None else "blocks="
         self.types = [block_type_key(b) for b in blocks]
-        self.opaque = [_compiled(b) for b in blocks]
+        self.opaque = [compiled_block(b) for b in blocks]
         self.choice = StepChoice()   # what this step runs (the placement reads it)
         self._entry: ClassPlan | None = None   # the class plan this step runs
         self._placement: SchedulePlacement | None = None

@@ -57,6 +57,7 @@ exit; a forward the user had set on the instance is put back as it was. Rules:
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable, Iterable
 
 import torch
@@ -69,7 +70,8 @@ from ..runtime import hook_stack
 _forward_ad = torch.autograd.forward_ad   # its `_current_level`: -1 outside any dual level
 _functorch = torch._C._functorch
 
-__all__ = ["find_blocks", "BlockWrappers", "ours_innermost", "block_type_key"]
+__all__ = ["find_blocks", "BlockWrappers", "ours_innermost", "block_type_key",
+           "compiled_block"]
 
 log = logging.getLogger("offload")
 
@@ -186,6 +188,21 @@ def block_type_key(block: nn.Module) -> tuple:
     return (type(block).__qualname__,
             tuple((name, None if is_lazy(p) else tuple(p.shape), p.dtype)
                   for name, p in block.named_parameters()))
+
+
+def compiled_block(block: nn.Module, forward: Callable | None = None) -> bool:
+    """A block that is a torch.compile'd module of its own, one compiled in place
+    (`block.compile()`: NOTE [Wrapping] rule 5), or one whose forward (`forward`: the one a
+    wrapper was handed) is compiled: its ops run inside compiled code, which our dispatch
+    modes cannot see into and our function modes must stay out of (generators.py NOTE
+    [Modes under torch.compile])."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    if frames is not None and isinstance(block, frames.OptimizedModule):
+        return True
+    if block.__dict__.get("_compiled_call_impl") is not None:
+        return True
+    return any(getattr(f, "_torchdynamo_orig_callable", None) is not None
+               for f in (block.forward, forward) if f is not None)
 
 
 def ours_innermost(pack: Callable) -> bool:

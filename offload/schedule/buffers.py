@@ -69,8 +69,10 @@ Not set back: the attributes of modules holding no buffer (`self.calls += 1` the
 counted again by the re-run, as under checkpoint), but for their mode (rule 5). What it
 costs: nothing for blocks without buffers; per call, a look at each guarded module's
 attributes and one copy of every buffer, held until the re-run, and a second copy in the
-re-run (BatchNorm: a few vectors; a block holding a large buffer that never changes pays
-both at every step, and holds the first until backward: docs/benchmarks.md *Buffer copies*).
+re-run (rule 6: of the buffer's values then, to put back afterwards, with two copies into
+the buffer; BatchNorm: a few vectors; a block holding a large buffer that never changes
+pays both at every step, and holds the first until backward: docs/benchmarks.md *Buffer
+copies*).
 """
 from __future__ import annotations
 
@@ -257,13 +259,14 @@ class _Guard:
         live_attributes = [dict(module.__dict__) for module in self.modules]
         live_children = [dict(module._modules) for module in self.modules]
         swaps = _in_place(self.objects, self.at_call, live_slots)   # rule 6
+        swapped = {_stretch(copy) for _, copy in swaps.values()}
         with torch.no_grad(), _disable_current_modes():   # rules 2, 3 and 6
-            fresh = _copy_together(self.held)
+            fresh = _copy_together([c for c in self.held if _stretch(c) not in swapped])
             now = [(buf, buf.clone()) for buf, _ in swaps.values()]
             for buf, copy in swaps.values():
                 buf.data.copy_(copy)   # `.data`: no version bump (a save of it is unchanged)
         try:
-            self._put_back(live_attributes, fresh, swaps)
+            self._put_back(live_attributes, fresh, swaps, swapped)
             return fn(*args)
         finally:
             with torch.no_grad(), _disable_current_modes():
@@ -275,11 +278,12 @@ class _Guard:
                 _refill(module._buffers, slots)
                 _refill(module._modules, children)
 
-    def _put_back(self, live_attributes: list[dict], fresh: dict, swaps: dict) -> None:
+    def _put_back(self, live_attributes: list[dict], fresh: dict, swaps: dict,
+                  swapped: set[int]) -> None:
         """Rule 2: each module's value attributes, its buffer slots and its attributes that
         were buffers or views of one, as at the call: fresh copies, but the buffers `swaps`
-        holds (rule 6), which now hold the call's values themselves, and views of them."""
-        swapped = {_stretch(copy) for _, copy in swaps.values()}
+        holds (rule 6), which now hold the call's values themselves, and views of them (on
+        the `swapped` stretches)."""
         for module, objects, at_call, values, aliases, names, live in zip(
                 self.modules, self.objects, self.at_call, self.values, self.aliases,
                 self.names, live_attributes):

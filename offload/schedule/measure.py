@@ -107,7 +107,7 @@ def _probe_bytes(dirs: tuple[str, ...]) -> tuple[int, int]:
             errno.ENOSPC,
             f"offload: cannot measure the NVMe directory {fullest}: {free[fullest] >> 20} MiB "
             f"free there (after the nvme tier's reservation, OFFLOAD_NVME_BYTES), and the "
-            f"probe needs {(_MIN_PROBE_BYTES // len(dirs) + _SLACK_BYTES) >> 20} MiB. Give "
+            f"probe needs {(2 * _MIN_PROBE_BYTES // len(dirs) + _SLACK_BYTES) >> 20} MiB. Give "
             "`auto` the disk's figures instead (OFFLOAD_PROBE=nvme_write_gbps=...,"
             "nvme_read_gbps=...,nvme_issue_s=...; `offload-probe --nvme-dir` on a "
             "directory of that disk with room prints them), or lower OFFLOAD_NVME_BYTES",

@@ -24,6 +24,7 @@ from ..runtime.placement import Decision
 from ..util import per_model
 from ..util.ranges import RECOMPUTE, profiling, span
 from . import structure
+from .blocks import compiled_block
 from .arguments import flatten_call
 from .buffers import guard_buffers, keep_modes
 from .generators import guard_generators
@@ -40,7 +41,16 @@ def block_inputs(args: tuple, kwargs: dict, leaves: list | None = None) -> list[
     `leaves`: the call's `flatten_call` leaves, when the caller took them apart already."""
     if leaves is None:
         leaves = flatten_call(args, kwargs)[0]
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
+    return [x for x in leaves if _handed(x)]
+
+
+def _handed(x: Any) -> bool:
+    """Whether checkpoint_block hands `x` to checkpoint as an input: a tensor, but not a
+    parameter (`scale=self.scale`), which stays where it is anyway and is held as the
+    object it is, so the re-run gets a parameter again (torch.compile guards on the type:
+    a plain tensor in its place ran another compiled variant in the re-run, whose saves
+    did not match the forward's)."""
+    return isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
 
 
 def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=None,
@@ -60,9 +70,8 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     handed_in = _modules_handed_in(leaves, block)
     if any(map(_still_lazy, handed_in if block is None else [block, *handed_in])):
         return forward(*args, **kwargs)
-    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    if len(where) == len(args) and all(isinstance(a, torch.Tensor) for a in args) \
-            and not kwargs:
+    where = [i for i, x in enumerate(leaves) if _handed(x)]
+    if len(where) == len(args) and all(map(_handed, args)) and not kwargs:
         tensors, call = args, forward
     else:
         tensors = [leaves[i] for i in where]
@@ -91,7 +100,12 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
             a, kw = rebuild(full)
             return forward(*a, **kw)
     extra = {} if context_fn is None else {"context_fn": context_fn}
-    guarded = guard_buffers(block, guard_generators(call))
+    # Compiled code runs without our generator modes in both passes: dynamo guards on the
+    # modes on the stack, and a re-run with other modes than its forward ran another
+    # compiled variant, whose saves did not match (generators.py NOTE [Modes under
+    # torch.compile]).
+    compiled = block is not None and compiled_block(block, forward)
+    guarded = guard_buffers(block, call if compiled else guard_generators(call))
     for module in handed_in:   # buffers.py rule 4
         guarded = guard_buffers(module, guarded)
     roots = handed_in if block is None else [block, *handed_in]
