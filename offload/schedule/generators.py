@@ -55,8 +55,12 @@ and `_same` made dynamo guard on the state's 5 KiB of bytes, which change every 
 it recompiled every step until its recompile limit. Inside compiled code the handlers pass
 every call through (`torch.compiler.is_compiling()`, traced as a constant): the compiled
 code is what it is without us, and its re-run under checkpoint draws what the forward
-drew from the default generators, which checkpoint sets back. Not seen: a user's generator
-or a thread's draw inside compiled code (torch's own checkpoint does not see them either).
+drew from the default generators, which checkpoint sets back. Dynamo also guards on the
+modes' types on the stack: a block that is compiled itself (blocks.compiled_block) runs
+with none of ours in either pass (recompute.checkpoint_block), else its re-run, under
+another mode than its forward, ran another compiled variant, whose saves did not match
+(CheckpointError). Not seen: a user's generator or a thread's draw inside compiled code
+(torch's own checkpoint does not see them either).
 
 Cost: the mode on every forward call of a re-run block, some 5 µs per torch function
 call on a CPU (docs/benchmarks.md *Generators seen at every call*); one `get_state` per
