@@ -9,11 +9,10 @@ Nothing here imports config.py, so the two make no circle.
 """
 from __future__ import annotations
 
-import logging
 import os
 from typing import Callable
 
-from .config_parse import knob
+from .config_parse import knob, warn_once as _warn_once
 from .errors import ConfigError
 from .tiers import nvme_space
 from .util.disk_space import RAM_FS_TYPES, StripedRoom, fs_type, striped_room
@@ -26,21 +25,13 @@ __all__ = ["validate", "check_nvme_dirs", "host_capacity", "nvme_capacity_bytes"
 
 DROP_NVME = "drop 'nvme' from the tiers"   # validate()'s default: the runtime's own fix
 
-_warned_once: set[str] = set()
-
 
 def forget_warnings() -> None:
-    """Say the once-per-process warnings again (offload.process.reset, via config.py)."""
+    """Say the once-per-process warnings again (offload.process.reset, via config.py; the
+    warnings themselves are config_parse.warn_once's)."""
     global _host_seen
-    _warned_once.clear()
     _fs_types.clear()
     _host_seen = None
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned_once:
-        _warned_once.add(key)
-        logging.getLogger("offload").warning(message)
 
 
 # Directory -> its file system type, read once: /proc/self/mountinfo costs ~90 us with 20

@@ -79,12 +79,19 @@ def _parse_dirs(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]
     return tuple(dirs)
 
 
-_said_bytes: set[tuple[str, str]] = set()   # (setting, value) a bare-number warning named
+_warned_once: set[str] = set()   # the keys of warnings said (`warn_once`)
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log a settings warning once per process (per `key`) on the `offload` logger."""
+    if key not in _warned_once:
+        _warned_once.add(key)
+        logging.getLogger("offload").warning(message)
 
 
 def forget_warnings() -> None:
-    """Say the bare-number warnings again (offload.process.reset)."""
-    _said_bytes.clear()
+    """Say the once-per-process warnings again (offload.process.reset, via config.py)."""
+    _warned_once.clear()
 
 
 def _size_parser(allow_percent: bool, max_fraction: float | None = None,
@@ -101,12 +108,9 @@ def _size_parser(allow_percent: bool, max_fraction: float | None = None,
             example = '"8GiB", "512MiB"' + (', "50%"' if allow_percent else "")
             raise _fail(where, reason, f"give a size such as {example}") from None
         text = raw.strip() if isinstance(raw, str) else ""
-        if allow_percent and text.isdigit() and 0 < int(text) <= 100 and \
-                (where, text) not in _said_bytes:
-            _said_bytes.add((where, text))   # a share meant, most likely: said once
-            logging.getLogger("offload").warning(
-                "offload: %s is %s bytes; a share of memory is a percentage: %r",
-                where, text, f"{text}%")
+        if allow_percent and text.isdigit() and 0 < int(text) <= 100:   # a share meant?
+            warn_once(f"bare number:{where}", f"offload: {where} is {text} bytes; a share "
+                      f"of memory is a percentage: '{text}%'")
         if max_fraction is not None and spec.fraction is not None and spec.fraction > max_fraction:
             raise _fail(where, f"{spec} is over {max_fraction * 100:g}%",
                         f"give at most 100%{what}, or an absolute size such as \"4GiB\"")

@@ -258,8 +258,7 @@ class _Guard:
         live_slots = [dict(module._buffers) for module in self.modules]
         live_attributes = [dict(module.__dict__) for module in self.modules]
         live_children = [dict(module._modules) for module in self.modules]
-        swaps = _in_place(self.objects, self.at_call, live_slots)   # rule 6
-        swapped = {_stretch(copy) for _, copy in swaps.values()}
+        swaps, swapped = _in_place(self.objects, self.at_call, live_slots)   # rule 6
         with torch.no_grad(), _disable_current_modes():   # rules 2, 3 and 6
             fresh = _copy_together([c for c in self.held if _stretch(c) not in swapped])
             now = [(buf, buf.clone()) for buf, _ in swaps.values()]
@@ -312,11 +311,12 @@ def _stretch(copy: torch.Tensor) -> int:
     return id(copy)
 
 
-def _in_place(objects: list[dict], at_call: list[dict], live: list[dict]) -> dict:
+def _in_place(objects: list[dict], at_call: list[dict], live: list[dict]
+              ) -> tuple[dict, set[int]]:
     """Rule 6: id -> (buffer, its copy at the call) of the call's buffers a re-run gets the
     call's values copied into: each still in every slot that held it at the call, a plain
     tensor of its copy's shape and dtype, and so are the others on its stretch of memory
-    (views of one another stay views of one another)."""
+    (views of one another stay views of one another); and those stretches (`_stretch`)."""
     ok: dict[int, tuple] = {}
     spoilt: set[int] = set()   # stretches with a buffer that gets a copy
     for found, copies, now in zip(objects, at_call, live):
@@ -331,8 +331,9 @@ def _in_place(objects: list[dict], at_call: list[dict], live: list[dict]) -> dic
                 spoilt.add(stretch)
             else:
                 ok[id(buf)] = (buf, copy, stretch)
-    return {key: (buf, copy) for key, (buf, copy, stretch) in ok.items()
-            if stretch not in spoilt}
+    swaps = {key: (buf, copy) for key, (buf, copy, stretch) in ok.items()
+             if stretch not in spoilt}
+    return swaps, {stretch for _, _, stretch in ok.values()} - spoilt
 
 
 def _refill(into: dict, items: dict) -> None:

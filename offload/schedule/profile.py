@@ -272,23 +272,22 @@ class BlockProfiler:
         self.blocks: list[BlockRecord] = []
         self.overhead_s = 0.0
         self.chains: list[tuple[OpRecord, OpRecord]] = []  # (maker, in-place op on its output)
-        self._makers: dict[int, tuple[weakref.ref, OpRecord]] = {}
         self._inputs: dict[int, tuple[weakref.ref, int]] = {}
         # Per call, its tensor inputs' version counters as the call began (zero-byte
         # sentinels: version_check.py NOTE [Version check]); read at `finish`.
         self._input_versions: list[tuple[BlockRecord, list[tuple[torch.Tensor, int]]]] = []
-        self.unsaved = UnsavedOutputs(min_bytes)   # `note_saved`: the placement's saves
+        # The current block's storages and their makers, and what the step's saves used of
+        # them (`note_saved`: the placement's saves).
+        self.unsaved = UnsavedOutputs(min_bytes)
         self._whole: OpRecord | None = None   # the compiled block running (`run`)
         self.note_saved = self.unsaved.saved
 
     def note_storage(self, storage: torch.UntypedStorage, record: OpRecord) -> None:
-        # Weak: the profile must not keep activations alive (NOTE [Storage identity]).
-        self._makers[id(storage)] = (weakref.ref(storage), record)
+        # Held weakly: the profile must not keep activations alive (NOTE [Storage identity]).
         self.unsaved.made(storage, record)
 
     def producer_record(self, storage: torch.UntypedStorage) -> OpRecord | None:
-        entry = self._makers.get(id(storage))
-        return entry[1] if entry is not None and entry[0]() is storage else None
+        return self.unsaved.maker(storage)
 
     def producer_of(self, storage: torch.UntypedStorage) -> tuple[tuple | None, int | None]:
         """(op id, None) for a storage made in the current block, (None, i) for its i-th
@@ -333,7 +332,6 @@ class BlockProfiler:
             (version_sentinel(a), a._version) for a in block_inputs(args, kwargs)
             if type(a) in _COUNTED and not a.is_inference()
             and not (a.is_leaf and a.requires_grad)]))   # a weight: the optimizer's to change
-        self._makers.clear()
         self._inputs = {id(a.untyped_storage()): (weakref.ref(a.untyped_storage()), i)
                         for i, a in reversed(list(enumerate(block_inputs(args, kwargs))))}
         if opaque:
@@ -359,7 +357,6 @@ class BlockProfiler:
             block.forward_s = time.perf_counter() - t0
             self.blocks.append(block)
             self.unsaved.block_done(block)
-            self._makers.clear()
             self._inputs.clear()
 
     def _note_small(self, storage: torch.UntypedStorage, block: BlockRecord,

@@ -43,7 +43,7 @@ class Session:
         pass
 
 
-# Blocks whose key/value cache was said once (the first block a cache reached).
+# Models (their first block) whose key/value cache was said once.
 _said_cache: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
@@ -55,8 +55,7 @@ def holds_cache(args: tuple, kwargs: dict, blocks: list) -> bool:
     for value in (*args, *kwargs.values()):
         if value is not None and type(value).__name__.endswith("Cache") \
                 and hasattr(value, "update"):
-            if not any(block in _said_cache for block in blocks):
-                _said_cache.add(blocks[0])
+            if _first_time(_said_cache, blocks):
                 log.warning("offload: a block got a %s (use_cache=True): it runs as is, not "
                             "recomputed; pass use_cache=False when training",
                             type(value).__name__)
@@ -74,9 +73,17 @@ UNRUN = ("no block ran through offload in a training step (a torch.compile'd mod
 
 def say_unrun_once(blocks: list, policy: str, consequence: str) -> None:
     """Log UNRUN once per list of blocks (keyed by its first block)."""
-    if blocks and blocks[0] not in _said_unrun:
-        _said_unrun.add(blocks[0])
+    if _first_time(_said_unrun, blocks):
         log.info("offload: %s: %s; %s", policy, UNRUN, consequence)
+
+
+def _first_time(said: "weakref.WeakSet[torch.nn.Module]", blocks: list) -> bool:
+    """Whether the model of `blocks` (keyed by its first block) is not in `said` yet; it
+    is from now on."""
+    if not blocks or blocks[0] in said:
+        return False
+    said.add(blocks[0])
+    return True
 
 
 def reset() -> None:

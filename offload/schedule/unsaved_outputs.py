@@ -35,7 +35,8 @@ __all__ = ["UnsavedOutputs"]
 
 
 class UnsavedOutputs:
-    """Follows the storages a profiled step's block ops make and the saves that use them."""
+    """Follows the storages a profiled step's block ops make (`maker`: the profile's
+    producer of a storage) and the saves that use them."""
 
     def __init__(self, min_bytes: int) -> None:
         self.min_bytes = min_bytes
@@ -52,6 +53,11 @@ class UnsavedOutputs:
         if old is not None and old[0]() is None and not old[3]:
             self._freed.append((old[1], old[2]))   # Rule 2: its id went to a new storage
         self._block[key] = [weakref.ref(storage), record, storage.nbytes(), False]
+
+    def maker(self, storage: Any) -> Any:
+        """The op record that made `storage` in the current block, or None."""
+        entry = self._block.get(id(storage))
+        return entry[1] if entry is not None and entry[0]() is storage else None
 
     def saved(self, storage: Any) -> tuple | None:
         """A save of the step used `storage` (in a block or outside); the (block index, op
