@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import offload
-from offload import config_checks
+from offload import config_parse
 from offload.util import disk_space, logs
 from offload._ext import core_available
 from offload.config import Config
@@ -112,7 +112,7 @@ def test_ranks_divide_what_fits_when_striped_over_unequal_file_systems(tmp_path,
 
 def test_local_rank_without_local_world_size_warns_once(machine, tmp_path, caplog,
                                                         monkeypatch):
-    monkeypatch.setattr(config_checks, "_warned_once", set())
+    monkeypatch.setattr(config_parse, "_warned_once", set())
     cfg = _cfg(tmp_path, LOCAL_RANK="3")
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert cfg.host_capacity_bytes() == 20 * GiB  # not divided: unknown how many
