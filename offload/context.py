@@ -24,6 +24,8 @@ import torch
 
 from . import process
 from .config import Config
+from . import context_copies
+from .context_copies import CopiedAsNew
 from .errors import ConfigError, OffloadError, short_repr
 from .known_failures import INSIDE_ALLOW_MUTATION, explain_known_failures
 from .runtime import hook_stack
@@ -84,7 +86,7 @@ def activations(*, model: torch.nn.Module | None = None, blocks: Any = None,
     return ActivationOffload(Config.from_env(**settings), model=model, blocks=blocks)
 
 
-class ActivationOffload:
+class ActivationOffload(CopiedAsNew):
     """One offload context; reusable for several steps (`with ctx:` each step)."""
 
     def __init__(self, config: Config, model: torch.nn.Module | None = None,
@@ -119,53 +121,6 @@ class ActivationOffload:
             schedule = self._schedule = start_session(self.config, model, self._blocks) \
                 if self.config.enabled else Session(self.config)
         return schedule
-
-    # A copy or a pickle (a model holding its context, copied for an EMA or saved with
-    # torch.save) is a new context of the same class, settings, model and blocks, never
-    # entered: steps, figures and plans are not copied (they hold stores, arenas and
-    # threads). Inside a deepcopy of the model it is on the copied model, which is still
-    # being built when the context is: its blocks are found, and its settings checked, at
-    # first use. A context deep-copied on its own keeps its model (the one you train).
-    def __reduce__(self):
-        self._from_memo()
-        return (_copied_context, (type(self), self.config), (self._model, self._blocks))
-
-    def __deepcopy__(self, memo: dict) -> "ActivationOffload":
-        self._from_memo()   # a copy of a copy: of what the first copy stands for
-        ctx = _copied_context(type(self), self.config)
-        ctx.__setstate__((self._model, self._blocks))
-        # `memo` holds each object being copied from before its attributes are: the model's
-        # copy, if the model is copied in this deepcopy, is there now or, when the context
-        # came first (`deepcopy((ctx, model))`), by the end: looked up again at first use.
-        ctx._memo = memo
-        ctx._from_memo()
-        return ctx
-
-    def _from_memo(self) -> None:
-        """A deep copy's model and blocks: their copies where the deepcopy made them. The
-        memo (which keeps the deepcopy's originals alive) is let go once the model's copy
-        is found there."""
-        memo = self._memo
-        if memo is None:
-            return
-        if self._model is None or id(self._model) in memo:
-            self._memo = None
-        self._model = memo.get(id(self._model), self._model)
-        if isinstance(self._blocks, list):
-            self._blocks = [memo.get(id(b), b) for b in self._blocks]
-
-    @property
-    def model(self) -> torch.nn.Module | None:
-        """The model given as `model=` (a deep copy's: the copied one, `__deepcopy__`)."""
-        self._from_memo()
-        return self._model
-
-    @model.setter
-    def model(self, model: torch.nn.Module | None) -> None:
-        self._model = model
-
-    def __setstate__(self, state: tuple) -> None:
-        self.model, self._blocks = state
 
     @property
     def plan(self):
@@ -368,13 +323,6 @@ def _check(config: Config, model: torch.nn.Module | None) -> None:
         require_gpu_paths(f"offload.activations(tiers={','.join(config.tiers)!r})")
 
 
-def _copied_context(cls: type, config: Config) -> ActivationOffload:
-    """A copy's context before `__setstate__` gives it its model (`__reduce__`)."""
-    ctx = cls.__new__(cls)
-    ctx._fresh(config, None, None)
-    return ctx
-
-
 def _already_active(holder) -> OffloadError:
     here = threading.get_ident()
     if holder is _ENTERING or (isinstance(holder, int) and holder != here):
@@ -384,6 +332,9 @@ def _already_active(holder) -> OffloadError:
     return OffloadError("offload.activations(): this context is already active; create one "
                         "context per step or nest different ones")
 
+
+# Pickles made before context_copies.py name a copy's constructor here.
+_copied_context = context_copies._copied_context
 
 # `_hook_thread` of an entered context that installed nothing (enabled=False).
 _DISABLED = object()

@@ -44,9 +44,9 @@ def _flat_of_simulated(storage: torch.UntypedStorage) -> torch.Tensor:
 
 @pytest.fixture(autouse=True)
 def _simulated_flat_bytes(monkeypatch):
-    from offload.tiers import nvme
+    from offload.tiers import nvme_device
 
-    monkeypatch.setattr(nvme, "flat_bytes", _flat_of_simulated)
+    monkeypatch.setattr(nvme_device, "flat_bytes", _flat_of_simulated)
 
 
 def _own_storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -268,16 +268,17 @@ def _tier_with_one_payload(nvme_dir, name: str, store_type=_Store):
 
 
 def test_a_payload_released_while_its_write_is_waited_for_starts_no_read(nvme_dir):
-    """`_start_device_read` did not look again after `before_read`: it chained a read of the
+    """`DevicePaths._start_read` did not look again after `before_read`: it chained a read of the
     released payload's extent (on the core's store, "Extent was released" raised in an
     unrelated prefetch). Found by a code review; the core's host reads check it."""
     sim, core, copies, tier, payload = _tier_with_one_payload(nvme_dir, "released")
-    tier._transfers = _ReleasedWhileWaiting(tier._transfers, tier)
+    paths = tier._device   # the tier's CUDA payloads (nvme_device.py)
+    paths._transfers = _ReleasedWhileWaiting(paths._transfers, tier)
     assert tier.prefetch(payload) is False
     assert not payload.reading
     with pytest.raises(offload.UsedAfterCloseError):
         tier.fetch(payload)
-    tier._transfers = tier._transfers._transfers
+    paths._transfers = paths._transfers._transfers
     tier.drain()
     tier.close()
     copies.close()

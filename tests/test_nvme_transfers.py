@@ -21,7 +21,7 @@ import torch
 import offload
 from offload._ext import core_available, load_core
 from offload.errors import ExtensionUnavailable, UsedAfterCloseError
-from offload.tiers import nvme
+from offload.tiers import nvme, nvme_device
 from offload.util import ranges
 from offload.util.stats import Stats
 
@@ -489,12 +489,12 @@ def test_a_core_built_before_the_transfers_is_named_with_the_fix(nvme_dir, monke
 
 @pytest.mark.parametrize("phase", [0, 64, 448])
 def test_phase_buffer_has_the_phase_and_keeps_its_memory(phase):
-    buf = nvme.phase_buffer(load_core(), 10_000, phase, 4096)
+    buf = nvme_device.phase_buffer(load_core(), 10_000, phase, 4096)
     assert buf.dtype == torch.uint8 and buf.numel() == 10_000 and buf.storage_offset() == 0
     assert buf.untyped_storage().nbytes() == 10_000 and buf.data_ptr() % 4096 == phase
     buf.fill_(7)
     assert int(buf.sum()) == 7 * 10_000
-    assert nvme.phase_buffer(load_core(), 0, phase, 4096).numel() == 0
+    assert nvme_device.phase_buffer(load_core(), 0, phase, 4096).numel() == 0
 
 
 def _fds_in(directory: str) -> int:

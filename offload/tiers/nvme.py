@@ -4,8 +4,8 @@ What each stored storage pays runs in the core's `NvmeTransfers` (csrc/nvme_tran
 the extent, the write and its batch, the backpressure, the read, the wait, the hand-out and
 the release, with no Python in between; its notes say how ([Write batches], [Read after
 write], [Deferred free]). This module keeps what is per step or per device: the store and
-staging arena it takes from the process, the CUDA copies that feed and follow the I/O, and
-the step's figures.
+staging arena it takes from the process, and the step's figures; a CUDA tensor's copies that
+feed and follow the I/O are nvme_device.py's `DevicePaths`.
 
 Write path (forward), CPU tensors. `store` writes straight from the tensor's own memory (no
 staging copy): the extent is allocated with the tensor's *phase* (address modulo the O_DIRECT
@@ -14,10 +14,10 @@ alignment), so the engine moves all but the partial sectors at the two ends in p
 `staging_bytes` of such writes are in flight (it then retires the oldest: counted as forward
 stall).
 
-Write path, CUDA tensors. `store` starts the D2H into a pinned staging block and the engine
-writes the block once the copy's event completes (nvme_device.py); a tensor that does not fit
-the staging arena (or any, without CopyStreams) is copied into a page-aligned host buffer and
-written from there like a CPU tensor.
+Write path, CUDA tensors (nvme_device.py). `store` starts the D2H into a pinned staging
+block and the engine writes the block once the copy's event completes; a tensor that does
+not fit the staging arena (or any, without CopyStreams) is copied into a page-aligned host
+buffer and written from there like a CPU tensor.
 
 Read path (backward). `prefetch` reads into memory of the payload's phase (a slice of the
 staging arena, or of a fresh buffer when it is full) after the payload's own write; `fetch`
@@ -29,16 +29,16 @@ NOTE [Phase] O_DIRECT needs the memory address and the file offset aligned. Inst
 copying each tensor into aligned staging memory, the extent's data starts `phase` bytes past
 an aligned file offset, with phase = address % alignment; reads land in memory of the same
 phase: a staging copy of every tensor costs the training thread a memcpy of all it saves
-(docs/benchmarks.md, *Why the runtime's constants*). Phases that are not a multiple of 64 (memory not from torch's
-allocator) use phase 0 and go through the bounce buffer whole, so that the read-back view's
-byte offset stays a multiple of every dtype's size. Small tensors whose blocks adjoin and
-whose writes (or reads) queue together are the exception by design: the engine moves them
-as one transfer through its bounce buffer (csrc/io_engine.cpp NOTE [Small chunks travel
-together]), a copy of a few KiB each in place of a system call each. The engine reads the tensor's memory
-while the forward goes on: an in-place change autograd can see (version counter) raises at
-unpack as it would without offload; one made through `.data` (invisible to the version
-counter) before the write lands may or may not reach the disk, where plain autograd would
-use the changed values.
+(docs/benchmarks.md, *Why the runtime's constants*). Phases that are not a multiple of 64
+(memory not from torch's allocator) use phase 0 and go through the bounce buffer whole, so
+that the read-back view's byte offset stays a multiple of every dtype's size. Small tensors
+whose blocks adjoin and whose writes (or reads) queue together are the exception by design:
+the engine moves them as one transfer through its bounce buffer (csrc/io_engine.cpp NOTE
+[Small chunks travel together]), a copy of a few KiB each in place of a system call each.
+The engine reads the tensor's memory while the forward goes on: an in-place change autograd
+can see (version counter) raises at unpack as it would without offload; one made through
+`.data` (invisible to the version counter) before the write lands may or may not reach the
+disk, where plain autograd would use the changed values.
 
 NOTE [One owner] (tiers/base.py) The tier owns every transfer, through its NvmeTransfers:
 a payload holds its extent and its write and read in flight, set and cleared only there; it
@@ -55,15 +55,15 @@ import torch
 from .. import _ext
 from ..errors import ExtensionUnavailable, UsedAfterCloseError
 from ..util import ranges
-from ..util.ranges import D2H, NO_SPAN, profiling, span
 from ..util.sizes import format_bytes
 from ..util.stats import Stats
-from .base import Tier, flat_bytes, on_cuda, sync_d2h, sync_h2d
-from . import nvme_device, nvme_space, pool
+from .base import Tier, on_cuda
+from . import nvme_space, pool
 from .heap import HeapSettings
+from .nvme_device import USED_AFTER_CLOSE, DevicePaths
 from .nvme_space import CHUNK_BYTES
 
-__all__ = ["NvmeTier", "phase_buffer", "WRITE_BATCH"]
+__all__ = ["NvmeTier", "WRITE_BATCH"]
 
 log = logging.getLogger("offload")
 
@@ -74,23 +74,6 @@ WRITE_BATCH = 32
 # each holds, and why the garbage collector need not track them: csrc/nvme_payload.cpp).
 # None without the core: this tier runs only with it.
 _NvmeTransfers = _ext.core_attr("NvmeTransfers")
-
-
-def phase_buffer(core, nbytes: int, phase: int, alignment: int) -> torch.Tensor:
-    """`nbytes` of fresh host memory whose address % `alignment` is `phase` (NOTE [Phase]),
-    as a uint8 tensor (storage offset 0, like the original storage) that keeps it alive."""
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    room = nbytes + alignment
-    block = core.HostArena(room, pinned=False).allocate(room)
-    skip = (phase - block.ptr) % alignment
-    return torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=skip)
-
-
-# What a save or load after the tier closed says (the core says the same: nvme_transfers.hpp).
-_USED_AFTER_CLOSE = (
-    "offload: nvme tier used after close (the context's close() ran inside its block, or the "
-    "step was freed after an exception); call ctx.close() after the block and its backward")
 
 
 class NvmeTier(Tier):
@@ -126,12 +109,10 @@ class NvmeTier(Tier):
                 "offload: the compiled core offload._C predates the nvme tier's transfers "
                 f"(csrc/nvme_transfers.cpp): {_ext.HOW_TO_BUILD}")
         self._stats = stats
-        self._core = core
-        # The chained paths need write_after_event / read_then_h2d (CUDA builds only).
-        self._copies = copies if getattr(core, "cuda_compiled", False) else None
         self._dirs = tuple(os.path.realpath(d) for d in dirs)  # the budget's key
         self._arena = None
         self._transfers = None
+        self._device: DevicePaths | None = None   # a CUDA tensor's way (`_open`)
         self._closed = False
         self.capacity_source = ""
         # CPU sources: freed activation RAM should be reused, not returned and refaulted.
@@ -143,13 +124,13 @@ class NvmeTier(Tier):
         if self._store is None:
             return
         try:   # whatever stops the opening (a Ctrl-C too) gives the store back
-            self._open(staging_bytes, core, stats)
+            self._open(staging_bytes, core, stats, copies)
         except BaseException:
             nvme_space.release(self._dirs, self._store, keep=True)
             self._store = None
             raise
 
-    def _open(self, staging_bytes: int, core, stats: Stats) -> None:
+    def _open(self, staging_bytes: int, core, stats: Stats, copies) -> None:
         """The rest of the opening, once the store is acquired."""
         self.capacity_source = nvme_space.capacity_source(self._dirs)
         # Not pinned on a CPU-only run (nothing to DMA from); pinned iff CUDA works.
@@ -170,6 +151,10 @@ class NvmeTier(Tier):
         # the core's own, with no Python frame between (the method below says what it does).
         self.release = self._transfers.release
         self.cpu_reads = self._transfers   # a CPU payload's reads (Tier.cpu_reads)
+        # The chained paths need write_after_event / read_then_h2d (CUDA builds only).
+        self._device = DevicePaths(self._store, self._arena, self._transfers, self._alignment,
+                                   copies if getattr(core, "cuda_compiled", False) else None,
+                                   core, stats)
 
     @classmethod
     def open(cls, config, stats: Stats, copies) -> "NvmeTier":
@@ -245,7 +230,7 @@ class NvmeTier(Tier):
     # ---------------------------------------------------------------- write path
     def store(self, storage: torch.UntypedStorage, device: torch.device):
         if self._closed:
-            raise UsedAfterCloseError(_USED_AFTER_CLOSE)
+            raise UsedAfterCloseError(USED_AFTER_CLOSE)
         if self._store is None:
             return None  # no room at all (see __init__)
         if not on_cuda(device):
@@ -254,42 +239,7 @@ class NvmeTier(Tier):
             # itself (Tier.store_cpu).
             self.store_cpu = self._transfers.store_direct
             return self.store_cpu(storage, device)   # written in place
-        return self._store_from_device(storage, device)
-
-    def _store_from_device(self, storage: torch.UntypedStorage, device: torch.device):
-        transfers = self._transfers
-        nbytes = storage.nbytes()
-        transfers.poll()
-        chained = self._copies is not None
-        block = self._arena.allocate(nbytes) if chained else None
-        if chained and block is None and nbytes <= self._arena.capacity_bytes:
-            block = self._wait_for_staging(nbytes)
-        payload = transfers.allocate(nbytes, device, 0, True)
-        if payload is None:
-            return None  # full (or too fragmented): the caller spills to the next tier
-        if block is not None:
-            with span(D2H) if profiling() else NO_SPAN:  # returns at once
-                ticket = self._copies(device).offload(flat_bytes(storage), block)
-            transfers.add_chained(
-                payload, nvme_device.write_after_d2h(self._store, payload.extent, ticket), ticket)
-            return payload  # the copy and the engine hold the block (copies Notes 3, 4)
-        # No CopyStreams, or no staging space: a host copy, written like a CPU tensor.
-        source = phase_buffer(self._core, nbytes, 0, self._alignment)
-        sync_d2h(flat_bytes(storage), source, self._stats)
-        transfers.add_direct(payload, source, source.data_ptr())
-        return payload
-
-    def _wait_for_staging(self, nbytes: int):
-        # The arena is full of D2H copies in flight; wait for the oldest writes.
-        block = None
-
-        def allocated() -> bool:
-            nonlocal block
-            block = self._arena.allocate(nbytes)
-            return block is not None
-
-        self._transfers.retire_oldest(allocated, "wait staging space")
-        return block  # None: fragmented or held by reads; written from a host copy
+        return self._device.store(storage, device)
 
     # ---------------------------------------------------------------- read path
     def prefetchable(self, payload) -> bool:
@@ -304,55 +254,13 @@ class NvmeTier(Tier):
     def prefetch(self, payload) -> bool:
         if not payload.cuda:
             return self._transfers.prefetch(payload)
-        # (A failed write's error is for its own fetch to raise, not a read-ahead's caller.)
-        if payload.reading or payload.released or payload.write_failed:
-            return False
-        return self._start_device_read(payload)
-
-    def _start_device_read(self, payload) -> bool:
-        """Start loading a CUDA payload: read → H2D chained in the engine when a staging
-        block is free, else a host read that `fetch` copies over. False when, while its
-        write was waited for, another thread released the payload or started its read."""
-        if self._closed:
-            raise UsedAfterCloseError(_USED_AFTER_CLOSE)
-        transfers = self._transfers
-        transfers.before_read(payload)   # its own write first (NOTE [Read after write])
-        # That wait lets the GIL go: a record dying on another thread may have released the
-        # payload (its extent gone), or another thread's fetch started its read (as the
-        # core's start_host_read checks).
-        if payload.released or payload.reading:
-            return False
-        if self._copies is not None and payload.phase == 0:
-            block = self._arena.allocate(payload.nbytes + self._alignment)
-            if block is not None:
-                # The ticket holds block and destination until the copy is done (copies
-                # Notes 8, 9).
-                transfers.add_chained_read(payload, nvme_device.read_then_h2d(
-                    self._copies(payload.device), self._store, payload.extent, block,
-                    payload.nbytes))
-                return True
-        transfers.start_read(payload)
-        return True
+        return self._device.prefetch(payload)
 
     def fetch(self, payload) -> torch.Tensor:
         """The payload's bytes on its device: waits for this payload's read only."""
         if not payload.cuda:
             return self._transfers.fetch(payload)
-        transfers = self._transfers
-        if not payload.released:
-            transfers.poll()   # retire landed writes first: their memory goes back sooner
-            d2h = transfers.pending_d2h(payload)
-            if d2h is not None:
-                # The source on the device while its D2H is still pending.
-                held = d2h.device_tensor_if_held()
-                if held is not None:  # needed again before its D2H finished: no read at all
-                    self._stats.pending_copy_hits += 1
-                    return held
-            if not payload.reading:
-                self._start_device_read(payload)
-        if payload.reading_on_device:
-            return transfers.fetch(payload)   # chained: the stream waits on the H2D
-        return sync_h2d(transfers.fetch(payload), payload.device, self._stats)
+        return self._device.fetch(payload)
 
     # ---------------------------------------------------------------- housekeeping
     def poll(self) -> None:
@@ -385,6 +293,8 @@ class NvmeTier(Tier):
         if self._closed:
             return
         self._closed = True
+        if self._device is not None:
+            self._device.close()
         store, arena, transfers = self._store, self._arena, self._transfers
         clean = False
         try:   # whatever stops the closing (a Ctrl-C too), the store is given back
