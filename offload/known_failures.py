@@ -32,6 +32,16 @@ HIGHER_ORDER_HINT = (
     "model (bit-exact with torch.cond), or leave the block that calls it out of blocks=.")
 
 
+SAVED_HOOKS_SET_HINT = (
+    "offload: hooks cannot be registered on one saved tensor (grad_fn._raw_saved_*."
+    "register_hooks) that was saved inside offload.activations(): torch packs every save "
+    "there with the context's saved-tensor hooks, and a saved tensor takes one pair of hooks "
+    "(offload.no_offload() does not help: the hooks stay installed inside it). Make that "
+    "save outside the `with` block, or put your hooks around it with "
+    "torch.autograd.graph.saved_tensors_hooks(pack, unpack) inside the block: the innermost "
+    "hooks take the saves made under them, which offload then leaves alone.")
+
+
 def explain_known_failures(exc: BaseException) -> None:
     """Add what to do to torch errors that our hooks or modes cause (the exception itself
     is kept)."""
@@ -41,6 +51,9 @@ def explain_known_failures(exc: BaseException) -> None:
     elif isinstance(exc, NotImplementedError) and "HigherOrderOperator" in text \
             and "offload.schedule" in text:
         _add_note(exc, HIGHER_ORDER_HINT)
+    elif isinstance(exc, RuntimeError) and "register_hooks on a saved tensor whose hooks " \
+            "have already been set" in text:
+        _add_note(exc, SAVED_HOOKS_SET_HINT)
 
 
 def _add_note(exc: BaseException, note: str) -> None:

@@ -384,6 +384,34 @@ def test_torch_func_inside_the_context_says_what_to_do():
     assert _hook_stack_empty()
 
 
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_hooks_on_one_saved_tensor_inside_the_context_say_what_to_do(policy, nvme_dir):
+    """`grad_fn._raw_saved_result.register_hooks` (torch's per-saved-tensor hooks) raises
+    torch's bare "hooks have already been set" inside the block, since every save there is
+    packed with the context's hooks: the error says why and what to do instead."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    for region in (contextlib.nullcontext, offload.no_offload):
+        with pytest.raises(RuntimeError) as info:
+            with offload.activations(model=model, policy=policy, tiers="nvme",
+                                     nvme_dir=nvme_dir, min_bytes=0), region():
+                e = torch.exp(model(x))
+                e.grad_fn._raw_saved_result.register_hooks(lambda t: t, lambda t: t)
+        assert "hooks have already been set" in str(info.value)   # torch's own error
+        notes = "\n".join(info.value.__notes__)
+        assert "saved inside offload.activations()" in notes and "no_offload() does not help" \
+            in notes
+    # What the note offers instead: the user's hooks around the save, inside the block.
+    calls = []
+    with offload.activations(model=model, policy=policy, tiers="nvme", nvme_dir=nvme_dir,
+                             min_bytes=0):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: calls.append(1) or t,
+                                                      lambda t: t):
+            e = torch.exp(model(x))
+        e.sum().backward()
+    assert calls and not os.listdir(nvme_dir) and _hook_stack_empty()
+
+
 class _WritesIntoItsSave(nn.Module):
     def __init__(self) -> None:
         super().__init__()
