@@ -195,8 +195,10 @@ class AutoSession(Session):
         block = self.blocks[index]
         try:
             if choice.profiler is not None:
-                return choice.profiler.run(index, self.types[index], type(block).__name__,
-                                           forward, args, kwargs, hooks, self.opaque[index])
+                out = choice.profiler.run(index, self.types[index], type(block).__name__,
+                                          forward, args, kwargs, hooks, self.opaque[index])
+                placement.note_outputs(flatten_call((out,), {})[0])
+                return out
             if plan is None or index in self.state.as_is:   # the warm-up step (module doc,
                 return forward(*args, **kwargs)   # 0); NOTE [Blocks run alike on every rank]
             if self._fallback is None and (stand_in is None
@@ -274,6 +276,7 @@ class AutoSession(Session):
                         return
                 state.plans.pop(key, None)
                 state.reasons[key] = self._fallback
+                state.last = key   # `ctx.plan`: none for this class until it profiles again
             return
         if not state.warm:
             state.warm = True

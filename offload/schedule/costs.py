@@ -210,7 +210,9 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
             fixed[it.segment] += stays
             continue
         if info is not None and recompute_sets[info.type_key]:
-            if it.producer in recompute_sets[info.type_key]:
+            # (Saved again after its block: kept or moved for that save, placement.py NOTE
+            # [Saved again after its block].)
+            if it.producer in recompute_sets[info.type_key] and not it.saved_again:
                 recomputed_bytes += it.nbytes
                 continue
             if it.producer is None and it.input_index is None:

@@ -12,8 +12,11 @@ hands down; the placement reads it and never calls back into the session.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable
 from dataclasses import dataclass
+
+import torch
 
 from ..config import Config
 from ..runtime.backward_marks import graph_task_id
@@ -63,6 +66,9 @@ class SchedulePlacement(Placement):
         self._region_items = 0
         self._region_small_inputs = 0
         self._region_segment = 0
+        # While recording: storage id -> (its weak reference, its record) of what a block's
+        # op made and saved (NOTE [Saved again after its block]).
+        self._made_in_blocks: dict[int, tuple[weakref.ref, ItemRecord]] = {}
 
     @contextlib.contextmanager
     def forced(self, decision: Decision):
@@ -96,10 +102,49 @@ class SchedulePlacement(Placement):
                      stand_in: int | None = None, small_inputs: int = 0) -> None:
         """`small_inputs`: a block's input bytes below OFFLOAD_MIN_BYTES (while recording)."""
         self.note_small()
+        if inputs and region[0] == "block" and self._made_in_blocks:
+            self._note_fed(region[1], inputs)
         self._region_small_inputs = small_inputs
         self.region, self.ordinal = region, 0
         self._inputs = inputs or {}
         self._stand_in = stand_in
+
+    def _note_fed(self, block: int, inputs: dict[int, int]) -> None:
+        """NOTE [Saved again after its block] What an op of a block made and saved is often
+        saved again after the block: the next block's input (a ResNet block's last ReLU;
+        checkpoint holds its inputs, a block run as it is saves it in its first op), or a
+        head's input (the last block's output). The step stores a storage once, at its first
+        save, so the profile's record is the op's. Where the plan re-runs that op, the first
+        save is the later one, and the storage stays (or moves) for it: the re-run freed
+        none of it. Before, the plan counted it freed and the later save found no decision
+        (kept over the budget on a CPU, moved unpriced on a GPU). So the record notes it
+        (`ItemRecord.fed_to`: the later block call's input; `block_output`: one of the
+        block's outputs, whose later saves outside blocks the hooks store without asking
+        the placement); the search counts its bytes as kept or moved wherever its op
+        re-runs, ranks the op by the bytes its re-run does free, and puts its decision in
+        `input_targets` of the block it feeds. `inputs` (storage id -> input index) and
+        the outputs are alive here, so a live weak reference with that id is that
+        storage."""
+        for storage_id, index in inputs.items():
+            item = self._made_here(storage_id)
+            if item is not None and item.fed_to is None:
+                item.fed_to = (block, index)
+
+    def note_outputs(self, outputs: list) -> None:
+        """While profiling: a block call's outputs (`flatten_call` leaves), NOTE [Saved
+        again after its block]."""
+        for leaf in outputs:
+            if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided:
+                item = self._made_here(id(leaf.untyped_storage()))
+                if item is not None:
+                    item.block_output = True
+
+    def _made_here(self, storage_id: int) -> ItemRecord | None:
+        entry = self._made_in_blocks.get(storage_id)
+        if entry is None:
+            return None
+        storage = entry[0]()
+        return entry[1] if storage is not None and id(storage) == storage_id else None
 
     def note_small(self) -> None:
         """While recording, one record of the bytes the current region saved below
@@ -161,9 +206,11 @@ class SchedulePlacement(Placement):
                 made_by = choice.profiler.note_saved(info.storage)   # NOTE [Unsaved outputs]
                 if region[0] == "block":
                     producer, input_index = choice.profiler.producer_of(info.storage)
-            self.items.append(ItemRecord(region, ordinal, info.nbytes, info.key, eligible,
-                                         producer, input_index,
-                                         segment=self.segment(), made_by=made_by))
+            item = ItemRecord(region, ordinal, info.nbytes, info.key, eligible, producer,
+                              input_index, segment=self.segment(), made_by=made_by)
+            self.items.append(item)
+            if producer is not None:   # NOTE [Saved again after its block]
+                self._made_in_blocks[id(info.storage)] = (weakref.ref(info.storage), item)
         if not eligible:
             return base
         plan = choice.plan

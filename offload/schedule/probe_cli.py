@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--io-workers {args.io_workers}: must be at least 1 (leave it out for "
                 "$OFFLOAD_IO_WORKERS, default 4)")
     # Written after measuring: a path that cannot be written fails now, not after it.
-    problem = args.json and output_file_problem(args.json, "figures.json")
+    problem = args.json is not None and output_file_problem(args.json, "figures.json")
     if problem:
         p.error(f"--json {args.json!r}: {problem}")
     text = args.device if args.device != "auto" else \

@@ -107,6 +107,16 @@ class ItemRecord:
     unsaved: bool = False
     # (block index, op id) that made it in an earlier block (that NOTE's rule 5)
     made_by: tuple | None = None
+    # Saved again after its block (placement.py NOTE [Saved again after its block]), so
+    # re-running the op that made it frees none of it: `fed_to`, (block index, input index)
+    # of a later block call whose input it is, where the plan's decision for it then goes;
+    # `block_output`, one of its block's outputs (saved again, most likely, outside blocks).
+    fed_to: tuple | None = None
+    block_output: bool = False
+
+    @property
+    def saved_again(self) -> bool:
+        return self.fed_to is not None or self.block_output
 
     @property
     def key(self) -> tuple:

@@ -45,13 +45,17 @@ def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
         for b in records:
             per: dict[tuple, int] = {}
             also: dict[tuple, int] = {}
+            again: dict[tuple, int] = {}   # saved again after the block: a re-run frees none
             for it in by_block.get(b.index, []):
                 if it.producer is not None and not it.small:   # (small: never a decision)
                     into = also if it.unsaved else per   # NOTE [Unsaved outputs]
                     into[it.producer] = into.get(it.producer, 0) + it.nbytes
+                    if it.saved_again:   # placement.py NOTE [Saved again after its block]
+                        again[it.producer] = again.get(it.producer, 0) + it.nbytes
             for op_id, nbytes in per.items():
                 saved[op_id] = max(saved.get(op_id, 0), nbytes)
-                held[op_id] = max(held.get(op_id, 0), nbytes + also.get(op_id, 0))
+                held[op_id] = max(held.get(op_id, 0),
+                                  nbytes - again.get(op_id, 0) + also.get(op_id, 0))
         by_id = {o.op_id: o for o in ops}
         producers = [o for o in saved if o in by_id]
         forced = sorted((o for o in producers if by_id[o].not_storable), key=lambda o: o)

@@ -135,6 +135,11 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
         for it in items:
             if it.block is not None and (it.eligible or it.small) and not it.unsaved:
                 per_batch[(it.block, it.segment)] += it.nbytes
+                if it.fed_to is not None and it.eligible:
+                    # The block before it re-runs, so this block's input is saved first here,
+                    # and kept with it (placement.py NOTE [Saved again after its block]);
+                    # counted twice when both run as they are: more, never less.
+                    per_batch[(it.fed_to[0], it.segment)] += it.nbytes
         block_bytes: dict[int, int] = {}
         for (index, _), nbytes in per_batch.items():
             block_bytes[index] = max(block_bytes.get(index, 0), nbytes)
@@ -202,13 +207,20 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
             continue   # no decision of the plan's (the prediction counts them)
         target = targets.get(it.key, "keep")
         recomputed = info is not None and it.producer in recompute_sets[info.type_key]
-        decided.append((it.block, it.producer, it.nbytes, "recompute" if recomputed else target))
+        # Its op re-runs, but it is saved again after its block: decided there (placement.py
+        # NOTE [Saved again after its block]; a later block's input by `input_targets`).
+        fed = recomputed and it.saved_again
+        decided.append((it.block, it.producer, it.nbytes,
+                        "recompute" if recomputed and not fed else target))
         if it.made_by is not None and it.eligible and op_is_stored(
                 it.made_by[1], info_of.get(it.made_by[0]), recompute_sets):
             join_op(it.made_by, target, it.segment)   # unsaved_outputs.py NOTE [...] 5
             followers.append((it, it.made_by))
         if info is not None and recompute_sets[info.type_key]:
-            if it.producer is not None and it.producer not in recompute_sets[info.type_key]:
+            if fed:
+                if it.fed_to is not None and input_targets.get(it.fed_to, "keep") == "keep":
+                    input_targets[it.fed_to] = target   # a tier wins over keep
+            elif it.producer is not None and it.producer not in recompute_sets[info.type_key]:
                 join_op((it.block, it.producer), target, it.segment)
             elif it.input_index is not None:
                 input_targets[(it.block, it.input_index)] = target
