@@ -332,7 +332,7 @@ def _resolve(args, parser) -> Settings:
     # Written after the run: a path that cannot be written fails now, not after it.
     for opt, path, example in (("--json", args.json, "rows.json"),
                                ("--plot", args.plot, "plot.png")):
-        problem = path and output_file_problem(path, example)
+        problem = path is not None and output_file_problem(path, example)
         if problem:
             parser.error(f"{opt} {path!r}: {problem}")
     if args.plot:

@@ -1,11 +1,11 @@
 """Presenting rows: the rich table, ``--json``, ``--plot``, ``--explain``."""
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import TYPE_CHECKING
 
 from offload.bench.rows import Row, to_json
+from offload.util.output_files import write_output_file
 from offload.util.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -249,15 +249,7 @@ def footnotes(rows: list[Row]) -> list[str]:
 
 def write_json(rows: list[Row], path: str) -> None:
     """The --json file (rows.to_json: one schema, versioned)."""
-    tmp = path + ".part"
-    try:
-        with open(tmp, "w") as f:
-            f.write(to_json(rows))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # no half-written file left behind
-            os.unlink(tmp)
-        raise
+    write_output_file(path, lambda f: f.write(to_json(rows)))
 
 
 def write_json_anywhere(rows: list[Row]) -> str | None:

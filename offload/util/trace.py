@@ -23,12 +23,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from typing import Any, Callable, Mapping
 
 from .never_compiled import never_compiled
+from .output_files import write_output_file
 
 __all__ = ["TRACKS", "TraceRecorder", "NullRecorder", "NULL_RECORDER"]
 
@@ -154,29 +154,15 @@ class TraceRecorder:
         return {"traceEvents": out, "displayTimeUnit": "ms"}
 
     def write(self, path: str | os.PathLike) -> str:
-        """Write the trace atomically: a temporary file in the same directory, then rename.
-
-        A reader never sees a half-written file, and a failure leaves any older file as it was.
+        """Write the trace (output_files.write_output_file: a file is replaced at once, so a
+        reader never sees half of it and a failure leaves an older one as it was; a FIFO or
+        /dev/stdout is written in place).
 
         Returns:
             The path written.
         """
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
-                                   dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, separators=(",", ":"), default=str)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        path = write_output_file(path, lambda f: json.dump(
+            self.to_dict(), f, separators=(",", ":"), default=str))
         _log.info("offload: wrote trace of %d events to %s (open in ui.perfetto.dev)",
                   len(self), path)
         return path
