@@ -113,6 +113,12 @@ class ActivationOffload(CopiedAsNew):
         model checked on this machine, when the context is built; a copy's at its first
         use, its model complete by then (`__reduce__`)."""
         schedule = self._schedule
+        if schedule is not None and schedule.watch is not None and schedule.watch.changed():
+            # A block added to (or taken from) the model since the blocks were found: found
+            # again, so it runs the policy's way; `auto` profiles the new block list.
+            log.info("offload: %s: the model's blocks changed since they were found; finding "
+                     "them again", self.config.policy)
+            schedule = self._schedule = None
         if schedule is None:
             self._from_memo()
             self._memo = None

@@ -70,7 +70,7 @@ from ..runtime import hook_stack
 _forward_ad = torch.autograd.forward_ad   # its `_current_level`: -1 outside any dual level
 _functorch = torch._C._functorch
 
-__all__ = ["find_blocks", "BlockWrappers", "ours_innermost", "block_type_key",
+__all__ = ["find_blocks", "StackWatch", "BlockWrappers", "ours_innermost", "block_type_key",
            "compiled_block"]
 
 log = logging.getLogger("offload")
@@ -108,6 +108,11 @@ def find_blocks(model: nn.Module | None, blocks: Any = None) -> list[nn.Module]:
     """
     if blocks is not None:
         return _expand_containers(_given_blocks(model, blocks))
+    return [block for stack in _detected_stacks(model) for block in stack]
+
+
+def _detected_stacks(model: nn.Module | None) -> list[nn.Module]:
+    """The stacks whose members are the detected blocks (module doc), in model order."""
     if model is None:
         return []
     stacks = [m for m in model.modules() if _is_stack(m)]
@@ -119,9 +124,39 @@ def find_blocks(model: nn.Module | None, blocks: Any = None) -> list[nn.Module]:
     for stack in model.modules():  # model order; an outer stack shadows inner ones
         if id(stack) in inside or not _is_stack(stack) or _nparams(stack) < _MIN_SHARE * largest:
             continue
-        chosen.extend(stack)
+        chosen.append(stack)
         inside.update(id(m) for m in stack.modules())
     return chosen
+
+
+class StackWatch:
+    """Whether the containers the blocks were found in changed since: a block appended to
+    `model.layers`, removed or replaced after the context was built (it found its blocks
+    then, and would never run a new one its way). The detected stacks, or the containers
+    given as `blocks=`; a predicate's matches or modules given one by one are not watched
+    (finding them again means walking the whole model). One tuple comparison per
+    container and step."""
+
+    __slots__ = ("_stacks",)
+
+    def __init__(self, model: nn.Module | None, blocks: Any) -> None:
+        if blocks is None:
+            stacks = _detected_stacks(model)
+        elif isinstance(blocks, nn.Module):
+            stacks = [blocks] if _is_container(blocks) else []
+        elif callable(blocks):
+            stacks = []
+        else:
+            stacks = [b for b in blocks if isinstance(b, nn.Module) and _is_container(b)]
+        self._stacks = tuple((s, tuple(s._modules.values())) for s in stacks)
+
+    def changed(self) -> bool:
+        return any(tuple(stack._modules.values()) != members for stack, members in self._stacks)
+
+
+def _is_container(module: nn.Module) -> bool:
+    """No forward of its own: its members are the blocks (`_expand_containers`)."""
+    return type(module).forward is nn.Module.forward
 
 
 def _given_blocks(model: nn.Module | None, blocks: Any) -> list[nn.Module]:
@@ -178,7 +213,7 @@ def _expand_containers(found: list[nn.Module]) -> list[nn.Module]:
 def _runnable(module: nn.Module) -> list[nn.Module]:
     """`module` if it has a forward; else the members of it that do, at any depth (a
     ParameterList beside a container's layers never runs: it holds none)."""
-    if type(module).forward is not nn.Module.forward:
+    if not _is_container(module):
         return [module]
     return [m for child in module.children() for m in _runnable(child)]
 

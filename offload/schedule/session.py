@@ -14,7 +14,7 @@ import torch
 from ..config import Config
 from ..errors import ConfigError
 from .auto_session import AutoSession
-from .blocks import find_blocks
+from .blocks import StackWatch, find_blocks
 from .plan_cache import cache_for
 from .recompute_session import RecomputeSession
 from .session_base import Session
@@ -46,8 +46,11 @@ def start_session(config: Config, model: torch.nn.Module | None, blocks: Any) ->
         found = find_blocks(model, blocks)
         if not found:
             raise ConfigError(f"{config.where('policy')}: {_no_blocks(model, blocks)}")
-        return RecomputeSession(config, found)
-    if config.policy == "auto":
+        session = RecomputeSession(config, found)
+    elif config.policy == "auto":
         found = find_blocks(model, blocks)
-        return AutoSession(config, cache_for(model, config, found), found, model)
-    return Session(config)
+        session = AutoSession(config, cache_for(model, config, found), found, model)
+    else:
+        return Session(config)
+    session.watch = StackWatch(model, blocks)   # blocks added later (the context's _session)
+    return session
