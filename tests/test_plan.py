@@ -3,6 +3,8 @@ figures say (slower link: more recompute; faster link: more offload; tighter bud
 kept), the same figures give the same plan, bouncing storages stay, capacities spill."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -221,6 +223,12 @@ def test_explain_names_every_saved_op_and_the_figures(gbps):
     for op_id, *_ in SAVED:
         assert f"{op_id[0].removeprefix('aten.')} #{op_id[1]}" in text
     assert f"nvme_write_gbps={gbps:.3g} GB/s" in text and "block Blk x8" in text
+    # Every op row's columns line up; an op's reason it cannot be stored comes after its
+    # decision (it overflowed the name column, a helper's report).
+    rows = [line for line in text.splitlines() if re.match(r"    \S+ #\d", line)]
+    assert len(rows) == len(SAVED)
+    assert len({line.index(" MiB") for line in rows}) == 1, "\n".join(rows)
+    assert any(line.endswith("(changed in place later)") for line in rows)
 
 
 def test_pure_strategies_are_priced_and_the_close_ones_measured():

@@ -265,6 +265,9 @@ def test_probe_command_prints_figures_and_ceilings(nvme_dir, capsys, monkeypatch
     # Was: 0 taken as "not given" while -3 was refused.
     (["--io-workers", "0"], "--io-workers 0: must be at least 1"),
     (["--io-workers", "-3"], "--io-workers -3: must be at least 1"),
+    # Was: "io_workers=100000:", the keyword's name, which this command has not.
+    (["--io-workers", "100000"], "--io-workers 100000: is more than the engine's"),
+    (["--json", ""], "--json '': an empty path"),
     # Were: the figures measured, then a traceback writing the file.
     (["--json", "/no/such/dir/figures.json"], "--json '/no/such/dir/figures.json': the "
                                               "directory '/no/such/dir' does not exist"),

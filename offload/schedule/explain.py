@@ -99,21 +99,22 @@ def render(plan: Plan, trials: TrialSteps | None = None) -> str:
         else:
             mode = f"per-op recompute, {_s(bp.recompute_s)} of re-run ops per block"
         lines.append(f"  block {bp.type_name} {_count(bp.instances)}: {mode}")
-        head = f"    {'op (n-th call in the block)':<40} {'saved/block':>11} {'recompute':>10}"
+        shown = [row for row in bp.rows if row.saved_bytes]   # the rest re-run per op
+        names = [f"{row.op.op_id[0].removeprefix('aten.')} #{row.op.op_id[1]}" for row in shown]
+        width = max([40, *map(len, names)])   # one column for the longest op name
+        head = (f"    {'op (n-th call in the block)':<{width}} {'saved/block':>11} "
+                f"{'recompute':>10}")
         if link:
             head += f" {move + ' trip':>10}"
         lines.append(head + "  decision")
-        for row in bp.rows:
-            if not row.saved_bytes:
-                continue  # made nothing backward keeps: re-runs under per-op recompute
-            name = f"{row.op.op_id[0].removeprefix('aten.')} #{row.op.op_id[1]}"
-            if row.op.not_storable:
-                name += f" ({row.op.not_storable})"
-            line = (f"    {name:<40} {format_bytes(row.saved_bytes):>11} "
+        for row, name in zip(shown, names):
+            line = (f"    {name:<{width}} {format_bytes(row.saved_bytes):>11} "
                     f"{_s(row.op.time_s + row.op.chain_s):>10}")
             if link:
                 line += f" {_s(row.saved_bytes / link[0] + row.saved_bytes / link[1]):>10}"
             decision = _targets(went[(bp.type_key, row.op.op_id)]) or row.decision
+            if row.op.not_storable:   # after the columns: the reason is longer than a name
+                decision += f" ({row.op.not_storable})"
             lines.append(f"{line}  {decision}")
     if outside:
         lines.append("  block inputs and storages made outside blocks: " + ", ".join(

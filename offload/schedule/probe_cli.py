@@ -169,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
                                    else "unset OFFLOAD_NVME_DIR to measure no disk")
         figures = probe.figures_for(config, device)
     except (ConfigError, StorageError) as exc:   # a bad setting; a disk it cannot measure
-        p.error(str(exc))
+        text = str(exc)
+        if args.io_workers is not None:   # named as given here, not as the keyword
+            text = text.replace(f"io_workers={args.io_workers}:",
+                                f"--io-workers {args.io_workers}:", 1)
+        p.error(text)
     ceilings: dict[str, str] = {}
     if device.type == "cuda":
         link, rate = pcie_ceiling(device.index if device.index is not None
