@@ -127,7 +127,10 @@ device = ctypes.c_int()
 fake.cudaGetDevice(ctypes.byref(device))
 print("this thread's device:", device.value)
 check_engine_threads(device=1)
-""", device=1), env={**SLOW_COPY, "FAKE_CUDART_DEVICES": "2"})
+""", device=1), env={**SLOW_COPY, "FAKE_CUDART_DEVICES": "2",
+                    # 0.3 s passed between the read's wait and the count once, in a full run
+                    # beside two other loads on 2 cores: the copy had run by then.
+                    "FAKE_CUDART_COPY_DELAY_US": "2000000"})
     assert out.splitlines() == ["freed before the copy ran: 0", "exact: True",
                                 "freed: 1 on devices 0b10", "this thread's device: 1"]
 
