@@ -150,7 +150,8 @@ def _lightning():
     return pl
 
 
-def _lightning_train(tmp_path, callbacks, fail_at: int | None = None):
+def _lightning_train(tmp_path, callbacks, fail_at: int | None = None,
+                     skip_from: int | None = None):
     pl = _lightning()
 
     class Module(pl.LightningModule):
@@ -170,9 +171,15 @@ def _lightning_train(tmp_path, callbacks, fail_at: int | None = None):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
+        def on_train_batch_start(self, batch, batch_idx):
+            if batch_idx == skip_from:
+                return -1   # Lightning's way to end the epoch here
+
     pl.seed_everything(0, verbose=False)
     module = Module()
+    # (An epoch that ends at `skip_from` never reaches max_steps: one epoch then.)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2,
+                         max_epochs=None if skip_from is None else 1,
                          callbacks=callbacks, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=str(tmp_path))
@@ -190,3 +197,20 @@ def test_lightning_callback_exits_on_an_exception(tmp_path, nvme_dir):
     assert not callback.context.active
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
     assert os.listdir(nvme_dir) == []
+
+
+def test_lightning_callback_ends_its_block_when_the_module_ends_the_epoch(tmp_path, nvme_dir):
+    """A module's `on_train_batch_start` returning -1 ends the epoch after our callback
+    entered, and Lightning calls no `on_train_batch_end`: the context stayed entered after
+    `fit()` (its hooks packed every later save of the thread; a second `fit()` raised
+    "already active"; a helper's report). It ends with the epoch now."""
+    _lightning()
+    from offload.integrations.lightning import OffloadCallback
+
+    callback = OffloadCallback(tiers="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    for _ in range(2):   # the second fit enters the same context again
+        _lightning_train(tmp_path, [callback], skip_from=1)
+        assert not callback.context.active
+        assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    assert os.listdir(nvme_dir) == []
+

@@ -9,7 +9,8 @@
 Lightning calls `on_train_batch_start` before the batch's `training_step` and
 `on_train_batch_end` after its backward and optimizer step, on the same thread, so one
 offload block spans exactly one batch; with gradient accumulation every batch is its own
-block. When training raises, `on_exception` exits the block with the exception, which frees
+block. A batch whose module's `on_train_batch_start` returns -1 (the epoch ends there) ends
+its block at the epoch's end. When training raises, `on_exception` exits the block with the exception, which frees
 its tiers and hooks. Validation and prediction run outside it.
 
 The callback subclasses the `Callback` of whichever Lightning the process imported first
@@ -65,7 +66,19 @@ class _OffloadCallback:
         self.context.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.context.active:
+        self._leave()
+
+    # A LightningModule whose `on_train_batch_start` returns -1 ends the epoch there, after
+    # ours entered, and Lightning calls no `on_train_batch_end`: the block ends with the
+    # epoch (or the fit), or it stayed entered, its hooks on the thread for good.
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._leave()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        if self.context is not None and self.context.active:
             self.context.__exit__(None, None, None)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
