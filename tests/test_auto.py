@@ -576,6 +576,55 @@ def test_an_output_saved_again_after_its_block_is_counted_where_it_stays(tiers, 
     ctx.close()
 
 
+class _CatFirst(nn.Module):
+    """A block whose first op (`cat`) saves nothing, fed by a scalar multiply (which saves
+    nothing either): no save of a plain step holds its input."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(2 * d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.gelu(self.fc1(torch.cat([x, x], -1))))
+
+
+class _ScaledInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_CatFirst(64) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x * 2.0)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("budget", ["20%", "50%"])
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_a_block_input_only_a_re_run_saves_is_counted(tiers, budget, nvme_dir):
+    """placement.py NOTE [Inputs only a re-run saves]: a block's input that no op of a plain
+    step saves (a U-Net's upsampled input, T5's position bias) is held by the checkpoint of
+    a block the plan re-runs. Before, the plan never saw it and the save found no decision:
+    with tiers="host" on a CPU the planned step kept 2,752,512 B against a prediction of
+    2,228,224 B and a budget of 2,686,976 B, the plan saying it was met; with nvme 512 KiB
+    moved where the plan said nothing moved (a helper's report)."""
+    model = _ScaledInputs()
+    x = torch.randn(8, 64, 64, generator=torch.Generator().manual_seed(1))
+    settings = dict(_settings(nvme_dir, SLOW, budget=budget), tiers=tiers)
+    differs, ctx = compare_steps(model, lambda: model(x), 5, **settings)
+    assert differs is None, f"gradients differ at step {differs}"
+    plan, stats = ctx.plan, ctx.stats
+    assert sorted(it.input_index for it in plan_profile_items(ctx) if it.rerun_input) == [0] * 4
+    assert any(bp.per_op for bp in plan.blocks.values()), str(plan)   # blocks re-run
+    assert stats.peak_resident_bytes == plan.prediction.kept_bytes, str(plan)
+    assert stats.nvme_bytes == plan.prediction.moved_bytes.get("nvme", 0), str(plan)
+    assert plan.prediction.feasible and stats.peak_resident_bytes <= plan.params.budget_bytes
+    assert plan.profile_summary["items"] == sum(not (it.small or it.unsaved or it.rerun_input)
+                                        for it in plan_profile_items(ctx))
+    ctx.close()
+
+
 @pytest.mark.parametrize("block", [_ChannelNormed, _PostNorm])
 def test_the_profile_counts_outputs_no_save_used_once(block, nvme_dir):
     """unsaved_outputs.py NOTE [Unsaved outputs] rules 1 and 2: per op and block call, the

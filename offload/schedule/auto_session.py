@@ -185,7 +185,8 @@ class AutoSession(Session):
         plan = choice.plan
         stand_in = index if plan is None else plan.stand_in(index, self.types[index])
         flat = flatten_call(args, kwargs)   # once for the inputs and checkpoint_block
-        storages = [a.untyped_storage() for a in block_inputs(args, kwargs, flat[0])]
+        tensors = block_inputs(args, kwargs, flat[0])
+        storages = [a.untyped_storage() for a in tensors]
         inputs = {id(s): i for i, s in reversed(list(enumerate(storages)))}
         small_inputs = 0
         if choice.recording:   # (placement.py note_small)
@@ -198,6 +199,7 @@ class AutoSession(Session):
                 out = choice.profiler.run(index, self.types[index], type(block).__name__,
                                           forward, args, kwargs, hooks, self.opaque[index])
                 placement.note_outputs(flatten_call((out,), {})[0])
+                placement.note_inputs(index, tensors)   # placement.py NOTE [Inputs only ...]
                 return out
             if plan is None or index in self.state.as_is:   # the warm-up step (module doc,
                 return forward(*args, **kwargs)   # 0); NOTE [Blocks run alike on every rank]

@@ -183,6 +183,8 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
     for it in items:
         stays = 0
         info = type_of_block.get(it.block) if it.block is not None else None
+        if it.rerun_input and not (info is not None and recompute_sets[info.type_key]):
+            continue   # saved only by a re-run's checkpoint (placement.py NOTE [Inputs ...])
         if it.unsaved:   # held only by a stored op (unsaved_outputs.py NOTE [Unsaved outputs])
             if not op_is_stored(it.producer, info, recompute_sets):
                 continue

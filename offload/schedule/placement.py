@@ -26,6 +26,10 @@ from .profile import BlockProfiler, BlockRecord, ItemRecord
 
 __all__ = ["SchedulePlacement", "StepChoice"]
 
+# Ordinals of the records of NOTE [Inputs only a re-run saves] (below those of unsaved
+# outputs, unsaved_records): never a save's, so never looked up by key.
+_RERUN_INPUT = -(10 ** 6)
+
 
 @dataclass
 class StepChoice:
@@ -66,9 +70,9 @@ class SchedulePlacement(Placement):
         self._region_items = 0
         self._region_small_inputs = 0
         self._region_segment = 0
-        # While recording: storage id -> (its weak reference, its record) of what a block's
-        # op made and saved (NOTE [Saved again after its block]).
-        self._made_in_blocks: dict[int, tuple[weakref.ref, ItemRecord]] = {}
+        # While recording: storage id -> (its weak reference, its record) of every storage
+        # recorded (NOTE [Saved again after its block], NOTE [Inputs only a re-run saves]).
+        self._recorded: dict[int, tuple[weakref.ref, ItemRecord]] = {}
 
     @contextlib.contextmanager
     def forced(self, decision: Decision):
@@ -102,7 +106,7 @@ class SchedulePlacement(Placement):
                      stand_in: int | None = None, small_inputs: int = 0) -> None:
         """`small_inputs`: a block's input bytes below OFFLOAD_MIN_BYTES (while recording)."""
         self.note_small()
-        if inputs and region[0] == "block" and self._made_in_blocks:
+        if inputs and region[0] == "block" and self._recorded:
             self._note_fed(region[1], inputs)
         self._region_small_inputs = small_inputs
         self.region, self.ordinal = region, 0
@@ -130,6 +134,30 @@ class SchedulePlacement(Placement):
             if item is not None and item.fed_to is None:
                 item.fed_to = (block, index)
 
+    def note_inputs(self, block: int, tensors: list) -> None:
+        """While profiling, at the end of a block call: its inputs (`block_inputs`, in
+        checkpoint's order). NOTE [Inputs only a re-run saves] A block's input that no op
+        of the step saved so far (a block that begins with `cat` or a scalar multiply, fed
+        by an op that saves nothing: a U-Net's upsampling, T5's position bias) is not a
+        storage of the profile. Where the plan re-runs the block, its checkpoint saves it,
+        and that save found no decision (moved unpriced: on a CPU with tiers="host", kept
+        over the budget). It is recorded here (`ItemRecord.rerun_input`), counted only where
+        its block re-runs, and decided in `input_targets`. Saved later in the step, it is
+        counted twice: more, never less. Below OFFLOAD_MIN_BYTES (the block's
+        `small_inputs`) and leaves that require grad (kept as weights are) stay."""
+        seen = set()
+        for index, tensor in enumerate(tensors):
+            storage = tensor.untyped_storage()
+            if id(storage) in seen or self._recorded_item(id(storage)) is not None:
+                continue
+            seen.add(id(storage))
+            nbytes = storage.nbytes()
+            if nbytes < self.config.min_bytes or (tensor.is_leaf and tensor.requires_grad):
+                continue
+            self.items.append(ItemRecord(("block", block), _RERUN_INPUT - index, nbytes, None,
+                                         True, None, index, segment=self.segment(),
+                                         rerun_input=True))
+
     def note_outputs(self, outputs: list) -> None:
         """While profiling: a block call's outputs (`flatten_call` leaves), NOTE [Saved
         again after its block]."""
@@ -140,7 +168,12 @@ class SchedulePlacement(Placement):
                     item.block_output = True
 
     def _made_here(self, storage_id: int) -> ItemRecord | None:
-        entry = self._made_in_blocks.get(storage_id)
+        """The record of a live storage an op of a block made, by its id."""
+        item = self._recorded_item(storage_id)
+        return item if item is not None and item.producer is not None else None
+
+    def _recorded_item(self, storage_id: int) -> ItemRecord | None:
+        entry = self._recorded.get(storage_id)
         if entry is None:
             return None
         storage = entry[0]()
@@ -209,8 +242,8 @@ class SchedulePlacement(Placement):
             item = ItemRecord(region, ordinal, info.nbytes, info.key, eligible, producer,
                               input_index, segment=self.segment(), made_by=made_by)
             self.items.append(item)
-            if producer is not None:   # NOTE [Saved again after its block]
-                self._made_in_blocks[id(info.storage)] = (weakref.ref(info.storage), item)
+            if info.storage is not None:   # NOTE [Saved again after its block]
+                self._recorded[id(info.storage)] = (weakref.ref(info.storage), item)
         if not eligible:
             return base
         plan = choice.plan

@@ -113,6 +113,9 @@ class ItemRecord:
     # `block_output`, one of its block's outputs (saved again, most likely, outside blocks).
     fed_to: tuple | None = None
     block_output: bool = False
+    # Not a save of the profiled step: a block's input (`input_index`) that no save held,
+    # which a re-run's checkpoint holds (placement.py NOTE [Inputs only a re-run saves]).
+    rerun_input: bool = False
 
     @property
     def saved_again(self) -> bool:
@@ -177,7 +180,7 @@ class Profile:
         """Bytes of the step's saves per micro-batch (ItemRecord.segment)."""
         per: Counter[int] = Counter()
         for it in self.items:
-            per[it.segment] += 0 if it.unsaved else it.nbytes
+            per[it.segment] += 0 if it.unsaved or it.rerun_input else it.nbytes
         return per
 
     def block_types(self) -> dict[tuple, list[BlockRecord]]:

@@ -133,7 +133,8 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
         # keeps most (profile.py NOTE [Micro-batches]: the budget holds for each).
         per_batch: Counter[tuple[int, int]] = Counter()
         for it in items:
-            if it.block is not None and (it.eligible or it.small) and not it.unsaved:
+            if it.block is not None and (it.eligible or it.small) and not it.unsaved \
+                    and not it.rerun_input:   # (a block run as it is does not save those)
                 per_batch[(it.block, it.segment)] += it.nbytes
                 if it.fed_to is not None and it.eligible:
                     # The block before it re-runs, so this block's input is saved first here,
@@ -205,6 +206,8 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
         if it.small or it.unsaved and not (
                 it.eligible and op_is_stored(it.producer, info, recompute_sets)):
             continue   # no decision of the plan's (the prediction counts them)
+        if it.rerun_input and not (info is not None and recompute_sets[info.type_key]):
+            continue   # saved only by a re-run's checkpoint (placement.py NOTE [Inputs ...])
         target = targets.get(it.key, "keep")
         recomputed = info is not None and it.producer in recompute_sets[info.type_key]
         # Its op re-runs, but it is saved again after its block: decided there (placement.py
@@ -256,7 +259,7 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
                 per_block[block] = per_block.get(block, 0) + nbytes
     summary = {"forward_s": profile.forward_s, "backward_s": profile.backward_s,
                "saved_bytes": profile.saved_bytes,
-               "items": sum(not (it.small or it.unsaved) for it in items),
+               "items": sum(not (it.small or it.unsaved or it.rerun_input) for it in items),
                "blocks": len(profile.blocks)}
     return Plan(_ro(item_targets), _ro(op_targets), _ro(input_targets), _ro(blocks),
                 _ro(block_type), pred, params, figures, _ro(summary), _ro(signatures),
