@@ -36,7 +36,7 @@ from .runtime.round_trip import RoundTripPlan, plan_for
 from .runtime.step import Step, StepView, close_tiers, finish_pending, steps_alive
 from .runtime.tensor_meta import ParamStorages
 from .schedule.generators import sweep_lost_modes
-from .schedule.session import Session, start_session
+from .schedule.session import Session, refreshed, start_session
 from .tiers import open_tiers
 from .tiers.base import Tier
 from .util.gpu_support import may_see_cuda_tensors, require_gpu_paths
@@ -113,12 +113,6 @@ class ActivationOffload(CopiedAsNew):
         model checked on this machine, when the context is built; a copy's at its first
         use, its model complete by then (`__reduce__`)."""
         schedule = self._schedule
-        if schedule is not None and schedule.watch is not None and schedule.watch.changed():
-            # A block added to (or taken from) the model since the blocks were found: found
-            # again, so it runs the policy's way; `auto` profiles the new block list.
-            log.info("offload: %s: the model's blocks changed since they were found; finding "
-                     "them again", self.config.policy)
-            schedule = self._schedule = None
         if schedule is None:
             self._from_memo()
             self._memo = None
@@ -196,6 +190,8 @@ class ActivationOffload(CopiedAsNew):
         sweep_lost_modes()  # generators.py NOTE [Modes and Ctrl-C]
         schedule = self._session()
         model = self._model   # a copy's is found by now (`_session`)
+        if schedule.watch is not None:   # blocks added since they were found? (not active)
+            schedule = self._schedule = refreshed(schedule, self.config, model, self._blocks)
         config = self.config
         config.apply_log_level()
         stats = Stats()

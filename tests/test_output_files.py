@@ -80,3 +80,9 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
 
 def test_an_empty_path_is_a_problem_said_before_the_work():
     assert "empty path" in output_file_problem("")
+
+
+def test_a_link_into_a_missing_directory_is_a_problem_said_before_the_work(tmp_path):
+    link = tmp_path / "latest.json"
+    link.symlink_to(tmp_path / "no" / "such" / "rows.json")
+    assert "does not exist" in output_file_problem(str(link))

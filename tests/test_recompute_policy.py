@@ -3,6 +3,8 @@ context is active, inputs through the tiers, bit-exact, never wrapping a user's
 checkpointed block twice."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -341,12 +343,14 @@ def test_blocks_added_or_removed_after_the_context_was_built_are_found(policy, g
     if given:
         settings["blocks"] = model.blocks
     ctx = offload.activations(model=model, **settings)
-    for change in ("append", "remove"):
+    for change in ("append", "replace", "remove"):
         for _ in range(3):   # auto: warm-up, profile, planned
             _grads_of(model, loss_fn, ctx)
+        torch.manual_seed(3)
         if change == "append":
-            torch.manual_seed(3)
             model.blocks.append(Block(model.cfg))
+        elif change == "replace":   # the same count: told by identity, not length
+            model.blocks[1] = Block(model.cfg)
         else:
             del model.blocks[0]
         fresh = offload.activations(model=model, **settings)
@@ -362,3 +366,33 @@ def test_blocks_added_or_removed_after_the_context_was_built_are_found(policy, g
             assert sorted(ctx.plan.block_type) == list(range(len(model.blocks)))
         fresh.close()
     ctx.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_blocks_found_before_stay_when_none_is_found_now(policy, nvme_dir, caplog):
+    """A module of another class appended to the detected stack (a final LayerNorm on a
+    Sequential of blocks) makes it no stack of one class: `recompute` raised "found no
+    blocks" at the next entry and `auto` ran with none (a review of the change above). The
+    blocks found before stay, said once; and `ctx.plan` read inside the block never
+    changes the blocks of the step running (its wrappers stayed on the blocks for good)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(8, 32)
+    settings = dict(policy=policy, tiers="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    ctx = offload.activations(model=model, **settings)
+    with ctx:
+        model(x).sum().backward()
+    model.append(nn.LayerNorm(32))
+    with ctx:
+        _ = ctx.plan   # while active: no new session
+        assert all("forward" in vars(block) for block in model[:4])   # wrapped
+        model(x).sum().backward()
+    assert not any("forward" in vars(block) for block in model)   # unwrapped, all of them
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        for _ in range(3):
+            with ctx:
+                assert all("forward" in vars(block) for block in model[:4])
+                model(x).sum().backward()
+    assert caplog.text.count("none is found now; the 4 found before run as before") == 1
+    ctx.close()
+

@@ -153,6 +153,10 @@ class StackWatch:
     def changed(self) -> bool:
         return any(tuple(stack._modules.values()) != members for stack, members in self._stacks)
 
+    def accept(self) -> None:
+        """The containers as they are now are the ones to compare with."""
+        self._stacks = tuple((s, tuple(s._modules.values())) for s, _ in self._stacks)
+
 
 def _is_container(module: nn.Module) -> bool:
     """No forward of its own: its members are the blocks (`_expand_containers`)."""

@@ -211,8 +211,12 @@ class SchedulePlacement(Placement):
     def target(self, name: str, moved: bool = False) -> Decision:
         """Decision for a plan target: "keep" or a tier (then the tiers after it to spill).
         `moved`: a decision borrowed from another block (NOTE [Shape classes]): keep moves."""
-        if moved and name == "keep" and self.config.tiers:
-            name = self.config.tiers[0]
+        if moved and name == "keep":
+            # The first tier that frees memory (host on a CPU is the same RAM: `_move`).
+            plan = self.choice.plan
+            tiers = plan.params.tiers if plan is not None else self.config.tiers
+            if tiers:
+                name = tiers[0]
         decision = self._decisions.get(name)
         if decision is None:
             if name == "keep":

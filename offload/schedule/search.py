@@ -23,6 +23,7 @@ all, and checkpointing whole blocks keeps their inputs.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import Counter
 
@@ -244,11 +245,18 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
             kept_by[segment] -= nbytes
             moved_bytes[op_target] = moved_bytes.get(op_target, 0) + nbytes
     kept_bytes = max(kept_by.values(), default=0)
-    for it, key in followers:   # its lookups say what its storage gets: the op's decision
-        if it.key in item_targets:
-            item_targets[it.key] = op_targets[key]
+    # A follower's storage is stored by its op first, so a planned step never asks about
+    # that save (the hooks store a storage once): it gets the op's decision, and the later
+    # saves of its region are asked one place earlier than the profile saw them (BART's
+    # head after a post-norm block found no decision: moved, unpriced).
+    skipped: dict[tuple, list[int]] = {}
+    for it, key in followers:
         if it.input_index is not None:
             input_targets[(it.block, it.input_index)] = op_targets[key]
+        if item_targets.pop(it.key, None) is not None:
+            item_bytes.pop(it.key, None)
+            skipped.setdefault(it.region, []).append(it.ordinal)
+    item_targets, item_bytes = _renumbered(item_targets, skipped), _renumbered(item_bytes, skipped)
     pred = dataclasses.replace(pred, kept_bytes=kept_bytes, moved_bytes=_ro(moved_bytes))
     per_block: dict = {}
     largest = 0
@@ -266,6 +274,20 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
                 notes, tuple(decided),
                 _readahead(profile, figures, params, per_block, largest, pred.recompute_s),
                 item_bytes=_ro(item_bytes))
+
+
+def _renumbered(table: dict, skipped: dict[tuple, list[int]]) -> dict:
+    """`table`'s keys (region, ordinal) as a planned step asks them: one place earlier for
+    each save of the region before it that the step does not ask about (`skipped`)."""
+    if not skipped:
+        return table
+    gone = {region: sorted(ordinals) for region, ordinals in skipped.items()}
+    out = {}
+    for (region, ordinal), value in table.items():
+        if region in gone and ordinal >= 0:
+            ordinal -= bisect.bisect_left(gone[region], ordinal)
+        out[(region, ordinal)] = value
+    return out
 
 
 def _readahead(profile: Profile, figures: Figures, params: PlanParams, per_block: dict,

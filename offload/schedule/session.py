@@ -7,6 +7,7 @@ trials), its plans kept across contexts in plan_cache.py.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -20,7 +21,9 @@ from .recompute_session import RecomputeSession
 from .session_base import Session
 
 # `Session` is named here too: the context builds one for a disabled context.
-__all__ = ["Session", "start_session"]
+__all__ = ["Session", "start_session", "refreshed"]
+
+log = logging.getLogger("offload")
 
 
 def _no_blocks(model: torch.nn.Module | None, blocks: Any) -> str:
@@ -54,3 +57,29 @@ def start_session(config: Config, model: torch.nn.Module | None, blocks: Any) ->
         return Session(config)
     session.watch = StackWatch(model, blocks)   # blocks added later (the context's _session)
     return session
+
+
+def refreshed(session: Session, config: Config, model: torch.nn.Module | None,
+              blocks: Any) -> Session:
+    """The session the next step runs with (the context asks at each entry, never while
+    active): `session`, or a new one when the containers its blocks were found in changed
+    since (blocks.StackWatch: a block appended, removed or replaced), so that the blocks
+    found now run the policy's way (`auto` then profiles them). When none is found now (a
+    module of another class appended to the stack), the blocks found before stay."""
+    watch = session.watch
+    if not watch.changed():
+        return session
+    try:
+        found = find_blocks(model, blocks)
+    except ConfigError:
+        found = []
+    if not found:
+        log.warning("offload: %s: the model's blocks changed since they were found, and none "
+                    "is found now; the %d found before run as before (pass blocks= to choose "
+                    "them)", config.policy, len(session.blocks))
+        watch.accept()
+        return session
+    log.info("offload: %s: the model's blocks changed since they were found (%d now); found "
+             "again", config.policy, len(found))
+    return start_session(config, model, blocks)
+
