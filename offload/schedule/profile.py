@@ -30,12 +30,10 @@ taken to be as long as the first, the one the clock marks (auto_session `_profil
 """
 from __future__ import annotations
 
-import statistics
 import time
 import weakref
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from collections import defaultdict
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -44,6 +42,7 @@ from ..runtime.version_check import version_sentinel
 from .recompute import block_inputs
 from .stored_ops import IGNORED_OPS, detaches_a_factory_output, op_name, storable_op
 from .op_timer import OpTimer
+from .profile_records import BlockRecord, ItemRecord, OpRecord, Profile
 from .unsaved_outputs import UnsavedOutputs
 
 __all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler",
@@ -67,153 +66,6 @@ def signature(args: tuple, kwargs: dict) -> tuple:
             tuple(sorted((k, sig(v)) for k, v in kwargs.items() if isinstance(v, torch.Tensor))))
 
 
-@dataclass
-class OpRecord:
-    """One op of one block's forward."""
-
-    op_id: tuple[str, int]       # NOTE [Op identity]
-    time_s: float                # the op alone (what recomputing it costs)
-    out_bytes: int = 0           # bytes of the new storages it made
-    not_storable: str | None = None   # why its output may not be stored (stored_ops.py Rule 1)
-    seeded: bool = False         # consumes the RNG
-    chain_s: float = 0.0         # in-place ops that later changed its output (re-run with it)
-
-
-@dataclass
-class ItemRecord:
-    """One storage the hooks stored (one `Placement.decide` call)."""
-
-    region: tuple                # ("block", k) or ("after", k): outside blocks, after block k
-    ordinal: int                 # position among the region's stored storages
-    nbytes: int
-    hooks_key: Hashable          # the hooks' key, to join their pack / unpack clock
-    eligible: bool               # may move at all (not small, not no_offload)
-    producer: tuple[str, int] | None = None   # op inside the block that made it
-    input_index: int | None = None            # the block's positional input it is
-    pack_s: float | None = None               # seconds from step start
-    unpack_s: float | None = None
-    # Saves below OFFLOAD_MIN_BYTES: they never reach the placement (the hooks keep them at
-    # once). Per region visit (placement.py `SchedulePlacement.note_small`, ordinal -1): one
-    # record per op of a block that made some (`producer`), and one of the rest, with the
-    # block's `small_inputs` (its inputs below OFFLOAD_MIN_BYTES, a re-run's checkpoint
-    # holds them).
-    small: bool = False
-    small_inputs: int = 0
-    # Backwards of the step begun before its save: with gradient accumulation in one
-    # context, its micro-batch (NOTE [Micro-batches]); 0 for a step of one forward.
-    segment: int = 0
-    # Not a save: bytes an op made that no save used, held only where the op is stored
-    # (unsaved_outputs.py NOTE [Unsaved outputs]).
-    unsaved: bool = False
-    # (block index, op id) that made it in an earlier block (that NOTE's rule 5)
-    made_by: tuple | None = None
-    # Saved again after its block (placement.py NOTE [Saved again after its block]), so
-    # re-running the op that made it frees none of it: `fed_to`, (block index, input index)
-    # of a later block call whose input it is, where the plan's decision for it then goes;
-    # `block_output`, one of its block's outputs (saved again, most likely, outside blocks).
-    fed_to: tuple | None = None
-    block_output: bool = False
-    # Not a save of the profiled step: a block's input (`input_index`) that no save held,
-    # which a re-run's checkpoint holds (placement.py NOTE [Inputs only a re-run saves]).
-    rerun_input: bool = False
-
-    @property
-    def saved_again(self) -> bool:
-        return self.fed_to is not None or self.block_output
-
-    @property
-    def key(self) -> tuple:
-        return (self.region, self.ordinal)
-
-    @property
-    def block(self) -> int | None:
-        return self.region[1] if self.region[0] == "block" else None
-
-
-@dataclass
-class BlockRecord:
-    index: int
-    type_key: tuple
-    type_name: str
-    signature: tuple
-    ops: list[OpRecord] = field(default_factory=list)
-    forward_s: float = 0.0
-    opaque: bool = False   # compiled: ran whole, no op seen (BlockProfiler.run)
-    # A tensor input of the call was changed in place after the call began (by the block,
-    # or by its caller before backward): a re-run would not see the input the call saw, and
-    # checkpoint raises autograd's in-place error for it. It runs as it is.
-    inputs_changed: bool = False
-    # It called a collective (torch.distributed's c10d or functional ops): it runs as it
-    # is (auto_session NOTE [Blocks run alike on every rank]).
-    collective: bool = False
-    # op id -> bytes of the storages it made that the block saved below OFFLOAD_MIN_BYTES
-    # (the hooks keep those at once: the placement never sees them; note_small does).
-    small_saved: dict = field(default_factory=dict)
-    # (op id, below OFFLOAD_MIN_BYTES) -> bytes of the storages it made that no save of the
-    # step used (unsaved_outputs.py NOTE [Unsaved outputs]); the call's micro-batch.
-    unsaved: dict = field(default_factory=dict)
-    segment: int = 0
-
-
-@dataclass
-class Profile:
-    """One profiled step. Times in seconds; `forward_s` / `backward_s` are compute (the
-    step's stalls and the profiler's own bookkeeping taken out)."""
-
-    device: torch.device
-    forward_s: float
-    backward_s: float
-    saved_bytes: int
-    blocks: list[BlockRecord]
-    items: list[ItemRecord]
-
-    @property
-    def peak_saved_bytes(self) -> int:
-        """What the step saves at most at once (NOTE [Micro-batches]): `saved_bytes`, less
-        what the micro-batches other than the largest saved. For a step of one forward,
-        `saved_bytes`."""
-        per = self.segment_bytes()
-        return self.saved_bytes - sum(per.values()) + max(per.values()) if len(per) > 1 \
-            else self.saved_bytes
-
-    def segment_bytes(self) -> dict[int, int]:
-        """Bytes of the step's saves per micro-batch (ItemRecord.segment)."""
-        per: Counter[int] = Counter()
-        for it in self.items:
-            per[it.segment] += 0 if it.unsaved or it.rerun_input else it.nbytes
-        return per
-
-    def block_types(self) -> dict[tuple, list[BlockRecord]]:
-        """Blocks planned together: one type that ran one op sequence (NOTE [Op identity]).
-        A type's first sequence is keyed by its type key, any other by the type key plus
-        ("op sequence", n)."""
-        out: dict[tuple, list[BlockRecord]] = {}
-        sequences: dict[tuple, list[tuple]] = defaultdict(list)
-        for b in self.blocks:
-            seq = tuple(o.op_id for o in b.ops)
-            seen = sequences[b.type_key]
-            if seq not in seen:
-                seen.append(seq)
-            n = seen.index(seq)
-            out.setdefault(b.type_key if n == 0 else b.type_key + (("op sequence", n),),
-                           []).append(b)
-        return out
-
-    def op_table(self, type_key: tuple) -> list[OpRecord]:
-        """The ops of one entry of `block_types`, times the median over its instances."""
-        records = self.block_types()[type_key]
-        first = records[0].ops
-        out = []
-        for i, op in enumerate(first):
-            out.append(OpRecord(
-                op.op_id, statistics.median(r.ops[i].time_s for r in records),
-                op.out_bytes, op.not_storable, op.seeded,
-                statistics.median(r.ops[i].chain_s for r in records)))
-        return out
-
-
-# The dispatcher namespaces of torch.distributed's collectives (`dist.all_reduce` runs
-# c10d::allreduce_; functional collectives and DTensor's run _c10d_functional ops).
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
                                    "_dtensor"})
 
