@@ -38,7 +38,6 @@ is its own class, planned keep / host / nvme per saved tensor with nothing recom
 from __future__ import annotations
 
 import logging
-
 from typing import Any
 
 import torch

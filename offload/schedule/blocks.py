@@ -70,7 +70,7 @@ from ..runtime import hook_stack
 _forward_ad = torch.autograd.forward_ad   # its `_current_level`: -1 outside any dual level
 _functorch = torch._C._functorch
 
-__all__ = ["find_blocks", "StackWatch", "BlockWrappers", "ours_innermost", "block_type_key",
+__all__ = ["find_blocks", "locate_blocks", "StackWatch", "BlockWrappers", "ours_innermost", "block_type_key",
            "compiled_block"]
 
 log = logging.getLogger("offload")
@@ -106,9 +106,18 @@ def find_blocks(model: nn.Module | None, blocks: Any = None) -> list[nn.Module]:
         ConfigError: `blocks` is of the wrong type, a predicate without `model`, or a
             module that `model` does not hold.
     """
+    return locate_blocks(model, blocks)[0]
+
+
+def locate_blocks(model: nn.Module | None, blocks: Any = None
+                  ) -> tuple[list[nn.Module], "StackWatch"]:
+    """`find_blocks`, and a watch over the containers they were found in (one walk of the
+    model for both)."""
     if blocks is not None:
-        return _expand_containers(_given_blocks(model, blocks))
-    return [block for stack in _detected_stacks(model) for block in stack]
+        return _expand_containers(_given_blocks(model, blocks)), \
+            StackWatch(_given_containers(blocks))
+    stacks = _detected_stacks(model)
+    return [block for stack in stacks for block in stack], StackWatch(stacks)
 
 
 def _detected_stacks(model: nn.Module | None) -> list[nn.Module]:
@@ -139,15 +148,7 @@ class StackWatch:
 
     __slots__ = ("_stacks",)
 
-    def __init__(self, model: nn.Module | None, blocks: Any) -> None:
-        if blocks is None:
-            stacks = _detected_stacks(model)
-        elif isinstance(blocks, nn.Module):
-            stacks = [blocks] if _is_container(blocks) else []
-        elif callable(blocks):
-            stacks = []
-        else:
-            stacks = [b for b in blocks if isinstance(b, nn.Module) and _is_container(b)]
+    def __init__(self, stacks: Iterable[nn.Module]) -> None:
         self._stacks = tuple((s, tuple(s._modules.values())) for s in stacks)
 
     def changed(self) -> bool:
@@ -156,6 +157,15 @@ class StackWatch:
     def accept(self) -> None:
         """The containers as they are now are the ones to compare with."""
         self._stacks = tuple((s, tuple(s._modules.values())) for s, _ in self._stacks)
+
+
+def _given_containers(blocks: Any) -> list[nn.Module]:
+    """The containers among `blocks=` (a predicate's matches and single modules: none)."""
+    if isinstance(blocks, nn.Module):
+        return [blocks] if _is_container(blocks) else []
+    if callable(blocks):
+        return []
+    return [b for b in blocks if isinstance(b, nn.Module) and _is_container(b)]
 
 
 def _is_container(module: nn.Module) -> bool:

@@ -36,7 +36,8 @@ from .profile import ItemRecord, Profile
 from .ranking import TypeInfo
 from .readonly import ReadOnlyDict
 
-__all__ = ["PlanParams", "Prediction", "Evaluation", "rates", "predict", "better", "op_is_stored"]
+__all__ = ["PlanParams", "Prediction", "Evaluation", "rates", "predict", "better", "op_is_stored",
+           "reruns"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,11 @@ def _kept_by_segment(fixed: dict[int, int], kept: Iterable[ItemRecord]) -> dict[
     return dict(per)
 
 
+def reruns(info: TypeInfo | None, recompute_sets: dict) -> bool:
+    """Whether a block of type `info` re-runs ops (checkpointed: per op, or whole)."""
+    return info is not None and bool(recompute_sets[info.type_key])
+
+
 def op_is_stored(op_id: tuple | None, info: TypeInfo | None, recompute_sets: dict) -> bool:
     """Whether an op of a block of type `info` has its outputs stored: the block re-runs ops
     per op, not this one, whose saves make it one the plan decides."""
@@ -183,7 +189,7 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
     for it in items:
         stays = 0
         info = type_of_block.get(it.block) if it.block is not None else None
-        if it.rerun_input and not (info is not None and recompute_sets[info.type_key]):
+        if it.rerun_input and not reruns(info, recompute_sets):
             continue   # saved only by a re-run's checkpoint (placement.py NOTE [Inputs ...])
         if it.unsaved:   # held only by a stored op (unsaved_outputs.py NOTE [Unsaved outputs])
             if not op_is_stored(it.producer, info, recompute_sets):
@@ -211,7 +217,7 @@ def predict(profile: Profile, figures: Figures, params: PlanParams, infos: list[
                 stays += max(it.nbytes, it.small_inputs)
             fixed[it.segment] += stays
             continue
-        if info is not None and recompute_sets[info.type_key]:
+        if reruns(info, recompute_sets):
             # (Saved again after its block: kept or moved for that save, placement.py NOTE
             # [Saved again after its block].)
             if it.producer in recompute_sets[info.type_key] and not it.saved_again:

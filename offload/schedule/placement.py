@@ -70,7 +70,7 @@ class SchedulePlacement(Placement):
         self._region_items = 0
         self._region_small_inputs = 0
         self._region_segment = 0
-        # While recording: storage id -> (its weak reference, its record) of every storage
+        # While profiling: storage id -> (its weak reference, its record) of every storage
         # recorded (NOTE [Saved again after its block], NOTE [Inputs only a re-run saves]).
         self._recorded: dict[int, tuple[weakref.ref, ItemRecord]] = {}
 
@@ -246,7 +246,7 @@ class SchedulePlacement(Placement):
             item = ItemRecord(region, ordinal, info.nbytes, info.key, eligible, producer,
                               input_index, segment=self.segment(), made_by=made_by)
             self.items.append(item)
-            if info.storage is not None:   # NOTE [Saved again after its block]
+            if info.storage is not None and choice.profiler is not None:   # the two NOTEs
                 self._recorded[id(info.storage)] = (weakref.ref(info.storage), item)
         if not eligible:
             return base

@@ -29,7 +29,7 @@ from collections import Counter
 
 from ..util.sizes import format_bytes
 from .constants import SLOW_READ_SHARE, TRIAL_MARGIN
-from .costs import Evaluation, PlanParams, better, op_is_stored, predict, rates
+from .costs import Evaluation, PlanParams, better, op_is_stored, predict, rates, reruns
 from ..util.figures import Figures
 from .plan import BlockPlan, OpRow, Plan
 from .profile import ItemRecord, Profile
@@ -207,7 +207,7 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
         if it.small or it.unsaved and not (
                 it.eligible and op_is_stored(it.producer, info, recompute_sets)):
             continue   # no decision of the plan's (the prediction counts them)
-        if it.rerun_input and not (info is not None and recompute_sets[info.type_key]):
+        if it.rerun_input and not reruns(info, recompute_sets):
             continue   # saved only by a re-run's checkpoint (placement.py NOTE [Inputs ...])
         target = targets.get(it.key, "keep")
         recomputed = info is not None and it.producer in recompute_sets[info.type_key]
@@ -220,7 +220,7 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
                 it.made_by[1], info_of.get(it.made_by[0]), recompute_sets):
             join_op(it.made_by, target, it.segment)   # unsaved_outputs.py NOTE [...] 5
             followers.append((it, it.made_by))
-        if info is not None and recompute_sets[info.type_key]:
+        if reruns(info, recompute_sets):
             if fed:
                 if it.fed_to is not None and input_targets.get(it.fed_to, "keep") == "keep":
                     input_targets[it.fed_to] = target   # a tier wins over keep

@@ -15,7 +15,7 @@ import torch
 from ..config import Config
 from ..errors import ConfigError
 from .auto_session import AutoSession
-from .blocks import StackWatch, find_blocks
+from .blocks import locate_blocks
 from .plan_cache import cache_for
 from .recompute_session import RecomputeSession
 from .session_base import Session
@@ -43,19 +43,20 @@ def _no_blocks(model: torch.nn.Module | None, blocks: Any) -> str:
             "blocks=lambda m: isinstance(m, MyLayer)")
 
 
-def start_session(config: Config, model: torch.nn.Module | None, blocks: Any) -> Session:
-    """The session for `config.policy`; raises ConfigError when `recompute` finds no block."""
+def start_session(config: Config, model: torch.nn.Module | None, blocks: Any,
+                  located: tuple | None = None) -> Session:
+    """The session for `config.policy`; raises ConfigError when `recompute` finds no block.
+    `located`: `locate_blocks(model, blocks)`, when the caller has it."""
+    if config.policy not in ("recompute", "auto"):
+        return Session(config)
+    found, watch = located or locate_blocks(model, blocks)
     if config.policy == "recompute":
-        found = find_blocks(model, blocks)
         if not found:
             raise ConfigError(f"{config.where('policy')}: {_no_blocks(model, blocks)}")
         session = RecomputeSession(config, found)
-    elif config.policy == "auto":
-        found = find_blocks(model, blocks)
-        session = AutoSession(config, cache_for(model, config, found), found, model)
     else:
-        return Session(config)
-    session.watch = StackWatch(model, blocks)   # blocks added later (the context's _session)
+        session = AutoSession(config, cache_for(model, config, found), found, model)
+    session.watch = watch   # blocks added later (`refreshed`)
     return session
 
 
@@ -70,16 +71,15 @@ def refreshed(session: Session, config: Config, model: torch.nn.Module | None,
     if not watch.changed():
         return session
     try:
-        found = find_blocks(model, blocks)
+        located = locate_blocks(model, blocks)
     except ConfigError:
-        found = []
-    if not found:
+        located = ([], None)
+    if not located[0]:
         log.warning("offload: %s: the model's blocks changed since they were found, and none "
                     "is found now; the %d found before run as before (pass blocks= to choose "
                     "them)", config.policy, len(session.blocks))
         watch.accept()
         return session
     log.info("offload: %s: the model's blocks changed since they were found (%d now); found "
-             "again", config.policy, len(found))
-    return start_session(config, model, blocks)
-
+             "again", config.policy, len(located[0]))
+    return start_session(config, model, blocks, located)

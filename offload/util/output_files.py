@@ -57,7 +57,7 @@ def output_file_problem(path: str, example: str = "out.json") -> str | None:
         example: a file name for the message when `path` is a directory.
     """
     if not path:
-        return "an empty path; name a file (e.g. {example})".format(example=example)
+        return f"an empty path; name a file (e.g. {example})"
     full = os.path.realpath(path)   # a link: where its file goes (write_output_file)
     if os.path.exists(full) and not os.path.isdir(full) and not os.path.isfile(full):
         return None   # a FIFO, /dev/stdout, a device: written in place (write_output_file)
