@@ -965,13 +965,15 @@ class TanhBlocks(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("how", ["post-accumulate-grad hook", "_apply_optimizer_in_backward"])
 @pytest.mark.parametrize("policy", ["recompute", "auto"])
-def test_an_optimizer_in_backward_trains_as_in_plain_training(policy, nvme_dir):
+def test_an_optimizer_in_backward_trains_as_in_plain_training(policy, how, nvme_dir):
     """The optimizer steps each weight in its post-accumulate-grad hook (PyTorch's
-    optimizer-in-backward recipe, torchtune's optimizer_in_bwd): a bias is stepped before
-    its block's re-run, which does not use it for anything backward needs. A check of the
-    weights' versions at the re-run raised autograd's in-place error here (a review caught
-    it before it landed); weights and losses must equal plain training's, bit for bit."""
+    optimizer-in-backward recipe, torchtune's optimizer_in_bwd) or in a hook on its
+    AccumulateGrad node (torch.distributed.optim's `_apply_optimizer_in_backward`): a bias
+    is stepped before its block's re-run, which does not use it for anything backward needs.
+    The re-run's check of the weights' versions (weights.py) must leave such weights out;
+    weights and losses must equal plain training's, bit for bit."""
     class Shifted(nn.Module):   # a bias of its own after the tanh: its grad comes first
         def __init__(self) -> None:
             super().__init__()
@@ -990,8 +992,13 @@ def test_an_optimizer_in_backward_trains_as_in_plain_training(policy, nvme_dir):
                 p.add_(p.grad, alpha=-0.1)
             p.grad = None
 
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(step_now)
+        if how == "post-accumulate-grad hook":
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(step_now)
+        else:
+            from torch.distributed.optim import _apply_optimizer_in_backward
+
+            _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
         losses = []
         for step in range(6):   # past auto's profile and trial steps
             x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))

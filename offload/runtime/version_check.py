@@ -196,13 +196,14 @@ def _type_name(dtype: torch.dtype, device: torch.device,
     return name
 
 
-def version_error(dtype: torch.dtype, device: torch.device, size, origin: SavedOrigin,
+def version_error(dtype: torch.dtype, device: torch.device, size, origin: SavedOrigin | None,
                   expected: int, seen: int, layout: torch.layout = torch.strided) -> RuntimeError:
-    """Autograd's error for a saved tensor changed in place, word for word."""
+    """Autograd's error for a saved tensor changed in place, word for word (`origin` None:
+    a leaf, for which autograd names no node)."""
     type_name = _type_name(dtype, device, layout)
     text = (f"one of the variables needed for gradient computation has been modified by an "
             f"inplace operation: [{type_name} {list(size)}]")
-    name = origin.node_at_unpack()
+    name = None if origin is None else origin.node_at_unpack()
     if name is not None:
         name = f"torch::autograd::{name}" if name in _NAMESPACED else _BACKWARD_SUFFIX.sub("", name)
         text += f", which is output {origin.output_nr} of {name},"
