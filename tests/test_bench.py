@@ -424,6 +424,24 @@ def test_a_model_without_blocks_says_so(tmp_path, nvme_dir, capsys):
         in capsys.readouterr().out
 
 
+def test_a_run_where_every_row_ran_out_of_memory_fails(tmp_path, nvme_dir, capsys):
+    """Before, it exited 0 with a table of "out of memory" rows: a script could not tell it
+    from a measurement."""
+    (tmp_path / "huge.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "class Huge(nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 80 GiB')\n"
+        "def build():\n"
+        "    return Huge(16, 16)\n")
+    code = main(["--model", f"{tmp_path}/huge.py:build", "--input-shape", "16", "--batch", "2",
+                 "--steps", "1", "--warmup", "1", "--strategies", "offload-host",
+                 "--nvme-dir", nvme_dir])
+    captured = capsys.readouterr()
+    assert "out of memory at batch 2" in captured.out
+    assert code == 1 and "offload-bench: nothing was measured" in captured.err
+
+
 def test_max_batch_finds_the_edge(tmp_path, nvme_dir):
     out = tmp_path / "rows.json"
     code = main(TINY + ["--steps", "1", "--strategies", "none", "--max-batch",

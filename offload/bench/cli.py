@@ -479,7 +479,8 @@ def _progress(console: Console) -> Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; returns the exit code (0 ok, 1 a strategy failed, 2 usage, 130 ^C)."""
+    """Run the benchmark; returns the exit code (0 ok, 1 a strategy failed or nothing was
+    measured, 2 usage, 130 ^C)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -557,6 +558,11 @@ def _main(args, parser, Console) -> int:
         err.print(f"offload-bench: {interrupted}; the table holds the finished runs (a row's "
                   f"rounds say how many); temporary files removed")
         return 130
+    if rows and not any(r.available for r in rows):   # every row says why above
+        err.print("offload-bench: nothing was measured (every run ran out of memory or was "
+                  "not available: the reasons are in the table); a smaller --batch, --seq or "
+                  "model fits more", highlight=False, markup=False, soft_wrap=True)
+        return 1
     return 1 if failed_write or any(r.error for r in rows) else 0
 
 
