@@ -18,9 +18,13 @@ function than the forward ran, silently, where plain training computes from the 
 values or raises its in-place error for a weight an op saved. So the call also notes each
 weight's version counter when its forward returns, and a re-run whose weights moved since
 raises autograd's in-place error, naming the weight. Not checked:
-- a weight the block's forward itself changes in place: an embedding with `max_norm`
-  renormalises the rows it looks up in every call, its re-run's and those of its other
-  calls in the step included, and a call's re-run reads the same rows again;
+- a weight the block's forward itself changes in place (an embedding with `max_norm`
+  renormalises the rows it looks up, in every call). An embedding's re-run runs without
+  its `max_norm`: the rows its forward renormalised are read as they are. Renormalising
+  them again is not the identity in float32 (the weight drifted by 1e-7 from plain
+  training's, and the gradients with it), and it would change the weight once more. Rows
+  a later call of the same embedding in the step renormalises again are read as that call
+  left them (their gradients may differ in the last bits);
 - a weight that its own post-accumulate-grad hook or an optimizer in backward
   (`_apply_optimizer_in_backward`) steps. Its grad can be complete before its block's
   re-run only when no op after it in the block saved anything (a bias added last), and
@@ -53,6 +57,7 @@ def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
     weights: list[torch.Tensor] = []   # the noted parameter objects, flat
     versions: list[int] = []           # theirs when the forward returned
     rewritten: set[int] = set()        # indices of those the forward itself changed
+    renorming: list[nn.Module] = []    # embeddings whose max_norm did it
 
     def run(*args) -> Any:
         nonlocal calls, versions
@@ -73,16 +78,20 @@ def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
             versions = [w._version for w in weights]
             if versions != before:
                 rewritten.update(i for i, (a, b) in enumerate(zip(before, versions)) if a != b)
+                renorming.extend(_renorming(modules, [weights[i] for i in rewritten]))
             return out
         if [w._version for w in weights] != versions:
             _check_versions(modules, weights, versions, rewritten)
         swapped = [(params, name, params.get(name)) for params, then in noted
                    for name, weight in then.items() if params.get(name) is not weight]
-        if not swapped:
+        if not swapped and not renorming:
             return fn(*args)
         by_params = {id(params): then for params, then in noted}
         for params, name, _ in swapped:
             params[name] = by_params[id(params)][name]
+        norms = [module.max_norm for module in renorming]
+        for module in renorming:
+            module.max_norm = None
         try:
             return fn(*args)
         finally:
@@ -91,6 +100,8 @@ def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
                     params.pop(name, None)
                 else:
                     params[name] = now
+            for module, norm in zip(renorming, norms):
+                module.max_norm = norm
 
     return run
 
@@ -103,6 +114,15 @@ def _check_versions(modules: list[nn.Module], weights: list[torch.Tensor],
     for i, (weight, then) in enumerate(zip(weights, versions)):
         if weight._version != then and i not in rewritten and not _stepped_in_backward(weight):
             raise _changed_error(modules, weight, then)
+
+
+def _renorming(modules: list[nn.Module], changed: list[torch.Tensor]) -> list[nn.Module]:
+    """The embeddings among `modules` with a `max_norm` whose weight is in `changed`."""
+    ids = {id(w) for w in changed}
+    found = {id(m): m for root in modules for m in root.modules()
+             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+             and id(m.weight) in ids}
+    return list(found.values())
 
 
 def _stepped_in_backward(weight: torch.Tensor) -> bool:
