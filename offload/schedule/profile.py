@@ -61,7 +61,12 @@ _COUNTED = (torch.Tensor, torch.nn.Parameter)
 def signature(args: tuple, kwargs: dict) -> tuple:
     """Shapes and dtypes of a block call's tensor arguments (re-plan when they change)."""
     def sig(v):
-        return (tuple(v.shape), v.dtype, v.device.type) if isinstance(v, torch.Tensor) else None
+        if not isinstance(v, torch.Tensor):
+            return None
+        if v.is_nested and v.layout == torch.strided:   # no .shape: its components' sizes
+            return (tuple(map(tuple, v._nested_tensor_size().tolist())), v.dtype,
+                    v.device.type)
+        return (tuple(v.shape), v.dtype, v.device.type)
     return (tuple(sig(a) for a in args),
             tuple(sorted((k, sig(v)) for k, v in kwargs.items() if isinstance(v, torch.Tensor))))
 

@@ -31,7 +31,7 @@ from .generators import guard_generators
 from .stored_ops import modes
 from .weights import guard_weights
 
-__all__ = ["run_block", "checkpoint_block", "block_inputs"]
+__all__ = ["run_block", "checkpoint_block", "block_inputs", "runs_as_is", "forget_messages"]
 
 log = logging.getLogger("offload")
 
@@ -69,6 +69,8 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     leaves, rebuild = flatten_call(args, kwargs) if flat is None else flat
     handed_in = _modules_handed_in(leaves, block)
     if any(map(_still_lazy, handed_in if block is None else [block, *handed_in])):
+        return forward(*args, **kwargs)
+    if runs_as_is(block, leaves):
         return forward(*args, **kwargs)
     where = [i for i, x in enumerate(leaves) if _handed(x)]
     if len(where) == len(args) and all(map(_handed, args)) and not kwargs:
@@ -114,6 +116,51 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
         guarded = keep_modes(roots, guarded)      # buffers.py NOTE [Buffers in a re-run] 5
     return checkpoint(_ranged(guarded), *tensors, use_reentrant=False,
                       **extra)
+
+
+def runs_as_is(block: torch.nn.Module | None, leaves: list) -> bool:
+    """Whether a block call (`leaves`: its `flatten_call` leaves) runs as is rather than
+    checkpointed or profiled (NOTE [Calls that run as is])."""
+    needs_grad = False
+    for t in leaves:
+        if not _handed(t):
+            continue
+        if t.is_nested and t.layout == torch.strided:
+            _say_once(block, "got a nested tensor of the strided layout, which torch's "
+                      "checkpoint cannot re-run from (torch.nested.nested_tensor(..., "
+                      "layout=torch.jagged) can be)")
+            return True
+        needs_grad = needs_grad or t.requires_grad
+    if needs_grad or block is None:
+        return False
+    roots = (block, *_modules_handed_in(leaves, block))
+    return not any(p.requires_grad for root in roots for p in root.parameters())
+
+
+# NOTE [Calls that run as is] A block call whose inputs and weights need no gradient (a
+# frozen encoder feeding a trained head) builds no graph: a checkpoint would save nothing
+# and re-run nothing, but run the forward under our modes, which torch's own fast paths
+# treat as a reason to leave them: a frozen nn.TransformerEncoder in eval() computed
+# another output than in plain training (off by 7e-7 in its head's gradient) and, given a
+# padding mask, raised (its nested-tensor path runs only without modes). So it runs as is.
+# So does a call given a nested tensor of the strided layout: torch's checkpoint reads its
+# `.shape`, which it has not. The cost where inputs need grad (every block after the first
+# trained one): a look at each input's flags; otherwise a walk over the block's weights.
+
+# Block types whose "runs as is" was said once.
+_said: set[str] = set()
+
+
+def _say_once(block: torch.nn.Module | None, why: str) -> None:
+    name = "block" if block is None else type(block).__name__
+    if name not in _said:
+        _said.add(name)
+        log.info("offload: a %s %s: such calls run as is, not checkpointed", name, why)
+
+
+def forget_messages() -> None:
+    """Say the messages again (offload.process.reset)."""
+    _said.clear()
 
 
 class _LazyModules:

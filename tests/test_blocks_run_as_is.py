@@ -1,0 +1,113 @@
+"""Block calls that `recompute` and `auto` run as is, not checkpointed (recompute.py NOTE
+[Calls that run as is]): those whose inputs and weights need no gradient, and those given
+a nested tensor of the strided layout. Bit-exact against plain training."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import offload
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(tmp_path, monkeypatch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    offload.process.reset()   # the "runs as is" message is said once per block type
+    yield
+    torch.set_num_threads(threads)
+
+
+def _frozen_encoder_run(policy, mask: bool):
+    """A frozen nn.TransformerEncoder in eval() (a feature extractor) feeding a trained
+    head; plain PyTorch takes the encoder's fast path (nothing requires grad)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True)
+    enc, head = nn.TransformerEncoder(layer, 3), nn.Linear(16, 1)
+    model = nn.ModuleDict({"enc": enc, "head": head})
+    enc.requires_grad_(False)
+    enc.eval()
+    x = torch.randn(4, 7, 16, generator=torch.Generator().manual_seed(1))
+    padding = torch.arange(7)[None] >= torch.tensor([7, 5, 3, 6])[:, None] if mask else None
+    ctx = None if policy is None else offload.activations(model=model, policy=policy,
+                                                           tiers="host", min_bytes=0)
+    out = []
+    for step in range(4):   # auto: warm-up, profile, planned steps
+        head.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else torch.enable_grad():
+            h = enc(x, src_key_padding_mask=padding)
+            loss = head(h).pow(2).mean()
+            loss.backward()
+        out.append((loss.detach(), h.detach().nan_to_num(), head.weight.grad.clone()))
+    return out
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["no mask", "padding mask"])
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_frozen_encoder_runs_as_in_plain_training(policy, mask):
+    """Before: checkpointed under our modes, it left torch's fast path: `recompute`'s
+    encoder output and head gradient differed (by 7e-7); with a padding mask (the
+    nested-tensor path) `recompute` raised MultiheadAttention's "does not support
+    NestedTensor outside of its fast path" and `auto` "NestedTensorImpl doesn't support
+    sizes"."""
+    plain, ours = _frozen_encoder_run(None, mask), _frozen_encoder_run(policy, mask)
+    for step, (a, b) in enumerate(zip(plain, ours)):
+        assert all(map(torch.equal, a, b)), f"step {step}"
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.l2(F.gelu(self.l1(x)))
+
+
+def _nested_run(policy):
+    torch.manual_seed(0)
+    model = nn.ModuleDict(dict(inp=nn.Linear(8, 16), out=nn.Linear(16, 1),
+                               blocks=nn.ModuleList([_Block() for _ in range(3)])))
+    xs = [torch.randn(n, 8, generator=torch.Generator().manual_seed(n)) for n in (3, 5, 4)]
+    ctx = None if policy is None else offload.activations(model=model, policy=policy,
+                                                           tiers="host", min_bytes=0)
+    out = []
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else torch.enable_grad():
+            h = torch.nested.as_nested_tensor([model.inp(x) for x in xs])   # strided
+            for block in model.blocks:
+                h = block(h)
+            loss = sum(model.out(t).pow(2).mean() for t in h.unbind())
+            loss.backward()
+        out.append([loss.detach(), *(p.grad for p in model.parameters())])
+    return out
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_block_given_a_strided_nested_tensor_runs_as_is(policy, caplog):
+    """Before: torch's checkpoint read the nested tensor's `.shape` and raised (`recompute`),
+    and so did `auto`'s shape signature."""
+    with caplog.at_level(logging.INFO, logger="offload"):
+        plain, ours = _nested_run(None), _nested_run(policy)
+    for step, (a, b) in enumerate(zip(plain, ours)):
+        assert all(map(torch.equal, a, b)), f"step {step}"
+    said = [r.message for r in caplog.records if "strided layout" in r.message]
+    assert len(said) == 1 and "a _Block got a nested tensor" in said[0], said
+
+
+def test_a_block_whose_weights_train_is_checkpointed_though_its_input_needs_no_grad():
+    """A LoRA-style block after a frozen embedding: its input needs no gradient, its
+    weights do, so it is checkpointed still (its saves are recomputed, not kept)."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[_Block() for _ in range(2)])
+    x = torch.randn(4, 16)
+    with offload.activations(model=blocks, policy="recompute", tiers="host", min_bytes=0) as ctx:
+        blocks(x).sum().backward()
+    # a checkpointed block's saves are its recomputed ones: only the input reached our hooks
+    assert ctx.stats.packed_tensors == 2, ctx.stats
