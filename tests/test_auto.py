@@ -201,7 +201,7 @@ def test_a_stored_random_op_before_a_recomputed_one_replays_exactly(rule_2, own_
         with offload.activations(model=model, policy="auto", min_bytes=0, tiers="nvme",
                                  nvme_dir=nvme_dir, probe=SLOW) as ctx:
             decision = ctx._hooks.storer.placement.target(target)
-            store = lambda op: decision if op == (stored, 0) else None  # noqa: E731
+            store = lambda op, out: decision if op == (stored, 0) else None  # noqa: E731
             y = x0.clone().requires_grad_()
             seed(3)
             loss = run_block(fn, (y,), {}, store, ctx._hooks, ctx._hooks.storer.placement)
@@ -777,7 +777,7 @@ def test_a_stored_output_changed_in_place_later_is_computed_again(target, nvme_d
     with offload.activations(model=lin, policy="auto", min_bytes=0, tiers="nvme",
                              nvme_dir=nvme_dir, probe=SLOW) as ctx:
         decision = ctx._hooks.storer.placement.target(target)
-        store = lambda op: decision if op[0] == "aten.addmm.default" else None  # noqa: E731
+        store = lambda op, out: decision if op[0] == "aten.addmm.default" else None  # noqa: E731
         out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.storer.placement,
                         on_changed=told.append)
         out.backward()
@@ -830,7 +830,7 @@ def test_a_stored_output_of_any_op_changed_in_place_is_never_handed_back(made_by
         decision = placement.target(target)
         x = x0.clone().requires_grad_()
         torch.manual_seed(7)
-        out = run_block(fn, (x,), {}, lambda o: decision if o[0] == op else None,
+        out = run_block(fn, (x,), {}, lambda o, out: decision if o[0] == op else None,
                         ctx._hooks, placement)
         out.backward()
     got = [x.grad, lin.weight.grad, lin2.weight.grad]
@@ -942,7 +942,7 @@ def test_an_op_is_stored_only_at_the_position_the_plan_saw_it(where, nvme_dir):
     with offload.activations(model=lin, policy="auto", min_bytes=0, tiers="nvme",
                              nvme_dir=nvme_dir, probe=SLOW) as ctx:
         decision = ctx._hooks.storer.placement.target("nvme")
-        store = lambda op: decision if op[0] == "aten.addmm.default" else None  # noqa: E731
+        store = lambda op, out: decision if op[0] == "aten.addmm.default" else None  # noqa: E731
         before = ctx.stats.packed_tensors
         out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.storer.placement,
                         positions={("aten.addmm.default", 0): where})
@@ -994,7 +994,7 @@ def test_a_rerun_that_runs_other_ops_than_its_forward_hands_back_no_stored_outpu
             model=model, policy="auto", min_bytes=0, tiers="nvme", nvme_dir=nvme_dir,
             probe=SLOW) as ctx:
         decision = ctx._hooks.storer.placement.target("nvme")
-        store = lambda op: decision if op[0] == "aten.mm.default" else None  # noqa: E731
+        store = lambda op, out: decision if op[0] == "aten.mm.default" else None  # noqa: E731
         before = ctx.stats.packed_tensors
         out = run_block(fn, (x,), {}, store, ctx._hooks, ctx._hooks.storer.placement)
         assert ctx.stats.packed_tensors - before == 4   # the input and three mm outputs
@@ -1056,7 +1056,7 @@ def test_a_rerun_that_finds_a_weight_cast_in_autocasts_cache_hands_back_no_store
     with offload.activations(model=model, policy="auto", min_bytes=0, tiers="nvme",
                              nvme_dir=nvme_dir, probe=SLOW) as ctx:
         decision = ctx._hooks.storer.placement.target("nvme")
-        store = lambda op: decision if op[0] == "aten._to_copy.default" else None  # noqa: E731
+        store = lambda op, out: decision if op[0] == "aten._to_copy.default" else None  # noqa: E731
         got = grads(lambda: run_block(fn, (x,), {}, store, ctx._hooks,
                                       ctx._hooks.storer.placement))
     assert all(torch.equal(a, b) for a, b in zip(want, got))

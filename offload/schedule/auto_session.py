@@ -90,6 +90,8 @@ class AutoSession(Session):
         self._hooks = None
         self._start_s = 0.0
         self._fallback: str | None = None
+        self._said_extra = False   # plan.py NOTE [More calls than profiled], said once
+        self._calls: dict[int, int] = {}
         self._capacity: dict[str, int] = {}
         self.key = _UNKNOWN      # this step's shape class (NOTE [Shape classes])
         self._profiling = False
@@ -133,6 +135,7 @@ class AutoSession(Session):
         self._t0 = self._clock.mark(view.start_s)
         self._fallback = None
         self._shape_miss = False
+        self._calls: dict[int, int] = {}   # block index -> its calls so far this step
         self.choice.profiler = None
         self._set_class(_UNKNOWN, False)
         # Tiers are open now (closed again before step_done): note what they may hold.
@@ -194,7 +197,11 @@ class AutoSession(Session):
         if choice.recording:   # (placement.py note_small)
             sizes = {id(s): s.nbytes() for s in storages}
             small_inputs = sum(n for n in sizes.values() if n < self.config.min_bytes)
-        placement.enter_region(("block", index), inputs, stand_in, small_inputs)
+        extra = False
+        if plan is not None and choice.profiler is None:   # plan.py NOTE [More calls ...]
+            self._calls[index] = calls = self._calls.get(index, 0) + 1
+            extra = calls > plan.calls.get(index, calls)
+        placement.enter_region(("block", index), inputs, stand_in, small_inputs, moved=extra)
         try:
             if choice.profiler is not None:
                 out = choice.profiler.run(index, self.types[index], type(block).__name__,
@@ -214,6 +221,9 @@ class AutoSession(Session):
                              "this step, and its shape class profiles again", self._fallback)
             if holds_cache(args, kwargs, self.blocks):
                 return forward(*args, **kwargs)
+            if extra:
+                self._say_extra(block, plan.calls[index])
+                return checkpoint_block(forward, args, kwargs, block=block, flat=flat)
             if choice.mode == "checkpoint":
                 if index in plan.checkpoint_keeps and self._fallback is None:
                     return forward(*args, **kwargs)
@@ -225,20 +235,19 @@ class AutoSession(Session):
                 return forward(*args, **kwargs)
             if self.opaque[index]:   # compiled: recomputed whole (profile.WHOLE_BLOCK)
                 return checkpoint_block(forward, args, kwargs, block=block, flat=flat)
-            targets = plan.op_targets
-            rset = bp.recompute
-            moved = stand_in != index
-
-            def store(op_id):
-                if op_id in rset:
-                    return None
-                name = targets.get((stand_in, op_id))
-                return None if name is None else placement.target(name, moved)
-
+            store = placement.op_decisions(plan, bp, stand_in, stand_in != index)
             return run_block(forward, args, kwargs, store, hooks, placement, block,
                              bp.positions, flat, self._changed_later(self.types[stand_in]))
         finally:
             placement.enter_region(("after", index))
+
+    def _say_extra(self, block, profiled: int) -> None:
+        """Said once per context (plan.py NOTE [More calls than profiled])."""
+        if not self._said_extra:
+            self._said_extra = True
+            log.info("offload: auto: a %s was called more times in a step than in the "
+                     "profiled one (%d): its extra calls run checkpointed, their inputs moved",
+                     type(block).__name__, profiled)
 
     def _changed_later(self, type_key):
         """What a block's re-run tells of a stored output that was changed in place after the

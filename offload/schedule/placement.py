@@ -23,6 +23,7 @@ from ..runtime.backward_marks import graph_task_id
 from ..runtime.placement import Decision, Placement, TensorInfo
 from .plan import Plan
 from .profile import BlockProfiler, BlockRecord, ItemRecord
+from .stored_ops import output_bytes
 
 __all__ = ["SchedulePlacement", "StepChoice"]
 
@@ -56,6 +57,7 @@ class SchedulePlacement(Placement):
         self._forced: Decision | None = None
         self._inputs: dict[int, int] = {}      # storage id -> positional input (checkpoint)
         self._stand_in: int | None = None      # the planned block this one's lookups use
+        self._moved = False                    # the region's "keep" moves (enter_region)
         self._decisions: dict[tuple, Decision] = {}
         self.items: list[ItemRecord] = []
         self.unplanned = 0
@@ -103,9 +105,13 @@ class SchedulePlacement(Placement):
         return self._micro_batches
 
     def enter_region(self, region: tuple, inputs: dict[int, int] | None = None,
-                     stand_in: int | None = None, small_inputs: int = 0) -> None:
-        """`small_inputs`: a block's input bytes below OFFLOAD_MIN_BYTES (while recording)."""
+                     stand_in: int | None = None, small_inputs: int = 0,
+                     moved: bool = False) -> None:
+        """`small_inputs`: a block's input bytes below OFFLOAD_MIN_BYTES (while recording);
+        `moved`: the block's decisions are kept nowhere, as a stand-in's (a call beyond
+        those profiled: plan.py NOTE [More calls than profiled])."""
         self.note_small()
+        self._moved = moved
         if inputs and region[0] == "block" and self._recorded:
             self._note_fed(region[1], inputs)
         self._region_small_inputs = small_inputs
@@ -228,6 +234,24 @@ class SchedulePlacement(Placement):
             self._decisions[name] = decision
         return decision
 
+    def op_decisions(self, plan: Plan, bp, stand_in: int, moved: bool) -> Callable:
+        """`store(op_id, out)` for a per-op block call (recompute.run_block): the plan's
+        target of each op output it stores, None for those it recomputes. `moved`: the
+        decisions are borrowed from `stand_in` (a keep moves, `target`)."""
+        targets, sizes, freeing, rset = plan.op_targets, plan.op_bytes, plan.params.tiers, \
+            bp.recompute
+
+        def store(op_id: tuple, out) -> Decision | None:
+            if op_id in rset:
+                return None
+            name = targets.get((stand_in, op_id))
+            if name is None or not moved and name not in freeing and \
+                    output_bytes(out) > sizes.get((stand_in, op_id), 0):
+                return None   # plan.py NOTE [Op outputs of another size]
+            return self.target(name, moved)
+
+        return store
+
     def decide(self, info: TensorInfo) -> Decision:
         if self._forced is not None:
             return self._forced
@@ -257,13 +281,13 @@ class SchedulePlacement(Placement):
             # A whole-block strategy (trials.py NOTE [Trials]) moves every eligible storage,
             # but those of the blocks `checkpoint` runs as they are within the budget.
             if choice.mode == "checkpoint" and region[0] == "block" \
-                    and region[1] in plan.checkpoint_keeps:
+                    and region[1] in plan.checkpoint_keeps and not self._moved:
                 return self.target("keep")
             return self._move(plan, base)
         moved = False
         if region[0] == "block":
             block = self._stand_in
-            moved = block != region[1]
+            moved = block != region[1] or self._moved
             if block is None:
                 name = None
             elif info.storage is not None and id(info.storage) in self._inputs:

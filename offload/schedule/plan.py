@@ -80,6 +80,20 @@ class Plan:
     # (region, ordinal) -> bytes profiled there: a storage of another size at that key is
     # not the one planned for (moved, memory-safe), e.g. before the step's shapes are known.
     item_bytes: ReadOnlyDict = field(default_factory=ReadOnlyDict, repr=False)
+    # (block index, op id) -> the most bytes that op's output took in the profiled calls,
+    # for the ops `op_targets` stores. NOTE [Op outputs of another size] An op whose output
+    # is larger now, where the block's inputs are not (a mixture of experts' expert given
+    # more tokens than in the profile), is recomputed rather than kept: the plan counted
+    # the profiled bytes (kept 2.9x the budget, ctx.plan saying it held). Moving to a tier
+    # frees memory whatever the size: those are stored.
+    op_bytes: ReadOnlyDict = field(default_factory=ReadOnlyDict, repr=False)
+    # Block index -> its calls in the profiled step. NOTE [More calls than profiled] A block
+    # called more times in a step than in the profiled one (a stack repeated a
+    # data-dependent number of times, more micro-batches in one entry) would look its
+    # decisions up again: kept once more per call, over the budget with `ctx.plan` saying it
+    # held (1.5x). Its extra calls run checkpointed, their inputs moved as a stand-in
+    # block's are (`SchedulePlacement.enter_region(moved=True)`).
+    calls: ReadOnlyDict = field(default_factory=ReadOnlyDict, repr=False)
 
     def block_plan(self, index: int) -> BlockPlan | None:
         key = self.block_type.get(index)

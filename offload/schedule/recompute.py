@@ -2,7 +2,7 @@
 
 `run_block(forward, args, kwargs, store, hooks, placement)` runs `forward` under
 `torch.utils.checkpoint(use_reentrant=False, context_fn=...)` with the two dispatch modes
-of stored_ops.py: the forward hands the outputs of the ops `store(op_id)` names to our
+of stored_ops.py: the forward hands the outputs of the ops `store(op_id, out)` names to our
 saved-tensor hooks, and the re-run takes them back instead of running those ops
 (stored_ops.py's Rules 1-6 say which outputs may be stored and when one is handed back).
 `checkpoint_block` is the checkpoint itself, also `recompute`'s: every tensor argument
@@ -230,14 +230,15 @@ def _ranged(fn: Callable) -> Callable:
 
 
 def run_block(forward: Callable, args: tuple, kwargs: dict,
-              store: Callable[[tuple], Decision | None], hooks, placement,
+              store: Callable[[tuple, Any], Decision | None], hooks, placement,
               block: torch.nn.Module | None = None, positions: dict | None = None,
               flat: tuple | None = None,
               on_changed: Callable[[tuple], None] | None = None) -> Any:
     """`forward(*args, **kwargs)` under non-reentrant checkpoint with per-op storing.
 
     Args:
-        store: op_id -> Decision for outputs to keep / move, None to recompute.
+        store: (op_id, the op's output) -> Decision for outputs to keep / move, None to
+            recompute.
         hooks: the context's OffloadHooks (pack / unpack).
         placement: has `forced(decision)`, a context manager making the next pack use it.
         block: the module `forward` belongs to (its buffers, see checkpoint_block).

@@ -258,6 +258,11 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
             skipped.setdefault(it.region, []).append(it.ordinal)
     item_targets, item_bytes = _renumbered(item_targets, skipped), _renumbered(item_bytes, skipped)
     pred = dataclasses.replace(pred, kept_bytes=kept_bytes, moved_bytes=_ro(moved_bytes))
+    op_bytes: dict = {}   # plan.py NOTE [Op outputs of another size]
+    for b in profile.blocks:
+        for op in b.ops:
+            if (b.index, op.op_id) in op_targets:
+                op_bytes[b.index, op.op_id] = max(op.out_bytes, op_bytes.get((b.index, op.op_id), 0))
     per_block: dict = {}
     largest = 0
     for block, _, nbytes, target in decided:
@@ -273,7 +278,8 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
                 _ro(block_type), pred, params, figures, _ro(summary), _ro(signatures),
                 notes, tuple(decided),
                 _readahead(profile, figures, params, per_block, largest, pred.recompute_s),
-                item_bytes=_ro(item_bytes))
+                item_bytes=_ro(item_bytes), op_bytes=_ro(op_bytes),
+                calls=_ro(Counter(b.index for b in profile.blocks)))
 
 
 def _renumbered(table: dict, skipped: dict[tuple, list[int]]) -> dict:

@@ -3,7 +3,7 @@ how its re-run hands them back.
 
 `recompute.run_block` runs a block under `torch.utils.checkpoint(use_reentrant=False,
 context_fn=...)` with these two modes (`modes`): in the forward (`StoreOutputs`), the output
-of every op that `store(op_id)` names is handed to our saved-tensor hooks with that decision
+of every op that `store(op_id, out)` names is handed to our saved-tensor hooks with that decision
 (keep, host or nvme: through the tiers and the prefetcher like any saved tensor); in the
 recompute (`ReplayOutputs`), those ops return the stored bytes and every other op runs
 again. `op_id` is `(op name, n)`: the n-th call of that op in the block, the same in forward
@@ -191,7 +191,7 @@ class _Entry:
 class StoreOutputs(TorchDispatchMode):
     """Forward: run every op; hand the chosen outputs to our hooks."""
 
-    def __init__(self, stash: dict, ops: list, store: Callable[[tuple], Decision | None],
+    def __init__(self, stash: dict, ops: list, store: Callable[[tuple, Any], Decision | None],
                  hooks, placement, positions: dict | None = None) -> None:
         super().__init__()
         self.stash = stash
@@ -221,7 +221,7 @@ class StoreOutputs(TorchDispatchMode):
         if self.last is None or position <= self.last:
             self.ops.append(op_entry(func, args, kwargs))
         op_id = (op_name(func), n)
-        decision = self.store(op_id)
+        decision = self.store(op_id, out)
         if decision is None or storable_op(func) is not None:
             return out
         if self.positions is not None and self.positions.get(op_id) != position:
@@ -345,7 +345,15 @@ def forget_messages() -> None:
     _said_changed.clear()
 
 
-def modes(store: Callable[[tuple], Decision | None], hooks, placement,
+def output_bytes(out: Any) -> int:
+    """Bytes of the distinct storages of an op's tensor outputs (a stored op's are new:
+    Rule 1), as the profile counts them (`OpRecord.out_bytes`)."""
+    storages = {id(s): s.nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                for s in (t.untyped_storage(),)}
+    return sum(storages.values())
+
+
+def modes(store: Callable[[tuple, Any], Decision | None], hooks, placement,
           positions: dict | None, block_name: str,
           on_changed: Callable[[tuple], None] | None = None
           ) -> tuple[TorchDispatchMode, TorchDispatchMode]:
