@@ -411,6 +411,31 @@ def test_ctrl_c_before_any_run_finished_prints_no_table(tmp_path, nvme_dir, monk
     assert _workspaces() == before and os.listdir(nvme_dir) == []
 
 
+def test_a_worker_started_after_its_parent_gave_up_exits_quietly(tmp_path):
+    """Ctrl-C while the forkserver is starting the first worker (it imports torch for ~2 s):
+    the parent removes its workspace, and the forkserver forks the worker after all.
+    Before, it raised FileNotFoundError on its log file and printed the traceback into the
+    user's terminal after offload-bench had said "interrupted"."""
+    gone = tmp_path / "workspace"   # removed already
+    script = ("from offload.bench.worker import child_entry\n"
+              f"child_entry('{gone}/s.json', '{gone}/o.json', '{gone}/w.log', {{}})\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert (out.returncode, out.stderr) == (0, "")
+
+
+def test_ctrl_c_while_a_worker_starts_stops_nothing_that_did_not_start():
+    from offload.bench import runner as runner_mod
+
+    class Starting:   # interrupted before the forkserver said the worker's pid
+        pid = exitcode = None
+
+        def terminate(self):
+            raise AssertionError("no process to stop")
+
+    runner_mod._stop(Starting())
+
+
 def test_a_model_without_blocks_says_so(tmp_path, nvme_dir, capsys):
     (tmp_path / "mlp.py").write_text(
         "import torch.nn as nn\n"

@@ -146,8 +146,8 @@ class WorkerRunner:
         proc = _forkserver(self.preload).Process(
             target=child_entry, name=f"offload-bench-{spec.strategy}",
             args=(spec_path, out_path, log_path, _child_env()))
-        proc.start()
         try:
+            proc.start()   # (Ctrl-C here: a worker the forkserver starts later exits at once)
             timed_out = self._wait(proc)
         except BaseException:
             _stop(proc)
@@ -191,7 +191,7 @@ class WorkerRunner:
 
 
 def _stop(proc) -> None:
-    if proc.exitcode is not None:
+    if proc.pid is None or proc.exitcode is not None:   # not started (yet), or ended
         return
     proc.terminate()  # SIGTERM: the worker unwinds its `with` blocks
     proc.join(timeout=_TERM_GRACE_S)

@@ -301,7 +301,12 @@ def _interrupt(signum, frame):
 def child_entry(spec_path: str, out_path: str, log_path: str, environ: dict[str, str]) -> None:
     """Entry of a worker started by the parent's forkserver (see runner Rule 2)."""
     os.setsid()  # Ctrl-C in the terminal reaches only the parent, which stops us in order
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    except FileNotFoundError:
+        # The parent was stopped while the forkserver was starting us (Ctrl-C in the first
+        # seconds) and removed its workspace: there is nothing to measure for anyone.
+        raise SystemExit(0) from None
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
