@@ -79,8 +79,10 @@ class Config:
             "context opens it and kept open between steps. A percentage is of what fits at that "
             "moment in equal shares over the directories (the directory with the least free "
             "space per share sets it), divided among the processes of this host "
-            "(LOCAL_WORLD_SIZE); a size is per process, at least 1 MiB per directory, and is "
-            "refused when the context is "
+            "(LOCAL_WORLD_SIZE); a size is per process, at least 1 MiB per directory, rounded "
+            "down to whole slab chunks per directory (1 MiB each, 4 MiB from 256 MiB per "
+            "directory: `3MiB` over two directories holds 2 MiB; `ctx.stats.nvme_capacity_bytes` "
+            "says what it holds), and is refused when the context is "
             "built if a directory's share does not fit. When it is full, tensors spill to the "
             "next tier, stay with a warning, or raise TierFullError (OFFLOAD_STRICT).")
     min_bytes: int = _knob(

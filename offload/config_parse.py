@@ -173,6 +173,9 @@ def _expand_rank(item: str, where: str, env: Mapping[str, str]) -> str:
 
 
 def _parse_path(raw: Any, where: str, env: Mapping[str, str]) -> str:
+    if isinstance(raw, bytes) or not isinstance(raw, (str, os.PathLike)):
+        raise _fail(where, f"{raw!r} is not a path",
+                    "give a file path such as /tmp/step.json")
     value = os.fspath(raw).strip() if not isinstance(raw, str) else raw.strip()
     if not value:
         raise _fail(where, "is empty", "give a file path such as /tmp/step.json")

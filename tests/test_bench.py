@@ -411,6 +411,17 @@ def test_ctrl_c_before_any_run_finished_prints_no_table(tmp_path, nvme_dir, monk
     assert _workspaces() == before and os.listdir(nvme_dir) == []
 
 
+def test_gpt_given_twice_applies_both():
+    """Before, argparse kept the last --gpt only: `--gpt hidden=32,layers=2 --gpt
+    vocab_size=64` ran the default 512-wide, 8-layer model, saying nothing."""
+    from offload.bench.cli import _resolve, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["--device", "cpu", "--gpt", "hidden=32,layers=2,heads=2",
+                              "--gpt", "vocab_size=64,layers=3"])
+    assert _resolve(args, parser).model_label == "GPT h32 L3 heads2 vocab64"
+
+
 def test_a_worker_started_after_its_parent_gave_up_exits_quietly(tmp_path):
     """Ctrl-C while the forkserver is starting the first worker (it imports torch for ~2 s):
     the parent removes its workspace, and the forkserver forks the worker after all.

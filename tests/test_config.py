@@ -309,6 +309,14 @@ def test_nvme_dir_as_a_path_object_and_listed_twice(tmp_path):
         offload.activations(tiers="nvme", nvme_dir=3)
 
 
+def test_trace_must_be_a_path(tmp_path):
+    """Was: a TypeError from os.fspath, naming no setting."""
+    for wrong in (123, b"/tmp/step.json"):
+        with pytest.raises(ConfigError, match=r"trace=.*is not a path \(give a file path"):
+            offload.activations(trace=wrong)
+    assert offload.activations(trace=tmp_path / "t.json").config.trace == str(tmp_path / "t.json")
+
+
 def test_blocks_must_be_modules_of_the_model():
     """Was: accepted, then nothing recomputed, said only by a log line at INFO."""
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))

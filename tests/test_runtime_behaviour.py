@@ -390,7 +390,9 @@ def test_all_tiers_full_warns_once_and_keeps(caplog):
             assert ctx.stats.full_kept_bytes == 3 * 256 * 1024
     warnings = [r for r in caplog.records if "every tier is full" in r.getMessage()]
     assert len(warnings) == 1
-    assert "Raise OFFLOAD_HOST_BYTES" in warnings[0].getMessage()
+    # the knobs as this code set them (keywords), not variables it never set
+    assert "Raise host_bytes= or add a tier to tiers=; strict=True makes this an error" \
+        in warnings[0].getMessage()
     # What happens is what the warning says: this one stays, smaller ones still move.
     assert "a 256 KiB activation stays" in warnings[0].getMessage()
     assert "smaller ones still move" in warnings[0].getMessage()
@@ -444,19 +446,33 @@ def test_a_tensor_larger_than_every_tier_is_not_called_full(caplog):
                                                  "(host 0 B of 300 KiB used)"), said
     assert ctx.stats.full_kept_bytes == 512 * 1024
     with pytest.raises(TierFullError, match=r"no tier can hold it whole \(host 0 B of 300 KiB "
-                       r"used\) and OFFLOAD_STRICT=1"):
+                       r"used\) and strict=True, .* \(raise host_bytes=, add a tier to tiers=, "
+                       r"or pass strict=False"):
         with offload.activations(tiers="host", host_bytes="300KiB", min_bytes=0, strict=True):
             (x * 1).sin()
 
 
+@pytest.mark.parametrize("set_by", ["keywords", "environment"])
 @pytest.mark.parametrize("tiers", TIERS)
-def test_strict_raises_tier_full(tiers, nvme_dir):
+def test_strict_raises_tier_full(tiers, set_by, nvme_dir, monkeypatch):
+    """The fix names the knobs as they were set: a variable the user never set was named
+    before (`unset OFFLOAD_STRICT` for `strict=True`)."""
     x = torch.randn(64, 1024, requires_grad=True)
     # The engine rounds its capacity up to whole 1 MiB chunks: 4 such tensors fit.
     kw = _kw(tiers, nvme_dir, strict=True, host_bytes="300KiB", nvme_bytes="1MiB")
+    if set_by == "keywords":
+        fix = (rf"strict=True, so a 256 KiB activation cannot be placed \(raise {tiers}_bytes=, "
+               r"add a tier to tiers=, or pass strict=False")
+    else:
+        for name in ("tiers", "strict", "host_bytes", "nvme_bytes"):
+            value = kw.pop(name)
+            monkeypatch.setenv(f"OFFLOAD_{name.upper()}", value if isinstance(value, str)
+                               else str(int(value)))
+        fix = (rf"OFFLOAD_STRICT=1, so a 256 KiB activation cannot be placed \(raise "
+               rf"OFFLOAD_{tiers.upper()}_BYTES, add a tier to OFFLOAD_TIERS, or unset "
+               r"OFFLOAD_STRICT")   # only the tier in use
     with pytest.raises(TierFullError, match=r"every tier is full \(" + tiers + r" .* used\) and "
-                       r"OFFLOAD_STRICT=1, so a 256 KiB activation cannot be placed \(raise "
-                       rf"OFFLOAD_{tiers.upper()}_BYTES, add a tier"):   # only the tier in use
+                       + fix):
         with offload.activations(**kw):
             y = x * 1
             for _ in range(6):

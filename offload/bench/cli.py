@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--batch", type=int, help=f"batch size (default: {CPU_DEFAULT_BATCH} on CPU, "
                                 f"gpt_for_machine's on CUDA; {MODEL_DEFAULT_BATCH} with --model)")
     a("--seq", type=int, help="sequence length of the built-in GPT (default: its config's)")
-    a("--gpt", metavar="K=V,...", default="",
-      help="override GPTConfig fields, e.g. hidden=1024,layers=12,heads=16")
+    a("--gpt", metavar="K=V,...", action="append", default=[],
+      help="override GPTConfig fields, e.g. hidden=1024,layers=12,heads=16 (repeatable: "
+           "all apply, a key given again takes its last value)")
     a("--hf", metavar="TYPE|CONFIG.json",
       help="a Hugging Face causal LM built from transformers' config for TYPE (gpt2, llama, "
            "mistral, qwen2, ...; no download), sized like the built-in GPT (--gpt/--seq "
@@ -293,7 +294,7 @@ def _resolve(args, parser) -> Settings:
             parser.error("--input-shape applies to --model only")
         base_cfg, machine_batch = gpt_for_machine(device)
         gpt = dataclasses.asdict(base_cfg)
-        overrides = _parse_gpt(args.gpt, parser)
+        overrides = _parse_gpt(",".join(args.gpt), parser)
         gpt.update(overrides)
         if args.seq:
             gpt["seq_len"] = args.seq

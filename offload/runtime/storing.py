@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from ..config_parse import knob
 from ..errors import TierFullError
 from ..util.sizes import format_bytes
 from .placement import Placement, TensorInfo
@@ -127,22 +128,34 @@ class Storer:
 
     def _all_full(self, nbytes: int, targets: tuple[str, ...]) -> None:
         usage = ", ".join(self.tiers[name].usage_text() for name in targets)
-        sizes = " / ".join(f"OFFLOAD_{name.upper()}_BYTES" for name in targets)
+        config = self.placement.config   # each knob named as it was set (a keyword, a variable)
+        sizes = " / ".join(knob(config.where(f"{name}_bytes"), f"{name}_bytes")
+                           for name in targets)
+        tiers = knob(config.where("tiers"), "tiers")
+        # strict as it was set, else in the style the tiers were set in
+        strict = knob(config.sources.get("strict") or config.where("tiers"), "strict")
         # A tensor larger than every tier whole does not fit however empty they are: the
         # message says so, not that they are full.
         too_large = all(nbytes > self.tiers[name].capacity_bytes for name in targets)
         full = "no tier can hold it whole" if too_large else "every tier is full"
         if self._strict:
             raise TierFullError(
-                f"offload: {full} ({usage}) and OFFLOAD_STRICT=1, so a "
+                f"offload: {full} ({usage}) and {_set(strict)}, so a "
                 f"{format_bytes(nbytes)} activation cannot be placed (raise {sizes}, add a "
-                "tier to OFFLOAD_TIERS, or unset OFFLOAD_STRICT to keep such tensors on the "
-                "device)")
+                f"tier to {tiers}, or {_unset(strict)} to keep such tensors on the device)")
         self.stats.full_kept_bytes += nbytes
         if (targets, too_large) not in _said_full:   # once per process and tier list
             _said_full.add((targets, too_large))
             log.warning("offload: %s (%s); a %s activation stays on the "
                         "device, and so will every later one that does not fit (smaller ones "
                         "still move while there is room; ctx.stats.full_kept_bytes counts "
-                        "what stayed). Raise %s or add a tier; OFFLOAD_STRICT=1 makes this "
-                        "an error", full, usage, format_bytes(nbytes), sizes)
+                        "what stayed). Raise %s or add a tier to %s; %s makes this an error",
+                        full, usage, format_bytes(nbytes), sizes, tiers, _set(strict))
+
+
+def _set(strict: str) -> str:
+    return "OFFLOAD_STRICT=1" if strict.startswith("OFFLOAD_") else "strict=True"
+
+
+def _unset(strict: str) -> str:
+    return "unset OFFLOAD_STRICT" if strict.startswith("OFFLOAD_") else "pass strict=False"

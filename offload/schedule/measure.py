@@ -106,11 +106,12 @@ def _probe_bytes(dirs: tuple[str, ...]) -> tuple[int, int]:
         raise StorageError(
             errno.ENOSPC,
             f"offload: cannot measure the NVMe directory {fullest}: {free[fullest] >> 20} MiB "
-            f"free there (after the nvme tier's reservation, OFFLOAD_NVME_BYTES), and the "
-            f"probe needs {(2 * _MIN_PROBE_BYTES // len(dirs) + _SLACK_BYTES) >> 20} MiB. Give "
+            f"free there, and the probe needs "
+            f"{(2 * _MIN_PROBE_BYTES // len(dirs) + _SLACK_BYTES) >> 20} MiB. Give "
             "`auto` the disk's figures instead (OFFLOAD_PROBE=nvme_write_gbps=...,"
             "nvme_read_gbps=...,nvme_issue_s=...; `offload-probe --nvme-dir` on a "
-            "directory of that disk with room prints them), or lower OFFLOAD_NVME_BYTES",
+            "directory of that disk with room prints them); under `auto` the nvme tier "
+            "reserved its share first, and a lower OFFLOAD_NVME_BYTES leaves the probe more",
             fullest)
     return total, request
 
