@@ -122,22 +122,26 @@ class _Repeated(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.inp, self.head = nn.Linear(4, 16), nn.Linear(16, 1)
+        self.inp, self.mix = nn.Linear(4, 16), nn.Linear(16, 16)
+        self.head1, self.head2 = nn.Linear(16, 64), nn.Linear(64, 1)   # saves outside blocks
         self.blocks = nn.ModuleList([_Block() for _ in range(4)])
 
-    def forward(self, x, reps: int):
+    def forward(self, x, reps: int = 1):
         h = self.inp(x)
-        for _ in range(reps):
+        for rep in range(reps):
+            if rep:
+                h = torch.tanh(self.mix(h))   # an op between the repeats
             for block in self.blocks:
                 h = block(h)
-        return self.head(h).pow(2).mean()
+        return self.head2(F.gelu(self.head1(h))).pow(2).mean()
 
 
 @pytest.mark.parametrize("budget", ["30%", "90%"])
 def test_blocks_called_more_times_than_profiled_keep_no_more(budget, nvme_dir, caplog):
     """Profiled with the stack run once, planned steps run it twice. Before, the second
     calls looked up the first calls' decisions and kept as much again: 1.9x the plan's
-    prediction and 1.5x the budget at 90%."""
+    prediction and 1.5x the budget at 90%; the op between the repeats and the head kept
+    theirs again too."""
     model = _Repeated()
     ctx = offload.activations(model=model, policy="auto", tiers="nvme", nvme_dir=nvme_dir,
                               min_bytes=0, budget=budget, probe=SLOW)
@@ -148,4 +152,34 @@ def test_blocks_called_more_times_than_profiled_keep_no_more(budget, nvme_dir, c
     assert kept and all(peak <= predicted <= budget for peak, predicted, budget in kept), kept
     said = [r.message for r in caplog.records if "more times in a step" in r.message]
     assert len(said) == 1 and "a _Block was called" in said[0], said
+    ctx.close()
+
+
+class _Summed(nn.Module):
+    """Micro-batches in one entry: every forward, then one backward of their summed loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Repeated()
+
+    def forward(self, *xs):
+        return sum(self.inner(x) for x in xs)
+
+
+@pytest.mark.parametrize("budget", ["30%", "90%"])
+def test_more_micro_batches_than_profiled_keep_no_more(budget, nvme_dir):
+    """Profiled with one forward before the backward, planned steps make two. Before, the
+    second micro-batch's head (outside every block) found the first one's decisions and
+    kept as much again: 2x the plan's prediction with tiers="nvme"."""
+    model = _Summed()
+    ctx = offload.activations(model=model, policy="auto", tiers="nvme", nvme_dir=nvme_dir,
+                              min_bytes=0, budget=budget, probe=SLOW)
+
+    def step_input(step):
+        xs = [torch.randn(16, 4, generator=torch.Generator().manual_seed(10 * step + i))
+              for i in range(1 if step < 2 else 2)]
+        return tuple(xs)
+
+    kept = _train(model, step_input, ctx)
+    assert kept and all(peak <= predicted <= budget for peak, predicted, budget in kept), kept
     ctx.close()

@@ -91,7 +91,6 @@ class AutoSession(Session):
         self._start_s = 0.0
         self._fallback: str | None = None
         self._said_extra = False   # plan.py NOTE [More calls than profiled], said once
-        self._calls: dict[int, int] = {}
         self._capacity: dict[str, int] = {}
         self.key = _UNKNOWN      # this step's shape class (NOTE [Shape classes])
         self._profiling = False
@@ -135,7 +134,6 @@ class AutoSession(Session):
         self._t0 = self._clock.mark(view.start_s)
         self._fallback = None
         self._shape_miss = False
-        self._calls: dict[int, int] = {}   # block index -> its calls so far this step
         self.choice.profiler = None
         self._set_class(_UNKNOWN, False)
         # Tiers are open now (closed again before step_done): note what they may hold.
@@ -197,11 +195,7 @@ class AutoSession(Session):
         if choice.recording:   # (placement.py note_small)
             sizes = {id(s): s.nbytes() for s in storages}
             small_inputs = sum(n for n in sizes.values() if n < self.config.min_bytes)
-        extra = False
-        if plan is not None and choice.profiler is None:   # plan.py NOTE [More calls ...]
-            self._calls[index] = calls = self._calls.get(index, 0) + 1
-            extra = calls > plan.calls.get(index, calls)
-        placement.enter_region(("block", index), inputs, stand_in, small_inputs, moved=extra)
+        placement.enter_region(("block", index), inputs, stand_in, small_inputs)
         try:
             if choice.profiler is not None:
                 out = choice.profiler.run(index, self.types[index], type(block).__name__,
@@ -221,8 +215,8 @@ class AutoSession(Session):
                              "this step, and its shape class profiles again", self._fallback)
             if holds_cache(args, kwargs, self.blocks):
                 return forward(*args, **kwargs)
-            if extra:
-                self._say_extra(block, plan.calls[index])
+            if placement.beyond_profile:   # plan.py NOTE [More calls than profiled]
+                self._say_extra(block, plan.visits[("block", index)])
                 return checkpoint_block(forward, args, kwargs, block=block, flat=flat)
             if choice.mode == "checkpoint":
                 if index in plan.checkpoint_keeps and self._fallback is None:
@@ -397,7 +391,8 @@ class AutoSession(Session):
         forward_s = max(forward_s - stats.stall_forward_s, 1e-6)
         backward_s = max(backward_s - stats.stall_backward_s, 1e-6)
         items = [*items, *self._placement.unsaved_records(blocks)]   # unsaved_outputs.py
-        return Profile(self._device, forward_s, backward_s, stats.saved_bytes, blocks, items)
+        return Profile(self._device, forward_s, backward_s, stats.saved_bytes, blocks, items,
+                       dict(self._placement.visits))
 
     def _params(self, profile: Profile) -> PlanParams:
         config = self.config

@@ -57,7 +57,8 @@ class SchedulePlacement(Placement):
         self._forced: Decision | None = None
         self._inputs: dict[int, int] = {}      # storage id -> positional input (checkpoint)
         self._stand_in: int | None = None      # the planned block this one's lookups use
-        self._moved = False                    # the region's "keep" moves (enter_region)
+        self.visits: dict[tuple, int] = {}     # region -> entries so far this step
+        self.beyond_profile = False            # this entry is one the profile did not make
         self._decisions: dict[tuple, Decision] = {}
         self.items: list[ItemRecord] = []
         self.unplanned = 0
@@ -105,13 +106,14 @@ class SchedulePlacement(Placement):
         return self._micro_batches
 
     def enter_region(self, region: tuple, inputs: dict[int, int] | None = None,
-                     stand_in: int | None = None, small_inputs: int = 0,
-                     moved: bool = False) -> None:
-        """`small_inputs`: a block's input bytes below OFFLOAD_MIN_BYTES (while recording);
-        `moved`: the block's decisions are kept nowhere, as a stand-in's (a call beyond
-        those profiled: plan.py NOTE [More calls than profiled])."""
+                     stand_in: int | None = None, small_inputs: int = 0) -> None:
+        """`small_inputs`: a block's input bytes below OFFLOAD_MIN_BYTES (while recording)."""
         self.note_small()
-        self._moved = moved
+        # A visit beyond the profiled step's (plan.py NOTE [More calls than profiled]): its
+        # "keep"s move, as a stand-in block's do.
+        visits = self.visits[region] = self.visits.get(region, 0) + 1
+        plan = self.choice.plan
+        self.beyond_profile = plan is not None and visits > plan.visits.get(region, visits)
         if inputs and region[0] == "block" and self._recorded:
             self._note_fed(region[1], inputs)
         self._region_small_inputs = small_inputs
@@ -281,13 +283,13 @@ class SchedulePlacement(Placement):
             # A whole-block strategy (trials.py NOTE [Trials]) moves every eligible storage,
             # but those of the blocks `checkpoint` runs as they are within the budget.
             if choice.mode == "checkpoint" and region[0] == "block" \
-                    and region[1] in plan.checkpoint_keeps and not self._moved:
+                    and region[1] in plan.checkpoint_keeps and not self.beyond_profile:
                 return self.target("keep")
             return self._move(plan, base)
         moved = False
         if region[0] == "block":
             block = self._stand_in
-            moved = block != region[1] or self._moved
+            moved = block != region[1]
             if block is None:
                 name = None
             elif info.storage is not None and id(info.storage) in self._inputs:
@@ -296,6 +298,7 @@ class SchedulePlacement(Placement):
                 name = self._item(plan, (("block", block), ordinal), info.nbytes)
         else:
             name = self._item(plan, (region, ordinal), info.nbytes)
+        moved = moved or self.beyond_profile
         if name is None:
             self.unplanned += 1
             return self._move(plan, base)  # not in the plan (another step shape): memory-safe

@@ -87,13 +87,15 @@ class Plan:
     # the profiled bytes (kept 2.9x the budget, ctx.plan saying it held). Moving to a tier
     # frees memory whatever the size: those are stored.
     op_bytes: ReadOnlyDict = field(default_factory=ReadOnlyDict, repr=False)
-    # Block index -> its calls in the profiled step. NOTE [More calls than profiled] A block
-    # called more times in a step than in the profiled one (a stack repeated a
-    # data-dependent number of times, more micro-batches in one entry) would look its
-    # decisions up again: kept once more per call, over the budget with `ctx.plan` saying it
-    # held (1.5x). Its extra calls run checkpointed, their inputs moved as a stand-in
-    # block's are (`SchedulePlacement.enter_region(moved=True)`).
-    calls: ReadOnlyDict = field(default_factory=ReadOnlyDict, repr=False)
+    # Region -> how many times the profiled step entered it. NOTE [More calls than
+    # profiled] A block called more times in a step than in the profiled one (a stack
+    # repeated a data-dependent number of times, more micro-batches in one entry), and the
+    # code after it (a head, a loss, an op between repeats), would look their decisions up
+    # again: kept once more per visit, over the budget with `ctx.plan` saying it held (1.5x
+    # for a stack run twice, 2x for two micro-batches). A visit beyond the profiled ones
+    # moves what the plan keeps, as a stand-in block does (`SchedulePlacement.enter_region`:
+    # `beyond_profile`), and such a block call runs checkpointed.
+    visits: ReadOnlyDict = field(default_factory=ReadOnlyDict, repr=False)
 
     def block_plan(self, index: int) -> BlockPlan | None:
         key = self.block_type.get(index)

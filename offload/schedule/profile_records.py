@@ -112,6 +112,8 @@ class Profile:
     saved_bytes: int
     blocks: list[BlockRecord]
     items: list[ItemRecord]
+    # Region -> how many times the step entered it (plan.py NOTE [More calls than profiled])
+    visits: dict = field(default_factory=dict)
 
     @property
     def peak_saved_bytes(self) -> int:

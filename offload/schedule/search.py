@@ -279,7 +279,7 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
                 notes, tuple(decided),
                 _readahead(profile, figures, params, per_block, largest, pred.recompute_s),
                 item_bytes=_ro(item_bytes), op_bytes=_ro(op_bytes),
-                calls=_ro(Counter(b.index for b in profile.blocks)))
+                visits=_ro(profile.visits))
 
 
 def _renumbered(table: dict, skipped: dict[tuple, list[int]]) -> dict:
