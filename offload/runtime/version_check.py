@@ -197,9 +197,11 @@ def _type_name(dtype: torch.dtype, device: torch.device,
 
 
 def version_error(dtype: torch.dtype, device: torch.device, size, origin: SavedOrigin | None,
-                  expected: int, seen: int, layout: torch.layout = torch.strided) -> RuntimeError:
+                  expected: int, seen: int, layout: torch.layout = torch.strided,
+                  hint: bool = True) -> RuntimeError:
     """Autograd's error for a saved tensor changed in place, word for word (`origin` None:
-    a leaf, for which autograd names no node)."""
+    a leaf, for which autograd names no node; `hint`: with autograd's hint, which points at
+    anomaly detection)."""
     type_name = _type_name(dtype, device, layout)
     text = (f"one of the variables needed for gradient computation has been modified by an "
             f"inplace operation: [{type_name} {list(size)}]")
@@ -208,7 +210,7 @@ def version_error(dtype: torch.dtype, device: torch.device, size, origin: SavedO
         name = f"torch::autograd::{name}" if name in _NAMESPACED else _BACKWARD_SUFFIX.sub("", name)
         text += f", which is output {origin.output_nr} of {name},"
     return RuntimeError(text + f" is at version {seen}; expected version {expected} instead."
-                        + _autograd_hint())
+                        + (_autograd_hint() if hint else ""))
 
 
 _hint_cache: list[str] = []

@@ -13,8 +13,9 @@ def reset() -> None:
     """Forget the scheduler's process-wide state (offload.process.reset): per-model plan
     caches and buffer slots live in util/per_model.py (cleared there); here, what schedule
     modules keep themselves: the messages said once."""
-    from . import recompute, session_base, stored_ops
+    from . import recompute, session_base, stored_ops, weights
 
     session_base.reset()
     stored_ops.forget_messages()
     recompute.forget_messages()
+    weights.forget_messages()

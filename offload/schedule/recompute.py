@@ -111,8 +111,10 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     for module in handed_in:   # buffers.py rule 4
         guarded = guard_buffers(module, guarded)
     roots = handed_in if block is None else [block, *handed_in]
+    handed = tuple(x for x in leaves if isinstance(x, torch.nn.Parameter))   # `_handed`
+    if roots or handed:   # weights.py NOTE [Weights in a re-run]
+        guarded = guard_weights(roots, guarded, handed, block)
     if roots:
-        guarded = guard_weights(roots, guarded)   # weights.py NOTE [Weights in a re-run]
         guarded = keep_modes(roots, guarded)      # buffers.py NOTE [Buffers in a re-run] 5
     return checkpoint(_ranged(guarded), *tensors, use_reentrant=False,
                       **extra)

@@ -12,31 +12,38 @@ replaced since; afterwards the module gets what it had. Buffers are buffers.py's
 re-run sets every buffer slot to what it held at the call, functional_call's included.
 
 A weight changed in place between the forward and the re-run (an optimizer step between
-two backwards of a retained graph, a weight average written into the model before
-backward) would be re-run with its new values, as under torch's checkpoint: another
-function than the forward ran, silently, where plain training computes from the forward's
-values or raises its in-place error for a weight an op saved. So the call also notes each
-weight's version counter when its forward returns, and a re-run whose weights moved since
-raises autograd's in-place error, naming the weight. Not checked:
-- a weight the block's forward itself changes in place (an embedding with `max_norm`
-  renormalises the rows it looks up, in every call). An embedding's re-run runs without
-  its `max_norm`: the rows its forward renormalised are read as they are. Renormalising
-  them again is not the identity in float32 (the weight drifted by 1e-7 from plain
-  training's, and the gradients with it), and it would change the weight once more. Rows
-  a later call of the same embedding in the step renormalises again are read as that call
-  left them (their gradients may differ in the last bits);
-- a weight that its own post-accumulate-grad hook or an optimizer in backward
-  (`_apply_optimizer_in_backward`) steps. Its grad can be complete before its block's
-  re-run only when no op after it in the block saved anything (a bias added last), and
-  then the re-run computes nothing backward still needs from it (the recipe trains as in
-  plain training: tests/test_model_state.py);
-- a change through `.data`, which moves no counter, as for autograd.
+two backwards of a retained graph, a bias set before backward) would be re-run with its
+new values, as under torch's checkpoint: another function than the forward ran, silently
+(gradients off by 1.5 in tests/test_weight_changes.py), where plain training computes from
+the forward's values or raises its in-place error for a weight an op saved. So the call
+notes the version counters of those weights and of the parameters handed to it as
+arguments (`block(x, self.shift)`) when its forward returns, and a re-run whose weights
+moved since raises autograd's in-place error, naming the weight. Not checked:
+- a weight the block's forward itself changes in place. An embedding with `max_norm`
+  renormalises the rows it looks up, in every call: its re-run runs without `max_norm`
+  and reads the rows as its forward renormalised them. Renormalising them again is not the
+  identity in float32 (the weight drifted by 1e-7 from plain training's, and the gradients
+  with it), and it would change the weight once more. Rows a later call of the same
+  embedding in the step renormalises again are read as that call left them (their
+  gradients may differ in the last bits), and a block that holds such an embedding without
+  looking it up is not checked for it either. Any other weight its forward changes is
+  read by the re-run as it is then and changed again, as under checkpoint: said once (a
+  value a forward updates belongs in a buffer, which buffers.py sets back);
+- a weight with a post-accumulate-grad hook, or one an optimizer in backward steps
+  (`_apply_optimizer_in_backward`). Its grad can be complete before its block's re-run
+  only when no op after it in the block saved anything (a bias added last), and then the
+  re-run computes nothing backward still needs from it (the recipe trains as in plain
+  training: tests/test_model_state.py). A weight stepped in between two backwards of a
+  retained graph, which plain training refuses, is re-run with its new values there;
+- a change through `.data`, which moves no counter, as for autograd, and a weight the
+  block reaches otherwise (a module-level global, a plain list).
 Cost: a look at each module's parameters per call and per re-run, and their version
 counters twice per call and once per re-run (each ~0.9 us for a transformer layer's
 twelve, timeit on the 2-core dev VM); nothing is copied.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
@@ -44,17 +51,21 @@ import torch.nn as nn
 
 from ..runtime.version_check import version_error
 
-__all__ = ["guard_weights"]
+__all__ = ["guard_weights", "forget_messages"]
+
+log = logging.getLogger("offload")
 
 
-def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
+def guard_weights(modules: list[nn.Module], fn: Callable, handed: tuple = (),
+                  block: nn.Module | None = None) -> Callable:
     """`fn` (the function checkpoint runs, forward then re-runs) with the parameter
     objects of `modules` (each with its submodules) as they were at the forward put
-    back for its re-runs, and a re-run refused when one of them was changed in place since
-    (NOTE [Weights in a re-run])."""
+    back for its re-runs, and a re-run refused when one of them, or of the parameters
+    `handed` to the call as arguments, was changed in place since (NOTE [Weights in a
+    re-run]). `block`: the one of `modules` that is the block (for messages)."""
     calls = 0
     noted: list[tuple[dict, dict]] = []
-    weights: list[torch.Tensor] = []   # the noted parameter objects, flat
+    weights: list[torch.Tensor] = []   # the noted parameter objects and `handed`, flat
     versions: list[int] = []           # theirs when the forward returned
     rewritten: set[int] = set()        # indices of those the forward itself changed
     renorming: list[nn.Module] = []    # embeddings whose max_norm did it
@@ -73,15 +84,17 @@ def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
                     if isinstance(slots, dict) and slots:   # (a ScriptModule's is not)
                         noted.append((slots, dict(slots)))
                         weights.extend(w for w in slots.values() if w is not None)
+            weights.extend(handed)
             before = [w._version for w in weights]
             out = fn(*args)
             versions = [w._version for w in weights]
             if versions != before:
                 rewritten.update(i for i, (a, b) in enumerate(zip(before, versions)) if a != b)
-                renorming.extend(_renorming(modules, [weights[i] for i in rewritten]))
+                renorming.extend(_rewritten_by_forward(modules, [weights[i] for i in rewritten],
+                                                       block))
             return out
         if [w._version for w in weights] != versions:
-            _check_versions(modules, weights, versions, rewritten)
+            _check_versions(modules, weights, versions, rewritten, block)
         swapped = [(params, name, params.get(name)) for params, then in noted
                    for name, weight in then.items() if params.get(name) is not weight]
         if not swapped and not renorming:
@@ -106,22 +119,58 @@ def guard_weights(modules: list[nn.Module], fn: Callable) -> Callable:
     return run
 
 
-def _check_versions(modules: list[nn.Module], weights: list[torch.Tensor],
-                    versions: list[int], rewritten: set[int]) -> None:
+def _check_versions(modules: list[nn.Module], weights: list[torch.Tensor], versions: list[int],
+                    rewritten: set[int], block: nn.Module | None) -> None:
     """Raise autograd's in-place error for the first weight whose version moved since the
-    forward returned, unless the forward itself changed it or an optimizer steps it in
-    backward (NOTE [Weights in a re-run])."""
+    forward returned, unless the forward itself changed it, it is an embedding's that
+    renormalises it (`max_norm`: another call of it in the step did), or an optimizer steps
+    it in backward (NOTE [Weights in a re-run])."""
+    renormed: set[int] | None = None
     for i, (weight, then) in enumerate(zip(weights, versions)):
-        if weight._version != then and i not in rewritten and not _stepped_in_backward(weight):
-            raise _changed_error(modules, weight, then)
+        if weight._version == then or i in rewritten or _stepped_in_backward(weight):
+            continue
+        if renormed is None:
+            renormed = {id(m.weight) for m in _embeddings(modules) if m.max_norm is not None}
+        if id(weight) not in renormed:
+            raise _changed_error(modules, weight, then, block)
 
 
-def _renorming(modules: list[nn.Module], changed: list[torch.Tensor]) -> list[nn.Module]:
-    """The embeddings among `modules` with a `max_norm` whose weight is in `changed`."""
+def _embeddings(modules: list[nn.Module]) -> list[nn.Module]:
+    return [m for root in modules for m in root.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+
+
+# (block type, weight name) whose "changed by its own forward" was said once.
+_said_rewritten: set[tuple[str, str]] = set()
+
+
+def forget_messages() -> None:
+    """Say the messages again (offload.process.reset)."""
+    _said_rewritten.clear()
+
+
+def _rewritten_by_forward(modules: list[nn.Module], changed: list[torch.Tensor],
+                          block: nn.Module | None) -> list[nn.Module]:
+    """The embeddings among `modules` with a `max_norm` whose weight is in `changed` (their
+    re-run runs without it); any other weight in `changed` is said once: the re-run reads
+    it as it is then and changes it again."""
     ids = {id(w) for w in changed}
-    found = {id(m): m for root in modules for m in root.modules()
-             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+    found = {id(m): m for m in _embeddings(modules) if m.max_norm is not None
              and id(m.weight) in ids}
+    renormed = {id(m.weight) for m in found.values()}
+    for weight in changed:
+        if id(weight) in renormed:
+            continue
+        name = _name(modules, weight, block)
+        key = (type(block).__name__, name)
+        if key not in _said_rewritten:
+            _said_rewritten.add(key)
+            log.warning("offload: %s is changed in place by the forward of the block that "
+                        "holds it (a %s): its re-run in backward reads the changed values and "
+                        "changes it again, as under torch's checkpoint. A value a forward "
+                        "updates belongs in a buffer (register_buffer), which a re-run sets "
+                        "back; or leave this block out of blocks=", name,
+                        type(block).__name__ if block is not None else "block")
     return list(found.values())
 
 
@@ -129,17 +178,25 @@ def _stepped_in_backward(weight: torch.Tensor) -> bool:
     return bool(weight._post_accumulate_grad_hooks) or hasattr(weight, "_in_backward_optimizers")
 
 
-def _changed_error(modules: list[nn.Module], weight: torch.Tensor, then: int) -> RuntimeError:
-    name = next((f"`{path}` of the {type(root).__name__} block" for root in modules
-                 for path, p in root.named_parameters(remove_duplicate=False) if p is weight),
-                "a weight")
+def _name(modules: list[nn.Module], weight: torch.Tensor, block: nn.Module | None) -> str:
+    """How a message names a weight: its path in the block or in the module handed in."""
+    for root in modules:
+        for path, p in root.named_parameters(remove_duplicate=False):
+            if p is weight:
+                return (f"`{path}` of the block (a {type(root).__name__})" if root is block
+                        else f"`{path}` of a {type(root).__name__} handed to the block")
+    return f"a parameter handed to the block ({list(weight.shape)})"
+
+
+def _changed_error(modules: list[nn.Module], weight: torch.Tensor, then: int,
+                   block: nn.Module | None) -> RuntimeError:
     error = version_error(weight.dtype, weight.device, weight.shape, None, then, weight._version,
-                          weight.layout)
+                          weight.layout, hint=False)
     return RuntimeError(
-        f"{error} offload: it is {name}, a weight of a block re-run in backward (`recompute`, "
-        f"or `auto` recomputing its ops), changed in place after the block's forward: the "
-        f"re-run would compute the gradient from the new values, where plain autograd uses "
-        f"those the forward ran with (or raises this error). Change weights after the "
-        f"backward (an optimizer step between two backwards of a retained graph steps them "
-        f"in between), or run such steps with policy='offload', which keeps the forward's "
-        f"values.")
+        f"{error} offload: it is {_name(modules, weight, block)}, read by a block re-run in "
+        f"backward (`recompute`, or `auto` recomputing its ops), and changed in place after "
+        f"the block's forward: the re-run would compute the gradient from the new values, "
+        f"where plain autograd uses those the forward ran with (or raises this error). Change "
+        f"weights after the backward (an optimizer step between two backwards of a retained "
+        f"graph steps them in between), or run such steps with policy='offload', which keeps "
+        f"the forward's values.")
