@@ -111,3 +111,85 @@ def test_a_block_whose_weights_train_is_checkpointed_though_its_input_needs_no_g
         blocks(x).sum().backward()
     # a checkpointed block's saves are its recomputed ones: only the input reached our hooks
     assert ctx.stats.packed_tensors == 2, ctx.stats
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x, scale):
+        return x + self.l2(F.gelu(self.l1(x * scale)))
+
+
+def test_a_frozen_block_handed_a_trained_parameter_is_checkpointed():
+    """Its weights and input need no gradient, the parameter handed to it does: it builds
+    a graph, so it is checkpointed (before, it ran as is and kept what it saved)."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([_Scaled() for _ in range(2)]).requires_grad_(False)
+    scale = nn.Parameter(torch.ones(16))
+    x = torch.randn(4, 16)
+    with offload.activations(model=blocks, policy="recompute", tiers="host", min_bytes=0) as ctx:
+        h = x
+        for block in blocks:
+            h = block(h, scale)
+        h.sum().backward()
+    assert ctx.stats.packed_tensors == 2, ctx.stats   # the two blocks' inputs, recomputed
+    assert scale.grad is not None
+
+
+SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
+
+
+def test_blocks_unfrozen_after_auto_s_profile_profile_again(caplog):
+    """Progressive unfreezing: the profiled step ran the frozen blocks as is, so they were
+    not profiled. Before, once trained they ran on another block's decisions, whose "keep"
+    with no tier that frees memory (host on a CPU) kept 2.6x the plan's prediction. Now the
+    class profiles again, and its planned steps keep what the new plan predicts; training
+    is bit-exact."""
+    from offload.schedule import search as search_mod
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+            self.blocks = nn.ModuleList([_Block() for _ in range(4)])
+
+        def forward(self, x):
+            h = self.inp(x)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h).pow(2).mean()
+
+    def frozen_until(model, step):   # blocks 0-2 frozen for 4 steps, block 0 for 8
+        model.inp.requires_grad_(False)
+        for i, block in enumerate(model.blocks):
+            block.requires_grad_(i >= (3 if step < 4 else 1 if step < 8 else 0))
+
+    plain, model = Stack(), Stack()
+    ctx = offload.activations(model=model, policy="auto", tiers="host", min_bytes=0,
+                              budget="30%", probe=SLOW)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, model)]
+    kept = []
+    old_margin, search_mod.TRIAL_MARGIN = search_mod.TRIAL_MARGIN, -1.0   # the plan's steps
+    try:
+        with caplog.at_level(logging.INFO, logger="offload"):
+            for step in range(12):
+                x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+                for m, opt in zip((plain, model), optims):
+                    frozen_until(m, step)
+                    opt.zero_grad(set_to_none=True)
+                    with ctx if m is model else torch.enable_grad():
+                        m(x).backward()
+                    opt.step()
+                assert all(map(torch.equal, plain.parameters(), model.parameters())), step
+                if step not in (0, 1, 4, 5, 8, 9):   # not a warm-up or profile step
+                    kept.append((step, ctx.stats.peak_resident_bytes,
+                                 ctx.plan.prediction.kept_bytes))
+    finally:
+        search_mod.TRIAL_MARGIN = old_margin
+    assert kept and all(peak <= predicted for _, peak, predicted in kept), kept
+    said = [r.message for r in caplog.records if "needs one now; it and" in r.message]
+    assert len(said) == 2, said   # once per unfreezing
+    ctx.close()

@@ -91,6 +91,7 @@ class AutoSession(Session):
         self._start_s = 0.0
         self._fallback: str | None = None
         self._said_extra = False   # plan.py NOTE [More calls than profiled], said once
+        self._ran_as_is: set[int] = set()   # blocks the profile ran as is (Plan.ran_as_is)
         self._capacity: dict[str, int] = {}
         self.key = _UNKNOWN      # this step's shape class (NOTE [Shape classes])
         self._profiling = False
@@ -134,6 +135,7 @@ class AutoSession(Session):
         self._t0 = self._clock.mark(view.start_s)
         self._fallback = None
         self._shape_miss = False
+        self._ran_as_is.clear()
         self.choice.profiler = None
         self._set_class(_UNKNOWN, False)
         # Tiers are open now (closed again before step_done): note what they may hold.
@@ -187,6 +189,8 @@ class AutoSession(Session):
         flat = flatten_call(args, kwargs)   # once for the inputs and checkpoint_block
         block = self.blocks[index]
         if runs_as_is(block, flat[0]):   # recompute.py NOTE [Calls that run as is]
+            if choice.profiler is not None:
+                self._ran_as_is.add(index)
             return forward(*args, **kwargs)
         tensors = block_inputs(args, kwargs, flat[0])
         storages = [a.untyped_storage() for a in tensors]
@@ -205,6 +209,11 @@ class AutoSession(Session):
                 return out
             if plan is None or index in self.state.as_is:   # the warm-up step (module doc,
                 return forward(*args, **kwargs)   # 0); NOTE [Blocks run alike on every rank]
+            if self._fallback is None and index in plan.ran_as_is:   # unfrozen since
+                self._fallback = (f"block {index} ran as is in the profiled step (it needed no "
+                                  "gradient) and needs one now")
+                log.info("offload: auto: %s; it and the blocks after it run checkpointed this "
+                         "step, and its shape class profiles again", self._fallback)
             if self._fallback is None and (stand_in is None
                                            or sig not in plan.signatures.get(stand_in, ())):
                 self._fallback = (f"block {index} was called with other shapes than planned "
@@ -392,7 +401,7 @@ class AutoSession(Session):
         backward_s = max(backward_s - stats.stall_backward_s, 1e-6)
         items = [*items, *self._placement.unsaved_records(blocks)]   # unsaved_outputs.py
         return Profile(self._device, forward_s, backward_s, stats.saved_bytes, blocks, items,
-                       dict(self._placement.visits))
+                       dict(self._placement.visits), frozenset(self._ran_as_is))
 
     def _params(self, profile: Profile) -> PlanParams:
         config = self.config

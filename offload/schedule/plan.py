@@ -96,6 +96,10 @@ class Plan:
     # moves what the plan keeps, as a stand-in block does (`SchedulePlacement.enter_region`:
     # `beyond_profile`), and such a block call runs checkpointed.
     visits: ReadOnlyDict = field(default_factory=ReadOnlyDict, repr=False)
+    # Blocks the profiled step ran as is (they needed no gradient: frozen): one trained now
+    # (progressive unfreezing) makes the class profile again, as other shapes do; run on a
+    # stand-in's decisions it kept over the budget where no tier frees memory (2.6x).
+    ran_as_is: frozenset = frozenset()
 
     def block_plan(self, index: int) -> BlockPlan | None:
         key = self.block_type.get(index)

@@ -114,6 +114,9 @@ class Profile:
     items: list[ItemRecord]
     # Region -> how many times the step entered it (plan.py NOTE [More calls than profiled])
     visits: dict = field(default_factory=dict)
+    # Blocks the step ran as is, needing no gradient (recompute.py NOTE [Calls that run as
+    # is]): not profiled
+    ran_as_is: frozenset = frozenset()
 
     @property
     def peak_saved_bytes(self) -> int:

@@ -12,6 +12,7 @@ generators.py).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from typing import Any, Callable
@@ -125,7 +126,7 @@ def runs_as_is(block: torch.nn.Module | None, leaves: list) -> bool:
     checkpointed or profiled (NOTE [Calls that run as is])."""
     needs_grad = False
     for t in leaves:
-        if not _handed(t):
+        if not isinstance(t, torch.Tensor):
             continue
         if t.is_nested and t.layout == torch.strided:
             _say_once(block, "got a nested tensor of the strided layout, which torch's "
@@ -136,10 +137,12 @@ def runs_as_is(block: torch.nn.Module | None, leaves: list) -> bool:
     if needs_grad or block is None:
         return False
     roots = (block, *_modules_handed_in(leaves, block))
-    return not any(p.requires_grad for root in roots for p in root.parameters())
+    return not any(t.requires_grad for root in roots
+                   for t in itertools.chain(root.parameters(), root.buffers()))
 
 
-# NOTE [Calls that run as is] A block call whose inputs and weights need no gradient (a
+# NOTE [Calls that run as is] A block call whose inputs (parameters handed in too), weights
+# and buffers need no gradient (a
 # frozen encoder feeding a trained head) builds no graph: a checkpoint would save nothing
 # and re-run nothing, but run the forward under our modes, which torch's own fast paths
 # treat as a reason to leave them: a frozen nn.TransformerEncoder in eval() computed

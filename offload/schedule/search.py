@@ -279,7 +279,7 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
                 notes, tuple(decided),
                 _readahead(profile, figures, params, per_block, largest, pred.recompute_s),
                 item_bytes=_ro(item_bytes), op_bytes=_ro(op_bytes),
-                visits=_ro(profile.visits))
+                visits=_ro(profile.visits), ran_as_is=profile.ran_as_is)
 
 
 def _renumbered(table: dict, skipped: dict[tuple, list[int]]) -> dict:
