@@ -479,6 +479,17 @@ def test_strict_raises_tier_full(tiers, set_by, nvme_dir, monkeypatch):
                 y = y.sin()
 
 
+def test_strict_with_every_tier_in_use_does_not_say_add_a_tier(nvme_dir):
+    x = torch.randn(64, 1024, requires_grad=True)
+    kw = _kw("host,nvme", nvme_dir, strict=True, host_bytes="300KiB", nvme_bytes="1MiB")
+    with pytest.raises(TierFullError, match=r"\(raise host_bytes= / nvme_bytes=, or pass "
+                                            r"strict=False to keep"):
+        with offload.activations(**kw):
+            y = x * 1
+            for _ in range(12):
+                y = y.sin()
+
+
 class Boom(Exception):
     pass
 

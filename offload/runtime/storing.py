@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from ..config_parse import knob
+from ..config_parse import TIERS, knob
 from ..errors import TierFullError
 from ..util.sizes import format_bytes
 from .placement import Placement, TensorInfo
@@ -131,7 +131,8 @@ class Storer:
         config = self.placement.config   # each knob named as it was set (a keyword, a variable)
         sizes = " / ".join(knob(config.where(f"{name}_bytes"), f"{name}_bytes")
                            for name in targets)
-        tiers = knob(config.where("tiers"), "tiers")
+        more = "" if set(TIERS) <= set(config.tiers) else \
+            f" add a tier to {knob(config.where('tiers'), 'tiers')},"   # one not in use yet
         # strict as it was set, else in the style the tiers were set in
         strict = knob(config.sources.get("strict") or config.where("tiers"), "strict")
         # A tensor larger than every tier whole does not fit however empty they are: the
@@ -141,16 +142,17 @@ class Storer:
         if self._strict:
             raise TierFullError(
                 f"offload: {full} ({usage}) and {_set(strict)}, so a "
-                f"{format_bytes(nbytes)} activation cannot be placed (raise {sizes}, add a "
-                f"tier to {tiers}, or {_unset(strict)} to keep such tensors on the device)")
+                f"{format_bytes(nbytes)} activation cannot be placed (raise {sizes},{more} or "
+                f"{_unset(strict)} to keep such tensors on the device)")
         self.stats.full_kept_bytes += nbytes
         if (targets, too_large) not in _said_full:   # once per process and tier list
             _said_full.add((targets, too_large))
             log.warning("offload: %s (%s); a %s activation stays on the "
                         "device, and so will every later one that does not fit (smaller ones "
                         "still move while there is room; ctx.stats.full_kept_bytes counts "
-                        "what stayed). Raise %s or add a tier to %s; %s makes this an error",
-                        full, usage, format_bytes(nbytes), sizes, tiers, _set(strict))
+                        "what stayed). Raise %s%s; %s makes this an error",
+                        full, usage, format_bytes(nbytes), sizes,
+                        f" or{more.rstrip(',')}" if more else "", _set(strict))
 
 
 def _set(strict: str) -> str:
