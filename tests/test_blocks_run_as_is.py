@@ -193,3 +193,40 @@ def test_blocks_unfrozen_after_auto_s_profile_profile_again(caplog):
     said = [r.message for r in caplog.records if "needs one now; it and" in r.message]
     assert len(said) == 2, said   # once per unfreezing
     ctx.close()
+
+
+def test_a_frozen_block_called_as_is_and_with_a_gradient_keeps_its_plan(caplog):
+    """A frozen discriminator on real data (runs as is) and on generated data (needs a
+    gradient: profiled) in one step. Before, the profile listed it among the blocks it ran
+    as is, so every planned step profiled again: `ctx.plan` was None every other step."""
+    class Gan(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.gen = nn.Linear(8, 16)
+            self.blocks = nn.ModuleList([_Block() for _ in range(3)]).requires_grad_(False)
+
+        def disc(self, h):
+            for block in self.blocks:
+                h = block(h)
+            return h.pow(2).mean()
+
+        def forward(self, real, z):
+            return self.disc(real) - self.disc(self.gen(z))
+
+    plain, model = Gan(), Gan()
+    ctx = offload.activations(model=model, policy="auto", tiers="host", min_bytes=0)
+    plans = []
+    with caplog.at_level(logging.INFO, logger="offload"):
+        for step in range(8):
+            real = torch.randn(16, 16, generator=torch.Generator().manual_seed(step))
+            z = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 + step))
+            for m in (plain, model):
+                m.zero_grad(set_to_none=True)
+                with ctx if m is model else torch.enable_grad():
+                    m(real, z).backward()
+            assert torch.equal(plain.gen.weight.grad, model.gen.weight.grad), step
+            plans.append(ctx.plan is not None)
+    assert plans[1:] == [True] * 7, plans
+    assert not [r for r in caplog.records if "profiles again" in r.message]
+    ctx.close()

@@ -121,9 +121,9 @@ class _RenormedStack(nn.Module):
 def test_an_embedding_with_max_norm_trains_as_in_plain_training(policy, shared, nvme_dir):
     """A `max_norm` embedding bumps its weight's version in every call: the later blocks'
     calls, the re-runs, a retained graph's second backward. None of them raises. Its re-run
-    reads the rows as the forward left them: before, it renormalised them once more, which
-    is not the identity in float32 (gradients off by 4e-9 and the weight itself by 1.2e-7
-    after one step, as under torch's checkpoint). The gradients of both backwards and the
+    reads the rows as the forward left them: before, `recompute`'s renormalised them once
+    more, which is not the identity in float32 (gradients off by 4e-9 and the weight itself
+    by 1.2e-7 after one step, as under torch's checkpoint; `auto` stored the lookup here). The gradients of both backwards and the
     weights after AdamW steps equal plain training's, bit for bit (the shared embedding's
     blocks read disjoint rows: see weights.py)."""
     x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))

@@ -37,6 +37,7 @@ is its own class, planned keep / host / nvme per saved tensor with nothing recom
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -52,7 +53,7 @@ from .costs import PlanParams
 from .placement import SchedulePlacement, StepChoice
 from .plan_cache import NO_BLOCK, ClassPlan, PlanCache
 from .probe import figures_for
-from .profile import BlockProfiler, Profile, signature
+from .profile import BlockProfiler, Profile, signature, step_times
 from .arguments import flatten_call
 from .recompute import block_inputs, checkpoint_block, run_block, runs_as_is
 from .search import make_plan
@@ -210,37 +211,35 @@ class AutoSession(Session):
             if plan is None or index in self.state.as_is:   # the warm-up step (module doc,
                 return forward(*args, **kwargs)   # 0); NOTE [Blocks run alike on every rank]
             if self._fallback is None and index in plan.ran_as_is:   # unfrozen since
-                self._fallback = (f"block {index} ran as is in the profiled step (it needed no "
-                                  "gradient) and needs one now")
-                log.info("offload: auto: %s; it and the blocks after it run checkpointed this "
-                         "step, and its shape class profiles again", self._fallback)
+                self._fall_back(f"block {index} ran as is in the profiled step (it needed no "
+                                "gradient) and needs one now")
             if self._fallback is None and (stand_in is None
                                            or sig not in plan.signatures.get(stand_in, ())):
-                self._fallback = (f"block {index} was called with other shapes than planned "
-                                  "for")
-                self._shape_miss = True
-                if not self._keeps_plan():
-                    log.info("offload: auto: %s; it and the blocks after it run checkpointed "
-                             "this step, and its shape class profiles again", self._fallback)
+                self._fall_back(f"block {index} was called with other shapes than planned for",
+                                shape_miss=True)
             if holds_cache(args, kwargs, self.blocks):
                 return forward(*args, **kwargs)
-            if placement.beyond_profile:   # plan.py NOTE [More calls than profiled]
+            whole = functools.partial(checkpoint_block, forward, args, kwargs, block=block,
+                                      flat=flat, checked=True)   # the block recomputed whole
+            if placement.beyond_profile and choice.mode != "offload":   # plan.py NOTE [More
+                # calls than profiled]; the `offload` trial moves everything already
                 self._say_extra(block, plan.visits[("block", index)])
-                return checkpoint_block(forward, args, kwargs, block=block, flat=flat)
+                return whole()
             if choice.mode == "checkpoint":
                 if index in plan.checkpoint_keeps and self._fallback is None:
                     return forward(*args, **kwargs)
-                return checkpoint_block(forward, args, kwargs, block=block, flat=flat)
+                return whole()
             bp = plan.block_plan(stand_in)
             if self._fallback is not None or bp is None:
-                return checkpoint_block(forward, args, kwargs, block=block, flat=flat)
+                return whole()
             if choice.mode == "offload" or not bp.per_op:
                 return forward(*args, **kwargs)
             if self.opaque[index]:   # compiled: recomputed whole (profile.WHOLE_BLOCK)
-                return checkpoint_block(forward, args, kwargs, block=block, flat=flat)
+                return whole()
             store = placement.op_decisions(plan, bp, stand_in, stand_in != index)
             return run_block(forward, args, kwargs, store, hooks, placement, block,
-                             bp.positions, flat, self._changed_later(self.types[stand_in]))
+                             bp.positions, flat, self._changed_later(self.types[stand_in]),
+                             checked=True)
         finally:
             placement.enter_region(("after", index))
 
@@ -317,6 +316,14 @@ class AutoSession(Session):
                 f"{m} {min(t):.3g} s" for m, t in trials.measured.items()),
                 "the plan" if trials.mode == "plan" else f"{trials.mode} ({PURE[trials.mode]})")
 
+    def _fall_back(self, reason: str, shape_miss: bool = False) -> None:
+        """This step runs its blocks from here on checkpointed, and its class profiles
+        again, unless it keeps its plan through calls of other shapes (`_keeps_plan`)."""
+        self._fallback, self._shape_miss = reason, shape_miss
+        if not (shape_miss and self._keeps_plan()):
+            log.info("offload: auto: %s; it and the blocks after it run checkpointed this "
+                     "step, and its shape class profiles again", reason)
+
     def _keeps_plan(self) -> bool:
         """NOTE [Shape classes]: this step's class keeps its plan through calls of other
         shapes (said once per class)."""
@@ -375,33 +382,17 @@ class AutoSession(Session):
         # The profiler's own Python, not the model's (host time: the device does not wait)
         overhead_s = profiler.overhead_s if profiler is not None else 0.0
         items = self._placement.items
-        timing = {t[0]: t for t in report.rows}
-        for it in items:
-            t = timing.get(it.hooks_key)
-            if t is not None:
-                it.pack_s = t[2] - self._start_s
-                it.unpack_s = None if t[3] is None else t[3] - self._start_s
-        clock, stats = self._clock, report.stats
-        if report.backward_mark is None:
+        times = step_times(items, report, self._clock, self._t0, self._start_s, overhead_s)
+        if times is None:
             log.info("offload: auto: the profiled step ran no backward inside the context's "
                      "lifetime; profiling again next step")
             return None
-        forward_s = clock.seconds(self._t0, report.backward_mark)
-        backward_s = clock.seconds(report.backward_mark, clock.mark(report.end_s))
-        micro_batches = 1 + max((it.segment for it in items), default=0)
-        if micro_batches > 1:
-            # profile.py NOTE [Micro-batches]: the backward mark is the first micro-batch's;
-            # each later one's forward is taken to be as long as the first's.
-            total_s = forward_s + backward_s
-            forward_s = min(forward_s * micro_batches, total_s - backward_s / micro_batches)
-            backward_s = total_s - forward_s
-        if not clock.device:
-            forward_s -= overhead_s   # every micro-batch's forward's: all in forward_s now
-        forward_s = max(forward_s - stats.stall_forward_s, 1e-6)
-        backward_s = max(backward_s - stats.stall_backward_s, 1e-6)
         items = [*items, *self._placement.unsaved_records(blocks)]   # unsaved_outputs.py
-        return Profile(self._device, forward_s, backward_s, stats.saved_bytes, blocks, items,
-                       dict(self._placement.visits), frozenset(self._ran_as_is))
+        # Blocks no call of which the step profiled (a frozen block called on a tensor that
+        # needs grad too, a discriminator on generated data, was profiled: not one of them)
+        unprofiled = frozenset(self._ran_as_is - {b.index for b in blocks})
+        return Profile(self._device, *times, report.stats.saved_bytes, blocks, items,
+                       dict(self._placement.visits), unprofiled)
 
     def _params(self, profile: Profile) -> PlanParams:
         config = self.config

@@ -45,7 +45,7 @@ from .op_timer import OpTimer
 from .profile_records import BlockRecord, ItemRecord, OpRecord, Profile
 from .unsaved_outputs import UnsavedOutputs
 
-__all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler",
+__all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler", "step_times",
            "signature", "WHOLE_BLOCK"]
 
 # The one op of a compiled block's record: the block's whole call (BlockProfiler.run).
@@ -69,6 +69,36 @@ def signature(args: tuple, kwargs: dict) -> tuple:
         return (tuple(v.shape), v.dtype, v.device.type)
     return (tuple(sig(a) for a in args),
             tuple(sorted((k, sig(v)) for k, v in kwargs.items() if isinstance(v, torch.Tensor))))
+
+
+def step_times(items: list[ItemRecord], report, clock, t0: Any, start_s: float,
+               overhead_s: float) -> tuple[float, float] | None:
+    """A profiled step's compute seconds, (forward, backward), from its `report`
+    (runtime/step.py StepReport), the stalls and the profiler's own Python (`overhead_s`)
+    taken out; each item's pack / unpack times, from the step's start (`start_s`), filled
+    in from the report's rows. None: the step ran no backward inside the context."""
+    timing = {t[0]: t for t in report.rows}
+    for it in items:
+        t = timing.get(it.hooks_key)
+        if t is not None:
+            it.pack_s = t[2] - start_s
+            it.unpack_s = None if t[3] is None else t[3] - start_s
+    if report.backward_mark is None:
+        return None
+    forward_s = clock.seconds(t0, report.backward_mark)
+    backward_s = clock.seconds(report.backward_mark, clock.mark(report.end_s))
+    micro_batches = 1 + max((it.segment for it in items), default=0)
+    if micro_batches > 1:
+        # NOTE [Micro-batches]: the backward mark is the first micro-batch's; each later
+        # one's forward is taken to be as long as the first's.
+        total_s = forward_s + backward_s
+        forward_s = min(forward_s * micro_batches, total_s - backward_s / micro_batches)
+        backward_s = total_s - forward_s
+    if not clock.device:
+        forward_s -= overhead_s   # every micro-batch's forward's: all in forward_s now
+    stats = report.stats
+    return (max(forward_s - stats.stall_forward_s, 1e-6),
+            max(backward_s - stats.stall_backward_s, 1e-6))
 
 
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",

@@ -55,7 +55,8 @@ def _handed(x: Any) -> bool:
 
 
 def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=None,
-                     block: torch.nn.Module | None = None, flat: tuple | None = None) -> Any:
+                     block: torch.nn.Module | None = None, flat: tuple | None = None,
+                     checked: bool = False) -> Any:
     """Non-reentrant checkpoint of `forward(*args, **kwargs)` with every tensor argument,
     also those inside keyword arguments (Hugging Face passes rotary tables and masks that
     way), handed to checkpoint positionally: checkpoint saves positional inputs through the
@@ -65,13 +66,14 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     the re-run computes with the weights the forward ran with (weights.py), and draws what
     the forward drew from the random generators it drew from (generators.py). `flat`:
     `flatten_call(args, kwargs)` taken at this call by the caller (auto takes the call apart
-    once for both); its leaves become this call's own."""
+    once for both); its leaves become this call's own. `checked`: the caller found it is
+    not a call that runs as is (`runs_as_is`) already."""
     # NOTE [Arguments as at the call]
     leaves, rebuild = flatten_call(args, kwargs) if flat is None else flat
     handed_in = _modules_handed_in(leaves, block)
     if any(map(_still_lazy, handed_in if block is None else [block, *handed_in])):
         return forward(*args, **kwargs)
-    if runs_as_is(block, leaves):
+    if not checked and runs_as_is(block, leaves):
         return forward(*args, **kwargs)
     where = [i for i, x in enumerate(leaves) if _handed(x)]
     if len(where) == len(args) and all(map(_handed, args)) and not kwargs:
@@ -141,16 +143,18 @@ def runs_as_is(block: torch.nn.Module | None, leaves: list) -> bool:
                    for t in itertools.chain(root.parameters(), root.buffers()))
 
 
-# NOTE [Calls that run as is] A block call whose inputs (parameters handed in too), weights
-# and buffers need no gradient (a
-# frozen encoder feeding a trained head) builds no graph: a checkpoint would save nothing
-# and re-run nothing, but run the forward under our modes, which torch's own fast paths
-# treat as a reason to leave them: a frozen nn.TransformerEncoder in eval() computed
-# another output than in plain training (off by 7e-7 in its head's gradient) and, given a
-# padding mask, raised (its nested-tensor path runs only without modes). So it runs as is.
-# So does a call given a nested tensor of the strided layout: torch's checkpoint reads its
-# `.shape`, which it has not. The cost where inputs need grad (every block after the first
-# trained one): a look at each input's flags; otherwise a walk over the block's weights.
+# NOTE [Calls that run as is] A block call whose inputs (parameters handed to it too),
+# weights and buffers need no gradient (a frozen encoder feeding a trained head) builds no
+# graph, unless it reaches a tensor that needs one otherwise (a closure, a plain
+# attribute: then its saves are kept, not recomputed; gradients are right either way). A
+# checkpoint would save nothing and re-run nothing, but run the forward under our modes,
+# which torch's own fast paths treat as a reason to leave them: a frozen
+# nn.TransformerEncoder in eval() computed another output than in plain training (off by
+# 7e-7 in its head's gradient) and, given a padding mask, raised (its nested-tensor path
+# runs only without modes). So it runs as is. So does a call given a nested tensor of the
+# strided layout: torch's checkpoint reads its `.shape`, which it has not. The cost where
+# inputs need grad (every block after the first trained one): a look at each input's
+# flags (~0.6 us); otherwise a walk over the block's weights and buffers (5-20 us).
 
 # Block types whose "runs as is" was said once.
 _said: set[str] = set()
@@ -238,7 +242,7 @@ def run_block(forward: Callable, args: tuple, kwargs: dict,
               store: Callable[[tuple, Any], Decision | None], hooks, placement,
               block: torch.nn.Module | None = None, positions: dict | None = None,
               flat: tuple | None = None,
-              on_changed: Callable[[tuple], None] | None = None) -> Any:
+              on_changed: Callable[[tuple], None] | None = None, checked: bool = False) -> Any:
     """`forward(*args, **kwargs)` under non-reentrant checkpoint with per-op storing.
 
     Args:
@@ -252,10 +256,11 @@ def run_block(forward: Callable, args: tuple, kwargs: dict,
         flat: the call taken apart already (checkpoint_block).
         on_changed: told the op id of a stored output the forward changed in place after
             storing it, which the re-run ran again instead (stored_ops.py Rule 1).
+        checked: as checkpoint_block's.
     """
     block_name = "block" if block is None else type(block).__name__
 
     def context_fn():
         return modes(store, hooks, placement, positions, block_name, on_changed)
 
-    return checkpoint_block(forward, args, kwargs, context_fn, block, flat)
+    return checkpoint_block(forward, args, kwargs, context_fn, block, flat, checked)

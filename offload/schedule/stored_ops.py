@@ -348,6 +348,8 @@ def forget_messages() -> None:
 def output_bytes(out: Any) -> int:
     """Bytes of the distinct storages of an op's tensor outputs (a stored op's are new:
     Rule 1), as the profile counts them (`OpRecord.out_bytes`)."""
+    if type(out) is torch.Tensor:   # most ops: one output
+        return out.untyped_storage().nbytes()
     storages = {id(s): s.nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
                 for s in (t.untyped_storage(),)}
     return sum(storages.values())

@@ -125,19 +125,20 @@ def _check_versions(modules: list[nn.Module], weights: list[torch.Tensor], versi
     forward returned, unless the forward itself changed it, it is an embedding's that
     renormalises it (`max_norm`: another call of it in the step did), or an optimizer steps
     it in backward (NOTE [Weights in a re-run])."""
-    renormed: set[int] | None = None
+    renormed: dict | None = None   # weight id -> its embedding
     for i, (weight, then) in enumerate(zip(weights, versions)):
         if weight._version == then or i in rewritten or _stepped_in_backward(weight):
             continue
         if renormed is None:
-            renormed = {id(m.weight) for m in _embeddings(modules) if m.max_norm is not None}
+            renormed = {id(m.weight): m for m in _renorming(modules)}
         if id(weight) not in renormed:
             raise _changed_error(modules, weight, then, block)
 
 
-def _embeddings(modules: list[nn.Module]) -> list[nn.Module]:
+def _renorming(modules: list[nn.Module]) -> list[nn.Module]:
+    """The embeddings among `modules` (each with its submodules) that have a `max_norm`."""
     return [m for root in modules for m in root.modules()
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
 
 
 # (block type, weight name) whose "changed by its own forward" was said once.
@@ -155,11 +156,9 @@ def _rewritten_by_forward(modules: list[nn.Module], changed: list[torch.Tensor],
     re-run runs without it); any other weight in `changed` is said once: the re-run reads
     it as it is then and changes it again."""
     ids = {id(w) for w in changed}
-    found = {id(m): m for m in _embeddings(modules) if m.max_norm is not None
-             and id(m.weight) in ids}
-    renormed = {id(m.weight) for m in found.values()}
+    found = {id(m.weight): m for m in _renorming(modules) if id(m.weight) in ids}
     for weight in changed:
-        if id(weight) in renormed:
+        if id(weight) in found:
             continue
         name = _name(modules, weight, block)
         key = (type(block).__name__, name)
@@ -171,7 +170,7 @@ def _rewritten_by_forward(modules: list[nn.Module], changed: list[torch.Tensor],
                         "updates belongs in a buffer (register_buffer), which a re-run sets "
                         "back; or leave this block out of blocks=", name,
                         type(block).__name__ if block is not None else "block")
-    return list(found.values())
+    return list({id(m): m for m in found.values()}.values())
 
 
 def _stepped_in_backward(weight: torch.Tensor) -> bool:
