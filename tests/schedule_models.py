@@ -13,7 +13,11 @@ import torch.nn as nn
 import offload
 from offload.bench.models import GPT, GPTConfig
 
-__all__ = ["small_gpt", "compare_steps", "hf_gpt2", "hf_llama", "RandomBlock", "RandomStack",
+# Probe figures of a slow disk and fast compute: `auto` then recomputes rather than moves.
+SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
+
+__all__ = ["SLOW",
+           "small_gpt", "compare_steps", "hf_gpt2", "hf_llama", "RandomBlock", "RandomStack",
            "random_stack", "SharedLayers", "module_state", "first_difference",
            "train_side_by_side"]
 

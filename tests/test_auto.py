@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
-from schedule_models import compare_steps, hf_gpt2, hf_llama, random_stack, small_gpt
+from schedule_models import SLOW, compare_steps, hf_gpt2, hf_llama, random_stack, small_gpt
 
 import offload
 from offload.bench.models import MLP, ConvNet
@@ -30,7 +30,6 @@ def _one_thread():
 
 # Figures that make the plan take each path (the probe's own measurements are not used).
 FAST = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1000,nvme_read_gbps=1000,nvme_issue_s=1e-6"
-SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import offload
 from offload.schedule import search as search_mod
 
-SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
+from schedule_models import SLOW
 
 
 @pytest.fixture(autouse=True)

@@ -10,12 +10,11 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-from schedule_models import small_gpt, train_side_by_side
+from schedule_models import SLOW, small_gpt, train_side_by_side
 
 import offload
 from offload.schedule import search as search_mod
 
-SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from schedule_models import SLOW
 
 import offload
 
@@ -138,7 +139,6 @@ def test_a_frozen_block_handed_a_trained_parameter_is_checkpointed():
     assert scale.grad is not None
 
 
-SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
 
 
 def test_blocks_unfrozen_after_auto_s_profile_profile_again(caplog):

@@ -13,7 +13,7 @@ from offload.schedule import auto_session, search as search_mod
 from offload.schedule.op_timer import OpTimer
 from offload.schedule.profile import OpRecord
 
-SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
+from schedule_models import SLOW
 
 
 class FakeDevice:

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from schedule_models import SLOW
 
 import offload
 from offload.schedule.profile import WHOLE_BLOCK
@@ -119,7 +120,6 @@ def test_the_context_installs_no_global_module_hook(nvme_dir):
 
 
 # ---------------------------------------------------------------- recompute / auto
-SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
 
 
 class Stack(nn.Module):

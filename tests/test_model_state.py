@@ -21,12 +21,11 @@ import numpy
 import pytest
 import torch
 import torch.nn as nn
-from schedule_models import SharedLayers, module_state, train_side_by_side
+from schedule_models import SLOW, SharedLayers, module_state, train_side_by_side
 
 import offload
 from offload.schedule import search as search_mod
 
-SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import offload
 
-SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
+from schedule_models import SLOW
 
 
 @pytest.fixture(autouse=True)
@@ -123,9 +123,10 @@ def test_an_embedding_with_max_norm_trains_as_in_plain_training(policy, shared, 
     calls, the re-runs, a retained graph's second backward. None of them raises. Its re-run
     reads the rows as the forward left them: before, `recompute`'s renormalised them once
     more, which is not the identity in float32 (gradients off by 4e-9 and the weight itself
-    by 1.2e-7 after one step, as under torch's checkpoint; `auto` stored the lookup here). The gradients of both backwards and the
-    weights after AdamW steps equal plain training's, bit for bit (the shared embedding's
-    blocks read disjoint rows: see weights.py)."""
+    by 1.2e-7 after one step, as under torch's checkpoint; `auto` stored the lookup here).
+    The gradients of both backwards and the weights after AdamW steps equal plain
+    training's, bit for bit (the shared embedding's blocks read disjoint rows: see
+    weights.py)."""
     x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
     ids = torch.randint(0, 50, (3, 4, 6), generator=torch.Generator().manual_seed(2))
     if shared:

@@ -17,12 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from schedule_models import SharedLayers, train_side_by_side
+from schedule_models import SLOW, SharedLayers, train_side_by_side
 
 from offload.schedule import search as search_mod
 
 STEPS = 30
-SLOW = "compute_gflops=100,dispatch_op_s=1e-6,nvme_write_gbps=1e-4,nvme_read_gbps=1e-4,nvme_issue_s=1e-6"
 VOCAB = 64
 
 

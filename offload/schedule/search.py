@@ -261,8 +261,9 @@ def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: lis
     op_bytes: dict = {}   # plan.py NOTE [Op outputs of another size]
     for b in profile.blocks:
         for op in b.ops:
-            if (b.index, op.op_id) in op_targets:
-                op_bytes[b.index, op.op_id] = max(op.out_bytes, op_bytes.get((b.index, op.op_id), 0))
+            key = (b.index, op.op_id)
+            if key in op_targets:
+                op_bytes[key] = max(op.out_bytes, op_bytes.get(key, 0))
     per_block: dict = {}
     largest = 0
     for block, _, nbytes, target in decided:
