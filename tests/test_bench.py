@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import pytest
 import torch
@@ -433,6 +434,44 @@ def test_a_worker_started_after_its_parent_gave_up_exits_quietly(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120)
     assert (out.returncode, out.stderr) == (0, "")
+
+
+def test_a_worker_whose_parent_is_gone_stops_itself():
+    """A worker the forkserver forked after Ctrl-C ended the parent's wait for its pid
+    (nobody knows it to stop it) ran its whole benchmark detached. Its parent, the
+    forkserver, ends with offload-bench: the worker now notices and stops."""
+    script = textwrap.dedent("""
+        import os, time
+        from offload.bench.worker import stop_when_orphaned
+        r, w = os.pipe()
+        if os.fork() == 0:            # the forkserver
+            if os.fork() == 0:        # the worker (its output not this run's: a log)
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, 1)
+                os.dup2(null, 2)
+                stop_when_orphaned(0.05)
+                os.write(w, str(os.getpid()).encode())
+                time.sleep(30)
+                os._exit(3)
+            time.sleep(0.3)
+            os._exit(0)               # ends with the parent
+        print(int(os.read(r, 32)))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    pid = int(out.stdout)
+
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive()
 
 
 def test_ctrl_c_while_a_worker_starts_stops_nothing_that_did_not_start():

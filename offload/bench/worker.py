@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -298,9 +299,26 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def stop_when_orphaned(interval_s: float = 0.5) -> None:
+    """SIGTERM ourselves (`_interrupt`: unwind and clean up) once our parent is gone. The
+    parent stops its workers (runner Rule 2), but not one the forkserver forked after a
+    Ctrl-C had ended the parent's wait for its pid: that worker would run its whole
+    benchmark detached (setsid) into a removed workspace. The forkserver ends with the
+    parent, and the worker is then another process's child."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="offload-bench-orphan-watch", daemon=True).start()
+
+
 def child_entry(spec_path: str, out_path: str, log_path: str, environ: dict[str, str]) -> None:
     """Entry of a worker started by the parent's forkserver (see runner Rule 2)."""
     os.setsid()  # Ctrl-C in the terminal reaches only the parent, which stops us in order
+    stop_when_orphaned()
     try:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     except FileNotFoundError:
