@@ -35,11 +35,17 @@ def knob(where: str, name: str) -> str:
     return f"OFFLOAD_{name.upper()}" if where.startswith("OFFLOAD_") else f"{name}="
 
 
+def setting(where: str, name: str, value: bool) -> str:
+    """`knob` set to a switch's value: `OFFLOAD_NAME=1` / `0`, or `name=True` / `False`."""
+    return f"OFFLOAD_{name.upper()}={int(value)}" if where.startswith("OFFLOAD_") \
+        else f"{name}={value}"
+
+
 def _parse_tiers(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]:
     items = raw.split(",") if isinstance(raw, str) else list(raw)
     tiers = tuple(str(t).strip().lower() for t in items if str(t).strip())
     if not tiers:
-        off = "OFFLOAD_ENABLED=0" if where.startswith("OFFLOAD_") else "enabled=False"
+        off = setting(where, "enabled", False)
         raise _fail(where, "names no tier", f"use 'host', 'nvme' or 'host,nvme'; {off} turns "
                     "offloading off")
     for tier in tiers:

@@ -486,14 +486,20 @@ def test_ctrl_c_while_a_worker_starts_stops_nothing_that_did_not_start():
     runner_mod._stop(Starting())
 
 
+def _bench_model_file(tmp_path, nvme_dir, source: str, strategies: str) -> int:
+    """offload-bench on `source` (a module defining `build()`) for one small step: its code."""
+    (tmp_path / "user_model.py").write_text(source)
+    return main(["--model", f"{tmp_path}/user_model.py:build", "--input-shape", "16",
+                 "--batch", "2", "--steps", "1", "--warmup", "1", "--strategies", strategies,
+                 "--nvme-dir", nvme_dir])
+
+
 def test_a_model_without_blocks_says_so(tmp_path, nvme_dir, capsys):
-    (tmp_path / "mlp.py").write_text(
+    code = _bench_model_file(tmp_path, nvme_dir, (
         "import torch.nn as nn\n"
         "def build():\n"
-        "    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.Tanh())\n")
-    code = main(["--model", f"{tmp_path}/mlp.py:build", "--input-shape", "16", "--batch", "2",
-                 "--steps", "1", "--warmup", "1", "--strategies", "checkpoint",
-                 "--nvme-dir", nvme_dir])
+        "    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.Tanh())\n"),
+        "checkpoint")
     assert code == 0
     assert "checkpoint: not available: found no blocks to checkpoint in the model" \
         in capsys.readouterr().out
@@ -502,16 +508,13 @@ def test_a_model_without_blocks_says_so(tmp_path, nvme_dir, capsys):
 def test_a_run_where_every_row_ran_out_of_memory_fails(tmp_path, nvme_dir, capsys):
     """Before, it exited 0 with a table of "out of memory" rows: a script could not tell it
     from a measurement."""
-    (tmp_path / "huge.py").write_text(
+    code = _bench_model_file(tmp_path, nvme_dir, (
         "import torch, torch.nn as nn\n"
         "class Huge(nn.Linear):\n"
         "    def forward(self, x):\n"
         "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 80 GiB')\n"
         "def build():\n"
-        "    return Huge(16, 16)\n")
-    code = main(["--model", f"{tmp_path}/huge.py:build", "--input-shape", "16", "--batch", "2",
-                 "--steps", "1", "--warmup", "1", "--strategies", "offload-host",
-                 "--nvme-dir", nvme_dir])
+        "    return Huge(16, 16)\n"), "offload-host")
     captured = capsys.readouterr()
     assert "out of memory at batch 2" in captured.out
     assert code == 1 and "offload-bench: nothing was measured" in captured.err

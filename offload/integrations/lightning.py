@@ -10,8 +10,8 @@ Lightning calls `on_train_batch_start` before the batch's `training_step` and
 `on_train_batch_end` after its backward and optimizer step, on the same thread, so one
 offload block spans exactly one batch; with gradient accumulation every batch is its own
 block. A batch whose module's `on_train_batch_start` returns -1 (the epoch ends there) ends
-its block at the epoch's end. When training raises, `on_exception` exits the block with the exception, which frees
-its tiers and hooks. Validation and prediction run outside it.
+its block at the epoch's end. When training raises, `on_exception` exits the block with the
+exception, which frees its tiers and hooks. Validation and prediction run outside it.
 
 The callback subclasses the `Callback` of whichever Lightning the process imported first
 (`lightning.pytorch` or `pytorch_lightning`): Lightning only accepts its own class.

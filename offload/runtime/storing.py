@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from ..config_parse import TIERS, knob
+from ..config_parse import TIERS, knob, setting
 from ..errors import TierFullError
 from ..util.sizes import format_bytes
 from .placement import Placement, TensorInfo
@@ -134,16 +134,19 @@ class Storer:
         more = "" if set(TIERS) <= set(config.tiers) else \
             f" add a tier to {knob(config.where('tiers'), 'tiers')},"   # one not in use yet
         # strict as it was set, else in the style the tiers were set in
-        strict = knob(config.sources.get("strict") or config.where("tiers"), "strict")
+        strict = config.sources.get("strict") or config.where("tiers")
+        on = setting(strict, "strict", True)
+        off = "unset OFFLOAD_STRICT" if on.startswith("OFFLOAD_") else \
+            f"pass {setting(strict, 'strict', False)}"
         # A tensor larger than every tier whole does not fit however empty they are: the
         # message says so, not that they are full.
         too_large = all(nbytes > self.tiers[name].capacity_bytes for name in targets)
         full = "no tier can hold it whole" if too_large else "every tier is full"
         if self._strict:
             raise TierFullError(
-                f"offload: {full} ({usage}) and {_set(strict)}, so a "
+                f"offload: {full} ({usage}) and {on}, so a "
                 f"{format_bytes(nbytes)} activation cannot be placed (raise {sizes},{more} or "
-                f"{_unset(strict)} to keep such tensors on the device)")
+                f"{off} to keep such tensors on the device)")
         self.stats.full_kept_bytes += nbytes
         if (targets, too_large) not in _said_full:   # once per process and tier list
             _said_full.add((targets, too_large))
@@ -152,12 +155,5 @@ class Storer:
                         "still move while there is room; ctx.stats.full_kept_bytes counts "
                         "what stayed). Raise %s%s; %s makes this an error",
                         full, usage, format_bytes(nbytes), sizes,
-                        f" or{more.rstrip(',')}" if more else "", _set(strict))
+                        f" or{more.rstrip(',')}" if more else "", on)
 
-
-def _set(strict: str) -> str:
-    return "OFFLOAD_STRICT=1" if strict.startswith("OFFLOAD_") else "strict=True"
-
-
-def _unset(strict: str) -> str:
-    return "unset OFFLOAD_STRICT" if strict.startswith("OFFLOAD_") else "pass strict=False"

@@ -70,8 +70,8 @@ from ..runtime import hook_stack
 _forward_ad = torch.autograd.forward_ad   # its `_current_level`: -1 outside any dual level
 _functorch = torch._C._functorch
 
-__all__ = ["find_blocks", "locate_blocks", "StackWatch", "BlockWrappers", "ours_innermost", "block_type_key",
-           "compiled_block"]
+__all__ = ["find_blocks", "locate_blocks", "StackWatch", "BlockWrappers", "ours_innermost",
+           "block_type_key", "compiled_block"]
 
 log = logging.getLogger("offload")
 
