@@ -64,6 +64,10 @@ guessed. Rules:
    of the call while plain autograd used those a later train-mode forward wrote (a
    gradient off by 6.8 in a helper's eval-then-train step). The copies into the buffers go
    through `.data`, so their version counters do not move: a save of them stays valid.
+7. A buffer changed in place since the call returned (its version moved) and saved by an
+   op of the re-run raises autograd's in-place error, as in plain training
+   (changed_buffers.py). Versions are noted when the call returns and after each re-run
+   (a re-run's own bumps, put back through `.data`, are no user's change).
 
 Not set back: the attributes of modules holding no buffer (`self.calls += 1` there is
 counted again by the re-run, as under checkpoint), but for their mode (rule 5). What it
@@ -89,6 +93,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..util import per_model
 from . import structure
+from .changed_buffers import Changed, refusing_saves_of
 
 __all__ = ["guard_buffers", "keep_modes"]
 
@@ -245,14 +250,23 @@ class _Guard:
         self.names = [frozenset(module.__dict__) for module in modules]
         self.held = list(copies.values())
         self.calls = 0
+        self.versions: list[dict] = []   # rule 7: per module, name -> version after the call
 
     def wrap(self, fn: Callable) -> Callable:
         def run(*args):
             self.calls += 1
             if self.calls == 1:
-                return fn(*args)
+                out = fn(*args)
+                self._note_versions()
+                return out
             return self._rerun(fn, args)
         return run
+
+    def _note_versions(self) -> None:
+        """Rule 7: the version of each buffer (that a copy stands for) now."""
+        self.versions = [{name: buf._version for name, buf in slots.items()
+                          if buf is not None and buf is not at_call[name]}
+                         for slots, at_call in zip(self.objects, self.at_call)]
 
     def _rerun(self, fn: Callable, args: tuple) -> Any:
         live_slots = [dict(module._buffers) for module in self.modules]
@@ -264,18 +278,32 @@ class _Guard:
             now = [(buf, buf.clone()) for buf, _ in swaps.values()]
             for buf, copy in swaps.values():
                 buf.data.copy_(copy)   # `.data`: no version bump (a save of it is unchanged)
+        changed = self._changed(swaps, fresh)   # before the re-run changes any (rule 7)
         try:
             self._put_back(live_attributes, fresh, swaps, swapped)
-            return fn(*args)
+            with refusing_saves_of(changed):
+                return fn(*args)
         finally:
             with torch.no_grad(), _disable_current_modes():
                 for buf, values in now:
                     buf.data.copy_(values)
+            self._note_versions()   # the re-run's own changes are no user's (rule 7)
             for module, live, slots, children in zip(self.modules, live_attributes,
                                                      live_slots, live_children):
                 _refill(module.__dict__, live)
                 _refill(module._buffers, slots)
                 _refill(module._modules, children)
+
+    def _changed(self, swaps: dict, fresh: dict) -> list[Changed]:
+        """Rule 7: the buffers changed in place since the call returned (their versions
+        moved), each with what the re-run reads in its place: the buffer itself (rule 6) or
+        its fresh copy."""
+        return [Changed(buf if id(buf) in swaps else fresh.get(id(at_call[name]), at_call[name]),
+                        versions[name], f"the buffer `{name}` of a {type(module).__name__}")
+                for module, slots, at_call, versions in zip(self.modules, self.objects,
+                                                            self.at_call, self.versions)
+                for name, buf in slots.items()
+                if name in versions and buf._version != versions[name]]
 
     def _put_back(self, live_attributes: list[dict], fresh: dict, swaps: dict,
                   swapped: set[int]) -> None:

@@ -1,0 +1,136 @@
+"""A buffer changed in place between a block's forward and its re-run (buffers.py NOTE
+[Buffers in a re-run], rule 7; changed_buffers.py): plain autograd raises its in-place
+error in backward when an op saved the buffer (BatchNorm saves its running statistics, in
+train and eval mode), and `recompute` / `auto` raise it too, where before their re-run
+mixed the call's values with the new ones silently. A buffer changed in place that no op
+saves (a counter bumped before use, `num_batches_tracked`) raises nothing in either, and
+trains bit-exact."""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from schedule_models import SLOW
+
+import offload
+from offload.schedule import search as search_mod
+
+IN_PLACE = "modified by an inplace operation"
+
+
+@pytest.fixture(autouse=True)
+def _setup(monkeypatch, tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", -1.0)  # what the plan does, not trials
+    yield
+    torch.set_num_threads(threads)
+
+
+def _stack(blocks: int = 3) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh())
+                            for _ in range(blocks)])
+    with torch.no_grad():
+        for block in model:
+            block[1].running_mean.uniform_(-1, 1)
+            block[1].running_var.uniform_(0.5, 2)
+    return model
+
+
+def _change_in_place(model):
+    model[1][1].running_var.mul_(2)
+
+
+def _replace_then_change_the_old(model):
+    """The slot gets a new tensor (the re-run reads a copy of the call's), and the old
+    one, which the forward's op saved, is changed in place."""
+    bn = model[1][1]
+    old = bn.running_var
+    bn.running_var = old * 2
+    old.mul_(3)
+
+
+def _steps(policy: str) -> int:
+    return 5 if policy == "auto" else 1   # auto: warm-up, profile, then planned steps
+
+
+@pytest.mark.parametrize("change", [_change_in_place, _replace_then_change_the_old],
+                         ids=["in place", "replaced, the old one changed"])
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_saved_buffer_changed_before_backward_raises_as_in_plain_training(
+        policy, mode, change, nvme_dir):
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    plain = _stack().train(mode == "train")
+    loss = plain(x).square().sum()
+    with torch.no_grad():
+        change(plain)
+    with pytest.raises(RuntimeError, match=IN_PLACE):
+        loss.backward()
+
+    model = _stack().train(mode == "train")
+    ctx = offload.activations(model=model, blocks=list(model), policy=policy, tiers="nvme",
+                              nvme_dir=nvme_dir, min_bytes=0, probe=SLOW)
+    steps = _steps(policy)
+    for step in range(steps):
+        with ctx:
+            loss = model(x).square().sum()
+            if step < steps - 1:
+                loss.backward()
+                continue
+            with torch.no_grad():
+                change(model)
+            with pytest.raises(RuntimeError, match=IN_PLACE) as raised:
+                loss.backward()
+    assert "`running_var` of a BatchNorm1d" in str(raised.value)
+    if policy == "auto":   # the slow link: its plan re-runs the blocks' ops
+        assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+    ctx.close()
+
+
+class SavesItsCounter(nn.Module):
+    """A counter bumped in place before an op saves it: the re-run bumps it again (on the
+    call's value) and saves it; a retained graph's second re-run must not take that bump
+    for a change made after the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.ones(8))
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.lin(x)) * self.calls
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_buffers_a_forward_changes_itself_train_as_in_plain_training(policy, nvme_dir):
+    """Counters saved after their bump, and a train-mode BatchNorm shared by two positions
+    (its second call bumps `num_batches_tracked`, which nothing saves), with two
+    backwards of a retained graph: no error, bit-exact."""
+    torch.manual_seed(0)
+    shared = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh())
+    model = nn.Sequential(SavesItsCounter(), shared, SavesItsCounter(), shared)
+    plain = copy.deepcopy(model)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    ctx = offload.activations(model=model, blocks=list(model), policy=policy, tiers="nvme",
+                              nvme_dir=nvme_dir, min_bytes=0, probe=SLOW)
+    for step in range(_steps(policy) + 1):
+        for m in (plain, model):
+            m.zero_grad(set_to_none=True)
+            with ctx if m is model else contextlib.nullcontext():
+                loss = m(x).square().mean()
+                loss.backward(retain_graph=True)
+                loss.backward()
+        assert [n for (n, a), b in zip(model.named_parameters(), plain.parameters())
+                if not torch.equal(a.grad, b.grad)] == [], f"step {step}"
+        assert all(torch.equal(a, b) for a, b in zip(model.buffers(), plain.buffers()))
+    assert model[0].calls[0].item() == 1 + _steps(policy) + 1
+    if policy == "auto":
+        assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+    ctx.close()
