@@ -192,16 +192,28 @@ def snapshot_nbytes(t: torch.Tensor) -> int:
 
 def snapshot(t: torch.Tensor) -> torch.Tensor:
     """A private copy of `t`'s elements, ordered after every op already issued on the
-    current stream (NOTE [Untracked aliases]); no autograd history. Contiguous, except for
-    a tensor that reads elements more than once (expanded, overlapping strides): that
-    one's copy is of the span it reads, with its strides kept, not its elements written
-    out one by one (an `expand(n, n)` of a row would grow n-fold)."""
+    current stream (NOTE [Untracked aliases]); no autograd history. With `t`'s strides
+    where its elements are dense (a transpose stays one), else contiguous; a tensor that
+    reads elements more than once (expanded, overlapping strides) is copied as the span it
+    reads, with its strides kept, not its elements written out one by one (an
+    `expand(n, n)` of a row would grow n-fold). The copy holds the bytes as they lie and
+    carries `t`'s lazy conjugate / negative bits: `clone` would write them into the bytes,
+    and backward would get a tensor whose `is_conj()` differs from the one saved."""
     t = t.detach()
+    conj, neg = t.is_conj(), t.is_neg()
+    if conj:
+        t = t.conj()   # the same bytes, the bit off
+    if neg:
+        t = torch._neg_view(t)
     nbytes = snapshot_nbytes(t)
-    if nbytes == t.nbytes:   # dense, with gaps between its elements, or empty
-        return t.clone(memory_format=torch.contiguous_format)
-    span = t.as_strided((nbytes // t.element_size(),), (1,)).clone()
-    return span.as_strided(t.shape, t.stride())
+    if nbytes == t.nbytes:   # dense (strides kept), with gaps between elements, or empty
+        copy = t.clone(memory_format=torch.preserve_format)
+    else:
+        span = t.as_strided((nbytes // t.element_size(),), (1,)).clone()
+        copy = span.as_strided(t.shape, t.stride())
+    if neg:
+        copy = torch._neg_view(copy)
+    return copy.conj() if conj else copy
 
 
 class _CounterOwner:
