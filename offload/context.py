@@ -350,7 +350,7 @@ _CLAIM = threading.Lock()
 def _free_failed_step(step: Step) -> None:
     """Free a step whose block raised (or whose exit was interrupted) at once."""
     try:
-        step.abort()
+        step.abort(failed=True)
         empty_cache()  # an exception may end the run: keep no slab file or arena open
     except Exception:  # never mask the user's exception
         log.exception("offload: error while freeing the step after an exception")

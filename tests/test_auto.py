@@ -2,6 +2,7 @@
 gradients on every path the plan can take; re-plan on new shapes; explain; the budget."""
 from __future__ import annotations
 
+import copy
 import logging
 
 from collections import Counter
@@ -1179,6 +1180,98 @@ def test_trials_run_each_strategy_bit_exact_then_keep_the_fastest(nvme_dir, monk
     assert any("auto: measured step" in r.getMessage() for r in caplog.records)
     assert "measured step (best of its trial steps)" in str(plan)
     ctx.close()
+
+
+class _ReadsSavedTwice(torch.autograd.Function):
+    """x * w whose backward reads `ctx.saved_tensors` twice: plain autograd runs it, torch's
+    checkpoint refuses the second read (CheckpointError)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, _ = ctx.saved_tensors
+        _, w = ctx.saved_tensors
+        return grad * w, grad * x
+
+
+class _TwiceBlock(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.w = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x + _ReadsSavedTwice.apply(torch.tanh(self.lin(x)), self.w)
+
+
+@pytest.mark.trials
+@pytest.mark.parametrize("backward", ["inside", "after the block"])
+def test_a_trial_step_that_raises_drops_its_strategy(nvme_dir, monkeypatch, caplog, backward):
+    """A helper's find: torch's checkpoint refuses a backward that reads ctx.saved_tensors
+    twice, which plain autograd, `offload` and this plan (blocks as they are) run. The
+    `checkpoint` trial step raised, and as it was never booked it ran again at every later
+    step: every step from the fifth raised, for good. Now the step that raised drops the
+    strategy (trials.py NOTE [Trials]): that one step raises, every other trains bit-exact,
+    and `ctx.plan` says so. Also when the backward runs after the block and the graph is
+    dropped after the error."""
+    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_TwiceBlock() for _ in range(3)])
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    ctx = offload.activations(model=model, **_settings(nvme_dir, FAST))
+    caplog.set_level(logging.WARNING, logger="offload")
+    outcomes = []
+    for step in range(14):
+        plain.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        plain(x).sum().backward()
+        try:
+            with ctx:
+                loss = model(x).sum()
+                if backward == "inside":
+                    loss.backward()
+            if backward != "inside":
+                loss.backward()
+        except torch.utils.checkpoint.CheckpointError:
+            outcomes.append("raised")
+            del loss   # the failed step's graph: it ends the step (its report says it failed)
+            continue
+        outcomes.append("ok")
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(),
+                                                                 model.parameters())), step
+    plan = ctx.plan
+    assert "checkpoint" in plan.trials
+    assert outcomes.count("raised") == 1, outcomes
+    assert plan.settled and plan.mode != "checkpoint" and "checkpoint" not in plan.measured
+    assert "trial steps that raised (not run again): checkpoint" in str(plan)
+    assert sum("a trial step running checkpoint" in r.getMessage()
+               for r in caplog.records) == 1
+    ctx.close()
+
+
+def test_a_dropped_trial_settles_the_choice_among_the_others():
+    """TrialSteps.drop: the strategy's rounds leave the queue; once only the plan's are
+    left, the choice is made from what was measured."""
+    from offload.schedule.trials import TrialSteps
+
+    steps = TrialSteps(("offload", "checkpoint"))
+    steps.done("plan", 2.0)
+    steps.done("offload", 1.0)
+    steps.drop("checkpoint")
+    assert steps.pending == ["plan", "offload"] and steps.failed == ["checkpoint"]
+    steps.drop("plan")   # the plan's own step raising drops nothing
+    assert steps.pending == ["plan", "offload"]
+    steps.drop("offload")
+    assert steps.settled and steps.mode == "plan" and steps.failed == ["checkpoint", "offload"]
+    steps = TrialSteps(("checkpoint",))
+    steps.done("plan", 2.0)
+    steps.drop("checkpoint")
+    assert steps.settled and steps.mode == "plan" and "checkpoint" not in steps.measured
 
 
 @pytest.mark.parametrize("mode", ["offload", "unplanned"])

@@ -224,7 +224,7 @@ def _tensor_parallel_worker(policy: str) -> dict:
 
 @pytest.mark.parametrize("policy", ["auto", "recompute"])
 def test_a_block_calling_a_collective_runs_alike_on_every_rank(policy, nvme_dir):
-    """auto_session NOTE [Blocks run alike on every rank]: each rank plans auto on its own,
+    """plan_cache.py NOTE [Blocks run alike on every rank]: each rank plans auto on its own,
     so one rank re-ran a block (a checkpoint trial, a plan that recomputes) while the other
     did not, and their all_reduces paired up wrongly: rank 0 ended with other weights and
     no error. A block a profile saw call a collective runs as it is on every rank now."""

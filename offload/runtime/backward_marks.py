@@ -43,6 +43,9 @@ class BackwardMarks:
         self._on_backward_end = None
         self.epoch = 0
         self._queued_task = -1
+        # Backwards heard of (their end queued) that have not ended: one that raised never
+        # does (autograd runs the callbacks of a backward that completed only).
+        self.open_backwards = 0
 
     @property
     def on_backward_end(self):
@@ -63,6 +66,7 @@ class BackwardMarks:
             task = graph_task_id()
             if task != self._queued_task and task >= 0:
                 self._queued_task = task
+                self.open_backwards += 1
                 torch.autograd.Variable._execution_engine.queue_callback(self._ended)
 
     def _starts(self) -> None:
@@ -79,6 +83,7 @@ class BackwardMarks:
             self.backward_mark = self.clock.mark(self.first_unpack_s)
 
     def _ended(self) -> None:
+        self.open_backwards -= 1
         callback = self._on_backward_end
         if callback is not None:
             callback()

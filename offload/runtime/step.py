@@ -24,7 +24,8 @@ only from a training step: one that ran a forward and a backward and ended at po
 (its graph freed by its own backward), during which torch.compile compiled nothing. An eval
 block (`torch.no_grad()` inside: no backward), a graph kept with `retain_graph` (ends at
 point 3, whenever it is dropped) and a compiling step would all book a time that is not the
-step's.
+step's. Every step reports once (`StepReport`), when it ends or is freed (`close()`, or an
+exception: `failed`, also for a backward after the block that raised and never ended).
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ class StepReport(NamedTuple):
                                      # (None without one)
     end_s: float
     training: bool                   # NOTE [Training step]
+    failed: bool = False             # its block or its backward raised
 
     @property
     def rows(self) -> list:
@@ -211,8 +213,16 @@ class Step:
             log.exception("offload: could not update the round-trip plan")
         training = timed and self.hooks.marks.first_unpack_s is not None \
             and _dynamo_frames() == self._compiled_at_start   # NOTE [Training step]
-        report = StepReport(self.stats, self.timeline, self.hooks.marks.backward_mark, end_s,
-                            training)
+        # A backward after the block that raised never ended: the graph died without it.
+        failed = not timed and self.hooks.marks.open_backwards > 0
+        self._tell(StepReport(self.stats, self.timeline, self.hooks.marks.backward_mark, end_s,
+                              training, failed))
+        self._write_trace(end_s)
+        if after_exit and log.isEnabledFor(logging.INFO):   # the block's exit did not say
+            log.info("offload: %s", self.stats.summary())
+
+    def _tell(self, report: StepReport) -> None:
+        """Hand the step's report to `after_finish` (`auto` plans there)."""
         for learn in self.after_finish:
             try:
                 learn(report)
@@ -224,14 +234,12 @@ class Step:
                                 "%s", exc)
             except Exception:  # same: the step itself went through
                 log.exception("offload: could not plan the next step (OFFLOAD_POLICY=auto)")
-        self._write_trace(end_s)
-        if after_exit and log.isEnabledFor(logging.INFO):   # the block's exit did not say
-            log.info("offload: %s", self.stats.summary())
 
-    def abort(self) -> None:
-        """Free everything now (an exception, or `ActivationOffload.close()`)."""
+    def abort(self, failed: bool = False) -> None:
+        """Free everything now: `failed`, after an exception (the report says so); else
+        `ActivationOffload.close()`."""
         with self._lock:
-            self._finished = True
+            reported, self._finished = self._finished, True
         with _pending_lock:
             _pending.discard(self)
         if self.hooks is not None:
@@ -243,6 +251,9 @@ class Step:
         close_tiers(self.tiers, self.stats, reuse=False, before=self.close_copies)
         for name, nbytes in held.items():   # what the step still held when it was freed
             self.stats.tier(name).exit_used_bytes = nbytes
+        if not reported and self.hooks is not None:   # every step reports once
+            self._tell(StepReport(self.stats, self.timeline, self.hooks.marks.backward_mark,
+                                  time.perf_counter(), False, failed))
 
     def _learn_round_trip(self) -> None:
         if self.round_trip is None:

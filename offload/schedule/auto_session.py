@@ -102,6 +102,8 @@ class AutoSession(Session):
         self._device = first.device if first is not None else torch.device("cpu")
         self._clock = clock_for(self._device.type)
         self._t0: Any = None
+        # id(a step's Stats) -> (class plan, mode) until it reports (trials.py NOTE [Trials])
+        self._trial_of: dict[int, tuple[ClassPlan | None, str]] = {}
 
     @property
     def plan(self) -> ClassPlan | None:
@@ -164,6 +166,7 @@ class AutoSession(Session):
         choice = self.choice
         choice.plan = None if entry is None else entry.plan
         choice.mode = "plan" if entry is None else entry.trial_steps.running  # NOTE [Trials]
+        self._trial_of[id(self._hooks.stats)] = (entry, choice.mode)
         if choice.mode == "plan" and entry is not None:
             self._readahead.raise_budget(entry.plan.readahead_bytes)  # Plan.readahead_bytes
 
@@ -209,7 +212,7 @@ class AutoSession(Session):
                 placement.note_inputs(index, tensors)   # placement.py NOTE [Inputs only ...]
                 return out
             if plan is None or index in self.state.as_is:   # the warm-up step (module doc,
-                return forward(*args, **kwargs)   # 0); NOTE [Blocks run alike on every rank]
+                return forward(*args, **kwargs)   # 0); plan_cache NOTE [Blocks run alike ...]
             if self._fallback is None and index in plan.ran_as_is:   # unfrozen since
                 self._fall_back(f"block {index} ran as is in the profiled step (it needed no "
                                 "gradient) and needs one now")
@@ -263,6 +266,11 @@ class AutoSession(Session):
         return changed
 
     def step_done(self, report) -> None:
+        entry, mode = self._trial_of.pop(id(report.stats), (None, "plan"))
+        if report.failed and entry is not None:   # trials.py NOTE [Trials]
+            with self.state.lock:
+                entry.trial_steps.drop(mode)
+            return
         if self._hooks is None or report.stats is not self._hooks.stats:
             # NOTE [Steps alive at once] Another step of this context was entered before this
             # one ended (one entry per micro-batch, the backwards after all the forwards):
@@ -342,20 +350,7 @@ class AutoSession(Session):
             for op in b.ops:
                 if (b.type_key, op.op_id) in self.state.changed_ops:
                     op.not_storable = op.not_storable or "changed in place in a later step"
-        # NOTE [Blocks run alike on every rank] Each rank decides auto on its own: its shape
-        # classes, profiles, figures, trials and their winner. A block that calls a
-        # collective (a tensor-parallel all_reduce, a synced statistic) must run the same way
-        # on every rank, or one rank re-runs it in backward while another does not, and
-        # their collectives pair up wrongly: wrong weights with no error, or a mismatch
-        # error. So a block type a profile saw call one runs as it is in every step from
-        # then on, whatever the step's plan, trial or fallback (a profile and the warm-up
-        # run every block as it is too); so does one whose inputs change in place after the
-        # call (a re-run would not see them). Not seen: a collective inside a compiled block
-        # (no op is seen there) or called by a module hook outside the block's forward.
-        as_is = {b.index for b in profile.blocks if b.collective or b.inputs_changed}
-        if as_is - self.state.as_is:
-            with self.state.lock:
-                self.state.as_is |= as_is
+        self.state.learn_as_is(profile.blocks)   # plan_cache NOTE [Blocks run alike ...]
         unrun = key is NO_BLOCK and bool(self.blocks)
         notes = (f"{UNRUN}: planned keep / host / nvme per saved tensor, nothing "
                  "recomputed",) if unrun else ()

@@ -78,6 +78,8 @@ def render(plan: Plan, trials: TrialSteps | None = None) -> str:
             f"{mode} {_s(min(t))}" for mode, t in trials.measured.items())
             + ("" if trials.settled else " (trials still running)")
             + f"; runs: {'the plan' if trials.mode == 'plan' else trials.mode}")
+    if trials.failed:
+        lines.append(f"  trial steps that raised (not run again): {', '.join(trials.failed)}")
     move = params.tiers[0] if params.tiers else None
     link = rates(figures, move, params.device_type) if move else None
     # Where each (block type, op)'s storages went, over the type's instances.

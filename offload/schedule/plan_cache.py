@@ -87,9 +87,9 @@ class PlanCache:
         self.reasons: dict = {}  # class -> why it profiles again (in its plan's log line)
         # class -> steps in a row that met calls of other shapes than its plans held
         self.shape_misses: dict = {}
-        # Blocks that run as they are in every step, whatever its plan or trial (auto_session
-        # NOTE [Blocks run alike on every rank]): a profile saw them call a collective, or
-        # their inputs change in place after the call.
+        # Blocks that run as they are in every step, whatever its plan or trial (NOTE
+        # [Blocks run alike on every rank]): a profile saw them call a collective, or their
+        # inputs change in place after the call.
         self.as_is: set[int] = set()
         # (block type, op id) whose stored output a forward changed in place after a profile
         # that did not see it (stored_ops.py Rule 1): never stored by a later plan.
@@ -112,6 +112,23 @@ class PlanCache:
         entry = self.plans[key] = ClassPlan(plan)
         self.ran(key)
         return entry
+
+    def learn_as_is(self, blocks) -> None:
+        """NOTE [Blocks run alike on every rank] Each rank decides auto on its own: its shape
+        classes, profiles, figures, trials and their winner. A block that calls a collective
+        (a tensor-parallel all_reduce, a synced statistic) must run the same way on every
+        rank, or one rank re-runs it in backward while another does not, and their
+        collectives pair up wrongly: wrong weights with no error, or a mismatch error. So a
+        block type a profile (`blocks`: its BlockProfiles) saw call one runs as it is in
+        every step from then on, whatever the step's plan, trial or fallback (a profile and
+        the warm-up run every block as it is too); so does one whose inputs change in place
+        after the call (a re-run would not see them). Not seen: a collective inside a
+        compiled block (no op is seen there) or called by a module hook outside the block's
+        forward."""
+        as_is = {b.index for b in blocks if b.collective or b.inputs_changed}
+        if as_is - self.as_is:
+            with self.lock:
+                self.as_is |= as_is
 
     def ran(self, key) -> None:
         """`key`'s plan ran (or was made) now; keep the MAX_PLANS most recent."""

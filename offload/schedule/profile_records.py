@@ -90,7 +90,7 @@ class BlockRecord:
     # checkpoint raises autograd's in-place error for it. It runs as it is.
     inputs_changed: bool = False
     # It called a collective (torch.distributed's c10d or functional ops): it runs as it
-    # is (auto_session NOTE [Blocks run alike on every rank]).
+    # is (plan_cache.py NOTE [Blocks run alike on every rank]).
     collective: bool = False
     # op id -> bytes of the storages it made that the block saved below OFFLOAD_MIN_BYTES
     # (the hooks keep those at once: the placement never sees them; note_small does).

@@ -7,8 +7,13 @@ the steps after run whichever had the fastest step (best of its rounds; a pure s
 must beat the plan by TRIAL_WIN, so noise does not flip it). The measured seconds and the
 choice are in `ctx.plan` (`mode`, `measured`; one INFO line). Every candidate is bit-exact
 and keeps no more than the budget (search.py leaves out one that would keep more), so a
-trial step costs time at most, never memory or
-correctness. A re-plan measures again. Steps are timed on the device's clock
+trial step costs time, never memory or correctness; but it may raise where the plan does
+not: `checkpoint` re-runs every block, and torch's checkpoint refuses some code plain
+autograd runs (a backward reading `ctx.saved_tensors` twice; random ops in a backward under
+vmap, `is_grads_batched=True`). A trial step that raised (in its block or in a backward
+after it) drops its candidate (`failed`, said once and in `ctx.plan`): that one step
+raised, where before the same trial ran again at every later step and raised at each. A
+re-plan measures again. Steps are timed on the device's clock
 (offload/util/clock.py): on CUDA the host's is launch time.
 
 The plan is immutable; what the trials have run and chosen is a `TrialSteps` the session
@@ -16,9 +21,13 @@ keeps next to it (plan_cache.py), one per shape class.
 """
 from __future__ import annotations
 
+import logging
+
 from .constants import TRIAL_ROUNDS, TRIAL_WIN
 
 __all__ = ["PURE", "TrialSteps"]
+
+log = logging.getLogger("offload")
 
 # The whole-block strategies a plan is measured against, as the session runs them.
 PURE = {"offload": "every eligible storage moved, blocks as they are",
@@ -35,6 +44,7 @@ class TrialSteps:
         self.pending: list[str] = [m for _ in range(TRIAL_ROUNDS)
                                    for m in ("plan", *candidates)] if candidates else []
         self.measured: dict[str, list[float]] = {}
+        self.failed: list[str] = []   # candidates whose trial step raised
         self.mode = "plan"
 
     @property
@@ -56,8 +66,29 @@ class TrialSteps:
         self.measured.setdefault(mode, []).append(step_s)
         if self.pending:
             return False
+        self._choose()
+        return True
+
+    def drop(self, mode: str) -> None:
+        """A trial step of `mode` raised: run no more of them (NOTE [Trials]; said once)."""
+        if mode == "plan" or mode not in self.pending:
+            return
+        self.failed.append(mode)
+        self.measured.pop(mode, None)
+        self.pending = [m for m in self.pending if m != mode]
+        if not any(m != "plan" for m in self.pending):
+            self.pending = []   # only the plan's own rounds were left: nothing to compare
+            self._choose()
+        log.warning("offload: auto: a trial step running %s (%s) raised, where the plan and "
+                    "`offload` may not: torch's checkpoint refuses some code plain autograd "
+                    "runs (a backward reading ctx.saved_tensors twice; random ops in a "
+                    "backward under vmap). auto does not run it again for this shape class",
+                    mode, PURE[mode])
+
+    def _choose(self) -> None:
         best = {m: min(t) for m, t in self.measured.items()}
+        if "plan" not in best:
+            return
         fastest = min(best, key=best.get)
         if fastest != "plan" and best[fastest] < (1 - TRIAL_WIN) * best["plan"]:
             self.mode = fastest
-        return True
