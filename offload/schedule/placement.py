@@ -62,6 +62,7 @@ class SchedulePlacement(Placement):
         self._decisions: dict[tuple, Decision] = {}
         self.items: list[ItemRecord] = []
         self.unplanned = 0
+        self._checkpoint_kept: dict[int, int] = {}   # micro-batch -> bytes `checkpoint` kept
         # While recording: the step's saved bytes so far (set by the session), and where the
         # current region started (saved bytes, items) to tell its small saves (note_small).
         self.saved_so_far: Callable[[], int] | None = None
@@ -281,10 +282,15 @@ class SchedulePlacement(Placement):
             return base   # warm-up, profile: every eligible storage moves
         if choice.mode != "plan":
             # A whole-block strategy (trials.py NOTE [Trials]) moves every eligible storage,
-            # but those of the blocks `checkpoint` runs as they are within the budget.
+            # but those of the blocks `checkpoint` runs as they are, up to what they kept in
+            # the profile (Plan.checkpoint_keep_bytes): within the budget.
             if choice.mode == "checkpoint" and region[0] == "block" \
                     and region[1] in plan.checkpoint_keeps and not self.beyond_profile:
-                return self.target("keep")
+                segment = self.segment()
+                kept = self._checkpoint_kept.get(segment, 0) + info.nbytes
+                if kept <= plan.checkpoint_keep_bytes:
+                    self._checkpoint_kept[segment] = kept
+                    return self.target("keep")
             return self._move(plan, base)
         moved = False
         if region[0] == "block":

@@ -75,8 +75,11 @@ class Plan:
     # against the plan (NOTE [Trials]).
     alternatives: ReadOnlyDict = field(default_factory=ReadOnlyDict)
     trials: tuple[str, ...] = ()
-    # Blocks `checkpoint` runs as they are, keeping what they save (within the budget).
+    # Blocks `checkpoint` runs as they are, keeping what they save (within the budget), and
+    # the most they keep in a micro-batch (what they saved in the profile): a trial step
+    # whose kept blocks save more (dropout switched on, a branch taken) moves the rest.
     checkpoint_keeps: frozenset = frozenset()
+    checkpoint_keep_bytes: int = 0
     # (region, ordinal) -> bytes profiled there: a storage of another size at that key is
     # not the one planned for (moved, memory-safe), e.g. before the step's shapes are known.
     item_bytes: ReadOnlyDict = field(default_factory=ReadOnlyDict, repr=False)

@@ -62,8 +62,8 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
         if not changed:
             break
     pred = best.prediction
-    alternatives, kept, checkpoint_keeps = _pure_predictions(profile, figures, params, infos,
-                                                             items)
+    alternatives, kept, checkpoint_keeps, keep_bytes = _pure_predictions(
+        profile, figures, params, infos, items)
     # A trial keeps no more than the budget (the plan's own bytes where it cannot meet it):
     # a strategy that would keep more is not run, even for one step (trials.py NOTE [Trials]).
     limit = max(params.budget_bytes, pred.kept_bytes)
@@ -101,14 +101,15 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
                    "code")
     plan = _assemble(profile, figures, params, infos, items, best, (*own, *notes))
     return dataclasses.replace(plan, alternatives=_ro(alternatives), trials=trials,
-                               checkpoint_keeps=checkpoint_keeps)
+                               checkpoint_keeps=checkpoint_keeps,
+                               checkpoint_keep_bytes=keep_bytes)
 
 
 def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
                       infos: list[TypeInfo], items: list[ItemRecord]
-                      ) -> tuple[dict, dict, frozenset]:
-    """Predicted step and kept bytes of each PURE strategy, and the blocks `checkpoint`
-    keeps.
+                      ) -> tuple[dict, dict, frozenset, int]:
+    """Predicted step and kept bytes of each PURE strategy, the blocks `checkpoint`
+    keeps, and what they keep (in the micro-batch where they keep most).
 
     `offload`: the budget at 0, blocks as they are. `checkpoint`: every op of every block
     re-run without the per-op dispatch modes, less the re-run of the last blocks whose
@@ -121,6 +122,7 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
     out = {"offload": moved.step_s}
     kept = {"offload": moved.kept_bytes}
     keeps: frozenset = frozenset()
+    keep_bytes = 0
     # A block that cannot be re-run rules out checkpointing every block (its trial would
     # raise autograd's in-place error in the user's step).
     if any(i.ranking for i in infos) and all(i.rerunnable for i in infos):
@@ -154,9 +156,10 @@ def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
             room -= need
             chosen.append(index)
         keeps = frozenset(chosen)
+        keep_bytes = sum(block_bytes.get(i, 0) for i in keeps)
         out["checkpoint"] = full.step_s - dispatch - sum(rerun[i] * calls[i] for i in keeps)
-        kept["checkpoint"] = full.kept_bytes + sum(block_bytes.get(i, 0) for i in keeps)
-    return out, kept, keeps
+        kept["checkpoint"] = full.kept_bytes + keep_bytes
+    return out, kept, keeps, keep_bytes
 
 
 def _assemble(profile: Profile, figures: Figures, params: PlanParams, infos: list[TypeInfo],
