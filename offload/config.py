@@ -202,7 +202,14 @@ class Config:
                 raw, where = env[envname], f"{envname}={env[envname]!r}"
             else:
                 continue
-            values[name] = PARSERS[name](raw, where, env)
+            try:
+                values[name] = PARSERS[name](raw, where, env)
+            except ConfigError:
+                raise
+            except (TypeError, ValueError) as exc:   # a value no parser's check foresaw
+                raise ConfigError(f"{where}: not a valid value ({exc}; give a "
+                                  f"{f.metadata['type']}, e.g. {f.metadata['example']!r})"
+                                  ) from None
             sources[name] = where
         config = cls(**values, sources=sources, ranks=Ranks.from_env(env))
         if cache_key is not None:

@@ -9,7 +9,7 @@ import os
 from typing import Any, Callable, Mapping
 
 from . import tiers as tier_registry
-from .errors import ConfigError
+from .errors import ConfigError, short_repr
 from .util.figures import ProbeSetting, parse_probe_setting
 from .util.ranks import Ranks
 from .util.sizes import parse_size
@@ -29,6 +29,15 @@ def _fail(where: str, reason: str, fix: str) -> ConfigError:
     return ConfigError(f"{where}: {reason} ({fix})")
 
 
+def _items(raw: Any, where: str, fix: str) -> list:
+    """A comma-separated string's items, or a list's / tuple's."""
+    if isinstance(raw, str):
+        return raw.split(",")
+    if isinstance(raw, (list, tuple, set, frozenset)):
+        return list(raw)
+    raise _fail(where, f"{short_repr(raw)} is not a list", fix)
+
+
 def knob(where: str, name: str) -> str:
     """How a fix names another knob: `name=` when the value in `where` came from a keyword
     argument, its environment variable when it came from the environment."""
@@ -42,7 +51,7 @@ def setting(where: str, name: str, value: bool) -> str:
 
 
 def _parse_tiers(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...]:
-    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    items = _items(raw, where, "give 'host', 'nvme' or 'host,nvme', or a list of tier names")
     tiers = tuple(str(t).strip().lower() for t in items if str(t).strip())
     if not tiers:
         off = setting(where, "enabled", False)
@@ -52,6 +61,8 @@ def _parse_tiers(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...
         if tier not in TIERS:
             close = difflib.get_close_matches(tier, TIERS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
+            if set(tier.replace(";", " ").split()) <= set(TIERS):   # 'host;nvme'
+                hint = "separate tiers with commas, e.g. 'host,nvme'; "
             raise _fail(where, f"unknown tier {tier!r}",
                         f"{hint}valid tiers, fastest first: {', '.join(TIERS)}")
     if len(set(tiers)) != len(tiers):
@@ -216,18 +227,17 @@ def _parse_probe(raw: Any, where: str, env: Mapping[str, str]) -> ProbeSetting:
 
 
 def _parse_log_ranks(raw: Any, where: str, env: Mapping[str, str]) -> tuple[int, ...] | None:
+    fix = "give a rank such as 0, a list such as 0,4, or all"
     if isinstance(raw, int) and not isinstance(raw, bool):
         raw = [raw]
-    items = raw.split(",") if isinstance(raw, str) else list(raw)
-    items = [str(i).strip().lower() for i in items if str(i).strip()]
+    items = [str(i).strip().lower() for i in _items(raw, where, fix) if str(i).strip()]
     if items == ["all"]:
         return None
-    fix = "give a rank such as 0, a list such as 0,4, or all"
     if not items:
         raise _fail(where, "names no rank", fix)
     ranks = []
     for item in items:
-        if not item.isdigit():
+        if not (item.isascii() and item.isdigit()):   # '²' is a digit int() refuses
             raise _fail(where, f"{item!r} is not a rank", fix)
         ranks.append(int(item))
     return tuple(sorted(set(ranks)))

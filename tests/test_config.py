@@ -215,6 +215,12 @@ def test_with_overrides():
      r"most 100% of the free disk space"),
     ({"OFFLOAD_IO_WORKERS": "100000"}, r"OFFLOAD_IO_WORKERS='100000': is more than the "
      r"engine's 1024 threads \(4 to 16 threads"),
+    # Unicode digits int() refuses (was: a bare ValueError from int())
+    ({"OFFLOAD_LOG_RANKS": "\u00b2"}, r"OFFLOAD_LOG_RANKS='\u00b2': '\u00b2' is not a rank"),
+    ({"OFFLOAD_LOG_RANKS": "0,\u2460"}, r"'\u2460' is not a rank \(give a rank such as 0"),
+    # The wrong separator (was: "did you mean 'nvme'?")
+    ({"OFFLOAD_TIERS": "host;nvme"}, r"unknown tier 'host;nvme' \(separate tiers with commas"),
+    ({"OFFLOAD_TIERS": "host nvme"}, r"unknown tier 'host nvme' \(separate tiers with commas"),
 ])
 def test_env_errors_name_variable_value_and_fix(env, message):
     with pytest.raises(ConfigError, match=message):
@@ -241,6 +247,35 @@ def test_keyword_errors_name_the_argument():
     with pytest.raises(ConfigError, match=r"enabled='': not a boolean"):
         Config.from_env(env={}, enabled="")
     assert Config.from_env(env={"OFFLOAD_ENABLED": " "}).enabled is True
+
+
+@pytest.mark.parametrize("kw, message", [
+    # a keyword of a type the parser does not take (were: bare TypeErrors)
+    ({"log_ranks": True}, r"log_ranks=True: True is not a list \(give a rank such as 0"),
+    ({"log_ranks": 1.5}, r"log_ranks=1.5: 1.5 is not a list"),
+    ({"tiers": 5}, r"tiers=5: 5 is not a list \(give 'host', 'nvme' or 'host,nvme'"),
+    # a fraction as a keyword gets the percentage hint its string gets
+    ({"budget": 0.3}, r'budget=0.3: .*whole number \(a share is a percentage: "30%"\)'),
+    ({"host_bytes": 0.5}, r'host_bytes=0.5: .*\(a share is a percentage: "50%"\)'),
+])
+def test_keyword_values_of_another_type_name_the_argument(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        Config.from_env(env={}, **kw)
+
+
+def test_a_value_no_parser_foresaw_is_still_a_config_error(monkeypatch):
+    """Config.from_env turns any TypeError / ValueError of a parser into a ConfigError
+    naming the setting and what it takes (a parser's own check is better; this is the
+    net under them)."""
+    from offload import config as config_mod
+
+    def broken(raw, where, env):
+        return int(raw)
+
+    monkeypatch.setitem(config_mod.PARSERS, "io_workers", broken)
+    with pytest.raises(ConfigError, match=r"OFFLOAD_IO_WORKERS='x': not a valid value "
+                       r"\(invalid literal .*; give a .*, e.g. '\d+'\)"):
+        Config.from_env(env={"OFFLOAD_IO_WORKERS": "x"})
 
 
 def test_budget_over_100_percent_keyword():

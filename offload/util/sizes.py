@@ -58,7 +58,9 @@ def parse_size(value: str | int, *, allow_percent: bool = False) -> SizeSpec:
         if value > _MAX_BYTES:   # (inf too) as a string gets it: not later, in the core
             raise ValueError("more bytes than a 64-bit count holds (the most is 8 EiB)")
         if not math.isfinite(value) or value != int(value):
-            raise ValueError("size in bytes must be a non-negative whole number")
+            raise ValueError("size in bytes must be a non-negative whole number" + (
+                f' (a share is a percentage: "{value * 100:g}%")'
+                if allow_percent and 0 < value < 1 else ""))
         return SizeSpec(nbytes=int(value))
     text = str(value).strip()
     if text.startswith("-"):
