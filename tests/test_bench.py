@@ -517,7 +517,24 @@ def test_a_run_where_every_row_ran_out_of_memory_fails(tmp_path, nvme_dir, capsy
         "    return Huge(16, 16)\n"), "offload-host")
     captured = capsys.readouterr()
     assert "out of memory at batch 2" in captured.out
-    assert code == 1 and "offload-bench: nothing was measured" in captured.err
+    assert code == 1 and "offload-bench: nothing was measured (2 runs ran out of memory: a " \
+        "smaller --batch, --seq or model fits more;" in captured.err
+
+
+def test_nothing_measured_says_what_kept_each_kind_of_row_from_it():
+    """A helper's find: rows that all timed out ended with "every run ran out of memory
+    ... a smaller --batch fits more", against the table's "raise --timeout-s"."""
+    from offload.bench.cli import _why_nothing
+    from offload.bench.rows import Row
+
+    timed_out = Row(strategy="offload-nvme", error=True,
+                    reason="failed: worker timed out after 1 s (raise --timeout-s)")
+    oom = Row(strategy="none", reason="out of memory at batch 2")
+    missing = Row(strategy="deepspeed", reason="deepspeed is not installed")
+    assert _why_nothing([timed_out, timed_out]) == "2 runs timed out: raise --timeout-s"
+    assert _why_nothing([oom, timed_out, missing]) == (
+        "1 run ran out of memory: a smaller --batch, --seq or model fits more; 1 run timed "
+        "out: raise --timeout-s; 1 run failed or not available here")
 
 
 def test_max_batch_finds_the_edge(tmp_path, nvme_dir):

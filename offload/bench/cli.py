@@ -560,11 +560,28 @@ def _main(args, parser, Console) -> int:
                   f"rounds say how many); temporary files removed")
         return 130
     if rows and not any(r.available for r in rows):   # every row says why above
-        err.print("offload-bench: nothing was measured (every run ran out of memory or was "
-                  "not available: the reasons are in the table); a smaller --batch, --seq or "
-                  "model fits more", highlight=False, markup=False, soft_wrap=True)
+        err.print(f"offload-bench: nothing was measured ({_why_nothing(rows)}; the reasons "
+                  "are in the table)", highlight=False, markup=False, soft_wrap=True)
         return 1
     return 1 if failed_write or any(r.error for r in rows) else 0
+
+
+def _why_nothing(rows: list) -> str:
+    """What kept the rows from being measured, with what to do about each kind."""
+    said = [r.reason or "" for r in rows]   # (bench/worker.py and runner.py word them)
+    timed_out = sum("worker timed out" in reason for reason in said)
+    oom = sum(reason.startswith("out of memory") for reason in said)
+    other = len(rows) - timed_out - oom
+    runs = lambda n: f"{n} run{'s' * (n != 1)}"  # noqa: E731
+    parts = []
+    if oom:
+        parts.append(f"{runs(oom)} ran out of memory: a smaller --batch, --seq or model fits "
+                     "more")
+    if timed_out:
+        parts.append(f"{runs(timed_out)} timed out: raise --timeout-s")
+    if other:
+        parts.append(f"{runs(other)} failed or not available here")
+    return "; ".join(parts)
 
 
 def _is_main_thread() -> bool:
