@@ -1209,19 +1209,37 @@ class _TwiceBlock(nn.Module):
         return x + _ReadsSavedTwice.apply(torch.tanh(self.lin(x)), self.w)
 
 
+class _RefusedInBackward(torch.autograd.Function):
+    """What a checkpoint that refuses the user's backward does: read what it saved (the
+    re-run's inputs), then raise."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved_tensors
+        raise torch.utils.checkpoint.CheckpointError("a re-run refused this backward")
+
+
 @pytest.mark.trials
 @pytest.mark.parametrize("backward", ["inside", "after the block"])
 def test_a_trial_step_that_raises_drops_its_strategy(nvme_dir, monkeypatch, caplog, backward):
-    """A helper's find: torch's checkpoint refuses a backward that reads ctx.saved_tensors
-    twice, which plain autograd, `offload` and this plan (blocks as they are) run. The
-    `checkpoint` trial step raised, and as it was never booked it ran again at every later
-    step: every step from the fifth raised, for good. Now the step that raised drops the
-    strategy (trials.py NOTE [Trials]): that one step raises, every other trains bit-exact,
-    and `ctx.plan` says so. Also when the backward runs after the block and the graph is
-    dropped after the error."""
+    """torch's checkpoint refuses some backwards plain autograd runs (NOTE [Reads a re-run
+    refuses] catches the ones known; here every checkpointed call's backward raises, as an
+    unforeseen one would). The `checkpoint` trial step raised, and as it was never booked
+    it ran again at every later step: every step from the fifth raised, for good (a
+    helper's find). Now the step that raised drops the strategy (trials.py NOTE [Trials]):
+    that one step raises, every other trains bit-exact, and `ctx.plan` says so. Also when
+    the backward runs after the block and the graph is dropped after the error."""
     monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
+    real = recompute_mod.checkpoint_block
+    monkeypatch.setattr("offload.schedule.auto_session.checkpoint_block",
+                        lambda *a, **k: _RefusedInBackward.apply(real(*a, **k)))
     torch.manual_seed(0)
-    model = nn.Sequential(*[_TwiceBlock() for _ in range(3)])
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
     plain = copy.deepcopy(model)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     ctx = offload.activations(model=model, **_settings(nvme_dir, FAST))
@@ -1252,6 +1270,50 @@ def test_a_trial_step_that_raises_drops_its_strategy(nvme_dir, monkeypatch, capl
     assert "trial steps that raised (not run again): checkpoint" in str(plan)
     assert sum("a trial step running checkpoint" in r.getMessage()
                for r in caplog.records) == 1
+    ctx.close()
+
+
+@pytest.mark.trials
+@pytest.mark.parametrize("probe", ["fast", "slow"])
+@pytest.mark.parametrize("case", ["saved_tensors read twice", "is_grads_batched, dropout"])
+def test_a_block_whose_backward_a_re_run_refuses_runs_as_is(nvme_dir, monkeypatch, probe,
+                                                            case):
+    """profile.py NOTE [Reads a re-run refuses], helpers' finds: a custom Function reading
+    ctx.saved_tensors twice in backward, and a Jacobian (`is_grads_batched=True`) through
+    a block with dropout, both of which plain autograd runs and torch's checkpoint
+    refuses. With a slow link the plan recomputed per op and every planned step raised;
+    with a fast one the `checkpoint` trial step raised. Now the profile sees it, the
+    block runs as it is, and every step is bit-exact."""
+    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
+    torch.manual_seed(0)
+    if case == "saved_tensors read twice":
+        model = nn.Sequential(*[_TwiceBlock() for _ in range(3)])
+    else:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Dropout(0.3))
+                                for _ in range(3)])
+    plain = copy.deepcopy(model)
+
+    def grads(m):
+        torch.manual_seed(7)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = m(x)
+        if case == "saved_tensors read twice":
+            return torch.autograd.grad(out.sum(), [x, *m.parameters()])
+        eye = torch.eye(4).unsqueeze(-1).expand(4, 4, 16).contiguous()
+        return torch.autograd.grad(out, [x, *m.parameters()], grad_outputs=eye,
+                                   is_grads_batched=True)
+
+    ctx = offload.activations(model=model, **_settings(nvme_dir, FAST if probe == "fast"
+                                                       else SLOW))
+    for step in range(10):
+        want = grads(plain)
+        with ctx:
+            got = grads(model)
+        assert all(map(torch.equal, want, got)), step
+    plan = ctx.plan
+    assert "checkpoint" not in plan.trials and not plan.trial_steps.failed
+    assert all(not bp.per_op for bp in plan.blocks.values())
+    assert "reads a saved tensor twice" in str(plan)
     ctx.close()
 
 

@@ -122,10 +122,11 @@ class PlanCache:
         block type a profile (`blocks`: its BlockProfiles) saw call one runs as it is in
         every step from then on, whatever the step's plan, trial or fallback (a profile and
         the warm-up run every block as it is too); so does one whose inputs change in place
-        after the call (a re-run would not see them). Not seen: a collective inside a
+        after the call (a re-run would not see them), or whose backward reads a saved
+        tensor twice (profile.py NOTE [Reads a re-run refuses]). Not seen: a collective inside a
         compiled block (no op is seen there) or called by a module hook outside the block's
         forward."""
-        as_is = {b.index for b in blocks if b.collective or b.inputs_changed}
+        as_is = {b.index for b in blocks if b.collective or b.inputs_changed or b.rereads}
         if as_is - self.as_is:
             with self.lock:
                 self.as_is |= as_is

@@ -45,6 +45,16 @@ from .op_timer import OpTimer
 from .profile_records import BlockRecord, ItemRecord, OpRecord, Profile
 from .unsaved_outputs import UnsavedOutputs
 
+_functorch = torch._C._functorch
+_graph_task_id = torch._C._current_graph_task_id
+
+
+def _under_vmap() -> bool:
+    """Whether this runs under vmap: torch.func's, or the one `is_grads_batched` runs
+    (torch._vmap_internals: a VmapMode dispatch key the Python enum does not name)."""
+    return _functorch.peek_interpreter_stack() is not None or \
+        "VmapMode" in str(torch._C._dispatch_tls_local_include_set())
+
 __all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler", "step_times",
            "signature", "WHOLE_BLOCK"]
 
@@ -161,6 +171,26 @@ class _ProfileMode(TorchDispatchMode):
         return out
 
 
+class _Read:
+    """A profiled block's save, with the backward (graph task) that last read it.
+
+    NOTE [Reads a re-run refuses] Torch's checkpoint hands each tensor its re-run made to
+    one read and frees it: a backward that reads a saved tensor twice in one backward (a
+    custom Function reading `ctx.saved_tensors` twice) raises its CheckpointError, and so
+    does a backward under vmap (`is_grads_batched=True`, `jacobian(vectorize=True)`) of a
+    block that draws random numbers, which vmap refuses. Plain autograd runs both, and so
+    does a block run as it is with its saves moved. A profiled block that does either
+    (under vmap at all: conservative) runs as it is in every step from then on
+    (`BlockRecord.rereads`): before, auto's first planned step with per-op recompute raised
+    and every later one too, and a `checkpoint` trial step raised (trials.py NOTE
+    [Trials]). A read outside a backward (`grad_fn._saved_self`) is not one."""
+
+    __slots__ = ("packed", "task")
+
+    def __init__(self, packed) -> None:
+        self.packed, self.task = packed, -1
+
+
 class BlockProfiler:
     """Collects BlockRecords during the profile step; the placement asks it who made a
     storage (`producer_of`)."""
@@ -226,7 +256,14 @@ class BlockProfiler:
                     self.unsaved.saved(t.untyped_storage())
                     if t.grad_fn is not None:
                         self._note_small(t.untyped_storage(), block, small_seen)
-                return hooks.pack(t)
+                return _Read(hooks.pack(t))
+
+        def unpack(read: _Read):   # NOTE [Reads a re-run refuses]
+            task = _graph_task_id()
+            if task >= 0 and (read.task == task or _under_vmap()):
+                block.rereads = True
+            read.task = task
+            return hooks.unpack(read.packed)
 
         self._input_versions.append((block, [
             (version_sentinel(a), a._version) for a in block_inputs(args, kwargs)
@@ -250,7 +287,7 @@ class BlockProfiler:
                 self._inputs.clear()
         t0 = time.perf_counter()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, hooks.unpack), \
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
                     _ProfileMode(self, block):
                 return forward(*args, **kwargs)
         finally:

@@ -27,8 +27,9 @@ class TypeInfo:
     ranking: list[tuple]         # op ids, recompute order
     forced: int                  # how many of the ranking's first entries are forced
     rerunnable: bool = True      # no instance's inputs changed in place after its call,
-    #                              nor did one call a collective (auto_session NOTE [Blocks
-    #                              run alike on every rank])
+    #                              nor did one call a collective (plan_cache.py NOTE [Blocks
+    #                              run alike on every rank]) or read a save twice (profile.py
+    #                              NOTE [Reads a re-run refuses])
 
 
 def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
@@ -67,7 +68,8 @@ def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
             name += f" ({type_key[-1][0]} {type_key[-1][1] + 1})"
         infos.append(TypeInfo(type_key, name, [b.index for b in records],
                               ops, saved, forced + free, len(forced),
-                              not any(b.inputs_changed or b.collective for b in records)))
+                              not any(b.inputs_changed or b.collective or b.rereads
+                                      for b in records)))
     return infos
 
 

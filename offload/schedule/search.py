@@ -89,6 +89,11 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
     if changed:
         own.append(f"{', '.join(changed)}: an input is changed in place after the block runs, "
                    "so it runs as it is (a re-run would not see the input the block saw)")
+    rereads = sorted({b.type_name for b in profile.blocks if b.rereads})
+    if rereads:
+        own.append(f"{', '.join(rereads)}: its backward reads a saved tensor twice (a custom "
+                   "Function reading ctx.saved_tensors twice) or runs under vmap, which "
+                   "torch's checkpoint refuses, so it runs as it is")
     collective = sorted({b.type_name for b in profile.blocks if b.collective})
     if collective:
         own.append(f"{', '.join(collective)}: calls a collective (torch.distributed), so it "
