@@ -331,8 +331,10 @@ def test_blocks_added_or_removed_after_the_context_was_built_are_found(policy, g
     """A context finds its blocks when it is built; a block appended to `model.blocks`
     later ran as it is, never checkpointed (a helper's report: saved bytes went from 250 KB
     to 1.23 MB a step, and `auto` kept over its budget from then on, saying nothing). The
-    blocks are found again at the next entry after their container changed (blocks.py
-    StackWatch): a step keeps what a context built now keeps, bit-exact."""
+    blocks are found again at the next entry after their container changed (stack_watch.py
+    StackWatch): a step keeps what a context built now keeps, bit-exact. So are blocks in
+    a new container put in the old one's place (`model.blocks = nn.ModuleList(...)`:
+    before, they ran as they are, and `recompute` said no block ran)."""
     from offload.bench.models import Block
 
     model, loss_fn = small_gpt(layers=2, hidden=64, seq=64)
@@ -343,7 +345,8 @@ def test_blocks_added_or_removed_after_the_context_was_built_are_found(policy, g
     if given:
         settings["blocks"] = model.blocks
     ctx = offload.activations(model=model, **settings)
-    for change in ("append", "replace", "remove"):
+    changes = ("append", "replace", "remove") + (() if given else ("a new container",))
+    for change in changes:
         for _ in range(3):   # auto: warm-up, profile, planned
             _grads_of(model, loss_fn, ctx)
         torch.manual_seed(3)
@@ -351,8 +354,10 @@ def test_blocks_added_or_removed_after_the_context_was_built_are_found(policy, g
             model.blocks.append(Block(model.cfg))
         elif change == "replace":   # the same count: told by identity, not length
             model.blocks[1] = Block(model.cfg)
-        else:
+        elif change == "remove":
             del model.blocks[0]
+        else:   # (blocks= names the old container: that one is what it asks for)
+            model.blocks = nn.ModuleList([model.blocks[0], Block(model.cfg)])
         fresh = offload.activations(model=model, **settings)
         for _ in range(3):
             plain = _grads_of(model, loss_fn)

@@ -66,11 +66,12 @@ from torch.nn.parameter import is_lazy
 
 from ..errors import ConfigError, short_repr
 from ..runtime import hook_stack
+from .stack_watch import StackWatch
 
 _forward_ad = torch.autograd.forward_ad   # its `_current_level`: -1 outside any dual level
 _functorch = torch._C._functorch
 
-__all__ = ["find_blocks", "locate_blocks", "StackWatch", "BlockWrappers", "ours_innermost",
+__all__ = ["find_blocks", "locate_blocks", "BlockWrappers", "ours_innermost",
            "block_type_key", "compiled_block"]
 
 log = logging.getLogger("offload")
@@ -117,7 +118,7 @@ def locate_blocks(model: nn.Module | None, blocks: Any = None
         return _expand_containers(_given_blocks(model, blocks)), \
             StackWatch(_given_containers(blocks))
     stacks = _detected_stacks(model)
-    return [block for stack in stacks for block in stack], StackWatch(stacks)
+    return [block for stack in stacks for block in stack], StackWatch(stacks, model)
 
 
 def _detected_stacks(model: nn.Module | None) -> list[nn.Module]:
@@ -136,27 +137,6 @@ def _detected_stacks(model: nn.Module | None) -> list[nn.Module]:
         chosen.append(stack)
         inside.update(id(m) for m in stack.modules())
     return chosen
-
-
-class StackWatch:
-    """Whether the containers the blocks were found in changed since: a block appended to
-    `model.layers`, removed or replaced after the context was built (it found its blocks
-    then, and would never run a new one its way). The detected stacks, or the containers
-    given as `blocks=`; a predicate's matches or modules given one by one are not watched
-    (finding them again means walking the whole model). One tuple comparison per
-    container and step."""
-
-    __slots__ = ("_stacks",)
-
-    def __init__(self, stacks: Iterable[nn.Module]) -> None:
-        self._stacks = tuple((s, tuple(s._modules.values())) for s in stacks)
-
-    def changed(self) -> bool:
-        return any(tuple(stack._modules.values()) != members for stack, members in self._stacks)
-
-    def accept(self) -> None:
-        """The containers as they are now are the ones to compare with."""
-        self._stacks = tuple((s, tuple(s._modules.values())) for s, _ in self._stacks)
 
 
 def _given_containers(blocks: Any) -> list[nn.Module]:

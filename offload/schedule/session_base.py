@@ -26,7 +26,7 @@ class Session:
 
     plan = None
     clock = None
-    watch = None   # recompute / auto: a blocks.StackWatch of where their blocks were found
+    watch = None   # recompute / auto: a stack_watch.StackWatch of where their blocks were found
 
     def placement(self, round_trip) -> Placement:
         return Placement(self.config, round_trip)
