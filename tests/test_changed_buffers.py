@@ -134,3 +134,72 @@ def test_buffers_a_forward_changes_itself_train_as_in_plain_training(policy, nvm
     if policy == "auto":
         assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
     ctx.close()
+
+
+class SavesAnAlias(nn.Module):
+    """Two buffers over one memory, each with a version counter of its own (`b = a.data`):
+    the forward saves `b`; a change of `a` moves no counter of `b`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("a", torch.rand(8) + 0.5)
+        self.register_buffer("b", self.a.data)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.b
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_buffer_over_the_same_memory_with_its_own_counter_raises_nothing(policy, nvme_dir):
+    """A review's find: the re-run refused a save by its memory, so changing `a` refused
+    the save of `b`, where plain autograd (whose check follows `b`'s own counter) trains
+    and the re-run read the very values plain training did. Bit-exact now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[SavesAnAlias() for _ in range(3)])
+    plain = copy.deepcopy(model)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    ctx = offload.activations(model=model, blocks=list(model), policy=policy, tiers="nvme",
+                              nvme_dir=nvme_dir, min_bytes=0, probe=SLOW)
+    for step in range(_steps(policy)):
+        for m in (plain, model):
+            m.zero_grad(set_to_none=True)
+            with ctx if m is model else contextlib.nullcontext():
+                loss = m(x).square().sum()
+                with torch.no_grad():
+                    m[1].a.add_(0.0)   # a version bump, the values as they were
+                loss.backward()
+        assert [n for (n, a), b in zip(model.named_parameters(), plain.parameters())
+                if not torch.equal(a.grad, b.grad)] == [], f"step {step}"
+    if policy == "auto":
+        assert any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+    ctx.close()
+
+
+def test_a_second_backward_after_the_first_raised_raises_too(nvme_dir):
+    """A review's find: the versions were noted again after a re-run that raised, so the
+    user's change became the baseline and a second backward of the retained graph (the
+    first's error caught) mixed old and new values silently; plain autograd raises both
+    times."""
+    def backwards(model, ctx):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+        out = []
+        with ctx:
+            loss = model(x).square().sum()
+            with torch.no_grad():
+                model[1][1].running_var.mul_(2)
+            for _ in range(2):
+                try:
+                    loss.backward(retain_graph=True)
+                    out.append("ok")
+                except RuntimeError as e:
+                    assert IN_PLACE in str(e)
+                    out.append("raised")
+        return out
+
+    assert backwards(_stack().eval(), contextlib.nullcontext()) == ["raised", "raised"]
+    model = _stack().eval()
+    ctx = offload.activations(model=model, blocks=list(model), policy="recompute",
+                              tiers="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    assert backwards(model, ctx) == ["raised", "raised"]
+    ctx.close()

@@ -66,8 +66,8 @@ guessed. Rules:
    through `.data`, so their version counters do not move: a save of them stays valid.
 7. A buffer changed in place since the call returned (its version moved) and saved by an
    op of the re-run raises autograd's in-place error, as in plain training
-   (changed_buffers.py). Versions are noted when the call returns and after each re-run
-   (a re-run's own bumps, put back through `.data`, are no user's change).
+   (changed_buffers.py). Versions are noted when the call returns, and moved on by what
+   each re-run bumps itself (put back through `.data`, those are no user's change).
 
 Not set back: the attributes of modules holding no buffer (`self.calls += 1` there is
 counted again by the re-run, as under checkpoint), but for their mode (rule 5). What it
@@ -264,9 +264,12 @@ class _Guard:
 
     def _note_versions(self) -> None:
         """Rule 7: the version of each buffer (that a copy stands for) now."""
-        self.versions = [{name: buf._version for name, buf in slots.items()
-                          if buf is not None and buf is not at_call[name]}
-                         for slots, at_call in zip(self.objects, self.at_call)]
+        self.versions = self._versions_now()
+
+    def _versions_now(self) -> list[dict]:
+        return [{name: buf._version for name, buf in slots.items()
+                 if buf is not None and buf is not at_call[name]}
+                for slots, at_call in zip(self.objects, self.at_call)]
 
     def _rerun(self, fn: Callable, args: tuple) -> Any:
         live_slots = [dict(module._buffers) for module in self.modules]
@@ -279,6 +282,7 @@ class _Guard:
             for buf, copy in swaps.values():
                 buf.data.copy_(copy)   # `.data`: no version bump (a save of it is unchanged)
         changed = self._changed(swaps, fresh)   # before the re-run changes any (rule 7)
+        start = self._versions_now()
         try:
             self._put_back(live_attributes, fresh, swaps, swapped)
             with refusing_saves_of(changed):
@@ -287,7 +291,12 @@ class _Guard:
             with torch.no_grad(), _disable_current_modes():
                 for buf, values in now:
                     buf.data.copy_(values)
-            self._note_versions()   # the re-run's own changes are no user's (rule 7)
+            # Rule 7: the re-run's own bumps are no user's change; a user's change stays
+            # one (a second backward of a retained graph after the first raised raises too).
+            self.versions = [{name: then + end[name] - began[name]
+                              for name, then in versions.items()}
+                             for versions, began, end in zip(self.versions, start,
+                                                             self._versions_now())]
             for module, live, slots, children in zip(self.modules, live_attributes,
                                                      live_slots, live_children):
                 _refill(module.__dict__, live)

@@ -12,7 +12,7 @@ Only a save tells: a buffer no op saved (a step counter; BatchNorm's `num_batche
 bumped by a second call of a shared block) changes nothing backward reads, and plain
 training raises nothing for it. So a re-run that reads a changed buffer runs with one more
 saved-tensor hook pair on top of checkpoint's own: its pack raises autograd's error for a
-tensor on the memory of a changed buffer (views of it share its version counter, so they
+save of a changed buffer or of a view of it (views share its version counter, so they
 changed too) and hands every other tensor to checkpoint's pack; unpack is checkpoint's.
 The error comes at the re-run, where plain autograd's comes at the op's backward a moment
 later in the same backward; it differs only for an op whose output reaches no gradient
@@ -45,18 +45,23 @@ class Changed:
 
 @contextlib.contextmanager
 def refusing_saves_of(changed: list[Changed]) -> Iterator[None]:
-    """Run the body with a pack hook that raises for a save on the memory of `changed` and
+    """Run the body with a pack hook that raises for a save of `changed` (or a view of it) and
     hands every other save to the hooks on top now (checkpoint's re-run hooks)."""
     outer = _autograd._top_saved_tensors_default_hooks(False)
     if not changed or outer is None:   # no re-run under checkpoint: nothing saved to check
         yield
         return
     outer_pack, outer_unpack = outer
-    storages = {_storage(c.tensor): c for c in changed}
-    storages.pop(None, None)
+    # What the re-run reads in each changed buffer's place, and its base when it is a view
+    # (views of one base share its version counter): a save of one of them, or of a view
+    # of one. A tensor over the same memory with a counter of its own (another buffer
+    # registered as `a.data`) is not the changed buffer: plain autograd does not raise.
+    by_id = {id(t): c for c in changed for t in (c.tensor, c.tensor._base) if t is not None}
 
     def pack(x):
-        found = storages.get(_storage(x))
+        found = by_id.get(id(x))
+        if found is None and x._base is not None:
+            found = by_id.get(id(x._base))
         if found is not None:
             raise _error(found)
         return outer_pack(x)
@@ -66,12 +71,6 @@ def refusing_saves_of(changed: list[Changed]) -> Iterator[None]:
         yield
     finally:
         _autograd._pop_saved_tensors_default_hooks()
-
-
-def _storage(t) -> int | None:
-    if type(t) is torch.Tensor and t.layout is torch.strided and t.numel():
-        return t.untyped_storage().data_ptr()
-    return None
 
 
 def _error(changed: Changed) -> RuntimeError:
