@@ -93,7 +93,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..util import per_model
 from . import structure
-from .changed_buffers import Changed, refusing_saves_of
+from .changed_buffers import BufferVersions, refusing_saves_of
 
 __all__ = ["guard_buffers", "keep_modes"]
 
@@ -250,26 +250,17 @@ class _Guard:
         self.names = [frozenset(module.__dict__) for module in modules]
         self.held = list(copies.values())
         self.calls = 0
-        self.versions: list[dict] = []   # rule 7: per module, name -> version after the call
+        self.versions: BufferVersions | None = None   # rule 7, from the call's return
 
     def wrap(self, fn: Callable) -> Callable:
         def run(*args):
             self.calls += 1
             if self.calls == 1:
                 out = fn(*args)
-                self._note_versions()
+                self.versions = BufferVersions(self.modules, self.objects, self.at_call)
                 return out
             return self._rerun(fn, args)
         return run
-
-    def _note_versions(self) -> None:
-        """Rule 7: the version of each buffer (that a copy stands for) now."""
-        self.versions = self._versions_now()
-
-    def _versions_now(self) -> list[dict]:
-        return [{name: buf._version for name, buf in slots.items()
-                 if buf is not None and buf is not at_call[name]}
-                for slots, at_call in zip(self.objects, self.at_call)]
 
     def _rerun(self, fn: Callable, args: tuple) -> Any:
         live_slots = [dict(module._buffers) for module in self.modules]
@@ -281,8 +272,12 @@ class _Guard:
             now = [(buf, buf.clone()) for buf, _ in swaps.values()]
             for buf, copy in swaps.values():
                 buf.data.copy_(copy)   # `.data`: no version bump (a save of it is unchanged)
-        changed = self._changed(swaps, fresh)   # before the re-run changes any (rule 7)
-        start = self._versions_now()
+        # Rule 7, before the re-run changes any: what it reads in place of each buffer
+        # changed since, the buffer itself (rule 6) or its fresh copy.
+        versions = self.versions
+        changed = versions.changed(lambda buf, copy: buf if id(buf) in swaps
+                                   else fresh.get(id(copy), copy))
+        start = versions.now()
         try:
             self._put_back(live_attributes, fresh, swaps, swapped)
             with refusing_saves_of(changed):
@@ -291,28 +286,12 @@ class _Guard:
             with torch.no_grad(), _disable_current_modes():
                 for buf, values in now:
                     buf.data.copy_(values)
-            # Rule 7: the re-run's own bumps are no user's change; a user's change stays
-            # one (a second backward of a retained graph after the first raised raises too).
-            self.versions = [{name: then + end[name] - began[name]
-                              for name, then in versions.items()}
-                             for versions, began, end in zip(self.versions, start,
-                                                             self._versions_now())]
+            versions.move_on(start)   # rule 7: the re-run's own bumps are no user's change
             for module, live, slots, children in zip(self.modules, live_attributes,
                                                      live_slots, live_children):
                 _refill(module.__dict__, live)
                 _refill(module._buffers, slots)
                 _refill(module._modules, children)
-
-    def _changed(self, swaps: dict, fresh: dict) -> list[Changed]:
-        """Rule 7: the buffers changed in place since the call returned (their versions
-        moved), each with what the re-run reads in its place: the buffer itself (rule 6) or
-        its fresh copy."""
-        return [Changed(buf if id(buf) in swaps else fresh.get(id(at_call[name]), at_call[name]),
-                        versions[name], f"the buffer `{name}` of a {type(module).__name__}")
-                for module, slots, at_call, versions in zip(self.modules, self.objects,
-                                                            self.at_call, self.versions)
-                for name, buf in slots.items()
-                if name in versions and buf._version != versions[name]]
 
     def _put_back(self, live_attributes: list[dict], fresh: dict, swaps: dict,
                   swapped: set[int]) -> None:

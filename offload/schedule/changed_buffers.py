@@ -28,7 +28,7 @@ import torch
 
 from ..runtime.version_check import version_error
 
-__all__ = ["Changed", "refusing_saves_of"]
+__all__ = ["Changed", "BufferVersions", "refusing_saves_of"]
 
 _autograd = torch._C._autograd
 
@@ -41,6 +41,44 @@ class Changed:
 
     def __init__(self, tensor: torch.Tensor, then: int, name: str) -> None:
         self.tensor, self.then, self.name = tensor, then, name
+
+
+class BufferVersions:
+    """The version of each buffer of a call's guarded modules when the call returned,
+    moved on by what each re-run bumps itself (put back through `.data`, those are no
+    user's change; a user's change stays one: a second backward of a retained graph after
+    the first raised raises too).
+
+    Args:
+        modules: The guarded modules.
+        objects: Per module, its buffer slots at the call (name -> buffer).
+        at_call: Per module, name -> the copy taken at the call (the buffer itself for
+            one that requires grad, which is not copied nor looked at).
+    """
+
+    def __init__(self, modules: list, objects: list[dict], at_call: list[dict]) -> None:
+        self._modules, self._objects, self._at_call = modules, objects, at_call
+        self._noted = self.now()
+
+    def now(self) -> list[dict]:
+        return [{name: buf._version for name, buf in slots.items()
+                 if buf is not None and buf is not at_call[name]}
+                for slots, at_call in zip(self._objects, self._at_call)]
+
+    def changed(self, reads) -> list[Changed]:
+        """The buffers changed in place since, each with `reads(buffer, its copy)`: what
+        the re-run reads in its place."""
+        return [Changed(reads(buf, at_call[name]), noted[name],
+                        f"the buffer `{name}` of a {type(module).__name__}")
+                for module, slots, at_call, noted in zip(self._modules, self._objects,
+                                                         self._at_call, self._noted)
+                for name, buf in slots.items()
+                if name in noted and buf._version != noted[name]]
+
+    def move_on(self, start: list[dict]) -> None:
+        """A re-run ran since `start` (`now()` before it): its bumps are its own."""
+        self._noted = [{name: then + end[name] - began[name] for name, then in noted.items()}
+                       for noted, began, end in zip(self._noted, start, self.now())]
 
 
 @contextlib.contextmanager
