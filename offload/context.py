@@ -263,7 +263,7 @@ class ActivationOffload(CopiedAsNew):
             explain_known_failures(exc)
             if not on_its_thread:   # said, not raised: never mask the user's exception
                 log.error("%s", hook_stack.exited_on_another_thread(entered))
-            _free_failed_step(step)
+            _free_failed_step(step, isinstance(exc, RuntimeError))   # (torch's errors)
             return False  # re-raise the original exception
         # From OFFLOAD_LOG_RANKS only (logs.py). A step whose backward runs after the block
         # says it when that backward ends (step.py `finish`).
@@ -347,10 +347,11 @@ _ENTERING = object()
 _CLAIM = threading.Lock()
 
 
-def _free_failed_step(step: Step) -> None:
-    """Free a step whose block raised (or whose exit was interrupted) at once."""
+def _free_failed_step(step: Step, failed: bool = False) -> None:
+    """Free a step whose block raised (or whose exit was interrupted) at once; `failed`:
+    with torch's kind of error (its report says so: step.py StepReport)."""
     try:
-        step.abort(failed=True)
+        step.abort(failed=failed)
         empty_cache()  # an exception may end the run: keep no slab file or arena open
     except Exception:  # never mask the user's exception
         log.exception("offload: error while freeing the step after an exception")

@@ -25,7 +25,8 @@ only from a training step: one that ran a forward and a backward and ended at po
 block (`torch.no_grad()` inside: no backward), a graph kept with `retain_graph` (ends at
 point 3, whenever it is dropped) and a compiling step would all book a time that is not the
 step's. Every step reports once (`StepReport`), when it ends or is freed (`close()`, or an
-exception: `failed`, also for a backward after the block that raised and never ended).
+exception: `failed` for torch's kind of error, and for a backward after the block that
+raised and never ended).
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ class StepReport(NamedTuple):
                                      # (None without one)
     end_s: float
     training: bool                   # NOTE [Training step]
-    failed: bool = False             # its block or its backward raised
+    failed: bool = False             # its block raised a RuntimeError (torch's errors),
+                                     # or a backward after it raised (it never ended)
 
     @property
     def rows(self) -> list:
@@ -213,8 +215,11 @@ class Step:
             log.exception("offload: could not update the round-trip plan")
         training = timed and self.hooks.marks.first_unpack_s is not None \
             and _dynamo_frames() == self._compiled_at_start   # NOTE [Training step]
-        # A backward after the block that raised never ended: the graph died without it.
-        failed = not timed and self.hooks.marks.open_backwards > 0
+        # A backward after the block that raised never ended: the graph died without it
+        # (on the backward's thread: one still running on another may not have ended yet).
+        marks = self.hooks.marks
+        failed = not timed and marks.open_backwards > 0 \
+            and marks.backward_thread == threading.get_ident()
         self._tell(StepReport(self.stats, self.timeline, self.hooks.marks.backward_mark, end_s,
                               training, failed))
         self._write_trace(end_s)

@@ -102,8 +102,8 @@ class AutoSession(Session):
         self._device = first.device if first is not None else torch.device("cpu")
         self._clock = clock_for(self._device.type)
         self._t0: Any = None
-        # id(a step's Stats) -> (class plan, mode) until it reports (trials.py NOTE [Trials])
-        self._trial_of: dict[int, tuple[ClassPlan | None, str]] = {}
+        # id(a step's Stats) -> (class plan, its choice) until it reports (NOTE [Trials])
+        self._trial_of: dict[int, tuple[ClassPlan | None, StepChoice]] = {}
 
     @property
     def plan(self) -> ClassPlan | None:
@@ -166,7 +166,7 @@ class AutoSession(Session):
         choice = self.choice
         choice.plan = None if entry is None else entry.plan
         choice.mode = "plan" if entry is None else entry.trial_steps.running  # NOTE [Trials]
-        self._trial_of[id(self._hooks.stats)] = (entry, choice.mode)
+        self._trial_of[id(self._hooks.stats)] = (entry, choice)
         if choice.mode == "plan" and entry is not None:
             self._readahead.raise_budget(entry.plan.readahead_bytes)  # Plan.readahead_bytes
 
@@ -231,6 +231,7 @@ class AutoSession(Session):
             if choice.mode == "checkpoint":
                 if index in plan.checkpoint_keeps and self._fallback is None:
                     return forward(*args, **kwargs)
+                choice.checkpointed = True   # (a step that raised drops it: NOTE [Trials])
                 return whole()
             bp = plan.block_plan(stand_in)
             if self._fallback is not None or bp is None:
@@ -266,10 +267,10 @@ class AutoSession(Session):
         return changed
 
     def step_done(self, report) -> None:
-        entry, mode = self._trial_of.pop(id(report.stats), (None, "plan"))
-        if report.failed and entry is not None:   # trials.py NOTE [Trials]
+        entry, choice = self._trial_of.pop(id(report.stats), (None, None))
+        if report.failed and entry is not None and choice.checkpointed:   # NOTE [Trials]
             with self.state.lock:
-                entry.trial_steps.drop(mode)
+                entry.trial_steps.drop(choice.mode)
             return
         if self._hooks is None or report.stats is not self._hooks.stats:
             # NOTE [Steps alive at once] Another step of this context was entered before this

@@ -41,6 +41,7 @@ class StepChoice:
     mode: str = "plan"           # the plan, or a whole-block strategy (trials.py PURE)
     recording: bool = True       # record every storage: a profile, or the class not known
     profiler: BlockProfiler | None = None   # inside blocks of a profile: who made a storage
+    checkpointed: bool = False   # a block ran checkpointed whole in `checkpoint` mode
 
 
 class SchedulePlacement(Placement):

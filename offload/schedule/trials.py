@@ -12,8 +12,10 @@ not: `checkpoint` re-runs every block, and torch's checkpoint refuses some code 
 autograd runs (a backward reading `ctx.saved_tensors` twice; random ops in a backward under
 vmap, `is_grads_batched=True`). A trial step that raised (in its block or in a backward
 after it) drops its candidate (`failed`, said once and in `ctx.plan`): that one step
-raised, where before the same trial ran again at every later step and raised at each. A
-re-plan measures again. Steps are timed on the device's clock
+raised, where before the same trial ran again at every later step and raised at each. Only
+`checkpoint` is dropped, and only after a step that ran a block checkpointed and raised
+torch's kind of error (a RuntimeError; a backward after the block that never ended): a
+user's ValueError, or Ctrl-C, in a trial step drops nothing. A re-plan measures again. Steps are timed on the device's clock
 (offload/util/clock.py): on CUDA the host's is launch time.
 
 The plan is immutable; what the trials have run and chosen is a `TrialSteps` the session
@@ -79,11 +81,9 @@ class TrialSteps:
         if not any(m != "plan" for m in self.pending):
             self.pending = []   # only the plan's own rounds were left: nothing to compare
             self._choose()
-        log.warning("offload: auto: a trial step running %s (%s) raised, where the plan and "
-                    "`offload` may not: torch's checkpoint refuses some code plain autograd "
-                    "runs (a backward reading ctx.saved_tensors twice; random ops in a "
-                    "backward under vmap). auto does not run it again for this shape class",
-                    mode, PURE[mode])
+        log.warning("offload: auto: a trial step running %s (%s) raised an error, as "
+                    "torch's checkpoint does for some code plain autograd runs; auto does "
+                    "not run it again for this shape class", mode, PURE[mode])
 
     def _choose(self) -> None:
         best = {m: min(t) for m, t in self.measured.items()}
