@@ -305,6 +305,58 @@ def test_one_info_line_per_plan_and_explain(nvme_dir, caplog):
     ctx.close()
 
 
+class _Tower(nn.Module):
+    """Two towers of other block types, one picked per batch, the same input shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.ModuleList([_TowerA() for _ in range(3)])
+        self.b = nn.ModuleList([_TowerB() for _ in range(3)])
+
+    def forward(self, x, task):
+        for block in (self.a if task == 0 else self.b):
+            x = block(x)
+        return x.pow(2).mean()
+
+
+class _TowerA(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+
+class _TowerB(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(32, 32), nn.Tanh())
+
+
+def test_steps_starting_in_other_block_types_get_plans_of_their_own(nvme_dir, caplog):
+    """A helper's find: the class was the shapes of the step's first block call, so two
+    towers of other block types picked per batch (or a GAN's D and G steps in one context)
+    shared one plan, and every step of the other kind ran all its blocks checkpointed,
+    logged as "called with other shapes". The class holds the first block's type now
+    (NOTE [Shape classes]): each tower is profiled once and runs its plan, bit-exact."""
+    torch.manual_seed(0)
+    model = _Tower()
+    plain = copy.deepcopy(model)
+    ctx = offload.activations(model=model, blocks=[*model.a, *model.b],
+                              **_settings(nvme_dir, FAST, budget="30%"))
+    caplog.set_level(logging.INFO, logger="offload")
+    for step in range(10):
+        task = step % 2
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+        for m in (plain, model):
+            m.zero_grad(set_to_none=True)
+            with ctx if m is model else contextlib.nullcontext():
+                m(x, task).backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(
+            plain.parameters(), model.parameters()) if a.grad is not None), step
+    plans = [r.getMessage() for r in caplog.records if "auto plan (" in r.getMessage()]
+    assert len(plans) == 2 and "new class: a _TowerA's input (8, 32)" in plans[1], plans
+    assert "other shapes" not in caplog.text and "checkpointed" not in caplog.text
+    assert len(ctx._schedule.state.plans) == 2
+    ctx.close()
+
+
 def test_new_shapes_get_a_plan_of_their_own_bit_exact(nvme_dir, caplog):
     """A new shape class is profiled at its first step and planned; going back to a shape
     seen before runs its plan again, without a new profile (auto_session.py NOTE [Shape
@@ -323,7 +375,7 @@ def test_new_shapes_get_a_plan_of_their_own_bit_exact(nvme_dir, caplog):
         differs, back = compare_steps(model, loss_fn, 2, **settings)     # seq 32 again
     assert differs is None and back.plan is long_plan
     lines = [r.getMessage() for r in caplog.records if "auto plan" in r.getMessage()]
-    assert len(lines) == 2 and "new shapes: block input (2, 16, 64)" in lines[1]
+    assert len(lines) == 2 and "new class: a Block's input (2, 16, 64)" in lines[1]
     assert "other shapes than planned" not in caplog.text
     ctx.close()
 

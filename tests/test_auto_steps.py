@@ -1,5 +1,5 @@
 """`auto` across the steps of a real run: a plan per shape class (varying lengths, layer
-drop; auto_session.py NOTE [Shape classes]) and only training steps profiled or timed
+drop; plan_cache.py NOTE [Shape classes]) and only training steps profiled or timed
 (step.py NOTE [Training step])."""
 from __future__ import annotations
 

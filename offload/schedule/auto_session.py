@@ -18,22 +18,7 @@ offload policy's RoundTripPlan) goes through
 Only training steps count (step.py NOTE [Training step]): an eval block, a graph kept past
 its step or a compiling step neither profiles, nor warms up, nor books a trial.
 
-NOTE [Shape classes] A step's shape class is the signature (shapes, dtypes) of its first
-block call; each class gets its own plan, kept across steps (the MAX_PLANS most recently
-run), so a run whose lengths vary (unpadded batches) profiles each length once and plans
-from then on. A plan holds every call its profiled step made: a step of micro-batches of
-two lengths (gradient accumulation in one context) runs one plan for both. A call with
-other shapes than the plan holds runs checkpointed, with the blocks after it, and the class
-profiles again; after SHAPE_REPROFILES such profiles with no step between them that its
-plan held (calls of another shape every other step: the profiled step may never see them)
-the class keeps its plan for good, and such calls run checkpointed (said once). Until the
-first block call the class is not known: the storages saved before it follow the plan of the latest step's class where their size is the one planned for, else
-move (memory-safe), and are recorded in case this step turns out to profile. A block the
-profiled step did not run (layer drop) uses the decisions of the nearest profiled block of
-its type (`Plan.stand_in`), with what that one keeps moved instead (memory-safe). A step in
-which no block ran through us (a torch.compile'd model: blocks.py NOTE [Wrapping], rule 3)
-is its own class, planned keep / host / nvme per saved tensor with nothing recomputed
-(said once, and in `ctx.plan`).
+The shape classes: plan_cache.py NOTE [Shape classes].
 """
 from __future__ import annotations
 
@@ -68,11 +53,13 @@ _UNKNOWN = ("unknown",)   # this step's class before its first block call
 
 
 def _shapes(key) -> str:
-    """A shape class for a log line: its first tensor argument's shape."""
-    for sig in (key or ((),))[0]:
-        if sig is not None:
-            return f"block input {tuple(sig[0])}"
-    return "other block inputs"
+    """A shape class for a log line: its first block's type and first tensor argument's
+    shape."""
+    if not key:
+        return "no block"
+    block_type, (args, _) = key
+    shape = next((f" {tuple(sig[0])}" for sig in args if sig is not None), "")
+    return f"a {block_type[0]}'s input{shape}"
 
 
 class AutoSession(Session):
@@ -94,7 +81,7 @@ class AutoSession(Session):
         self._said_extra = False   # plan.py NOTE [More calls than profiled], said once
         self._ran_as_is: set[int] = set()   # blocks the profile ran as is (Plan.ran_as_is)
         self._capacity: dict[str, int] = {}
-        self.key = _UNKNOWN      # this step's shape class (NOTE [Shape classes])
+        self.key = _UNKNOWN      # this step's shape class (plan_cache NOTE [Shape classes])
         self._profiling = False
         # The compute device: the model's (CPU without parameters to tell).
         owners = ([model] if model is not None else []) + list(blocks)
@@ -187,7 +174,7 @@ class AutoSession(Session):
             return forward(*args, **kwargs)
         sig = signature(args, kwargs)
         if self.key is _UNKNOWN:
-            self._choose(sig)
+            self._choose((self.types[index], sig))   # plan_cache NOTE [Shape classes]
         plan = choice.plan
         stand_in = index if plan is None else plan.stand_in(index, self.types[index])
         flat = flatten_call(args, kwargs)   # once for the inputs and checkpoint_block
@@ -218,8 +205,10 @@ class AutoSession(Session):
                                 "gradient) and needs one now")
             if self._fallback is None and (stand_in is None
                                            or sig not in plan.signatures.get(stand_in, ())):
-                self._fall_back(f"block {index} was called with other shapes than planned for",
-                                shape_miss=True)
+                self._fall_back(f"block {index} was called with other shapes than planned for"
+                                if stand_in is not None else f"block {index} (a "
+                                f"{type(block).__name__}) is of a type the profiled step did "
+                                "not run", shape_miss=True)
             if holds_cache(args, kwargs, self.blocks):
                 return forward(*args, **kwargs)
             whole = functools.partial(checkpoint_block, forward, args, kwargs, block=block,
@@ -286,7 +275,7 @@ class AutoSession(Session):
                 log.debug("offload: auto: not a training step; not profiled or timed")
             return
         ran, mode = self._entry, self.choice.mode
-        if self.key is _UNKNOWN:   # no block ran through us (NOTE [Shape classes])
+        if self.key is _UNKNOWN:   # no block ran through us (plan_cache NOTE [Shape classes])
             self._choose(NO_BLOCK)
         key = self.key
         if self._fallback is not None:
@@ -334,7 +323,7 @@ class AutoSession(Session):
                      "step, and its shape class profiles again", reason)
 
     def _keeps_plan(self) -> bool:
-        """NOTE [Shape classes]: this step's class keeps its plan through calls of other
+        """plan_cache NOTE [Shape classes]: this step's class keeps its plan through calls of other
         shapes (said once per class)."""
         misses = self.state.shape_misses.get(self.key, 0)
         if misses == SHAPE_REPROFILES:
@@ -363,7 +352,7 @@ class AutoSession(Session):
         state = self.state
         with state.lock:
             reason = state.reasons.pop(key, None) or (
-                "first profile" if not state.plans else f"new shapes: {_shapes(key)}")
+                "first profile" if not state.plans else f"new class: {_shapes(key)}")
             entry = state.install(key, plan)
             state.profile = profile
         log.info("offload: auto plan (%s): %s", reason, entry.summary())

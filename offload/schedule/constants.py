@@ -34,6 +34,6 @@ SLOW_READ_SHARE = 0.25
 MAX_PLANS = 32
 
 # Profiles again in a row a shape class may take for calls with other shapes than its plan
-# holds (auto_session.py NOTE [Shape classes]): a pattern the profiled step may not see
+# holds (plan_cache.py NOTE [Shape classes]): a pattern the profiled step may not see
 # (calls of another shape every other step) would otherwise profile every other step.
 SHAPE_REPROFILES = 2

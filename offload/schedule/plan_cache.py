@@ -1,9 +1,29 @@
 """What `auto` carries from one step to the next: a plan per shape class, per model.
 
-A `PlanCache` holds, per shape class (auto_session.py NOTE [Shape classes]), a `ClassPlan`:
+A `PlanCache` holds, per shape class (NOTE [Shape classes] below), a `ClassPlan`:
 the class's immutable `Plan` and its `TrialSteps` (trials.py). One cache per model and
 settings lives in a process-wide registry keyed weakly by the model (it goes with the
 model), so the contexts of a training loop share it; `reset()` empties the registry.
+
+NOTE [Shape classes] A step's shape class is the type and signature (shapes, dtypes) of its
+first block call (two towers of other block types picked per batch, or a GAN's generator and
+discriminator steps in one context, were one class: each step of the other kind ran every
+block checkpointed, its type "called with other shapes"); each class gets its own plan, kept
+across steps (the MAX_PLANS most recently run), so a run whose lengths vary (unpadded
+batches) profiles each length once and plans from then on. A plan holds every call its
+profiled step made: a step of micro-batches of two lengths (gradient accumulation in one
+context) runs one plan for both. A call with other shapes than the plan holds runs
+checkpointed, with the blocks after it, and the class profiles again; after SHAPE_REPROFILES
+such profiles with no step between them that its plan held (calls of another shape every
+other step: the profiled step may never see them) the class keeps its plan for good, and
+such calls run checkpointed (said once). Until the first block call the class is not known:
+the storages saved before it follow the plan of the latest step's class where their size is
+the one planned for, else move (memory-safe), and are recorded in case this step turns out
+to profile. A block the profiled step did not run (layer drop) uses the decisions of the
+nearest profiled block of its type (`Plan.stand_in`), with what that one keeps moved instead
+(memory-safe). A step in which no block ran through us (a torch.compile'd model: blocks.py
+NOTE [Wrapping], rule 3) is its own class, planned keep / host / nvme per saved tensor with
+nothing recomputed (said once, and in `ctx.plan`).
 """
 from __future__ import annotations
 
