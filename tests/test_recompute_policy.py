@@ -3,6 +3,8 @@ context is active, inputs through the tiers, bit-exact, never wrapping a user's
 checkpointed block twice."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 
 import pytest
@@ -401,3 +403,49 @@ def test_blocks_found_before_stay_when_none_is_found_now(policy, nvme_dir, caplo
     assert caplog.text.count("none is found now; the 4 found before run as before") == 1
     ctx.close()
 
+
+
+class _ChecksItselfReentrant(nn.Module):
+    """A block whose forward checkpoints its body with a reentrant checkpoint (Hugging
+    Face's gradient checkpointing with use_reentrant=True does this)."""
+
+    calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def body(self, x):
+        type(self).calls += 1
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=True)
+
+
+def test_a_block_that_runs_a_reentrant_checkpoint_itself_is_not_wrapped_again(nvme_dir):
+    """A helper's find: our wrapper comes before the block's own reentrant checkpoint, so
+    `recompute` checkpointed it again and its body ran three times a step (Hugging Face
+    Trainer with gradient_checkpointing and use_reentrant=True: 90 block calls where 60
+    ran without offload). Seen at the first call now; from then on it runs as written,
+    twice a step, bit-exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), *[_ChecksItselfReentrant() for _ in range(4)])
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    ctx = offload.activations(model=model, policy="recompute", tiers="nvme",
+                              nvme_dir=nvme_dir, min_bytes=0,
+                              blocks=lambda m: isinstance(m, _ChecksItselfReentrant))
+    counts = []
+    for step in range(4):
+        for m in (plain, model):
+            m.zero_grad(set_to_none=True)
+            _ChecksItselfReentrant.calls = 0
+            with ctx if m is model else contextlib.nullcontext():
+                m(x).square().sum().backward()
+            if m is model:
+                counts.append(_ChecksItselfReentrant.calls)
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(),
+                                                                 model.parameters())), step
+    assert counts[1:] == [8, 8, 8], counts   # 4 blocks, forward and the checkpoint's re-run
+    ctx.close()

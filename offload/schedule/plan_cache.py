@@ -143,9 +143,11 @@ class PlanCache:
         every step from then on, whatever the step's plan, trial or fallback (a profile and
         the warm-up run every block as it is too); so does one whose inputs change in place
         after the call (a re-run would not see them), or whose backward reads a saved
-        tensor twice (profile.py NOTE [Reads a re-run refuses]). Not seen: a collective inside a
-        compiled block (no op is seen there) or called by a module hook outside the block's
-        forward."""
+        tensor twice (profile.py NOTE [Reads a re-run refuses]). Not seen: a collective
+        inside a compiled block (no op is seen there), one called by a module hook outside
+        the block's forward, and one a block first calls after its profiled step (a branch
+        on the step): ranks running it differently then pair collectives wrongly (wrong
+        weights on one, a hang on another; README says so)."""
         as_is = {b.index for b in blocks if b.collective or b.inputs_changed or b.rereads}
         if as_is - self.as_is:
             with self.lock:

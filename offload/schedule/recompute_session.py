@@ -5,6 +5,9 @@ goes to OFFLOAD_TIERS like under `offload`. Buffers stay exact across the re-run
 """
 from __future__ import annotations
 
+import torch
+from torch.utils._pytree import tree_leaves
+
 from ..config import Config
 from ..runtime.no_offload import no_offload_active
 from ..runtime.placement import Placement
@@ -21,6 +24,12 @@ class RecomputeSession(Session):
         self.blocks = blocks
         self._wrappers: BlockWrappers | None = None
         self._ran = 0
+        # Blocks whose forward runs a reentrant checkpoint of its own (Hugging Face's
+        # gradient checkpointing with use_reentrant=True): our wrapper comes before it, so
+        # it is not seen at the call (blocks NOTE [Whose block]), and wrapping it again ran
+        # its body three times a step. Seen at its first call by its output's node; run as
+        # it is from then on.
+        self._own_checkpoint: set[int] = set()
 
     def placement(self, round_trip) -> Placement:
         return Placement(self.config, round_trip, moves=True)
@@ -32,10 +41,13 @@ class RecomputeSession(Session):
         def run(index, forward, args, kwargs):
             if not ours_innermost(pack) or no_offload_active():  # blocks NOTE [Whose block]
                 return forward(*args, **kwargs)
-            if holds_cache(args, kwargs, self.blocks):
+            if holds_cache(args, kwargs, self.blocks) or index in self._own_checkpoint:
                 return forward(*args, **kwargs)
             self._ran += 1
-            return checkpoint_block(forward, args, kwargs, block=self.blocks[index])
+            out = checkpoint_block(forward, args, kwargs, block=self.blocks[index])
+            if _made_by_reentrant_checkpoint(out):
+                self._own_checkpoint.add(index)
+            return out
 
         self._wrappers = BlockWrappers(self.blocks, run)   # known before any is set
         self._wrappers.__enter__()
@@ -49,3 +61,13 @@ class RecomputeSession(Session):
         if report.training and not self._ran:
             say_unrun_once(self.blocks, "recompute", "what the step saved went to "
                            "OFFLOAD_TIERS and nothing was recomputed")
+
+
+def _made_by_reentrant_checkpoint(out) -> bool:
+    """Whether a block's output tensors come from a reentrant `torch.utils.checkpoint`
+    (its node's name: `CheckpointFunctionBackward`)."""
+    for t in tree_leaves(out):
+        fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+        if fn is not None:
+            return type(fn).__name__ == "CheckpointFunctionBackward"
+    return False
