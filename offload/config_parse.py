@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import difflib
 import logging
+import numbers
 import os
+from collections.abc import Iterable
 from typing import Any, Callable, Mapping
 
 from . import tiers as tier_registry
@@ -30,10 +32,11 @@ def _fail(where: str, reason: str, fix: str) -> ConfigError:
 
 
 def _items(raw: Any, where: str, fix: str) -> list:
-    """A comma-separated string's items, or a list's / tuple's."""
+    """A comma-separated string's items, or any other iterable's (a list, a range, a numpy
+    array, dict keys)."""
     if isinstance(raw, str):
         return raw.split(",")
-    if isinstance(raw, (list, tuple, set, frozenset)):
+    if isinstance(raw, Iterable) and not isinstance(raw, bytes):
         return list(raw)
     raise _fail(where, f"{short_repr(raw)} is not a list", fix)
 
@@ -228,8 +231,8 @@ def _parse_probe(raw: Any, where: str, env: Mapping[str, str]) -> ProbeSetting:
 
 def _parse_log_ranks(raw: Any, where: str, env: Mapping[str, str]) -> tuple[int, ...] | None:
     fix = "give a rank such as 0, a list such as 0,4, or all"
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        raw = [raw]
+    if isinstance(raw, numbers.Integral) and not isinstance(raw, bool):   # numpy's too
+        raw = [int(raw)]
     items = [str(i).strip().lower() for i in _items(raw, where, fix) if str(i).strip()]
     if items == ["all"]:
         return None

@@ -263,6 +263,20 @@ def test_keyword_values_of_another_type_name_the_argument(kw, message):
         Config.from_env(env={}, **kw)
 
 
+def test_list_settings_take_any_iterable_and_a_numpy_integer():
+    """A review's find: the check that made `tiers=5` a ConfigError refused every iterable
+    but a list, tuple or set, where before a range, a numpy array or dict keys worked."""
+    import numpy as np
+
+    assert Config.from_env(env={}, log_ranks=range(3)).log_ranks == (0, 1, 2)
+    assert Config.from_env(env={}, log_ranks=np.arange(2)).log_ranks == (0, 1)
+    assert Config.from_env(env={}, log_ranks=np.int64(4)).log_ranks == (4,)
+    assert Config.from_env(env={}, tiers=np.array(["host"])).tiers == ("host",)
+    assert Config.from_env(env={}, tiers={"host": 1}.keys()).tiers == ("host",)
+    with pytest.raises(ConfigError, match=r"tiers=b'host': b'host' is not a list"):
+        Config.from_env(env={}, tiers=b"host")
+
+
 def test_a_value_no_parser_foresaw_is_still_a_config_error(monkeypatch):
     """Config.from_env turns any TypeError / ValueError of a parser into a ConfigError
     naming the setting and what it takes (a parser's own check is better; this is the
