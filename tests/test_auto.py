@@ -1435,6 +1435,32 @@ def test_a_block_whose_backward_a_re_run_refuses_runs_as_is(nvme_dir, monkeypatc
     ctx.close()
 
 
+def test_a_jacobian_through_blocks_without_random_ops_keeps_the_plan(nvme_dir):
+    """A review's find: any backward under vmap made the block run as it is for good,
+    though a re-run of a block that draws nothing runs under vmap (recompute does it
+    bit-exact): only one that draws random numbers is refused (NOTE [Reads a re-run
+    refuses])."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
+    plain = copy.deepcopy(model)
+
+    def grads(m):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        eye = torch.eye(4).unsqueeze(-1).expand(4, 4, 16).contiguous()
+        return torch.autograd.grad(m(x), [x, *m.parameters()], grad_outputs=eye,
+                                   is_grads_batched=True)
+
+    ctx = offload.activations(model=model, **_settings(nvme_dir, SLOW))
+    for step in range(5):
+        want = grads(plain)
+        with ctx:
+            got = grads(model)
+        assert all(map(torch.equal, want, got)), step
+    assert ctx._schedule.state.as_is == set()
+    assert "reads a saved tensor twice" not in str(ctx.plan)
+    ctx.close()
+
+
 def test_a_dropped_trial_settles_the_choice_among_the_others():
     """TrialSteps.drop: the strategy's rounds leave the queue; once only the plan's are
     left, the choice is made from what was measured."""

@@ -180,7 +180,7 @@ class _Read:
     does a backward under vmap (`is_grads_batched=True`, `jacobian(vectorize=True)`) of a
     block that draws random numbers, which vmap refuses. Plain autograd runs both, and so
     does a block run as it is with its saves moved. A profiled block that does either
-    (under vmap at all: conservative) runs as it is in every step from then on
+    runs as it is in every step from then on
     (`BlockRecord.rereads`): before, auto's first planned step with per-op recompute raised
     and every later one too, and a `checkpoint` trial step raised (trials.py NOTE
     [Trials]). A read outside a backward (`grad_fn._saved_self`) is not one."""
@@ -260,7 +260,8 @@ class BlockProfiler:
 
         def unpack(read: _Read):   # NOTE [Reads a re-run refuses]
             task = _graph_task_id()
-            if task >= 0 and (read.task == task or _under_vmap()):
+            if task >= 0 and (read.task == task or (
+                    _under_vmap() and any(op.seeded for op in block.ops))):
                 block.rereads = True
             read.task = task
             return hooks.unpack(read.packed)

@@ -92,8 +92,8 @@ class BlockRecord:
     # It called a collective (torch.distributed's c10d or functional ops): it runs as it
     # is (plan_cache.py NOTE [Blocks run alike on every rank]).
     collective: bool = False
-    # Its backward read a saved tensor twice, or under vmap: it runs as it is (profile.py
-    # NOTE [Reads a re-run refuses]).
+    # Its backward read a saved tensor twice, or ran under vmap and it draws random
+    # numbers: it runs as it is (profile.py NOTE [Reads a re-run refuses]).
     rereads: bool = False
     # op id -> bytes of the storages it made that the block saved below OFFLOAD_MIN_BYTES
     # (the hooks keep those at once: the placement never sees them; note_small does).

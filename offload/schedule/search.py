@@ -92,8 +92,9 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
     rereads = sorted({b.type_name for b in profile.blocks if b.rereads})
     if rereads:
         own.append(f"{', '.join(rereads)}: its backward reads a saved tensor twice (a custom "
-                   "Function reading ctx.saved_tensors twice) or runs under vmap, which "
-                   "torch's checkpoint refuses, so it runs as it is")
+                   "Function reading ctx.saved_tensors twice), or runs under vmap and the "
+                   "block draws random numbers: torch's checkpoint refuses both, so it runs "
+                   "as it is")
     collective = sorted({b.type_name for b in profile.blocks if b.collective})
     if collective:
         own.append(f"{', '.join(collective)}: calls a collective (torch.distributed), so it "
