@@ -204,7 +204,7 @@ def test_memory_kept_between_steps_is_counted(e2e):
 def test_crashed_worker_is_a_row_and_leaves_nothing(e2e):
     row = e2e["rows"]["crash"]
     assert row.available is False and row.error is True
-    assert "killed by signal 9" in row.reason
+    assert "killed by signal 9 (SIGKILL: out of memory, most likely)" in row.reason
     assert e2e["code"] == 1  # a failed strategy makes the exit status non-zero
     # The crash left a file in its NVMe directory; the parent removed it with the rest.
     assert os.listdir(e2e["dirs"]["nvme"]) == []
@@ -531,6 +531,9 @@ def test_nothing_measured_says_what_kept_each_kind_of_row_from_it():
                     reason="failed: worker timed out after 1 s (raise --timeout-s)")
     oom = Row(strategy="none", reason="out of memory at batch 2")
     missing = Row(strategy="deepspeed", reason="deepspeed is not installed")
+    killed = Row(strategy="none", error=True, reason="failed: worker killed by signal 9 "
+                 "(SIGKILL: out of memory, most likely)")   # (the kernel's OOM killer)
+    assert _why_nothing([killed]).startswith("1 run ran out of memory")
     assert _why_nothing([timed_out, timed_out]) == "2 runs timed out: raise --timeout-s"
     assert _why_nothing([oom, timed_out, missing]) == (
         "1 run ran out of memory: a smaller --batch, --seq or model fits more; 1 run timed "

@@ -570,7 +570,8 @@ def _why_nothing(rows: list) -> str:
     """What kept the rows from being measured, with what to do about each kind."""
     said = [r.reason or "" for r in rows]   # (bench/worker.py and runner.py word them)
     timed_out = sum("worker timed out" in reason for reason in said)
-    oom = sum(reason.startswith("out of memory") for reason in said)
+    oom = sum(reason.startswith("out of memory") or "SIGKILL: out of memory" in reason
+              for reason in said)
     other = len(rows) - timed_out - oom
     runs = lambda n: f"{n} run{'s' * (n != 1)}"  # noqa: E731
     parts = []

@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -185,6 +186,8 @@ class WorkerRunner:
         else:
             how = (f"killed by signal {-returncode}" if returncode < 0
                    else f"exit code {returncode}")
+            if returncode == -signal.SIGKILL:   # what the kernel's OOM killer sends
+                how += " (SIGKILL: out of memory, most likely)"
             tail = _log_tail(log_path)
             result.reason = f"failed: worker {how}" + (f": {tail}" if tail else "")
         return result
