@@ -67,6 +67,18 @@ def test_files_named_next_to_figures_exist():
     assert not missing, missing
 
 
+def _anchors(markdown: str) -> set[str]:
+    """The anchors GitHub makes of a Markdown file's headings: lower case, punctuation
+    but hyphens and underscores dropped, spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in markdown.splitlines() if line.startswith("#")}
+
+
 def test_readme_links_resolve():
-    for target in re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)(?:#[\w-]+)?\)", _readme()):
+    """Every link to a Markdown file exists, and so does the heading its anchor names (a
+    helper found a link to a section docs/benchmarks.md never had)."""
+    for target, anchor in re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)(?:#([\w-]+))?\)",
+                                     _readme()):
         assert (ROOT / target).exists(), target
+        if anchor:
+            assert anchor in _anchors((ROOT / target).read_text()), f"{target}#{anchor}"
