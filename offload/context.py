@@ -48,7 +48,7 @@ __all__ = ["activations", "ActivationOffload", "no_offload", "empty_cache"]
 log = logging.getLogger("offload")
 
 
-def activations(*, model: torch.nn.Module | None = None, blocks: Any = None,
+def activations(*positional: Any, model: torch.nn.Module | None = None, blocks: Any = None,
                 **settings: Any) -> "ActivationOffload":
     """Offload the activations autograd saves inside the block to host RAM / NVMe.
 
@@ -83,6 +83,12 @@ def activations(*, model: torch.nn.Module | None = None, blocks: Any = None,
         ...     model(x).sum().backward()
         >>> ctx.stats.nvme_bytes
     """
+    if positional:   # `activations(model)`, the first thing many try
+        what = "a model" if isinstance(positional[0], torch.nn.Module) else \
+            f"a {type(positional[0]).__name__}"
+        raise ConfigError(f"offload.activations() takes keyword arguments only; it was given "
+                          f"{what} as a positional argument (pass model=model, and settings "
+                          f"by name: tiers=..., policy=...)")
     return ActivationOffload(Config.from_env(**settings), model=model, blocks=blocks)
 
 

@@ -292,6 +292,17 @@ def test_a_value_no_parser_foresaw_is_still_a_config_error(monkeypatch):
         Config.from_env(env={"OFFLOAD_IO_WORKERS": "x"})
 
 
+def test_a_model_passed_positionally_is_told_to_go_by_name():
+    """A helper's find: `offload.activations(model)`, the natural first try, raised
+    "activations() takes 0 positional arguments but 1 was given"."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"keyword arguments only; it was given a model as "
+                       r"a positional argument \(pass model=model"):
+        offload.activations(model)
+    with pytest.raises(ConfigError, match=r"it was given a str as a positional argument"):
+        offload.activations("host")
+
+
 def test_budget_over_100_percent_keyword():
     with pytest.raises(ConfigError, match=r"budget='200%': 200% is over 100%"):
         offload.activations(budget="200%")
