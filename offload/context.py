@@ -337,8 +337,9 @@ def _already_active(holder) -> OffloadError:
         return OffloadError("offload.activations(): this context is active on another thread; "
                             "a context belongs to one thread at a time (saved-tensor hooks "
                             "are per thread): build one context per thread")
-    return OffloadError("offload.activations(): this context is already active; create one "
-                        "context per step or nest different ones")
+    return OffloadError("offload.activations(): this context is already active (entered "
+                        "and not exited yet); exit it before entering it again, as each step "
+                        "does (`with ctx:` per step), or nest a different context")
 
 
 # Pickles made before context_copies.py name a copy's constructor here.

@@ -521,6 +521,17 @@ def test_a_run_where_every_row_ran_out_of_memory_fails(tmp_path, nvme_dir, capsy
         "smaller --batch, --seq or model fits more;" in captured.err
 
 
+def test_a_saving_that_rounds_to_zero_shows_no_minus_sign():
+    """A helper saw save_on_cpu's row read "-0%" (a tiny negative share formatted
+    with +.0f)."""
+    from offload.bench.report import _saved
+    from offload.bench.rows import Row
+
+    assert _saved(Row(strategy="save_on_cpu", memory_saved_pct=-0.3)) == "+0%"
+    assert _saved(Row(strategy="offload-host", memory_saved_pct=62.6)) == "+63%"
+    assert _saved(Row(strategy="offload-host", memory_saved_pct=-5.5)) == "-6%"
+
+
 def test_nothing_measured_says_what_kept_each_kind_of_row_from_it():
     """A helper's find: rows that all timed out ended with "every run ran out of memory
     ... a smaller --batch fits more", against the table's "raise --timeout-s"."""

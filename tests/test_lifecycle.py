@@ -175,7 +175,8 @@ def test_a_context_active_on_one_thread_refused_on_another_says_so(nvme_dir):
         worker = threading.Thread(target=lambda: _catch(errors, ctx.__enter__))
         worker.start()
         worker.join()
-        with pytest.raises(OffloadError, match=r"already active; create one context per step"):
+        with pytest.raises(OffloadError, match=r"already active \(entered and not exited yet\); "
+                           r"exit it before entering it again"):
             ctx.__enter__()
     assert str(errors[0]) == ("offload.activations(): this context is active on another "
                               "thread; a context belongs to one thread at a time (saved-tensor "

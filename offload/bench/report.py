@@ -33,7 +33,7 @@ def _overhead(row: Row) -> str:
 def _saved(row: Row) -> str:
     if row.strategy == "none" or row.memory_saved_pct is None:
         return "—"
-    return f"{row.memory_saved_pct:+.0f}%"
+    return f"{round(row.memory_saved_pct):+d}%"   # an int: -0.3 shows "+0%", not "-0%"
 
 
 def _tiers(row: Row) -> str:
