@@ -532,6 +532,24 @@ def test_a_saving_that_rounds_to_zero_shows_no_minus_sign():
     assert _saved(Row(strategy="offload-host", memory_saved_pct=-5.5)) == "-6%"
 
 
+def test_a_noisy_baseline_is_said_under_the_table():
+    """A helper's first run: `none` ran 8.53 to 18.02 s in one round on a loaded machine,
+    and the table showed offload at 0.69x of it, faster than no offload, with no word of
+    the spread."""
+    from offload.bench.report import footnotes
+    from offload.bench.rows import Row
+
+    def none(lo, hi, rounds):
+        return Row(strategy="none", available=True, step_s_min=lo, step_s_max=hi,
+                   rounds=rounds)
+
+    said = [line for line in footnotes([none(8.53, 18.02, 1)]) if "busy" in line]
+    assert said == ["  none's steps ran 8.53 to 18 s: the machine was busy, and the ratios "
+                    "against none are as uncertain (more --rounds, run in alternating order, "
+                    "give medians)"]
+    assert not [line for line in footnotes([none(8.5, 9.0, 1)]) if "busy" in line]
+
+
 def test_nothing_measured_says_what_kept_each_kind_of_row_from_it():
     """A helper's find: rows that all timed out ended with "every run ran out of memory
     ... a smaller --batch fits more", against the table's "raise --timeout-s"."""

@@ -163,6 +163,10 @@ def print_table(rows: list[Row], console: Console) -> None:
                       highlight=False, markup=False)
 
 
+# A baseline whose slowest timed step took this many times its fastest: said under the table.
+NOISY_SPREAD = 1.3
+
+
 def footnotes(rows: list[Row]) -> list[str]:
     """Lines under the table: where each memory number comes from, and its caveats."""
     shown = [r for r in rows if r.available]
@@ -218,6 +222,13 @@ def footnotes(rows: list[Row]) -> list[str]:
                          f"({r.warmup} warm-up, then until it settled"
                          + (": its profile and trial steps" if r.strategy == "auto" else "")
                          + "), so its times are those of what it settled on")
+    base = next((r for r in shown if r.strategy == "none"), None)
+    if base is not None and base.step_s_min and base.step_s_max and \
+            base.step_s_max > NOISY_SPREAD * base.step_s_min:
+        lines.append(f"  none's steps ran {base.step_s_min:.3g} to {base.step_s_max:.3g} s: "
+                     "the machine was busy, and the ratios against none are as uncertain "
+                     + ("(more --rounds, run in alternating order, give medians)"
+                        if (base.rounds or 1) < 3 else "as that spread"))
     no_thp = [r.strategy for r in shown
               if r.device == "cpu" and r.nvme_bytes and r.torch_thp is False]
     if no_thp:
