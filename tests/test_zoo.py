@@ -214,7 +214,8 @@ def _run(name: str, policy: str, nvme_dir: str, steps: int, pass_model: bool = T
     assert differs is None, f"{name} under {policy}: differs at step {differs}"
     if policy == "auto":
         plan = ctx.plan
-        assert plan is not None and any(bp.per_op for bp in plan.blocks.values()), plan
+        assert plan is not None and any(bp.per_op for bp in plan.blocks.values()), \
+            f"{plan}\nas_is: {ctx._schedule.state.as_is}"   # (all of it, to tell why)
         # The plan meets the budget by moving, recomputing or both, as the measured compute
         # makes it cheapest: on a model this small recomputing alone may do (seen on CI:
         # everything else kept, within the budget). What it plans to move must move.
