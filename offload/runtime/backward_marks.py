@@ -13,7 +13,6 @@ only when the task or `epoch` (bumped with every new `on_backward_end`) changed
 """
 from __future__ import annotations
 
-import threading
 import time
 
 import torch
@@ -47,7 +46,6 @@ class BackwardMarks:
         # Backwards heard of (their end queued) that have not ended: one that raised never
         # does (autograd runs the callbacks of a backward that completed only).
         self.open_backwards = 0
-        self.backward_thread = 0   # the thread of the latest (threading.get_ident)
 
     @property
     def on_backward_end(self):
@@ -69,7 +67,6 @@ class BackwardMarks:
             if task != self._queued_task and task >= 0:
                 self._queued_task = task
                 self.open_backwards += 1
-                self.backward_thread = threading.get_ident()
                 torch.autograd.Variable._execution_engine.queue_callback(self._ended)
 
     def _starts(self) -> None:

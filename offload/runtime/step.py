@@ -215,11 +215,11 @@ class Step:
             log.exception("offload: could not update the round-trip plan")
         training = timed and self.hooks.marks.first_unpack_s is not None \
             and _dynamo_frames() == self._compiled_at_start   # NOTE [Training step]
-        # A backward after the block that raised never ended: the graph died without it
-        # (on the backward's thread: one still running on another may not have ended yet).
-        marks = self.hooks.marks
-        failed = not timed and marks.open_backwards > 0 \
-            and marks.backward_thread == threading.get_ident()
+        # A backward after the block that raised never ended: the graph died without it.
+        # (So does one still running on another thread when the next step enters: taken
+        # for failed too. Its thread cannot tell: a CUDA backward unpacks on autograd's
+        # device threads.)
+        failed = not timed and self.hooks.marks.open_backwards > 0
         self._tell(StepReport(self.stats, self.timeline, self.hooks.marks.backward_mark, end_s,
                               training, failed))
         self._write_trace(end_s)

@@ -10,13 +10,15 @@ and keeps no more than the budget (search.py leaves out one that would keep more
 trial step costs time, never memory or correctness; but it may raise where the plan does
 not: `checkpoint` re-runs every block, and torch's checkpoint refuses some code plain
 autograd runs (a backward reading `ctx.saved_tensors` twice; random ops in a backward under
-vmap, `is_grads_batched=True`). A trial step that raised (in its block or in a backward
-after it) drops its candidate (`failed`, said once and in `ctx.plan`): that one step
-raised, where before the same trial ran again at every later step and raised at each. Only
-`checkpoint` is dropped, and only after a step that ran a block checkpointed and raised
-torch's kind of error (a RuntimeError; a backward after the block that never ended): a
-user's ValueError, or Ctrl-C, in a trial step drops nothing. A re-plan measures again. Steps are timed on the device's clock
-(offload/util/clock.py): on CUDA the host's is launch time.
+vmap, `is_grads_batched=True`; the profile sees those two: profile.py NOTE [Reads a
+re-run refuses]). A step running it that raised (in its block or in a backward after it)
+drops it (`failed`, said once and in `ctx.plan`), whether it was on trial or had won: that
+one step raised, not every later one. Only `checkpoint` is dropped, and only after a step
+that ran a block checkpointed and raised torch's kind of error: a RuntimeError in the
+block, or a backward after it that never ended (whatever it raised: the step cannot see
+it). A user's ValueError, or Ctrl-C, inside the block drops nothing. A re-plan measures
+again. Steps are timed on the device's clock (offload/util/clock.py): on CUDA the host's is
+launch time.
 
 The plan is immutable; what the trials have run and chosen is a `TrialSteps` the session
 keeps next to it (plan_cache.py), one per shape class.
@@ -72,18 +74,22 @@ class TrialSteps:
         return True
 
     def drop(self, mode: str) -> None:
-        """A trial step of `mode` raised: run no more of them (NOTE [Trials]; said once)."""
-        if mode == "plan" or mode not in self.pending:
+        """A step running `mode` raised: run it no more, on trial or chosen (NOTE [Trials];
+        said once)."""
+        if mode == "plan" or mode in self.failed or \
+                (mode not in self.pending and self.mode != mode):
             return
         self.failed.append(mode)
         self.measured.pop(mode, None)
+        if self.mode == mode:   # it had won: the plan runs instead
+            self.mode = "plan"
         self.pending = [m for m in self.pending if m != mode]
         if not any(m != "plan" for m in self.pending):
             self.pending = []   # only the plan's own rounds were left: nothing to compare
             self._choose()
-        log.warning("offload: auto: a trial step running %s (%s) raised an error, as "
-                    "torch's checkpoint does for some code plain autograd runs; auto does "
-                    "not run it again for this shape class", mode, PURE[mode])
+        log.warning("offload: auto: a step running %s (%s) raised an error, as torch's "
+                    "checkpoint does for some code plain autograd runs; auto does not run it "
+                    "again for this shape class", mode, PURE[mode])
 
     def _choose(self) -> None:
         best = {m: min(t) for m, t in self.measured.items()}
