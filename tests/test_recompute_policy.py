@@ -407,30 +407,43 @@ def test_blocks_found_before_stay_when_none_is_found_now(policy, nvme_dir, caplo
 
 class _ChecksItselfReentrant(nn.Module):
     """A block whose forward checkpoints its body with a reentrant checkpoint (Hugging
-    Face's gradient checkpointing with use_reentrant=True does this)."""
+    Face's gradient checkpointing with use_reentrant=True does this), returning what the
+    checkpoint returns, or adding the residual after it."""
 
     calls = 0
 
-    def __init__(self) -> None:
+    def __init__(self, residual_outside: bool = False) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.residual_outside = residual_outside
 
     def body(self, x):
-        type(self).calls += 1
-        return x + self.fc2(torch.relu(self.fc1(x)))
+        _ChecksItselfReentrant.calls += 1
+        y = self.fc2(torch.relu(self.fc1(x)))
+        return y if self.residual_outside else x + y
 
     def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=True)
+        y = torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=True)
+        return x + y if self.residual_outside else y
 
 
-def test_a_block_that_runs_a_reentrant_checkpoint_itself_is_not_wrapped_again(nvme_dir):
+class _Plain(_ChecksItselfReentrant):
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("residual_outside", [False, True])
+def test_a_block_that_runs_a_reentrant_checkpoint_itself_is_not_wrapped_again(
+        nvme_dir, residual_outside):
     """A helper's find: our wrapper comes before the block's own reentrant checkpoint, so
     `recompute` checkpointed it again and its body ran three times a step (Hugging Face
     Trainer with gradient_checkpointing and use_reentrant=True: 90 block calls where 60
-    ran without offload). Seen at the first call now; from then on it runs as written,
-    twice a step, bit-exact."""
+    ran without offload). Seen at the first call now, among the nodes the call made (not
+    only its output's: a review's residual added after the checkpoint); from then on it
+    runs as written, twice a step, bit-exact."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 32), *[_ChecksItselfReentrant() for _ in range(4)])
+    model = nn.Sequential(nn.Linear(32, 32), *[_ChecksItselfReentrant(residual_outside)
+                                                for _ in range(4)], _Plain(residual_outside))
     plain = copy.deepcopy(model)
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
     ctx = offload.activations(model=model, policy="recompute", tiers="nvme",
@@ -447,5 +460,8 @@ def test_a_block_that_runs_a_reentrant_checkpoint_itself_is_not_wrapped_again(nv
                 counts.append(_ChecksItselfReentrant.calls)
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(),
                                                                  model.parameters())), step
-    assert counts[1:] == [8, 8, 8], counts   # 4 blocks, forward and the checkpoint's re-run
+    # 4 blocks, forward and the checkpoint's re-run; the plain block after them is still
+    # checkpointed (forward and our re-run): the nodes they made are not its own
+    assert counts[1:] == [10, 10, 10], counts
+    assert ctx._schedule._own_checkpoint == {0, 1, 2, 3}
     ctx.close()

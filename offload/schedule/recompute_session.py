@@ -9,6 +9,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..config import Config
+from ..runtime.deep_graphs import nodes_made
 from ..runtime.no_offload import no_offload_active
 from ..runtime.placement import Placement
 from .blocks import BlockWrappers, ours_innermost
@@ -26,10 +27,11 @@ class RecomputeSession(Session):
         self._ran = 0
         # Blocks whose forward runs a reentrant checkpoint of its own (Hugging Face's
         # gradient checkpointing with use_reentrant=True): our wrapper comes before it, so
-        # it is not seen at the call (blocks NOTE [Whose block]), and wrapping it again ran
-        # its body three times a step. Seen at its first call by its output's node; run as
-        # it is from then on.
+        # it is not seen at the call (blocks NOTE [Whose block]), and checkpointing it
+        # again runs its body once more. Seen at its first call, among the nodes the call
+        # made; run as it is from then on.
         self._own_checkpoint: set[int] = set()
+        self._looked: set[int] = set()
 
     def placement(self, round_trip) -> Placement:
         return Placement(self.config, round_trip, moves=True)
@@ -44,9 +46,12 @@ class RecomputeSession(Session):
             if holds_cache(args, kwargs, self.blocks) or index in self._own_checkpoint:
                 return forward(*args, **kwargs)
             self._ran += 1
+            first = nodes_made()
             out = checkpoint_block(forward, args, kwargs, block=self.blocks[index])
-            if _made_by_reentrant_checkpoint(out):
-                self._own_checkpoint.add(index)
+            if index not in self._looked:
+                self._looked.add(index)
+                if _made_a_reentrant_checkpoint(out, first):
+                    self._own_checkpoint.add(index)
             return out
 
         self._wrappers = BlockWrappers(self.blocks, run)   # known before any is set
@@ -63,11 +68,21 @@ class RecomputeSession(Session):
                            "OFFLOAD_TIERS and nothing was recomputed")
 
 
-def _made_by_reentrant_checkpoint(out) -> bool:
-    """Whether a block's output tensors come from a reentrant `torch.utils.checkpoint`
-    (its node's name: `CheckpointFunctionBackward`)."""
-    for t in tree_leaves(out):
-        fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
-        if fn is not None:
-            return type(fn).__name__ == "CheckpointFunctionBackward"
+def _made_a_reentrant_checkpoint(out, first: int, most: int = 10_000) -> bool:
+    """Whether a node of the graph behind a block call's outputs, made by the call (its
+    sequence number from `first`, what `nodes_made()` said before it, on), is a reentrant
+    `torch.utils.checkpoint`'s (`CheckpointFunctionBackward`); at most `most` nodes looked
+    at (all of them when this torch gives no sequence numbers)."""
+    todo = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    seen: set[int] = set()
+    while todo and len(seen) < most:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if first >= 0 and node._sequence_nr() < first:   # made before the call: not its
+            continue
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        todo.extend(fn for fn, _ in node.next_functions)
     return False
