@@ -465,3 +465,53 @@ def test_a_block_that_runs_a_reentrant_checkpoint_itself_is_not_wrapped_again(
     assert counts[1:] == [10, 10, 10], counts
     assert ctx._schedule._own_checkpoint == {0, 1, 2, 3}
     ctx.close()
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+                                    for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _WithEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = _Encoder()
+
+    def forward(self, x):
+        return self.encoder(x).square().sum()
+
+
+@pytest.mark.parametrize("replaced", ["the container", "a module above it"])
+def test_blocks_under_a_replaced_module_are_found_again(nvme_dir, replaced):
+    """A review's find: the watch looked at each detected container's slot in its parent
+    only, so `model.encoder = Encoder()` (a module above `encoder.layers`) left the old
+    blocks wrapped and the new ones ran as they are, no block checkpointed. Each container
+    is watched down its path from the model now."""
+    torch.manual_seed(0)
+    model = _WithEncoder()
+    ctx = offload.activations(model=model, policy="recompute", tiers="nvme",
+                              nvme_dir=nvme_dir, min_bytes=0)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    with ctx:
+        model(x).backward()
+    if replaced == "the container":
+        model.encoder.layers = _Encoder().layers
+    else:
+        model.encoder = _Encoder()
+    plain = copy.deepcopy(model)
+    for m in (plain, model):
+        m.zero_grad(set_to_none=True)
+        with ctx if m is model else contextlib.nullcontext():
+            m(x).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(),
+                                                             model.parameters()))
+    assert ctx._schedule.blocks == list(model.encoder.layers)
+    assert ctx._schedule._ran == 3   # every new block checkpointed
+    ctx.close()
