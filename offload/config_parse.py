@@ -64,7 +64,8 @@ def _parse_tiers(raw: Any, where: str, env: Mapping[str, str]) -> tuple[str, ...
         if tier not in TIERS:
             close = difflib.get_close_matches(tier, TIERS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            if set(tier.replace(";", " ").split()) <= set(TIERS):   # 'host;nvme'
+            words = set(tier.replace(";", " ").split())
+            if words and words <= set(TIERS):   # 'host;nvme', 'host nvme'
                 hint = "separate tiers with commas, e.g. 'host,nvme'; "
             raise _fail(where, f"unknown tier {tier!r}",
                         f"{hint}valid tiers, fastest first: {', '.join(TIERS)}")

@@ -548,6 +548,8 @@ def test_a_noisy_baseline_is_said_under_the_table():
                     "against none are as uncertain (more --rounds, run in alternating order, "
                     "give medians)"]
     assert not [line for line in footnotes([none(8.5, 9.0, 1)]) if "busy" in line]
+    said = [line for line in footnotes([none(8.53, 18.02, 3)]) if "busy" in line]
+    assert said and said[0].endswith("the ratios against none are as uncertain as that spread")
 
 
 def test_nothing_measured_says_what_kept_each_kind_of_row_from_it():

@@ -244,9 +244,8 @@ class _CounterOwner:
 def layout_key(t: torch.Tensor, base: Any = _UNSET) -> tuple:
     """The elements `t` reads from its storage, how it reads them (its lazy conjugate /
     negative bits: `x` and `x.conj()` of one untracked alias share the counter owner and
-    the rest, and the second save got the first one's copy, bits and all: a gradient off
-    by 2.6) and the owner of its version counter (the dedup key of an untracked alias).
-    `base`: `t._base`, when the caller has it."""
+    the rest, and must not share a copy) and the owner of its version counter (the dedup
+    key of an untracked alias). `base`: `t._base`, when the caller has it."""
     return (t.dtype, t.storage_offset(), tuple(t.shape), t.stride(), t.is_conj(), t.is_neg(),
             _CounterOwner(_counter_owner(t, base)))
 

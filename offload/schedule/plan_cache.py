@@ -7,8 +7,9 @@ model), so the contexts of a training loop share it; `reset()` empties the regis
 
 NOTE [Shape classes] A step's shape class is the type and signature (shapes, dtypes) of its
 first block call (two towers of other block types picked per batch, or a GAN's generator and
-discriminator steps in one context, were one class: each step of the other kind ran every
-block checkpointed, its type "called with other shapes"); each class gets its own plan, kept
+discriminator steps in one context, are classes of their own: in one class each step of the
+other kind would run every block checkpointed, of a type its plan has not); each class gets
+its own plan, kept
 across steps (the MAX_PLANS most recently run), so a run whose lengths vary (unpadded
 batches) profiles each length once and plans from then on. A plan holds every call its
 profiled step made: a step of micro-batches of two lengths (gradient accumulation in one
@@ -139,8 +140,8 @@ class PlanCache:
         (a tensor-parallel all_reduce, a synced statistic) must run the same way on every
         rank, or one rank re-runs it in backward while another does not, and their
         collectives pair up wrongly: wrong weights with no error, or a mismatch error. So a
-        block type a profile (`blocks`: its BlockProfiles) saw call one runs as it is in
-        every step from then on, whatever the step's plan, trial or fallback (a profile and
+        block a profile (`blocks`: its BlockRecords) saw call one runs as it is in every
+        step from then on, whatever the step's plan, trial or fallback (a profile and
         the warm-up run every block as it is too); so does one whose inputs change in place
         after the call (a re-run would not see them), or whose backward reads a saved
         tensor twice (profile.py NOTE [Reads a re-run refuses]). Not seen: a collective
@@ -148,7 +149,8 @@ class PlanCache:
         the block's forward, and one a block first calls after its profiled step (a branch
         on the step): ranks running it differently then pair collectives wrongly (wrong
         weights on one, a hang on another; README says so)."""
-        as_is = {b.index for b in blocks if b.collective or b.inputs_changed or b.rereads}
+        as_is = {b.index for b in blocks
+                 if b.collective or b.inputs_changed or b.rerun_refused}
         if as_is - self.as_is:
             with self.lock:
                 self.as_is |= as_is

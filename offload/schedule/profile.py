@@ -180,9 +180,8 @@ class _Read:
     does a backward under vmap (`is_grads_batched=True`, `jacobian(vectorize=True)`) of a
     block that draws random numbers, which vmap refuses. Plain autograd runs both, and so
     does a block run as it is with its saves moved. A profiled block that does either
-    runs as it is in every step from then on
-    (`BlockRecord.rereads`): before, auto's first planned step with per-op recompute raised
-    and every later one too, and a `checkpoint` trial step raised (trials.py NOTE
+    runs as it is in every step from then on (`BlockRecord.rerun_refused`): a plan that
+    re-ran its ops would raise at every step, as would a `checkpoint` trial (trials.py NOTE
     [Trials]). A read outside a backward (`grad_fn._saved_self`) is not one."""
 
     __slots__ = ("packed", "task")
@@ -262,7 +261,7 @@ class BlockProfiler:
             task = _graph_task_id()
             if task >= 0 and (read.task == task or (
                     _under_vmap() and any(op.seeded for op in block.ops))):
-                block.rereads = True
+                block.rerun_refused = True
             read.task = task
             return hooks.unpack(read.packed)
 

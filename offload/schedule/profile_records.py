@@ -94,7 +94,7 @@ class BlockRecord:
     collective: bool = False
     # Its backward read a saved tensor twice, or ran under vmap and it draws random
     # numbers: it runs as it is (profile.py NOTE [Reads a re-run refuses]).
-    rereads: bool = False
+    rerun_refused: bool = False
     # op id -> bytes of the storages it made that the block saved below OFFLOAD_MIN_BYTES
     # (the hooks keep those at once: the placement never sees them; note_small does).
     small_saved: dict = field(default_factory=dict)

@@ -89,9 +89,9 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
     if changed:
         own.append(f"{', '.join(changed)}: an input is changed in place after the block runs, "
                    "so it runs as it is (a re-run would not see the input the block saw)")
-    rereads = sorted({b.type_name for b in profile.blocks if b.rereads})
-    if rereads:
-        own.append(f"{', '.join(rereads)}: its backward reads a saved tensor twice (a custom "
+    refused = sorted({b.type_name for b in profile.blocks if b.rerun_refused})
+    if refused:
+        own.append(f"{', '.join(refused)}: its backward reads a saved tensor twice (a custom "
                    "Function reading ctx.saved_tensors twice), or runs under vmap and the "
                    "block draws random numbers: torch's checkpoint refuses both, so it runs "
                    "as it is")

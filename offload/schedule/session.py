@@ -64,8 +64,8 @@ def refreshed(session: Session, config: Config, model: torch.nn.Module | None,
               blocks: Any) -> Session:
     """The session the next step runs with (the context asks at each entry, never while
     active): `session`, or a new one when the containers its blocks were found in changed
-    since (stack_watch.py: a block appended, removed or replaced, or its container), so that the blocks
-    found now run the policy's way (`auto` then profiles them). When none is found now (a
+    since (stack_watch.py: a block appended, removed or replaced, or a container), so that
+    the blocks found now run the policy's way (`auto` then profiles them). When none is found now (a
     module of another class appended to the stack), the blocks found before stay."""
     watch = session.watch
     if not watch.changed():

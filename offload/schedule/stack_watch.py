@@ -15,7 +15,7 @@ class StackWatch:
     `model.layers`, removed or replaced after the context was built (it found its blocks
     then, and would never run a new one its way), or a detected container no longer where
     it was found in the model (`model.layers = nn.ModuleList(...)`, or a module above it
-    replaced: `model.encoder = Encoder()`), whose new blocks ran as they are. The detected
+    replaced: `model.encoder = Encoder()`), whose new blocks would run as they are. The detected
     stacks, or the containers given as `blocks=`; a predicate's matches or modules given
     one by one are not watched (finding them again means walking the whole model). Per
     container and step: one tuple comparison, and a walk down its path from the model."""
