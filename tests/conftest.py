@@ -106,3 +106,20 @@ def path(request, monkeypatch):
 
         monkeypatch.setattr(records, "saved_bytes_meter", PySavedBytes)
     return request.param
+
+
+@pytest.fixture
+def auto_plan_only(request, tmp_path, monkeypatch):
+    """For `auto` tests (`pytestmark = pytest.mark.usefixtures("auto_plan_only")`): one torch
+    thread (tiny models on a busy 2-core machine), a probe cache of the test's own, and the
+    plan run as it is, not timing-chosen trial steps of the whole-block strategies (a test
+    marked @pytest.mark.trials opts in to those)."""
+    from offload.schedule import search
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    if "trials" not in request.keywords:
+        monkeypatch.setattr(search, "TRIAL_MARGIN", -1.0)
+    yield
+    torch.set_num_threads(threads)

@@ -15,19 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import offload
-from offload.schedule import search as search_mod
 
 from schedule_models import SLOW
 
 
-@pytest.fixture(autouse=True)
-def _setup(tmp_path, monkeypatch):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", -1.0)  # what the plan does, not trials
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("auto_plan_only")   # conftest.py
 
 
 def _train(model, step_input, ctx, steps: int = 6):

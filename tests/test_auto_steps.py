@@ -17,15 +17,7 @@ from offload.schedule import search as search_mod
 
 
 
-@pytest.fixture(autouse=True)
-def _setup(request, tmp_path, monkeypatch):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models on a busy 2-core machine (see test_auto.py)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    if "trials" not in request.keywords:
-        monkeypatch.setattr(search_mod, "TRIAL_MARGIN", -1.0)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("auto_plan_only")   # conftest.py
 
 
 def _settings(nvme_dir, **kw):

@@ -16,19 +16,11 @@ import torch.nn as nn
 from schedule_models import SLOW
 
 import offload
-from offload.schedule import search as search_mod
 
 IN_PLACE = "modified by an inplace operation"
 
 
-@pytest.fixture(autouse=True)
-def _setup(monkeypatch, tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", -1.0)  # what the plan does, not trials
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("auto_plan_only")   # conftest.py
 
 
 def _stack(blocks: int = 3) -> nn.Sequential:

@@ -19,20 +19,12 @@ import torch
 import torch.nn as nn
 from schedule_models import SLOW, SharedLayers, train_side_by_side
 
-from offload.schedule import search as search_mod
 
 STEPS = 30
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True)
-def _setup(tmp_path, monkeypatch):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models on a busy 2-core machine (see test_auto.py)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", -1.0)  # the plan, not timing-chosen trials
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("auto_plan_only")   # conftest.py
 
 
 def _ids(*shape, seed=1):
