@@ -1333,12 +1333,14 @@ def test_a_trial_step_that_raises_drops_its_strategy(nvme_dir, monkeypatch, capl
 
 
 @pytest.mark.trials
-def test_a_trial_step_ended_by_the_users_own_error_drops_nothing(nvme_dir, monkeypatch):
+@pytest.mark.parametrize("error", [ValueError, RuntimeError])
+def test_a_trial_step_ended_by_the_users_own_error_drops_nothing(nvme_dir, monkeypatch, error):
     """A review's find: any exception in a trial step dropped its strategy, `offload`
     too, with a warning blaming torch's checkpoint: a skipped bad batch (a ValueError
-    before any block ran) lost a candidate. Only `checkpoint` is dropped now, after a step
-    that ran a block checkpointed and raised torch's kind of error (trials.py NOTE
-    [Trials])."""
+    before any block ran) lost a candidate; and a bad batch's shape error inside a block
+    is a RuntimeError (another review's). Only `checkpoint` is dropped now, after a step
+    that ran a block checkpointed and raised what torch's checkpoint refuses code with
+    (trials.py NOTE [Trials])."""
     monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
@@ -1352,11 +1354,13 @@ def test_a_trial_step_ended_by_the_users_own_error_drops_nothing(nvme_dir, monke
     for where in ("before the blocks", "after the backward", "after the backward",
                   "after the backward"):   # in the plan's, offload's and checkpoint's steps
         running = trials.running
-        with pytest.raises(ValueError):
+        with pytest.raises(error):
             with ctx:
                 if where == "after the backward":
                     model(x).sum().backward()
-                raise ValueError("a bad batch")
+                if error is ValueError:
+                    raise ValueError("a bad batch")
+                model(x.view(-1, 8))   # a bad batch's shape, in the first block's matmul
         assert trials.failed == [] and trials.running == running, (where, running)
         if where == "after the backward":   # on to the next trial
             with ctx:

@@ -25,8 +25,8 @@ only from a training step: one that ran a forward and a backward and ended at po
 block (`torch.no_grad()` inside: no backward), a graph kept with `retain_graph` (ends at
 point 3, whenever it is dropped) and a compiling step would all book a time that is not the
 step's. Every step reports once (`StepReport`), when it ends or is freed (`close()`, or an
-exception: `failed` for torch's kind of error, and for a backward after the block that
-raised and never ended).
+exception: `failed` for the error torch's checkpoint refuses code with, and for a backward
+after the block that raised and never ended).
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ class StepReport(NamedTuple):
                                      # (None without one)
     end_s: float
     training: bool                   # NOTE [Training step]
-    failed: bool = False             # its block raised a RuntimeError (torch's errors),
-                                     # or a backward after it raised (it never ended)
+    failed: bool = False             # its block raised what torch's checkpoint refuses
+                                     # code with, or a backward after it never ended
 
     @property
     def rows(self) -> list:

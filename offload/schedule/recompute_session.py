@@ -28,10 +28,12 @@ class RecomputeSession(Session):
         # Blocks whose forward runs a reentrant checkpoint of its own (Hugging Face's
         # gradient checkpointing with use_reentrant=True): our wrapper comes before it, so
         # it is not seen at the call (blocks NOTE [Whose block]), and checkpointing it
-        # again runs its body once more. Seen at its first call, among the nodes the call
-        # made; run as it is from then on.
+        # again runs its body once more. Seen among the nodes a call made, looked at again
+        # whenever a call makes another number of nodes than the one looked at (its
+        # checkpoint switched on after a first step: gradient_checkpointing_enable(), or
+        # only in train mode); run as it is from then on.
         self._own_checkpoint: set[int] = set()
-        self._looked: set[int] = set()
+        self._looked: dict[int, int] = {}   # block index -> nodes its looked-at call made
 
     def placement(self, round_trip) -> Placement:
         return Placement(self.config, round_trip, moves=True)
@@ -48,8 +50,9 @@ class RecomputeSession(Session):
             self._ran += 1
             first = nodes_made()
             out = checkpoint_block(forward, args, kwargs, block=self.blocks[index])
-            if index not in self._looked:
-                self._looked.add(index)
+            made = nodes_made() - first
+            if self._looked.get(index) != made:
+                self._looked[index] = made
                 if _made_a_reentrant_checkpoint(out, first):
                     self._own_checkpoint.add(index)
             return out

@@ -14,9 +14,10 @@ vmap, `is_grads_batched=True`; the profile sees those two: profile.py NOTE [Read
 re-run refuses]). A step running it that raised (in its block or in a backward after it)
 drops it (`failed`, said once and in `ctx.plan`), whether it was on trial or had won: that
 one step raised, not every later one. Only `checkpoint` is dropped, and only after a step
-that ran a block checkpointed and raised torch's kind of error: a RuntimeError in the
-block, or a backward after it that never ended (whatever it raised: the step cannot see
-it). A user's ValueError, or Ctrl-C, inside the block drops nothing. A re-plan measures
+that ran a block checkpointed and raised what torch's checkpoint refuses code with (its
+CheckpointError, or vmap's refusal of random ops) in the block, or a backward after the
+block that never ended (whatever it raised: the step cannot see it). Any other error inside
+the block (a bad batch's shape error, out of memory, Ctrl-C) drops nothing. A re-plan measures
 again. Steps are timed on the device's clock (offload/util/clock.py): on CUDA the host's is
 launch time.
 
