@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from offload.bench import maxbatch, report, rows as rows_mod, strategies as strategies_mod
-from offload.bench.result import RunResult
+from offload.bench.result import KILLED_OOM, OUT_OF_MEMORY, TIMED_OUT, RunResult
 from offload.bench.rows import Meta, Row
 from offload.bench.runner import GradChecker, WorkerRunner, Workspace, schedule
 from offload.bench.spec import RunSpec
@@ -568,10 +568,9 @@ def _main(args, parser, Console) -> int:
 
 def _why_nothing(rows: list) -> str:
     """What kept the rows from being measured, with what to do about each kind."""
-    said = [r.reason or "" for r in rows]   # (bench/worker.py and runner.py word them)
-    timed_out = sum("worker timed out" in reason for reason in said)
-    oom = sum(reason.startswith("out of memory") or "SIGKILL: out of memory" in reason
-              for reason in said)
+    said = [r.reason or "" for r in rows]
+    timed_out = sum(TIMED_OUT in reason for reason in said)
+    oom = sum(reason.startswith(OUT_OF_MEMORY) or KILLED_OOM in reason for reason in said)
     other = len(rows) - timed_out - oom
     runs = lambda n: f"{n} run{'s' * (n != 1)}"  # noqa: E731
     parts = []

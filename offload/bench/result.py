@@ -12,7 +12,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RunResult"]
+__all__ = ["RunResult", "OUT_OF_MEMORY", "TIMED_OUT", "KILLED_OOM"]
+
+# How the reasons of failed runs say why (worker.py, runner.py); the table's last line
+# counts the rows by them (cli.py `_why_nothing`).
+OUT_OF_MEMORY = "out of memory"                         # a reason that starts so
+TIMED_OUT = "worker timed out"                          # ... that holds it
+KILLED_OOM = "SIGKILL: out of memory, most likely"      # ... that holds it
 
 
 @dataclass

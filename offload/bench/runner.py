@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from offload.bench import measure
-from offload.bench.result import RunResult
+from offload.bench.result import KILLED_OOM, TIMED_OUT, RunResult
 from offload.bench.spec import RunSpec
 
 __all__ = ["Workspace", "WorkerRunner", "GradChecker", "schedule"]
@@ -181,13 +181,13 @@ class WorkerRunner:
                 return RunResult.from_json(f.read())
         result = RunResult(strategy=spec.strategy, batch=spec.batch, error=True)
         if timed_out:
-            result.reason = f"failed: worker timed out after {self.timeout_s:g} s " \
+            result.reason = f"failed: {TIMED_OUT} after {self.timeout_s:g} s " \
                             "(raise --timeout-s)"
         else:
             how = (f"killed by signal {-returncode}" if returncode < 0
                    else f"exit code {returncode}")
             if returncode == -signal.SIGKILL:   # what the kernel's OOM killer sends
-                how += " (SIGKILL: out of memory, most likely)"
+                how += f" ({KILLED_OOM})"
             tail = _log_tail(log_path)
             result.reason = f"failed: worker {how}" + (f": {tail}" if tail else "")
         return result

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from offload.bench import measure
-from offload.bench.result import RunResult
+from offload.bench.result import OUT_OF_MEMORY, RunResult
 from offload.bench.spec import RunSpec
 from offload.bench.strategies import SETTLE_MAX_STEPS, Unavailable, get, load_plugins
 from offload.bench.workload import Workload, block_names, build_workload, checkpointed
@@ -285,7 +285,7 @@ def run(spec: RunSpec) -> RunResult:
         result.available = False
         if _is_oom(exc):
             result.oom = True
-            result.reason = f"out of memory at batch {spec.batch}"
+            result.reason = f"{OUT_OF_MEMORY} at batch {spec.batch}"
         else:
             result.error = True
             result.reason = f"failed: {type(exc).__name__}: {exc}"
