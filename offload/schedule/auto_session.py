@@ -302,6 +302,11 @@ class AutoSession(Session):
         if self._placement is not None and self._placement.unplanned:
             log.debug("offload: auto: %d saved storages were not in the plan (moved)",
                       self._placement.unplanned)
+        over = mode == "plan" and state.kept_more_than_planned(
+            key, report.stats.peak_resident_bytes, entry.plan)
+        if over:
+            log.info("offload: auto: %s; its shape class profiles again", over)
+            return
         trials = entry.trial_steps
         with state.lock:
             state.ran(key)

@@ -8,7 +8,7 @@ the plan predicts what the runtime's round-trip plan does.
 from __future__ import annotations
 
 __all__ = ["ETA", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TRIAL_WIN", "SLOW_READ_SHARE",
-           "MAX_PLANS", "SHAPE_REPROFILES"]
+           "MAX_PLANS", "SHAPE_REPROFILES", "KEPT_SLACK", "KEPT_SLACK_BYTES"]
 
 # Share of the compute a transfer may hide behind (DESIGN cost model): the copy engine and
 # the I/O threads take some of the time they overlap.
@@ -37,3 +37,9 @@ MAX_PLANS = 32
 # holds (plan_cache.py NOTE [Shape classes]): a pattern the profiled step may not see
 # (calls of another shape every other step) would otherwise profile every other step.
 SHAPE_REPROFILES = 2
+
+# A planned step that kept more than its plan predicted by this share and these bytes
+# (plan_cache.py NOTE [Kept more than planned]): what the blocks save changed since the
+# profile; below it, a micro-batch's rounding.
+KEPT_SLACK = 0.10
+KEPT_SLACK_BYTES = 16 << 10

@@ -28,6 +28,7 @@ nothing recomputed (said once, and in `ctx.plan`).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -36,12 +37,15 @@ import torch
 
 from ..config import Config
 from ..util import per_model
-from .constants import MAX_PLANS
+from ..util.sizes import format_bytes
+from .constants import KEPT_SLACK, KEPT_SLACK_BYTES, MAX_PLANS
 from .explain import render, summary
 from .plan import Plan
 from .trials import TrialSteps
 
 __all__ = ["ClassPlan", "PlanCache", "NO_BLOCK", "cache_for"]
+
+log = logging.getLogger("offload")
 
 NO_BLOCK = None   # the shape class of a step in which no block ran through us
 
@@ -115,6 +119,9 @@ class PlanCache:
         # (block type, op id) whose stored output a forward changed in place after a profile
         # that did not see it (stored_ops.py Rule 1): never stored by a later plan.
         self.changed_ops: set[tuple] = set()
+        # class -> whether it is yet to be said, of those that profiled again for keeping
+        # more than planned (NOTE [Kept more than planned])
+        self.kept_over: dict = {}
         self.lock = threading.Lock()
 
     @property
@@ -133,6 +140,35 @@ class PlanCache:
         entry = self.plans[key] = ClassPlan(plan)
         self.ran(key)
         return entry
+
+    def kept_more_than_planned(self, key, kept: int, plan: Plan) -> str | None:
+        """NOTE [Kept more than planned] A planned step keeps what its plan predicts or less
+        (`Plan.prediction.kept_bytes`, which `ctx.plan` says holds the budget or not). One
+        that kept more by KEPT_SLACK and KEPT_SLACK_BYTES saved what its profile did not see
+        (gradient checkpointing with use_reentrant=True switched on after the profile: its
+        re-run saves during backward, which no tier frees), and the plan's word would be
+        wrong: the class profiles again, once (the reason, or None: it did already, or it
+        is within the plan), and `ctx.plan` then counts what stays. A second time it keeps
+        its plan, said once."""
+        predicted = plan.prediction.kept_bytes
+        if kept <= predicted * (1 + KEPT_SLACK) + KEPT_SLACK_BYTES:
+            return None
+        with self.lock:
+            if key in self.kept_over:
+                if self.kept_over[key]:
+                    self.kept_over[key] = False
+                    log.warning("offload: auto: planned steps of %s keep more than their "
+                                "plan predicts even after profiling again; what ctx.plan "
+                                "says of the budget does not hold for them", key[0][0]
+                                if key else "the steps without blocks")
+                return None
+            self.kept_over[key] = True
+            self.plans.pop(key, None)
+            reason = (f"a planned step kept {format_bytes(kept)} where the plan predicted "
+                      f"{format_bytes(predicted)} (the blocks save more than in the profile: "
+                      "gradient checkpointing switched on?)")
+            self.reasons[key] = reason
+            return reason
 
     def learn_as_is(self, blocks) -> None:
         """NOTE [Blocks run alike on every rank] Each rank decides auto on its own: its shape
