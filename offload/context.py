@@ -269,7 +269,7 @@ class ActivationOffload(CopiedAsNew):
             explain_known_failures(exc)
             if not on_its_thread:   # said, not raised: never mask the user's exception
                 log.error("%s", hook_stack.exited_on_another_thread(entered))
-            _free_failed_step(step, _refused_by_checkpoint(exc))
+            _free_failed_step(step, exc)
             return False  # re-raise the original exception
         # From OFFLOAD_LOG_RANKS only (logs.py). A step whose backward runs after the block
         # says it when that backward ends (step.py `finish`).
@@ -354,20 +354,11 @@ _ENTERING = object()
 _CLAIM = threading.Lock()
 
 
-def _refused_by_checkpoint(exc: BaseException) -> bool:
-    """Whether `exc` is how torch's checkpoint refuses code plain autograd runs: its own
-    CheckpointError, or vmap's refusal of random ops in a re-run (schedule/trials.py NOTE
-    [Trials]); a bad batch's shape error or an out-of-memory error is not."""
-    return isinstance(exc, torch.utils.checkpoint.CheckpointError) or (
-        isinstance(exc, RuntimeError) and "vmap" in str(exc))
-
-
-def _free_failed_step(step: Step, failed: bool = False) -> None:
-    """Free a step whose block raised (or whose exit was interrupted) at once; `failed`:
-    with the error torch's checkpoint refuses code with (its report says so: step.py
-    StepReport)."""
+def _free_failed_step(step: Step, error: BaseException | None = None) -> None:
+    """Free a step whose block raised `error` (or whose exit was interrupted) at once; its
+    report carries the error (step.py StepReport)."""
     try:
-        step.abort(failed=failed)
+        step.abort(error=error)
         empty_cache()  # an exception may end the run: keep no slab file or arena open
     except Exception:  # never mask the user's exception
         log.exception("offload: error while freeing the step after an exception")

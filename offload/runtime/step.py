@@ -25,8 +25,8 @@ only from a training step: one that ran a forward and a backward and ended at po
 block (`torch.no_grad()` inside: no backward), a graph kept with `retain_graph` (ends at
 point 3, whenever it is dropped) and a compiling step would all book a time that is not the
 step's. Every step reports once (`StepReport`), when it ends or is freed (`close()`, or an
-exception: `failed` for the error torch's checkpoint refuses code with, and for a backward
-after the block that raised and never ended).
+exception: `failed`, with the block's error, or for a backward after the block that raised
+and never ended).
 """
 from __future__ import annotations
 
@@ -82,8 +82,9 @@ class StepReport(NamedTuple):
                                      # (None without one)
     end_s: float
     training: bool                   # NOTE [Training step]
-    failed: bool = False             # its block raised what torch's checkpoint refuses
-                                     # code with, or a backward after it never ended
+    failed: bool = False             # its block raised (`error`), or a backward after it
+                                     # never ended (it raised: what, the step cannot see)
+    error: BaseException | None = None
 
     @property
     def rows(self) -> list:
@@ -240,9 +241,9 @@ class Step:
             except Exception:  # same: the step itself went through
                 log.exception("offload: could not plan the next step (OFFLOAD_POLICY=auto)")
 
-    def abort(self, failed: bool = False) -> None:
-        """Free everything now: `failed`, after an exception (the report says so); else
-        `ActivationOffload.close()`."""
+    def abort(self, error: BaseException | None = None) -> None:
+        """Free everything now: after the block raised `error` (the report says so), or an
+        interrupted exit, or `ActivationOffload.close()`."""
         with self._lock:
             reported, self._finished = self._finished, True
         with _pending_lock:
@@ -258,7 +259,7 @@ class Step:
             self.stats.tier(name).exit_used_bytes = nbytes
         if not reported and self.hooks is not None:   # every step reports once
             self._tell(StepReport(self.stats, self.timeline, self.hooks.marks.backward_mark,
-                                  time.perf_counter(), False, failed))
+                                  time.perf_counter(), False, error is not None, error))
 
     def _learn_round_trip(self) -> None:
         if self.round_trip is None:

@@ -43,7 +43,7 @@ from .arguments import flatten_call
 from .recompute import block_inputs, checkpoint_block, run_block, runs_as_is
 from .search import make_plan
 from .session_base import UNRUN, Session, holds_cache, say_unrun_once
-from .trials import PURE
+from .trials import PURE, refused_by_checkpoint
 
 __all__ = ["AutoSession"]
 
@@ -257,7 +257,8 @@ class AutoSession(Session):
 
     def step_done(self, report) -> None:
         entry, choice = self._trial_of.pop(id(report.stats), (None, None))
-        if report.failed and entry is not None and choice.checkpointed:   # NOTE [Trials]
+        if report.failed and entry is not None and choice.checkpointed \
+                and refused_by_checkpoint(report.error):   # trials.py NOTE [Trials]
             with self.state.lock:
                 entry.trial_steps.drop(choice.mode)
             return
@@ -286,9 +287,7 @@ class AutoSession(Session):
                     if keep:
                         state.ran(key)   # still in use: not the least recently run
                         return
-                state.plans.pop(key, None)
-                state.reasons[key] = self._fallback
-                state.last = key   # `ctx.plan`: none for this class until it profiles again
+                state.profile_again(key, self._fallback)
             return
         if not state.warm:
             state.warm = True
@@ -328,8 +327,8 @@ class AutoSession(Session):
                      "step, and its shape class profiles again", reason)
 
     def _keeps_plan(self) -> bool:
-        """plan_cache NOTE [Shape classes]: this step's class keeps its plan through calls of other
-        shapes (said once per class)."""
+        """plan_cache NOTE [Shape classes]: this step's class keeps its plan through calls of
+        other shapes (said once per class)."""
         misses = self.state.shape_misses.get(self.key, 0)
         if misses == SHAPE_REPROFILES:
             log.info("offload: auto: block calls with other shapes than planned for keep "

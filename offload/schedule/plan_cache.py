@@ -9,9 +9,8 @@ NOTE [Shape classes] A step's shape class is the type and signature (shapes, dty
 first block call (two towers of other block types picked per batch, or a GAN's generator and
 discriminator steps in one context, are classes of their own: in one class each step of the
 other kind would run every block checkpointed, of a type its plan has not); each class gets
-its own plan, kept
-across steps (the MAX_PLANS most recently run), so a run whose lengths vary (unpadded
-batches) profiles each length once and plans from then on. A plan holds every call its
+its own plan, kept across steps (the MAX_PLANS most recently run), so a run whose lengths
+vary (unpadded batches) profiles each length once and plans from then on. A plan holds every call its
 profiled step made: a step of micro-batches of two lengths (gradient accumulation in one
 context) runs one plan for both. A call with other shapes than the plan holds runs
 checkpointed, with the blocks after it, and the class profiles again; after SHAPE_REPROFILES
@@ -163,12 +162,18 @@ class PlanCache:
                                 if key else "the steps without blocks")
                 return None
             self.kept_over[key] = True
-            self.plans.pop(key, None)
             reason = (f"a planned step kept {format_bytes(kept)} where the plan predicted "
                       f"{format_bytes(predicted)} (the blocks save more than in the profile: "
                       "gradient checkpointing switched on?)")
-            self.reasons[key] = reason
+            self.profile_again(key, reason)
             return reason
+
+    def profile_again(self, key, reason: str) -> None:
+        """Drop class `key`'s plan: its next step profiles again, and its plan's log line
+        says `reason`; `ctx.plan` is None for it until then. The caller holds `lock`."""
+        self.plans.pop(key, None)
+        self.reasons[key] = reason
+        self.last = key
 
     def learn_as_is(self, blocks) -> None:
         """NOTE [Blocks run alike on every rank] Each rank decides auto on its own: its shape

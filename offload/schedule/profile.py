@@ -45,6 +45,9 @@ from .op_timer import OpTimer
 from .profile_records import BlockRecord, ItemRecord, OpRecord, Profile
 from .unsaved_outputs import UnsavedOutputs
 
+__all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler", "step_times",
+           "signature", "WHOLE_BLOCK"]
+
 _functorch = torch._C._functorch
 _graph_task_id = torch._C._current_graph_task_id
 
@@ -55,8 +58,6 @@ def _under_vmap() -> bool:
     return _functorch.peek_interpreter_stack() is not None or \
         "VmapMode" in str(torch._C._dispatch_tls_local_include_set())
 
-__all__ = ["OpRecord", "ItemRecord", "BlockRecord", "Profile", "BlockProfiler", "step_times",
-           "signature", "WHOLE_BLOCK"]
 
 # The one op of a compiled block's record: the block's whole call (BlockProfiler.run).
 WHOLE_BLOCK = ("compiled block (run whole)", 0)

@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import logging
 
+import torch
+import torch.utils.checkpoint
+
 from .constants import TRIAL_ROUNDS, TRIAL_WIN
 
-__all__ = ["PURE", "TrialSteps"]
+__all__ = ["PURE", "TrialSteps", "refused_by_checkpoint"]
 
 log = logging.getLogger("offload")
 
@@ -38,6 +41,15 @@ log = logging.getLogger("offload")
 PURE = {"offload": "every eligible storage moved, blocks as they are",
         "checkpoint": "every block checkpointed whole but the last ones the budget keeps, "
                       "the rest moved"}
+
+
+def refused_by_checkpoint(error: BaseException | None) -> bool:
+    """Whether a failed step's `error` may be how torch's checkpoint refuses code plain
+    autograd runs (NOTE [Trials]): its CheckpointError, vmap's refusal of random ops in a
+    re-run, or not known (None: a backward after the block that never ended); a bad
+    batch's shape error or an out-of-memory error is not."""
+    return error is None or isinstance(error, torch.utils.checkpoint.CheckpointError) or (
+        isinstance(error, RuntimeError) and "vmap" in str(error))
 
 
 class TrialSteps:
