@@ -28,7 +28,7 @@ import torch
 
 from ..runtime.version_check import version_error
 
-__all__ = ["Changed", "BufferVersions", "refusing_saves_of"]
+__all__ = ["Changed", "BufferVersions", "refusing_saves_of", "changed_in_place_error"]
 
 _autograd = torch._C._autograd
 
@@ -112,11 +112,17 @@ def refusing_saves_of(changed: list[Changed]) -> Iterator[None]:
 
 
 def _error(changed: Changed) -> RuntimeError:
-    t = changed.tensor
-    error = version_error(t.dtype, t.device, t.shape, None, changed.then, t._version,
-                          t.layout, hint=False)
+    return changed_in_place_error(
+        changed.tensor, changed.then, f"{changed.name}, saved by an op of",
+        "plain autograd raises this error in backward too. Change buffers after the backward.")
+
+
+def changed_in_place_error(t: torch.Tensor, then: int, what: str, why: str) -> RuntimeError:
+    """Autograd's in-place error for `t` (at version `then` when the block's forward
+    returned), with what offload's re-run makes of it: `what` it is, as "X, read by" /
+    "X, saved by an op of" (a block re-run), and `why` it raises and what to do."""
+    error = version_error(t.dtype, t.device, t.shape, None, then, t._version, t.layout,
+                          hint=False)
     return RuntimeError(
-        f"{error} offload: it is {changed.name}, saved by an op of a block re-run in backward "
-        f"(`recompute`, or `auto` recomputing its ops) and changed in place after the block's "
-        f"forward: plain autograd raises this error in backward too. Change buffers after "
-        f"the backward.")
+        f"{error} offload: it is {what} a block re-run in backward (`recompute`, or `auto` "
+        f"recomputing its ops), and changed in place after the block's forward: {why}")

@@ -13,9 +13,9 @@ re-run sets every buffer slot to what it held at the call, functional_call's inc
 
 A weight changed in place between the forward and the re-run (an optimizer step between
 two backwards of a retained graph, a bias set before backward) would be re-run with its
-new values, as under torch's checkpoint: another function than the forward ran, silently
-(gradients off by 1.5 in tests/test_weight_changes.py), where plain training computes from
-the forward's values or raises its in-place error for a weight an op saved. So the call
+new values, as under torch's checkpoint: another function than the forward ran, silently,
+where plain training computes from the forward's values or raises its in-place error for a
+weight an op saved. So the call
 notes the version counters of those weights and of the parameters handed to it as
 arguments (`block(x, self.shift)`) when its forward returns, and a re-run whose weights
 moved since raises autograd's in-place error, naming the weight. Not checked:
@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..runtime.version_check import version_error
+from .changed_buffers import changed_in_place_error
 
 __all__ = ["guard_weights", "forget_messages"]
 
@@ -189,13 +189,9 @@ def _name(modules: list[nn.Module], weight: torch.Tensor, block: nn.Module | Non
 
 def _changed_error(modules: list[nn.Module], weight: torch.Tensor, then: int,
                    block: nn.Module | None) -> RuntimeError:
-    error = version_error(weight.dtype, weight.device, weight.shape, None, then, weight._version,
-                          weight.layout, hint=False)
-    return RuntimeError(
-        f"{error} offload: it is {_name(modules, weight, block)}, read by a block re-run in "
-        f"backward (`recompute`, or `auto` recomputing its ops), and changed in place after "
-        f"the block's forward: the re-run would compute the gradient from the new values, "
-        f"where plain autograd uses those the forward ran with (or raises this error). Change "
-        f"weights after the backward (an optimizer step between two backwards of a retained "
-        f"graph steps them in between), or run such steps with policy='offload', which keeps "
-        f"the forward's values.")
+    return changed_in_place_error(
+        weight, then, f"{_name(modules, weight, block)}, read by",
+        "the re-run would compute the gradient from the new values, where plain autograd uses "
+        "those the forward ran with (or raises this error). Change weights after the backward "
+        "(an optimizer step between two backwards of a retained graph steps them in between), "
+        "or run such steps with policy='offload', which keeps the forward's values.")
