@@ -10,9 +10,9 @@ first block call (two towers of other block types picked per batch, or a GAN's g
 discriminator steps in one context, are classes of their own: in one class each step of the
 other kind would run every block checkpointed, of a type its plan has not); each class gets
 its own plan, kept across steps (the MAX_PLANS most recently run), so a run whose lengths
-vary (unpadded batches) profiles each length once and plans from then on. A plan holds every call its
-profiled step made: a step of micro-batches of two lengths (gradient accumulation in one
-context) runs one plan for both. A call with other shapes than the plan holds runs
+vary (unpadded batches) profiles each length once and plans from then on. A plan holds every
+call its profiled step made: a step of micro-batches of two lengths (gradient accumulation
+in one context) runs one plan for both. A call with other shapes than the plan holds runs
 checkpointed, with the blocks after it, and the class profiles again; after SHAPE_REPROFILES
 such profiles with no step between them that its plan held (calls of another shape every
 other step: the profiled step may never see them) the class keeps its plan for good, and
