@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -18,15 +19,16 @@ import torch.multiprocessing as mp
 
 
 def _entry(local_rank: int, world: int, fn: Callable, args: tuple, env: dict[str, str],
-           work: str) -> None:
+           work: str, timeout_s: float | None) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)  # N ranks on a 2-core machine: no oversubscription
     out = os.path.join(work, f"rank{local_rank}")
     try:
+        timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous",
-                                rank=local_rank, world_size=world)
+                                rank=local_rank, world_size=world, **timeout)
         try:
             result = fn(*args)
         finally:
@@ -38,14 +40,16 @@ def _entry(local_rank: int, world: int, fn: Callable, args: tuple, env: dict[str
 
 
 def run_ranks(fn: Callable, *args: Any, world: int = 2,
-              env: dict[str, str] | None = None) -> list[Any]:
+              env: dict[str, str] | None = None, timeout_s: float | None = None) -> list[Any]:
     """`fn(*args)` on `world` ranks; returns each rank's result, rank 0 first.
 
     `fn` must be importable by name from a fresh process (a module-level function).
+    `timeout_s`: the process group's timeout (a collective left unpaired fails after it;
+    torch's default is 30 minutes).
     """
     with tempfile.TemporaryDirectory(prefix="offload-dist-") as work:
         try:
-            mp.start_processes(_entry, args=(world, fn, args, dict(env or {}), work),
+            mp.start_processes(_entry, args=(world, fn, args, dict(env or {}), work, timeout_s),
                                nprocs=world, start_method="spawn")
         except Exception as exc:
             errors = []

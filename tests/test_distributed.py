@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import offload
@@ -232,6 +233,121 @@ def test_a_block_calling_a_collective_runs_alike_on_every_rank(policy, nvme_dir)
         results = run_ranks(_tensor_parallel_worker, policy, env=env)
     for rank, res in enumerate(results):
         assert all(res["equal"]), f"rank {rank}: parameters differ: {res['equal']}"
+
+
+class _LateCollectiveBlock(_RowParallelBlock):
+    """A row-parallel block whose all_reduce starts only when `sync` is set: after the
+    profiled step (a branch on the step, as a statistic synced every k steps would).
+    `call`: dist.all_reduce, the same with async_op=True, or the functional one."""
+
+    sync = False
+    call = "all_reduce"
+
+    def forward(self, x):
+        y = self.fc2(F.gelu(self.fc1(x)))
+        if self.sync and self.call == "all_reduce":
+            dist.all_reduce(y)
+        elif self.sync and self.call == "async_op":
+            work = dist.all_reduce(y, async_op=True)   # the re-run's wait is on the
+            work.wait()                                 # forward's Work, done
+        elif self.sync:
+            y = funcol.all_reduce(y, "sum", dist.group.WORLD) * 1.0
+        return x + torch.tanh(y)
+
+
+def _late_collective_worker(policy: str, first_sync: int, call: str) -> dict:
+    """Eight steps of three blocks whose all_reduce starts at step `first_sync`; rank 1
+    measures a slower disk, so the ranks' auto plans differ (one re-runs blocks the other
+    does not)."""
+    rank = dist.get_rank()
+    if rank == 1:
+        os.environ["OFFLOAD_PROBE"] = "nvme_write_gbps=0.001,nvme_read_gbps=0.001"
+
+    def train(use_offload: bool) -> list[torch.Tensor]:
+        torch.manual_seed(rank)
+        model = torch.nn.Sequential(*[_LateCollectiveBlock() for _ in range(3)])
+        for block in model:
+            block.call = call
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = torch.Generator().manual_seed(7)
+        for step in range(8):
+            for block in model:
+                block.sync = step >= first_sync
+            x = torch.randn(4, 64, 32, generator=data)
+            ctx = offload.activations(model=model, policy=policy, tiers="nvme", min_bytes=0) \
+                if use_offload else contextlib.nullcontext()
+            with ctx:
+                model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain, ours = train(False), train(True)
+    offload.empty_cache()
+    return {"equal": [torch.equal(a, b) for a, b in zip(plain, ours)]}
+
+
+@pytest.mark.parametrize("first_sync, call", [(3, "all_reduce"), (5, "all_reduce"),
+                                              (3, "async_op"), (4, "functional")])
+def test_a_block_first_calling_a_collective_after_its_profile_gets_exact_weights(
+        first_sync, call, nvme_dir):
+    """collectives.py NOTE [A re-run calls no collective]: a block that first calls a
+    collective in a planned step (its profile saw none) was re-run in backward on the rank
+    whose plan recomputes it, calling its all_reduce a second time there only: the
+    collectives paired up wrongly, silent wrong weights on one rank and a hang on the
+    other. The re-run hands back the forward's results instead."""
+    with _rank_dirs(nvme_dir) as (dirs, env):
+        results = run_ranks(_late_collective_worker, "auto", first_sync, call, env=env,
+                            timeout_s=60)
+    for rank, res in enumerate(results):
+        assert all(res["equal"]), f"rank {rank}: parameters differ: {res['equal']}"
+
+
+def _handed_back_worker() -> dict:
+    """collectives.modes under a plain checkpoint: a retained graph's two backwards, then a
+    re-run that reaches a collective its forward did not call."""
+    from torch.utils.checkpoint import checkpoint
+
+    from offload.schedule import collectives
+    calls = []
+    sync = [True]
+
+    def block(x):
+        y = x * 2
+        if sync[0]:
+            dist.all_reduce(y)
+        return y.sin()
+
+    def context_fn():
+        return collectives.modes(calls.append, "block")
+
+    x = torch.randn(8, generator=torch.Generator().manual_seed(dist.get_rank()),
+                    requires_grad=True)
+    plain = torch.autograd.grad(block(x).sum(), x)[0]
+    out = checkpoint(block, x, use_reentrant=False, context_fn=context_fn).sum()
+    first = torch.autograd.grad(out, x, retain_graph=True)[0]
+    second = torch.autograd.grad(out, x)[0]
+    sync[0] = False
+    out = checkpoint(block, x, use_reentrant=False, context_fn=context_fn).sum()
+    sync[0] = True
+    try:
+        out.backward()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    dist.barrier()   # the ranks still pair up: the failing re-run called nothing
+    return {"equal": [torch.equal(plain, first), torch.equal(plain, second)],
+            "calls": calls, "error": error}
+
+
+def test_a_re_run_hands_back_the_forwards_collective_and_calls_none():
+    """collectives.py NOTE [A re-run calls no collective]: both backwards of a retained
+    graph get the forward's all_reduce (bit-exact); a re-run that reaches a collective
+    its forward did not call raises, naming it, before calling it."""
+    for res in run_ranks(_handed_back_worker, timeout_s=60):
+        assert res["equal"] == [True, True]
+        assert res["calls"] == ["c10d.allreduce_.default"]
+        assert "c10d.allreduce_.default" in res["error"] and "did not call" in res["error"]
 
 
 def test_two_ranks_split_a_percentage_of_one_disk(small_disk):

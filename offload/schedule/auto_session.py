@@ -40,6 +40,7 @@ from .plan_cache import NO_BLOCK, ClassPlan, PlanCache
 from .probe import figures_for
 from .profile import BlockProfiler, Profile, signature, step_times
 from .arguments import flatten_call
+from . import collectives
 from .recompute import block_inputs, checkpoint_block, run_block, runs_as_is
 from .search import make_plan
 from .session_base import UNRUN, Session, holds_cache, say_unrun_once
@@ -79,6 +80,7 @@ class AutoSession(Session):
         self._start_s = 0.0
         self._fallback: str | None = None
         self._said_extra = False   # plan.py NOTE [More calls than profiled], said once
+        self._many_ranks = collectives.many_ranks()
         self._ran_as_is: set[int] = set()   # blocks the profile ran as is (Plan.ran_as_is)
         self._capacity: dict[str, int] = {}
         self.key = _UNKNOWN      # this step's shape class (plan_cache NOTE [Shape classes])
@@ -211,8 +213,10 @@ class AutoSession(Session):
                                 "not run", shape_miss=True)
             if holds_cache(args, kwargs, self.blocks):
                 return forward(*args, **kwargs)
-            whole = functools.partial(checkpoint_block, forward, args, kwargs, block=block,
-                                      flat=flat, checked=True)   # the block recomputed whole
+            watch = None if self.opaque[index] or not self._many_ranks \
+                else self._watch(index, block)   # collectives.py NOTE [A re-run calls ...]
+            whole = functools.partial(checkpoint_block, forward, args, kwargs, watch, block,
+                                      flat, checked=True)   # the block recomputed whole
             if placement.beyond_profile and choice.mode != "offload":   # plan.py NOTE [More
                 # calls than profiled]; the `offload` trial moves everything already
                 self._say_extra(block, plan.visits[("block", index)])
@@ -232,9 +236,26 @@ class AutoSession(Session):
             store = placement.op_decisions(plan, bp, stand_in, stand_in != index)
             return run_block(forward, args, kwargs, store, hooks, placement, block,
                              bp.positions, flat, self._changed_later(self.types[stand_in]),
-                             checked=True)
+                             checked=True, watch=watch)
         finally:
             placement.enter_region(("after", index))
+
+    def _watch(self, index: int, block: torch.nn.Module):
+        """The context_fn of a checkpointed call of block `index` in a job of many ranks
+        (collectives.py NOTE [A re-run calls no collective]): a collective its forward
+        calls makes it run as it is from then on, and its class profile again."""
+        def on_call(op: str) -> None:
+            if index in self.state.as_is:
+                return
+            self.state.add_as_is({index})
+            log.warning("offload: auto: block %d (a %s) called a collective (%s) that its "
+                        "profile did not see; its re-run hands back the forward's result "
+                        "instead of calling it again, and it runs as it is from now on",
+                        index, type(block).__name__, op)
+            if self._fallback is None:
+                self._fallback = f"block {index} called a collective its profile did not see"
+        name = type(block).__name__
+        return lambda: collectives.modes(on_call, name)
 
     def _say_extra(self, block, profiled: int) -> None:
         """Said once per context (plan.py NOTE [More calls than profiled])."""

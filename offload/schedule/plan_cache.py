@@ -185,16 +185,20 @@ class PlanCache:
         step from then on, whatever the step's plan, trial or fallback (a profile and
         the warm-up run every block as it is too); so does one whose inputs change in place
         after the call (a re-run would not see them), or whose backward reads a saved
-        tensor twice (profile.py NOTE [Reads a re-run refuses]). Not seen: a collective
-        inside a compiled block (no op is seen there), one called by a module hook outside
-        the block's forward, and one a block first calls after its profiled step (a branch
-        on the step): ranks running it differently then pair collectives wrongly (wrong
-        weights on one, a hang on another; README says so)."""
-        as_is = {b.index for b in blocks
-                 if b.collective or b.inputs_changed or b.rerun_refused}
-        if as_is - self.as_is:
+        tensor twice (profile.py NOTE [Reads a re-run refuses]). A block that first calls
+        one after its profiled step (a branch on the step) is found by the forward of its
+        checkpointed call, whose re-run calls none (collectives.py NOTE [A re-run calls no
+        collective]), and joins these. Not seen: a collective inside a compiled block (no
+        op is seen there), or called by a module hook outside the block's forward: ranks
+        running it differently then pair collectives wrongly (README says so)."""
+        self.add_as_is({b.index for b in blocks
+                        if b.collective or b.inputs_changed or b.rerun_refused})
+
+    def add_as_is(self, indices: set[int]) -> None:
+        """Blocks `indices` run as they are in every step from now on."""
+        if indices - self.as_is:
             with self.lock:
-                self.as_is |= as_is
+                self.as_is |= indices
 
     def ran(self, key) -> None:
         """`key`'s plan ran (or was made) now; keep the MAX_PLANS most recent."""

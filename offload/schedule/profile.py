@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..runtime.version_check import version_sentinel
 from .recompute import block_inputs
 from .stored_ops import IGNORED_OPS, detaches_a_factory_output, op_name, storable_op
+from .collectives import COLLECTIVE_NAMESPACES
 from .op_timer import OpTimer
 from .profile_records import BlockRecord, ItemRecord, OpRecord, Profile
 from .unsaved_outputs import UnsavedOutputs
@@ -110,10 +111,6 @@ def step_times(items: list[ItemRecord], report, clock, t0: Any, start_s: float,
     stats = report.stats
     return (max(forward_s - stats.stall_forward_s, 1e-6),
             max(backward_s - stats.stall_backward_s, 1e-6))
-
-
-COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
-                                   "_dtensor"})
 
 
 class _ProfileMode(TorchDispatchMode):

@@ -12,6 +12,7 @@ generators.py).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import weakref
@@ -228,6 +229,13 @@ def _modules_handed_in(leaves: list, block: torch.nn.Module | None) -> list[torc
     return list(handed.values())
 
 
+@contextlib.contextmanager
+def _stacked(below, above):
+    """Both modes, `above` handling each op first (a mode entered later is asked first)."""
+    with below, above:
+        yield
+
+
 def _ranged(fn: Callable) -> Callable:
     """`fn`, its re-run in backward shown as an `offload::recompute` profiler range."""
     def run(*args):
@@ -242,7 +250,8 @@ def run_block(forward: Callable, args: tuple, kwargs: dict,
               store: Callable[[tuple, Any], Decision | None], hooks, placement,
               block: torch.nn.Module | None = None, positions: dict | None = None,
               flat: tuple | None = None,
-              on_changed: Callable[[tuple], None] | None = None, checked: bool = False) -> Any:
+              on_changed: Callable[[tuple], None] | None = None, checked: bool = False,
+              watch: Callable | None = None) -> Any:
     """`forward(*args, **kwargs)` under non-reentrant checkpoint with per-op storing.
 
     Args:
@@ -257,10 +266,15 @@ def run_block(forward: Callable, args: tuple, kwargs: dict,
         on_changed: told the op id of a stored output the forward changed in place after
             storing it, which the re-run ran again instead (stored_ops.py Rule 1).
         checked: as checkpoint_block's.
+        watch: a context_fn whose modes run below the per-op ones (auto's collectives.py).
     """
     block_name = "block" if block is None else type(block).__name__
 
     def context_fn():
-        return modes(store, hooks, placement, positions, block_name, on_changed)
+        forward, rerun = modes(store, hooks, placement, positions, block_name, on_changed)
+        if watch is None:
+            return forward, rerun
+        below = watch()
+        return _stacked(below[0], forward), _stacked(below[1], rerun)
 
     return checkpoint_block(forward, args, kwargs, context_fn, block, flat, checked)
