@@ -36,7 +36,7 @@ from ..util.clock import clock_for
 from .constants import SHAPE_REPROFILES, TRIAL_MARGIN
 from .costs import PlanParams
 from .placement import SchedulePlacement, StepChoice
-from .plan_cache import NO_BLOCK, ClassPlan, PlanCache
+from .plan_cache import NO_BLOCK, ClassPlan, PlanCache, describe_class
 from .probe import figures_for
 from .profile import BlockProfiler, Profile, signature, step_times
 from .arguments import flatten_call
@@ -51,16 +51,6 @@ __all__ = ["AutoSession"]
 log = logging.getLogger("offload")
 
 _UNKNOWN = ("unknown",)   # this step's class before its first block call
-
-
-def _shapes(key) -> str:
-    """A shape class for a log line: its first block's type and first tensor argument's
-    shape."""
-    if not key:
-        return "no block"
-    block_type, (args, _) = key
-    shape = next((f" {tuple(sig[0])}" for sig in args if sig is not None), "")
-    return f"a {block_type[0]}'s input{shape}"
 
 
 class AutoSession(Session):
@@ -244,17 +234,17 @@ class AutoSession(Session):
         """The context_fn of a checkpointed call of block `index` in a job of many ranks
         (collectives.py NOTE [A re-run calls no collective]): a collective its forward
         calls makes it run as it is from then on, and its class profile again."""
-        def on_call(op: str) -> None:
-            if index in self.state.as_is:
-                return
-            self.state.add_as_is({index})
-            log.warning("offload: auto: block %d (a %s) called a collective (%s) that its "
-                        "profile did not see; its re-run hands back the forward's result "
-                        "instead of calling it again, and it runs as it is from now on",
-                        index, type(block).__name__, op)
-            if self._fallback is None:
-                self._fallback = f"block {index} called a collective its profile did not see"
         name = type(block).__name__
+
+        def on_call(op: str) -> None:
+            if index not in self.state.as_is:
+                self.state.add_as_is({index})
+                log.warning("offload: auto: block %d (a %s) called a collective (%s) that its"
+                            " profile did not see; its re-run hands back the forward's result "
+                            "instead of calling it again, and it runs as it is from now on",
+                            index, name, op)
+                self._fallback = self._fallback or \
+                    f"block {index} called a collective its profile did not see"
         return lambda: collectives.modes(on_call, name)
 
     def _say_extra(self, block, profiled: int) -> None:
@@ -354,7 +344,7 @@ class AutoSession(Session):
         if misses == SHAPE_REPROFILES:
             log.info("offload: auto: block calls with other shapes than planned for keep "
                      "coming after %d profiles of shapes %s; its plan stays, and such calls "
-                     "run checkpointed with the blocks after them", misses, _shapes(self.key))
+                     "run checkpointed with the blocks after them", misses, describe_class(self.key))
         return misses >= SHAPE_REPROFILES
 
     def _make_plan(self, key, report) -> None:
@@ -377,7 +367,7 @@ class AutoSession(Session):
         state = self.state
         with state.lock:
             reason = state.reasons.pop(key, None) or (
-                "first profile" if not state.plans else f"new class: {_shapes(key)}")
+                "first profile" if not state.plans else f"new class: {describe_class(key)}")
             entry = state.install(key, plan)
             state.profile = profile
         log.info("offload: auto plan (%s): %s", reason, entry.summary())

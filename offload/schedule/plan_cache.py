@@ -42,11 +42,21 @@ from .explain import render, summary
 from .plan import Plan
 from .trials import TrialSteps
 
-__all__ = ["ClassPlan", "PlanCache", "NO_BLOCK", "cache_for"]
+__all__ = ["ClassPlan", "PlanCache", "NO_BLOCK", "cache_for", "describe_class"]
 
 log = logging.getLogger("offload")
 
 NO_BLOCK = None   # the shape class of a step in which no block ran through us
+
+
+def describe_class(key) -> str:
+    """A shape class for a log line: its first block's type and first tensor argument's
+    shape."""
+    if not key:
+        return "no block"
+    block_type, (args, _) = key
+    shape = next((f" {tuple(sig[0])}" for sig in args if sig is not None), "")
+    return f"a {block_type[0]}'s input{shape}"
 
 
 class ClassPlan:
