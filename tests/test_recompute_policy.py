@@ -41,6 +41,23 @@ def test_mixed_sequentials_are_not_blocks():
     assert find_blocks(None) == []
 
 
+def test_a_stack_of_parametrized_layers_is_a_stack():
+    """weight_norm / spectral_norm / orthogonal make each layer an instance of a class of its
+    own: the stack was not found (two small heads were checkpointed instead of the trunk,
+    and with no other stack `recompute` raised that blocks must be of one layer class)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+            self.heads = nn.ModuleList(nn.Linear(64, 1) for _ in range(2))
+
+    net = Net()
+    for layer in net.layers:
+        torch.nn.utils.parametrizations.weight_norm(layer)
+    assert len({type(layer) for layer in net.layers}) == 6
+    assert find_blocks(net) == list(net.layers)
+
+
 def test_an_outer_stack_shadows_inner_ones_and_small_stacks_do_not_count():
     inner = lambda: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # noqa: E731
 

@@ -63,6 +63,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils.parametrize import type_before_parametrizations
 
 from ..errors import ConfigError, short_repr
 from ..runtime import hook_stack
@@ -90,7 +91,9 @@ def _nparams(module: nn.Module) -> int:
 def _is_stack(module: nn.Module) -> bool:
     if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
         return False
-    classes = {type(child) for child in module}
+    # A parametrized layer (weight_norm, spectral_norm, orthogonal) is an instance of a
+    # class of its own, made for it: the class it was made from tells the stack.
+    classes = {type_before_parametrizations(child) for child in module}
     return len(classes) == 1 and _nparams(module) > 0
 
 
