@@ -283,3 +283,46 @@ def test_a_weight_its_block_updates_in_forward_is_said_once(nvme_dir, caplog):
         "offload: `codebook` of the block (a _Codebook) is changed in place by the forward of "
         "the block that holds it"), said
     assert "register_buffer" in said[0]
+
+
+class _Residual(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("at_forward", [False, True], ids=["frozen at the call",
+                                                           "trained at the call"])
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_requires_grad_flipped_between_forward_and_backward_trains_as_plain(
+        policy, at_forward, nvme_dir):
+    """weights.py NOTE [Weights in a re-run]: a block whose weights' requires_grad changed
+    between its forward and its re-run (a GAN step: freeze D for G's loss, unfreeze it
+    before the backward) was re-run with the new flags, another graph than the forward's.
+    Unfrozen since: silently wrong gradients (the re-run's extra saves went to the wrong
+    nodes); frozen since: CheckpointError at every step. Both as plain training now,
+    bit-exact, also in the steps after."""
+    def train(use_offload: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[_Residual() for _ in range(4)])
+        ctx = offload.activations(model=model, **_settings(policy, nvme_dir)) \
+            if use_offload else contextlib.nullcontext()
+        grads = []
+        for step in range(5):
+            x = torch.randn(16, 16, generator=torch.Generator().manual_seed(step))
+            model.zero_grad(set_to_none=True)
+            model.requires_grad_(True)
+            model[1].requires_grad_(at_forward)
+            with ctx:
+                y = model(x)
+                model[1].requires_grad_(not at_forward)
+                y.pow(2).sum().backward()
+            grads.append([p.grad for p in model.parameters()])
+        return grads
+
+    for step, (plain, ours) in enumerate(zip(train(False), train(True))):
+        for a, b in zip(plain, ours):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), step

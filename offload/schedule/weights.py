@@ -10,6 +10,11 @@ So a call notes the parameter objects of the modules it guards (the block's and 
 handed to it as arguments), and its re-run puts back, for itself only, each one that was
 replaced since; afterwards the module gets what it had. Buffers are buffers.py's: its
 re-run sets every buffer slot to what it held at the call, functional_call's included.
+Likewise a weight's `requires_grad` flipped since the call (a GAN step that freezes the
+discriminator for the generator's loss and unfreezes it before the backward) is flipped
+back for the re-run only: a re-run with the new flag builds another graph than the
+forward's, saves other tensors, and checkpoint hands the backward the wrong ones (silently
+where their shapes agree) or raises its CheckpointError.
 
 A weight changed in place between the forward and the re-run (an optimizer step between
 two backwards of a retained graph, a bias set before backward) would be re-run with its
@@ -67,6 +72,7 @@ def guard_weights(modules: list[nn.Module], fn: Callable, handed: tuple = (),
     noted: list[tuple[dict, dict]] = []
     weights: list[torch.Tensor] = []   # the noted parameter objects and `handed`, flat
     versions: list[int] = []           # theirs when the forward returned
+    needs_grad: list[bool] = []        # their requires_grad at the call
     rewritten: set[int] = set()        # indices of those the forward itself changed
     renorming: list[nn.Module] = []    # embeddings whose max_norm did it
 
@@ -85,6 +91,7 @@ def guard_weights(modules: list[nn.Module], fn: Callable, handed: tuple = (),
                         noted.append((slots, dict(slots)))
                         weights.extend(w for w in slots.values() if w is not None)
             weights.extend(handed)
+            needs_grad[:] = [w.requires_grad for w in weights]
             before = [w._version for w in weights]
             out = fn(*args)
             versions = [w._version for w in weights]
@@ -97,7 +104,8 @@ def guard_weights(modules: list[nn.Module], fn: Callable, handed: tuple = (),
             _check_versions(modules, weights, versions, rewritten, block)
         swapped = [(params, name, params.get(name)) for params, then in noted
                    for name, weight in then.items() if params.get(name) is not weight]
-        if not swapped and not renorming:
+        flipped = [w for w, then in zip(weights, needs_grad) if w.requires_grad != then]
+        if not swapped and not renorming and not flipped:
             return fn(*args)
         by_params = {id(params): then for params, then in noted}
         for params, name, _ in swapped:
@@ -105,9 +113,13 @@ def guard_weights(modules: list[nn.Module], fn: Callable, handed: tuple = (),
         norms = [module.max_norm for module in renorming]
         for module in renorming:
             module.max_norm = None
+        for w in flipped:   # (leaves: a non-leaf's flag cannot change)
+            w.requires_grad_(not w.requires_grad)
         try:
             return fn(*args)
         finally:
+            for w in flipped:
+                w.requires_grad_(not w.requires_grad)
             for params, name, now in swapped:
                 if now is None:
                     params.pop(name, None)
