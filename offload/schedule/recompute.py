@@ -12,7 +12,6 @@ generators.py).
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import weakref
@@ -30,10 +29,12 @@ from .blocks import compiled_block
 from .arguments import flatten_call
 from .buffers import guard_buffers, keep_modes
 from .generators import guard_generators
+from .parametrize_cache import guard_parametrize_cache
 from .stored_ops import modes
 from .weights import guard_weights
 
-__all__ = ["run_block", "checkpoint_block", "block_inputs", "runs_as_is", "forget_messages"]
+__all__ = ["run_block", "checkpoint_block", "block_inputs", "runs_as_is", "forget_messages",
+           "stacked"]
 
 log = logging.getLogger("offload")
 
@@ -111,7 +112,8 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     # compiled variant, whose saves did not match (generators.py NOTE [Modes under
     # torch.compile]).
     compiled = block is not None and compiled_block(block, forward)
-    guarded = guard_buffers(block, call if compiled else guard_generators(call))
+    guarded = guard_parametrize_cache(call)   # parametrize_cache.py
+    guarded = guard_buffers(block, guarded if compiled else guard_generators(guarded))
     for module in handed_in:   # buffers.py rule 4
         guarded = guard_buffers(module, guarded)
     roots = handed_in if block is None else [block, *handed_in]
@@ -229,11 +231,30 @@ def _modules_handed_in(leaves: list, block: torch.nn.Module | None) -> list[torc
     return list(handed.values())
 
 
-@contextlib.contextmanager
-def _stacked(below, above):
-    """Both modes, `above` handling each op first (a mode entered later is asked first)."""
-    with below, above:
-        yield
+class stacked:
+    """Both context managers, `below` entered first (of two modes, `above` is asked first
+    about each op). Entered again for each re-run (a retained graph's second backward), so
+    not a generator's one-shot context manager."""
+
+    __slots__ = ("below", "above")
+
+    def __init__(self, below, above) -> None:
+        self.below, self.above = below, above
+
+    def __enter__(self) -> None:
+        self.below.__enter__()
+        try:
+            self.above.__enter__()
+        except BaseException:
+            self.below.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> bool:
+        try:
+            self.above.__exit__(*exc)
+        finally:
+            self.below.__exit__(*exc)
+        return False
 
 
 def _ranged(fn: Callable) -> Callable:
@@ -275,6 +296,6 @@ def run_block(forward: Callable, args: tuple, kwargs: dict,
         if watch is None:
             return forward, rerun
         below = watch()
-        return _stacked(below[0], forward), _stacked(below[1], rerun)
+        return stacked(below[0], forward), stacked(below[1], rerun)
 
     return checkpoint_block(forward, args, kwargs, context_fn, block, flat, checked)
