@@ -40,8 +40,8 @@ from .plan_cache import NO_BLOCK, ClassPlan, PlanCache, describe_class
 from .probe import figures_for
 from .profile import BlockProfiler, Profile, signature, step_times
 from .arguments import flatten_call
-from . import collectives
 from .recompute import block_inputs, checkpoint_block, run_block, runs_as_is
+from .reruns import ReRuns
 from .search import make_plan
 from .session_base import UNRUN, Session, holds_cache, say_unrun_once
 from .trials import PURE, refused_by_checkpoint
@@ -70,7 +70,7 @@ class AutoSession(Session):
         self._start_s = 0.0
         self._fallback: str | None = None
         self._said_extra = False   # plan.py NOTE [More calls than profiled], said once
-        self._many_ranks = collectives.many_ranks()
+        self._reruns = ReRuns(state, blocks, self.types, self.opaque)
         self._ran_as_is: set[int] = set()   # blocks the profile ran as is (Plan.ran_as_is)
         self._capacity: dict[str, int] = {}
         self.key = _UNKNOWN      # this step's shape class (plan_cache NOTE [Shape classes])
@@ -111,6 +111,8 @@ class AutoSession(Session):
         return self._clock
 
     def enter(self, view) -> None:
+        if self._reruns.pending is not None:   # reruns.py NOTE [A re-run refused]
+            self._refused(self._reruns.pending, None)   # (the latest step's class: `key`)
         self._hooks, self._start_s, self._readahead = view.hooks, view.start_s, view.readahead
         self._placement.saved_so_far = self._saved_so_far
         self._placement.follow(view.hooks.ledger)   # its micro-batches
@@ -203,8 +205,7 @@ class AutoSession(Session):
                                 "not run", shape_miss=True)
             if holds_cache(args, kwargs, self.blocks):
                 return forward(*args, **kwargs)
-            watch = None if self.opaque[index] or not self._many_ranks \
-                else self._watch(index, block)   # collectives.py NOTE [A re-run calls ...]
+            watch = self._reruns.context_fn(index, choice, self._on_collective)
             whole = functools.partial(checkpoint_block, forward, args, kwargs, watch, block,
                                       flat, checked=True)   # the block recomputed whole
             if placement.beyond_profile and choice.mode != "offload":   # plan.py NOTE [More
@@ -230,22 +231,19 @@ class AutoSession(Session):
         finally:
             placement.enter_region(("after", index))
 
-    def _watch(self, index: int, block: torch.nn.Module):
-        """The context_fn of a checkpointed call of block `index` in a job of many ranks
-        (collectives.py NOTE [A re-run calls no collective]): a collective its forward
-        calls makes it run as it is from then on, and its class profile again."""
-        name = type(block).__name__
+    def _refused(self, index: int, error: BaseException | None) -> None:
+        """Block `index`'s re-run was refused in this context's latest step: its type runs
+        as it is, and the step's class profiles again (reruns.py)."""
+        self._reruns.pending = None
+        reason = self._reruns.refused(index, error)
+        if reason and self.key in self.state.plans:
+            with self.state.lock:
+                self.state.profile_again(self.key, reason)
 
-        def on_call(op: str) -> None:
-            if index not in self.state.as_is:
-                self.state.add_as_is({index})
-                log.warning("offload: auto: block %d (a %s) called a collective (%s) that its"
-                            " profile did not see; its re-run hands back the forward's result "
-                            "instead of calling it again, and it runs as it is from now on",
-                            index, name, op)
-                self._fallback = self._fallback or \
-                    f"block {index} called a collective its profile did not see"
-        return lambda: collectives.modes(on_call, name)
+    def _on_collective(self, reason: str) -> None:
+        """A block called a collective its profile did not see (reruns.py): it and the
+        blocks after it run checkpointed this step, and the class profiles again."""
+        self._fallback = self._fallback or reason
 
     def _say_extra(self, block, profiled: int) -> None:
         """Said once per context (plan.py NOTE [More calls than profiled])."""
@@ -273,6 +271,10 @@ class AutoSession(Session):
             with self.state.lock:
                 entry.trial_steps.drop(choice.mode)
             return
+        if report.failed and choice is not None and choice.rerun is not None \
+                and refused_by_checkpoint(report.error):   # reruns.py NOTE [A re-run ...]
+            if self._hooks is not None and report.stats is self._hooks.stats:
+                self._refused(choice.rerun, report.error)
         if self._hooks is None or report.stats is not self._hooks.stats:
             # NOTE [Steps alive at once] Another step of this context was entered before this
             # one ended (one entry per micro-batch, the backwards after all the forwards):

@@ -1,0 +1,116 @@
+"""What `auto` learns from the re-runs of the blocks it checkpoints.
+
+Each checkpointed call gets a `context_fn` (`ReRuns.context_fn`): its re-run side notes in
+the step's choice that the block's re-run began (NOTE [A re-run refused]); in a job of
+many ranks, its two sides are also collectives.py's modes (NOTE [A re-run calls no
+collective]). A block either finds is made to run as it is in every later step
+(`PlanCache.add_as_is`).
+
+NOTE [A re-run refused] A block whose re-run saves other tensors than its forward (a memo
+the forward fills at the first call of a step and the re-run finds filled; a module-global
+cache) makes torch's checkpoint raise its CheckpointError in backward. The profile runs
+every block as it is and cannot see it, so a plan that recomputes such a block raised at
+every step. A step that raised what checkpoint refuses code with, in its block, after a
+re-run began (`refused`), runs the block whose re-run began last and those of its type
+(the same code) as they are from then on, and its class profiles again: that one step
+raised, not every later one. A backward after the block may raise it when the step has
+ended already (at the block's exit, nothing of it left to unpack): a re-run that began in
+a backward that never ended (its end callback did not run: autograd runs those of a
+backward that completed only) counts as refused at the next step's entry (`pending`),
+whatever the backward raised. The cost of a wrong guess (the error came from elsewhere):
+those blocks' saves stay, and the re-plan counts them.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable
+
+import torch
+
+from . import collectives
+from .placement import StepChoice
+from .plan_cache import PlanCache
+from .recompute import stacked
+
+__all__ = ["ReRuns"]
+
+log = logging.getLogger("offload")
+
+
+class _ReRunBegins:
+    """The re-run side of a checkpointed call's context_fn: notes in the step's choice, and
+    as `pending` until its backward ends, that block `index`'s re-run began."""
+
+    __slots__ = ("reruns", "choice", "index")
+
+    def __init__(self, reruns: "ReRuns", choice: StepChoice, index: int) -> None:
+        self.reruns, self.choice, self.index = reruns, choice, index
+
+    def __enter__(self) -> None:
+        self.choice.rerun = self.index
+        self.reruns.began(self.index)
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+class ReRuns:
+    """The re-runs of one context's blocks (`blocks`, their type keys `types`, whether each
+    is compiled: `opaque`), learned into `state`."""
+
+    def __init__(self, state: PlanCache, blocks: list, types: list, opaque: list) -> None:
+        self.state, self.blocks, self.types, self.opaque = state, blocks, types, opaque
+        self.many_ranks = collectives.many_ranks()
+        self.pending: int | None = None   # a block whose re-run began in a backward not ended
+        self._task = -1   # the graph task whose end clears `pending`
+
+    def began(self, index: int) -> None:
+        self.pending = index
+        task = torch._C._current_graph_task_id()
+        if task != self._task and task >= 0:
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+
+    def _ended(self) -> None:
+        self.pending, self._task = None, -1
+
+    def context_fn(self, index: int, choice: StepChoice,
+                   on_collective: Callable[[str], None]) -> Callable:
+        """For a checkpointed call of block `index` in the step running `choice`;
+        `on_collective(reason)`: its forward called a collective its profile did not see
+        (the block runs as it is from then on)."""
+        mark = _ReRunBegins(self, choice, index)
+        if self.opaque[index] or not self.many_ranks:   # (compiled: no op is seen)
+            return lambda: (contextlib.nullcontext(), mark)
+        name = type(self.blocks[index]).__name__
+
+        def on_call(op: str) -> None:
+            if index not in self.state.as_is:
+                self.state.add_as_is({index})
+                log.warning("offload: auto: block %d (a %s) called a collective (%s) that its"
+                            " profile did not see; its re-run hands back the forward's result "
+                            "instead of calling it again, and it runs as it is from now on",
+                            index, name, op)
+                on_collective(f"block {index} called a collective its profile did not see")
+
+        def context_fn():
+            forward, rerun = collectives.modes(on_call, name)
+            return forward, stacked(rerun, mark)
+        return context_fn
+
+    def refused(self, index: int, error: BaseException | None) -> str | None:
+        """A step raised `error` (None: not known) after block `index`'s re-run began: run
+        it and the blocks of its type as they are from now on (NOTE [A re-run refused]).
+        Returns the reason its class profiles again, or None when they ran so already."""
+        if index in self.state.as_is:
+            return None
+        self.state.add_as_is({i for i, key in enumerate(self.types)
+                              if key == self.types[index]})
+        log.warning("offload: auto: the step raised %s after the re-run of block %d (a %s) "
+                    "began: torch's checkpoint refuses a re-run that saves other tensors "
+                    "than its forward (a cache the forward fills and its re-run finds "
+                    "filled). Blocks of its type run as they are from now on",
+                    type(error).__name__ if error is not None else "an error", index,
+                    type(self.blocks[index]).__name__)
+        return f"block {index}'s re-run was refused"
