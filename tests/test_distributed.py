@@ -9,8 +9,10 @@ context, then with one; same initial weights, same per-rank batches, same dropou
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
+from datetime import timedelta
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from distributed import run_ranks
 from mounts import free_bytes
 from offload._ext import core_available
 from offload.bench.models import GPT, GPTConfig
+from offload.schedule import collectives
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not core_available(), reason="offload._C unavailable")]
@@ -238,7 +241,8 @@ def test_a_block_calling_a_collective_runs_alike_on_every_rank(policy, nvme_dir)
 class _LateCollectiveBlock(_RowParallelBlock):
     """A row-parallel block whose all_reduce starts only when `sync` is set: after the
     profiled step (a branch on the step, as a statistic synced every k steps would).
-    `call`: dist.all_reduce, the same with async_op=True, or the functional one."""
+    `call`: dist.all_reduce, the same with async_op=True, the functional one on an expanded
+    input (read only: it cannot be written), or a ring exchange of sends and receives."""
 
     sync = False
     call = "all_reduce"
@@ -250,8 +254,17 @@ class _LateCollectiveBlock(_RowParallelBlock):
         elif self.sync and self.call == "async_op":
             work = dist.all_reduce(y, async_op=True)   # the re-run's wait is on the
             work.wait()                                 # forward's Work, done
-        elif self.sync:
-            y = funcol.all_reduce(y, "sum", dist.group.WORLD) * 1.0
+        elif self.sync and self.call == "functional":
+            stat = x.detach().mean(0, keepdim=True).expand_as(x)
+            y = y + funcol.all_reduce(stat, "avg", dist.group.WORLD)
+        elif self.sync:   # every rank posts both before waiting for either
+            rank, world = dist.get_rank(), dist.get_world_size()
+            got = torch.empty_like(y)
+            for work in dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend, y.detach().contiguous(), (rank + 1) % world),
+                    dist.P2POp(dist.irecv, got, (rank - 1) % world)]):
+                work.wait()
+            y = y + got
         return x + torch.tanh(y)
 
 
@@ -284,21 +297,70 @@ def _late_collective_worker(policy: str, first_sync: int, call: str) -> dict:
 
     plain, ours = train(False), train(True)
     offload.empty_cache()
-    return {"equal": [torch.equal(a, b) for a, b in zip(plain, ours)]}
+    gc.collect()
+    return {"equal": [torch.equal(a, b) for a, b in zip(plain, ours)],
+            "kept alive": sum(isinstance(o, collectives._Kept) for o in gc.get_objects())}
 
 
 @pytest.mark.parametrize("first_sync, call", [(3, "all_reduce"), (5, "all_reduce"),
-                                              (3, "async_op"), (4, "functional")])
+                                              (3, "async_op"), (4, "functional"),
+                                              (3, "ring")])
 def test_a_block_first_calling_a_collective_after_its_profile_gets_exact_weights(
         first_sync, call, nvme_dir):
     """collectives.py NOTE [A re-run calls no collective]: a block that first calls a
     collective in a planned step (its profile saw none) was re-run in backward on the rank
     whose plan recomputes it, calling its all_reduce a second time there only: the
     collectives paired up wrongly, silent wrong weights on one rank and a hang on the
-    other. The re-run hands back the forward's results instead."""
+    other. The re-run hands back the forward's results instead. Also: a ring of sends and
+    receives deadlocked (each rank waited for its send before posting its receive); an
+    expanded input was written into (an error in backward); the forward's c10d Work, held
+    for the re-run, kept every graph that found a collective alive for good (a cycle
+    through C++)."""
     with _rank_dirs(nvme_dir) as (dirs, env):
         results = run_ranks(_late_collective_worker, "auto", first_sync, call, env=env,
                             timeout_s=60)
+    for rank, res in enumerate(results):
+        assert all(res["equal"]), f"rank {rank}: parameters differ: {res['equal']}"
+        assert res["kept alive"] == 0, res
+
+
+def _context_before_the_group_worker(rendezvous: str) -> dict:
+    """One context built before the process group starts, then entered every step: the
+    late all_reduce of `_LateCollectiveBlock` from step 3."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()   # (run_ranks starts one: built before it, here)
+    if rank == 1:
+        os.environ["OFFLOAD_PROBE"] = "nvme_write_gbps=0.001,nvme_read_gbps=0.001"
+    models = []
+    for _ in range(2):
+        torch.manual_seed(rank)
+        models.append(torch.nn.Sequential(*[_LateCollectiveBlock() for _ in range(3)]))
+    plain, model = models
+    ctx = offload.activations(model=model, policy="auto", tiers="nvme", min_bytes=0)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    for m, use in ((plain, False), (model, True)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        data = torch.Generator().manual_seed(7)
+        for step in range(8):
+            for block in m:
+                block.sync = step >= 3
+            with ctx if use else contextlib.nullcontext():
+                m(torch.randn(4, 64, 32, generator=data)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    offload.empty_cache()
+    return {"equal": [torch.equal(a, b) for a, b in zip(plain.parameters(),
+                                                        model.parameters())]}
+
+
+def test_a_context_built_before_the_process_group_watches_its_blocks(nvme_dir, tmp_path):
+    """collectives.py NOTE [A re-run calls no collective]: whether the job has many ranks
+    was read when the context was built; one built before `init_process_group` and
+    reused never watched its blocks, and the late all_reduce paired wrongly again."""
+    with _rank_dirs(nvme_dir) as (dirs, env):
+        results = run_ranks(_context_before_the_group_worker, str(tmp_path / "rendezvous"),
+                            env=env, timeout_s=60)
     for rank, res in enumerate(results):
         assert all(res["equal"]), f"rank {rank}: parameters differ: {res['equal']}"
 

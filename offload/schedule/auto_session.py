@@ -41,6 +41,7 @@ from .probe import figures_for
 from .profile import BlockProfiler, Profile, signature, step_times
 from .arguments import flatten_call
 from .recompute import block_inputs, checkpoint_block, run_block, runs_as_is
+from . import collectives
 from .reruns import ReRuns
 from .search import make_plan
 from .session_base import UNRUN, Session, holds_cache, say_unrun_once
@@ -111,6 +112,7 @@ class AutoSession(Session):
         return self._clock
 
     def enter(self, view) -> None:
+        self._reruns.many_ranks = collectives.many_ranks()   # (the group may start late)
         if self._reruns.pending is not None:   # reruns.py NOTE [A re-run refused]
             self._refused(self._reruns.pending, None)   # (the latest step's class: `key`)
         self._hooks, self._start_s, self._readahead = view.hooks, view.start_s, view.readahead

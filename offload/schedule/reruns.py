@@ -61,7 +61,7 @@ class ReRuns:
 
     def __init__(self, state: PlanCache, blocks: list, types: list, opaque: list) -> None:
         self.state, self.blocks, self.types, self.opaque = state, blocks, types, opaque
-        self.many_ranks = collectives.many_ranks()
+        self.many_ranks = False   # a job of many ranks (AutoSession.enter: each step)
         self.pending: int | None = None   # a block whose re-run began in a backward not ended
         self._task = -1   # the graph task whose end clears `pending`
 
