@@ -29,6 +29,7 @@ from .blocks import compiled_block
 from .arguments import flatten_call
 from .buffers import guard_buffers, keep_modes
 from .generators import guard_generators
+from .module_hooks import guard_module_hooks
 from .parametrize_cache import guard_parametrize_cache
 from .stored_ops import modes
 from .weights import guard_weights
@@ -121,6 +122,7 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     if roots or handed:   # weights.py NOTE [Weights in a re-run]
         guarded = guard_weights(roots, guarded, handed, block)
     if roots:
+        guarded = guard_module_hooks(roots, guarded, block)   # module_hooks.py
         guarded = keep_modes(roots, guarded)      # buffers.py NOTE [Buffers in a re-run] 5
     return checkpoint(_ranged(guarded), *tensors, use_reentrant=False,
                       **extra)
