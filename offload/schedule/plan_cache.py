@@ -199,8 +199,9 @@ class PlanCache:
         one after its profiled step (a branch on the step) is found by the forward of its
         checkpointed call, whose re-run calls none (collectives.py NOTE [A re-run calls no
         collective]), and joins these. Not seen: a collective inside a compiled block (no
-        op is seen there), or called by a module hook outside the block's forward: ranks
-        running it differently then pair collectives wrongly (README says so)."""
+        op is seen there): ranks running it differently then pair collectives wrongly
+        (README says so). (A module hook on the block runs outside the checkpoint, never
+        in a re-run.)"""
         self.add_as_is({b.index for b in blocks
                         if b.collective or b.inputs_changed or b.rerun_refused})
 

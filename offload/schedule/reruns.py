@@ -107,10 +107,10 @@ class ReRuns:
             return None
         self.state.add_as_is({i for i, key in enumerate(self.types)
                               if key == self.types[index]})
+        raised = type(error).__name__ if error is not None else "in a backward that did not end"
         log.warning("offload: auto: the step raised %s after the re-run of block %d (a %s) "
                     "began: torch's checkpoint refuses a re-run that saves other tensors "
                     "than its forward (a cache the forward fills and its re-run finds "
-                    "filled). Blocks of its type run as they are from now on",
-                    type(error).__name__ if error is not None else "an error", index,
+                    "filled). Blocks of its type run as they are from now on", raised, index,
                     type(self.blocks[index]).__name__)
         return f"block {index}'s re-run was refused"
