@@ -348,7 +348,8 @@ class AutoSession(Session):
         if misses == SHAPE_REPROFILES:
             log.info("offload: auto: block calls with other shapes than planned for keep "
                      "coming after %d profiles of shapes %s; its plan stays, and such calls "
-                     "run checkpointed with the blocks after them", misses, describe_class(self.key))
+                     "run checkpointed with the blocks after them", misses,
+                     describe_class(self.key))
         return misses >= SHAPE_REPROFILES
 
     def _make_plan(self, key, report) -> None:

@@ -10,11 +10,11 @@ mismatch or a hang on another. A block a profile saw call one runs as it is on e
 that calls one only in a later step (a branch on the step, a flag): in a job of more than
 one rank, every block `auto` checkpoints runs its forward under `KeepResults`, which keeps
 a copy of every tensor a collective was handed, as it was after it (taken at the first op
-that uses one of them, after the caller waited for it); its re-run runs under `HandBack`, which does not call
-the collective: it writes those copies into the re-run's own tensors that differ (the
-re-run reached the collective with the forward's values, so this is what the collective
-would have left there; an input it only read is left alone) and returns the forward's
-results, with a `Work` that is done. The forward also tells the session (`on_call`), which
+that uses one of them, after the caller waited for it); its re-run runs under `HandBack`,
+which does not call the collective: it writes those copies into the re-run's own tensors
+that differ (the re-run reached the collective with the forward's values, so this is
+what the collective would have left there; an input it only read is left alone) and
+returns the forward's results, with a `Work` that is done. The forward also tells the session (`on_call`), which
 runs the block as it is from then on and profiles its class again. A re-run that reaches
 a collective its forward did not call, or one handed other tensors, raises before calling
 it.
