@@ -276,14 +276,58 @@ def test_a_block_whose_re_run_is_refused_runs_as_is_after_one_failed_step(backwa
             except torch.utils.checkpoint.CheckpointError:
                 out.append("CheckpointError")
             model.zero_grad()
-        return out
+        return out, ctx
 
-    plain = train(False)
+    plain, _ = train(False)
     with caplog.at_level(logging.WARNING, logger="offload"):
-        ours = train(True)
+        ours, ctx = train(True)
     refused = [i for i, g in enumerate(ours) if isinstance(g, str)]
     assert len(refused) == 1, ours   # (before: every planned step)
     assert sum("re-run of block" in r.message for r in caplog.records) == 1
     for step, (a, b) in enumerate(zip(plain, ours)):
         if step not in refused:
             assert all(map(torch.equal, a, b)), f"step {step} differs"
+    # The re-plan knows they run as they are (before: it still planned their re-runs).
+    assert not any(bp.per_op for bp in ctx.plan.blocks.values()), ctx.plan
+    assert "found it must run as it is" in str(ctx.plan)
+
+
+def test_a_backward_failing_for_another_reason_turns_off_no_recompute(nvme_dir):
+    """reruns.py NOTE [A re-run refused]: a re-run that began in a backward that never
+    ended counted as refused at the next step, whatever the backward raised; one that
+    raised a known error of another kind (out of memory, retried by the loop) made the
+    block type run as it is for good."""
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + self.b(torch.tanh(self.a(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Residual() for _ in range(4)])
+    ctx = offload.activations(model=model, policy="auto", tiers="nvme", nvme_dir=nvme_dir,
+                              min_bytes=0, probe=SLOW)
+    x = torch.randn(16, 16)
+    def out_of_memory(grad):
+        raise RuntimeError("out of memory (simulated)")
+
+    raised = []
+    for step in range(7):
+        handle = model[1].a.weight.register_hook(out_of_memory) if step == 4 else None
+        try:   # (the weight's gradient comes after its block's re-run began)
+            with ctx:
+                model(x).pow(2).sum().backward()
+        except RuntimeError as e:
+            raised.append((step, str(e)))
+        if handle is not None:
+            handle.remove()
+    assert raised == [(4, "out of memory (simulated)")]
+    assert any(bp.per_op for bp in ctx.plan.blocks.values())   # (it re-runs blocks)
+    assert not ctx._schedule.state.as_is
+    # A saved tensor read outside a backward (torchviz's show_saved) re-runs its block
+    # there: no backward end will clear the note, so none is taken.
+    reruns = ctx._schedule._reruns
+    reruns.began(1)
+    assert reruns.pending is None and reruns.refused_pending() is None

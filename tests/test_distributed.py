@@ -242,7 +242,9 @@ class _LateCollectiveBlock(_RowParallelBlock):
     """A row-parallel block whose all_reduce starts only when `sync` is set: after the
     profiled step (a branch on the step, as a statistic synced every k steps would).
     `call`: dist.all_reduce, the same with async_op=True, the functional one on an expanded
-    input (read only: it cannot be written), or a ring exchange of sends and receives."""
+    input (read only: it cannot be written), a ring exchange of sends and receives, an
+    async all_gather whose input is read before the wait, or a send received after the
+    block (`_LateModel`)."""
 
     sync = False
     call = "all_reduce"
@@ -257,6 +259,15 @@ class _LateCollectiveBlock(_RowParallelBlock):
         elif self.sync and self.call == "functional":
             stat = x.detach().mean(0, keepdim=True).expand_as(x)
             y = y + funcol.all_reduce(stat, "avg", dist.group.WORLD)
+        elif self.sync and self.call == "gather":
+            full = y.new_empty((dist.get_world_size() * y.shape[0], *y.shape[1:]))
+            work = dist.all_gather_into_tensor(full, y.detach().contiguous(), async_op=True)
+            y = y * 1.5   # reads the gather's input while it is in flight: allowed
+            work.wait()
+            y = y + full.view(-1, *y.shape).mean(0)
+        elif self.sync and self.call == "send":   # received by _LateModel after the block
+            self.work = dist.isend(y.detach().contiguous(), (dist.get_rank() + 1) %
+                                   dist.get_world_size())
         elif self.sync:   # every rank posts both before waiting for either
             rank, world = dist.get_rank(), dist.get_world_size()
             got = torch.empty_like(y)
@@ -266,6 +277,27 @@ class _LateCollectiveBlock(_RowParallelBlock):
                 work.wait()
             y = y + got
         return x + torch.tanh(y)
+
+
+class _LateModel(torch.nn.Module):
+    """Three `_LateCollectiveBlock`s; after each that sent (`call="send"`), the receive from
+    the previous rank and the send's wait."""
+
+    def __init__(self, call: str) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_LateCollectiveBlock() for _ in range(3))
+        for block in self.blocks:
+            block.call = call
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            if block.sync and block.call == "send":
+                got = torch.empty_like(x)
+                dist.recv(got, (dist.get_rank() - 1) % dist.get_world_size())
+                block.work.wait()
+                x = x + 0.1 * got
+        return x
 
 
 def _late_collective_worker(policy: str, first_sync: int, call: str) -> dict:
@@ -278,13 +310,11 @@ def _late_collective_worker(policy: str, first_sync: int, call: str) -> dict:
 
     def train(use_offload: bool) -> list[torch.Tensor]:
         torch.manual_seed(rank)
-        model = torch.nn.Sequential(*[_LateCollectiveBlock() for _ in range(3)])
-        for block in model:
-            block.call = call
+        model = _LateModel(call)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         data = torch.Generator().manual_seed(7)
         for step in range(8):
-            for block in model:
+            for block in model.blocks:
                 block.sync = step >= first_sync
             x = torch.randn(4, 64, 32, generator=data)
             ctx = offload.activations(model=model, policy=policy, tiers="nvme", min_bytes=0) \
@@ -304,7 +334,7 @@ def _late_collective_worker(policy: str, first_sync: int, call: str) -> dict:
 
 @pytest.mark.parametrize("first_sync, call", [(3, "all_reduce"), (5, "all_reduce"),
                                               (3, "async_op"), (4, "functional"),
-                                              (3, "ring")])
+                                              (3, "ring"), (3, "gather"), (3, "send")])
 def test_a_block_first_calling_a_collective_after_its_profile_gets_exact_weights(
         first_sync, call, nvme_dir):
     """collectives.py NOTE [A re-run calls no collective]: a block that first calls a
@@ -315,7 +345,8 @@ def test_a_block_first_calling_a_collective_after_its_profile_gets_exact_weights
     receives deadlocked (each rank waited for its send before posting its receive); an
     expanded input was written into (an error in backward); the forward's c10d Work, held
     for the re-run, kept every graph that found a collective alive for good (a cycle
-    through C++)."""
+    through C++). And: an async all_gather's output was copied before its wait, at a read of
+    its input; a send received after the block deadlocked at the block's end."""
     with _rank_dirs(nvme_dir) as (dirs, env):
         results = run_ranks(_late_collective_worker, "auto", first_sync, call, env=env,
                             timeout_s=60)

@@ -286,19 +286,22 @@ def test_a_weight_its_block_updates_in_forward_is_said_once(nvme_dir, caplog):
 
 
 class _Residual(nn.Module):
-    def __init__(self, d: int = 16) -> None:
+    def __init__(self, d: int = 16, tied: bool = False) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+        if tied:   # one weight held by two of its modules (listed twice: not flipped twice)
+            self.b.weight = self.a.weight
 
     def forward(self, x):
         return x + self.b(torch.tanh(self.a(x)))
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["", "tied"])
 @pytest.mark.parametrize("at_forward", [False, True], ids=["frozen at the call",
                                                            "trained at the call"])
 @pytest.mark.parametrize("policy", ["recompute", "auto"])
 def test_requires_grad_flipped_between_forward_and_backward_trains_as_plain(
-        policy, at_forward, nvme_dir):
+        policy, at_forward, tied, nvme_dir):
     """weights.py NOTE [Weights in a re-run]: a block whose weights' requires_grad changed
     between its forward and its re-run (a GAN step: freeze D for G's loss, unfreeze it
     before the backward) was re-run with the new flags, another graph than the forward's.
@@ -307,7 +310,7 @@ def test_requires_grad_flipped_between_forward_and_backward_trains_as_plain(
     bit-exact, also in the steps after."""
     def train(use_offload: bool) -> list:
         torch.manual_seed(0)
-        model = nn.Sequential(*[_Residual() for _ in range(4)])
+        model = nn.Sequential(*[_Residual(tied=tied) for _ in range(4)])
         ctx = offload.activations(model=model, **_settings(policy, nvme_dir)) \
             if use_offload else contextlib.nullcontext()
         grads = []

@@ -113,8 +113,7 @@ class AutoSession(Session):
 
     def enter(self, view) -> None:
         self._reruns.many_ranks = collectives.many_ranks()   # (the group may start late)
-        if self._reruns.pending is not None:   # reruns.py NOTE [A re-run refused]
-            self._refused(self._reruns.pending, None)   # (the latest step's class: `key`)
+        self._profile_again(self._reruns.refused_pending())   # (the latest step's `key`)
         self._hooks, self._start_s, self._readahead = view.hooks, view.start_s, view.readahead
         self._placement.saved_so_far = self._saved_so_far
         self._placement.follow(view.hooks.ledger)   # its micro-batches
@@ -233,11 +232,8 @@ class AutoSession(Session):
         finally:
             placement.enter_region(("after", index))
 
-    def _refused(self, index: int, error: BaseException | None) -> None:
-        """Block `index`'s re-run was refused in this context's latest step: its type runs
-        as it is, and the step's class profiles again (reruns.py)."""
-        self._reruns.pending = None
-        reason = self._reruns.refused(index, error)
+    def _profile_again(self, reason: str | None) -> None:
+        """The class of this context's latest step profiles again, saying `reason`."""
         if reason and self.key in self.state.plans:
             with self.state.lock:
                 self.state.profile_again(self.key, reason)
@@ -273,10 +269,10 @@ class AutoSession(Session):
             with self.state.lock:
                 entry.trial_steps.drop(choice.mode)
             return
-        if report.failed and choice is not None and choice.rerun is not None \
-                and refused_by_checkpoint(report.error):   # reruns.py NOTE [A re-run ...]
+        if report.failed:   # reruns.py NOTE [A re-run refused]
+            reason = self._reruns.failed(choice.rerun if choice else None, report.error)
             if self._hooks is not None and report.stats is self._hooks.stats:
-                self._refused(choice.rerun, report.error)
+                self._profile_again(reason)
         if self._hooks is None or report.stats is not self._hooks.stats:
             # NOTE [Steps alive at once] Another step of this context was entered before this
             # one ended (one entry per micro-batch, the backwards after all the forwards):
@@ -396,6 +392,8 @@ class AutoSession(Session):
         # Blocks no call of which the step profiled (a frozen block called on a tensor that
         # needs grad too, a discriminator on generated data, was profiled: not one of them)
         unprofiled = frozenset(self._ran_as_is - {b.index for b in blocks})
+        for b in blocks:   # reruns.py: the plan must not count on re-running those
+            b.learned_as_is = b.index in self.state.as_is
         return Profile(self._device, *times, report.stats.saved_bytes, blocks, items,
                        dict(self._placement.visits), unprofiled)
 

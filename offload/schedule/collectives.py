@@ -9,13 +9,14 @@ mismatch or a hang on another. A block a profile saw call one runs as it is on e
 (plan_cache.py NOTE [Blocks run alike on every rank]); these two modes cover the block
 that calls one only in a later step (a branch on the step, a flag): in a job of more than
 one rank, every block `auto` checkpoints runs its forward under `KeepResults`, which keeps
-a copy of every tensor a collective was handed, as it was after it (taken at the first op
-that uses one of them, after the caller waited for it); its re-run runs under `HandBack`,
-which does not call the collective: it writes those copies into the re-run's own tensors
-that differ (the re-run reached the collective with the forward's values, so this is
-what the collective would have left there; an input it only read is left alone) and
-returns the forward's results, with a `Work` that is done. The forward also tells the session (`on_call`), which
-runs the block as it is from then on and profiles its class again. A re-run that reaches
+a copy of every tensor a collective writes or makes, as it was after it (taken at the
+first op that uses one of them, after the caller waited for it); its re-run runs under
+`HandBack`, which does not call the collective: it writes those copies into the re-run's
+own tensors (the re-run reached the collective with the forward's values, so this is
+what the collective would have left there; an input it only reads is left alone) and
+returns the forward's results, with a `Work` that is done. The forward also tells the
+session (`on_call`), which runs the block as it is from then on and profiles its class
+again. A re-run that reaches
 a collective its forward did not call, or one handed other tensors, raises before calling
 it.
 
@@ -61,17 +62,42 @@ def many_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _handed(func, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[int]]:
+    """The tensors a collective was handed, in order, and the indices of those it writes:
+    an argument its schema marks written (functional collectives), or, c10d's schemas
+    marking none, one named an output (`output_tensors`, `output`) or the `tensors` of any
+    op but `send` (all_reduce, broadcast, recv)."""
+    handed: list[torch.Tensor] = []
+    written: list[int] = []
+    for n, arg in enumerate(func._schema.arguments):
+        value = args[n] if n < len(args) else kwargs.get(arg.name)
+        writes = (arg.alias_info is not None and arg.alias_info.is_write) or (
+            func.namespace == "c10d" and (arg.name.startswith("output") or (
+                arg.name == "tensors" and func._opname != "send")))
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, torch.Tensor):
+                if writes:
+                    written.append(len(handed))
+                handed.append(t)
+    return handed, written
+
+
 class _Kept:
-    """One collective call of a forward: the tensors it was handed, as they were after it
-    (`after`), and its result with each tensor in it either the handed one at that place
-    (`handed_at`) or a copy of one it made (`made`); a `Work` in it is not held (its
-    tensors lead back to the checkpoint that holds this: a cycle through C++ that Python's
-    collector cannot free), the re-run gets one that is done."""
+    """One collective call of a forward: the shapes of the tensors it was handed, the
+    values of those it writes as they were after it (`after`, by index), and its result
+    with each tensor in it either a handed one (`handed_at`) or a copy of one it made
+    (`made`). A `Work` in it is not held (its tensors lead back to the checkpoint that holds
+    this: a cycle through C++ that Python's collector cannot free): the re-run gets one that
+    is done. `_Kept.pending` makes one whose values are read only when a re-run needs them."""
 
-    __slots__ = ("after", "spec", "results", "handed_at", "made")
+    __slots__ = ("shapes", "written", "after", "spec", "results", "handed_at", "made",
+                 "versions", "func")
 
-    def __init__(self, handed: list[torch.Tensor], out: Any) -> None:
-        self.after = [t.detach().clone() for t in handed]
+    def __init__(self, func, handed: list[torch.Tensor], written: list[int], out: Any,
+                 copy: bool = True) -> None:
+        self.func = func
+        self.shapes = [(t.shape, t.dtype) for t in handed]
+        self.written = written
         self.results, self.spec = tree_flatten(out)
         self.handed_at: dict[int, int] = {}
         self.made: dict[int, torch.Tensor] = {}
@@ -80,10 +106,45 @@ class _Kept:
             if isinstance(r, torch.Tensor):
                 if id(r) in where:
                     self.handed_at[i] = where[id(r)]
+                    if where[id(r)] not in written:   # (a functional recv returns its own)
+                        written.append(where[id(r)])
                 else:
-                    self.made[i] = r.detach().clone()
+                    self.made[i] = r
+        self.after = {i: handed[i] for i in written}
         self.results = [None if isinstance(r, torch.Tensor) else _DONE if _is_work(r) else r
                         for r in self.results]
+        self.versions: list[int] | None = None
+        if copy:
+            self._copy()
+        else:   # read at the re-run: the tensors themselves, and their versions now
+            self.versions = self._versions()
+
+    def _tensors_held(self) -> list[torch.Tensor]:
+        return [*self.after.values(), *self.made.values()]
+
+    def _versions(self) -> list[int]:
+        return [t._version for t in self._tensors_held()]
+
+    def _copy(self) -> None:
+        self.after = {i: t.detach().clone() for i, t in self.after.items()}
+        self.made = {i: t.detach().clone() for i, t in self.made.items()}
+
+    def read(self, block_name: str) -> None:
+        """A pending one's values, now (the first re-run): as the forward left them, unless
+        something changed them in place since."""
+        if self.versions is None:
+            return
+        if self._versions() != self.versions:
+            raise RuntimeError(
+                f"offload: a tensor {self.func} wrote in the forward of a {block_name} was "
+                "changed in place after that forward, before its re-run in backward, which "
+                "needs its value as the collective left it (collectives.py NOTE [A re-run "
+                "calls no collective]). Use the collective's result inside the block, or "
+                "leave it unchanged until the backward")
+        if self.made and self.func.namespace != "c10d":
+            _wait(self.func, [t for t in self.made.values()])
+        self._copy()
+        self.versions = None
 
     def results_for(self, handed: list[torch.Tensor]) -> Any:
         """The result for a re-run handed `handed`."""
@@ -110,30 +171,17 @@ def _done_work() -> Any:
     return torch._C._distributed_c10d._create_work_from_future(future).boxed()
 
 
-def _unchanged(t: torch.Tensor, after: torch.Tensor) -> bool:
-    """Whether a re-run's tensor holds the values a collective left in the forward's
-    already (one it only read: an input, maybe an expanded one, which cannot be written)."""
-    if t.is_floating_point() or t.is_complex():
-        return torch.allclose(t, after, rtol=0.0, atol=0.0, equal_nan=True)
-    return torch.equal(t, after)
-
-
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
 
 
-def _wait(func, out: Any) -> None:
-    """Wait for the collective `func` started unless it is done: its `Work` (waited for once
-    only: a second wait for a gloo send waits for another send), or the pending work of a
-    functional collective's output tensors (a wait of its own, idempotent)."""
-    for r in tree_flatten(out)[0]:
-        if _is_work(r):
-            work = dist.Work.unbox(r)
-            if not work.is_completed():
-                work.wait()
-        elif isinstance(r, torch.Tensor) and func.namespace != "c10d":
-            getattr(torch.ops, func.namespace if func.namespace.endswith("c10d_functional")
-                    else "_c10d_functional").wait_tensor(r)
+def _wait(func, tensors: list[torch.Tensor]) -> None:
+    """Wait for the pending work of a functional collective's output `tensors` (its own
+    wait: one that was waited for returns at once)."""
+    ops = getattr(torch.ops, func.namespace if func.namespace.endswith("c10d_functional")
+                  else "_c10d_functional")
+    for t in tensors:
+        ops.wait_tensor(t)
 
 
 def _storages(tensors) -> set:
@@ -150,23 +198,31 @@ def _storages(tensors) -> set:
 
 
 class _Started:
-    __slots__ = ("key", "func", "handed", "out", "storages")
+    """A collective of the forward whose values are not kept yet: `storages`, those of the
+    tensors it writes or makes."""
 
-    def __init__(self, key: tuple, func, handed: list[torch.Tensor], out: Any) -> None:
-        self.key, self.func, self.handed, self.out = key, func, handed, out
-        self.storages = _storages(handed) | _storages(tree_flatten(out)[0])
+    __slots__ = ("key", "func", "handed", "written", "out", "storages")
+
+    def __init__(self, key: tuple, func, handed: list[torch.Tensor], written: list[int],
+                 out: Any) -> None:
+        self.key, self.func, self.handed, self.written, self.out = key, func, handed, written, out
+        made = [r for r in tree_flatten(out)[0] if isinstance(r, torch.Tensor)]
+        self.storages = _storages([handed[i] for i in written]) | _storages(made)
+
+    def kept(self, copy: bool = True) -> _Kept:
+        return _Kept(self.func, self.handed, list(self.written), self.out, copy)
 
 
 class KeepResults(TorchDispatchMode):
     """Forward: run each collective, and keep what it left (`_Kept`) at the first op that
-    uses one of its tensors (before that op runs; after it when it is the wait of a
-    functional collective), or at the end of the forward. Not at once, and without a wait
-    of ours: a batch of sends and receives (`batch_isend_irecv`, a ring exchange) must all
-    be posted before one is waited for, or each rank waits for a peer that has not posted
-    its half yet; and an op that reads a collective's tensor comes after the caller waited
-    for it (else plain training reads it half written too): on a GPU, in stream order after
-    it. Only at the end of the forward, for a tensor nothing in the block used, is one
-    waited for (`_wait`)."""
+    uses a tensor it writes or makes (before that op runs; after it when it is the wait of
+    a functional collective): by then the caller waited for it (else plain training reads
+    it half written too), and on a GPU that op comes after it in stream order. A tensor it
+    only reads is not copied: the re-run reaches it with the same values. No wait of ours:
+    a batch of sends and receives (`batch_isend_irecv`, a ring exchange) must all be posted
+    before one is waited for, and a send whose receive comes after the block must not be
+    waited for in it. What the forward never used is read when a re-run needs it
+    (`_Kept.read`: as the forward left it, unless changed in place since)."""
 
     def __init__(self, kept: dict, on_call: Callable[[str], None]) -> None:
         super().__init__()
@@ -186,7 +242,11 @@ class KeepResults(TorchDispatchMode):
         if is_collective(func):
             n = self.counter[func]
             self.counter[func] = n + 1
-            self.started.append(_Started((func, n), func, _tensors(args, kwargs), out))
+            started = _Started((func, n), func, *_handed(func, args, kwargs), out)
+            if started.storages:
+                self.started.append(started)
+            else:   # (a send, a barrier: nothing to read later)
+                self.kept[started.key] = started.kept()
             self.on_call(str(func))
         return out
 
@@ -197,19 +257,16 @@ class KeepResults(TorchDispatchMode):
         still = []
         for started in self.started:
             if started.storages & used:
-                self.kept[started.key] = _Kept(started.handed, started.out)
+                self.kept[started.key] = started.kept()
             else:
                 still.append(started)
         self.started = still
 
     def __exit__(self, exc_type, exc, tb):
-        try:
-            if exc_type is None:
-                for started in self.started:
-                    _wait(started.func, started.out)
-                    self.kept[started.key] = _Kept(started.handed, started.out)
-        finally:
-            self.started = []
+        started, self.started = self.started, []
+        if exc_type is None:
+            for one in started:
+                self.kept[one.key] = one.kept(copy=False)
         return super().__exit__(exc_type, exc, tb)
 
 
@@ -233,9 +290,8 @@ class HandBack(TorchDispatchMode):
         n = self.counter[func]
         self.counter[func] = n + 1
         kept = self.kept.get((func, n))
-        handed = _tensors(args, kwargs)
-        if kept is None or [(t.shape, t.dtype) for t in handed] != \
-                [(t.shape, t.dtype) for t in kept.after]:
+        handed = _handed(func, args, kwargs)[0]
+        if kept is None or [(t.shape, t.dtype) for t in handed] != kept.shapes:
             raise RuntimeError(
                 f"offload: the re-run of a {self.block_name} in backward reached a collective "
                 f"({func}, its call {n + 1}) that its forward "
@@ -244,9 +300,9 @@ class HandBack(TorchDispatchMode):
                 "NOTE [A re-run calls no collective]). Make the block call the same "
                 "collectives in its forward and in a second run of it with the same inputs "
                 "(no branch on state that changes between the forward and the backward)")
-        for t, after in zip(handed, kept.after):
-            if not _unchanged(t, after):
-                t.copy_(after)
+        kept.read(self.block_name)
+        for i, after in kept.after.items():
+            handed[i].copy_(after)
         return kept.results_for(handed)
 
 

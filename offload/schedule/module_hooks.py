@@ -6,22 +6,29 @@ they are then, as under torch's checkpoint. A hook attached for the forward only
 removed before the backward (activation steering, an ablation, a probe that adds to an
 output) left the re-run computing another function than the forward: silently wrong
 gradients, training diverging within a few steps; one added between the forward and the
-backward did the same the other way. So a call notes, when its forward returns, the forward
-(pre-)hooks of the modules it guards, their kwargs / always-called flags and the global
-ones (a hook its forward registers once, for good, is among them), and a re-run that finds
-them changed runs with them as they were then, for itself only; afterwards the modules get
-what they have. The block's own hooks are not among them:
-they run around its call, outside the checkpoint, and not in the re-run. Not noted:
-backward hooks (a full backward hook registered or removed between the two passes), and
-what a hook reads that is not the hook itself (a flag in its closure: as it is then).
+backward did the same the other way. So a call notes the forward (pre-)hooks of the
+modules it guards, their kwargs / always-called flags and the global ones, and a re-run
+that finds them changed runs with them as they were at the call, for itself only;
+afterwards the modules get what they have. A forward that registers or removes hooks
+itself (once, for good; one that swaps its own hook at each call; a hook that removes
+itself) is left to do so again in its re-run, as under checkpoint: swapped dicts would
+take its registrations and miss its removals (a handle removes from the dict it was made
+for). The block's own hooks are not among them: they run around its call, outside the
+checkpoint, and not in the re-run (but for a block compiled in place, whose checkpointed
+call runs them). Not noted: backward hooks (a full backward hook registered or removed
+between the two passes), and what a hook reads that is not the hook itself (a flag in its
+closure: as it is then).
+
 Every hook torch registers takes a number from `RemovableHandle.next_id`: while it has not
 moved, no hook was added anywhere. So the block's modules that hold hooks are found once
 and kept per block (as buffers.py's modules: structure.py NOTE [Module structure]), found
 again when a hook was registered since; a call copies their dicts (usually none), and a
 re-run, when no hook was registered since the call, compares those only (a removal). Not
-seen: a hook put into a module's dict without torch's handle. Cost when no module of the
-block holds a hook: ~4 us per call and its re-run together (a GPT block of 13 modules,
-timeit on the dev VM).
+seen: a hook put into a module's dict without torch's handle. The global hooks are
+torch's module globals, swapped for the re-run's time: a module another thread calls
+meanwhile sees the re-run's (on CUDA, re-runs run on autograd's device threads). Cost
+when no module of the block holds a hook: ~4 us per call and its re-run together (a GPT
+block of 13 modules, timeit on the dev VM).
 """
 from __future__ import annotations
 
@@ -100,20 +107,21 @@ def _same(owner: dict, then: dict, names: tuple) -> bool:
 def guard_module_hooks(roots: list[nn.Module], fn: Callable,
                        block: nn.Module | None = None) -> Callable:
     """`fn` (the function checkpoint runs, forward then re-runs) with the forward hooks of
-    the modules `roots` hold (not `block`'s own) and the global ones as they were when the
-    forward returned put back for its re-runs (NOTE [Forward hooks in a re-run])."""
+    the modules `roots` hold (not `block`'s own) and the global ones as they were at the
+    call put back for its re-runs, unless the forward changed them itself (NOTE [Forward
+    hooks in a re-run])."""
     calls = 0
     inside: list[nn.Module] = []
     then: dict[int, dict] = {}   # index in `inside` -> its hook dicts at the call (`_copies`)
     global_then: dict = {}
     next_id = 0
+    own_changes = False   # the forward registered or removed hooks itself
     torch_globals = vars(torch_module)
 
     def run(*args) -> Any:
-        nonlocal calls, global_then, next_id
+        nonlocal calls, global_then, next_id, own_changes
         calls += 1
         if calls == 1:
-            out = fn(*args)   # (a hook the forward registers for good counts: after it)
             next_id = RemovableHandle.next_id
             hooked: list[int] = []
             for root in roots:
@@ -127,7 +135,13 @@ def guard_module_hooks(roots: list[nn.Module], fn: Callable,
                 inside.extend(modules)
             then.update((i, _copies(inside[i].__dict__, _OWN)) for i in hooked)
             global_then = _copies(torch_globals, _GLOBAL)
+            out = fn(*args)
+            own_changes = RemovableHandle.next_id != next_id or not _same(
+                torch_globals, global_then, _GLOBAL) or not all(
+                _same(inside[i].__dict__, was, _OWN) for i, was in then.items())
             return out
+        if own_changes:
+            return fn(*args)
         if RemovableHandle.next_id == next_id:   # none added since: a removal, if any
             changed = {i for i, was in then.items() if not _same(inside[i].__dict__, was, _OWN)}
         else:

@@ -12,7 +12,9 @@ the wrong ones (silently where those agree: gradients off by 1e2 on a tied
 encoder/decoder) or raised its CheckpointError at every step. The re-run now runs under
 the cache as it was at the call: on or off as then, holding the entries made before the
 call (an earlier block's shared weight: the same tensor the forward took), not those the
-forward made itself (the re-run makes them again, as the forward did). What it costs: a
+forward made itself (the re-run makes them again, as the forward did). The cache is a
+module global, swapped for the re-run's time: another thread's parametrized modules see
+the re-run's meanwhile. What it costs: a
 read of one integer per call; under `cached()`, a copy of its (small) dict per call.
 """
 from __future__ import annotations

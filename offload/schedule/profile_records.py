@@ -95,6 +95,9 @@ class BlockRecord:
     # Its backward read a saved tensor twice, or ran under vmap and it draws random
     # numbers: it runs as it is (profile.py NOTE [Reads a re-run refuses]).
     rerun_refused: bool = False
+    # A planned step found it runs as it is from then on (reruns.py: a re-run torch's
+    # checkpoint refused, a collective its profile did not see): `PlanCache.as_is`.
+    learned_as_is: bool = False
     # op id -> bytes of the storages it made that the block saved below OFFLOAD_MIN_BYTES
     # (the hooks keep those at once: the placement never sees them; note_small does).
     small_saved: dict = field(default_factory=dict)

@@ -69,7 +69,7 @@ def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
         infos.append(TypeInfo(type_key, name, [b.index for b in records],
                               ops, saved, forced + free, len(forced),
                               not any(b.inputs_changed or b.collective or b.rerun_refused
-                                      for b in records)))
+                                      or b.learned_as_is for b in records)))
     return infos
 
 

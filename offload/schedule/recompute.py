@@ -122,7 +122,10 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     if roots or handed:   # weights.py NOTE [Weights in a re-run]
         guarded = guard_weights(roots, guarded, handed, block)
     if roots:
-        guarded = guard_module_hooks(roots, guarded, block)   # module_hooks.py
+        # (a block compiled in place runs its own hooks inside: NOTE [Wrapping] rule 5)
+        own_inside = block is not None and "_compiled_call_impl" in block.__dict__ and \
+            block.__dict__["_compiled_call_impl"] is not None
+        guarded = guard_module_hooks(roots, guarded, None if own_inside else block)
         guarded = keep_modes(roots, guarded)      # buffers.py NOTE [Buffers in a re-run] 5
     return checkpoint(_ranged(guarded), *tensors, use_reentrant=False,
                       **extra)
@@ -289,7 +292,8 @@ def run_block(forward: Callable, args: tuple, kwargs: dict,
         on_changed: told the op id of a stored output the forward changed in place after
             storing it, which the re-run ran again instead (stored_ops.py Rule 1).
         checked: as checkpoint_block's.
-        watch: a context_fn whose modes run below the per-op ones (auto's collectives.py).
+        watch: a context_fn whose context managers run below the per-op modes (auto's
+            `ReRuns.context_fn`).
     """
     block_name = "block" if block is None else type(block).__name__
 

@@ -3,7 +3,7 @@
 Each checkpointed call gets a `context_fn` (`ReRuns.context_fn`): its re-run side notes in
 the step's choice that the block's re-run began (NOTE [A re-run refused]); in a job of
 many ranks, its two sides are also collectives.py's modes (NOTE [A re-run calls no
-collective]). A block either finds is made to run as it is in every later step
+collective]). A block found either way runs as it is in every later step
 (`PlanCache.add_as_is`).
 
 NOTE [A re-run refused] A block whose re-run saves other tensors than its forward (a memo
@@ -17,8 +17,9 @@ raised, not every later one. A backward after the block may raise it when the st
 ended already (at the block's exit, nothing of it left to unpack): a re-run that began in
 a backward that never ended (its end callback did not run: autograd runs those of a
 backward that completed only) counts as refused at the next step's entry (`pending`),
-whatever the backward raised. The cost of a wrong guess (the error came from elsewhere):
-those blocks' saves stay, and the re-plan counts them.
+whatever the backward raised, unless the step's report knew its error and it was another
+kind (out of memory). The cost of a wrong guess (the error came from elsewhere): those
+blocks' saves stay, and the re-plan counts them.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from . import collectives
 from .placement import StepChoice
 from .plan_cache import PlanCache
 from .recompute import stacked
+from .trials import refused_by_checkpoint
 
 __all__ = ["ReRuns"]
 
@@ -66,9 +68,11 @@ class ReRuns:
         self._task = -1   # the graph task whose end clears `pending`
 
     def began(self, index: int) -> None:
-        self.pending = index
         task = torch._C._current_graph_task_id()
-        if task != self._task and task >= 0:
+        if task < 0:   # a saved tensor read outside a backward (torchviz): no end to wait for
+            return
+        self.pending = index
+        if task != self._task:
             self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._ended)
 
@@ -99,10 +103,24 @@ class ReRuns:
             return forward, stacked(rerun, mark)
         return context_fn
 
+    def failed(self, rerun: int | None, error: BaseException | None) -> str | None:
+        """A step raised `error` (None: not known), after block `rerun`'s re-run began (None:
+        none did): `refused`, if that is what torch's checkpoint refuses code with."""
+        if error is not None and not refused_by_checkpoint(error):
+            self.pending = None   # an error of another kind (out of memory): none refused
+            return None
+        return self.refused(rerun, error) if rerun is not None else None
+
+    def refused_pending(self) -> str | None:
+        """At a step's entry: `refused` for a re-run that began in a backward that never
+        ended, if one did."""
+        return self.refused(self.pending, None) if self.pending is not None else None
+
     def refused(self, index: int, error: BaseException | None) -> str | None:
         """A step raised `error` (None: not known) after block `index`'s re-run began: run
         it and the blocks of its type as they are from now on (NOTE [A re-run refused]).
         Returns the reason its class profiles again, or None when they ran so already."""
+        self.pending = None
         if index in self.state.as_is:
             return None
         self.state.add_as_is({i for i, key in enumerate(self.types)

@@ -95,6 +95,11 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
                    "Function reading ctx.saved_tensors twice), or runs under vmap and the "
                    "block draws random numbers: torch's checkpoint refuses both, so it runs "
                    "as it is")
+    learned = sorted({b.type_name for b in profile.blocks if b.learned_as_is})
+    if learned:
+        own.append(f"{', '.join(learned)}: a planned step found it must run as it is (its "
+                   "re-run refused by torch's checkpoint, or a collective its profile did "
+                   "not see; logged then)")
     collective = sorted({b.type_name for b in profile.blocks if b.collective})
     if collective:
         own.append(f"{', '.join(collective)}: calls a collective (torch.distributed), so it "

@@ -104,7 +104,8 @@ def guard_weights(modules: list[nn.Module], fn: Callable, handed: tuple = (),
             _check_versions(modules, weights, versions, rewritten, block)
         swapped = [(params, name, params.get(name)) for params, then in noted
                    for name, weight in then.items() if params.get(name) is not weight]
-        flipped = [w for w, then in zip(weights, needs_grad) if w.requires_grad != then]
+        flipped = list({id(w): w for w, then in zip(weights, needs_grad)   # (a tied weight
+                        if w.requires_grad != then}.values())               # is listed twice)
         if not swapped and not renorming and not flipped:
             return fn(*args)
         by_params = {id(params): then for params, then in noted}
