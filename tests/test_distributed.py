@@ -205,13 +205,23 @@ def _tensor_parallel_worker(policy: str) -> dict:
     rank = dist.get_rank()
     if rank == 1:
         os.environ["OFFLOAD_PROBE"] = "nvme_write_gbps=0.001,nvme_read_gbps=0.001"
+    plain, ours = _plain_and_offload(
+        lambda: torch.nn.Sequential(*[_RowParallelBlock() for _ in range(3)]), policy, 6)
+    return {"equal": [torch.equal(a, b) for a, b in zip(plain, ours)]}
 
+
+def _plain_and_offload(make, policy: str, steps: int, each_step=None):
+    """The weights of `make()` (seeded by rank: each rank its own shards) after `steps` SGD
+    steps on the same batches, without and with a context of `policy` per step;
+    `each_step(model, step)` before each."""
     def train(use_offload: bool) -> list[torch.Tensor]:
-        torch.manual_seed(rank)                 # each rank its own shards
-        model = torch.nn.Sequential(*[_RowParallelBlock() for _ in range(3)])
+        torch.manual_seed(dist.get_rank())
+        model = make()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         data = torch.Generator().manual_seed(7)
-        for _ in range(6):
+        for step in range(steps):
+            if each_step is not None:
+                each_step(model, step)
             x = torch.randn(4, 64, 32, generator=data)
             ctx = offload.activations(model=model, policy=policy, tiers="nvme", min_bytes=0) \
                 if use_offload else contextlib.nullcontext()
@@ -223,7 +233,7 @@ def _tensor_parallel_worker(policy: str) -> dict:
 
     plain, ours = train(False), train(True)
     offload.empty_cache()
-    return {"equal": [torch.equal(a, b) for a, b in zip(plain, ours)]}
+    return plain, ours
 
 
 @pytest.mark.parametrize("policy", ["auto", "recompute"])
@@ -308,25 +318,11 @@ def _late_collective_worker(policy: str, first_sync: int, call: str) -> dict:
     if rank == 1:
         os.environ["OFFLOAD_PROBE"] = "nvme_write_gbps=0.001,nvme_read_gbps=0.001"
 
-    def train(use_offload: bool) -> list[torch.Tensor]:
-        torch.manual_seed(rank)
-        model = _LateModel(call)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        data = torch.Generator().manual_seed(7)
-        for step in range(8):
-            for block in model.blocks:
-                block.sync = step >= first_sync
-            x = torch.randn(4, 64, 32, generator=data)
-            ctx = offload.activations(model=model, policy=policy, tiers="nvme", min_bytes=0) \
-                if use_offload else contextlib.nullcontext()
-            with ctx:
-                model(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-        return [p.detach().clone() for p in model.parameters()]
+    def each_step(model, step: int) -> None:
+        for block in model.blocks:
+            block.sync = step >= first_sync
 
-    plain, ours = train(False), train(True)
-    offload.empty_cache()
+    plain, ours = _plain_and_offload(lambda: _LateModel(call), policy, 8, each_step)
     gc.collect()
     return {"equal": [torch.equal(a, b) for a, b in zip(plain, ours)],
             "kept alive": sum(isinstance(o, collectives._Kept) for o in gc.get_objects())}

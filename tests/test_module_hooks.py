@@ -17,13 +17,7 @@ D = 16
 STEER = torch.full((D,), 0.5)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(tmp_path, monkeypatch):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("auto_plan_only")   # conftest.py: one thread too
 
 
 class _Block(nn.Module):

@@ -18,13 +18,7 @@ from schedule_models import SLOW
 D = 16   # also the batch: the re-run's extra saves have the shapes checkpoint expects
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(tmp_path, monkeypatch):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("auto_plan_only")   # conftest.py: one thread too
 
 
 class _Skew(nn.Module):   # an orthogonal weight: the exponential of a skew-symmetric matrix
