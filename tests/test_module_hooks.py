@@ -135,3 +135,33 @@ def test_a_forward_that_swaps_its_own_hooks_re_runs_as_under_checkpoint(policy, 
 
     for step, (a, b) in enumerate(zip(train(False), train(True))):
         assert all(map(torch.equal, a, b)), f"step {step} differs"
+
+
+def test_a_block_compiled_in_place_re_runs_with_its_own_hooks_of_the_call(nvme_dir):
+    """A block compiled in place (`block.compile()`) is checkpointed through its compiled
+    call, which runs its own hooks too (blocks.py NOTE [Wrapping] rule 5): a pre-hook on it
+    for the forward only was not put back for the re-run (gradients off by 32)."""
+    def train(use_offload: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[_Block() for _ in range(3)])
+        for block in model:
+            block.compile(backend="eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctx = offload.activations(model=model, policy="recompute", tiers="nvme",
+                                  nvme_dir=nvme_dir, min_bytes=0) if use_offload \
+            else contextlib.nullcontext()
+        grads = []
+        for step in range(3):
+            x = torch.randn(8, D, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            with ctx:
+                handle = model[1].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+                y = model(x)
+                handle.remove()
+                y.pow(2).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+        return grads
+
+    for step, (a, b) in enumerate(zip(train(False), train(True))):
+        assert all(map(torch.equal, a, b)), f"step {step} differs"
