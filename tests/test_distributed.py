@@ -253,8 +253,8 @@ class _LateCollectiveBlock(_RowParallelBlock):
     profiled step (a branch on the step, as a statistic synced every k steps would).
     `call`: dist.all_reduce, the same with async_op=True, the functional one on an expanded
     input (read only: it cannot be written), a ring exchange of sends and receives, an
-    async all_gather whose input is read before the wait, or a send received after the
-    block (`_LateModel`)."""
+    async all_gather whose input is read before the wait, a send received after the
+    block (`_LateModel`), or an all_reduce whose result the block returns unused."""
 
     sync = False
     call = "all_reduce"
@@ -275,6 +275,9 @@ class _LateCollectiveBlock(_RowParallelBlock):
             y = y * 1.5   # reads the gather's input while it is in flight: allowed
             work.wait()
             y = y + full.view(-1, *y.shape).mean(0)
+        elif self.sync and self.call == "returned":   # (no op of the block reads it)
+            dist.all_reduce(y)
+            return y
         elif self.sync and self.call == "send":   # received by _LateModel after the block
             self.work = dist.isend(y.detach().contiguous(), (dist.get_rank() + 1) %
                                    dist.get_world_size())
@@ -330,7 +333,8 @@ def _late_collective_worker(policy: str, first_sync: int, call: str) -> dict:
 
 @pytest.mark.parametrize("first_sync, call", [(3, "all_reduce"), (5, "all_reduce"),
                                               (3, "async_op"), (4, "functional"),
-                                              (3, "ring"), (3, "gather"), (3, "send")])
+                                              (3, "ring"), (3, "gather"), (3, "send"),
+                                              (3, "returned")])
 def test_a_block_first_calling_a_collective_after_its_profile_gets_exact_weights(
         first_sync, call, nvme_dir):
     """collectives.py NOTE [A re-run calls no collective]: a block that first calls a

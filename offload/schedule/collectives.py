@@ -88,16 +88,17 @@ class _Kept:
     with each tensor in it either a handed one (`handed_at`) or a copy of one it made
     (`made`). A `Work` in it is not held (its tensors lead back to the checkpoint that holds
     this: a cycle through C++ that Python's collector cannot free): the re-run gets one that
-    is done. `_Kept.pending` makes one whose values are read only when a re-run needs them."""
+    is done. Made with `copy=False`, it holds the tensors themselves (detached: the graph of
+    one leads back to the checkpoint, the same cycle) and reads their values when a re-run
+    needs them (`read`)."""
 
-    __slots__ = ("shapes", "written", "after", "spec", "results", "handed_at", "made",
-                 "versions", "func")
+    __slots__ = ("shapes", "after", "spec", "results", "handed_at", "made", "versions",
+                 "func")
 
     def __init__(self, func, handed: list[torch.Tensor], written: list[int], out: Any,
                  copy: bool = True) -> None:
         self.func = func
         self.shapes = [(t.shape, t.dtype) for t in handed]
-        self.written = written
         self.results, self.spec = tree_flatten(out)
         self.handed_at: dict[int, int] = {}
         self.made: dict[int, torch.Tensor] = {}
@@ -109,8 +110,8 @@ class _Kept:
                     if where[id(r)] not in written:   # (a functional recv returns its own)
                         written.append(where[id(r)])
                 else:
-                    self.made[i] = r
-        self.after = {i: handed[i] for i in written}
+                    self.made[i] = r.detach()
+        self.after = {i: handed[i].detach() for i in written}
         self.results = [None if isinstance(r, torch.Tensor) else _DONE if _is_work(r) else r
                         for r in self.results]
         self.versions: list[int] | None = None
@@ -126,8 +127,8 @@ class _Kept:
         return [t._version for t in self._tensors_held()]
 
     def _copy(self) -> None:
-        self.after = {i: t.detach().clone() for i, t in self.after.items()}
-        self.made = {i: t.detach().clone() for i, t in self.made.items()}
+        self.after = {i: t.clone() for i, t in self.after.items()}
+        self.made = {i: t.clone() for i, t in self.made.items()}
 
     def read(self, block_name: str) -> None:
         """A pending one's values, now (the first re-run): as the forward left them, unless
