@@ -206,7 +206,7 @@ class AutoSession(Session):
                                 "not run", shape_miss=True)
             if holds_cache(args, kwargs, self.blocks):
                 return forward(*args, **kwargs)
-            watch = self._reruns.context_fn(index, choice, self._on_collective)
+            watch = self._reruns.context_fn(index, self._on_collective)
             whole = functools.partial(checkpoint_block, forward, args, kwargs, watch, block,
                                       flat, checked=True)   # the block recomputed whole
             if placement.beyond_profile and choice.mode != "offload":   # plan.py NOTE [More
@@ -270,7 +270,7 @@ class AutoSession(Session):
                 entry.trial_steps.drop(choice.mode)
             return
         if report.failed:   # reruns.py NOTE [A re-run refused]
-            reason = self._reruns.failed(choice.rerun if choice else None, report.error)
+            reason = self._reruns.failed(report.error)
             if self._hooks is not None and report.stats is self._hooks.stats:
                 self._profile_again(reason)
         if self._hooks is None or report.stats is not self._hooks.stats:

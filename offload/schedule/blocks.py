@@ -73,7 +73,7 @@ _forward_ad = torch.autograd.forward_ad   # its `_current_level`: -1 outside any
 _functorch = torch._C._functorch
 
 __all__ = ["find_blocks", "locate_blocks", "BlockWrappers", "ours_innermost",
-           "block_type_key", "compiled_block"]
+           "block_type_key", "compiled_block", "compiled_in_place"]
 
 log = logging.getLogger("offload")
 
@@ -222,6 +222,12 @@ def block_type_key(block: nn.Module) -> tuple:
                   for name, p in block.named_parameters()))
 
 
+def compiled_in_place(block: nn.Module) -> bool:
+    """`block.compile()`: its call runs its compiled `_compiled_call_impl`, hooks and all
+    (NOTE [Wrapping] rule 5)."""
+    return block.__dict__.get("_compiled_call_impl") is not None
+
+
 def compiled_block(block: nn.Module, forward: Callable | None = None) -> bool:
     """A block that is a torch.compile'd module of its own, one compiled in place
     (`block.compile()`: NOTE [Wrapping] rule 5), or one whose forward (`forward`: the one a
@@ -231,7 +237,7 @@ def compiled_block(block: nn.Module, forward: Callable | None = None) -> bool:
     frames = sys.modules.get("torch._dynamo.eval_frame")
     if frames is not None and isinstance(block, frames.OptimizedModule):
         return True
-    if block.__dict__.get("_compiled_call_impl") is not None:
+    if compiled_in_place(block):
         return True
     return any(getattr(f, "_torchdynamo_orig_callable", None) is not None
                for f in (block.forward, forward) if f is not None)

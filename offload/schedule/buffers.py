@@ -84,7 +84,6 @@ import collections
 import enum
 import numbers
 import operator
-import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -111,35 +110,16 @@ def _is_value(x: Any) -> bool:
     return kind is tuple and all(map(_is_value, x))
 
 
-class _Modules:
-    """A block's modules that hold buffer slots, held weakly: this lives in the per-model
-    registry, whose entry dies with the block only if nothing in it refers back to the
-    block (a BatchNorm block is its own buffer holder)."""
-
-    __slots__ = ("refs", "count")
-
-    def __init__(self, block: nn.Module) -> None:
-        self.learn(block)
-
-    def learn(self, block: nn.Module) -> None:
-        self.count = structure.count()
-        self.refs = [weakref.ref(module) for module in block.modules() if module._buffers]
-
-    def modules(self, block: nn.Module) -> list[nn.Module]:
-        """The modules; found afresh when the structure moved or one was freed (rule 4)."""
-        if self.count != structure.count():
-            self.learn(block)
-        modules = [ref() for ref in self.refs]
-        if any(module is None for module in modules):
-            self.learn(block)
-            modules = [ref() for ref in self.refs]
-        return modules
+def _holds_buffers(module: nn.Module) -> bool:
+    return bool(module._buffers)
 
 
-def _modules_of(block: nn.Module) -> _Modules:
-    """The block's modules, kept per block in util/per_model.py (which dies with the block;
-    `offload.process.reset()` forgets them)."""
-    return per_model.state_for(block, _Modules, lambda: _Modules(block))
+def _modules_of(block: nn.Module) -> structure.KeptModules:
+    """The block's modules that hold buffer slots (a BatchNorm block is its own), kept per
+    block (found afresh when the structure moved or one was freed: rule 4);
+    `offload.process.reset()` forgets them."""
+    return per_model.state_for(block, _holds_buffers,
+                               lambda: structure.KeptModules(block, _holds_buffers))
 
 
 def _copy_together(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:

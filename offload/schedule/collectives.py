@@ -234,12 +234,14 @@ class KeepResults(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        waits = func._opname in _WAITS and func.namespace in COLLECTIVE_NAMESPACES
-        if self.started and not waits:
+        if not self.started:   # (every op of the block: nothing but the check below)
+            out = func(*args, **kwargs)
+        elif func._opname in _WAITS and func.namespace in COLLECTIVE_NAMESPACES:
+            out = func(*args, **kwargs)
             self._keep_used(args, kwargs)
-        out = func(*args, **kwargs)
-        if self.started and waits:
+        else:
             self._keep_used(args, kwargs)
+            out = func(*args, **kwargs)
         if is_collective(func):
             n = self.counter[func]
             self.counter[func] = n + 1

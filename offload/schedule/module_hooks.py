@@ -32,12 +32,10 @@ block of 13 modules, timeit on the dev VM).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 import torch.nn as nn
 import torch.nn.modules.module as torch_module
-
 from torch.utils.hooks import RemovableHandle
 
 from ..util import per_model
@@ -53,32 +51,25 @@ _GLOBAL = ("_global_forward_pre_hooks", "_global_forward_hooks",
            "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
 
 
-class _Inside:
-    """The modules under a block, not the block itself, held weakly (this lives in the
-    per-model registry, whose entry dies with the block only if nothing in it refers back
-    to it), and the indices of those that held a forward hook when `next_id` was read;
-    found again when the structure moved, one of them was freed, or a hook was registered
-    since."""
+def _every(module: nn.Module) -> bool:
+    return True
 
-    __slots__ = ("refs", "count", "hooked", "next_id")
+
+class _Inside:
+    """The modules under a block, not the block itself (structure.KeptModules), and the
+    indices of those that held a forward hook when `next_id` was read: found again when
+    the modules were or a hook was registered since."""
+
+    __slots__ = ("kept", "seen", "hooked", "next_id")
 
     def __init__(self, block: nn.Module) -> None:
-        self.learn(block)
-
-    def learn(self, block: nn.Module) -> None:
-        self.count = structure.count()
-        self.refs = [weakref.ref(m) for m in block.modules() if m is not block]
-        self.next_id = -1
+        self.kept = structure.KeptModules(block, _every)
+        self.seen = None   # the kept list `hooked` was found in
 
     def modules(self, block: nn.Module) -> list[nn.Module]:
-        if self.count != structure.count():
-            self.learn(block)
-        modules = [ref() for ref in self.refs]
-        if None in modules:
-            self.learn(block)
-            modules = [ref() for ref in self.refs]
-        if self.next_id != RemovableHandle.next_id:
-            self.next_id = RemovableHandle.next_id
+        modules = self.kept.modules(block)[1:]   # (`modules()` yields the block first)
+        if self.seen is not self.kept.refs or self.next_id != RemovableHandle.next_id:
+            self.seen, self.next_id = self.kept.refs, RemovableHandle.next_id
             self.hooked = _hooked(modules)
         return modules
 

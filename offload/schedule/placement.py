@@ -42,7 +42,6 @@ class StepChoice:
     recording: bool = True       # record every storage: a profile, or the class not known
     profiler: BlockProfiler | None = None   # inside blocks of a profile: who made a storage
     checkpointed: bool = False   # a block ran checkpointed whole in `checkpoint` mode
-    rerun: int | None = None     # the block whose re-run began last (NOTE [A re-run refused])
 
 
 class SchedulePlacement(Placement):

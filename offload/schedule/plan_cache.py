@@ -203,7 +203,7 @@ class PlanCache:
         (README says so). (A module hook on the block runs outside the checkpoint, never
         in a re-run.)"""
         self.add_as_is({b.index for b in blocks
-                        if b.collective or b.inputs_changed or b.rerun_refused})
+                        if b.must_run_as_is})
 
     def add_as_is(self, indices: set[int]) -> None:
         """Blocks `indices` run as they are in every step from now on."""

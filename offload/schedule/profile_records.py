@@ -98,6 +98,12 @@ class BlockRecord:
     # A planned step found it runs as it is from then on (reruns.py: a re-run torch's
     # checkpoint refused, a collective its profile did not see): `PlanCache.as_is`.
     learned_as_is: bool = False
+
+    @property
+    def must_run_as_is(self) -> bool:
+        """Whether a re-run of it cannot be trusted: it runs as it is in every step."""
+        return self.collective or self.inputs_changed or self.rerun_refused or \
+            self.learned_as_is
     # op id -> bytes of the storages it made that the block saved below OFFLOAD_MIN_BYTES
     # (the hooks keep those at once: the placement never sees them; note_small does).
     small_saved: dict = field(default_factory=dict)

@@ -68,8 +68,7 @@ def type_infos(profile: Profile, items: list[ItemRecord]) -> list[TypeInfo]:
             name += f" ({type_key[-1][0]} {type_key[-1][1] + 1})"
         infos.append(TypeInfo(type_key, name, [b.index for b in records],
                               ops, saved, forced + free, len(forced),
-                              not any(b.inputs_changed or b.collective or b.rerun_refused
-                                      or b.learned_as_is for b in records)))
+                              not any(b.must_run_as_is for b in records)))
     return infos
 
 

@@ -25,7 +25,7 @@ from ..runtime.placement import Decision
 from ..util import per_model
 from ..util.ranges import RECOMPUTE, profiling, span
 from . import structure
-from .blocks import compiled_block
+from .blocks import compiled_block, compiled_in_place
 from .arguments import flatten_call
 from .buffers import guard_buffers, keep_modes
 from .generators import guard_generators
@@ -122,9 +122,8 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
     if roots or handed:   # weights.py NOTE [Weights in a re-run]
         guarded = guard_weights(roots, guarded, handed, block)
     if roots:
-        # (a block compiled in place runs its own hooks inside: NOTE [Wrapping] rule 5)
-        own_inside = block is not None and "_compiled_call_impl" in block.__dict__ and \
-            block.__dict__["_compiled_call_impl"] is not None
+        # (a block compiled in place runs its own hooks inside the checkpoint too)
+        own_inside = block is not None and compiled_in_place(block)
         guarded = guard_module_hooks(roots, guarded, None if own_inside else block)
         guarded = keep_modes(roots, guarded)      # buffers.py NOTE [Buffers in a re-run] 5
     return checkpoint(_ranged(guarded), *tensors, use_reentrant=False,

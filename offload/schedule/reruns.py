@@ -1,7 +1,8 @@
 """What `auto` learns from the re-runs of the blocks it checkpoints.
 
-Each checkpointed call gets a `context_fn` (`ReRuns.context_fn`): its re-run side notes in
-the step's choice that the block's re-run began (NOTE [A re-run refused]); in a job of
+Each checkpointed call gets a `context_fn` (`ReRuns.context_fn`): its re-run side notes
+that the block's re-run began, until its backward ends (`pending`, NOTE [A re-run
+refused]); in a job of
 many ranks, its two sides are also collectives.py's modes (NOTE [A re-run calls no
 collective]). A block found either way runs as it is in every later step
 (`PlanCache.add_as_is`).
@@ -10,15 +11,14 @@ NOTE [A re-run refused] A block whose re-run saves other tensors than its forwar
 the forward fills at the first call of a step and the re-run finds filled; a module-global
 cache) makes torch's checkpoint raise its CheckpointError in backward. The profile runs
 every block as it is and cannot see it, so a plan that recomputes such a block raised at
-every step. A step that raised what checkpoint refuses code with, in its block, after a
-re-run began (`refused`), runs the block whose re-run began last and those of its type
-(the same code) as they are from then on, and its class profiles again: that one step
-raised, not every later one. A backward after the block may raise it when the step has
-ended already (at the block's exit, nothing of it left to unpack): a re-run that began in
-a backward that never ended (its end callback did not run: autograd runs those of a
-backward that completed only) counts as refused at the next step's entry (`pending`),
-whatever the backward raised, unless the step's report knew its error and it was another
-kind (out of memory). The cost of a wrong guess (the error came from elsewhere): those
+every step. A re-run that began in a backward that never ended (its end callback did not
+run: autograd runs those of a backward that completed only: `pending`) counts as refused
+(`refused`): its block and those of its type (the same code) run as they are from then
+on, and its class profiles again; that one step raised, not every later one. Learned when
+the step reports a failure of the kind checkpoint refuses code with (its CheckpointError),
+or, for a backward after the block when the step ended already at the block's exit
+(nothing of it left to unpack), at the next step's entry, whatever the backward raised;
+not when the step's report knew its error and it was another kind (out of memory). The cost of a wrong guess (the error came from elsewhere): those
 blocks' saves stay, and the re-plan counts them.
 """
 from __future__ import annotations
@@ -30,7 +30,6 @@ from typing import Callable
 import torch
 
 from . import collectives
-from .placement import StepChoice
 from .plan_cache import PlanCache
 from .recompute import stacked
 from .trials import refused_by_checkpoint
@@ -41,16 +40,15 @@ log = logging.getLogger("offload")
 
 
 class _ReRunBegins:
-    """The re-run side of a checkpointed call's context_fn: notes in the step's choice, and
-    as `pending` until its backward ends, that block `index`'s re-run began."""
+    """The re-run side of a checkpointed call's context_fn: notes as `pending`, until its
+    backward ends, that block `index`'s re-run began."""
 
-    __slots__ = ("reruns", "choice", "index")
+    __slots__ = ("reruns", "index")
 
-    def __init__(self, reruns: "ReRuns", choice: StepChoice, index: int) -> None:
-        self.reruns, self.choice, self.index = reruns, choice, index
+    def __init__(self, reruns: "ReRuns", index: int) -> None:
+        self.reruns, self.index = reruns, index
 
     def __enter__(self) -> None:
-        self.choice.rerun = self.index
         self.reruns.began(self.index)
 
     def __exit__(self, *exc) -> bool:
@@ -79,12 +77,11 @@ class ReRuns:
     def _ended(self) -> None:
         self.pending, self._task = None, -1
 
-    def context_fn(self, index: int, choice: StepChoice,
-                   on_collective: Callable[[str], None]) -> Callable:
-        """For a checkpointed call of block `index` in the step running `choice`;
-        `on_collective(reason)`: its forward called a collective its profile did not see
-        (the block runs as it is from then on)."""
-        mark = _ReRunBegins(self, choice, index)
+    def context_fn(self, index: int, on_collective: Callable[[str], None]) -> Callable:
+        """For a checkpointed call of block `index`; `on_collective(reason)`: its forward
+        called a collective its profile did not see (the block runs as it is from then
+        on)."""
+        mark = _ReRunBegins(self, index)
         if self.opaque[index] or not self.many_ranks:   # (compiled: no op is seen)
             return lambda: (contextlib.nullcontext(), mark)
         name = type(self.blocks[index]).__name__
@@ -103,13 +100,14 @@ class ReRuns:
             return forward, stacked(rerun, mark)
         return context_fn
 
-    def failed(self, rerun: int | None, error: BaseException | None) -> str | None:
-        """A step raised `error` (None: not known), after block `rerun`'s re-run began (None:
-        none did): `refused`, if that is what torch's checkpoint refuses code with."""
+    def failed(self, error: BaseException | None) -> str | None:
+        """A step raised `error` (None: not known): `refused` for the re-run that began in a
+        backward that did not end, if one did and the error is what torch's checkpoint
+        refuses code with."""
         if error is not None and not refused_by_checkpoint(error):
             self.pending = None   # an error of another kind (out of memory): none refused
             return None
-        return self.refused(rerun, error) if rerun is not None else None
+        return self.refused(self.pending, error) if self.pending is not None else None
 
     def refused_pending(self) -> str | None:
         """At a step's entry: `refused` for a re-run that began in a backward that never

@@ -15,10 +15,13 @@ again when one of them was freed.
 """
 from __future__ import annotations
 
+import weakref
+from typing import Callable
+
 from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_module_registration_hook)
 
-__all__ = ["count"]
+__all__ = ["count", "KeptModules"]
 
 _count = 0
 _hooks = None   # installed at the first count(): importing offload changes nothing
@@ -43,3 +46,29 @@ def _buffer_registered(module, name, tensor) -> None:
     global _count
     if name not in module._buffers:
         _count += 1
+
+
+class KeptModules:
+    """The modules under a block that `picks(module)` chooses, found once and kept per
+    block (in util/per_model.py), held weakly: the registry's entry dies with the block only
+    if nothing in it refers back to it. Found again when the count moved or one of them was
+    freed."""
+
+    __slots__ = ("refs", "count", "picks")
+
+    def __init__(self, block, picks: Callable) -> None:
+        self.picks = picks
+        self.learn(block)
+
+    def learn(self, block) -> None:
+        self.count = count()
+        self.refs = [weakref.ref(m) for m in block.modules() if self.picks(m)]
+
+    def modules(self, block) -> list:
+        if self.count != count():
+            self.learn(block)
+        modules = [ref() for ref in self.refs]
+        if None in modules:
+            self.learn(block)
+            modules = [ref() for ref in self.refs]
+        return modules
