@@ -7,7 +7,8 @@ settings give the same plan (tests rely on it). It minimises the predicted step 
 Per block type, each prefix of the recompute ranking (ranking.py) is one candidate; for
 each, the storages that remain are kept or moved as costs.py decides. The candidate with
 the lowest predicted step wins (ties: less recompute, the shorter prefix being tried first).
-Several block types: coordinate descent, one type at a time.
+Several block types: coordinate descent, one type at a time, from both ends (NOTE [Two
+starts]).
 
 Measured, not only predicted: the plan also prices two whole-block strategies (trials.py
 PURE: `offload`, every eligible storage moved, blocks as they are; `checkpoint`, every block
@@ -47,20 +48,7 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
     said after the plan's own in `ctx.plan`."""
     items = sorted(profile.items, key=lambda it: (it.region, it.ordinal))
     infos = type_infos(profile, items)
-    choice = {info.type_key: 0 for info in infos}
-    best = predict(profile, figures, params, infos, choice, items)
-    for _ in range(3):  # coordinate descent over block types
-        changed = False
-        for info in infos:
-            for k in candidates(info):
-                if k == choice[info.type_key]:
-                    continue
-                trial = {**choice, info.type_key: k}
-                result = predict(profile, figures, params, infos, trial, items)
-                if better(result.prediction, best.prediction):
-                    best, choice, changed = result, trial, True
-        if not changed:
-            break
+    best = _search(profile, figures, params, infos, items)
     pred = best.prediction
     alternatives, kept, checkpoint_keeps, keep_bytes = _pure_predictions(
         profile, figures, params, infos, items)
@@ -114,6 +102,46 @@ def make_plan(profile: Profile, figures: Figures, params: PlanParams,
     return dataclasses.replace(plan, alternatives=_ro(alternatives), trials=trials,
                                checkpoint_keeps=checkpoint_keeps,
                                checkpoint_keep_bytes=keep_bytes)
+
+
+def _search(profile: Profile, figures: Figures, params: PlanParams, infos: list[TypeInfo],
+            items: list[ItemRecord]) -> Evaluation:
+    """NOTE [Two starts] Coordinate descent over block types, one type's prefix at a time,
+    from each end: every block as it is, and every type re-running all its ranking allows.
+    Types are not independent: they share the budget. Where storages no plan can move
+    (below OFFLOAD_MIN_BYTES) exceed it, every movable storage must move, and only a
+    re-run of their block frees them; when only all types' re-runs together bring them
+    under the budget, no one type's change helps from "as they are", and a descent from
+    there stops at a plan that moves everything (seen: a GRU model's two GRUs, two
+    types). From the other end it starts within the budget and shortens
+    each type's re-runs while that pays. The better of the two wins (a tie: the first)."""
+    every = [{info.type_key: 0 for info in infos},
+             {info.type_key: candidates(info)[-1] for info in infos}]
+    best = None
+    for start in (every if every[1] != every[0] else every[:1]):
+        result = _descend(profile, figures, params, infos, items, start)
+        if best is None or better(result.prediction, best.prediction):
+            best = result
+    return best
+
+
+def _descend(profile: Profile, figures: Figures, params: PlanParams, infos: list[TypeInfo],
+             items: list[ItemRecord], choice: dict) -> Evaluation:
+    """Coordinate descent from `choice` (type key -> ranking prefix length)."""
+    best = predict(profile, figures, params, infos, choice, items)
+    for _ in range(3):
+        changed = False
+        for info in infos:
+            for k in candidates(info):
+                if k == choice[info.type_key]:
+                    continue
+                trial = {**choice, info.type_key: k}
+                result = predict(profile, figures, params, infos, trial, items)
+                if better(result.prediction, best.prediction):
+                    best, choice, changed = result, trial, True
+        if not changed:
+            break
+    return best
 
 
 def _pure_predictions(profile: Profile, figures: Figures, params: PlanParams,
