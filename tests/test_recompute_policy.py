@@ -421,6 +421,37 @@ def test_blocks_found_before_stay_when_none_is_found_now(policy, nvme_dir, caplo
     ctx.close()
 
 
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_a_block_replaced_by_another_class_is_not_said_to_run_as_before(policy, nvme_dir,
+                                                                         caplog):
+    """A block replaced by a module of another class (no stack of one class is found now):
+    the warning counts only the blocks found before that the model still holds (it said
+    all of them "run as before"); the replacement runs as it is, gradients exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 32)
+    ctx = offload.activations(model=model, policy=policy, tiers="nvme", nvme_dir=nvme_dir,
+                              min_bytes=0)
+    with ctx:
+        model(x).sum().backward()
+    plain(x).sum().backward()
+    torch.manual_seed(1)
+    model[1] = nn.Linear(32, 32)
+    torch.manual_seed(1)
+    plain[1] = nn.Linear(32, 32)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        for _ in range(2):
+            with ctx:
+                model(x).sum().backward()
+            plain(x).sum().backward()
+    assert caplog.text.count("none is found now; the 3 of the 4 found before that the model "
+                             "still holds run as before (1 replaced or removed") == 1, caplog.text
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    ctx.close()
+
+
 
 class _ChecksItselfReentrant(nn.Module):
     """A block whose forward checkpoints its body with a reentrant checkpoint (Hugging

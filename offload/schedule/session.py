@@ -76,10 +76,24 @@ def refreshed(session: Session, config: Config, model: torch.nn.Module | None,
         located = ([], None)
     if not located[0]:
         log.warning("offload: %s: the model's blocks changed since they were found, and none "
-                    "is found now; the %d found before run as before (pass blocks= to choose "
-                    "them)", config.policy, len(session.blocks))
+                    "is found now; %s (pass blocks= to choose them)", config.policy,
+                    _still_run(session.blocks, model))
         watch.accept()
         return session
     log.info("offload: %s: the model's blocks changed since they were found (%d now); found "
              "again", config.policy, len(located[0]))
     return start_session(config, model, blocks, located)
+
+
+def _still_run(found: list, model: torch.nn.Module | None) -> str:
+    """What runs as before: the blocks found before that the model still holds (one
+    replaced or removed is never called again; its replacement runs as it is)."""
+    if model is None:
+        return f"the {len(found)} found before run as before"
+    held = {id(m) for m in model.modules()}
+    gone = sum(1 for block in found if id(block) not in held)
+    if not gone:
+        return f"the {len(found)} found before run as before"
+    return (f"the {len(found) - gone} of the {len(found)} found before that the model still "
+            f"holds run as before ({gone} replaced or removed; what replaced them runs as it "
+            "is)")
