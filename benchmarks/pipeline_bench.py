@@ -110,6 +110,41 @@ def run_one(variant: str, args) -> dict:
     return out
 
 
+def _variants(parser: argparse.ArgumentParser, args) -> list[str]:
+    """--variants, checked (an unknown name ran plain autograd under that name), with the
+    settings the offload variants use checked before any run (their ConfigError, not a
+    worker's traceback)."""
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        hint = " (offload-bench's checkpoint is recompute here, its offload offload-nvme)" \
+            if {"checkpoint", "offload"} & set(unknown) else ""
+        named = ", ".join(map(repr, unknown)) or "no variant"
+        parser.error(f"--variants {args.variants!r}: {named} {'are' if len(unknown) > 1 else 'is'}"
+                     f" not among {', '.join(VARIANTS)}{hint}")
+    if len(set(variants)) != len(variants):
+        parser.error(f"--variants {args.variants!r}: a variant is named twice")
+    if not os.path.isdir(args.nvme_dir):
+        parser.error(f"--nvme-dir {args.nvme_dir!r}: not a directory (point it at a writable "
+                     "directory on a local SSD)")
+    if {"offload-nvme", "auto"} & set(variants):
+        from offload.config import Config
+        from offload.errors import ConfigError
+
+        try:
+            Config.from_env(policy="auto", tiers="nvme", nvme_dir=args.nvme_dir,
+                            budget=args.budget,
+                            **({"nvme_max_bw": args.nvme_max_bw} if args.nvme_max_bw
+                               else {})).validate()
+        except ConfigError as error:
+            flags = [flag for name, flag in (("budget=", "--budget: "),
+                                             ("nvme_max_bw=", "--nvme-max-bw: "),
+                                             ("nvme_dir=", "--nvme-dir: "))
+                     if str(error).startswith(name)]   # else an OFFLOAD_* variable's
+            parser.error(f"{''.join(flags)}{error}")
+    return variants
+
+
 def _block_working_set(model, idx) -> int:
     """Bytes one block saves in a plain forward (the largest block): what backward holds
     at most for one block while it recomputes or reads it back."""
@@ -133,7 +168,9 @@ def _block_working_set(model, idx) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)} (recompute: torch's "
+                   "checkpoint of every block)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
@@ -151,7 +188,7 @@ def main(argv=None) -> int:
     if args.child:
         json.dump(run_one(args.child, args), sys.stdout)
         return 0
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    variants = _variants(p, args)
     runs: list[dict] = []
     base = [a for a in (argv if argv is not None else sys.argv[1:])]
     for r in range(args.rounds):
@@ -159,8 +196,13 @@ def main(argv=None) -> int:
         for v in order:
             with tempfile.TemporaryDirectory(prefix="pipeline-bench-", dir=args.nvme_dir) as d:
                 cmd = [sys.executable, __file__, *base, "--child", v, "--nvme-dir", d]
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            run = json.loads(out)
+                # The run's stderr passes through: its error, if any, is the user's to read.
+                done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+            if done.returncode != 0:
+                sys.stderr.write(f"pipeline_bench: the {v} run (round {r + 1}) failed with "
+                                 f"exit status {done.returncode}; its error is above\n")
+                return 1
+            run = json.loads(done.stdout)
             runs.append(run)
             sys.stderr.write(f"round {r + 1}/{args.rounds} {v}: "
                              f"{statistics.median(run['step_s']):.2f} s/step, peak RSS "
