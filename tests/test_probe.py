@@ -279,6 +279,8 @@ def test_probe_command_prints_figures_and_ceilings(nvme_dir, capsys, monkeypatch
                                  "at a writable directory on a local SSD, or leave out "
                                  "--nvme-dir)"),
     (["--nvme-dir", "/x/{rnak}"], "--nvme-dir '/x/{rnak}': bad placeholder"),
+    # Were: a RuntimeError traceback measuring a device the probe has no figures for.
+    (["--device", "meta"], "--device 'meta': only cpu and cuda are supported"),
     ({"OFFLOAD_NVME_DIR": "/no/such"}, "OFFLOAD_NVME_DIR='/no/such': '/no/such' does not exist "
                                        "(point it at a writable directory on a local SSD, or "
                                        "unset OFFLOAD_NVME_DIR to measure no disk)"),
@@ -292,6 +294,36 @@ def test_probe_command_argument_errors(argv, message, capsys, monkeypatch):
         probe_main(["--device", "cpu"] + argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_probe_json_is_replaced_whole_and_ctrl_c_is_said(tmp_path, capsys, monkeypatch):
+    """--json goes through the atomic writer (a reader never sees half a file; it was a
+    plain open()); Ctrl-C while measuring exits 130 with a line, not a traceback."""
+    from offload.schedule import probe
+
+    monkeypatch.setenv("OFFLOAD_PROBE", "compute_gflops=50,dispatch_op_s=2e-6")
+    monkeypatch.delenv("OFFLOAD_NVME_DIR", raising=False)
+    out = tmp_path / "figures.json"
+    out.write_text("old")
+    written = []
+    import offload.util.output_files as output_files
+    write_output_file = output_files.write_output_file
+
+    def spy(path, write):
+        written.append(path)
+        return write_output_file(path, write)
+    monkeypatch.setattr(output_files, "write_output_file", spy)
+    assert probe_main(["--device", "cpu", "--json", str(out)]) == 0
+    assert written == [str(out)]
+    assert json.loads(out.read_text())["figures"]["compute_gflops"] == 50
+    assert os.listdir(tmp_path) == ["figures.json"]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(probe, "figures_for", interrupted)
+    capsys.readouterr()
+    assert probe_main(["--device", "cpu"]) == 130
+    assert capsys.readouterr().err == "offload-probe: interrupted\n"
 
 
 @pytest.mark.parametrize("env", [{"OFFLOAD_POLICY": "keep"}, {"OFFLOAD_ENABLED": "0"}])

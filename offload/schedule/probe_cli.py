@@ -112,13 +112,21 @@ def rows(figures, device, ceilings: dict[str, str]) -> list[tuple[str, str, str,
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:   # Ctrl-C: said, no traceback (the probe removes its files)
+        sys.stderr.write("offload-probe: interrupted\n")
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     import psutil
     import torch
 
     from ..config import Config
     from ..config_parse import parse_nvme_dirs
     from ..errors import ConfigError, StorageError
-    from ..util.output_files import output_file_problem
+    from ..util.output_files import output_file_problem, write_output_file
     from . import probe
 
     p = argparse.ArgumentParser(prog="offload-probe", description=__doc__.splitlines()[0])
@@ -142,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(text)
     except RuntimeError:
         p.error(f"--device {args.device!r}: not a device (use cpu, cuda or cuda:N)")
+    if device.type not in ("cpu", "cuda"):   # (meta, xpu: the probe has no figures for them)
+        p.error(f"--device {args.device!r}: only cpu and cuda are supported")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device!r}: torch sees no CUDA device")
     overrides: dict[str, Any] = {}
@@ -195,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     vm = psutil.virtual_memory()
     print(f"host RAM: {vm.total / 2**30:.1f} GiB total, {vm.available / 2**30:.1f} GiB "
           f"available; {os.cpu_count()} CPUs")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": str(device), "figures": figures.as_dict(),
-                       "sources": dict(figures.sources), "ceilings": ceilings}, f, indent=1)
+    if args.json:   # replaced at once: a reader never sees half of it
+        write_output_file(args.json, lambda f: json.dump(
+            {"device": str(device), "figures": figures.as_dict(),
+             "sources": dict(figures.sources), "ceilings": ceilings}, f, indent=1))
     return 0
 
 
