@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 
 import pytest
 import torch
@@ -444,6 +445,24 @@ def test_an_nvme_dir_in_ram_is_said_once_and_a_disk_one_is_not(nvme_dir, caplog)
                     "the nvme tier reserves its capacity (4 MiB) there in host memory, and "
                     "nothing it writes leaves RAM (fine for a test; for training point it at "
                     "a directory on a local SSD)"]
+
+
+def test_an_nvme_dir_under_dev_is_said_to_be_in_ram(caplog):
+    """/dev is devtmpfs, RAM as tmpfs is: the store's reservation landed in shared memory
+    with no warning, and offload-bench counted it as on disk (its memory figures unmarked)."""
+    import logging
+    from offload import config as config_mod
+    from offload.util.disk_space import fs_type
+    if fs_type("/dev") != "devtmpfs" or not os.access("/dev", os.W_OK):
+        pytest.skip("/dev is not a writable devtmpfs here")
+    config_mod.forget_warnings()
+    where = tempfile.mkdtemp(prefix="offload-test-", dir="/dev")
+    try:
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            offload.activations(tiers="nvme", nvme_dir=where, nvme_bytes="4MiB")
+    finally:
+        os.rmdir(where)
+    assert f"{where!r} is on devtmpfs, whose files are RAM" in caplog.text, caplog.text
 
 
 @pytest.mark.parametrize("name", ["données", "two words", "back\\slash",

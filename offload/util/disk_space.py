@@ -102,7 +102,7 @@ def _read_free(path: str) -> tuple[int, int]:
 # File systems whose files are RAM: what the nvme tier writes there stays in host memory
 # (shmem), whatever O_DIRECT does (tmpfs accepts O_DIRECT since Linux 6.6), and RSS does not
 # count it.
-RAM_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+RAM_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"})   # (/dev is devtmpfs)
 
 
 _OCTAL_ESCAPE = re.compile(rb"\\([0-7]{3})")
