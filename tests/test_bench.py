@@ -878,6 +878,21 @@ def test_nvme_dir_placeholders_expand(monkeypatch, tmp_path, capsys):
     assert _nvme_bases(f"{tmp_path}/{{rank}}", None) == [f"{tmp_path}/3"]
 
 
+def test_a_ram_nvme_dir_warning_names_the_capacity_set(caplog):
+    """The RAM file system warning of the --nvme-dir check names OFFLOAD_NVME_BYTES's
+    capacity, as the runtime's does (it said the default 50%: the check read no variable)."""
+    import logging
+    from offload import config as config_mod
+    from offload.bench.cli import _nvme_bases
+
+    config_mod.forget_warnings()
+    with mounted("tmpfs") as point, pytest.MonkeyPatch.context() as mp, \
+            caplog.at_level(logging.WARNING, logger="offload"):
+        mp.setenv("OFFLOAD_NVME_BYTES", "8MiB")
+        assert _nvme_bases(point, None) == [point]
+    assert "the nvme tier reserves its capacity (8 MiB) there" in caplog.text, caplog.text
+
+
 def test_explain_says_why_or_prints_plan(nvme_dir, capsys):
     code = main(TINY + ["--steps", "1", "--strategies", "none", "--explain",
                         "--nvme-dir", nvme_dir])

@@ -166,7 +166,11 @@ def _nvme_bases(arg: str | None, parser) -> list[str]:
         bases = list(parse_nvme_dirs(text, source))
         # And its checks of the directories (they exist, are writable, on a file system
         # that is a disk: not /proc, /sys or ramfs), its messages naming `source`.
-        config = Config.from_env(env={}, tiers="nvme", nvme_dir=",".join(bases))
+        # (Of the environment, only the capacity the runtime will reserve: the warning of a
+        # RAM file system names it; the rest is checked with the rows' settings.)
+        env = {name: os.environ[name] for name in ("OFFLOAD_NVME_BYTES",)
+               if name in os.environ}
+        config = Config.from_env(env=env, tiers="nvme", nvme_dir=",".join(bases))
         # The benchmark always writes there (the offload rows' workspace): nothing to drop.
         dataclasses.replace(config, sources={**config.sources, "nvme_dir": source}).validate(
             nvme_dir_alternative=None)
