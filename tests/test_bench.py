@@ -632,6 +632,16 @@ def test_search_cap_time_and_nothing_fits():
     assert found.max_batch is None and "not even batch 1" in found.max_batch_limited_by
 
 
+def test_search_tries_no_batch_above_the_cap_when_the_first_does_not_fit():
+    """The main run's batch (4) does not fit: the search below it kept to the cap only
+    while no upper bound was known, and tried batch 3 with a cap of 2."""
+    probe, calls = _fake(100)
+    found = maxbatch.search(_base(100, batch=4), probe, device_type="cpu", limit_bytes=350,
+                            cap=2, time_budget_s=1e9)
+    assert calls and max(calls) <= 2, calls
+    assert (found.max_batch, found.max_batch_limited_by) == (2, "cap")
+
+
 def test_search_stops_on_failed_probe():
     probe, _ = _fake(100, fail_at=5)
     found = maxbatch.search(_base(100), probe, device_type="cpu", limit_bytes=10_000, cap=64,
@@ -747,6 +757,8 @@ def test_buffered_nvme_dir_flagged_end_to_end(tmp_path, capsys):
     # Were: ignored, and the whole default benchmark ran (minutes).
     (["--memory-limit", "2GiB"], "--memory-limit applies to --max-batch only (add --max-batch)"),
     (["--max-batch-cap", "4"], "--max-batch-cap applies to --max-batch only"),
+    (["--batch", "4", "--max-batch", "--max-batch-cap", "2", "--memory-limit", "1GiB"],
+     "--max-batch-cap 2: below the batch of the main run (4)"),
     (["--max-batch-time-s", "60"], "--max-batch-time-s applies to --max-batch only"),
     (["--max-batch", "--memory-limit", "2GiB", "--max-batch-time-s", "-1"],
      "--max-batch-time-s -1: must be more than 0 seconds"),

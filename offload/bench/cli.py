@@ -353,6 +353,10 @@ def _resolve(args, parser) -> Settings:
                    model=args.model, input_shape=shape if args.model else None,
                    hf=hf_model.to_dict() if hf_model else None,
                    budget=args.budget, explain=args.explain, plugins=tuple(args.plugin))
+    if args.max_batch_cap is not None and args.max_batch_cap < batch:
+        # The search starts from the main run's batch: a lower cap is never what it tries.
+        parser.error(f"--max-batch-cap {args.max_batch_cap}: below the batch of the main run "
+                     f"({batch}); the search starts there (lower --batch to search below it)")
     return Settings(
         strategies=strategies, spec=spec, rounds=args.rounds,
         nvme_bases=nvme_bases, model_label=model_label,
