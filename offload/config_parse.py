@@ -130,8 +130,8 @@ def _size_parser(allow_percent: bool, max_fraction: float | None = None,
             raise _fail(where, reason, f"give a size such as {example}") from None
         text = raw.strip() if isinstance(raw, str) else ""
         if allow_percent and text.isdigit() and 0 < int(text) <= 100:   # a share meant?
-            warn_once(f"bare number:{where}", f"offload: {where} is {text} bytes; a share "
-                      f"of memory is a percentage: '{text}%'")
+            warn_once(f"bare number:{where}", f"offload: {where} is {text} bytes; a share"
+                      f"{what} is a percentage: '{text}%'")
         if max_fraction is not None and spec.fraction is not None and spec.fraction > max_fraction:
             raise _fail(where, f"{spec} is over {max_fraction * 100:g}%",
                         f"give at most 100%{what}, or an absolute size such as \"4GiB\"")

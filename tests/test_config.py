@@ -794,6 +794,13 @@ def test_a_bare_number_for_a_share_is_said_to_be_bytes_once(caplog):
             Config.from_env(env={"OFFLOAD_BUDGET": "30", "OFFLOAD_POLICY": "auto"})
         Config.from_env(env={"OFFLOAD_BUDGET": "4096", "OFFLOAD_POLICY": "auto"})
         Config.from_env(env={"OFFLOAD_BUDGET": "30%", "OFFLOAD_POLICY": "auto"})
+        # Each says what its share is of (all said "of memory": the disk's is not).
+        Config.from_env(env={"OFFLOAD_NVME_BYTES": "1"})
+        Config.from_env(env={"OFFLOAD_HOST_BYTES": "50"})
     said = [r.getMessage() for r in caplog.records if "bytes; a share" in r.getMessage()]
-    assert said == ["offload: OFFLOAD_BUDGET='30' is 30 bytes; a share of memory is a "
-                    "percentage: '30%'"]
+    assert said == ["offload: OFFLOAD_BUDGET='30' is 30 bytes; a share of the activation "
+                    "bytes the profiled step saves is a percentage: '30%'",
+                    "offload: OFFLOAD_NVME_BYTES='1' is 1 bytes; a share of the free disk "
+                    "space is a percentage: '1%'",
+                    "offload: OFFLOAD_HOST_BYTES='50' is 50 bytes; a share of the available "
+                    "RAM is a percentage: '50%'"]
