@@ -34,6 +34,11 @@ def forget_warnings() -> None:
     _host_seen = None
 
 
+# The kernel's own file systems: no file can be made in them, whatever the permission bits
+# say (root passes os.access there).
+VIRTUAL_FS_TYPES = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs",
+                              "securityfs", "configfs", "devpts", "bpf", "pstore", "efivarfs"})
+
 # Directory -> its file system type, read once: /proc/self/mountinfo costs ~90 us with 20
 # mounts, and a context is often built every step.
 _fs_types: dict[str, str | None] = {}
@@ -106,6 +111,10 @@ def _validate_trace(config) -> None:
         raise ConfigError(f"{where}: {config.trace!r} is a directory ({fix})")
     if not os.path.isdir(directory):
         raise ConfigError(f"{where}: directory {directory!r} does not exist ({fix})")
+    kind = _fs_type_of(directory)
+    if kind in VIRTUAL_FS_TYPES:   # (root passes the access check there)
+        raise ConfigError(f"{where}: directory {directory!r} is on {kind}, a virtual file "
+                          f"system where no file can be made ({fix})")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ConfigError(f"{where}: directory {directory!r} is not writable by this "
                           f"process ({fix})")

@@ -378,6 +378,15 @@ def test_trace_must_be_a_path(tmp_path):
     assert offload.activations(trace=tmp_path / "t.json").config.trace == str(tmp_path / "t.json")
 
 
+@pytest.mark.parametrize("path", ["/proc/step.json", "/sys/kernel/step.json"])
+def test_a_trace_on_a_virtual_file_system_is_refused_at_construction(path):
+    """Was: accepted when built as root (os.access passes there), then a warning at every
+    step's end that the trace could not be written."""
+    with pytest.raises(ConfigError, match=r"trace=.*is on (proc|sysfs), a virtual file system "
+                                          r"where no file can be made \(point it at a file"):
+        offload.activations(trace=path)
+
+
 def test_blocks_must_be_modules_of_the_model():
     """Was: accepted, then nothing recomputed, said only by a log line at INFO."""
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
