@@ -486,6 +486,38 @@ def test_ctrl_c_while_a_worker_starts_stops_nothing_that_did_not_start():
     runner_mod._stop(Starting())
 
 
+def test_ctrl_c_while_the_forkserver_imports_leaves_it_running(tmp_path):
+    """Ctrl-C reaches the terminal's whole process group: the forkserver, still importing
+    torch (it ignores SIGINT only after its imports), died printing a KeyboardInterrupt
+    traceback of its own. It starts with SIGINT ignored now: it stays up, says nothing,
+    and starts the worker. (A preload that sleeps holds it in its imports.)"""
+    (tmp_path / "slow_preload.py").write_text("import time\ntime.sleep(3)\n")
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading, time
+        sys.path.insert(0, {str(tmp_path)!r})
+        from multiprocessing import forkserver
+        from offload.bench import runner
+
+        def interrupt():   # the server, once started, while it imports
+            while forkserver._forkserver._forkserver_pid is None:
+                time.sleep(0.01)
+            time.sleep(0.5)
+            os.kill(forkserver._forkserver._forkserver_pid, signal.SIGINT)
+            print("sent", flush=True)
+        threading.Thread(target=interrupt, daemon=True).start()
+        ctx = runner._forkserver(("slow_preload",))
+        worker = ctx.Process(target=os.getpid)
+        worker.start()
+        worker.join(60)
+        print("worker exit", worker.exitcode)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "sent" in done.stdout and "worker exit 0" in done.stdout, \
+        done.stdout + done.stderr
+    assert "KeyboardInterrupt" not in done.stderr, done.stderr
+
+
 def _bench_model_file(tmp_path, nvme_dir, source: str, strategies: str) -> int:
     """offload-bench on `source` (a module defining `build()`) for one small step: its code."""
     (tmp_path / "user_model.py").write_text(source)

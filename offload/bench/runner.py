@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -115,7 +116,28 @@ def _forkserver(preload: tuple[str, ...] = ()) -> multiprocessing.context.BaseCo
     """
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["offload.bench.worker", *preload])
+    _start_ignoring_ctrl_c()
     return ctx
+
+
+def _start_ignoring_ctrl_c() -> None:
+    """Start the forkserver (when not running yet) with SIGINT ignored from its first
+    instruction: Ctrl-C reaches the terminal's whole process group, and the server ignores
+    it only once its imports are done, so one in its first seconds (importing torch)
+    printed a KeyboardInterrupt traceback of its own, after the parent's "interrupted"
+    line. An ignored signal stays ignored across exec, and Python then leaves it so; its
+    workers inherit that (they run in their own session anyway: rule 2). The parent
+    ignores Ctrl-C only while it forks the server."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()   # (signal handlers belong to the main thread)
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _log_tail(path: str, lines: int = 6) -> str:
