@@ -166,25 +166,28 @@ def test_random_single_ops_replay_exactly_when_stored(nvme_dir):
     ctx.close()
 
 
+@pytest.mark.parametrize("op", ["bernoulli", "poisson"])
 @pytest.mark.parametrize("own_generator", [False, True])
 @pytest.mark.parametrize("rule_2", [True, False])
 def test_a_stored_random_op_before_a_recomputed_one_replays_exactly(rule_2, own_generator,
-                                                                    nvme_dir, monkeypatch,
-                                                                    caplog):
+                                                                    op, nvme_dir,
+                                                                    monkeypatch, caplog):
     """Rule 2, and that this test can fail: without the RNG restore the second random op
     draws other numbers in the recompute and the gradient differs. Drawn from the default
     generator, or from the user's own (`generator=`): the stored op does not draw in the
     recompute, so its generator is set to its state after the op. (`bernoulli` of a tensor:
-    a factory such as `rand_like` is never stored, Rule 4.)"""
+    a factory such as `rand_like` is never stored, Rule 4.) `poisson` takes its generator
+    positionally at the aten level (not keyword-only in its schema), and was replayed
+    without setting the user's generator: its next draw differed."""
     if not rule_2:
         monkeypatch.setattr(stored_ops, "_SEEDED", torch.Tag.pointwise)
     if own_generator:
         gen = torch.Generator()
         seed, state = gen.manual_seed, gen.get_state
-        draw = lambda p: torch.bernoulli(p, generator=gen)  # noqa: E731
+        draw = lambda p: getattr(torch, op)(p, generator=gen)  # noqa: E731
     else:
-        seed, state, draw = torch.manual_seed, torch.get_rng_state, torch.bernoulli
-    stored = "aten.bernoulli.default"
+        seed, state, draw = torch.manual_seed, torch.get_rng_state, getattr(torch, op)
+    stored = f"aten.{op}.default"
 
     def fn(x):
         m1 = draw(torch.full_like(x, 0.5))   # stored
@@ -212,7 +215,7 @@ def test_a_stored_random_op_before_a_recomputed_one_replays_exactly(rule_2, own_
                 # The default generator's draws are checked too (generators.py rule 4):
                 # the re-run's second draw does not start where the forward's did.
                 with pytest.raises(offload.OffloadError, match=r"elsewhere after its 1st "
-                                   r"random call \(bernoulli\)"):
+                                   rf"random call \({op}\)"):
                     loss.backward()
                 continue
             with caplog.at_level(logging.INFO, logger="offload"):

@@ -80,7 +80,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import OffloadError
 
-__all__ = ["guard_generators", "sweep_lost_modes"]
+__all__ = ["guard_generators", "sweep_lost_modes", "handed_generator"]
 
 
 def _is_default(generator: torch.Generator) -> bool:
@@ -112,13 +112,23 @@ def _argument(args: tuple, kwargs: dict, names: tuple, index: int, default: Any)
     return args[index] if len(args) > index else default
 
 
+def handed_generator(args: tuple, kwargs: dict) -> torch.Generator | None:
+    """The generator a call was handed, by keyword or by position: an aten op whose schema
+    does not make it keyword-only (poisson, binomial, _standard_gamma) gets it in `args`
+    at the dispatch level, and a Python function may take it positionally too."""
+    generator = kwargs.get("generator")
+    if isinstance(generator, torch.Generator):
+        return generator
+    return next((arg for arg in args if isinstance(arg, torch.Generator)), None)
+
+
 def _draws_implicitly(func, args: tuple, kwargs: dict) -> bool:
     """Whether the call may draw from a default generator (rule 4): one of
     `_DRAWS_IMPLICITLY`, handed no generator, and not one that its arguments say draws
     nothing (a dropout with p == 0 or not training, attention with dropout_p == 0: a
     Llama-style block, or any block in eval())."""
     name = getattr(func, "__name__", None)
-    if name not in _DRAWS_IMPLICITLY or kwargs.get("generator") is not None:
+    if name not in _DRAWS_IMPLICITLY or handed_generator(args, kwargs) is not None:
         return False
     if name in _DROPOUTS:
         p = _argument(args, kwargs, ("p",), 1, 0.5)

@@ -27,8 +27,9 @@ before recomputing. A stored random op (dropout as one op, attention with dropou
 not run in the recompute, so the RNG would not advance past it and every later random op
 would draw different numbers. The forward records the generator state right after each
 stored random op and the recompute sets it back at that point: the default generators',
-and the one the op was handed (`generator=`), which the re-run set back to its state at the
-block's start (NOTE [Generators in a re-run], offload/schedule/generators.py).
+and the one the op was handed (`generator=`; poisson's, binomial's and _standard_gamma's
+come positionally at this level, their schemas not keyword-only), which the re-run set back
+to its state at the block's start (NOTE [Generators in a re-run], offload/schedule/generators.py).
 
 Rule 3 (ops the two passes see differently). checkpoint itself runs `detach` a different
 number of times in forward and recompute, and `prim.device` for its checks: these are not
@@ -80,6 +81,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..runtime.placement import Decision
 from ..runtime.saved_handles import changed_since_pack
+from .generators import handed_generator
 
 __all__ = ["modes", "storable_op", "op_entry", "op_name", "IGNORED_OPS", "forget_messages",
            "detaches_a_factory_output"]
@@ -236,8 +238,8 @@ class StoreOutputs(TorchDispatchMode):
                         and o.device.type == "cuda"), None)
             if dev is not None:
                 entry.device, entry.device_rng = dev, torch.cuda.get_rng_state(dev)
-            generator = kwargs.get("generator")
-            if isinstance(generator, torch.Generator):
+            generator = handed_generator(args, kwargs)
+            if generator is not None:
                 entry.generator, entry.generator_rng = generator, generator.get_state()
 
         def pack(x):
