@@ -273,6 +273,8 @@ class AutoSession(Session):
             reason = self._reruns.failed(report.error)
             if self._hooks is not None and report.stats is self._hooks.stats:
                 self._profile_again(reason)
+            else:   # an earlier step's: `key` is another's; said at the next entry
+                self._reruns.unsaid = self._reruns.unsaid or reason
         if self._hooks is None or report.stats is not self._hooks.stats:
             # NOTE [Steps alive at once] Another step of this context was entered before this
             # one ended (one entry per micro-batch, the backwards after all the forwards):

@@ -17,9 +17,15 @@ run: autograd runs those of a backward that completed only: `pending`) counts as
 on, and its class profiles again; that one step raised, not every later one. Learned when
 the step reports a failure of the kind checkpoint refuses code with (its CheckpointError),
 or, for a backward after the block when the step ended already at the block's exit
-(nothing of it left to unpack), at the next step's entry, whatever the backward raised;
-not when the step's report knew its error and it was another kind (out of memory). The cost of a wrong guess (the error came from elsewhere): those
-blocks' saves stay, and the re-plan counts them.
+(nothing of it left to unpack), at the next step's entry; not when the step's report knew
+its error and it was another kind (out of memory). What the backward raised is not known at
+the next entry (a hook's check, a Ctrl-C in a notebook, or torch's refusal), and a wrong
+guess costs every later step its re-runs (their saves stay: seen, a step hundreds of times
+slower on a slow disk); a refusal recurs at every re-run of the block, a user's error seldom
+does. So an unknown failure only makes the block type suspected (`suspected`, said once at
+WARNING); a second while suspected refuses it; a backward in which a block of that type
+re-ran and that ended clears it. The cost: a refusal with the backward after the block
+raises at two steps, not one.
 """
 from __future__ import annotations
 
@@ -64,6 +70,11 @@ class ReRuns:
         self.many_ranks = False   # a job of many ranks (AutoSession.enter: each step)
         self.pending: int | None = None   # a block whose re-run began in a backward not ended
         self._task = -1   # the graph task whose end clears `pending`
+        self.suspected: set = set()   # block types of one unknown failure (NOTE [A re-run ...])
+        self._began: set = set()      # block types whose re-run began in `_task`
+        # A refusal's reason to profile again, learned from the report of a step that is not
+        # the session's latest (its graph died late): said at the next entry.
+        self.unsaid: str | None = None
 
     def began(self, index: int) -> None:
         task = torch._C._current_graph_task_id()
@@ -71,11 +82,13 @@ class ReRuns:
             return
         self.pending = index
         if task != self._task:
-            self._task = task
+            self._task, self._began = task, set()
             torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+        self._began.add(self.types[index])
 
     def _ended(self) -> None:
-        self.pending, self._task = None, -1
+        self.suspected -= self._began   # their re-runs were not refused
+        self.pending, self._task, self._began = None, -1, set()
 
     def context_fn(self, index: int, on_collective: Callable[[str], None]) -> Callable:
         """For a checkpointed call of block `index`; `on_collective(reason)`: its forward
@@ -107,12 +120,33 @@ class ReRuns:
         if error is not None and not refused_by_checkpoint(error):
             self.pending = None   # an error of another kind (out of memory): none refused
             return None
-        return self.refused(self.pending, error) if self.pending is not None else None
+        if self.pending is None:
+            return None
+        return self.refused(self.pending, error) if error is not None else self._unknown()
 
     def refused_pending(self) -> str | None:
-        """At a step's entry: `refused` for a re-run that began in a backward that never
-        ended, if one did."""
-        return self.refused(self.pending, None) if self.pending is not None else None
+        """At a step's entry: for a re-run that began in a backward that never ended, if
+        one did, `refused` when its type is suspected already, else it becomes so; or a
+        refusal not said yet (`unsaid`)."""
+        reason = self._unknown() if self.pending is not None else None
+        reason, self.unsaid = reason or self.unsaid, None
+        return reason
+
+    def _unknown(self) -> str | None:
+        """The backward in which block `pending`'s re-run began did not end, for a reason
+        not known (NOTE [A re-run refused]): its type refused at the second time."""
+        index, self.pending = self.pending, None
+        key = self.types[index]
+        if key in self.suspected or index in self.state.as_is:
+            self.suspected.discard(key)
+            return self.refused(index, None)
+        self.suspected.add(key)
+        log.warning("offload: auto: a backward did not end after the re-run of block %d (a %s) "
+                    "began (an error raised in it: a hook's check, Ctrl-C, or torch's "
+                    "checkpoint refusing the re-run); if one does so again before a backward "
+                    "that re-runs a block of its type ends, blocks of its type run as they are "
+                    "from then on", index, type(self.blocks[index]).__name__)
+        return None
 
     def refused(self, index: int, error: BaseException | None) -> str | None:
         """A step raised `error` (None: not known) after block `index`'s re-run began: run
@@ -123,7 +157,8 @@ class ReRuns:
             return None
         self.state.add_as_is({i for i, key in enumerate(self.types)
                               if key == self.types[index]})
-        raised = type(error).__name__ if error is not None else "in a backward that did not end"
+        raised = type(error).__name__ if error is not None else \
+            "in a backward that did not end, a second time,"
         log.warning("offload: auto: the step raised %s after the re-run of block %d (a %s) "
                     "began: torch's checkpoint refuses a re-run that saves other tensors "
                     "than its forward (a cache the forward fills and its re-run finds "
