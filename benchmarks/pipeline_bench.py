@@ -116,10 +116,13 @@ def _variants(parser: argparse.ArgumentParser, args) -> list[str]:
     worker's traceback)."""
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
-    if unknown or not variants:
+    if not variants:
+        parser.error(f"--variants {args.variants!r}: names no variant (give some of "
+                     f"{', '.join(VARIANTS)})")
+    if unknown:
         hint = " (offload-bench's checkpoint is recompute here, its offload offload-nvme)" \
             if {"checkpoint", "offload"} & set(unknown) else ""
-        named = ", ".join(map(repr, unknown)) or "no variant"
+        named = ", ".join(map(repr, unknown))
         parser.error(f"--variants {args.variants!r}: {named} {'are' if len(unknown) > 1 else 'is'}"
                      f" not among {', '.join(VARIANTS)}{hint}")
     if len(set(variants)) != len(variants):

@@ -1291,7 +1291,8 @@ def test_a_trial_step_that_raises_drops_its_strategy(nvme_dir, monkeypatch, capl
     helper's find); once it had won, every step raised too (a review's). Now the step that
     raised drops the strategy (trials.py NOTE [Trials]): that one step raises, every other
     trains bit-exact, and `ctx.plan` says so. Also when the backward runs after the block
-    and the graph is dropped after the error."""
+    and the graph is dropped after the error: there what it raised is not seen, and two
+    steps raise (a single unknown failure drops nothing: the next test)."""
     monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
     real = recompute_mod.checkpoint_block
     refusing = [when == "on trial"]
@@ -1328,10 +1329,64 @@ def test_a_trial_step_that_raises_drops_its_strategy(nvme_dir, monkeypatch, capl
                                                                  model.parameters())), step
     plan = ctx.plan
     assert "checkpoint" in plan.trials
-    assert outcomes.count("raised") == 1, outcomes
+    assert outcomes.count("raised") == 1 + (backward != "inside"), outcomes
     assert plan.settled and plan.mode != "checkpoint" and "checkpoint" not in plan.measured
     assert "trial steps that raised (not run again): checkpoint" in str(plan)
-    assert sum("a step running checkpoint" in r.getMessage() for r in caplog.records) == 1
+    said = [r.getMessage() for r in caplog.records if "a step running checkpoint" in
+            r.getMessage()]
+    assert sum("auto does not run it again for this shape class" in m and "if one does so"
+               not in m for m in said) == 1, said
+    ctx.close()
+
+
+@pytest.mark.trials
+@pytest.mark.parametrize("raised", [FloatingPointError, KeyboardInterrupt])
+def test_a_user_s_error_after_the_block_in_a_checkpoint_trial_step_drops_nothing(
+        nvme_dir, monkeypatch, caplog, raised):
+    """A review's find: a hook's check raising once (or a Ctrl-C) in a backward run after
+    the block, in the step running the `checkpoint` trial, dropped the strategy for good
+    (what the backward raised is not seen there, and it counted as torch's checkpoint
+    refusing the code), with a warning blaming torch's checkpoint. Now it is said and
+    suspected; the trial runs again, completes, and stays a candidate; every step that
+    ended is bit-exact."""
+    monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    ctx = offload.activations(model=model, **_settings(nvme_dir, FAST))
+    caplog.set_level(logging.WARNING, logger="offload")
+    outcomes, injected = [], False
+
+    def check(grad):
+        raise raised("a gradient check failed")
+
+    for step in range(14):
+        plain.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        plain(x).sum().backward()
+        try:
+            with ctx:
+                h = model[:2](x)
+                if ctx._schedule.choice.mode == "checkpoint" and not injected:
+                    injected = True
+                    h.register_hook(check)
+                loss = model[2:](h).sum()
+            loss.backward()
+        except raised:
+            outcomes.append("raised")
+            del loss, h
+            continue
+        outcomes.append("ok")
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(),
+                                                                 model.parameters())), step
+    plan = ctx.plan
+    assert injected and outcomes.count("raised") == 1, outcomes
+    assert plan.settled and "checkpoint" in plan.measured, str(plan)
+    assert "trial steps that raised" not in str(plan)
+    said = [r.getMessage() for r in caplog.records if "a step running checkpoint" in
+            r.getMessage()]
+    assert len(said) == 1 and "did not end" in said[0] and "Ctrl-C" in said[0], said
     ctx.close()
 
 

@@ -267,7 +267,7 @@ class AutoSession(Session):
         if report.failed and entry is not None and choice.checkpointed \
                 and refused_by_checkpoint(report.error):   # trials.py NOTE [Trials]
             with self.state.lock:
-                entry.trial_steps.drop(choice.mode)
+                entry.trial_steps.drop(choice.mode, known=report.error is not None)
             return
         if report.failed:   # reruns.py NOTE [A re-run refused]
             reason = self._reruns.failed(report.error)
@@ -324,6 +324,7 @@ class AutoSession(Session):
             state.ran(key)
             if state.shape_misses.get(key, 0) < SHAPE_REPROFILES:
                 state.shape_misses.pop(key, None)   # its plan held this step's calls
+            trials.completed(mode)
             settled = trials.pending and trials.done(
                 mode, self._clock.seconds(self._t0, self._clock.mark(report.end_s)))
         if settled:

@@ -117,8 +117,9 @@ def _search(profile: Profile, figures: Figures, params: PlanParams, infos: list[
     each type's re-runs while that pays. The better of the two wins (a tie: the first)."""
     every = [{info.type_key: 0 for info in infos},
              {info.type_key: candidates(info)[-1] for info in infos}]
+    # (One type: the first descent tried every candidate already.)
     best = None
-    for start in (every if every[1] != every[0] else every[:1]):
+    for start in (every if len(infos) > 1 and every[1] != every[0] else every[:1]):
         result = _descend(profile, figures, params, infos, items, start)
         if best is None or better(result.prediction, best.prediction):
             best = result

@@ -16,7 +16,8 @@ drops it (`failed`, said once and in `ctx.plan`), whether it was on trial or had
 one step raised, not every later one. Only `checkpoint` is dropped, and only after a step
 that ran a block checkpointed and raised what torch's checkpoint refuses code with (its
 CheckpointError, or vmap's refusal of random ops) in the block, or a backward after the
-block that never ended (whatever it raised: the step cannot see it). Any other error inside
+block that never ended twice before one running it ended (whatever it raised: the step
+cannot see it, and a user's check or a Ctrl-C seldom recurs). Any other error inside
 the block (a bad batch's shape error, out of memory, Ctrl-C) drops nothing. A re-plan measures
 again. Steps are timed on the device's clock (offload/util/clock.py): on CUDA the host's is
 launch time.
@@ -62,6 +63,7 @@ class TrialSteps:
                                    for m in ("plan", *candidates)] if candidates else []
         self.measured: dict[str, list[float]] = {}
         self.failed: list[str] = []   # candidates whose trial step raised
+        self.suspected: set[str] = set()   # whose backward after the block did not end once
         self.mode = "plan"
 
     @property
@@ -86,12 +88,25 @@ class TrialSteps:
         self._choose()
         return True
 
-    def drop(self, mode: str) -> None:
-        """A step running `mode` raised: run it no more, on trial or chosen (NOTE [Trials];
-        said once)."""
+    def completed(self, mode: str) -> None:
+        """A training step running `mode` ended: a suspicion of it is forgotten."""
+        self.suspected.discard(mode)
+
+    def drop(self, mode: str, known: bool = True) -> None:
+        """A step running `mode` raised (`known`: a backward after the block that did not
+        end, for a reason not seen): run it no more, on trial or chosen (NOTE [Trials];
+        said once); an unknown failure only the second time before one completes."""
         if mode == "plan" or mode in self.failed or \
                 (mode not in self.pending and self.mode != mode):
             return
+        if not known and mode not in self.suspected:
+            self.suspected.add(mode)
+            log.warning("offload: auto: the backward of a step running %s (%s) did not end "
+                        "(an error raised in it: a hook's check, Ctrl-C, or torch's checkpoint "
+                        "refusing code); if one does so again before one running it ends, auto "
+                        "does not run it again for this shape class", mode, PURE[mode])
+            return
+        self.suspected.discard(mode)
         self.failed.append(mode)
         self.measured.pop(mode, None)
         if self.mode == mode:   # it had won: the plan runs instead
