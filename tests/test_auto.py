@@ -1279,6 +1279,16 @@ class _RefusedInBackward(torch.autograd.Function):
         raise torch.utils.checkpoint.CheckpointError("a re-run refused this backward")
 
 
+def _three_blocks_and_a_copy(nvme_dir):
+    """Three small blocks, a copy trained plainly, a batch, and an `auto` context with
+    trials (FAST: the plan predicts no stall)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    return model, copy.deepcopy(model), x, offload.activations(model=model,
+                                                                **_settings(nvme_dir, FAST))
+
+
 @pytest.mark.trials
 @pytest.mark.parametrize("when", ["on trial", "after it won"])
 @pytest.mark.parametrize("backward", ["inside", "after the block"])
@@ -1299,11 +1309,7 @@ def test_a_trial_step_that_raises_drops_its_strategy(nvme_dir, monkeypatch, capl
     monkeypatch.setattr("offload.schedule.auto_session.checkpoint_block",
                         lambda *a, **k: _RefusedInBackward.apply(real(*a, **k))
                         if refusing[0] else real(*a, **k))
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
-    plain = copy.deepcopy(model)
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    ctx = offload.activations(model=model, **_settings(nvme_dir, FAST))
+    model, plain, x, ctx = _three_blocks_and_a_copy(nvme_dir)
     caplog.set_level(logging.WARNING, logger="offload")
     outcomes = []
     for step in range(14):
@@ -1350,11 +1356,7 @@ def test_a_user_s_error_after_the_block_in_a_checkpoint_trial_step_drops_nothing
     suspected; the trial runs again, completes, and stays a candidate; every step that
     ended is bit-exact."""
     monkeypatch.setattr(search_mod, "TRIAL_MARGIN", float("inf"))
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
-    plain = copy.deepcopy(model)
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    ctx = offload.activations(model=model, **_settings(nvme_dir, FAST))
+    model, plain, x, ctx = _three_blocks_and_a_copy(nvme_dir)
     caplog.set_level(logging.WARNING, logger="offload")
     outcomes, injected = [], False
 

@@ -297,6 +297,15 @@ def test_a_block_whose_re_run_is_refused_runs_as_is_after_one_failed_step(backwa
     assert "found it must run as it is" in str(ctx.plan)
 
 
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
 @pytest.mark.parametrize("raised", [FloatingPointError, KeyboardInterrupt])
 def test_a_user_s_error_in_a_backward_after_the_block_turns_off_no_recompute(raised, nvme_dir,
                                                                             caplog):
@@ -307,17 +316,9 @@ def test_a_user_s_error_in_a_backward_after_the_block_turns_off_no_recompute(rai
     a cache. Now one such failure is said and suspected; a backward that re-runs the type
     and ends clears it, so a second failure later refuses nothing either. Gradients of
     every step that ended are bit-exact."""
-    class Residual(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
-
-        def forward(self, x):
-            return x + self.b(torch.tanh(self.a(x)))
-
     def train(use_offload: bool):
         torch.manual_seed(0)
-        model = nn.Sequential(*[Residual() for _ in range(4)])
+        model = nn.Sequential(*[_Residual() for _ in range(4)])
         ctx = offload.activations(model=model, policy="auto", tiers="nvme",
                                   nvme_dir=nvme_dir, min_bytes=0, probe=SLOW)
         out, data = [], torch.Generator().manual_seed(1)
@@ -360,16 +361,8 @@ def test_a_backward_failing_for_another_reason_turns_off_no_recompute(nvme_dir):
     ended counted as refused at the next step, whatever the backward raised; one that
     raised a known error of another kind (out of memory, retried by the loop) made the
     block type run as it is for good."""
-    class Residual(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
-
-        def forward(self, x):
-            return x + self.b(torch.tanh(self.a(x)))
-
     torch.manual_seed(0)
-    model = nn.Sequential(*[Residual() for _ in range(4)])
+    model = nn.Sequential(*[_Residual() for _ in range(4)])
     ctx = offload.activations(model=model, policy="auto", tiers="nvme", nvme_dir=nvme_dir,
                               min_bytes=0, probe=SLOW)
     x = torch.randn(16, 16)
