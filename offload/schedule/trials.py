@@ -93,7 +93,7 @@ class TrialSteps:
         self.suspected.discard(mode)
 
     def drop(self, mode: str, known: bool = True) -> None:
-        """A step running `mode` raised (`known`: a backward after the block that did not
+        """A step running `mode` raised (`known` False: its backward after the block did not
         end, for a reason not seen): run it no more, on trial or chosen (NOTE [Trials];
         said once); an unknown failure only the second time before one completes."""
         if mode == "plan" or mode in self.failed or \
