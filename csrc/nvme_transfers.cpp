@@ -168,6 +168,18 @@ py::object allocate(State* s, uint64_t nbytes, PyObject* device, uint64_t phase,
   py::object foreign;
   if (s->store) {
     std::shared_ptr<ExtentRange> range = s->store->allocate(nbytes, phase);
+    if (!range && (writes_pending(s) || !s->deferred.empty())) {
+      // NOTE [Full while released I/O lands] A released payload gives its extent back at
+      // once, but its request holds the range until the I/O ends (NOTE [Deferred free]):
+      // after a graph dropped without backward (a skipped batch, a retry in smaller
+      // pieces) the store looked full to the next forward while only one graph was
+      // alive, and its saves stayed on the device (or raised TierFullError under strict).
+      // Before answering "full", the writes and released reads in flight land; only
+      // this rare path waits.
+      drain_writes(s);
+      reap(s, true);
+      range = s->store->allocate(nbytes, phase);
+    }
     if (!range) return py::none();
     extent = std::make_shared<Extent>(std::move(range));
   } else {

@@ -77,6 +77,32 @@ def test_a_full_shared_budget_raises_tier_full_when_strict(small_disk):
                 losses.append(model(x).sum())
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_graph_dropped_without_backward_gives_its_room_to_the_next_forward(nvme_dir,
+                                                                          strict):
+    """A skipped batch (its loss dropped: say it was NaN), then the next forward in the
+    same block: only one graph is alive, but the dropped one's writes were still landing
+    (a capped disk), and their requests held its space (NOTE [Full while released I/O
+    lands]): the next forward's saves stayed on the device, or raised TierFullError under
+    strict. (A helper's find.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(4)],
+                          nn.Linear(256, 1))
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
+    model(x).sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    # One forward saves 9 x 256 KiB: 2.25 MiB of a 3 MiB tier, written at 20 MB/s.
+    with offload.activations(tiers="nvme", nvme_dir=nvme_dir, nvme_bytes="3MiB", min_bytes=0,
+                             nvme_max_bw="20MB", strict=strict) as ctx:
+        loss = model(x).sum()
+        del loss
+        model(x).sum().backward()
+    assert ctx.stats.full_kept_bytes == 0 and ctx.stats.nvme_bytes >= 2 * 9 * 256 * 1024
+    assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters()))
+    offload.empty_cache()
+
+
 def test_two_live_contexts_reserve_one_budget(small_disk):
     free_before = _free_bytes(small_disk)
     x = torch.randn(256, 512, requires_grad=True)
