@@ -304,6 +304,23 @@ def test_a_save_after_close_inside_the_block_says_what_closed_it(nvme_dir):
         (x * 3).tanh().sum().backward()
 
 
+def test_close_inside_the_block_keeps_what_it_freed_in_the_figures(nvme_dir):
+    """ctx.close() inside the block notes what the step still held (exit_*_used_bytes);
+    the block's exit on the backward's UsedAfterCloseError aborted the step again and set
+    them to the freed tiers' 0 (a helper's find)."""
+    x = torch.randn(256, 256, requires_grad=True)
+    ctx = offload.activations(tiers="host,nvme", host_bytes="256KiB", nvme_dir=nvme_dir,
+                              min_bytes=0)
+    with pytest.raises(UsedAfterCloseError):
+        with ctx:
+            loss = (x * 2).tanh().exp().sum()
+            ctx.close()
+            held = (ctx.stats.exit_host_used_bytes, ctx.stats.exit_nvme_used_bytes)
+            loss.backward()
+    assert held[0] > 0 and held[1] > 0, held
+    assert (ctx.stats.exit_host_used_bytes, ctx.stats.exit_nvme_used_bytes) == held
+
+
 def test_used_after_close_is_one_exception_class(nvme_dir):
     x = torch.randn(256, 256, requires_grad=True)
     ctx = _nvme(nvme_dir)

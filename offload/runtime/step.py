@@ -116,6 +116,7 @@ class Step:
         self.after_finish: list = []
         self._compiled_at_start = _dynamo_frames()
         self._finished = False
+        self._aborted = False   # `abort` ran: what it noted the step held stays noted
         self._lock = threading.Lock()  # finish runs once, from whichever point comes first
 
     # ---------------------------------------------------------------- device copies
@@ -246,6 +247,7 @@ class Step:
         interrupted exit, or `ActivationOffload.close()`."""
         with self._lock:
             reported, self._finished = self._finished, True
+            again, self._aborted = self._aborted, True
         with _pending_lock:
             _pending.discard(self)
         if self.hooks is not None:
@@ -255,7 +257,9 @@ class Step:
         for tier in self.tiers.values():
             tier.abort()  # every payload freed now; a later unpack says so
         close_tiers(self.tiers, self.stats, reuse=False, before=self.close_copies)
-        for name, nbytes in held.items():   # what the step still held when it was freed
+        # What the step still held when it was freed; a second abort (`close()` inside the
+        # block, then its exception's exit) finds it all freed and keeps the first's figures.
+        for name, nbytes in held.items() if not again else ():
             self.stats.tier(name).exit_used_bytes = nbytes
         if not reported and self.hooks is not None:   # every step reports once
             self._tell(StepReport(self.stats, self.timeline, self.hooks.marks.backward_mark,
