@@ -168,16 +168,22 @@ py::object allocate(State* s, uint64_t nbytes, PyObject* device, uint64_t phase,
   py::object foreign;
   if (s->store) {
     std::shared_ptr<ExtentRange> range = s->store->allocate(nbytes, phase);
-    if (!range && (writes_pending(s) || !s->deferred.empty())) {
+    if (!range && (released_write_pending(s) || !s->deferred.empty())) {
       // NOTE [Full while released I/O lands] A released payload gives its extent back at
       // once, but its request holds the range until the I/O ends (NOTE [Deferred free]):
       // after a graph dropped without backward (a skipped batch, a retry in smaller
       // pieces) the store looked full to the next forward while only one graph was
       // alive, and its saves stayed on the device (or raised TierFullError under strict).
-      // Before answering "full", the writes and released reads in flight land; only
-      // this rare path waits.
-      drain_writes(s);
-      reap(s, true);
+      // Before answering "full", the released payloads' writes (and the older ones
+      // queued before them) and reads in flight land, a stall like any wait for the disk.
+      // Only this path waits, and only for I/O whose space it gives back: a store full of
+      // live data answers at once, as before.
+      retire_oldest(s, [s] { return !released_write_pending(s); }, "wait space");
+      if (!s->deferred.empty()) {
+        const double start = perf_counter_s();
+        reap(s, true);
+        add_stall(s, start, s->in_backward, "wait space");
+      }
       range = s->store->allocate(nbytes, phase);
     }
     if (!range) return py::none();

@@ -220,6 +220,8 @@ void poll_writes(State* s);
 // Waits for and retires every write.
 void drain_writes(State* s);
 bool writes_pending(const State* s);
+// A write of a released payload not retired yet: its request holds the range it frees.
+bool released_write_pending(const State* s);
 
 // ---- nvme_reads.cpp
 

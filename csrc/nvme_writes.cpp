@@ -199,6 +199,14 @@ void poll_writes(State* s) {
   }
 }
 
+bool released_write_pending(const State* s) {
+  for (PyObject* p : s->writes) {
+    const NvmePayload* payload = as_payload(p);
+    if (payload->released && payload->write) return true;
+  }
+  return false;
+}
+
 bool writes_pending(const State* s) {
   for (PyObject* p : s->writes)
     if (as_payload(p)->write) return true;   // retired entries linger

@@ -116,7 +116,7 @@ class Step:
         self.after_finish: list = []
         self._compiled_at_start = _dynamo_frames()
         self._finished = False
-        self._aborted = False   # `abort` ran: what it noted the step held stays noted
+        self._aborted = False   # `abort` noted what the step held (a second keeps it)
         self._lock = threading.Lock()  # finish runs once, from whichever point comes first
 
     # ---------------------------------------------------------------- device copies
@@ -247,7 +247,6 @@ class Step:
         interrupted exit, or `ActivationOffload.close()`."""
         with self._lock:
             reported, self._finished = self._finished, True
-            again, self._aborted = self._aborted, True
         with _pending_lock:
             _pending.discard(self)
         if self.hooks is not None:
@@ -258,9 +257,12 @@ class Step:
             tier.abort()  # every payload freed now; a later unpack says so
         close_tiers(self.tiers, self.stats, reuse=False, before=self.close_copies)
         # What the step still held when it was freed; a second abort (`close()` inside the
-        # block, then its exception's exit) finds it all freed and keeps the first's figures.
-        for name, nbytes in held.items() if not again else ():
-            self.stats.tier(name).exit_used_bytes = nbytes
+        # block, then its exception's exit) finds it all freed and keeps the first's figures
+        # (noted once they are written: a first one interrupted before writes none).
+        if not self._aborted:
+            for name, nbytes in held.items():
+                self.stats.tier(name).exit_used_bytes = nbytes
+            self._aborted = True
         if not reported and self.hooks is not None:   # every step reports once
             self._tell(StepReport(self.stats, self.timeline, self.hooks.marks.backward_mark,
                                   time.perf_counter(), False, error is not None, error))
