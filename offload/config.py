@@ -84,7 +84,10 @@ class Config:
             "directory: `3MiB` over two directories holds 2 MiB; `ctx.stats.nvme_capacity_bytes` "
             "says what it holds), and is refused when the context is "
             "built if a directory's share does not fit. When it is full, tensors spill to the "
-            "next tier, stay with a warning, or raise TierFullError (OFFLOAD_STRICT).")
+            "next tier, stay with a warning, or raise TierFullError (OFFLOAD_STRICT); the "
+            "space of a graph dropped without backward (a skipped batch) counts as free once "
+            "its writes land, which a forward that needs it waits for (a stall in "
+            "`ctx.stats`).")
     min_bytes: int = _knob(
         _DEFAULT_MIN_BYTES, env="OFFLOAD_MIN_BYTES", kind="size", example="1MiB",
         doc="Saved tensors whose storage is smaller stay where they are; `0` moves everything.")
