@@ -120,7 +120,7 @@ def search(base: RunResult, probe: Callable[[int], RunResult], *, device_type: s
             b = lo * 2 if lo else 1
         else:
             b = (lo + hi) // 2
-        b = min(max(b, lo + 1), cap, cap if hi is None else hi - 1)   # never above the cap
+        b = min(max(b, lo + 1), cap if hi is None else min(cap, hi - 1))   # never above cap
         estimate_s = startup_s + per_sample_s * b
         if spent_s + estimate_s > time_budget_s:
             limited_by = "time"

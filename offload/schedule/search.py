@@ -115,13 +115,12 @@ def _search(profile: Profile, figures: Figures, params: PlanParams, infos: list[
     there stops at a plan that moves everything (seen: a GRU model's two GRUs, two
     types). From the other end it starts within the budget and shortens
     each type's re-runs while that pays. The better of the two wins (a tie: the first)."""
-    every = [{info.type_key: 0 for info in infos},
-             {info.type_key: candidates(info)[-1] for info in infos}]
-    # (One type: the first descent tried every candidate already.)
-    best = None
-    for start in (every if len(infos) > 1 and every[1] != every[0] else every[:1]):
-        result = _descend(profile, figures, params, infos, items, start)
-        if best is None or better(result.prediction, best.prediction):
+    as_is = {info.type_key: 0 for info in infos}
+    best = _descend(profile, figures, params, infos, items, as_is)
+    every = {info.type_key: candidates(info)[-1] for info in infos}
+    if len(infos) > 1 and every != as_is:   # (one type: the descent tried every candidate)
+        result = _descend(profile, figures, params, infos, items, every)
+        if better(result.prediction, best.prediction):
             best = result
     return best
 

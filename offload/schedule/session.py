@@ -88,10 +88,8 @@ def refreshed(session: Session, config: Config, model: torch.nn.Module | None,
 def _still_run(found: list, model: torch.nn.Module | None) -> str:
     """What runs as before: the blocks found before that the model still holds (one
     replaced or removed is never called again; its replacement runs as it is)."""
-    if model is None:
-        return f"the {len(found)} found before run as before"
-    held = {id(m) for m in model.modules()}
-    gone = sum(1 for block in found if id(block) not in held)
+    held = {id(m) for m in model.modules()} if model is not None else None
+    gone = sum(1 for block in found if id(block) not in held) if held is not None else 0
     if not gone:
         return f"the {len(found)} found before run as before"
     return (f"the {len(found) - gone} of the {len(found)} found before that the model still "
