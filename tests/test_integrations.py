@@ -214,3 +214,52 @@ def test_lightning_callback_ends_its_block_when_the_module_ends_the_epoch(tmp_pa
         assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
     assert os.listdir(nvme_dir) == []
 
+
+
+# ---------------------------------------------------------------- a new model, the same hook
+def test_hf_trainer_mixin_follows_the_model_that_model_init_makes(tmp_path):
+    """`Trainer(model_init=...)` builds a new `trainer.model` at every `train()`
+    (`hyperparameter_search`: one per trial); the mixin's context was made once, with
+    `model=` the first, so from the second `train()` on `recompute` found no block of the
+    model it ran (about 11x the saved bytes) and kept the first model alive (a helper's
+    report). Each `train()` now saves what the first did."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from offload.integrations.transformers import OffloadTrainerMixin
+
+    class OffloadTrainer(OffloadTrainerMixin, transformers.Trainer):
+        offload_settings = {"policy": "recompute", "tiers": "host"}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
+        use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    def model_init():
+        model = _gpt2(transformers)
+        model.config.use_cache = False   # (a cache in the forward: no block re-runs, README)
+        return model
+
+    trainer = OffloadTrainer(model_init=model_init, args=args, train_dataset=_Tokens())
+    saved, models = [], []
+    for _ in range(2):
+        trainer.train()
+        saved.append(trainer.offload_context.stats.saved_bytes)
+        models.append(trainer.model)
+    assert saved[0] == saved[1] > 0
+    assert models[0] is not models[1] and trainer.offload_context.model is models[1]
+
+
+def test_lightning_callback_reused_for_another_module_follows_it(tmp_path):
+    """One OffloadCallback passed to a second `fit()` of a new module (a sweep, k-fold): its
+    context kept `model=` the first module, so `recompute` re-ran no block of the second
+    (about 11x the saved bytes; a helper's report). Each fit now saves what the first did."""
+    _lightning()
+    from offload.integrations.lightning import OffloadCallback
+
+    callback = OffloadCallback(policy="recompute", tiers="host")
+    saved, contexts = [], []
+    for _ in range(2):
+        _lightning_train(tmp_path, [callback])
+        saved.append(callback.context.stats.saved_bytes)
+        contexts.append(callback.context)
+    assert saved[0] == saved[1] > 0
+    assert contexts[0] is not contexts[1]

@@ -50,6 +50,7 @@ class _OffloadCallback:
 
     Attributes:
         context: The context reused for every batch; `context.stats` is the latest batch's.
+            A fit of another module makes a new one (`model=` that module).
     """
 
     def __init__(self, **settings: Any) -> None:
@@ -58,8 +59,11 @@ class _OffloadCallback:
         self.context: ActivationOffload | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if stage == "fit" and self.context is None:
-            # Settings are checked here, before the first batch touches anything.
+        if stage == "fit" and (self.context is None or self.context.model is not pl_module):
+            # Settings are checked here, before the first batch touches anything. A callback
+            # reused for another module's fit (a sweep, k-fold) gets a context of its own:
+            # the last one's `model=` names the other module's blocks and parameters
+            # (`recompute` re-ran nothing here), and would keep that module alive.
             self.context = activations(model=pl_module, **self._settings)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -56,12 +56,15 @@ class OffloadTrainerMixin:
 
     @property
     def offload_context(self) -> ActivationOffload:
-        """The one context reused for every micro-batch (made, and its settings checked,
-        at first use)."""
-        if self._offload_context is None:
+        """The context reused for every micro-batch (made, and its settings checked, at
+        first use), and made again when `self.model` is another model: `train()` with
+        `model_init` (or `hyperparameter_search`, a trial per call) builds a new one, which
+        the last context's `model=` did not name (its blocks were not re-run)."""
+        context = self._offload_context
+        if context is None or context.model is not self.model:
             self._offload_context = activations(model=self.model, **self.offload_settings)
             args = getattr(self, "args", None)
-            if self._offload_context.config.enabled \
+            if context is None and self._offload_context.config.enabled \
                     and getattr(args, "activation_offloading", False):
                 # TRL's hooks wrap training_step; ours, entered later around the forward, are
                 # innermost, so every saved tensor comes to us and none to them.
