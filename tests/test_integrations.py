@@ -77,6 +77,28 @@ def test_hf_trainer_mixin_installs_nothing_in_evaluation(tmp_path, nvme_dir):
     assert len(seen) > n_train and not any(seen[n_train:])
 
 
+def test_hf_trainer_mixin_after_trainer_in_the_bases_is_refused():
+    """With the mixin after Trainer, Trainer's `compute_loss_context_manager` runs and calls
+    no super(): training ran without offload and nothing said so (a helper's report)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from offload.integrations.transformers import OffloadTrainerMixin
+
+    class Mine(transformers.Trainer):
+        pass
+
+    with pytest.raises(TypeError, match=r"class Wrong: put OffloadTrainerMixin before Mine "
+                                        r"in the bases \(class Wrong\(OffloadTrainerMixin, Mine"):
+        class Wrong(Mine, OffloadTrainerMixin):
+            pass
+
+    class Right(OffloadTrainerMixin, Mine):
+        pass
+
+    class Further(Right):   # a subclass of a right one, its own override calling super()
+        def compute_loss_context_manager(self):
+            return super().compute_loss_context_manager()
+
+
 # ---------------------------------------------------------------- TRL SFTTrainer (+ peft)
 def _sft_parts(transformers):
     """A tiny Llama, a word-level tokenizer made here and a text dataset (no download)."""

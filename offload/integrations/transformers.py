@@ -43,7 +43,8 @@ log = logging.getLogger("offload")
 
 
 class OffloadTrainerMixin:
-    """Put before `transformers.Trainer` (or a subclass) in the bases.
+    """Put before `transformers.Trainer` (or a subclass) in the bases (after it, a TypeError
+    at the class statement: Trainer's method would run instead, and nothing be offloaded).
 
     Attributes:
         offload_settings: Keyword arguments of `offload.activations()` (same names as the
@@ -53,6 +54,22 @@ class OffloadTrainerMixin:
 
     offload_settings: dict[str, Any] = {}
     _offload_context: ActivationOffload | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # `class T(Trainer, OffloadTrainerMixin)` trains without offload and says nothing:
+        # transformers' `compute_loss_context_manager` comes first and calls no super().
+        mro = cls.__mro__
+        ours = mro.index(OffloadTrainerMixin)
+        for base in mro[:ours]:
+            if base.__module__.split(".")[0] == "transformers" \
+                    and "compute_loss_context_manager" in vars(base):
+                given = next((b for b in cls.__bases__ if issubclass(b, base)), base).__name__
+                raise TypeError(f"class {cls.__name__}: put OffloadTrainerMixin before "
+                                f"{given} in the bases (class {cls.__name__}("
+                                f"OffloadTrainerMixin, {given})); after it, "
+                                f"{base.__name__}.compute_loss_context_manager runs instead "
+                                "of the mixin's and nothing is offloaded")
 
     @property
     def offload_context(self) -> ActivationOffload:
