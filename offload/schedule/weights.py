@@ -49,6 +49,7 @@ twelve, timeit on the 2-core dev VM); nothing is copied.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable
 
 import torch
@@ -82,13 +83,14 @@ def guard_weights(modules: list[nn.Module], fn: Callable, handed: tuple = (),
         if calls == 1:
             seen: set[int] = set()
             for root in modules:
-                for module in root.modules():
+                for module, sharded in _modules(root):
                     if id(module) in seen:
                         continue
                     seen.add(id(module))
                     slots = module._parameters
                     if isinstance(slots, dict) and slots:   # (a ScriptModule's is not)
-                        noted.append((slots, dict(slots)))
+                        if not sharded:   # NOTE [Sharded weights]
+                            noted.append((slots, dict(slots)))
                         weights.extend(w for w in slots.values() if w is not None)
             weights.extend(handed)
             needs_grad[:] = [w.requires_grad for w in weights]
@@ -130,6 +132,32 @@ def guard_weights(modules: list[nn.Module], fn: Callable, handed: tuple = (),
                 module.max_norm = norm
 
     return run
+
+
+def _modules(root: nn.Module):
+    """(module, whether FSDP2 shards its parameters) for `root` and its submodules.
+
+    NOTE [Sharded weights] FSDP2 (`fully_shard`) swaps the parameter objects of the modules
+    it manages itself: sharded DTensors between uses, unsharded tensors for the forward and
+    again for the backward, a re-run included. A module inside a block sharded on its own
+    (`fully_shard(block.mlp)`, MoE experts) still holds its DTensors when the block is
+    called, and the unsharded ones when the block re-runs in backward: putting the DTensors
+    back for the re-run, as for functional_call, handed the linear a DTensor ("mixed
+    torch.Tensor and DTensor") under `recompute`, and failed `auto`'s checkpoint trial. Such
+    slots are FSDP's to fill, as under torch's checkpoint; their weights are still checked
+    for in-place changes and `requires_grad` flips."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    sharded_type = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    if sharded_type is None:   # FSDP2 never imported: no module is sharded by it
+        for module in root.modules():
+            yield module, False
+        return
+    stack = [(root, False)]
+    while stack:
+        module, under = stack.pop()
+        sharded = under or isinstance(module, sharded_type)
+        yield module, sharded
+        stack.extend((child, sharded) for child in reversed(list(module.children())))
 
 
 def _check_versions(modules: list[nn.Module], weights: list[torch.Tensor], versions: list[int],
