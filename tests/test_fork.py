@@ -5,6 +5,7 @@ autograd as without offload.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 
@@ -132,6 +133,32 @@ def test_a_worker_forked_inside_the_block_runs_its_own_autograd(tiers, nvme_dir)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert torch.equal(x.grad, 2 * (x * 2).cos())
     assert ctx.stats.nvme_bytes + ctx.stats.host_bytes > 0
+
+
+def _leave_by_an_exception(ctx, conn):
+    errors = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: errors.append(record.getMessage())
+    logging.getLogger("offload").addHandler(handler)
+    error = RuntimeError("the child leaves the block")   # as a `with` body raising does
+    ctx.__exit__(RuntimeError, error, error.__traceback__)
+    conn.send((errors, ctx.active))
+
+
+@pytest.mark.parametrize("tiers", ["nvme", "host"])
+def test_a_child_forked_inside_the_block_leaves_it_by_an_exception_quietly(tiers, nvme_dir):
+    """A child forked between forward and backward that leaves the block with an exception
+    (or sys.exit) freed the parent's nvme payloads through the store the fork let go of,
+    and logged "error while freeing the step" with a message about a backward it never ran
+    (a helper's report). It frees nothing of the parent's now; the parent's step is exact."""
+    x = torch.randn(256, 256, requires_grad=True)
+    with offload.activations(tiers=tiers, nvme_dir=nvme_dir, min_bytes=0) as ctx:
+        y = (x * 2).sin()
+        errors, active = answer_from_forked_child(_leave_by_an_exception, ctx)
+        y.sum().backward()
+    assert errors == [] and not active
+    assert torch.equal(x.grad, 2 * (x * 2).cos())
+    assert getattr(ctx.stats, f"{tiers}_bytes") > 0
 
 
 def _arena_rss_in_child(base, conn):

@@ -109,6 +109,7 @@ class NvmeTier(Tier):
                 "offload: the compiled core offload._C predates the nvme tier's transfers "
                 f"(csrc/nvme_transfers.cpp): {_ext.HOW_TO_BUILD}")
         self._stats = stats
+        self._pid = os.getpid()   # a forked child's copy of the tier is not its own (`abort`)
         self._dirs = tuple(os.path.realpath(d) for d in dirs)  # the budget's key
         self._arena = None
         self._transfers = None
@@ -284,7 +285,11 @@ class NvmeTier(Tier):
             self._transfers.drain()
 
     def abort(self) -> None:
-        if self._transfers is not None:
+        # In a child forked inside the block (leaving it with an exception, a sys.exit) the
+        # payloads and their I/O are the parent's, and the store was let go at the fork
+        # (process.py): nothing here to free, where it raised "a child cannot read the
+        # parent's nvme store", logged as an error about a backward never run.
+        if self._transfers is not None and os.getpid() == self._pid:
             self._transfers.abort()
 
     def close(self, reuse: bool = True) -> None:
