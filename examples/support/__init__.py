@@ -47,8 +47,14 @@ def check_weights(weights: Sequence[torch.Tensor], plain: Sequence[torch.Tensor]
 
 
 def torchrun_device() -> torch.device:
-    """This rank's device, and its process group (NCCL on GPUs, gloo on CPU)."""
+    """This rank's device, and its process group (NCCL on GPUs, gloo on CPU). A SIGTERM
+    (torchrun stopping the ranks: a Ctrl-C to it, another rank failing) exits through the
+    script's `finally` blocks, which remove what the rank made."""
+    import signal
+
     import torch.distributed as dist
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
