@@ -152,8 +152,11 @@ def _given_containers(blocks: Any) -> list[nn.Module]:
 
 
 def _is_container(module: nn.Module) -> bool:
-    """No forward of its own: its members are the blocks (`_expand_containers`)."""
-    return type(module).forward is nn.Module.forward
+    """No forward of its own: its members are the blocks (`_expand_containers`). A
+    torch.compile'd module's class has none either, but its instance does (the compiled
+    call): it is a block, run whole or checkpointed; its inner module runs inside dynamo's
+    trace, where no block of ours is run our way (NOTE [Wrapping] rule 5)."""
+    return type(module).forward is nn.Module.forward and "forward" not in module.__dict__
 
 
 def _given_blocks(model: nn.Module | None, blocks: Any) -> list[nn.Module]:
@@ -166,10 +169,14 @@ def _given_blocks(model: nn.Module | None, blocks: Any) -> list[nn.Module]:
                               "model= to search (or pass the block modules themselves)")
         found: list[nn.Module] = []
         inside: set[int] = set()
+        compiled = _compiled_wrappers(model)
         for module in model.modules():
             if id(module) in inside:
                 continue
             if blocks(module):
+                # A match inside torch.compile's wrapper (the predicate sees the module it
+                # compiled) is the wrapper's: the model calls that (`_is_container`).
+                module = compiled.get(id(module), module)
                 found.append(module)
                 inside.update(id(m) for m in module.modules())
         return found
@@ -190,6 +197,14 @@ def _given_blocks(model: nn.Module | None, blocks: Any) -> list[nn.Module]:
                               f"({type(found[stray[0]]).__name__}) is not a module of "
                               "model= (pass the model's own block modules)")
     return found
+
+
+def _compiled_wrappers(model: nn.Module) -> dict[int, nn.Module]:
+    """id(compiled module) -> the torch.compile wrapper of it that `model` holds."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    if frames is None:   # nothing compiled in this process
+        return {}
+    return {id(m._orig_mod): m for m in model.modules() if isinstance(m, frames.OptimizedModule)}
 
 
 def _expand_containers(found: list[nn.Module]) -> list[nn.Module]:
