@@ -325,6 +325,50 @@ def test_compiled_blocks_named_by_blocks_are_recomputed(given, nvme_dir):
     assert saved[given] == saved["detected"] > 0
 
 
+class HeadKept(nn.Module):
+    """A forward that keeps its first layer's saves (`no_offload()` around it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 1)
+
+    def forward(self, x):
+        with offload.no_offload():
+            h = torch.relu(self.a(x))
+        return self.b(h).mean()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_no_offload_inside_a_compiled_forward(backend):
+    """`no_offload()` inside compiled code: dynamo traced its depth, which changed after
+    the graph (the region kept nothing) and failed its guard at the second call ("Guard
+    failed on the same frame it was created", with or without a context; a helper's
+    report). Now the graph breaks at the region's edges (no_offload.py NOTE [no_offload
+    under torch.compile]): it keeps what it keeps uncompiled, gradients bit-exact against
+    the compiled model without offload; under fullgraph=True dynamo refuses, saying why."""
+    eager = HeadKept()
+    compiled = torch.compile(HeadKept(), backend=backend)
+    x = torch.randn(8, 16)
+    for _ in range(2):   # no context: the second call failed
+        compiled(x).backward()
+    kept = {}
+    for name, model, fn in (("eager", eager, eager), ("compiled", compiled._orig_mod, compiled)):
+        for step in range(3):
+            model.zero_grad(set_to_none=True)
+            fn(x).backward()
+            want = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            with offload.activations(model=model, tiers="host", min_bytes=0) as ctx:
+                fn(x).backward()
+            assert all(torch.equal(a, p.grad) for a, p in zip(want, model.parameters()))
+            kept.setdefault(name, []).append((ctx.stats.kept_bytes, ctx.stats.host_bytes))
+    assert kept["compiled"] == kept["eager"] and kept["eager"][0][0] > 0
+    torch._dynamo.reset()   # (else dynamo finds the code compiled above and says only that)
+    with pytest.raises(Exception, match="put it around the compiled call instead"):
+        torch.compile(HeadKept(), backend=backend, fullgraph=True)(x)
+
+
 # ---------------------------------------------------------------- eager parts of a compiled model
 class Recurrent(nn.Module):
     """Linear → a 2-layer RNN → Linear: dynamo does not trace nn.GRU / nn.LSTM, so the RNN

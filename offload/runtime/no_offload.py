@@ -2,12 +2,23 @@
 
 The depth is per thread (saved-tensor hooks are per thread too); pack reads it once per
 stored storage.
+
+NOTE [no_offload under torch.compile] A compiled graph saves its tensors when it returns
+(AOTAutograd's forward), so a region inside one cannot tell its saves from the rest; and
+dynamo traced the depth's change: it happened after the graph (the region kept nothing)
+and its guard on the thread-local failed on the next call ("Guard failed on the same frame
+it was created"). The depth changes in two functions dynamo does not trace: it breaks the
+graph at the region's entry and exit, so the region's ops run in a graph (or eagerly) of
+their own that returns, and saves, inside it. Under `fullgraph=True` dynamo refuses the
+break, with the reason below.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 from typing import Iterator
+
+from ..util.never_compiled import never_compiled
 
 __all__ = ["no_offload", "no_offload_active", "thread_depth"]
 
@@ -36,9 +47,30 @@ def no_offload() -> Iterator[None]:
         ...     with offload.no_offload():
         ...         y = small_head(x)       # saved tensors of this region stay on the device
     """
-    depth = _local.depth
-    _local.depth = depth + 1
+    depth = _deepen()
     try:
         yield
     finally:
-        _local.depth = depth
+        _restore(depth)
+
+
+@never_compiled
+def _deepen() -> int:
+    depth = _local.depth
+    _local.depth = depth + 1
+    return depth
+
+
+@never_compiled
+def _restore(depth: int) -> None:
+    _local.depth = depth
+
+
+# NOTE [no_offload under torch.compile]: dynamo's mark of a `torch.compiler.disable`d
+# function (a graph break at each call), set here as importing dynamo costs ~1 s.
+for _f in (_deepen, _restore):
+    _f._torchdynamo_disable = True
+    _f._torchdynamo_disable_msg = (
+        "offload.no_offload() inside compiled code breaks the graph at its entry and exit, "
+        "so that what its region saves is saved inside it; under fullgraph=True, put it "
+        "around the compiled call instead")
