@@ -300,23 +300,30 @@ def test_compiled_blocks_are_recomputed_without_recompiling(how, policy, nvme_di
         assert not hasattr(compiled, "_offload_run")
 
 
-@pytest.mark.parametrize("given", ["model.blocks", "list(model.blocks)", "a predicate"])
+@pytest.mark.parametrize("given", ["model.blocks", "list(model.blocks)", "a predicate",
+                                   "the modules compiled", "one of them"])
 def test_compiled_blocks_named_by_blocks_are_recomputed(given, nvme_dir):
     """`blocks=` naming blocks compiled one by one (the ModuleList holding them, a list of
-    them, or a predicate matching the compiled module): a torch.compile wrapper's class has
-    no forward, so it was taken for a container and its inner module, which runs inside
-    dynamo's trace, for the block: nothing was re-run (4x the saved bytes; a helper's
-    report). They are re-run as the detected ones are."""
+    them, a predicate matching the compiled module, the modules as they were before
+    compiling): a torch.compile wrapper's class has no forward, so it was taken for a
+    container and its inner module, which runs inside dynamo's trace, for the block:
+    nothing was re-run (4x the saved bytes; helpers' reports). They are re-run as the
+    detected ones are."""
     from offload.schedule.blocks import find_blocks
 
     model = Stack()
-    for i, block in enumerate(model.blocks):
+    originals = list(model.blocks)
+    for i, block in enumerate(originals):
         model.blocks[i] = torch.compile(block, backend="eager")
     blocks = {"model.blocks": model.blocks, "list(model.blocks)": list(model.blocks),
-              "a predicate": lambda m: isinstance(m, Block)}[given]
-    assert [b is c for b, c in zip(find_blocks(model, blocks), model.blocks)] == [True, True]
+              "a predicate": lambda m: isinstance(m, Block), "the modules compiled": originals,
+              "one of them": originals[0]}[given]
+    # (One block: saves what its wrapper named does.)
+    reference = model.blocks[0] if given == "one of them" else None
+    wrappers = [reference] if reference is not None else list(model.blocks)
+    assert [b is c for b, c in zip(find_blocks(model, blocks), wrappers)] == [True] * len(wrappers)
     saved = {}
-    for name, chosen in (("detected", None), (given, blocks)):
+    for name, chosen in (("detected", reference), (given, blocks)):
         torch.manual_seed(0)
         with offload.activations(model=model, blocks=chosen, policy="recompute",
                                  tiers="nvme", nvme_dir=nvme_dir, min_bytes=0) as ctx:

@@ -160,7 +160,15 @@ def _is_container(module: nn.Module) -> bool:
 
 
 def _given_blocks(model: nn.Module | None, blocks: Any) -> list[nn.Module]:
-    """`blocks=` as given: one module, a predicate's matches, or a list (find_blocks)."""
+    """`blocks=` as given: one module, a predicate's matches, or a list (find_blocks). A
+    module torch.compile wrapped stands for its wrapper in `model` (the model calls that,
+    and the module itself runs inside dynamo's trace: `_is_container`)."""
+    found = _given_modules(model, blocks)
+    compiled = _compiled_wrappers(model) if model is not None else {}
+    return [compiled.get(id(m), m) for m in found] if compiled else found
+
+
+def _given_modules(model: nn.Module | None, blocks: Any) -> list[nn.Module]:
     if isinstance(blocks, nn.Module):
         return [blocks]
     if callable(blocks):
@@ -169,14 +177,10 @@ def _given_blocks(model: nn.Module | None, blocks: Any) -> list[nn.Module]:
                               "model= to search (or pass the block modules themselves)")
         found: list[nn.Module] = []
         inside: set[int] = set()
-        compiled = _compiled_wrappers(model)
         for module in model.modules():
             if id(module) in inside:
                 continue
             if blocks(module):
-                # A match inside torch.compile's wrapper (the predicate sees the module it
-                # compiled) is the wrapper's: the model calls that (`_is_container`).
-                module = compiled.get(id(module), module)
                 found.append(module)
                 inside.update(id(m) for m in module.modules())
         return found
