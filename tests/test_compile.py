@@ -351,9 +351,9 @@ def test_no_offload_inside_a_compiled_forward(backend):
     """`no_offload()` inside compiled code: dynamo traced its depth, which changed after
     the graph (the region kept nothing) and failed its guard at the second call ("Guard
     failed on the same frame it was created", with or without a context; a helper's
-    report). Now the graph breaks at the region's edges (no_offload.py NOTE [no_offload
-    under torch.compile]): it keeps what it keeps uncompiled, gradients bit-exact against
-    the compiled model without offload; under fullgraph=True dynamo refuses, saying why."""
+    report). Now the graph ends at the region (no_offload.py NOTE [no_offload under
+    torch.compile]): it keeps what it keeps uncompiled, gradients bit-exact against the
+    compiled model without offload; under fullgraph=True dynamo refuses, saying why."""
     eager = HeadKept()
     compiled = torch.compile(HeadKept(), backend=backend)
     x = torch.randn(8, 16)

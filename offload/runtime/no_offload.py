@@ -7,10 +7,11 @@ NOTE [no_offload under torch.compile] A compiled graph saves its tensors when it
 (AOTAutograd's forward), so a region inside one cannot tell its saves from the rest; and
 dynamo traced the depth's change: it happened after the graph (the region kept nothing)
 and its guard on the thread-local failed on the next call ("Guard failed on the same frame
-it was created"). The depth changes in two functions dynamo does not trace: it breaks the
-graph at the region's entry and exit, so the region's ops run in a graph (or eagerly) of
-their own that returns, and saves, inside it. Under `fullgraph=True` dynamo refuses the
-break, with the reason below.
+it was created"). The depth changes in two functions dynamo does not trace: it ends the
+graph at the region's entry, and the region and the rest of the function run eagerly (dynamo
+resumes after a graph break only inside the context managers it knows), so what the region
+saves is saved inside it; functions and modules called from there are compiled on their own.
+Under `fullgraph=True` dynamo refuses the break, with the reason below.
 """
 from __future__ import annotations
 
@@ -71,6 +72,6 @@ def _restore(depth: int) -> None:
 for _f in (_deepen, _restore):
     _f._torchdynamo_disable = True
     _f._torchdynamo_disable_msg = (
-        "offload.no_offload() inside compiled code breaks the graph at its entry and exit, "
-        "so that what its region saves is saved inside it; under fullgraph=True, put it "
-        "around the compiled call instead")
+        "offload.no_offload() inside compiled code ends the graph at its entry (what its "
+        "region saves must be saved inside it); under fullgraph=True, put it around the "
+        "compiled call instead")
