@@ -21,6 +21,7 @@ import numpy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from schedule_models import SLOW, SharedLayers, module_state, train_side_by_side
 
 import offload
@@ -1573,6 +1574,80 @@ def test_a_tensor_a_guarded_module_kept_in_an_attribute_is_not_held_until_backwa
         alive = [ref() is not None for ref in previous]
         loss.backward()
     assert alive == [False] * 3
+
+
+# ---------------------------------------------------------------- a block's own pre-hooks
+class ResidualLayer(nn.Module):
+    """x + tanh(x W^T + b): ops of its own to re-run, beside the weight's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.bias = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):
+        return x + torch.tanh(F.linear(x, self.weight, self.bias))
+
+
+class DropConnect(nn.Module):
+    """A residual layer whose weight a forward pre-hook on it draws at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_forward_pre_hook(
+            lambda m, args: setattr(m, "weight", F.dropout(m.lin.weight, 0.3)))
+
+    def forward(self, x):
+        return x + torch.tanh(F.linear(x, self.weight, self.lin.bias))
+
+
+class Discriminator(nn.Module):
+    def __init__(self, make) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(make() for _ in range(4))
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+@pytest.mark.parametrize("make", [lambda: torch.nn.utils.spectral_norm(ResidualLayer()),
+                                  DropConnect], ids=["old_spectral_norm", "dropconnect"])
+def test_a_block_whose_own_pre_hook_sets_its_weight_called_twice_is_exact(policy, make,
+                                                                          nvme_dir):
+    """A GAN discriminator step: each block called on real and on fake inputs, one backward.
+    The block's own forward pre-hook (old-style spectral_norm: `weight = orig / sigma` with
+    a power iteration; DropConnect) sets the weight it computes with as a plain attribute at
+    each call, outside the checkpoint: the first call's re-run computed with the second
+    call's weight, silently wrong gradients (a helper's report; torch's checkpoint does the
+    same). buffers.py NOTE [Buffers in a re-run] rule 8. Six steps: `auto`'s plans too."""
+    def train(use_offload: bool):
+        model = Discriminator(make)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctx = offload.activations(model=model, **_settings(policy, nvme_dir)) \
+            if use_offload else contextlib.nullcontext()
+        data = torch.Generator().manual_seed(1)
+        grads = []
+        for step in range(6):
+            real, fake = torch.randn(4, 8, generator=data), torch.randn(4, 8, generator=data)
+            torch.manual_seed(step)
+            with ctx:
+                loss = F.softplus(-model(real)).mean() + F.softplus(model(fake)).mean()
+                loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+        return grads, [b.clone() for b in model.buffers()]
+
+    (plain, plain_buffers), (ours, our_buffers) = train(False), train(True)
+    for step, (a, b) in enumerate(zip(plain, ours)):
+        assert all(map(torch.equal, a, b)), f"step {step}"
+    assert all(map(torch.equal, plain_buffers, our_buffers))
 
 
 # ---------------------------------------------------------------- lazy modules

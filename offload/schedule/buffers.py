@@ -69,6 +69,20 @@ guessed. Rules:
    (changed_buffers.py). Versions are noted when the call returns, and moved on by what
    each re-run bumps itself (put back through `.data`, those are no user's change).
 
+8. The block's own tensor attributes that require grad (plain ones, in its `__dict__`: not
+   buffers, not parameters; weights computed from parameters) are those it held at the
+   call for a re-run, whatever holds them now, and afterwards what they hold then
+   (`keep_own_tensors`): its own forward pre-hooks run at its call, outside the checkpoint,
+   and are not run again by a re-run (module_hooks.py). The old-style
+   `torch.nn.utils.spectral_norm` / `weight_norm`, or a DropConnect hook, set the weight
+   the forward computes with as such an attribute (`module.weight = orig / sigma`) at every
+   call: a block called twice before one backward (a GAN discriminator on real and fake
+   batches) re-ran its first call with its second call's weight, silently wrong gradients
+   (torch's checkpoint does the same). Those tensors are held from the call to its re-run
+   (plain autograd saves a weight an op computes with); one needing no grad (a detached
+   map kept for logging, rule 2) is not. A pre-hook that sets an attribute of a submodule
+   of the block is not covered.
+
 Not set back: the attributes of modules holding no buffer (`self.calls += 1` there is
 counted again by the re-run, as under checkpoint), but for their mode (rule 5). What it
 costs: nothing for blocks without buffers; per call, a look at each guarded module's
@@ -348,6 +362,36 @@ def guard_buffers(block: nn.Module | None, fn: Callable) -> Callable:
     if not modules:
         return fn
     return _Guard(modules).wrap(fn)
+
+
+def keep_own_tensors(block: nn.Module, fn: Callable) -> Callable:
+    """`fn` (the function checkpoint runs, forward then re-runs) with `block`'s own tensor
+    attributes that require grad as they were at the call for a re-run, and as they are
+    then afterwards (rule 8)."""
+    at_call: dict[str, torch.Tensor] | None = None
+
+    def run(*args):
+        nonlocal at_call
+        if at_call is None:
+            at_call = {name: value for name, value in vars(block).items()
+                       if isinstance(value, torch.Tensor) and value.requires_grad}
+            return fn(*args)
+        state = vars(block)
+        now = [(name, state.get(name, _ABSENT)) for name, value in at_call.items()
+               if state.get(name) is not value]
+        if not now:
+            return fn(*args)
+        try:
+            for name, _ in now:   # (in __dict__ directly: it shadows a slot of that name)
+                state[name] = at_call[name]
+            return fn(*args)
+        finally:   # also when checkpoint stops the re-run early (it raises to stop it)
+            for name, value in now:
+                if value is _ABSENT:
+                    state.pop(name, None)
+                else:
+                    state[name] = value
+    return run
 
 
 def keep_modes(roots: list[nn.Module], fn: Callable) -> Callable:
