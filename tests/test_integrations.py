@@ -94,6 +94,13 @@ def test_hf_trainer_mixin_after_trainer_in_the_bases_is_refused():
     class Right(OffloadTrainerMixin, Mine):
         pass
 
+    class OwnMixin(OffloadTrainerMixin):   # a user's mixin on ours: named as written
+        pass
+
+    with pytest.raises(TypeError, match=r"put OwnMixin before Mine in the bases"):
+        class AlsoWrong(Mine, OwnMixin):
+            pass
+
     class Further(Right):   # a subclass of a right one, its own override calling super()
         def compute_loss_context_manager(self):
             return super().compute_loss_context_manager()

@@ -65,9 +65,10 @@ class OffloadTrainerMixin:
             if base.__module__.split(".")[0] == "transformers" \
                     and "compute_loss_context_manager" in vars(base):
                 given = next((b for b in cls.__bases__ if issubclass(b, base)), base).__name__
-                raise TypeError(f"class {cls.__name__}: put OffloadTrainerMixin before "
-                                f"{given} in the bases (class {cls.__name__}("
-                                f"OffloadTrainerMixin, {given})); after it, "
+                mixin = next((b for b in cls.__bases__ if issubclass(b, OffloadTrainerMixin)),
+                             OffloadTrainerMixin).__name__
+                raise TypeError(f"class {cls.__name__}: put {mixin} before {given} in the "
+                                f"bases (class {cls.__name__}({mixin}, {given})); after it, "
                                 f"{base.__name__}.compute_loss_context_manager runs instead "
                                 "of the mixin's and nothing is offloaded")
 
