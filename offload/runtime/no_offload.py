@@ -75,3 +75,4 @@ for _f in (_deepen, _restore):
         "offload.no_offload() inside compiled code ends the graph at its entry (what its "
         "region saves must be saved inside it); under fullgraph=True, put it around the "
         "compiled call instead")
+del _f
