@@ -1544,27 +1544,29 @@ def test_a_blocks_inputs_are_not_held_until_backward_when_called_with_options(ti
 class KeepsLastMap(nn.Module):
     """Holds a mask buffer and keeps its last attention map in an attribute (to plot)."""
 
-    def __init__(self) -> None:
+    def __init__(self, detach: bool = True) -> None:
         super().__init__()
         self.qk = nn.Linear(16, 32)
         self.register_buffer("mask", torch.tril(torch.ones(12, 12, dtype=torch.bool)))
         self.last_map = None
+        self.detach = detach
 
     def forward(self, x):
         q, k = self.qk(x).chunk(2, -1)
         att = (q @ k.transpose(-1, -2)).masked_fill(~self.mask, -1e9).softmax(-1)
-        self.last_map = att.detach()
+        self.last_map = att.detach() if self.detach else att   # (kept for a loss: grad)
         return x + att @ x
 
 
+@pytest.mark.parametrize("detach", [True, False], ids=["detached", "with_grad"])
 def test_a_tensor_a_guarded_module_kept_in_an_attribute_is_not_held_until_backward(
-        nvme_dir):
+        detach, nvme_dir):
     """A module holding buffers is guarded (buffers.py): what its attributes held at the
     call is noted. A tensor there (the last step's attention map) must not be held by us
     until this call's backward, where plain training frees it as the forward replaces it
     (when every attribute was noted, each block's previous map stayed alive)."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[KeepsLastMap() for _ in range(3)])
+    model = nn.Sequential(*[KeepsLastMap(detach) for _ in range(3)])
     x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(1))
     with offload.activations(model=model, **_settings("recompute", nvme_dir)):
         model(x).pow(2).mean().backward()
@@ -1645,6 +1647,35 @@ def test_a_block_whose_own_pre_hook_sets_its_weight_called_twice_is_exact(policy
         return grads, [b.clone() for b in model.buffers()]
 
     (plain, plain_buffers), (ours, our_buffers) = train(False), train(True)
+    for step, (a, b) in enumerate(zip(plain, ours)):
+        assert all(map(torch.equal, a, b)), f"step {step}"
+    assert all(map(torch.equal, plain_buffers, our_buffers))
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+@pytest.mark.parametrize("make", [lambda: torch.nn.utils.spectral_norm(ResidualLayer()),
+                                  DropConnect], ids=["old_spectral_norm", "dropconnect"])
+def test_a_frozen_block_whose_pre_hook_sets_its_weight_called_twice_is_exact(policy, make,
+                                                                             nvme_dir):
+    """The generator's step: the discriminator frozen (`requires_grad_(False)`, still in
+    train mode) and called on two fake batches before one backward. Its pre-hook's weight
+    needs no grad then, and a rule 8 that kept only tensors requiring grad re-ran the first
+    call with the second's (a review's report). Gradients of the fakes bit-exact."""
+    def grads(use_offload: bool):
+        model = Discriminator(make).requires_grad_(False)
+        ctx = offload.activations(model=model, **_settings(policy, nvme_dir)) \
+            if use_offload else contextlib.nullcontext()
+        data = torch.Generator().manual_seed(1)
+        out = []
+        for step in range(6):
+            fakes = [torch.randn(4, 8, generator=data).requires_grad_() for _ in range(2)]
+            torch.manual_seed(step)
+            with ctx:
+                sum(F.softplus(-model(fake)).mean() for fake in fakes).backward()
+            out.append([fake.grad for fake in fakes])
+        return out, [b.clone() for b in model.buffers()]
+
+    (plain, plain_buffers), (ours, our_buffers) = grads(False), grads(True)
     for step, (a, b) in enumerate(zip(plain, ours)):
         assert all(map(torch.equal, a, b)), f"step {step}"
     assert all(map(torch.equal, plain_buffers, our_buffers))

@@ -69,19 +69,21 @@ guessed. Rules:
    (changed_buffers.py). Versions are noted when the call returns, and moved on by what
    each re-run bumps itself (put back through `.data`, those are no user's change).
 
-8. The block's own tensor attributes that require grad (plain ones, in its `__dict__`: not
-   buffers, not parameters; weights computed from parameters) are those it held at the
-   call for a re-run, whatever holds them now, and afterwards what they hold then
-   (`keep_own_tensors`): its own forward pre-hooks run at its call, outside the checkpoint,
-   and are not run again by a re-run (module_hooks.py). The old-style
-   `torch.nn.utils.spectral_norm` / `weight_norm`, or a DropConnect hook, set the weight
-   the forward computes with as such an attribute (`module.weight = orig / sigma`) at every
-   call: a block called twice before one backward (a GAN discriminator on real and fake
-   batches) re-ran its first call with its second call's weight, silently wrong gradients
-   (torch's checkpoint does the same). Those tensors are held from the call to its re-run
-   (plain autograd saves a weight an op computes with); one needing no grad (a detached
-   map kept for logging, rule 2) is not. A pre-hook that sets an attribute of a submodule
-   of the block is not covered.
+8. A block with forward pre-hooks (its own, or global ones) re-runs with the tensors its
+   own attributes held at the call (plain ones, in its `__dict__`: not buffers, not
+   parameters), whatever holds them now, and afterwards holds what they hold then
+   (`keep_own_tensors`): those hooks run at its call, outside the checkpoint, and are not
+   run again by a re-run (module_hooks.py). The old-style `torch.nn.utils.spectral_norm` /
+   `weight_norm`, or a DropConnect hook, set the weight the forward computes with (or its
+   mask) as such an attribute (`module.weight = orig / sigma`) at every call: a block
+   called twice before one backward (a GAN discriminator on real and fake batches, or a
+   frozen one on two fake batches in the generator's step, where the weight needs no grad)
+   re-ran its first call with its second call's weight, silently wrong gradients (torch's
+   checkpoint does the same). Those tensors are held from the call to its re-run (plain
+   autograd saves a weight an op computes with), and so is a tensor such a block keeps in
+   an attribute from its last call (an attention map kept for viewing) until it is
+   replaced; a block without pre-hooks holds nothing more than rule 2 says. A pre-hook that
+   sets an attribute of a submodule of the block is not covered.
 
 Not set back: the attributes of modules holding no buffer (`self.calls += 1` there is
 counted again by the re-run, as under checkpoint), but for their mode (rule 5). What it
@@ -115,6 +117,7 @@ _VALUES = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dt
                      torch.device, torch.Size})
 _CONTAINERS = frozenset({dict, collections.OrderedDict, set})   # nn.Module's own: no value
 _ABSENT = object()
+_global_forward_pre_hooks = nn.modules.module._global_forward_pre_hooks   # (rule 8)
 
 
 def _is_value(x: Any) -> bool:
@@ -366,15 +369,17 @@ def guard_buffers(block: nn.Module | None, fn: Callable) -> Callable:
 
 def keep_own_tensors(block: nn.Module, fn: Callable) -> Callable:
     """`fn` (the function checkpoint runs, forward then re-runs) with `block`'s own tensor
-    attributes that require grad as they were at the call for a re-run, and as they are
-    then afterwards (rule 8)."""
+    attributes as they were at the call for a re-run, and as they are then afterwards,
+    where forward pre-hooks ran at the call (rule 8); `fn` itself where none did."""
+    if not block._forward_pre_hooks and not _global_forward_pre_hooks:
+        return fn
     at_call: dict[str, torch.Tensor] | None = None
 
     def run(*args):
         nonlocal at_call
         if at_call is None:
             at_call = {name: value for name, value in vars(block).items()
-                       if isinstance(value, torch.Tensor) and value.requires_grad}
+                       if isinstance(value, torch.Tensor)}
             return fn(*args)
         state = vars(block)
         now = [(name, state.get(name, _ABSENT)) for name, value in at_call.items()
