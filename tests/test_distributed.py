@@ -83,26 +83,15 @@ def _ddp_worker() -> dict:
     return _compare(lambda m: DDP(m))
 
 
-def _fsdp2_worker() -> dict:
+def _fsdp2_worker(steps: int = STEPS, inside: bool = False) -> dict:
+    """FSDP2 per block; `inside`: on each block's attention and MLP too (as MoE experts)."""
     from torch.distributed.fsdp import fully_shard
 
     def wrap(model):
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        return model
-
-    return _compare(wrap)
-
-
-def _fsdp2_nested_worker(steps: int) -> dict:
-    """FSDP2 sharding modules inside each block too (attention, MLP; as MoE experts are)."""
-    from torch.distributed.fsdp import fully_shard
-
-    def wrap(model):
-        for block in model.blocks:
-            fully_shard(block.attn)
-            fully_shard(block.mlp)
+            if inside:
+                fully_shard(block.attn)
+                fully_shard(block.mlp)
             fully_shard(block)
         fully_shard(model)
         return model
@@ -209,7 +198,7 @@ def test_fsdp2_sharding_inside_a_block(policy, world, nvme_dir):
     the blocks run as they are). weights.py NOTE [Sharded weights]. Eight steps: `auto`'s
     trials included."""
     with _rank_dirs(nvme_dir) as (dirs, env):
-        results = run_ranks(_fsdp2_nested_worker, 8, world=world,
+        results = run_ranks(_fsdp2_worker, 8, True, world=world,
                             env={**env, "OFFLOAD_POLICY": policy})
         _check(results, dirs)
 

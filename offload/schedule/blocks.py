@@ -203,12 +203,19 @@ def _given_modules(model: nn.Module | None, blocks: Any) -> list[nn.Module]:
     return found
 
 
+def _compile_wrapper_type() -> type | None:
+    """torch.compile's module wrapper class; None while dynamo is not imported (nothing was
+    compiled in this process, and importing it costs ~1 s)."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    return frames.OptimizedModule if frames is not None else None
+
+
 def _compiled_wrappers(model: nn.Module) -> dict[int, nn.Module]:
     """id(compiled module) -> the torch.compile wrapper of it that `model` holds."""
-    frames = sys.modules.get("torch._dynamo.eval_frame")
-    if frames is None:   # nothing compiled in this process
+    wrapper = _compile_wrapper_type()
+    if wrapper is None:
         return {}
-    return {id(m._orig_mod): m for m in model.modules() if isinstance(m, frames.OptimizedModule)}
+    return {id(m._orig_mod): m for m in model.modules() if isinstance(m, wrapper)}
 
 
 def _expand_containers(found: list[nn.Module]) -> list[nn.Module]:
@@ -253,8 +260,8 @@ def compiled_block(block: nn.Module, forward: Callable | None = None) -> bool:
     wrapper was handed) is compiled: its ops run inside compiled code, which our dispatch
     modes cannot see into and our function modes must stay out of (generators.py NOTE
     [Modes under torch.compile])."""
-    frames = sys.modules.get("torch._dynamo.eval_frame")
-    if frames is not None and isinstance(block, frames.OptimizedModule):
+    wrapper = _compile_wrapper_type()
+    if wrapper is not None and isinstance(block, wrapper):
         return True
     if compiled_in_place(block):
         return True

@@ -69,7 +69,8 @@ guessed. Rules:
    (changed_buffers.py). Versions are noted when the call returns, and moved on by what
    each re-run bumps itself (put back through `.data`, those are no user's change).
 
-8. A block with forward pre-hooks (its own, or global ones) re-runs with the tensors its
+8. A block with forward pre-hooks (its own, or global ones; not one compiled in place,
+   whose checkpointed call runs them: module_hooks.py) re-runs with the tensors its
    own attributes held at the call (plain ones, in its `__dict__`: not buffers, not
    parameters), whatever holds them now, and afterwards holds what they hold then
    (`keep_own_tensors`): those hooks run at its call, outside the checkpoint, and are not
@@ -117,7 +118,6 @@ _VALUES = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dt
                      torch.device, torch.Size})
 _CONTAINERS = frozenset({dict, collections.OrderedDict, set})   # nn.Module's own: no value
 _ABSENT = object()
-_global_forward_pre_hooks = nn.modules.module._global_forward_pre_hooks   # (rule 8)
 
 
 def _is_value(x: Any) -> bool:
@@ -369,10 +369,8 @@ def guard_buffers(block: nn.Module | None, fn: Callable) -> Callable:
 
 def keep_own_tensors(block: nn.Module, fn: Callable) -> Callable:
     """`fn` (the function checkpoint runs, forward then re-runs) with `block`'s own tensor
-    attributes as they were at the call for a re-run, and as they are then afterwards,
-    where forward pre-hooks ran at the call (rule 8); `fn` itself where none did."""
-    if not block._forward_pre_hooks and not _global_forward_pre_hooks:
-        return fn
+    attributes as they were at the call for a re-run, and as they are then afterwards (rule
+    8: for a block whose forward pre-hooks ran outside the checkpoint)."""
     at_call: dict[str, torch.Tensor] | None = None
 
     def run(*args):

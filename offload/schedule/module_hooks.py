@@ -41,7 +41,7 @@ from torch.utils.hooks import RemovableHandle
 from ..util import per_model
 from . import structure
 
-__all__ = ["guard_module_hooks"]
+__all__ = ["guard_module_hooks", "pre_hooks_run_outside"]
 
 # A module's dicts its `__call__` reads around `forward`.
 _OWN = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
@@ -93,6 +93,13 @@ def _same(owner: dict, then: dict, names: tuple) -> bool:
         if (now or was) and list((now or {}).items()) != list((was or {}).items()):
             return False
     return True
+
+
+def pre_hooks_run_outside(block: nn.Module) -> bool:
+    """Whether `block`'s call runs forward pre-hooks (its own or global ones) before its
+    forward: outside the checkpoint, and not again in a re-run (the module doc)."""
+    return bool(block.__dict__.get("_forward_pre_hooks")) \
+        or bool(torch_module._global_forward_pre_hooks)
 
 
 def guard_module_hooks(roots: list[nn.Module], fn: Callable,

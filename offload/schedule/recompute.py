@@ -29,7 +29,7 @@ from .blocks import compiled_block, compiled_in_place
 from .arguments import flatten_call
 from .buffers import guard_buffers, keep_modes, keep_own_tensors
 from .generators import guard_generators
-from .module_hooks import guard_module_hooks
+from .module_hooks import guard_module_hooks, pre_hooks_run_outside
 from .parametrize_cache import guard_parametrize_cache
 from .stored_ops import modes
 from .weights import guard_weights
@@ -126,8 +126,8 @@ def checkpoint_block(forward: Callable, args: tuple, kwargs: dict, context_fn=No
         own_inside = block is not None and compiled_in_place(block)
         guarded = guard_module_hooks(roots, guarded, None if own_inside else block)
         guarded = keep_modes(roots, guarded)      # buffers.py NOTE [Buffers in a re-run] 5
-    if block is not None:
-        guarded = keep_own_tensors(block, guarded)   # buffers.py NOTE [Buffers in a re-run] 8
+        if block is not None and not own_inside and pre_hooks_run_outside(block):
+            guarded = keep_own_tensors(block, guarded)   # buffers.py NOTE [...] 8
     return checkpoint(_ranged(guarded), *tensors, use_reentrant=False,
                       **extra)
 
