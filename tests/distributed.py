@@ -31,6 +31,9 @@ def _entry(local_rank: int, world: int, fn: Callable, args: tuple, env: dict[str
                                 rank=local_rank, world_size=world, **timeout)
         try:
             result = fn(*args)
+            # A rank that calls no collective may be done before its peer finished
+            # connecting; leaving then closes the peer's sockets under it.
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         torch.save({"ok": result}, out)
