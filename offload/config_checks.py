@@ -106,7 +106,8 @@ def _validate_host_sizes(config) -> None:
 def _validate_trace(config) -> None:
     where = config.where("trace")
     directory = os.path.dirname(os.path.abspath(config.trace))
-    fix = "point it at a file in an existing, writable directory, or unset OFFLOAD_TRACE"
+    unset = "unset OFFLOAD_TRACE" if where.startswith("OFFLOAD_") else "leave trace= out"
+    fix = f"point it at a file in an existing, writable directory, or {unset}"
     if os.path.isdir(config.trace):
         raise ConfigError(f"{where}: {config.trace!r} is a directory ({fix})")
     if not os.path.isdir(directory):

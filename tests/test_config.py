@@ -439,6 +439,27 @@ def test_a_budget_outside_auto_is_said_once(caplog):
                     "policy='offload' it is not used"]
 
 
+def test_log_error_quiets_the_warnings_of_the_checks_at_build(caplog):
+    """OFFLOAD_LOG applies when the context is built, before its checks warn: it was set at
+    the first entry, so `log="ERROR"` let the build's warnings through."""
+    import logging
+    from offload import config as config_mod
+    logger = logging.getLogger("offload")
+    old = logger.level
+    try:
+        for level, said in (("ERROR", False), ("WARNING", True)):
+            config_mod.forget_warnings()
+            caplog.clear()
+            with caplog.at_level(logging.NOTSET, logger="offload"):
+                logger.setLevel(logging.NOTSET)   # as an application that set none leaves it
+                offload.activations(policy="offload", budget="30%", log=level)
+                assert logger.level == getattr(logging, level)
+            assert any("applies to policy='auto' only" in r.getMessage()
+                       for r in caplog.records) is said, level
+    finally:
+        logger.setLevel(old)
+
+
 def test_an_nvme_dir_in_ram_is_said_once_and_a_disk_one_is_not(nvme_dir, caplog):
     """A tmpfs directory (/dev/shm) passes every check, and the store then reserved half of
     its free space in RAM without a word: 12 GB of RAM on the dev VM for a 1 MiB step."""

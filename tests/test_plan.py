@@ -258,6 +258,22 @@ def test_pure_strategies_are_priced_and_the_close_ones_measured():
     assert "offload" not in slow.trials
 
 
+def test_the_explanation_says_when_a_pure_strategy_runs_instead_of_the_plan():
+    """Once a trial chose a whole-block strategy, the per-block lines still describe the
+    plan ("runs as is"): the text says they do not run (a reader took them for what ran)."""
+    from offload.schedule.trials import TrialSteps
+
+    plan = make_plan(profile(), figures(1.0), params())
+    steps = TrialSteps(("checkpoint",))
+    assert "do not run" not in render(plan, steps)    # the plan runs (trials pending)
+    steps.pending, steps.mode = [], "checkpoint"
+    text = render(plan, steps).splitlines()
+    said = [i for i, line in enumerate(text) if "the plan's decisions below do not run: "
+            "every step runs checkpoint (every block checkpointed whole" in line]
+    first_block = next(i for i, line in enumerate(text) if line.startswith("  block "))
+    assert said and said[0] < first_block
+
+
 def test_a_pure_strategy_that_would_keep_more_than_the_budget_is_not_tried(monkeypatch):
     """No tier frees memory (a CPU with `tiers="host"`: host is the same RAM): moving
     everything keeps it all. Before, `offload` was still tried against the plan, a trial

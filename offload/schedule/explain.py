@@ -80,6 +80,9 @@ def render(plan: Plan, trials: TrialSteps | None = None) -> str:
             + f"; runs: {'the plan' if trials.mode == 'plan' else trials.mode}")
     if trials.failed:
         lines.append(f"  trial steps that raised (not run again): {', '.join(trials.failed)}")
+    if trials.mode != "plan":   # the header says so too; the blocks below are the plan's
+        lines.append(f"  the plan's decisions below do not run: every step runs "
+                     f"{trials.mode} ({PURE[trials.mode]}), measured faster")
     move = params.tiers[0] if params.tiers else None
     link = rates(figures, move, params.device_type) if move else None
     # Where each (block type, op)'s storages went, over the type's instances.
