@@ -113,9 +113,11 @@ class Config:
     log: str | None = _knob(
         None, env="OFFLOAD_LOG", kind="log level", example="INFO", default_doc="unset",
         doc="Level of the `offload` logger; per-step stats are logged at INFO. Set, it sets "
-            "the logger's level for the process when a context is built (before its checks "
-            "warn) and whenever it is entered (a context without it keeps the level it "
-            "finds); unset leaves logging as the application configured it.")
+            "the logger's level for the process when a context is built, before its settings "
+            "are checked against the machine, and whenever it is entered (a context without "
+            "it keeps the level it finds); unset leaves logging as the application configured "
+            "it. Warnings about the variables themselves (an unknown `OFFLOAD_` name, a size "
+            "given as a bare number) come as they are read, before it applies.")
     log_ranks: tuple[int, ...] | None = _knob(
         (0,), env="OFFLOAD_LOG_RANKS", kind="ranks or all", example="all",
         doc="In a distributed run, the ranks (RANK) whose INFO and DEBUG lines, the per-step "

@@ -123,7 +123,8 @@ class ActivationOffload(CopiedAsNew):
             self._from_memo()
             self._memo = None
             model = self._model   # found in the memo now (not the property: a step's cost)
-            self.config.apply_log_level()   # OFFLOAD_LOG=ERROR quiets the checks' warnings
+            if self.config.enabled:   # (a disabled context does nothing at all)
+                self.config.apply_log_level()   # OFFLOAD_LOG=ERROR quiets the checks' warnings
             _check(self.config, model)
             schedule = self._schedule = start_session(self.config, model, self._blocks) \
                 if self.config.enabled else Session(self.config)

@@ -29,11 +29,13 @@ def _entry(local_rank: int, world: int, fn: Callable, args: tuple, env: dict[str
         timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous",
                                 rank=local_rank, world_size=world, **timeout)
+        # Every rank connected before any goes on: a rank that calls no collective (or
+        # destroys the group at once) and leaves closes the sockets of a peer still
+        # connecting ("Connection closed by peer" on a loaded machine). Not after `fn`:
+        # there a peer that failed to pair a collective would wait out the timeout.
+        dist.barrier()
         try:
             result = fn(*args)
-            # A rank that calls no collective may be done before its peer finished
-            # connecting; leaving then closes the peer's sockets under it.
-            dist.barrier()
         finally:
             dist.destroy_process_group()
         torch.save({"ok": result}, out)

@@ -6,6 +6,7 @@ the module links no CUDA library and no libtorch."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -124,6 +125,12 @@ def test_build_from_scratch(build_dir, with_cuda):
     # A flag starts a word (a checkout path like ".../wt-issue20/csrc/cuda_copy.cpp" holds "-i").
     toolkit_dirs = re.findall(r"(?<!\S)(?:-I|-isystem)\s*(\S*(?i:cuda)\S*)", commands)
     assert toolkit_dirs == []   # nothing is compiled against a toolkit's headers
+    # round_trip.cpp computes what runtime/round_trip.py does, float for float: no fused
+    # multiply-add, and no precompiled header (built without the flag, it drops it in the
+    # LTO link: CMakeLists.txt).
+    (round_trip,) = [c["command"] for c in json.loads(commands)
+                     if c["file"].endswith("csrc/round_trip.cpp")]
+    assert "-ffp-contract=off" in round_trip and "cmake_pch" not in round_trip
     (module,) = glob.glob(str(build / "offload" / "_C*.so"))
     if shutil.which("readelf"):
         assert not [lib for lib in _needed_libraries(module) if "cuda" in lib]

@@ -456,6 +456,9 @@ def test_log_error_quiets_the_warnings_of_the_checks_at_build(caplog):
                 assert logger.level == getattr(logging, level)
             assert any("applies to policy='auto' only" in r.getMessage()
                        for r in caplog.records) is said, level
+        logger.setLevel(logging.NOTSET)
+        offload.activations(enabled=False, log="DEBUG")   # does nothing at all, as entered
+        assert logger.level == logging.NOTSET
     finally:
         logger.setLevel(old)
 

@@ -377,11 +377,7 @@ def _context_before_the_group_worker(rendezvous: str) -> dict:
     """One context built before the process group starts, then entered every step: the
     late all_reduce of `_LateCollectiveBlock` from step 3."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    # (run_ranks starts one: built before it, here.) Not before every rank's side of the
-    # group is connected: a rank that returned from init and left at once closed its sockets
-    # under a peer still connecting ("Connection closed by peer", seen on a loaded machine).
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.destroy_process_group()   # (run_ranks starts one: built before it, here)
     if rank == 1:
         os.environ["OFFLOAD_PROBE"] = "nvme_write_gbps=0.001,nvme_read_gbps=0.001"
     models = []

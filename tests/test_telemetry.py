@@ -190,6 +190,21 @@ def test_trace_path_may_not_be_a_directory(tmp_path):
         offload.activations(trace=str(tmp_path))
 
 
+def test_a_trace_that_cannot_be_written_is_said_with_its_setting(tmp_path, caplog):
+    """The step goes through; the warning names the setting as it was given (a keyword
+    here: it said "(OFFLOAD_TRACE)" whatever the source)."""
+    sub = tmp_path / "gone"
+    sub.mkdir()
+    ctx = offload.activations(trace=str(sub / "t.json"), min_bytes=0)
+    sub.rmdir()   # after the build's check: the write fails at the step's end
+    x = torch.randn(64, 64, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="offload"), ctx:
+        (x @ x).sin().sum().backward()
+    said = [r.getMessage() for r in caplog.records if "could not write the trace" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(f"(trace={str(sub / 't.json')!r})"), said
+    assert x.grad is not None
+
+
 def test_cpu_nvme_step_moves_tensors_in_place(nvme_dir):
     # NOTE [Phase] (tiers/nvme.py): only the partial sectors at the two ends of a transfer
     # may go through a bounce buffer, never whole tensors of this size (that would be a

@@ -30,6 +30,7 @@ from offload.tiers.host import HostTier
 # Each try waits on the tiers' I/O threads, slow while the other test worker holds the
 # second core: 20 tries, not 50.
 REPEATS = 20
+SYNTHETIC_REPEATS = 50   # (a few ms a try)
 
 
 def _kw(tiers: str, nvme_dir: str, checksum: bool = False) -> dict:
@@ -174,7 +175,7 @@ def _synthetic_grads(ctx_kwargs):
 @pytest.mark.parametrize("tiers", ["nvme", "host,nvme"])
 def test_a_saved_unsafe_chunk_comes_back_as_saved(tiers, nvme_dir):
     ref, _ = _synthetic_grads(None)
-    for rep in range(REPEATS):
+    for rep in range(SYNTHETIC_REPEATS):
         got, ctx = _synthetic_grads(_kw(tiers, nvme_dir, checksum=rep % 2 == 1))
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), f"try {rep}"
     # a and b are records of just their elements (256 B each, not the 768 B buffer), plus

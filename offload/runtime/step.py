@@ -294,8 +294,8 @@ class Step:
         try:
             rec.write(self.config.trace)
         except OSError as exc:
-            log.warning("offload: could not write the trace to %s: %s (OFFLOAD_TRACE)",
-                        self.config.trace, exc)
+            log.warning("offload: could not write the trace to %s: %s (%s)",
+                        self.config.trace, exc, self.config.where("trace"))
 
 
 def _link(out_gbps: float, in_gbps: float) -> LinkSpeed | None:
