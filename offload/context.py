@@ -123,8 +123,10 @@ class ActivationOffload(CopiedAsNew):
             self._from_memo()
             self._memo = None
             model = self._model   # found in the memo now (not the property: a step's cost)
-            if self.config.enabled:   # (a disabled context does nothing at all)
-                self.config.apply_log_level()   # OFFLOAD_LOG=ERROR quiets the checks' warnings
+            # OFFLOAD_LOG=ERROR quiets the checks' warnings; a disabled context does nothing
+            # at all. (Only a level: which ranks log INFO is set at entry, with it again.)
+            if self.config.enabled and self.config.log is not None:
+                self.config.apply_log_level()
             _check(self.config, model)
             schedule = self._schedule = start_session(self.config, model, self._blocks) \
                 if self.config.enabled else Session(self.config)

@@ -25,10 +25,12 @@ import offload.tiers
 from offload.tiers.base import Payload
 from offload.tiers.host import HostTier
 
-# Real RNNs, real timing: a guard on top of the timed cases, which are what fail when the
-# snapshot of an untracked alias is taken out (every real-RNN try passed without it).
-# Each try waits on the tiers' I/O threads, slow while the other test worker holds the
-# second core: 20 tries, not 50.
+# Real RNNs, real timing: a guard on top of the timed cases. Before the fix (9aa0285) a
+# real-RNN case went wrong in 2 (the cells) to 9 (LSTM with projections) of 15 tries
+# (docs/benchmarks.md, *Exactness sweeps*): 20 tries miss a cell case's 2 in 15 one time
+# in 18, all 8 cases of its test together about once in 10^10. Each try waits on the tiers' I/O threads, slow while the other test worker holds
+# the second core: 20, not 50. (With only the Python path's snapshot of an untracked alias
+# taken out, the timed cases fail and every real-RNN try passes.)
 REPEATS = 20
 SYNTHETIC_REPEATS = 50   # (a few ms a try)
 
