@@ -18,38 +18,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "trials: an auto test that lets the plan be measured against the pure strategies")
 
 
-# README's test command runs each file whole on one of two workers (`--dist loadfile`). xdist
-# deals the files out largest first by their number of tests, so the distributed and example
-# files (few tests, each a few processes) came last, and one worker ran them alone at the end:
-# 635-681 s for 1190 s of tests. Longest first (seconds on the 2-core dev VM, 2026-12-08), the
-# rest after them in their order, keeps both workers busy to the end. A stale list costs
-# time only, never a test.
-LONGEST_FILES = ("test_distributed.py", "test_examples.py", "test_build.py", "test_auto.py",
-                 "test_zoo.py", "test_model_state.py", "test_inplace.py", "test_bench.py",
-                 "test_untracked_aliases.py", "test_rss.py", "test_nvme_store.py",
-                 "test_compile.py")   # 147, 94, 71, 68, 63, 61, 48, 45, 45, 44, 38, 33 s
-
-
 def pytest_collection_modifyitems(config, items):
-    first = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))   # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device on this machine")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` in the collected order (LONGEST_FILES), not by test count."""
-    if config.getoption("dist", None) != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    config.option.loadscopereorder = False   # (an xdist before 3.6 sorts regardless)
-    return LoadFileScheduling(config, log)
 
 
 @pytest.fixture
