@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from .config_parse import knob, warn_once as _warn_once
+from .config_parse import knob, unset, warn_once as _warn_once
 from .errors import ConfigError
 from .tiers import nvme_space
 from .util.disk_space import RAM_FS_TYPES, StripedRoom, fs_type, striped_room
@@ -106,8 +106,7 @@ def _validate_host_sizes(config) -> None:
 def _validate_trace(config) -> None:
     where = config.where("trace")
     directory = os.path.dirname(os.path.abspath(config.trace))
-    unset = "unset OFFLOAD_TRACE" if where.startswith("OFFLOAD_") else "leave trace= out"
-    fix = f"point it at a file in an existing, writable directory, or {unset}"
+    fix = f"point it at a file in an existing, writable directory, or {unset(where, 'trace')}"
     if os.path.isdir(config.trace):
         raise ConfigError(f"{where}: {config.trace!r} is a directory ({fix})")
     if not os.path.isdir(directory):

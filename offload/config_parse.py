@@ -47,6 +47,12 @@ def knob(where: str, name: str) -> str:
     return f"OFFLOAD_{name.upper()}" if where.startswith("OFFLOAD_") else f"{name}="
 
 
+def unset(where: str, name: str) -> str:
+    """How a fix says to drop a knob: unset its variable, or leave its keyword out."""
+    return f"unset OFFLOAD_{name.upper()}" if where.startswith("OFFLOAD_") \
+        else f"leave {name}= out"
+
+
 def setting(where: str, name: str, value: bool) -> str:
     """`knob` set to a switch's value: `OFFLOAD_NAME=1` / `0`, or `name=True` / `False`."""
     return f"OFFLOAD_{name.upper()}={int(value)}" if where.startswith("OFFLOAD_") \

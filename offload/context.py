@@ -124,7 +124,7 @@ class ActivationOffload(CopiedAsNew):
             self._memo = None
             model = self._model   # found in the memo now (not the property: a step's cost)
             # OFFLOAD_LOG=ERROR quiets the checks' warnings; a disabled context does nothing
-            # at all. (Only a level: which ranks log INFO is set at entry, with it again.)
+            # at all. Only when a level is given: OFFLOAD_LOG_RANKS alone waits for entry.
             if self.config.enabled and self.config.log is not None:
                 self.config.apply_log_level()
             _check(self.config, model)

@@ -1604,6 +1604,20 @@ class DropConnect(nn.Module):
         return x + torch.tanh(F.linear(x, self.weight, self.lin.bias))
 
 
+# Blocks whose own forward pre-hook sets the weight they compute with, at every call.
+pre_hook_weights = pytest.mark.parametrize(
+    "make", [lambda: torch.nn.utils.spectral_norm(ResidualLayer()), DropConnect],
+    ids=["old_spectral_norm", "dropconnect"])
+
+
+def _assert_same_steps(plain, ours) -> None:
+    """Two runs' (per-step tensors, buffers at the end): bit-exact."""
+    (plain_steps, plain_buffers), (our_steps, our_buffers) = plain, ours
+    for step, (a, b) in enumerate(zip(plain_steps, our_steps)):
+        assert all(map(torch.equal, a, b)), f"step {step}"
+    assert all(map(torch.equal, plain_buffers, our_buffers))
+
+
 class Discriminator(nn.Module):
     def __init__(self, make) -> None:
         super().__init__()
@@ -1618,8 +1632,7 @@ class Discriminator(nn.Module):
 
 
 @pytest.mark.parametrize("policy", ["recompute", "auto"])
-@pytest.mark.parametrize("make", [lambda: torch.nn.utils.spectral_norm(ResidualLayer()),
-                                  DropConnect], ids=["old_spectral_norm", "dropconnect"])
+@pre_hook_weights
 def test_a_block_whose_own_pre_hook_sets_its_weight_called_twice_is_exact(policy, make,
                                                                           nvme_dir):
     """A GAN discriminator step: each block called on real and on fake inputs, one backward.
@@ -1646,15 +1659,11 @@ def test_a_block_whose_own_pre_hook_sets_its_weight_called_twice_is_exact(policy
             opt.zero_grad()
         return grads, [b.clone() for b in model.buffers()]
 
-    (plain, plain_buffers), (ours, our_buffers) = train(False), train(True)
-    for step, (a, b) in enumerate(zip(plain, ours)):
-        assert all(map(torch.equal, a, b)), f"step {step}"
-    assert all(map(torch.equal, plain_buffers, our_buffers))
+    _assert_same_steps(train(False), train(True))
 
 
 @pytest.mark.parametrize("policy", ["recompute", "auto"])
-@pytest.mark.parametrize("make", [lambda: torch.nn.utils.spectral_norm(ResidualLayer()),
-                                  DropConnect], ids=["old_spectral_norm", "dropconnect"])
+@pre_hook_weights
 def test_a_frozen_block_whose_pre_hook_sets_its_weight_called_twice_is_exact(policy, make,
                                                                              nvme_dir):
     """The generator's step: the discriminator frozen (`requires_grad_(False)`, still in
@@ -1675,10 +1684,7 @@ def test_a_frozen_block_whose_pre_hook_sets_its_weight_called_twice_is_exact(pol
             out.append([fake.grad for fake in fakes])
         return out, [b.clone() for b in model.buffers()]
 
-    (plain, plain_buffers), (ours, our_buffers) = grads(False), grads(True)
-    for step, (a, b) in enumerate(zip(plain, ours)):
-        assert all(map(torch.equal, a, b)), f"step {step}"
-    assert all(map(torch.equal, plain_buffers, our_buffers))
+    _assert_same_steps(grads(False), grads(True))
 
 
 # ---------------------------------------------------------------- lazy modules
