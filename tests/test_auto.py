@@ -295,6 +295,18 @@ def test_models_without_blocks_plan_keep_or_move(build, nvme_dir, caplog):
     ctx.close()
 
 
+def test_auto_on_a_one_layer_stack_says_which_blocks_to_pass(nvme_dir, caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8),
+                                torch.nn.ModuleList([torch.nn.TransformerEncoderLayer(8, 1)]))
+    with caplog.at_level(logging.INFO, logger="offload"):
+        with offload.activations(model=model, **_settings(nvme_dir, FAST)) as ctx:
+            model[0](torch.randn(2, 8)).sum().backward()
+    assert ("auto found no repeated blocks (pass model.1 holds one TransformerEncoderLayer "
+            "only (a stack counts from two layers): pass blocks=lambda m: isinstance(m, "
+            "TransformerEncoderLayer))" in caplog.text), caplog.text
+    ctx.close()
+
+
 def test_one_info_line_per_plan_and_explain(nvme_dir, caplog):
     model, loss_fn = small_gpt()
     with caplog.at_level(logging.INFO, logger="offload"):

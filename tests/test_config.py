@@ -325,6 +325,31 @@ def test_recompute_without_blocks_says_what_to_pass():
         offload.activations(policy="recompute", model=model, blocks=[])
 
 
+class _OneLayerStack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 4)
+        self.layers = torch.nn.ModuleList([torch.nn.TransformerEncoderLayer(4, 1)])
+        self.head = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 2)))
+
+
+def test_recompute_on_a_one_layer_stack_names_it_and_the_blocks_to_pass():
+    """A one-layer debug config of a transformer: its ModuleList of one layer is not a
+    stack (two or more). The message said blocks are "the members of an nn.ModuleList of
+    one layer class", which the model has; it now names the stack and the predicate."""
+    with pytest.raises(ConfigError) as said:
+        offload.activations(policy="recompute", model=_OneLayerStack())
+    assert str(said.value).endswith(
+        "(blocks are the members of an nn.ModuleList / nn.Sequential of two or more layers "
+        "of one class); model.layers holds one TransformerEncoderLayer only (a stack counts "
+        "from two layers): pass blocks=lambda m: isinstance(m, TransformerEncoderLayer)"), \
+        said.value
+    model = _OneLayerStack()
+    ctx = offload.activations(policy="recompute", model=model,
+                              blocks=lambda m: isinstance(m, torch.nn.TransformerEncoderLayer))
+    ctx.close()
+
+
 def test_nvme_dir_missing(tmp_path, monkeypatch):
     monkeypatch.delenv("OFFLOAD_NVME_DIR", raising=False)
     # The fix names knobs the way the user set them: keywords, or environment variables.

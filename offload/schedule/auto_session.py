@@ -31,7 +31,8 @@ import torch
 from ..config import Config
 from ..runtime.no_offload import no_offload_active
 from ..runtime.placement import Placement
-from .blocks import BlockWrappers, block_type_key, compiled_block, ours_innermost
+from .blocks import (BlockWrappers, block_type_key, compiled_block, lone_layer_hint,
+                     ours_innermost)
 from ..util.clock import clock_for
 from .constants import SHAPE_REPROFILES, TRIAL_MARGIN
 from .costs import PlanParams
@@ -60,7 +61,8 @@ class AutoSession(Session):
         super().__init__(config)
         self.state = state
         self.blocks = blocks
-        self._what_to_pass = "model= or blocks=" if model is None else "blocks="
+        self._what_to_pass = ("model= or blocks=" if model is None else
+                              (not blocks and lone_layer_hint(model)) or "blocks=")
         self.types = [block_type_key(b) for b in blocks]
         self.opaque = [compiled_block(b) for b in blocks]
         self.choice = StepChoice()   # what this step runs (the placement reads it)

@@ -72,7 +72,7 @@ from .stack_watch import StackWatch
 _forward_ad = torch.autograd.forward_ad   # its `_current_level`: -1 outside any dual level
 _functorch = torch._C._functorch
 
-__all__ = ["find_blocks", "locate_blocks", "BlockWrappers", "ours_innermost",
+__all__ = ["find_blocks", "locate_blocks", "lone_layer_hint", "BlockWrappers", "ours_innermost",
            "block_type_key", "compiled_block", "compiled_in_place"]
 
 log = logging.getLogger("offload")
@@ -140,6 +140,26 @@ def _detected_stacks(model: nn.Module | None) -> list[nn.Module]:
         chosen.append(stack)
         inside.update(id(m) for m in stack.modules())
     return chosen
+
+
+def lone_layer_hint(model: nn.Module | None) -> str:
+    """For a message saying no block was found: the largest stack of `model` that holds
+    one layer only (a one-layer debug config of a transformer), which detection passes
+    over (module doc: two or more), and the `blocks=` that would choose it; "" when there
+    is none. A layer here has layers of its own: `nn.Sequential(nn.Linear(...))` heads are
+    not what a user would checkpoint."""
+    if model is None:
+        return ""
+    lone = [(_nparams(m), name, type_before_parametrizations(m[0]))
+            for name, m in model.named_modules()
+            if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) == 1
+            and not isinstance(m[0], (nn.ModuleList, nn.Sequential))
+            and next(m[0].children(), None) is not None and _nparams(m) > 0]
+    if not lone:
+        return ""
+    _, name, cls = max(lone, key=lambda found: found[0])
+    return (f"model.{name} holds one {cls.__name__} only (a stack counts from two layers): "
+            f"pass blocks=lambda m: isinstance(m, {cls.__name__})")
 
 
 def _given_containers(blocks: Any) -> list[nn.Module]:

@@ -15,7 +15,7 @@ import torch
 from ..config import Config
 from ..errors import ConfigError
 from .auto_session import AutoSession
-from .blocks import locate_blocks
+from .blocks import locate_blocks, lone_layer_hint
 from .plan_cache import cache_for
 from .recompute_session import RecomputeSession
 from .session_base import Session
@@ -36,11 +36,12 @@ def _no_blocks(model: torch.nn.Module | None, blocks: Any) -> str:
         return "blocks= is empty (give the layers to checkpoint, or a predicate)"
     if model is None:
         return ("found no blocks to checkpoint: pass model= (its blocks are the members of an "
-                "nn.ModuleList / nn.Sequential of one layer class), or blocks=[...] / "
-                "blocks=lambda m: isinstance(m, MyLayer)")
+                "nn.ModuleList / nn.Sequential of two or more layers of one class), or "
+                "blocks=[...] / blocks=lambda m: isinstance(m, MyLayer)")
     return ("found no blocks to checkpoint in the model (blocks are the members of an "
-            "nn.ModuleList / nn.Sequential of one layer class); pass blocks=[...] / "
-            "blocks=lambda m: isinstance(m, MyLayer)")
+            "nn.ModuleList / nn.Sequential of two or more layers of one class); "
+            + (lone_layer_hint(model) or
+               "pass blocks=[...] / blocks=lambda m: isinstance(m, MyLayer)"))
 
 
 def start_session(config: Config, model: torch.nn.Module | None, blocks: Any,
