@@ -159,20 +159,22 @@ PyMethodDef moved_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-// configure_moved(load, empty, neg_view, version_error, next_sequence_nr,
+// configure_moved(load, empty, empty_strided, neg_view, version_error, next_sequence_nr,
 // rebuild_as_resized): what a MovedSave calls.
 PyObject* configure_moved(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* keywords[] = {"load", "empty", "neg_view", "version_error",
-                                   "next_sequence_nr", "rebuild_as_resized", nullptr};
-  PyObject *load, *empty, *neg_view, *version_error, *next_sequence_nr, *rebuild_as_resized;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO", const_cast<char**>(keywords), &load,
-                                   &empty, &neg_view, &version_error, &next_sequence_nr,
-                                   &rebuild_as_resized))
+  static const char* keywords[] = {"load", "empty", "empty_strided", "neg_view",
+                                   "version_error", "next_sequence_nr", "rebuild_as_resized",
+                                   nullptr};
+  PyObject *load, *empty, *empty_strided, *neg_view, *version_error, *next_sequence_nr,
+      *rebuild_as_resized;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO", const_cast<char**>(keywords), &load,
+                                   &empty, &empty_strided, &neg_view, &version_error,
+                                   &next_sequence_nr, &rebuild_as_resized))
     return nullptr;
   Py_XSETREF(calls.rebuild_as_resized, Py_NewRef(rebuild_as_resized));
   Py_XSETREF(calls.next_sequence_nr, Py_NewRef(next_sequence_nr));
   Py_XSETREF(calls.load, Py_NewRef(load));
-  configure_layout(empty, neg_view);
+  configure_layout(empty, empty_strided, neg_view);
   Py_XSETREF(calls.version_error, Py_NewRef(version_error));
   Py_RETURN_NONE;
 }
@@ -197,7 +199,8 @@ PyObject* moved_save(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef module_functions[] = {
     {"configure_moved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(configure_moved)),
      METH_VARARGS | METH_KEYWORDS,
-     "configure_moved(load, empty, neg_view, version_error, next_sequence_nr): what a "
+     "configure_moved(load, empty, empty_strided, neg_view, version_error, next_sequence_nr, "
+     "rebuild_as_resized): what a "
      "MovedSave calls (saved_handles.py sets it at import)."},
     {"moved_save", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(moved_save)),
      METH_FASTCALL,

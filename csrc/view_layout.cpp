@@ -13,8 +13,9 @@ namespace {
 
 // What a rebuild calls, set once from saved_handles.py (configure_moved -> configure_layout).
 struct LayoutCalls {
-  PyObject* empty = nullptr;      // torch.empty
-  PyObject* neg_view = nullptr;   // torch._neg_view
+  PyObject* empty = nullptr;           // torch.empty
+  PyObject* empty_strided = nullptr;   // torch.empty_strided
+  PyObject* neg_view = nullptr;        // torch._neg_view
 } calls;
 
 PyObject* n_dtype;
@@ -29,6 +30,7 @@ PyObject* n_set;
 PyObject* n_view;
 PyObject* n_is_complex;
 PyObject* n_as_strided;
+PyObject* n_copy;
 PyObject* kw_dtype_device;   // ("dtype", "device")
 
 // What a save reads of its dtype: remembered per dtype (torch's dtypes live for the
@@ -108,6 +110,27 @@ py::object rebuild(const ViewLayout* layout, const py::object& storage,
   return out;
 }
 
+// `out` in a fresh tensor with a snapshot's saved strides, when it has them (tensor_meta
+// NOTE [Snapshot strides]): `empty_strided(size, handed_stride).copy_(out)`, before the bits
+// are set (the bytes as they lie).
+py::object with_handed_stride(const ViewLayout* layout, py::object out) {
+  if (layout->handed_stride == nullptr) return out;
+  py::object size = layout_dims(layout, 0);
+  py::object stride = py::reinterpret_steal<py::object>(PyTuple_New(layout->ndim));
+  if (!stride) throw py::error_already_set();
+  for (Py_ssize_t i = 0; i < layout->ndim; ++i) {
+    PyObject* value = PyLong_FromLongLong(layout->handed_stride[i]);
+    if (value == nullptr) throw py::error_already_set();
+    PyTuple_SET_ITEM(stride.ptr(), i, value);
+  }
+  py::object device = attr(out.ptr(), n_device);
+  PyObject* args[] = {size.ptr(), stride.ptr(), layout->dtype, device.ptr()};
+  PyObject* made = PyObject_Vectorcall(calls.empty_strided, args, 2, kw_dtype_device);
+  if (made == nullptr) throw py::error_already_set();
+  py::object fresh = py::reinterpret_steal<py::object>(made);
+  return call_with(attr(fresh.ptr(), n_copy).ptr(), out);
+}
+
 // `out` with the saved conjugate / negative bits: lazy flags on top of the same bytes.
 py::object with_bits(const ViewLayout* layout, py::object out) {
   if (layout->conj) out = call_method(out.ptr(), n_conj);
@@ -179,8 +202,9 @@ py::object rebuild_flat(const ViewLayout* layout, const py::object& bytes,
 
 }  // namespace
 
-void configure_layout(PyObject* empty, PyObject* neg_view) {
+void configure_layout(PyObject* empty, PyObject* empty_strided, PyObject* neg_view) {
   Py_XSETREF(calls.empty, Py_NewRef(empty));
+  Py_XSETREF(calls.empty_strided, Py_NewRef(empty_strided));
   Py_XSETREF(calls.neg_view, Py_NewRef(neg_view));
 }
 
@@ -191,6 +215,23 @@ void read_layout(ViewLayout* layout, PyObject* t, PyObject* meta, long long stor
     layout->storage_offset = PyLong_AsLongLong(PyTuple_GET_ITEM(meta, 3));
     layout->conj = PyTuple_GET_ITEM(meta, 4) == Py_True;
     layout->neg = PyTuple_GET_ITEM(meta, 5) == Py_True;
+    PyObject* handed = PyTuple_GET_SIZE(meta) > 6 ? PyTuple_GET_ITEM(meta, 6) : Py_None;
+    if (handed != Py_None) {
+      if (!PyTuple_Check(handed) || PyTuple_GET_SIZE(handed) != layout->ndim) {
+        PyErr_SetString(PyExc_TypeError, "offload: a snapshot's handed stride must be a "
+                        "tuple of its size's length");
+        throw py::error_already_set();
+      }
+      layout->handed_stride = static_cast<long long*>(
+          PyMem_Malloc((layout->ndim > 0 ? layout->ndim : 1) * sizeof(long long)));
+      if (layout->handed_stride == nullptr) {
+        PyErr_NoMemory();
+        throw py::error_already_set();
+      }
+      for (Py_ssize_t i = 0; i < layout->ndim; ++i)
+        layout->handed_stride[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(handed, i));
+      if (PyErr_Occurred()) throw py::error_already_set();
+    }
   } else {
     layout->dtype = attr(t, n_dtype).release().ptr();
     set_dims(layout, attr(t, n_shape).ptr(), call_method(t, n_stride).ptr());
@@ -208,6 +249,8 @@ void clear_layout(ViewLayout* layout) {
   Py_CLEAR(layout->dtype);
   PyMem_Free(layout->dims);
   layout->dims = nullptr;
+  PyMem_Free(layout->handed_stride);
+  layout->handed_stride = nullptr;
 }
 
 py::object layout_dims(const ViewLayout* layout, Py_ssize_t from) {
@@ -223,12 +266,13 @@ py::object layout_dims(const ViewLayout* layout, Py_ssize_t from) {
 
 py::object rebuild_over_storage(const ViewLayout* layout, const py::object& storage,
                                 Py_ssize_t byte_offset) {
-  return with_bits(layout, rebuild(layout, storage, byte_offset));
+  return with_bits(layout, with_handed_stride(layout, rebuild(layout, storage, byte_offset)));
 }
 
 py::object rebuild_over_flat(const ViewLayout* layout, const py::object& bytes,
                              Py_ssize_t byte_offset, Py_ssize_t storage_nbytes) {
-  return with_bits(layout, rebuild_flat(layout, bytes, byte_offset, storage_nbytes));
+  return with_bits(layout, with_handed_stride(
+                               layout, rebuild_flat(layout, bytes, byte_offset, storage_nbytes)));
 }
 
 void init_layout_names() {
@@ -244,6 +288,7 @@ void init_layout_names() {
   n_view = intern("view");
   n_is_complex = intern("is_complex");
   n_as_strided = intern("as_strided");
+  n_copy = intern("copy_");
   kw_dtype_device = Py_BuildValue("(OO)", n_dtype, n_device);
   if (kw_dtype_device == nullptr) throw py::error_already_set();
 }

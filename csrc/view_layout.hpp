@@ -23,16 +23,20 @@ struct ViewLayout {
   Py_ssize_t ndim;
   long long storage_offset;   // in elements
   long long itemsize;         // dtype's, in bytes
+  // A snapshot's saved stride, `ndim` of them, when its copy's differs (tensor_meta NOTE
+  // [Snapshot strides]): the rebuilt tensor is handed out copied into one with these.
+  // Null otherwise (PyMem_Malloc'd).
+  long long* handed_stride;
   char conj;
   char neg;
 };
 
-// The torch functions a rebuild calls: torch.empty and torch._neg_view.
-void configure_layout(PyObject* empty, PyObject* neg_view);
+// The torch functions a rebuild calls: torch.empty, torch.empty_strided, torch._neg_view.
+void configure_layout(PyObject* empty, PyObject* empty_strided, PyObject* neg_view);
 
 // Fills `layout` (zero-filled, as a new handle's fields are) with `t`'s: from `meta` when it
-// is a snapshot's layout, the tuple (dtype, size, stride, storage_offset, conj, neg)
-// (tensor_meta NOTE [Untracked aliases]), else from `t` itself (None). `storage_offset`:
+// is a snapshot's layout, the tuple (dtype, size, stride, storage_offset, conj, neg,
+// handed_stride) (tensor_meta.SnapshotMeta), else from `t` itself (None). `storage_offset`:
 // t's, when the caller read it already; -1: read it. Throws py::error_already_set.
 void read_layout(ViewLayout* layout, PyObject* t, PyObject* meta, long long storage_offset);
 

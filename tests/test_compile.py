@@ -109,6 +109,52 @@ def test_compiled_blocks_inside_the_context(nvme_dir):
     _train_and_compare(model, model, backends, nvme_dir)
 
 
+class _FusedQKVAttention(nn.Module):
+    """Attention as HF GPT-2 and nanoGPT write it: q, k and v split from one projection."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (part.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for part in self.qkv(x).split(d, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_inductor_attention_splitting_one_qkv_output(tiers, nvme_dir):
+    """Inductor's forward saves q, k and v as aliases into the qkv buffer with no `_base`
+    (untracked: each copied at pack, its elements only), and its backward asserts the
+    strides it saved. The copies came back dense and the first backward failed
+    (`assert_size_stride`) under offload, recompute and auto for every compiled GPT-2 or
+    nanoGPT; they now come back with the saved strides (tensor_meta NOTE [Snapshot
+    strides]), bit-exact."""
+    def grads(ctx):
+        torch.manual_seed(0)
+        model = nn.Sequential(_FusedQKVAttention(), _FusedQKVAttention())
+        compiled = torch.compile(model, backend="inductor")
+        out = []
+        for step in range(2):
+            x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(step))
+            model.zero_grad(set_to_none=True)
+            with ctx:
+                compiled(x).pow(2).mean().backward()
+            out += [p.grad for p in model.parameters()]
+        return out
+
+    want = grads(contextlib.nullcontext())
+    ctx = offload.activations(tiers=tiers, nvme_dir=nvme_dir, min_bytes=0)
+    got = grads(ctx)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert ctx.stats.offloaded_tensors > 0
+    ctx.close()
+
+
 def test_the_context_installs_no_global_module_hook(nvme_dir):
     from torch.nn.modules import module as nn_module
 

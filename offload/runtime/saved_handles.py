@@ -162,7 +162,7 @@ class Moved(SavedOrigin):
         self.record = record
         # The tensor's own layout over the stored storage, or a snapshot's (tensor_meta NOTE
         # [Untracked aliases]); the ViewMeta itself is not kept.
-        meta = record.meta if record.meta is not None else view_meta(t)
+        meta = view_meta(t) if record.meta is None else record.meta[:6]
         self.dtype, self.size, self.stride, self.storage_offset, self.conj, self.neg = meta
         self.version = version
         self.sentinel = version_sentinel(t)  # zero bytes; shares t's version counter
@@ -191,7 +191,10 @@ class Moved(SavedOrigin):
                                        own=True)
             else:
                 storage, offset = load(self.record)
-                out = self._handed_out(storage, lambda over: rebuild(over, offset, self))
+                handed_stride = None if self.record.meta is None else \
+                    self.record.meta.handed_stride   # tensor_meta NOTE [Snapshot strides]
+                out = self._handed_out(storage,
+                                       lambda over: rebuild(over, offset, self, handed_stride))
         if not self.unpacked:
             self.unpacked = True
             handle_done(self.record)
@@ -252,7 +255,8 @@ def moved_version_error(save, seen: int) -> RuntimeError:
 
 
 if core_available():   # what the core's MovedSave calls (hooks.py NOTE [Move path in C])
-    load_core().configure_moved(load=load, empty=torch.empty, neg_view=torch._neg_view,
+    load_core().configure_moved(load=load, empty=torch.empty,
+                                empty_strided=torch.empty_strided, neg_view=torch._neg_view,
                                 version_error=moved_version_error,
                                 next_sequence_nr=_next_sequence_nr,
                                 rebuild_as_resized=rebuild_as_resized)

@@ -22,7 +22,7 @@ from ..errors import TierFullError
 from ..util.sizes import format_bytes
 from .placement import Placement, TensorInfo
 from .records import Ledger
-from .tensor_meta import snapshot, snapshot_nbytes, view_meta
+from .tensor_meta import snapshot, snapshot_meta, snapshot_nbytes
 from .timeline import Timeline
 
 __all__ = ["Storer", "forget_warnings"]
@@ -97,7 +97,7 @@ class Storer:
             source = storage   # what the tier takes: the storage, or the alias's snapshot
             if untracked:
                 copy = snapshot(t)
-                meta = view_meta(copy)
+                meta = snapshot_meta(copy, t)
                 source = copy.untyped_storage()
                 nbytes = source.nbytes()
             device = source.device

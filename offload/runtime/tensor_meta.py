@@ -59,7 +59,7 @@ from torch.nn.parameter import is_lazy
 
 _UNSET: Any = object()
 
-__all__ = ["ViewMeta", "view_meta", "rebuild", "movable", "movable_strided", "untracked_alias",
+__all__ = ["ViewMeta", "SnapshotMeta", "view_meta", "snapshot_meta", "rebuild", "movable", "movable_strided", "untracked_alias",
            "snapshot", "snapshot_nbytes", "instance_attrs",
            "StorageIndex", "ParamStorages", "is_weight"]
 
@@ -75,23 +75,56 @@ class ViewMeta(NamedTuple):
     neg: bool
 
 
+class SnapshotMeta(NamedTuple):
+    """A snapshot's layout (NOTE [Untracked aliases]): `ViewMeta`'s fields, of the copy, and
+    the saved tensor's own stride when the copy's differs.
+
+    NOTE [Snapshot strides] A snapshot holds its tensor's elements only: an alias with gaps
+    between them (q, k and v of one qkv buffer, as a compiled graph saves them) is copied
+    dense, in the same order of dimensions. Eager backward formulas take any strides, but
+    a compiled backward checks the strides it was traced with (inductor's
+    `assert_size_stride`) and failed on the dense copy. So unpack hands it back in a fresh
+    tensor with the saved strides (`torch.empty_strided`: the span they reach, up to the
+    whole buffer, for as long as backward holds it); the tiers still move only the elements.
+    """
+
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    conj: bool
+    neg: bool
+    handed_stride: tuple[int, ...] | None   # the saved tensor's, when the copy's differs
+
+
 def view_meta(t: torch.Tensor) -> ViewMeta:
     return ViewMeta(t.dtype, tuple(t.shape), t.stride(), t.storage_offset(),
                     t.is_conj(), t.is_neg())
 
 
-def rebuild(storage: torch.UntypedStorage, byte_offset: int, meta: Any) -> torch.Tensor:
+def snapshot_meta(copy: torch.Tensor, saved: torch.Tensor) -> SnapshotMeta:
+    """The layout of `copy`, `snapshot(saved)` (NOTE [Snapshot strides])."""
+    stride = saved.stride()
+    return SnapshotMeta(*view_meta(copy), stride if copy.stride() != stride else None)
+
+
+def rebuild(storage: torch.UntypedStorage, byte_offset: int, meta: Any,
+            handed_stride: tuple[int, ...] | None = None) -> torch.Tensor:
     """A tensor with `meta`'s layout over `storage`, whose bytes start at `byte_offset`.
 
     `meta`: a `ViewMeta`, or any object with its fields (saved_handles.py: a `Moved` holds them).
+    `handed_stride`: a snapshot's saved strides (NOTE [Snapshot strides]).
 
-    Zero-copy: the result shares `storage` and keeps it alive.
+    Zero-copy without `handed_stride`: the result shares `storage` and keeps it alive.
     """
     itemsize = meta.dtype.itemsize
     if byte_offset % itemsize:
         raise ValueError(f"byte offset {byte_offset} is not a multiple of {meta.dtype}'s size")
     out = torch.empty(0, dtype=meta.dtype, device=storage.device)
     out.set_(storage, byte_offset // itemsize + meta.storage_offset, meta.size, meta.stride)
+    if handed_stride is not None:   # the bytes as they lie: the bits are set after
+        out = torch.empty_strided(meta.size, handed_stride, dtype=meta.dtype,
+                                  device=storage.device).copy_(out)
     return _with_bits(out, meta)
 
 
