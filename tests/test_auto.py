@@ -1195,20 +1195,41 @@ def test_trial_choice_takes_the_fastest_measured_step():
 
     def plan_with(times):
         steps = TrialSteps(("checkpoint", "offload"))
-        assert steps.pending == ["plan", "checkpoint", "offload"] * 2
+        assert steps.pending == ["plan", "checkpoint", "offload", "offload", "checkpoint", "plan"]
         for mode, t in times:
             steps.done(mode, t)
         return steps
 
     p = plan_with([("plan", 8.5), ("checkpoint", 7.7), ("offload", 18.0),
-                   ("plan", 8.2), ("checkpoint", 7.9), ("offload", 17.0)])
+                   ("offload", 17.0), ("checkpoint", 7.9), ("plan", 8.2)])
     assert p.settled and p.mode == "checkpoint" and p.measured["plan"] == [8.5, 8.2]
     close = 8.2 * (1 - TRIAL_WIN / 2)   # faster, but within the noise allowance
     p = plan_with([("plan", 8.5), ("checkpoint", close), ("offload", 18.0),
-                   ("plan", 8.2), ("checkpoint", 9.0), ("offload", 17.0)])
+                   ("offload", 17.0), ("checkpoint", 9.0), ("plan", 8.2)])
     assert p.settled and p.mode == "plan"
     p = plan_with([("plan", 8.5), ("offload", 1.0)])   # not offload's turn: ignored
     assert not p.settled and p.running == "checkpoint" and "offload" not in p.measured
+
+
+@pytest.mark.parametrize("candidates", [("checkpoint",), ("offload", "checkpoint")])
+def test_trials_give_each_candidate_both_kinds_of_two_alternating_steps(candidates):
+    """A GAN loop whose discriminator step runs the generator with grad (`G(z).detach()`)
+    starts in the generator's blocks like the generator step: one class, whose steps
+    alternate a heavy and a light kind. In turns (plan, checkpoint, plan, checkpoint)
+    every plan trial ran on one kind and every checkpoint trial on the other, and the light
+    kind's strategy won however slow it was. Each candidate now runs on both kinds."""
+    from offload.schedule.trials import TrialSteps
+
+    cost = {"plan": 1.0, "offload": 1.2, "checkpoint": 1.3}   # the plan is fastest
+    steps = TrialSteps(candidates)
+    kinds = {}
+    for step in range(len(steps.pending)):
+        kind = 10.0 if step % 2 == 0 else 1.0   # D step, G step
+        mode = steps.running
+        kinds.setdefault(mode, set()).add(kind)
+        steps.done(mode, kind * cost[mode])
+    assert steps.settled and steps.mode == "plan", steps.measured
+    assert all(k == {10.0, 1.0} for k in kinds.values()), kinds
 
 
 @pytest.mark.trials
@@ -1422,7 +1443,7 @@ def test_a_trial_step_ended_by_the_users_own_error_drops_nothing(nvme_dir, monke
         with ctx:
             model(x).sum().backward()
     trials = ctx.plan.trial_steps
-    assert trials.pending == ["plan", "offload", "checkpoint"] * 2
+    assert trials.pending == ["plan", "offload", "checkpoint", "checkpoint", "offload", "plan"]
     for where in ("before the blocks", "after the backward", "after the backward",
                   "after the backward"):   # in the plan's, offload's and checkpoint's steps
         running = trials.running
@@ -1520,9 +1541,9 @@ def test_a_dropped_trial_settles_the_choice_among_the_others():
     steps.done("plan", 2.0)
     steps.done("offload", 1.0)
     steps.drop("checkpoint")
-    assert steps.pending == ["plan", "offload"] and steps.failed == ["checkpoint"]
+    assert steps.pending == ["offload", "plan"] and steps.failed == ["checkpoint"]
     steps.drop("plan")   # the plan's own step raising drops nothing
-    assert steps.pending == ["plan", "offload"]
+    assert steps.pending == ["offload", "plan"]
     steps.drop("offload")
     assert steps.settled and steps.mode == "plan" and steps.failed == ["checkpoint", "offload"]
     steps = TrialSteps(("checkpoint",))

@@ -7,7 +7,8 @@ model), so the contexts of a training loop share it; `reset()` empties the regis
 
 NOTE [Shape classes] A step's shape class is the type and signature (shapes, dtypes) of its
 first block call (two towers of other block types picked per batch, or a GAN's generator and
-discriminator steps in one context, are classes of their own: in one class each step of the
+discriminator steps in one context, the discriminator's running the generator under
+`no_grad`, are classes of their own: in one class each step of the
 other kind would run every block checkpointed, of a type its plan has not); each class gets
 its own plan, kept across steps (the MAX_PLANS most recently run), so a run whose lengths
 vary (unpadded batches) profiles each length once and plans from then on. A plan holds every

@@ -4,7 +4,12 @@ NOTE [Trials]. A plan is a prediction. When a whole-block strategy (`PURE`: `off
 `checkpoint`) is predicted within TRIAL_MARGIN of it (`Plan.trials`, search.py), the planned
 steps start with TRIAL_ROUNDS rounds that run the plan and each such strategy in turn, and
 the steps after run whichever had the fastest step (best of its rounds; a pure strategy
-must beat the plan by TRIAL_WIN, so noise does not flip it). The measured seconds and the
+must beat the plan by TRIAL_WIN, so noise does not flip it). Every other round runs them in
+the reverse order (plan, offload, checkpoint, checkpoint, offload, plan): each candidate
+then runs once on an even and once on an odd step of the class, so steps of two kinds that
+alternate in one class (a GAN's discriminator and generator steps both starting in the
+generator's blocks) give every candidate one of each, not all of one kind to one
+candidate; and a drift of the machine's speed over the trials weighs on all alike. The measured seconds and the
 choice are in `ctx.plan` (`mode`, `measured`; one INFO line). Every candidate is bit-exact
 and keeps no more than the budget (search.py leaves out one that would keep more), so a
 trial step costs time, never memory or correctness; but it may raise where the plan does
@@ -59,8 +64,10 @@ class TrialSteps:
     seconds per candidate)."""
 
     def __init__(self, candidates: tuple[str, ...] = ()) -> None:
-        self.pending: list[str] = [m for _ in range(TRIAL_ROUNDS)
-                                   for m in ("plan", *candidates)] if candidates else []
+        order = ("plan", *candidates)
+        self.pending: list[str] = [m for r in range(TRIAL_ROUNDS)
+                                   for m in (order if r % 2 == 0 else order[::-1])
+                                   ] if candidates else []
         self.measured: dict[str, list[float]] = {}
         self.failed: list[str] = []   # candidates whose trial step raised
         self.suspected: set[str] = set()   # whose backward after the block did not end once
