@@ -1,5 +1,11 @@
-"""Run a function on N gloo ranks of this host (spawned processes, CPU), as torchrun would
-start them: RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE set, one process group.
+"""Run a function on N gloo ranks of this host (CPU), as torchrun would start them:
+RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE set, one process group.
+
+The ranks fork from a forkserver that has imported torch and nothing else: importing torch
+took 2-5 s per rank and test on two loaded cores (spawn), the fork takes milliseconds. The
+server ran no computation, so a rank starts with no thread pool, no allocator cache and this
+package not imported, as a fresh interpreter would; it takes the caller's environment as it
+is at the call (the server's is the one of its start).
 
 The rendezvous is a file (no port to pick, so parallel test runs cannot collide). Each
 rank's return value comes back through a file; an exception in any rank fails the caller
@@ -7,6 +13,7 @@ with that rank's traceback.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import tempfile
 import traceback
@@ -20,6 +27,7 @@ import torch.multiprocessing as mp
 
 def _entry(local_rank: int, world: int, fn: Callable, args: tuple, env: dict[str, str],
            work: str, timeout_s: float | None) -> None:
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
@@ -52,10 +60,12 @@ def run_ranks(fn: Callable, *args: Any, world: int = 2,
     `timeout_s`: the process group's timeout (a collective left unpaired fails after it;
     torch's default is 30 minutes).
     """
+    environ = {**os.environ, **(env or {})}
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
     with tempfile.TemporaryDirectory(prefix="offload-dist-") as work:
         try:
-            mp.start_processes(_entry, args=(world, fn, args, dict(env or {}), work, timeout_s),
-                               nprocs=world, start_method="spawn")
+            mp.start_processes(_entry, args=(world, fn, args, environ, work, timeout_s),
+                               nprocs=world, start_method="forkserver")
         except Exception as exc:
             errors = []
             for r in range(world):
@@ -66,3 +76,14 @@ def run_ranks(fn: Callable, *args: Any, world: int = 2,
             raise AssertionError("\n".join(errors) or str(exc)) from None
         return [torch.load(os.path.join(work, f"rank{r}"), weights_only=False)["ok"]
                 for r in range(world)]
+
+
+def stop_forkserver() -> None:
+    """Stop this process's forkserver, if one runs: the next user starts its own, with its
+    own preload (one server per process, its preload fixed at its start: offload-bench's
+    workers fork from one that has imported the benchmark's worker, and transformers for
+    --hf). Private API of multiprocessing (3.8+); without it the server stays."""
+    from multiprocessing import forkserver
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()

@@ -21,7 +21,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import offload
-from distributed import run_ranks
+from distributed import run_ranks, stop_forkserver
 from mounts import free_bytes
 from offload._ext import core_available
 from offload.bench.models import GPT, GPTConfig
@@ -32,6 +32,16 @@ pytestmark = [pytest.mark.slow,
 
 MiB = 1 << 20
 STEPS = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_forkserver():
+    """The ranks fork from a server that has imported torch only (not one offload-bench's
+    tests left, with the benchmark imported), and the benchmark's tests after these start
+    theirs with their own imports."""
+    stop_forkserver()
+    yield
+    stop_forkserver()
 
 
 def _gpt() -> GPT:
