@@ -187,6 +187,28 @@ def test_gradient_check_covers_every_step(e2e):
     assert row.grads_differ == e2e["rows"]["corrupt"].grads_differ
 
 
+@pytest.mark.parametrize("ref, got, exact, diff", [
+    ([1.0, float("nan")], [1.0, float("nan")], True, 0.0),   # NaN in both: the same bytes
+    ([1.0, float("nan")], [1.0, 2.0], False, float("inf")),  # NaN on one side only
+    ([1.0, 0.0], [1.0, -0.0], False, 0.0),                   # a zero's sign: other bits
+    ([1.0, float("inf")], [1.0, float("inf")], True, 0.0),
+    ([1.0, float("nan")], [1.5, float("nan")], False, 0.5),
+])
+def test_the_last_steps_gradients_compare_as_bytes(ref, got, exact, diff, tmp_path):
+    """A model whose gradients hold NaN was "DIFF" against itself (`torch.equal` calls NaN
+    unequal to NaN, while the per-step checksums agreed), with a max diff of 0 (Python's
+    `max` with a NaN keeps the other figure) and no step to name."""
+    for name, values in (("ref", ref), ("got", got)):
+        torch.save({"w": torch.tensor(values), "none": None}, tmp_path / name)
+    same, max_diff, differ = measure.compare_grads(str(tmp_path / "ref"), str(tmp_path / "got"))
+    assert (same, max_diff, differ) == (exact, diff, [] if exact else ["w"])
+    row = Row(strategy="offload", available=True, bit_exact=same, max_abs_diff=max_diff,
+              grads_differ_steps=[])
+    assert report._grads(row) == ("bit-exact" if exact else
+                                  f"[bold red]DIFF[/] {diff:.2g}" if diff else
+                                  "[bold red]DIFF[/] bits")
+
+
 def test_memory_kept_between_steps_is_counted(e2e):
     # A 64 MiB arena pooled between steps like the runtime's staging arena: a baseline
     # taken with its warm-up pages resident would hide it (the peak was ~0 then).
@@ -747,6 +769,24 @@ def test_cross_check_flags_rss_the_accounting_misses():
     assert not any("offload-nvme: RSS" in line for line in lines)
 
 
+def test_a_row_whose_tiers_were_full_says_so():
+    """With OFFLOAD_NVME_BYTES=2MiB (or a nearly full disk) the offload-nvme row kept 41 MiB
+    on the device and looked like offload doing nothing: the runtime's warning went to the
+    worker's log, which is removed."""
+    import offload
+
+    stats = {**offload.Stats().as_dict(), "full_kept_bytes": 40 * MiB,
+             "nvme_capacity_bytes": 2 * MiB, "host_capacity_bytes": 0}
+    full = _row("offload-nvme", 100 * MiB, 40 * MiB, runtime_stats=stats)
+    roomy = _row("offload-host", 100 * MiB, 0, runtime_stats=offload.Stats().as_dict())
+    lines = report.footnotes([_row("none", 100 * MiB, 90 * MiB), full, roomy])
+    said = [line for line in lines if "tiers were full" in line]
+    assert said == ["  offload-nvme: its tiers were full: 40 MiB of a step's saves stayed "
+                    "where they were (room: nvme 2 MiB; OFFLOAD_HOST_BYTES / "
+                    "OFFLOAD_NVME_BYTES, or the disk's free space), so its memory figures "
+                    "are not those of moving everything"], lines
+
+
 def test_buffered_nvme_marked():
     none = _row("none", 1000 * MiB, 800 * MiB)
     buffered = _row("offload-nvme", 300 * MiB, 100 * MiB, nvme_direct=False, nvme_in_ram=True,
@@ -1098,6 +1138,17 @@ def test_json_has_one_versioned_schema():
         rows_mod.from_json(json.dumps({**doc, "schema_version": 0}))
     with pytest.raises(ValueError, match="not an offload-bench --json document"):
         rows_mod.from_json(json.dumps(doc["rows"]))  # the list the old --json wrote
+
+
+def test_json_names_an_infinite_figure_as_a_string():
+    """A gradient missing on one side makes max_abs_diff infinite: `--json` wrote
+    `Infinity`, which is not JSON (JSON.parse refuses it, jq reads 1.8e308)."""
+    row = _row("offload", 1000 * MiB, 800 * MiB)
+    row.bit_exact, row.max_abs_diff, row.grads_differ = False, float("inf"), ["w"]
+    text = rows_mod.to_json([row])
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert json.loads(text)["rows"][0]["max_abs_diff"] == "inf"
+    assert rows_mod.from_json(text) == [row]
 
 
 def test_json_that_cannot_be_written_leaves_no_part_file(tmp_path):

@@ -312,9 +312,11 @@ def compare_grads(ref_path: str, path: str) -> tuple[bool, float, list[str]]:
     """Compare two gradient files.
 
     Returns:
-        (bit_exact, max_abs_diff, names that differ). `bit_exact` is `torch.equal` on every
-        gradient; a missing/extra gradient or a shape/dtype change counts as a difference
-        with an infinite max_abs_diff.
+        (bit_exact, max_abs_diff, names that differ). `bit_exact`: every gradient's bytes
+        are the same, as the per-step checksums compare them (`torch.equal` calls NaN
+        unequal to itself: a model whose gradients hold NaN was "DIFF" against itself); a
+        missing/extra gradient or a shape/dtype change counts as a difference with an
+        infinite max_abs_diff, as does a NaN on one side only.
     """
     ref = torch.load(ref_path, mmap=True, weights_only=True)
     got = torch.load(path, mmap=True, weights_only=True)
@@ -327,9 +329,24 @@ def compare_grads(ref_path: str, path: str) -> tuple[bool, float, list[str]]:
             bit_exact, max_diff = False, float("inf")
             differ.append(name)
             continue
-        if not torch.equal(a, b):
+        if not torch.equal(_bytes(a), _bytes(b)):
             bit_exact = False
             differ.append(name)
-            max_diff = max(max_diff, (a.double() - b.double()).abs().max().item())
+            max_diff = max(max_diff, _max_abs_diff(a, b))
     return bit_exact, max_diff, differ
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b|: infinite where one side is NaN and the other is not (Python's
+    `max` with a NaN keeps the other figure, so a NaN vanished from the figure); 0 where
+    only a zero's sign or a NaN's payload differs."""
+    a, b = a.double(), b.double()
+    if not torch.equal(a.isnan(), b.isnan()):
+        return float("inf")
+    diff = torch.where((a == b) | a.isnan(), 0.0, (a - b).abs())
+    return diff.max().item() if diff.numel() else 0.0
 

@@ -62,9 +62,10 @@ def _grads(row: Row) -> str:
         return "bit-exact"
     if row.max_abs_diff:
         return f"[bold red]DIFF[/] {row.max_abs_diff:.2g}"
-    # The last step matched; an earlier one did not (its tensors are not kept, only CRCs).
+    # The last step matched; an earlier one did not (its tensors are not kept, only CRCs);
+    # or equal values in other bits (a zero's sign, a NaN's payload).
     steps = ",".join(str(k + 1) for k in row.grads_differ_steps or [])
-    return f"[bold red]DIFF[/] step {steps}"
+    return f"[bold red]DIFF[/] step {steps}" if steps else "[bold red]DIFF[/] bits"
 
 
 # The rows that wrap the blocks (strategies.py): the footnote naming them is for these.
@@ -213,6 +214,18 @@ def footnotes(rows: list[Row]) -> list[str]:
                        "(OFFLOAD_CPU_HEAP=reuse, the default; =release returns it to the OS "
                        "at about twice the page faults)")
             lines.append(f"  {_UNEXPLAINED} {r.strategy}: {r.resident_check}: {why}")
+    for r in shown:
+        stats = r.runtime_stats or {}
+        if stats.get("full_kept_bytes"):
+            # The runtime's warning saying so went to the worker's log, which is gone.
+            sizes = ", ".join(f"{name} {format_bytes(stats[f'{name}_capacity_bytes'])}"
+                              for name in ("host", "nvme")
+                              if stats.get(f"{name}_capacity_bytes"))
+            lines.append(f"  {r.strategy}: its tiers were full: "
+                         f"{format_bytes(stats['full_kept_bytes'])} of a step's saves stayed "
+                         f"where they were (room: {sizes or 'none'}; OFFLOAD_HOST_BYTES / "
+                         "OFFLOAD_NVME_BYTES, or the disk's free space), so its memory "
+                         "figures are not those of moving everything")
     for r in shown:
         if r.unsettled:
             lines.append(f"  {r.strategy}: had not settled after {r.untimed_steps} untimed steps "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,13 +152,14 @@ class Row:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Row":
-        data = dict(data)
+        data = {k: _named_float(v) if k in _FLOAT_FIELDS else v for k, v in data.items()}
         if data.get("max_batch_probes") is not None:
             data["max_batch_probes"] = [Probe(**p) for p in data["max_batch_probes"]]
         return cls(**data)
 
 
 ROW_FIELDS = tuple(f.name for f in dataclasses.fields(Row))
+_FLOAT_FIELDS = frozenset(f.name for f in dataclasses.fields(Row) if "float" in str(f.type))
 
 # The RSS cross-check (see add_relative): slack on top of the transient working set that
 # `none` shows, for sampling and allocator noise.
@@ -299,11 +301,35 @@ def _cross_check(rows: list[Row], ref: Row) -> None:
             row.resident_check = "ok"
 
 
+# JSON has no infinity or NaN (Python writes `Infinity`, which other parsers refuse and jq
+# reads as 1.8e308): such a figure (an infinite max_abs_diff) is written as a string.
+_NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _finite_or_named(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite_or_named(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_named(v) for v in value]
+    return value
+
+
+def _named_float(value: Any) -> Any:
+    """`_finite_or_named` undone for a float field (or a list of floats)."""
+    if isinstance(value, str):
+        return _NON_FINITE.get(value, value)
+    if isinstance(value, list):
+        return [_named_float(v) for v in value]
+    return value
+
+
 def to_json(rows: list[Row]) -> str:
     """The --json document: every row, every field (docs/benchmarks.md, *JSON*)."""
     doc = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
-           "rows": [dataclasses.asdict(r) for r in rows]}
-    return json.dumps(doc, indent=2, allow_nan=True) + "\n"
+           "rows": [_finite_or_named(dataclasses.asdict(r)) for r in rows]}
+    return json.dumps(doc, indent=2, allow_nan=False) + "\n"
 
 
 def from_json(text: str) -> list[Row]:
