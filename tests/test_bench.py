@@ -559,6 +559,86 @@ def test_a_model_without_blocks_says_so(tmp_path, nvme_dir, capsys):
         in capsys.readouterr().out
 
 
+_USER_MODELS = '''
+import torch, torch.nn as nn
+from layers import Stack   # a module beside this file, as `python user_models.py` finds it
+
+class Outputs(dict):   # what a Hugging Face model returns: an OrderedDict of its fields
+    pass
+
+class DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stack = Stack()
+    def forward(self, x):
+        return Outputs(logits=self.stack(x), hidden=x)
+
+class TokenLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.stack = nn.Embedding(50, 16), Stack()
+    def forward(self, ids):
+        return (self.stack(self.embed(ids)),)
+
+class Words(nn.Module):
+    def forward(self, x):
+        return ("not", "a tensor")
+
+def dict_out(): return DictOut()
+def token_lm(): return TokenLM()
+def words(): return Words()
+'''
+
+
+@pytest.mark.parametrize("factory, vocab, said", [
+    ("dict_out", None, None),
+    ("token_lm", 50, None),
+    ("token_lm", None, "(--model '{file}:token_lm' ran on torch.randn floats; a model taking "
+                       "token ids needs --input-vocab N)"),
+    ("words", None, "--model '{file}:words': the model returned tuple whose first element is "
+                    "str; the benchmark's loss needs a tensor"),
+])
+def test_user_models_of_other_outputs_and_inputs(factory, vocab, said, tmp_path):
+    """A helper's finds: a Hugging Face model's ModelOutput failed with "'ImageClassifierOutput'
+    object has no attribute 'float'", a model taking token ids could not be measured at all
+    (torch's embedding error, nothing saying the input is randn), and a FILE.py importing a
+    module beside it failed unless run from its directory."""
+    from offload.bench.spec import RunSpec
+    from offload.bench.workload import build_workload
+
+    (tmp_path / "layers.py").write_text(
+        "import torch.nn as nn\n"
+        "class Stack(nn.Sequential):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(*[nn.Linear(16, 16) for _ in range(2)])\n")
+    (tmp_path / "user_models.py").write_text(_USER_MODELS)
+    file = f"{tmp_path}/user_models.py"
+    spec = RunSpec(strategy="none", batch=2, model=f"{file}:{factory}", input_shape=(4, 16),
+                   input_vocab=vocab)
+    workload = build_workload(spec)
+    if said is None:
+        loss = workload.loss()
+        assert loss.shape == () and loss.requires_grad
+        assert len(workload.blocks) == 2
+    else:
+        with pytest.raises((RuntimeError, TypeError)) as raised:
+            workload.loss()
+        assert said.format(file=file) in str(raised.value)
+
+
+def test_input_vocab_is_checked_at_the_command_line(tmp_path, capsys):
+    from offload.bench.cli import build_parser, _resolve
+
+    (tmp_path / "m.py").write_text("import torch.nn as nn\ndef build(): return nn.Linear(4, 4)\n")
+    parser = build_parser()
+    for argv, said in ((["--input-vocab", "10"], "--input-vocab applies to --model only"),
+                       (["--model", f"{tmp_path}/m.py:build", "--input-shape", "4",
+                         "--input-vocab", "0"], "--input-vocab 0: the number of token ids")):
+        with pytest.raises(SystemExit):
+            _resolve(parser.parse_args(["--device", "cpu", *argv]), parser)
+        assert said in capsys.readouterr().err
+
+
 def test_a_run_where_every_row_ran_out_of_memory_fails(tmp_path, nvme_dir, capsys):
     """Before, it exited 0 with a table of "out of memory" rows: a script could not tell it
     from a measurement."""

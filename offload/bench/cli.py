@@ -73,9 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
            "override), or from a config.json as written; inputs input_ids and labels")
     a("--model", metavar="MODULE:FACTORY",
       help="benchmark your model: FACTORY() returns an nn.Module; input torch.randn(batch, "
-           "*input_shape); loss output.float().pow(2).mean(); accepts FILE.py:FACTORY")
+           "*input_shape); loss output.float().pow(2).mean() (of the first element of a "
+           "tuple, list, dict or Hugging Face ModelOutput); accepts FILE.py:FACTORY")
     a("--input-shape", metavar="D1,D2,...",
       help="per-sample input shape for --model, e.g. 3,224,224")
+    a("--input-vocab", type=int, metavar="N",
+      help="--model takes token ids: its input is torch.randint(N, (batch, *input_shape)) "
+           "instead of torch.randn")
     a("--steps", type=int, default=3, help="timed steps per run (default 3)")
     a("--warmup", type=int, default=1,
       help="untimed warm-up steps per run, at least 1 (default 1); auto also runs its profile "
@@ -285,6 +289,9 @@ def _resolve(args, parser) -> Settings:
         if not shape or min(shape) < 1:
             parser.error(f"--input-shape {args.input_shape!r}: expected positive integers "
                          "separated by commas, e.g. 3,224,224")
+        if args.input_vocab is not None and args.input_vocab < 1:
+            parser.error(f"--input-vocab {args.input_vocab}: the number of token ids, at least "
+                         "1 (inputs are drawn from 0 to N-1)")
         from offload.bench.workload import load_factory
 
         try:
@@ -294,8 +301,9 @@ def _resolve(args, parser) -> Settings:
         gpt, batch = None, args.batch or MODEL_DEFAULT_BATCH
         model_label, seq_len = args.model, None
     else:
-        if args.input_shape:
-            parser.error("--input-shape applies to --model only")
+        if args.input_shape or args.input_vocab is not None:
+            parser.error(f"{'--input-shape' if args.input_shape else '--input-vocab'} applies "
+                         "to --model only")
         base_cfg, machine_batch = gpt_for_machine(device)
         gpt = dataclasses.asdict(base_cfg)
         overrides = _parse_gpt(",".join(args.gpt), parser)
@@ -351,6 +359,7 @@ def _resolve(args, parser) -> Settings:
     spec = RunSpec(strategy="none", device=str(device), dtype=dtype, batch=batch,
                    warmup=args.warmup, steps=args.steps, seed=args.seed, gpt=gpt,
                    model=args.model, input_shape=shape if args.model else None,
+                   input_vocab=args.input_vocab,
                    hf=hf_model.to_dict() if hf_model else None,
                    budget=args.budget, explain=args.explain, plugins=tuple(args.plugin))
     if args.max_batch_cap is not None and args.max_batch_cap < batch:

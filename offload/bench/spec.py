@@ -28,6 +28,7 @@ class RunSpec:
     model: str | None = None                  # "module:factory" or "file.py:factory"
     hf: dict | None = None                    # --hf: offload.bench.hf.HfModel.to_dict()
     input_shape: tuple[int, ...] | None = None  # per-sample shape for --model
+    input_vocab: int | None = None            # --model's inputs are token ids below this
     nvme_dir: str | None = None               # comma-separated, for the offload rows
     budget: str | None = None                 # passed to offload.activations(budget=) if set
     grads_path: str | None = None             # where to torch.save the checked gradients

@@ -6,9 +6,11 @@ Built-in: the GPT of :mod:`offload.bench.models` (``loss = cross-entropy of next
 inputs ``input_ids`` and ``labels``, its own loss.
 
 ``--model module:factory`` (or ``path/to/file.py:factory``): ``factory()`` returns an
-``nn.Module``; the input is ``torch.randn(batch, *input_shape)`` and the loss is
-``output.float().pow(2).mean()`` (for a tuple/list output, of its first element). The loss is
-arbitrary but fixed, which is all a memory/time/gradient comparison needs.
+``nn.Module``; the input is ``torch.randn(batch, *input_shape)`` (token ids,
+``torch.randint(input_vocab, ...)``, with ``--input-vocab``) and the loss is
+``output.float().pow(2).mean()`` (for a tuple, list, dict or Hugging Face ModelOutput, of its
+first element). The loss is arbitrary but fixed, which is all a memory/time/gradient
+comparison needs.
 
 The blocks the checkpointing rows wrap are the ones ``policy="recompute"`` picks
 (offload/schedule/blocks.py), for every kind of model.
@@ -21,7 +23,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -74,6 +76,9 @@ def load_module(text: str, what: str, fresh: bool = False):
                                                               path)
             if mod_spec is None or not os.path.isfile(path):
                 raise ImportError(f"no such file: {path}")
+            # As `python path/to/file.py` would: the modules beside it are importable.
+            if os.path.dirname(path) not in sys.path:
+                sys.path.insert(0, os.path.dirname(path))
             module = importlib.util.module_from_spec(mod_spec)
             mod_spec.loader.exec_module(module)
             return module
@@ -103,6 +108,23 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     if not callable(factory):
         raise ValueError(f"--model {spec!r}: {module_name!r} has no callable {attr!r}")
     return factory
+
+
+def _first_output(out: Any, model: str) -> torch.Tensor:
+    """What --model's loss is taken of: the output, or the first element of a tuple, list,
+    dict or Hugging Face ModelOutput (an OrderedDict of the fields that are set)."""
+    first = out
+    if isinstance(out, (tuple, list)) and out:
+        first = out[0]
+    elif isinstance(out, Mapping) and out:
+        first = next(iter(out.values()))
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"--model {model!r}: the model returned {type(out).__name__}"
+                        + (f" whose first element is {type(first).__name__}" if first is not out
+                           else "")
+                        + "; the benchmark's loss needs a tensor (the output, or the first "
+                          "element of a tuple, list or dict)")
+    return first
 
 
 def block_names(model: nn.Module, blocks: list[nn.Module]) -> list[str]:
@@ -185,13 +207,20 @@ def build_workload(spec: RunSpec) -> Workload:
             raise ValueError(f"--model {spec.model!r}: the factory returned "
                              f"{type(model).__name__}, not a torch.nn.Module")
         model = model.to(device)
-        x = torch.randn((spec.batch, *spec.input_shape), generator=gen).to(device)
+        shape = (spec.batch, *spec.input_shape)
+        x = (torch.randn(shape, generator=gen) if spec.input_vocab is None else
+             torch.randint(spec.input_vocab, shape, generator=gen)).to(device)
 
         def forward_loss() -> torch.Tensor:
-            out = model(x)
-            if isinstance(out, (tuple, list)):
-                out = out[0]
-            return out.float().pow(2).mean()
+            try:
+                out = model(x)
+            except RuntimeError as exc:
+                if spec.input_vocab is None and "'indices'" in str(exc):   # an embedding's
+                    raise RuntimeError(f"{exc}\n(--model {spec.model!r} ran on torch.randn "
+                                       "floats; a model taking token ids needs --input-vocab "
+                                       "N)") from exc
+                raise
+            return _first_output(out, spec.model).float().pow(2).mean()
 
     model.train()
     return Workload(model=model, blocks=find_blocks(model), device=device,
