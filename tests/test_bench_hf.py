@@ -80,6 +80,20 @@ def test_type_is_sized_for_the_machine_in_the_familys_proportions():
     assert (gpt2.n_embd, gpt2.n_layer, gpt2.n_head, gpt2.n_positions) == (512, 8, 8, 512)
 
 
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
+def test_a_config_of_bfloat16_weights_builds_the_model_the_row_says(key, tmp_path):
+    """A real checkpoint's config.json carries the dtype its weights were stored in: the
+    model was built in bfloat16 and ran so, while its row said fp32 (--dtype)."""
+    import torch
+    from offload.bench import hf
+
+    (tmp_path / "llama.json").write_text(json.dumps({
+        "model_type": "llama", key: "bfloat16", "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 64}))
+    model = hf.build(hf.resolve(str(tmp_path / "llama.json"), {"seq_len": 8}, None).to_dict())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
 def test_config_json_errors(tmp_path):
     from offload.bench import hf
 

@@ -163,7 +163,12 @@ def build(spec: dict[str, Any]):
     """The model of an :meth:`HfModel.to_dict` (on the current default device)."""
     transformers = _transformers()
     transformers.logging.set_verbosity_error()  # no "loss_type=None" advice per worker
+    import torch
+
     config = transformers.AutoConfig.for_model(spec["model_type"], **spec["config"])
-    return transformers.AutoModelForCausalLM.from_config(config)
+    # In float32 whatever the config's `torch_dtype` (the dtype its checkpoint was stored
+    # in): --dtype says what the step runs in (bf16: autocast), and the row says --dtype;
+    # a config of real weights in bfloat16 ran in bf16 while its row said fp32.
+    return transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
 
 
