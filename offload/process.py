@@ -36,11 +36,13 @@ from .util import per_model as _per_model
 __all__ = ["empty_cache", "reset", "after_fork_in_child"]
 
 
-def empty_cache() -> None:
-    """Close the idle NVMe stores and the pooled arenas now (`offload.empty_cache()`)."""
+def empty_cache(stores: bool = True) -> None:
+    """Close the idle NVMe stores (`stores`) and the pooled arenas now
+    (`offload.empty_cache()`)."""
     _step.finish_pending()
     _pool.clear()
-    _nvme_space.close_idle()
+    if stores:
+        _nvme_space.close_idle()
 
 
 def reset() -> None:
