@@ -879,6 +879,14 @@ def test_cross_check_flags_rss_the_accounting_misses():
     assert not any("offload-nvme: RSS" in line for line in lines)
 
 
+def test_the_title_names_the_device_when_none_failed():
+    failed = Row(strategy="none", available=False, device="cpu", model="m", batch=2,
+                 dtype="fp32", steps=1, warmup=1, rounds=1)
+    ran = Row(strategy="offload-host", available=True, device="cpu", device_name="x86_64",
+              model="m", batch=2, dtype="fp32", steps=1, warmup=1, rounds=1)
+    assert "cpu (x86_64);" in report.title([failed, ran])
+
+
 def test_a_row_whose_tiers_were_full_says_so():
     """With OFFLOAD_NVME_BYTES=2MiB (or a nearly full disk) the offload-nvme row kept 41 MiB
     on the device and looked like offload doing nothing: the runtime's warning went to the
@@ -969,6 +977,10 @@ def test_buffered_nvme_dir_flagged_end_to_end(tmp_path, capsys):
     (["--timeout-s", "0"], "--timeout-s 0: must be more than 0 seconds"),
     (["--timeout-s", "-5"], "--timeout-s -5: must be more than 0 seconds"),
     (["--warmup", "0"], "--warmup 0: must be at least 1 (the first step pays one-time setup"),
+    # Was: accepted and measured by no row.
+    (["--strategies", "offload-host", "--budget", "30%"],
+     "--budget applies to the auto row only (add auto to --strategies: --strategies "
+     "none,offload-host,auto)"),
     # Was: accepted by the CLI, then the auto row "not available" with a zero exit.
     (["--budget=150%"], "--budget '150%': 150% is over 100% (give at most 100%"),
     # The runtime's own checks of the directory (offload.config), not a traceback from

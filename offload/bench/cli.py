@@ -337,6 +337,9 @@ def _resolve(args, parser) -> Settings:
             preload = ("transformers",)
 
     if args.budget is not None:
+        if "auto" not in strategies:   # else it was silently measured by no row
+            parser.error(f"--budget applies to the auto row only (add auto to --strategies: "
+                         f"--strategies {','.join([*strategies, 'auto'])})")
         try:  # the runtime's own rules for OFFLOAD_BUDGET (a share is at most 100%)
             Config.from_env(env={}, budget=args.budget)
         except ConfigError as exc:

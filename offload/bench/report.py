@@ -107,8 +107,10 @@ def title(rows: list[Row], sep: str = " ") -> str:
     which does not wrap)."""
     r = rows[0]
     seq = f", seq {r.seq_len}" if r.seq_len else ""
+    # The device's name from a row that ran (none may have failed before it said it).
+    name = next((x.device_name for x in rows if x.device_name), None) or "?"
     return (f"offload-bench: {r.model}, batch {r.batch}{seq}, {r.dtype},{sep}"
-            f"{r.device} ({r.device_name or '?'}); {r.steps} timed step(s) after "
+            f"{r.device} ({name}); {r.steps} timed step(s) after "
             f"{r.warmup} warm-up, {r.rounds} round(s)")
 
 
