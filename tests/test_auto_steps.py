@@ -190,6 +190,31 @@ def test_only_training_steps_are_booked_as_trials(nvme_dir, monkeypatch):
     assert plan.pending == pending[1:] and len(plan.measured["plan"]) == 1
 
 
+def test_steps_that_are_not_training_steps_say_why_auto_has_not_planned(nvme_dir, caplog):
+    """A helper's GAN loop kept a graph alive with retain_graph past every step: auto never
+    planned, ctx.plan stayed None and nothing said why, even at INFO."""
+    model, loss_fn = small_gpt(layers=2, hidden=32)
+    ctx = offload.activations(model=model, **_settings(nvme_dir))
+    with caplog.at_level(logging.INFO, logger="offload"):
+        for _ in range(5):
+            with ctx:
+                loss = loss_fn()
+                loss.backward(retain_graph=True)
+            # the graph outlives the step: it ends when `loss` is rebound, in the next
+    said = [r.getMessage() for r in caplog.records if "has not planned" in r.getMessage()]
+    assert said == ["offload: auto has not planned: its last 3 steps were not training steps "
+                    "(a forward and its own backward inside the context: not an eval block, "
+                    "not a graph kept alive with retain_graph past the step, not a step "
+                    "torch.compile compiled in); ctx.plan stays None until one runs"]
+    assert ctx.plan is None
+    del loss
+    for _ in range(2):   # warm-up, profile
+        with ctx:
+            loss_fn().backward()
+    assert ctx.plan is not None
+    ctx.close()
+
+
 def test_steps_alive_at_once_settle_on_one_plan(nvme_dir, caplog):
     """NOTE [Steps alive at once]: one entry per micro-batch, the backwards after all the
     forwards. The second entry replaced the session's state of the first, whose end then

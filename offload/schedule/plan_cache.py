@@ -132,6 +132,9 @@ class PlanCache:
         # class -> whether it is yet to be said, of those that profiled again for keeping
         # more than planned (NOTE [Kept more than planned])
         self.kept_over: dict = {}
+        # steps in a row, before the first training step, that were not one (said once at
+        # UNTRAINED_SAID: why ctx.plan stays None)
+        self.untrained_steps = 0
         self.lock = threading.Lock()
 
     @property
