@@ -37,7 +37,7 @@ from ..util.clock import clock_for
 from .constants import SHAPE_REPROFILES, TRIAL_MARGIN
 from .costs import PlanParams
 from .placement import SchedulePlacement, StepChoice
-from .plan_cache import NO_BLOCK, ClassPlan, PlanCache, describe_class
+from .plan_cache import NO_BLOCK, UNTRAINED_SAID, ClassPlan, PlanCache, describe_class
 from .probe import figures_for
 from .profile import BlockProfiler, Profile, signature, step_times
 from .arguments import flatten_call
@@ -53,7 +53,6 @@ __all__ = ["AutoSession"]
 log = logging.getLogger("offload")
 
 _UNKNOWN = ("unknown",)   # this step's class before its first block call
-_UNTRAINED_SAID = 3       # steps that were not training steps, before any, that say so
 
 
 class AutoSession(Session):
@@ -265,22 +264,6 @@ class AutoSession(Session):
                 self._fallback = "an op output the plan stored was changed in place later"
         return changed
 
-    def _count_untrained(self, training: bool) -> None:
-        """Say once why ctx.plan stays None when the steps so far are not training steps
-        (step.py NOTE [Training step]): a GAN step keeping its loss, and with it a graph
-        retained for a second backward, until the next step never planned, silently."""
-        state = self.state
-        if training or state.warm:
-            state.untrained_steps = 0
-            return
-        state.untrained_steps += 1
-        if state.untrained_steps == _UNTRAINED_SAID:
-            log.info("offload: auto has not planned: its last %d steps were not training "
-                     "steps (a forward and its own backward inside the context: not an eval "
-                     "block, not a graph kept alive with retain_graph past the step, not a "
-                     "step torch.compile compiled in); ctx.plan stays None until one runs",
-                     _UNTRAINED_SAID)
-
     def step_done(self, report) -> None:
         entry, choice = self._trial_of.pop(id(report.stats), (None, None))
         if report.failed and entry is not None and choice.checkpointed \
@@ -294,7 +277,12 @@ class AutoSession(Session):
                 self._profile_again(reason)
             else:   # an earlier step's: `key` is another's; said at the next entry
                 self._reruns.unsaid = self._reruns.unsaid or reason
-        self._count_untrained(report.training)
+        if self.state.untrained(report.training):   # why ctx.plan stays None
+            log.info("offload: auto has not planned: its last %d steps were not training "
+                     "steps (a forward and its own backward inside the context: not an eval "
+                     "block, not a graph kept alive with retain_graph past the step, not a "
+                     "step torch.compile compiled in); ctx.plan stays None until one runs",
+                     UNTRAINED_SAID)
         if self._hooks is None or report.stats is not self._hooks.stats:
             # NOTE [Steps alive at once] Another step of this context was entered before this
             # one ended (one entry per micro-batch, the backwards after all the forwards):

@@ -43,11 +43,12 @@ from .explain import render, summary
 from .plan import Plan
 from .trials import TrialSteps
 
-__all__ = ["ClassPlan", "PlanCache", "NO_BLOCK", "cache_for", "describe_class"]
+__all__ = ["ClassPlan", "PlanCache", "NO_BLOCK", "UNTRAINED_SAID", "cache_for", "describe_class"]
 
 log = logging.getLogger("offload")
 
 NO_BLOCK = None   # the shape class of a step in which no block ran through us
+UNTRAINED_SAID = 3   # steps, before the first training step, not one: said at this many
 
 
 def describe_class(key) -> str:
@@ -132,10 +133,19 @@ class PlanCache:
         # class -> whether it is yet to be said, of those that profiled again for keeping
         # more than planned (NOTE [Kept more than planned])
         self.kept_over: dict = {}
-        # steps in a row, before the first training step, that were not one (said once at
-        # UNTRAINED_SAID: why ctx.plan stays None)
-        self.untrained_steps = 0
+        self.untrained_steps = 0   # steps in a row, before the first training step, not one
         self.lock = threading.Lock()
+
+    def untrained(self, training: bool) -> bool:
+        """Count a step that ended (step.py NOTE [Training step]); True once, when the first
+        UNTRAINED_SAID steps were not training steps: the session says why ctx.plan stays
+        None (a GAN step keeping its loss, and the graph it retained, until the next step
+        never planned, silently)."""
+        if training or self.warm:
+            self.untrained_steps = 0
+            return False
+        self.untrained_steps += 1
+        return self.untrained_steps == UNTRAINED_SAID
 
     @property
     def plan(self) -> ClassPlan | None:
