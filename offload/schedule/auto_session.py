@@ -342,22 +342,12 @@ class AutoSession(Session):
 
     def _fall_back(self, reason: str, shape_miss: bool = False) -> None:
         """This step runs its blocks from here on checkpointed, and its class profiles
-        again, unless it keeps its plan through calls of other shapes (`_keeps_plan`)."""
+        again, unless it keeps its plan through calls of other shapes
+        (`PlanCache.keeps_plan`)."""
         self._fallback, self._shape_miss = reason, shape_miss
-        if not (shape_miss and self._keeps_plan()):
+        if not (shape_miss and self.state.keeps_plan(self.key)):
             log.info("offload: auto: %s; it and the blocks after it run checkpointed this "
                      "step, and its shape class profiles again", reason)
-
-    def _keeps_plan(self) -> bool:
-        """plan_cache NOTE [Shape classes]: this step's class keeps its plan through calls of
-        other shapes (said once per class)."""
-        misses = self.state.shape_misses.get(self.key, 0)
-        if misses == SHAPE_REPROFILES:
-            log.info("offload: auto: block calls with other shapes than planned for keep "
-                     "coming after %d profiles of shapes %s; its plan stays, and such calls "
-                     "run checkpointed with the blocks after them", misses,
-                     describe_class(self.key))
-        return misses >= SHAPE_REPROFILES
 
     def _make_plan(self, key, report) -> None:
         profile = self._profile(report)
@@ -372,7 +362,7 @@ class AutoSession(Session):
         notes = (f"{UNRUN}: planned keep / host / nvme per saved tensor, nothing "
                  "recomputed",) if unrun else ()
         plan = make_plan(profile, figures_for(self.config, profile.device),
-                         self._params(profile), notes)
+                         PlanParams.of(self.config, profile, self._capacity), notes)
         if unrun:
             say_unrun_once(self.blocks, "auto", "planning keep / host / nvme per saved "
                            "tensor, nothing recomputed")
@@ -408,12 +398,3 @@ class AutoSession(Session):
         return Profile(self._device, *times, report.stats.saved_bytes, blocks, items,
                        dict(self._placement.visits), unprofiled)
 
-    def _params(self, profile: Profile) -> PlanParams:
-        config = self.config
-        budget = 0 if config.budget is None else \
-            config.budget.resolve(profile.peak_saved_bytes)   # profile.py NOTE [Micro-batches]
-        cpu = profile.device.type == "cpu"
-        tiers = tuple(t for t in config.tiers if not (cpu and t == "host"))
-        capacity = {t: self._capacity[t] for t in tiers if t in self._capacity}
-        return PlanParams(budget_bytes=budget, tiers=tiers, capacity_bytes=capacity,
-                          device_type=profile.device.type, staging_bytes=config.staging_bytes)

@@ -50,6 +50,18 @@ class PlanParams:
     device_type: str = "cpu"
     staging_bytes: int = 0
 
+    @classmethod
+    def of(cls, config, profile: Profile, capacity: dict) -> "PlanParams":
+        """The params of `config` (a Config) for `profile`, with the tiers' `capacity`
+        (tier -> bytes). On a CPU the host tier frees no device memory: left out."""
+        budget = 0 if config.budget is None else \
+            config.budget.resolve(profile.peak_saved_bytes)   # profile.py NOTE [Micro-batches]
+        cpu = profile.device.type == "cpu"
+        tiers = tuple(t for t in config.tiers if not (cpu and t == "host"))
+        return cls(budget_bytes=budget, tiers=tiers,
+                   capacity_bytes={t: capacity[t] for t in tiers if t in capacity},
+                   device_type=profile.device.type, staging_bytes=config.staging_bytes)
+
 
 @dataclass(frozen=True)
 class Prediction:

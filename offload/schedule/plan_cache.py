@@ -38,7 +38,7 @@ import torch
 from ..config import Config
 from ..util import per_model
 from ..util.sizes import format_bytes
-from .constants import KEPT_SLACK, KEPT_SLACK_BYTES, MAX_PLANS
+from .constants import KEPT_SLACK, KEPT_SLACK_BYTES, MAX_PLANS, SHAPE_REPROFILES
 from .explain import render, summary
 from .plan import Plan
 from .trials import TrialSteps
@@ -135,6 +135,17 @@ class PlanCache:
         self.kept_over: dict = {}
         self.untrained_steps = 0   # steps in a row, before the first training step, not one
         self.lock = threading.Lock()
+
+    def keeps_plan(self, key) -> bool:
+        """NOTE [Shape classes]: class `key` keeps its plan through calls of other shapes
+        (said once per class)."""
+        misses = self.shape_misses.get(key, 0)
+        if misses == SHAPE_REPROFILES:
+            log.info("offload: auto: block calls with other shapes than planned for keep "
+                     "coming after %d profiles of shapes %s; its plan stays, and such calls "
+                     "run checkpointed with the blocks after them", misses,
+                     describe_class(key))
+        return misses >= SHAPE_REPROFILES
 
     def untrained(self, training: bool) -> bool:
         """Count a step that ended (step.py NOTE [Training step]); True once, when the first
