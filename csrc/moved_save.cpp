@@ -315,7 +315,17 @@ py::object handed_out(MovedSave* self, const py::object& bytes, bool flat, bool 
   if (cache->handed != nullptr) {
     key = layout_key(self);
     PyObject* seen = PyDict_GetItemWithError(cache->handed, key.ptr());   // borrowed
-    if (seen != nullptr) return py::reinterpret_borrow<py::object>(seen);
+    if (seen != nullptr) {
+      // A save whose strides were restored (tensor_meta NOTE [Snapshot strides]) was
+      // handed a fresh tensor, version 1 after its copy: a write into it since is not in
+      // the loaded bytes' counter, so it is counted here (records.py NOTE [Writes into a
+      // shared copy]).
+      if (self->layout.handed_stride != nullptr) {
+        const long long written = as_int(attr(seen, names.version)) - 1;
+        if (written > 0) raise_version_error(self, self->version + written);
+      }
+      return py::reinterpret_borrow<py::object>(seen);
+    }
     if (PyErr_Occurred()) throw py::error_already_set();
   }
   const bool apart = cache->handed != nullptr && PyDict_GET_SIZE(cache->handed) > 0;

@@ -26,7 +26,9 @@ autograd checks. Plain autograd raises its in-place error when another save of t
 is unpacked after such a write. A CPU nvme payload's copy is one flat tensor and each save
 is a view of it, sharing its version counter: its version is noted when it is loaded, and an
 unpack from the cache that finds it moved on raises autograd's error, with the version
-autograd would report (the save's own plus the writes). Not seen: a write before an
+autograd would report (the save's own plus the writes); a save with gaps is handed a fresh
+tensor with its strides instead (tensor_meta NOTE [Snapshot strides]), at version 1 after its
+copy, and the cache counts writes into it by its own counter. Not seen: a write before an
 unpack that loads afresh (every save of the storage was unpacked already: a single save
 written through `grad_fn._saved_self`, a retained graph's second backward), writes into
 the copy a save of another layout was handed (NOTE [One tensor per layout]), and the copies
