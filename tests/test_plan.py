@@ -247,9 +247,8 @@ def test_pure_strategies_are_priced_and_the_close_ones_measured():
                        if t <= (1 + TRIAL_MARGIN) * plan.prediction.step_s)
         assert plan.trials == within
         steps = TrialSteps(plan.trials)
-        order = ["plan", *within]   # every other round reversed (trials.py NOTE [Trials])
-        assert steps.pending == ([m for r in range(TRIAL_ROUNDS)
-                                  for m in (order if r % 2 == 0 else order[::-1])]
+        # each TRIAL_ROUNDS steps in a row (trials.py NOTE [Trials])
+        assert steps.pending == ([m for m in ["plan", *within] for _ in range(TRIAL_ROUNDS)]
                                  if within else [])
         assert steps.running == "plan" and steps.settled == (not within)
         again = make_plan(profile(), figures(gbps), params())

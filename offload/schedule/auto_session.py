@@ -337,7 +337,7 @@ class AutoSession(Session):
                 mode, self._clock.seconds(self._t0, self._clock.mark(report.end_s)))
         if settled:
             log.info("offload: auto: measured step %s; running %s", ", ".join(
-                f"{m} {min(t):.3g} s" for m, t in trials.measured.items()),
+                f"{m} {seconds:.3g} s" for m, seconds in trials.means().items()),
                 "the plan" if trials.mode == "plan" else f"{trials.mode} ({PURE[trials.mode]})")
 
     def _fall_back(self, reason: str, shape_miss: bool = False) -> None:

@@ -18,7 +18,8 @@ ETA = 0.8
 # (trials.py NOTE [Trials]): the cost model's misses run to several percent either way.
 TRIAL_MARGIN = 0.15
 
-# Trial steps each candidate runs; the best of them counts (one step can be an outlier).
+# Trial steps each candidate runs, in a row; their mean counts (trials.py NOTE [Trials]: two
+# kinds of step may alternate).
 TRIAL_ROUNDS = 2
 
 # A whole-block strategy replaces the plan only when this much faster: a smaller gap is

@@ -74,8 +74,8 @@ def render(plan: Plan, trials: TrialSteps | None = None) -> str:
             + (f"; measured against the plan: {', '.join(plan.trials)}" if plan.trials
                else " (none within reach: not measured)"))
     if trials.measured:
-        lines.append("  measured step (best of its trial steps): " + ", ".join(
-            f"{mode} {_s(min(t))}" for mode, t in trials.measured.items())
+        lines.append("  measured step (mean of its trial steps): " + ", ".join(
+            f"{mode} {_s(seconds)}" for mode, seconds in trials.means().items())
             + ("" if trials.settled else " (trials still running)")
             + f"; runs: {'the plan' if trials.mode == 'plan' else trials.mode}")
     if trials.failed:

@@ -2,14 +2,16 @@
 
 NOTE [Trials]. A plan is a prediction. When a whole-block strategy (`PURE`: `offload`,
 `checkpoint`) is predicted within TRIAL_MARGIN of it (`Plan.trials`, search.py), the planned
-steps start with TRIAL_ROUNDS rounds that run the plan and each such strategy in turn, and
-the steps after run whichever had the fastest step (best of its rounds; a pure strategy
-must beat the plan by TRIAL_WIN, so noise does not flip it). Every other round runs them in
-the reverse order (plan, offload, checkpoint, checkpoint, offload, plan): each candidate
-then runs once on an even and once on an odd step of the class, so steps of two kinds that
-alternate in one class (a GAN's discriminator and generator steps both starting in the
-generator's blocks) give every candidate one of each, not all of one kind to one
-candidate; and a drift of the machine's speed over the trials weighs on all alike. The measured seconds and the
+steps start with TRIAL_ROUNDS (two) steps of the plan, then two of each such strategy (plan,
+plan, offload, offload, checkpoint, checkpoint), and the steps after run whichever had the
+fastest mean step (a pure strategy must beat the plan by TRIAL_WIN, so noise does not flip
+it). Two consecutive steps and their mean, not the best of steps in turns: steps of two
+kinds may alternate in one class (a GAN's discriminator and generator steps both starting
+in the generator's blocks), and in turns every plan step fell on one kind and every
+checkpoint step on the other; the best of each candidate's steps, one of each kind, was
+always its light one, so the strategy fastest on the light kind won however slow on the
+heavy one. Consecutive steps are one of each kind, whatever step a candidate starts at (a
+dropped candidate shifts the others by one). The measured seconds and the
 choice are in `ctx.plan` (`mode`, `measured`; one INFO line). Every candidate is bit-exact
 and keeps no more than the budget (search.py leaves out one that would keep more), so a
 trial step costs time, never memory or correctness; but it may raise where the plan does
@@ -64,10 +66,8 @@ class TrialSteps:
     seconds per candidate)."""
 
     def __init__(self, candidates: tuple[str, ...] = ()) -> None:
-        order = ("plan", *candidates)
-        self.pending: list[str] = [m for r in range(TRIAL_ROUNDS)
-                                   for m in (order if r % 2 == 0 else order[::-1])
-                                   ] if candidates else []
+        self.pending: list[str] = [m for m in ("plan", *candidates)
+                                   for _ in range(TRIAL_ROUNDS)] if candidates else []
         self.measured: dict[str, list[float]] = {}
         self.failed: list[str] = []   # candidates whose trial step raised
         self.suspected: set[str] = set()   # whose backward after the block did not end once
@@ -126,8 +126,12 @@ class TrialSteps:
                     "checkpoint does for some code plain autograd runs; auto does not run it "
                     "again for this shape class", mode, PURE[mode])
 
+    def means(self) -> dict[str, float]:
+        """Each measured candidate's mean step (what the choice compares)."""
+        return {m: sum(t) / len(t) for m, t in self.measured.items()}
+
     def _choose(self) -> None:
-        best = {m: min(t) for m, t in self.measured.items()}
+        best = self.means()
         if "plan" not in best:
             return
         fastest = min(best, key=best.get)
