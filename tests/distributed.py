@@ -4,8 +4,9 @@ RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE set, one process group.
 The ranks fork from a forkserver that has imported torch and nothing else: importing torch
 took 2-5 s per rank and test on two loaded cores (spawn), the fork takes milliseconds. The
 server ran no computation, so a rank starts with no thread pool, no allocator cache and this
-package not imported, as a fresh interpreter would; it takes the caller's environment as it
-is at the call (the server's is the one of its start).
+package not imported, as a fresh interpreter would. The caller's environment, as it is at
+the call, applies from `_entry` on; importing the module `fn` is in runs before, in the
+server's environment (the one of its start): nothing reads OFFLOAD_* at import.
 
 The rendezvous is a file (no port to pick, so parallel test runs cannot collide). Each
 rank's return value comes back through a file; an exception in any rank fails the caller

@@ -301,7 +301,7 @@ def test_auto_on_a_one_layer_stack_says_which_blocks_to_pass(nvme_dir, caplog):
     with caplog.at_level(logging.INFO, logger="offload"):
         with offload.activations(model=model, **_settings(nvme_dir, FAST)) as ctx:
             model[0](torch.randn(2, 8)).sum().backward()
-    assert ("auto found no repeated blocks (pass model.1 holds one TransformerEncoderLayer "
+    assert ("auto found no repeated blocks (model.1 holds one TransformerEncoderLayer "
             "only (a stack counts from two layers): pass blocks=lambda m: isinstance(m, "
             "TransformerEncoderLayer))" in caplog.text), caplog.text
     ctx.close()

@@ -193,6 +193,7 @@ def test_gradient_check_covers_every_step(e2e):
     ([1.0, 0.0], [1.0, -0.0], False, 0.0),                   # a zero's sign: other bits
     ([1.0, float("inf")], [1.0, float("inf")], True, 0.0),
     ([1.0, float("nan")], [1.5, float("nan")], False, 0.5),
+    ([1 + 1j, 2j], [1 + 1j, 2.5j], False, 0.5),   # the imaginary part counts
 ])
 def test_the_last_steps_gradients_compare_as_bytes(ref, got, exact, diff, tmp_path):
     """A model whose gradients hold NaN was "DIFF" against itself (`torch.equal` calls NaN
@@ -1267,10 +1268,19 @@ def test_json_names_an_infinite_figure_as_a_string():
     `Infinity`, which is not JSON (JSON.parse refuses it, jq reads 1.8e308)."""
     row = _row("offload", 1000 * MiB, 800 * MiB)
     row.bit_exact, row.max_abs_diff, row.grads_differ = False, float("inf"), ["w"]
+    row.runtime_stats = {"d2h_gbps": float("inf"), "host_capacity_source": "50% of /",
+                         "shape": (1, float("-inf"))}
+    row.max_batch_probes = [maxbatch.Probe(batch=4, fits=False, resident_bytes=None,
+                                           cuda_peak_bytes=None, peak_rss_delta_bytes=None,
+                                           step_s=float("inf"), reason="timed out")]
     text = rows_mod.to_json([row])
     json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
     assert json.loads(text)["rows"][0]["max_abs_diff"] == "inf"
-    assert rows_mod.from_json(text) == [row]
+    back, = rows_mod.from_json(text)
+    assert back.max_abs_diff == back.runtime_stats["d2h_gbps"] == float("inf")
+    assert back.max_batch_probes == row.max_batch_probes
+    assert back.runtime_stats["host_capacity_source"] == "50% of /"
+    assert back.runtime_stats["shape"] == [1, float("-inf")]   # a tuple: a list, as in JSON
 
 
 def test_json_that_cannot_be_written_leaves_no_part_file(tmp_path):

@@ -344,7 +344,8 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest |a - b|: infinite where one side is NaN and the other is not (Python's
     `max` with a NaN keeps the other figure, so a NaN vanished from the figure); 0 where
     only a zero's sign or a NaN's payload differs."""
-    a, b = a.double(), b.double()
+    wide = torch.complex128 if a.is_complex() else torch.float64   # (double() drops .imag)
+    a, b = a.to(wide), b.to(wide)
     if not torch.equal(a.isnan(), b.isnan()):
         return float("inf")
     diff = torch.where((a == b) | a.isnan(), 0.0, (a - b).abs())

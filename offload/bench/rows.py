@@ -153,8 +153,12 @@ class Row:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Row":
         data = {k: _named_float(v) if k in _FLOAT_FIELDS else v for k, v in data.items()}
+        if data.get("runtime_stats") is not None:   # ctx.stats: numbers, and a few strings
+            data["runtime_stats"] = {k: _named_float(v)
+                                     for k, v in data["runtime_stats"].items()}
         if data.get("max_batch_probes") is not None:
-            data["max_batch_probes"] = [Probe(**p) for p in data["max_batch_probes"]]
+            data["max_batch_probes"] = [Probe(**{**p, "step_s": _named_float(p["step_s"])})
+                                        for p in data["max_batch_probes"]]
         return cls(**data)
 
 
@@ -311,7 +315,7 @@ def _finite_or_named(value: Any) -> Any:
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
         return {k: _finite_or_named(v) for k, v in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return [_finite_or_named(v) for v in value]
     return value
 

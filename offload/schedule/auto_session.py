@@ -61,8 +61,8 @@ class AutoSession(Session):
         super().__init__(config)
         self.state = state
         self.blocks = blocks
-        self._what_to_pass = ("model= or blocks=" if model is None else
-                              (not blocks and lone_layer_hint(model)) or "blocks=")
+        self._what_to_pass = ("pass model= or blocks=" if model is None else
+                              (not blocks and lone_layer_hint(model)) or "pass blocks=")
         self.types = [block_type_key(b) for b in blocks]
         self.opaque = [compiled_block(b) for b in blocks]
         self.choice = StepChoice()   # what this step runs (the placement reads it)
@@ -132,7 +132,7 @@ class AutoSession(Session):
         if not state.warm:
             BlockProfiler.prime()  # the warm-up step pays for it
             if not self.blocks:
-                log.info("offload: auto found no repeated blocks (pass %s); planning keep / "
+                log.info("offload: auto found no repeated blocks (%s); planning keep / "
                          "host / nvme for every saved tensor, no recompute",
                          self._what_to_pass)
         if not self.blocks:

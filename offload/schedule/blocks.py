@@ -147,14 +147,20 @@ def lone_layer_hint(model: nn.Module | None) -> str:
     one layer only (a one-layer debug config of a transformer), which detection passes
     over (module doc: two or more), and the `blocks=` that would choose it; "" when there
     is none. A layer here has layers of its own: `nn.Sequential(nn.Linear(...))` heads are
-    not what a user would checkpoint."""
+    not what a user would checkpoint; nor is the model itself, held by itself. One inside
+    another found is passed over (a deep chain of them is walked once, not once each)."""
     if model is None:
         return ""
-    lone = [(_nparams(m), name, type_before_parametrizations(m[0]))
-            for name, m in model.named_modules()
-            if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) == 1
-            and not isinstance(m[0], (nn.ModuleList, nn.Sequential))
-            and next(m[0].children(), None) is not None and _nparams(m) > 0]
+    lone, inside = [], set()
+    for name, m in model.named_modules():   # parents first
+        if id(m) in inside or not name or not isinstance(m, (nn.ModuleList, nn.Sequential)) \
+                or len(m) != 1 or isinstance(m[0], (nn.ModuleList, nn.Sequential)) \
+                or next(m[0].children(), None) is None:
+            continue
+        inside.update(id(sub) for sub in m.modules())
+        nparams = _nparams(m)
+        if nparams > 0:
+            lone.append((nparams, name, type_before_parametrizations(m[0])))
     if not lone:
         return ""
     _, name, cls = max(lone, key=lambda found: found[0])
