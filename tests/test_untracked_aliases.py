@@ -383,6 +383,24 @@ def test_an_untracked_aliass_copy_keeps_its_lazy_bits_and_strides(case, tiers, p
     assert ctx.stats.saved_bytes == t.nbytes + y.new_zeros(()).nbytes
 
 
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_an_untracked_alias_reading_elements_twice_with_gaps_comes_back(tiers, path, nvme_dir):
+    """Strides (0, 12, 3): an expand of a detached strided slice reads elements twice and
+    skips others. Its copy is dense; restoring its strides at unpack made an
+    `empty_strided` that `copy_` refuses to write ("more than one element of the written-to
+    tensor refers to a single memory location"), in backward, where plain autograd runs (a
+    helper's find). It comes back dense, with autograd's gradient."""
+    def grad(ctx):
+        x = torch.arange(60.).view(5, 12)
+        w = torch.ones(2, 5, 4, requires_grad=True)
+        with ctx:
+            (x[:, ::3].detach().expand(2, 5, 4) * w).sum().backward()
+        return w.grad
+
+    assert torch.equal(grad(offload.activations(**_kw(tiers, nvme_dir))),
+                       grad(contextlib.nullcontext()))
+
+
 @pytest.mark.parametrize("bit", ["conj", "neg"])
 @pytest.mark.parametrize("tiers", ["host", "nvme"])
 def test_an_untracked_alias_saved_with_and_without_a_lazy_bit_keeps_both(bit, tiers, nvme_dir):

@@ -86,6 +86,8 @@ class SnapshotMeta(NamedTuple):
     `assert_size_stride`) and failed on the dense copy. So unpack hands it back in a fresh
     tensor with the saved strides (`torch.empty_strided`: the span they reach, up to the
     whole buffer, for as long as backward holds it); the tiers still move only the elements.
+    Not a tensor whose strides also read elements more than once (a stride of 0 next to
+    one with gaps): no tensor can be written with those strides, so it comes back dense.
     """
 
     dtype: torch.dtype
@@ -105,7 +107,20 @@ def view_meta(t: torch.Tensor) -> ViewMeta:
 def snapshot_meta(copy: torch.Tensor, saved: torch.Tensor) -> SnapshotMeta:
     """The layout of `copy`, `snapshot(saved)` (NOTE [Snapshot strides])."""
     stride = saved.stride()
-    return SnapshotMeta(*view_meta(copy), stride if copy.stride() != stride else None)
+    restore = copy.stride() != stride and not _reads_twice(saved.shape, stride)
+    return SnapshotMeta(*view_meta(copy), stride if restore else None)
+
+
+def _reads_twice(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a layout reads some element more than once (`empty_strided` of it could not
+    be written: `copy_` refuses). Dimensions by stride, smallest first: each must step past
+    everything the smaller ones reach."""
+    reach = 0
+    for step, n in sorted((s, n) for n, s in zip(size, stride) if n > 1):
+        if step <= reach:
+            return True
+        reach += (n - 1) * step
+    return False
 
 
 def rebuild(storage: torch.UntypedStorage, byte_offset: int, meta: Any,
