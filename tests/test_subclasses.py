@@ -204,3 +204,66 @@ def test_a_dtensor_activation_moves_and_comes_back_exactly(nvme_dir):
         got, ctx = _dtensor_step(d, _kw("nvme", nvme_dir))
     assert torch.equal(ref, got)
     assert ctx.stats.nvme_bytes > 0 and ctx.stats.unmoved_bytes_by_type == {}
+
+
+class _SparseGraphBlock(torch.nn.Module):
+    """A graph convolution: a sparse adjacency handed to the block, or held as a buffer."""
+
+    def __init__(self, adjacency: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(20, 20) / 4)
+        if adjacency is not None:
+            self.register_buffer("adj", adjacency)
+
+    def forward(self, x, adj=None):
+        return x + torch.tanh(torch.sparse.mm(self.adj if adj is None else adj, x @ self.w))
+
+
+class _SparseGraph(torch.nn.Module):
+    def __init__(self, buffer: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        adjacency = _adjacency(99) if buffer else None
+        self.blocks = torch.nn.ModuleList([_SparseGraphBlock(adjacency) for _ in range(3)])
+
+    def forward(self, x, adj=None):
+        for block in self.blocks:
+            x = block(x, adj)
+        return x.pow(2).sum()
+
+
+def _adjacency(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    dense = (torch.rand(30, 30, generator=g) < 0.2).float() * torch.randn(30, 30, generator=g)
+    return dense.to_sparse()
+
+
+@pytest.mark.parametrize("policy", ["keep", "offload", "recompute", "auto"])
+@pytest.mark.parametrize("where", ["buffer", "block input"])
+def test_a_sparse_tensor_in_the_model_stays_and_the_step_is_exact(policy, where, nvme_dir,
+                                                                   tmp_path, monkeypatch):
+    """A sparse tensor has no storage torch will give (`untyped_storage()` raises "Cannot
+    access storage of SparseTensorImpl"). A sparse buffer made every policy's context
+    raise at entry with `model=`, keep's too; handed to a block, or taken by an op inside
+    one, it made every step under auto raise (a helper's finds). It stays where it is, as
+    the README says of what cannot move, and the gradients are plain autograd's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = _SparseGraph(buffer=where == "buffer")
+
+    def batch(i):
+        x = torch.randn(30, 20, generator=torch.Generator().manual_seed(i))
+        return (x,) if where == "buffer" else (x, _adjacency(i))
+
+    want = []
+    for i in range(4):
+        model.zero_grad(set_to_none=True)
+        model(*batch(i)).backward()
+        want.append([p.grad.clone() for p in model.parameters()])
+    ctx = offload.activations(model=model, policy=policy, tiers="nvme", nvme_dir=nvme_dir,
+                              min_bytes=0)
+    for i in range(4):   # auto: warm-up, profile, planned steps
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            model(*batch(i)).backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(want[i], model.parameters())), i
+    ctx.close()

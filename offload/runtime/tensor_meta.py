@@ -59,7 +59,7 @@ from torch.nn.parameter import is_lazy
 
 _UNSET: Any = object()
 
-__all__ = ["ViewMeta", "SnapshotMeta", "view_meta", "snapshot_meta", "rebuild", "movable", "movable_strided", "untracked_alias",
+__all__ = ["ViewMeta", "SnapshotMeta", "storage_of", "view_meta", "snapshot_meta", "rebuild", "movable", "movable_strided", "untracked_alias",
            "snapshot", "snapshot_nbytes", "instance_attrs",
            "StorageIndex", "ParamStorages", "is_weight"]
 
@@ -97,6 +97,19 @@ class SnapshotMeta(NamedTuple):
     conj: bool
     neg: bool
     handed_stride: tuple[int, ...] | None   # the saved tensor's, when the copy's differs
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """`t`'s storage, or None where torch has none to give: a sparse, mkldnn or jagged
+    tensor (`untyped_storage()` raises "Cannot access storage of SparseTensorImpl"), or a
+    wrapper subclass with no storage of its own. Such a tensor is never moved (README,
+    *Limits*: counted in `unmoved_bytes_by_type`); what watches storages passes it over."""
+    if t.layout is not torch.strided:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def view_meta(t: torch.Tensor) -> ViewMeta:
@@ -360,8 +373,9 @@ class ParamStorages:
         return self._ids
 
     def add_tensor(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        self._ids[id(storage)] = weakref.ref(storage)
+        storage = storage_of(t)   # a sparse buffer (a graph's adjacency) has none: never moved
+        if storage is not None:
+            self._ids[id(storage)] = weakref.ref(storage)
 
     def add_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
         # A lazy module's (LazyLinear's) parameters and buffers have no storage until its

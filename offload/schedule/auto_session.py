@@ -31,6 +31,7 @@ import torch
 from ..config import Config
 from ..runtime.no_offload import no_offload_active
 from ..runtime.placement import Placement
+from ..runtime.tensor_meta import storage_of
 from .blocks import (BlockWrappers, block_type_key, compiled_block, lone_layer_hint,
                      ours_innermost)
 from ..util.clock import clock_for
@@ -181,11 +182,11 @@ class AutoSession(Session):
                 self._ran_as_is.add(index)
             return forward(*args, **kwargs)
         tensors = block_inputs(args, kwargs, flat[0])
-        storages = [a.untyped_storage() for a in tensors]
-        inputs = {id(s): i for i, s in reversed(list(enumerate(storages)))}
+        storages = [storage_of(a) for a in tensors]   # (None: a sparse input)
+        inputs = {id(s): i for i, s in reversed(list(enumerate(storages))) if s is not None}
         small_inputs = 0
         if choice.recording:   # (placement.py note_small)
-            sizes = {id(s): s.nbytes() for s in storages}
+            sizes = {id(s): s.nbytes() for s in storages if s is not None}
             small_inputs = sum(n for n in sizes.values() if n < self.config.min_bytes)
         placement.enter_region(("block", index), inputs, stand_in, small_inputs)
         try:

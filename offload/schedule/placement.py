@@ -21,6 +21,7 @@ import torch
 from ..config import Config
 from ..runtime.backward_marks import graph_task_id
 from ..runtime.placement import Decision, Placement, TensorInfo
+from ..runtime.tensor_meta import storage_of
 from .plan import Plan
 from .profile import BlockProfiler, BlockRecord, ItemRecord
 from .stored_ops import output_bytes
@@ -157,8 +158,9 @@ class SchedulePlacement(Placement):
         `small_inputs`) and leaves that require grad (kept as weights are) stay."""
         seen = set()
         for index, tensor in enumerate(tensors):
-            storage = tensor.untyped_storage()
-            if id(storage) in seen or self._recorded_item(id(storage)) is not None:
+            storage = storage_of(tensor)
+            if storage is None or id(storage) in seen or \
+                    self._recorded_item(id(storage)) is not None:
                 continue
             seen.add(id(storage))
             nbytes = storage.nbytes()

@@ -39,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..runtime.version_check import version_sentinel
+from ..runtime.tensor_meta import storage_of
 from .recompute import block_inputs
 from .stored_ops import IGNORED_OPS, detaches_a_factory_output, op_name, storable_op
 from .collectives import COLLECTIVE_NAMESPACES
@@ -151,17 +152,18 @@ class _ProfileMode(TorchDispatchMode):
             # stored copy would be stale), and it re-runs with whatever made them.
             for arg, a in zip(func._schema.arguments, args):
                 written = arg.alias_info is not None and arg.alias_info.is_write
-                if written and isinstance(a, torch.Tensor):
-                    maker = p.producer_record(a.untyped_storage())
+                storage = storage_of(a) if written and isinstance(a, torch.Tensor) else None
+                if storage is not None:   # (None: a sparse tensor, never moved)
+                    maker = p.producer_record(storage)
                     if maker is not None:
                         maker.not_storable = maker.not_storable or "changed in place later"
                         p.chains.append((maker, record))
         else:
-            seen = {id(t.untyped_storage()) for t in inputs}
+            seen = {id(s) for t in inputs for s in (storage_of(t),) if s is not None}
             for o in torch.utils._pytree.tree_leaves(out):
                 if isinstance(o, torch.Tensor) and o.device.type != "meta":
-                    storage = o.untyped_storage()
-                    if id(storage) not in seen:
+                    storage = storage_of(o)
+                    if storage is not None and id(storage) not in seen:
                         seen.add(id(storage))
                         record.out_bytes += storage.nbytes()
                         p.note_storage(storage, record)
@@ -265,10 +267,11 @@ class BlockProfiler:
 
         self._input_versions.append((block, [
             (version_sentinel(a), a._version) for a in block_inputs(args, kwargs)
-            if type(a) in _COUNTED and not a.is_inference()
+            if type(a) in _COUNTED and not a.is_inference() and a.layout is torch.strided
             and not (a.is_leaf and a.requires_grad)]))   # a weight: the optimizer's to change
-        self._inputs = {id(a.untyped_storage()): (weakref.ref(a.untyped_storage()), i)
-                        for i, a in reversed(list(enumerate(block_inputs(args, kwargs))))}
+        self._inputs = {id(s): (weakref.ref(s), i)
+                        for i, a in reversed(list(enumerate(block_inputs(args, kwargs))))
+                        for s in (storage_of(a),) if s is not None}
         if opaque:
             whole = OpRecord(WHOLE_BLOCK, 0.0)
             self._whole = whole

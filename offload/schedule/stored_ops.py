@@ -81,6 +81,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..runtime.placement import Decision
 from ..runtime.saved_handles import changed_since_pack
+from ..runtime.tensor_meta import storage_of
 from .generators import handed_generator
 
 __all__ = ["modes", "storable_op", "op_entry", "op_name", "IGNORED_OPS", "forget_messages",
@@ -350,10 +351,10 @@ def forget_messages() -> None:
 def output_bytes(out: Any) -> int:
     """Bytes of the distinct storages of an op's tensor outputs (a stored op's are new:
     Rule 1), as the profile counts them (`OpRecord.out_bytes`)."""
-    if type(out) is torch.Tensor:   # most ops: one output
+    if type(out) is torch.Tensor and out.layout is torch.strided:   # most ops: one output
         return out.untyped_storage().nbytes()
     storages = {id(s): s.nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                for s in (t.untyped_storage(),)}
+                for s in (storage_of(t),) if s is not None}
     return sum(storages.values())
 
 
