@@ -112,6 +112,8 @@ def main() -> None:
         parser.error(f"--buffer-mib must be positive, got {args.buffer_mib}")
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device (use --device cpu)")
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     paths = ("plain", "checkpoint", "recompute")

@@ -38,6 +38,8 @@ def main() -> None:
     for name in ("hidden", "layers", "seq_len", "batch", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device (use --device cpu)")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)

@@ -142,7 +142,7 @@ def deterministic_kernels() -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--device", default="cuda")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--layers", type=int, default=4)
@@ -156,6 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--strategies", default="none,recompute,offload-host,auto,sac-matmul")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device (use --device cpu)")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:

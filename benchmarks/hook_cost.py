@@ -236,6 +236,11 @@ def main() -> int:
             ap.error(f"--{name}={getattr(args, name)}: must be at least {least}")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
+    if not os.path.isdir(args.nvme_dir or tempfile.gettempdir()):
+        ap.error(f"--nvme-dir {args.nvme_dir!r}: not a directory (give an existing one)")
+    if args.cpu.isdigit() and int(args.cpu) not in os.sched_getaffinity(0):
+        ap.error(f"--cpu={args.cpu}: this process may run on CPUs "
+                 f"{sorted(os.sched_getaffinity(0))}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -188,6 +188,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write every run's raw numbers here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for name in ("batch", "hidden", "layers", "heads", "seq", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: must be at least 1")
     if args.child:
         json.dump(run_one(args.child, args), sys.stdout)
         return 0

@@ -61,6 +61,8 @@ def main() -> None:
                    help="checkpoint blocks 0, N, 2N, ... (1: every block; default 2)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device (use --device cpu)")
     if args.checkpoint_every < 1:
         p.error(f"--checkpoint-every {args.checkpoint_every}: must be at least 1 (1 checkpoints "
                 "every block, 2 every other one)")

@@ -48,6 +48,8 @@ def main() -> None:
     p = example_parser(__doc__, steps=5, tiers="nvme")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device (use --device cpu)")
 
     nvme_dir = os.environ.get("OFFLOAD_NVME_DIR")
     scratch = None if nvme_dir else tempfile.mkdtemp(prefix="offload-example-", dir="/var/tmp")

@@ -53,8 +53,9 @@ def _runtime_available() -> bool:
 
 
 def _workspaces() -> set[str]:
+    """This process's benchmark workspaces (another test worker's run makes its own)."""
     tmp = tempfile.gettempdir()
-    return {n for n in os.listdir(tmp) if n.startswith("offload-bench-")}
+    return {n for n in os.listdir(tmp) if n.startswith(f"offload-bench-{os.getpid()}-")}
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,11 @@ __all__ = ["example_parser", "check_weights", "say", "torchrun_device", "rank_di
 def example_parser(doc: str, *, steps: int, tiers: str,
                    check_help: str = "train again without offload and compare the weights "
                                      "bit for bit") -> argparse.ArgumentParser:
-    """--steps/--batch/--hidden/--layers/--heads/--seq-len/--tiers/--check; add your own."""
+    """--steps/--batch/--hidden/--layers/--heads/--seq-len/--tiers/--check; add your own.
+    Every example calls it first: from here a SIGTERM exits through the script's `finally`
+    blocks too, as Ctrl-C does (`timeout`, Slurm and Kubernetes stop a job with SIGTERM;
+    it left the example's scratch directory in /var/tmp)."""
+    _exit_on_sigterm()
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--batch", type=int, default=4)
@@ -46,15 +50,19 @@ def check_weights(weights: Sequence[torch.Tensor], plain: Sequence[torch.Tensor]
         raise SystemExit(1)
 
 
+def _exit_on_sigterm() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def torchrun_device() -> torch.device:
     """This rank's device, and its process group (NCCL on GPUs, gloo on CPU). A SIGTERM
     (torchrun stopping the ranks: a Ctrl-C to it, another rank failing) exits through the
     script's `finally` blocks, which remove what the rank made."""
-    import signal
-
     import torch.distributed as dist
 
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    _exit_on_sigterm()
 
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

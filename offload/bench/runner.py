@@ -58,7 +58,9 @@ class Workspace:
 
     def __enter__(self) -> "Workspace":
         try:
-            self.root = tempfile.mkdtemp(prefix="offload-bench-", dir=self._tmp_base)
+            # named by the benchmark's pid: whose it is, among several runs
+            self.root = tempfile.mkdtemp(prefix=f"offload-bench-{os.getpid()}-",
+                                         dir=self._tmp_base)
             for base in self._nvme_bases:
                 self.nvme_dirs.append(tempfile.mkdtemp(prefix="offload-bench-nvme-", dir=base))
         except BaseException:
