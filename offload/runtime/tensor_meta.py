@@ -59,8 +59,9 @@ from torch.nn.parameter import is_lazy
 
 _UNSET: Any = object()
 
-__all__ = ["ViewMeta", "SnapshotMeta", "storage_of", "view_meta", "snapshot_meta", "rebuild", "movable", "movable_strided", "untracked_alias",
-           "snapshot", "snapshot_nbytes", "instance_attrs",
+__all__ = ["ViewMeta", "SnapshotMeta", "storage_of", "view_meta", "snapshot_meta", "rebuild",
+           "movable", "movable_strided", "untracked_alias", "snapshot", "snapshot_nbytes",
+           "instance_attrs",
            "StorageIndex", "ParamStorages", "is_weight"]
 
 
