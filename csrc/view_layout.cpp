@@ -116,15 +116,8 @@ py::object rebuild(const ViewLayout* layout, const py::object& storage,
 py::object with_handed_stride(const ViewLayout* layout, py::object out) {
   if (layout->handed_stride == nullptr) return out;
   py::object size = layout_dims(layout, 0);
-  py::object stride = py::reinterpret_steal<py::object>(PyTuple_New(layout->ndim));
-  if (!stride) throw py::error_already_set();
-  for (Py_ssize_t i = 0; i < layout->ndim; ++i) {
-    PyObject* value = PyLong_FromLongLong(layout->handed_stride[i]);
-    if (value == nullptr) throw py::error_already_set();
-    PyTuple_SET_ITEM(stride.ptr(), i, value);
-  }
   py::object device = attr(out.ptr(), n_device);
-  PyObject* args[] = {size.ptr(), stride.ptr(), layout->dtype, device.ptr()};
+  PyObject* args[] = {size.ptr(), layout->handed_stride, layout->dtype, device.ptr()};
   PyObject* made = PyObject_Vectorcall(calls.empty_strided, args, 2, kw_dtype_device);
   if (made == nullptr) throw py::error_already_set();
   py::object fresh = py::reinterpret_steal<py::object>(made);
@@ -222,15 +215,7 @@ void read_layout(ViewLayout* layout, PyObject* t, PyObject* meta, long long stor
                         "tuple of its size's length");
         throw py::error_already_set();
       }
-      layout->handed_stride = static_cast<long long*>(
-          PyMem_Malloc((layout->ndim > 0 ? layout->ndim : 1) * sizeof(long long)));
-      if (layout->handed_stride == nullptr) {
-        PyErr_NoMemory();
-        throw py::error_already_set();
-      }
-      for (Py_ssize_t i = 0; i < layout->ndim; ++i)
-        layout->handed_stride[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(handed, i));
-      if (PyErr_Occurred()) throw py::error_already_set();
+      layout->handed_stride = Py_NewRef(handed);
     }
   } else {
     layout->dtype = attr(t, n_dtype).release().ptr();
@@ -249,8 +234,7 @@ void clear_layout(ViewLayout* layout) {
   Py_CLEAR(layout->dtype);
   PyMem_Free(layout->dims);
   layout->dims = nullptr;
-  PyMem_Free(layout->handed_stride);
-  layout->handed_stride = nullptr;
+  Py_CLEAR(layout->handed_stride);
 }
 
 py::object layout_dims(const ViewLayout* layout, Py_ssize_t from) {

@@ -23,10 +23,10 @@ struct ViewLayout {
   Py_ssize_t ndim;
   long long storage_offset;   // in elements
   long long itemsize;         // dtype's, in bytes
-  // A snapshot's saved stride, `ndim` of them, when its copy's differs (tensor_meta NOTE
-  // [Snapshot strides]): the rebuilt tensor is handed out copied into one with these.
-  // Null otherwise (PyMem_Malloc'd).
-  long long* handed_stride;
+  // A snapshot's saved stride when its copy's differs (tensor_meta NOTE [Snapshot
+  // strides]): the rebuilt tensor is handed out copied into one with these. The record's
+  // own tuple (a reference, shared by its saves: no object per save); null otherwise.
+  PyObject* handed_stride;
   char conj;
   char neg;
 };

@@ -266,7 +266,7 @@ def grad_hashes(model: torch.nn.Module) -> dict[str, Any]:
         if g is None:
             out[name] = None
             continue
-        flat = g.detach().contiguous().reshape(-1).cpu().view(torch.uint8)
+        flat = _bytes(g.detach().cpu())
         # Shape and dtype are part of "the same gradient" too.
         out[name] = fn(flat.numpy(), fn(f"{tuple(g.shape)}{g.dtype}".encode()))
     return {"algo": algo, "grads": out}
